@@ -1,0 +1,82 @@
+"""The one exception hierarchy of llmfw.
+
+Every error the project raises on purpose derives from :class:`LLMFWError`, so callers (and the CLI, which
+turns them into one-line messages instead of tracebacks) can catch them all at once. Messages say what was
+expected and what was found.
+"""
+from __future__ import annotations
+
+
+class LLMFWError(Exception):
+    """Base class of every error llmfw raises on purpose."""
+
+
+class GGUFError(LLMFWError):
+    """A GGUF file is malformed, truncated, inconsistent or of an unsupported version."""
+
+
+class QuantError(LLMFWError):
+    """A tensor type is unknown or its data do not fit its type."""
+
+
+class PluginError(LLMFWError):
+    """A plugin failed to load, or registered something invalid."""
+
+
+class UnknownPluginName(PluginError, KeyError):
+    """A registry was asked for a name it does not hold; the message lists the known names."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class UnknownArchitecture(UnknownPluginName):
+    """`general.architecture` names an architecture no plugin provides."""
+
+
+class UnknownBackend(UnknownPluginName):
+    """A backend name that no plugin provides."""
+
+
+class BackendUnavailable(LLMFWError):
+    """A known backend whose optional dependency is not installed (the message names the extra)."""
+
+
+class ModelError(LLMFWError):
+    """A model's hyperparameters or tensors do not match what its architecture expects."""
+
+
+class LoadCancelled(LLMFWError):
+    """The progress callback returned False; the partly loaded model was released."""
+
+
+class VocabError(LLMFWError):
+    """The vocabulary in a model file is missing keys or inconsistent."""
+
+
+class TokenizerError(VocabError):
+    """Text or token ids that the tokenizer cannot handle."""
+
+
+class ContextError(LLMFWError):
+    """Invalid context parameters or an operation the context cannot do."""
+
+
+class LogitsIndexError(LLMFWError, IndexError):
+    """`get_logits_ith` asked for a row that the last decode did not output."""
+
+
+class SamplerError(LLMFWError, ValueError):
+    """An invalid sampler name or parameter."""
+
+
+class ConfigError(LLMFWError, ValueError):
+    """A YAML pipeline or other configuration is invalid; the message names the offending key."""
+
+
+class CatalogError(LLMFWError):
+    """A model name is unknown to the catalog, or fetching/verifying it failed."""
+
+
+class ChatTemplateError(LLMFWError):
+    """A chat template failed to render or tried something the sandbox forbids."""

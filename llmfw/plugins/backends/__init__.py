@@ -1,0 +1,14 @@
+"""Built-in backends, registered lazily so that listing them never imports torch or onnxruntime."""
+from llmfw.core.plugins import hookimpl
+
+BACKENDS = {
+    "numpy": "llmfw.plugins.backends.numpy_cpu:NumpyBackend",
+    "torch": "llmfw.plugins.backends.torch_backend:TorchBackend",
+    "onnx": "llmfw.plugins.backends.onnx_backend:OnnxBackend",
+}
+
+
+@hookimpl
+def register_backends(register):
+    for name, ref in BACKENDS.items():
+        register(name, ref)

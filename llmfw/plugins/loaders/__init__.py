@@ -1,0 +1,12 @@
+"""Built-in model-file loaders (GGUF), by format name."""
+from llmfw.core.plugins import hookimpl
+
+LOADERS = {
+    "gguf": "llmfw.core.loader:GGUFLoader",
+}
+
+
+@hookimpl
+def register_loaders(register):
+    for name, ref in LOADERS.items():
+        register(name, ref)

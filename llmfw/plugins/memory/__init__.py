@@ -1,0 +1,12 @@
+"""Built-in memory modules: the unified KV cache and its interleaved sliding-window variant."""
+from llmfw.core.plugins import hookimpl
+
+MEMORY = {
+    "kv_cache": "llmfw.core.memory:KVCache",
+}
+
+
+@hookimpl
+def register_memory(register):
+    for name, ref in MEMORY.items():
+        register(name, ref)

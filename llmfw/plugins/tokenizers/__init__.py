@@ -1,0 +1,13 @@
+"""Built-in tokenizers, by `tokenizer.ggml.model` value."""
+from llmfw.core.plugins import hookimpl
+
+TOKENIZERS = {
+    "gpt2": "llmfw.plugins.tokenizers.bpe:BPETokenizer",
+    "llama": "llmfw.plugins.tokenizers.spm:SPMTokenizer",
+}
+
+
+@hookimpl
+def register_tokenizers(register):
+    for name, ref in TOKENIZERS.items():
+        register(name, ref)

@@ -1,0 +1,73 @@
+"""Shared fixtures: the real models (fetched through the catalog, cached) and llama.cpp's reference outputs."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _find_reference_dir() -> Path:
+    """shared/reference lies beside the checkout (../shared) or inside it (shared/); LLMFW_REFERENCE_DIR wins."""
+    env = os.environ.get("LLMFW_REFERENCE_DIR")
+    candidates = [Path(env)] if env else []
+    candidates += [ROOT.parent / "shared" / "reference", ROOT / "shared" / "reference", ROOT / "tests" / "reference"]
+    for path in candidates:
+        if (path / "compare.py").is_file():
+            return path
+    raise FileNotFoundError("shared/reference not found; set LLMFW_REFERENCE_DIR")
+
+
+REFERENCE_DIR = _find_reference_dir()
+
+
+@pytest.fixture(scope="session")
+def reference_dir() -> Path:
+    return REFERENCE_DIR
+
+
+def load_reference(name: str) -> dict:
+    return json.loads((REFERENCE_DIR / name).read_text())
+
+
+@pytest.fixture(scope="session")
+def smollm2_ref() -> dict:
+    return load_reference("smollm2-135m-instruct-q4_1.json")
+
+
+@pytest.fixture(scope="session")
+def gemma3_ref() -> dict:
+    return load_reference("gemma-3-270m-q4_k_m.json")
+
+
+@pytest.fixture(scope="session")
+def bpe_pre_ref() -> dict:
+    return load_reference("bpe-pretokenizers.json")
+
+
+@pytest.fixture(scope="session")
+def score():
+    """llama.cpp's scoring function from shared/reference/compare.py."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("llmfw_reference_compare", REFERENCE_DIR / "compare.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.score
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    from llmfw.core.catalog import resolve_model
+
+    return resolve_model("smollm2")
+
+
+@pytest.fixture(scope="session")
+def gemma3_path() -> Path:
+    from llmfw.core.catalog import resolve_model
+
+    return resolve_model("gemma-3-270m")
