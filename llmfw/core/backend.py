@@ -182,6 +182,10 @@ class Backend(ABC):
             return value
         return self.from_numpy(source.to_numpy(value))
 
+    def set_n_threads(self, n_threads: int | None) -> None:
+        """Use ``n_threads`` CPU threads for this backend's kernels (None: the library default)."""
+        self.n_threads = n_threads
+
     def synchronize(self) -> None:
         """Wait for queued work (asynchronous devices); the scheduler calls it before reading outputs."""
 

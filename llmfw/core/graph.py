@@ -37,7 +37,14 @@ Ops (inputs in order; attributes in ``Node.attrs``):
                     ``cache``), then for each query head h (KV head ``h // (H // Hkv)``):
                     ``softmax(softcap(scale * q·Kᵀ) + mask) @ V`` over cache cells ``0 .. n_kv-1``
                     (n_kv = mask.shape[1]). attrs: ``layer``, ``cache``, ``scale``, ``softcap`` (0 = off).
+``k_shift``         (shift int32 [n_kv] [, freq_factors]) → empty f32 [0]. Side effect only: rotates rows
+                    ``0 .. n_kv-1`` of the K cache of (``cache``, ``layer``) in place by the positions
+                    ``shift`` (llama.cpp's K-shift after ``seq_add``); same rope attrs as ``rope``.
 ==================  ===================================================================================
+
+``get_rows`` also selects rows of activations (``table`` is then any [N, ...] node), e.g. the output rows
+before the head. Nodes are executed even when nothing consumes them (``attention`` / ``k_shift`` write the
+cache).
 
 Graph outputs are named: ``logits`` f32 [n_outputs, n_vocab] (and optionally ``embd`` for embeddings).
 """
@@ -49,7 +56,7 @@ from typing import Any
 #: every op of the IR; a backend lists the subset it implements in ``Backend.supported_ops``
 OPS = frozenset({
     "input", "weight", "get_rows", "mul_mat", "add", "sub", "mul", "scale", "rms_norm", "norm", "silu",
-    "relu", "gelu", "softcap", "clamp", "reshape", "slice", "rope", "attention",
+    "relu", "gelu", "softcap", "clamp", "reshape", "slice", "rope", "attention", "k_shift",
 })
 
 
@@ -88,3 +95,239 @@ class Graph:
 
     def __str__(self) -> str:
         return "\n".join(map(repr, self.nodes))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# GraphBuilder: the shared blocks architectures are written with
+# ---------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class BuildParams:
+    """Everything a graph's *shape* depends on. Two ubatches with equal BuildParams can share one graph
+    (llama.cpp's graph reuse): only the input values (tokens, positions, KV indices, mask) differ."""
+
+    n_tokens: int
+    n_outputs: int
+    use_embd: bool = False
+    #: (cache name, n_kv) for every KV cache, n_kv padded so that it changes rarely
+    n_kv: tuple[tuple[str, int], ...] = ()
+
+
+class GraphBuilder:
+    """Builds one ubatch's graph. Architectures call the shared ``build_*`` blocks and only spell out what
+    differs. ``b.hp`` are the hyperparameters, ``b.params`` the :class:`BuildParams`.
+
+    Node ownership (``Node.layer``) drives placement: iterate the blocks with ``for il in b.layers():`` so
+    every node created inside belongs to layer ``il``; ``build_inp_embd`` belongs to the input side and
+    ``build_output`` to the output side (``n_layer``).
+    """
+
+    def __init__(self, model: Any, params: BuildParams, cache_of_layer: Any = None):
+        self.model = model
+        self.hp = model.hparams
+        self.arch = model.arch
+        self.params = params
+        self.graph = Graph()
+        self.layer = -1
+        self._cache_of_layer = cache_of_layer or (lambda il: "kv")
+        self._weights: dict[str, Node] = {}
+        self._out_ids: Node | None = None
+
+    # -- primitives --------------------------------------------------------------------------------------
+    def op(self, op: str, *inputs: Node, name: str = "", **attrs: Any) -> Node:
+        """Add a node owned by the current layer (``attrs`` may include ``layer``, e.g. for attention)."""
+        node = self.graph.add(op, *inputs, layer=self.layer, name=name)
+        node.attrs.update(attrs)
+        return node
+
+    def input(self, name: str) -> Node:
+        """The graph input ``name`` (created once; see the op table for standard names)."""
+        node = self.graph.inputs.get(name)
+        if node is None:
+            node = self.graph.add("input", layer=-1, name=name)
+            node.attrs["name"] = name
+            self.graph.inputs[name] = node
+        return node
+
+    def has_weight(self, name: str) -> bool:
+        return self.model.has_weight(name)
+
+    def weight(self, name: str) -> Node:
+        """The weight node for tensor ``name`` (ModelError if the model has no such tensor)."""
+        node = self._weights.get(name)
+        if node is None:
+            if not self.model.has_weight(name):
+                from .errors import ModelError
+
+                raise ModelError(f"the graph of {self.hp.arch!r} needs tensor {name!r}, which the model lacks")
+            node = self.graph.add("weight", layer=self.model.weight_layer(name), name=name)
+            node.attrs["name"] = name
+            self._weights[name] = node
+        return node
+
+    def opt_weight(self, name: str) -> Node | None:
+        return self.weight(name) if self.model.has_weight(name) else None
+
+    def layers(self):
+        """Iterate layer indices, making each the owner of the nodes created in its iteration."""
+        for il in range(self.hp.n_layer):
+            self.layer = il
+            yield il
+        self.layer = self.hp.n_layer
+
+    def cache_of_layer(self, il: int) -> str:
+        """Name of the KV cache layer ``il`` writes to (memory modules with several caches differ)."""
+        return self._cache_of_layer(il)
+
+    def mul_mat(self, weight_name: str, x: Node, bias_name: str | None = None) -> Node:
+        """``x @ W.T`` (+ bias when ``bias_name`` is given and present in the model)."""
+        out = self.op("mul_mat", self.weight(weight_name), x)
+        if bias_name and self.has_weight(bias_name):
+            out = self.op("add", out, self.weight(bias_name))
+        return out
+
+    # -- shared blocks -----------------------------------------------------------------------------------
+    def build_inp_embd(self, table: str = "token_embd.weight") -> Node:
+        """Token embeddings [T, n_embd] (get_rows on the embedding table), or the ``embd`` input."""
+        self.layer = -1
+        if self.params.use_embd:
+            return self.input("embd")
+        return self.op("get_rows", self.weight(table), self.input("tokens"), name="inp_embd")
+
+    def build_norm(self, x: Node, weight: str | None, kind: str = "rms", bias: str | None = None,
+                   eps: float | None = None) -> Node:
+        """RMS norm (``kind="rms"``) or layer norm (``"layer"``), then × weight (+ bias) when given."""
+        if kind == "rms":
+            out = self.op("rms_norm", x, eps=self.hp.f_norm_rms_eps if eps is None else eps)
+        elif kind == "layer":
+            out = self.op("norm", x, eps=self.hp.f_norm_eps if eps is None else eps)
+        else:
+            raise ValueError(f"norm kind must be 'rms' or 'layer', got {kind!r}")
+        if weight:
+            out = self.op("mul", out, self.weight(weight))
+        if bias and self.has_weight(bias):
+            out = self.op("add", out, self.weight(bias))
+        return out
+
+    def build_rope(self, x: Node, il: int | None = None) -> Node:
+        """Rotate ``x`` [T, H, D] at the ubatch positions with the layer's rope parameters (and factors)."""
+        il = self.layer if il is None else il
+        inputs = [x, self.input("pos")]
+        factors = self.arch.rope_freq_factors(self.hp, il)
+        if factors is not None and self.has_weight(factors):
+            inputs.append(self.weight(factors))
+        return self.op("rope", *inputs, **self.arch.rope_params(self.hp, il).attrs())
+
+    def build_qkv(self, x: Node, il: int | None = None, prefix: str | None = None) -> tuple[Node, Node, Node]:
+        """Q, K, V projections (+ optional biases) reshaped to [T, H, Dk], [T, Hkv, Dk], [T, Hkv, Dv]."""
+        il = self.layer if il is None else il
+        p = prefix or f"blk.{il}"
+        hp = self.hp
+        q = self.mul_mat(f"{p}.attn_q.weight", x, f"{p}.attn_q.bias")
+        k = self.mul_mat(f"{p}.attn_k.weight", x, f"{p}.attn_k.bias")
+        v = self.mul_mat(f"{p}.attn_v.weight", x, f"{p}.attn_v.bias")
+        q = self.op("reshape", q, shape=(-1, hp.n_head(il), hp.n_embd_head_k))
+        k = self.op("reshape", k, shape=(-1, hp.n_head_kv(il), hp.n_embd_head_k))
+        v = self.op("reshape", v, shape=(-1, hp.n_head_kv(il), hp.n_embd_head_v))
+        return q, k, v
+
+    def build_attn(self, q: Node, k: Node, v: Node, il: int | None = None, *, out_weight: str | None = None,
+                   out_bias: str | None = None, kq_scale: float | None = None, softcap: float | None = None
+                   ) -> Node:
+        """Attention over the KV cache (GQA, mask, optional soft-capping), then the output projection.
+
+        Writes k, v into the layer's cache cells for this ubatch; ``out_weight`` defaults to
+        ``blk.{il}.attn_output.weight`` (pass ``""`` to skip the projection).
+        """
+        il = self.layer if il is None else il
+        cache = self.cache_of_layer(il)
+        out = self.op(
+            "attention", q, k, v, self.input(f"kv_idx:{cache}"), self.input(f"kq_mask:{cache}"),
+            layer=il, cache=cache, scale=self.hp.kq_scale if kq_scale is None else kq_scale,
+            softcap=self.hp.f_attn_logit_softcapping if softcap is None else softcap,
+        )
+        if out_weight is None:
+            out_weight = f"blk.{il}.attn_output.weight"
+            out_bias = out_bias or f"blk.{il}.attn_output.bias"
+        if out_weight:
+            out = self.mul_mat(out_weight, out, out_bias)
+        return out
+
+    def build_ffn(self, x: Node, il: int | None = None, *, act: str = "silu", gated: bool = True,
+                  up: str | None = None, gate: str | None = None, down: str | None = None) -> Node:
+        """Feed-forward: ``down(act(gate(x)) * up(x))`` when gated (SwiGLU / GeGLU), else ``down(act(up(x)))``.
+        Biases ``*.bias`` are added when present."""
+        il = self.layer if il is None else il
+        up = up or f"blk.{il}.ffn_up.weight"
+        gate = gate or f"blk.{il}.ffn_gate.weight"
+        down = down or f"blk.{il}.ffn_down.weight"
+        h = self.mul_mat(up, x, _bias_of(up))
+        if gated:
+            g = self.op(act, self.mul_mat(gate, x, _bias_of(gate)))
+            h = self.op("mul", g, h)
+        else:
+            h = self.op(act, h)
+        return self.mul_mat(down, h, _bias_of(down))
+
+    def build_inp_out_ids(self) -> Node | None:
+        """The ``out_ids`` input (rows to output), or None when every token is an output."""
+        if self.params.n_outputs == self.params.n_tokens:
+            return None
+        if self._out_ids is None:
+            self._out_ids = self.input("out_ids")
+        return self._out_ids
+
+    def select_outputs(self, *nodes: Node) -> tuple[Node, ...]:
+        """Keep only the output rows of each node (llama.cpp does it in the last layer, before the FFN)."""
+        out_ids = self.build_inp_out_ids()
+        if out_ids is None:
+            return nodes
+        return tuple(self.op("get_rows", n, out_ids) for n in nodes)
+
+    def build_output(self, x: Node, *, norm: str | None = "output_norm.weight", norm_kind: str = "rms",
+                     head: str = "output.weight", softcap: float | None = None) -> Node:
+        """Final norm → output head → optional final soft-capping; sets ``graph.outputs["logits"]``.
+        Rows not yet reduced to the outputs are selected here."""
+        self.layer = self.hp.n_layer
+        if self.params.n_outputs != self.params.n_tokens and not self._selected(x):
+            (x,) = self.select_outputs(x)
+        if norm:
+            x = self.build_norm(x, norm, norm_kind, bias=norm.replace(".weight", ".bias"))
+        logits = self.mul_mat(head, x)
+        cap = self.hp.f_final_logit_softcapping if softcap is None else softcap
+        if cap:
+            logits = self.op("softcap", logits, cap=cap)
+        self.graph.outputs["logits"] = logits
+        return logits
+
+    def _selected(self, x: Node) -> bool:
+        """Whether ``x`` already depends on the out_ids selection."""
+        if self._out_ids is None:
+            return False
+        stack, seen = [x], set()
+        while stack:
+            n = stack.pop()
+            if n is self._out_ids:
+                return True
+            if id(n) in seen:
+                continue
+            seen.add(id(n))
+            stack.extend(n.inputs)
+        return False
+
+    # -- memory maintenance graphs -----------------------------------------------------------------------
+    def build_k_shift(self, cache: str, layers: list[int]) -> Graph:
+        """llama.cpp's K-shift: re-rope the cached K of ``layers`` by the ``k_shift:<cache>`` input."""
+        shift = self.input(f"k_shift:{cache}")
+        for il in layers:
+            self.layer = il
+            inputs = [shift]
+            factors = self.arch.rope_freq_factors(self.hp, il)
+            if factors is not None and self.has_weight(factors):
+                inputs.append(self.weight(factors))
+            self.op("k_shift", *inputs, layer=il, cache=cache, **self.arch.rope_params(self.hp, il).attrs())
+        return self.graph
+
+
+def _bias_of(weight_name: str) -> str:
+    return weight_name[: -len(".weight")] + ".bias" if weight_name.endswith(".weight") else weight_name + ".bias"

@@ -425,7 +425,7 @@ def _f16_bytes(values: np.ndarray) -> np.ndarray:
 
 def _reciprocal_or_zero(d: np.ndarray) -> np.ndarray:
     """ggml's ``id = d ? 1.0f/d : 0.0f``."""
-    with np.errstate(divide="ignore"):
+    with np.errstate(divide="ignore", over="ignore"):
         return np.where(d == 0, np.float32(0), np.float32(1) / d).astype(np.float32)
 
 
@@ -436,9 +436,18 @@ def _signed_absmax(blocks: np.ndarray) -> np.ndarray:
     return np.where(first == 0, np.float32(0), first)
 
 
+def _c_float_to_int8(values: np.ndarray) -> np.ndarray:
+    """C's ``(int8_t)v`` as compiled for x86: truncate to int32 (NaN and out-of-range values give INT32_MIN),
+    keep the low byte. Only blocks whose scale underflows (1/d = inf) reach the NaN/inf cases."""
+    in_range = np.abs(values) < np.float32(2 ** 31)  # False for NaN
+    with np.errstate(invalid="ignore"):  # the NaNs are exactly what np.where replaces
+        as_int32 = np.where(in_range, values, np.float32(-2 ** 31)).astype(np.int32)
+    return as_int32.astype(np.int8)
+
+
 def _truncate_clamped(values: np.ndarray, top: int) -> np.ndarray:
-    """ggml's ``MIN(top, (int8_t)v)`` for the non-negative ``v`` these quantizers produce, as uint8."""
-    return np.minimum(np.trunc(values), np.float32(top)).astype(np.uint8)
+    """ggml's ``(uint8_t)MIN(top, (int8_t)v)``."""
+    return np.minimum(_c_float_to_int8(values), np.int8(top)).view(np.uint8)
 
 
 def _pack_nibbles(q: np.ndarray) -> np.ndarray:
@@ -496,7 +505,7 @@ def _round_half_away(values: np.ndarray) -> np.ndarray:
 
 def _encode_q8_0(blocks: np.ndarray) -> np.ndarray:
     d = np.abs(blocks).max(axis=1, keepdims=True) / np.float32(127)
-    q = _round_half_away(blocks * _reciprocal_or_zero(d)).astype(np.int8)
+    q = _c_float_to_int8(_round_half_away(blocks * _reciprocal_or_zero(d)))
     return np.concatenate([_f16_bytes(d), q.view(np.uint8)], axis=1)
 
 
@@ -551,6 +560,9 @@ def quantize(data: np.ndarray, ggml_type: int | GGMLType) -> np.ndarray:
     encode = _BLOCK_ENCODERS[qtype]
     out = np.empty((blocks.shape[0], info.type_size), dtype=np.uint8)
     step = max(1, _CHUNK_ELEMENTS // info.block_size)
-    for start in range(0, blocks.shape[0], step):
-        out[start:start + step] = encode(blocks[start:start + step])
+    # A block whose scale underflows makes 1/d overflow to inf (and 0 * inf = NaN); ggml carries on, and so do
+    # we, with its integer conversion of those values (see _c_float_to_int8), so numpy's warnings are noise here.
+    with np.errstate(over="ignore", invalid="ignore"):
+        for start in range(0, blocks.shape[0], step):
+            out[start:start + step] = encode(blocks[start:start + step])
     return out.reshape(*values.shape[:-1], row_bytes)

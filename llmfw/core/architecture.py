@@ -1,0 +1,167 @@
+"""The Architecture plugin contract.
+
+An architecture (registry kind ``"architectures"``, looked up by ``general.architecture``) says four things
+about a model family, and nothing else:
+
+1. **its hyperparameters** — :attr:`Architecture.hparams_class` (a subclass of
+   :class:`llmfw.core.hparams.HParams` when it has keys of its own) and :meth:`Architecture.own_hparams`, which
+   reads those keys (the common ones are already read);
+2. **its tensors** — :meth:`Architecture.tensors` lists every tensor with its ggml shape (``ne`` order, as in
+   llama.cpp's ``create_tensor``), the layer that owns it and whether it is required, optional or a duplicate
+   of another tensor (``output.weight`` ← ``token_embd.weight`` when the head is tied). The loader checks the
+   file against this list and raises :class:`ModelError` for a missing tensor or a wrong shape;
+3. **its graph** — :meth:`Architecture.build_graph` receives a :class:`llmfw.core.graph.GraphBuilder` and
+   emits the ops for one ubatch using the builder's shared blocks (``build_inp_embd``, ``build_norm``,
+   ``build_rope``, ``build_attn``, ``build_ffn``, ``build_inp_out_ids``/``select_outputs``,
+   ``build_output``); it must set ``builder.graph.outputs["logits"]``;
+4. **its memory** — :attr:`Architecture.memory` names the memory module (registry kind ``"memory"``):
+   ``"kv_cache"`` (one unified KV cache for every layer) or an interleaved sliding-window variant
+   (``"kv_cache_iswa"``), plus :meth:`rope_params` per layer, used by the graph and by the KV cache's K-shift.
+
+Example (a complete minimal architecture)::
+
+    class MyArch(Architecture):
+        name = "myarch"
+        def tensors(self, hp):
+            return [TensorSpec("token_embd.weight", (hp.n_embd, hp.n_vocab), layer=INPUT_LAYER), ...]
+        def build_graph(self, b):
+            x = b.build_inp_embd()
+            for il in range(b.hp.n_layer):
+                ...
+            b.build_output(x)
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from enum import Enum
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Literal
+
+import numpy as np
+
+from .hparams import HParams
+
+if TYPE_CHECKING:
+    from .graph import GraphBuilder
+    from .loader import MetadataView
+
+#: layer index of tensors on the input side (token embedding): placed with the host backend
+INPUT_LAYER = -1
+#: marker for the output side (final norm, head); the real index is ``hparams.n_layer``
+OUTPUT_LAYER = -2
+
+RopeType = Literal["norm", "neox", "none"]
+
+
+class TensorKind(str, Enum):
+    REQUIRED = "required"
+    OPTIONAL = "optional"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor an architecture expects.
+
+    ``name``: the GGUF name (``"blk.3.attn_q.weight"``); ``ne``: ggml shape, ``ne0`` first (the contiguous
+    dimension: for a matmul weight that is the input size); ``layer``: the block index, or :data:`INPUT_LAYER`
+    / :data:`OUTPUT_LAYER`; ``optional``: absent from the file is fine (the graph checks
+    ``builder.has_weight``); ``duplicate_of``: when absent, reuse this other tensor's data (tied output head).
+    A tensor with ``duplicate_of`` is implicitly optional. The same name may be declared once only.
+    """
+
+    name: str
+    ne: tuple[int, ...]
+    layer: int = INPUT_LAYER
+    optional: bool = False
+    duplicate_of: str | None = None
+    #: what the graph uses it for ("mul_mat", "get_rows", "mul", "add", "rope"): a hint for backends
+    usage: str = "mul_mat"
+    #: when absent from the file, compute it from the hyperparameters (float32, numpy shape = reversed ne);
+    #: e.g. llama3 rope frequency factors derived from ``rope.scaling.*`` keys. Implicitly optional.
+    generate: Callable[[HParams], np.ndarray] | None = None
+
+
+@dataclass(frozen=True)
+class RopeParams:
+    """The attributes of a ``rope`` node for one layer (ggml_rope_ext's parameters)."""
+
+    n_dims: int
+    mode: str  # "norm" | "neox"
+    freq_base: float
+    freq_scale: float
+    ext_factor: float
+    attn_factor: float
+    beta_fast: float
+    beta_slow: float
+    n_ctx_orig: int
+
+    def attrs(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+class Architecture(ABC):
+    """A model family. Instances are stateless helpers created once per loaded model (``model.arch``)."""
+
+    #: the ``general.architecture`` value this class serves (registry name)
+    name: ClassVar[str] = ""
+    #: hyperparameter model; subclass HParams to add fields and fill them in :meth:`own_hparams`
+    hparams_class: ClassVar[type[HParams]] = HParams
+    #: memory module name in the ``"memory"`` registry
+    memory: ClassVar[str] = "kv_cache"
+    #: rope mode of this family (llama: "norm", gemma / qwen2 / phi: "neox")
+    rope_type: ClassVar[RopeType] = "norm"
+
+    # -- hyperparameters -----------------------------------------------------------------------------
+    def own_hparams(self, keys: "MetadataView", common: dict[str, Any]) -> dict[str, Any]:
+        """Extra :attr:`hparams_class` fields (or overrides of common ones) read from the file's metadata.
+
+        ``common`` holds the fields read already (see :func:`llmfw.core.hparams.read_common_hparams`).
+        The default reads nothing.
+        """
+        return {}
+
+    def check_hparams(self, hp: HParams) -> None:
+        """Raise ModelError for values this architecture cannot run with (called after loading hparams)."""
+
+    # -- tensors -----------------------------------------------------------------------------------------
+    @abstractmethod
+    def tensors(self, hp: HParams) -> list[TensorSpec]:
+        """Every tensor of the model, in load order."""
+
+    # -- graph -------------------------------------------------------------------------------------------
+    @abstractmethod
+    def build_graph(self, b: "GraphBuilder") -> None:
+        """Emit the graph for one ubatch into ``b.graph`` and set ``b.graph.outputs["logits"]``."""
+
+    def rope_params(self, hp: HParams, il: int) -> RopeParams:
+        """RoPE attributes for layer ``il`` (override for per-layer bases, e.g. sliding-window layers)."""
+        return default_rope_params(hp, self.rope_type, swa=hp.is_swa(il))
+
+    def rope_freq_factors(self, hp: HParams, il: int) -> str | None:
+        """Name of the weight holding layer ``il``'s per-dimension-pair frequency divisors
+        (``"rope_freqs.weight"``), or None. A factor tensor computed from metadata (llama3 scaling) is declared
+        as a :class:`TensorSpec` with ``generate``."""
+        return None
+
+
+def default_rope_params(hp: HParams, mode: RopeType, *, swa: bool = False) -> RopeParams:
+    """llama.cpp's rope parameters from the hyperparameters (cparams left at their defaults)."""
+    return RopeParams(
+        n_dims=hp.n_rot,
+        mode="neox" if mode == "neox" else "norm",
+        freq_base=hp.rope_freq_base_train_swa if swa else hp.rope_freq_base_train,
+        freq_scale=hp.rope_freq_scale_train_swa if swa else hp.rope_freq_scale_train,
+        ext_factor=hp.yarn_ext_factor_effective,
+        attn_factor=hp.yarn_attn_factor,
+        beta_fast=hp.yarn_beta_fast,
+        beta_slow=hp.yarn_beta_slow,
+        n_ctx_orig=hp.n_ctx_orig_yarn or hp.n_ctx_train,
+    )
+
+
+def get_architecture(name: str) -> Architecture:
+    """An instance of the architecture registered as ``name`` (UnknownArchitecture lists the known ones)."""
+    from .plugins import registry
+
+    cls = registry("architectures").get(name)
+    return cls()

@@ -1,0 +1,261 @@
+"""``generate``: the decode loop — prompt → batch → decode → sample → detokenize, streamed as text pieces.
+
+KV-cache reuse: ``generate`` keeps, per context, the list of tokens that are in the KV cache for sequence 0
+(:func:`cached_tokens`). A new call tokenizes the *whole* prompt it is given (for a chat: the whole rendered
+conversation), keeps the longest common prefix with that record, removes the divergent tail from the cache
+(``memory.seq_rm``) and decodes only the rest. So a multi-turn chat that re-renders the conversation each
+turn only pays for the new turn. (llama.cpp's server does the same with ``cache_prompt``.)
+
+Tokenization: a ``str`` prompt is tokenized with ``parse_special=True`` (special-token text such as
+``<|im_start|>`` becomes the special token, as ``llama-cli`` does) and ``add_special=True`` (the vocabulary's
+own BOS/EOS flags; the BOS, if any, is then the first token of every full prompt and matches the cache). A
+``list[int]`` prompt is used as is.
+
+Streaming: token pieces go through an incremental UTF-8 decoder, so a character split across tokens is
+emitted whole. Stop strings are never emitted: text that could still become a stop string is held back
+until it cannot.
+"""
+from __future__ import annotations
+
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
+
+from .errors import ContextError, LLMFWError
+from .sampling import Sampler, SamplerChain
+
+
+@dataclass
+class GenerationStats:
+    """Filled in by :func:`generate` when passed as ``stats=``: counts, timings and why it stopped."""
+
+    n_prompt: int = 0          # tokens in the prompt
+    n_cached: int = 0          # prompt tokens found in the KV cache (not decoded again)
+    n_prompt_decoded: int = 0  # prompt tokens decoded by this call
+    t_prompt: float = 0.0      # seconds spent decoding them
+    n_generated: int = 0       # tokens sampled
+    t_generate: float = 0.0    # seconds from the first sample to the end
+    stop_reason: str = ""      # "eog", "stop", "max_tokens", "context_full"
+    tokens: list[int] = field(default_factory=list)  # the sampled tokens
+
+    @property
+    def prompt_tps(self) -> float:
+        return self.n_prompt_decoded / self.t_prompt if self.t_prompt > 0 else 0.0
+
+    @property
+    def generate_tps(self) -> float:
+        return self.n_generated / self.t_generate if self.t_generate > 0 else 0.0
+
+    def summary(self) -> str:
+        return (f"prompt: {self.n_prompt_decoded} tokens in {self.t_prompt:.2f} s ({self.prompt_tps:.1f} tok/s, "
+                f"{self.n_cached} cached) | generation: {self.n_generated} tokens in {self.t_generate:.2f} s "
+                f"({self.generate_tps:.1f} tok/s) | stop: {self.stop_reason}")
+
+
+# -- the record of what is in each context's cache -------------------------------------------------------------
+_records: "weakref.WeakKeyDictionary[Any, list[int]]" = weakref.WeakKeyDictionary()
+
+
+def cached_tokens(ctx: Any) -> list[int]:
+    """The tokens :func:`generate` knows to be in ``ctx``'s KV cache for sequence 0 (a copy)."""
+    return list(_records.get(ctx, ()))
+
+
+def forget_cache(ctx: Any) -> None:
+    """Clear sequence 0 of the cache and the record (the next call decodes its whole prompt)."""
+    ctx.memory.seq_rm(0, -1, -1)
+    _records[ctx] = []
+
+
+def _synced_record(ctx: Any) -> list[int]:
+    """The record, trimmed to what the cache really holds (someone may have decoded or removed tokens)."""
+    record = _records.setdefault(ctx, [])
+    n_in_cache = int(ctx.memory.seq_pos_max(0)) + 1  # -1 when empty
+    if n_in_cache < len(record):
+        del record[max(n_in_cache, 0):]
+    elif n_in_cache > len(record):
+        ctx.memory.seq_rm(0, len(record), -1)
+    return record
+
+
+# -- helpers ---------------------------------------------------------------------------------------------------
+def _ctx_int(ctx: Any, name: str, default: int | None = None) -> int | None:
+    value = getattr(ctx, name, None)
+    if value is None:
+        value = getattr(getattr(ctx, "params", None), name, None)
+    if callable(value):
+        value = value()
+    return int(value) if value else default
+
+
+def _model(ctx: Any) -> Any:
+    model = getattr(ctx, "model", None)
+    if model is None:
+        raise ContextError("generate needs a Context created from a model (ctx.model is missing)")
+    return model
+
+
+def tokenize_prompt(model: Any, prompt: str | Sequence[int], parse_special: bool = True,
+                    add_special: bool = True) -> list[int]:
+    if isinstance(prompt, str):
+        return list(model.vocab.tokenize(prompt, add_special=add_special, parse_special=parse_special))
+    tokens = [int(t) for t in prompt]
+    n_vocab = model.n_vocab
+    bad = [t for t in tokens if not 0 <= t < n_vocab]
+    if bad:
+        raise ContextError(f"prompt token {bad[0]} is outside the vocabulary (n_vocab {n_vocab})")
+    return tokens
+
+
+class _TextStream:
+    """Token bytes → text, holding back incomplete UTF-8 and anything that may start a stop string."""
+
+    def __init__(self, vocab: Any, stop: Sequence[str]):
+        from .vocab import StreamingDetokenizer
+
+        self.detokenizer = StreamingDetokenizer(vocab)
+        self.stop = [s for s in stop if s]
+        self.pending = ""
+        self.stopped = False
+
+    def _held_back(self, text: str) -> int:
+        """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
+        longest = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(text)), longest, -1):
+                if text.endswith(s[:n]):
+                    longest = n
+                    break
+        return longest
+
+    def feed(self, token: int) -> str:
+        text = self.pending + self.detokenizer.feed(token)
+        cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped, self.pending = True, ""
+            return text[:cut]
+        keep = self._held_back(text)
+        self.pending = text[len(text) - keep:] if keep else ""
+        return text[:len(text) - keep]
+
+    def flush(self) -> str:
+        text, self.pending = self.pending + self.detokenizer.flush(), ""
+        return text
+
+
+def _decode(ctx: Any, tokens: list[int], start_pos: int, n_batch: int, record: list[int]) -> None:
+    """Decode ``tokens`` at positions ``start_pos...`` in chunks of ``n_batch``, extending the record."""
+    from .batch import Batch
+
+    for begin in range(0, len(tokens), n_batch):
+        chunk = tokens[begin:begin + n_batch]
+        pos0 = start_pos + begin
+        code = ctx.decode(Batch(chunk, pos=list(range(pos0, pos0 + len(chunk))), seq_id=0))
+        if code != 0:
+            reason = getattr(ctx, "last_error", "") or ""
+            raise ContextError(f"decode failed with code {code} at position {pos0}"
+                               + (f": {reason}" if reason else ""))
+        record.extend(chunk)
+
+
+def _prepare_prompt(ctx: Any, tokens: list[int], n_ctx: int | None) -> tuple[int, list[int]]:
+    """Reuse the cache: return (tokens kept from the cache, tokens still to decode)."""
+    if not tokens:
+        raise ContextError("the prompt is empty: nothing to generate from (give at least one token)")
+    if n_ctx is not None and len(tokens) > n_ctx:
+        raise ContextError(f"the prompt has {len(tokens)} tokens but the context holds {n_ctx}; use a larger "
+                           "n_ctx or a shorter prompt")
+    record = _synced_record(ctx)
+    common = 0
+    for cached, new in zip(record, tokens):
+        if cached != new:
+            break
+        common += 1
+    if common == len(tokens):
+        common -= 1  # the last prompt token must be decoded again to get its logits
+    if common < len(record):
+        ctx.memory.seq_rm(0, common, -1)
+        del record[common:]
+    return common, tokens[common:]
+
+
+def generate(ctx: Any, prompt: str | Sequence[int], sampler: Sampler | None = None,
+             max_tokens: int | None = None, stop: str | Sequence[str] | None = None, *,
+             parse_special: bool = True, add_special: bool = True, accept_prompt: bool = True,
+             stats: GenerationStats | None = None) -> Iterator[str]:
+    """Stream the continuation of ``prompt`` as text pieces.
+
+    ``sampler``: a :class:`SamplerChain` (or any Sampler that selects); None = greedy.
+    ``max_tokens``: at most this many sampled tokens (None = until an end-of-generation token, a stop
+    string or a full context). ``stop``: strings that end the generation (not emitted).
+    ``accept_prompt``: feed the newly decoded prompt tokens to the sampler's history (like llama-cli, so
+    repetition penalties see the prompt). ``stats``: a :class:`GenerationStats` to fill in.
+    """
+    model = _model(ctx)
+    chain = sampler if sampler is not None else SamplerChain.greedy()
+    if not isinstance(chain, SamplerChain):
+        chain = SamplerChain([chain])
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if max_tokens is not None and max_tokens < 0:
+        raise LLMFWError(f"max_tokens must be >= 0 or None, got {max_tokens}")
+    stats = stats if stats is not None else GenerationStats()
+    n_ctx = _ctx_int(ctx, "n_ctx")
+    n_batch = _ctx_int(ctx, "n_batch", 512) or 512
+
+    tokens = tokenize_prompt(model, prompt, parse_special=parse_special, add_special=add_special)
+    n_keep, new_tokens = _prepare_prompt(ctx, tokens, n_ctx)
+    record = _records[ctx]
+    stats.n_prompt, stats.n_cached = len(tokens), n_keep
+    return _stream(ctx, model, chain, record, n_keep, new_tokens, n_batch, n_ctx, max_tokens, stops,
+                   accept_prompt, stats)
+
+
+def _stream(ctx: Any, model: Any, chain: SamplerChain, record: list[int], n_keep: int, new_tokens: list[int],
+            n_batch: int, n_ctx: int | None, max_tokens: int | None, stops: list[str], accept_prompt: bool,
+            stats: GenerationStats) -> Iterator[str]:
+    vocab = model.vocab
+    t0 = time.perf_counter()
+    _decode(ctx, new_tokens, n_keep, n_batch, record)
+    stats.t_prompt, stats.n_prompt_decoded = time.perf_counter() - t0, len(new_tokens)
+    if accept_prompt:  # into each sampler, not the chain: its history holds sampled tokens only
+        for t in new_tokens:
+            for s in chain.samplers:
+                s.accept(t)
+
+    text = _TextStream(vocab, stops)
+    t_start = time.perf_counter()
+    try:
+        while True:
+            if max_tokens is not None and stats.n_generated >= max_tokens:
+                stats.stop_reason = "max_tokens"
+                break
+            token = chain.sample(ctx, -1)
+            stats.n_generated += 1
+            stats.tokens.append(token)
+            if vocab.is_eog(token):
+                stats.stop_reason = "eog"
+                break
+            piece = text.feed(token)
+            if piece:
+                yield piece
+            if text.stopped:
+                stats.stop_reason = "stop"
+                break
+            if max_tokens is not None and stats.n_generated >= max_tokens:
+                stats.stop_reason = "max_tokens"
+                break
+            if n_ctx is not None and len(record) >= n_ctx:
+                stats.stop_reason = "context_full"
+                break
+            _decode(ctx, [token], len(record), 1, record)
+        rest = "" if text.stopped else text.flush()
+        if rest:
+            yield rest
+    finally:
+        stats.t_generate = time.perf_counter() - t_start
+
+
+def generate_text(ctx: Any, prompt: str | Sequence[int], sampler: Sampler | None = None, **kwargs: Any) -> str:
+    """The whole continuation as one string (``generate`` joined)."""
+    return "".join(generate(ctx, prompt, sampler, **kwargs))

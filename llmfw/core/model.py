@@ -1,0 +1,307 @@
+"""Loading a model: ``llmfw.load_model(path_or_name, params)`` → :class:`Model`.
+
+The steps (DESIGN.md 1-6): open the file through its loader (kv overrides applied) → pick the architecture
+from ``general.architecture`` → read the hyperparameters (common, then the architecture's own) → build the
+vocabulary → check the architecture's tensor list against the file → place each layer on a backend
+(``backend`` / ``n_gpu_layers`` / ``placement``) → convert every weight once on its backend, reporting
+progress. Any failure (including a cancel from the progress callback) releases what was loaded and closes the
+file before the error propagates: no half-built model escapes.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any, Callable, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from .architecture import INPUT_LAYER, OUTPUT_LAYER, Architecture, TensorSpec, get_architecture
+from .backend import Backend, create_backend, default_backend_spec
+from .errors import ModelError
+from .hparams import HParams, make_hparams, read_common_hparams
+from .loader import ModelFileLoader, WeightLoad, open_loader
+
+log = logging.getLogger(__name__)
+
+
+class ModelParams(BaseModel):
+    """How to load a model (pinned public API)."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")
+
+    #: None = the fastest installed ("torch" when importable and working, else "numpy"); or "numpy",
+    #: "torch", "torch:cuda", "onnx", ...
+    backend: str | None = None
+    #: the last n layers go to "torch:cuda" (n > n_layer: the output head too; -1: everything), like llama.cpp
+    n_gpu_layers: int = Field(default=0, ge=-1)
+    #: explicit layer → backend spec; layer n_layer means the output head. Wins over n_gpu_layers.
+    placement: dict[int, str] | None = None
+    load_mode: Literal["mmap", "read"] = "mmap"
+    vocab_only: bool = False
+    #: called with the fraction loaded; returning False cancels (LoadCancelled)
+    progress: Callable[[float], bool | None] | None = None
+    kv_overrides: dict[str, bool | int | float | str] = Field(default_factory=dict)
+
+    @field_validator("backend")
+    @classmethod
+    def _strip_backend(cls, value: str | None) -> str | None:
+        return value.strip() if isinstance(value, str) else value
+
+
+GPU_BACKEND = "torch:cuda"
+
+
+class Model:
+    """A loaded model: architecture, hyperparameters, vocabulary, weights on their backends."""
+
+    def __init__(self, *, path: Path, params: ModelParams, metadata: dict[str, Any], arch: Architecture,
+                 hparams: HParams, vocab: Any, tensor_specs: list[TensorSpec] | None = None):
+        self.path = path
+        self.params = params
+        self.metadata = metadata
+        self.arch = arch
+        self.hparams = hparams
+        self.vocab = vocab
+        self.tensor_specs = tensor_specs or []
+        #: backend spec → instance
+        self.backends: dict[str, Backend] = {}
+        #: graph weight name → (backend, owning layer)
+        self._weights: dict[str, tuple[Backend, int]] = {}
+        #: backend spec per layer index (0..n_layer-1) and for the output side (n_layer)
+        self.layer_specs: list[str] = []
+        self.host_backend: Backend | None = None
+        self.closed = False
+
+    # -- public ------------------------------------------------------------------------------------------
+    @property
+    def n_vocab(self) -> int:
+        return int(self.hparams.n_vocab) if self.hparams is not None else int(self.vocab.n_vocab)
+
+    @property
+    def n_layer(self) -> int:
+        return self.hparams.n_layer
+
+    @property
+    def n_embd(self) -> int:
+        return self.hparams.n_embd
+
+    @property
+    def n_ctx_train(self) -> int:
+        return self.hparams.n_ctx_train
+
+    @property
+    def arch_name(self) -> str:
+        return self.hparams.arch
+
+    @property
+    def vocab_only(self) -> bool:
+        return self.params.vocab_only
+
+    def new_context(self, params: Any = None, **kw: Any) -> Any:
+        """A fresh :class:`llmfw.Context` (its own KV cache) on this model."""
+        from .context import Context
+
+        return Context(self, params, **kw)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render chat messages with the model's template (``tokenizer.chat_template``)."""
+        from .chat import apply_chat_template
+
+        return apply_chat_template(self, messages, add_generation_prompt)
+
+    def describe(self) -> str:
+        n_params = sum(int(np.prod(s.ne)) for s in self.tensor_specs if self.has_weight(s.name))
+        placement = ", ".join(sorted(set(self.layer_specs))) or "-"
+        return (f"{self.path.name}: arch {self.arch_name}, {self.hparams.n_layer} layers, n_embd {self.n_embd}, "
+                f"n_vocab {self.n_vocab}, {n_params / 1e6:.1f}M params, backends {placement}")
+
+    def close(self) -> None:
+        """Drop the weights on every backend (the model cannot be used afterwards)."""
+        for backend in self.backends.values():
+            backend.free_weights()
+        self._weights.clear()
+        self.closed = True
+
+    def __enter__(self) -> "Model":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<Model {self.path.name} arch={self.hparams.arch} n_layer={self.hparams.n_layer}>"
+
+    # -- used by the graph builder and the scheduler -----------------------------------------------------
+    def has_weight(self, name: str) -> bool:
+        return name in self._weights
+
+    def weight_layer(self, name: str) -> int:
+        return self._weights[name][1]
+
+    def weight_backend(self, name: str) -> Backend:
+        try:
+            return self._weights[name][0]
+        except KeyError:
+            raise ModelError(f"model has no weight {name!r}") from None
+
+    def layer_backend(self, il: int) -> Backend:
+        """Backend of layer ``il``; -1 (input side) is the host, n_layer the output head."""
+        if il < 0:
+            return self.host_backend
+        il = min(il, len(self.layer_specs) - 1)
+        return self.backends[self.layer_specs[il]]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# loading
+# ---------------------------------------------------------------------------------------------------------
+
+def resolve_model_path(path_or_name: str | os.PathLike[str]) -> Path:
+    """A path that exists, else a catalog name (fetched on first use)."""
+    path = Path(path_or_name).expanduser()
+    if path.exists():
+        return path
+    from .catalog import resolve_model
+
+    return Path(resolve_model(str(path_or_name)))
+
+
+def load_model(path_or_name: str | os.PathLike[str], params: ModelParams | None = None, **kw: Any) -> Model:
+    """Load a GGUF model (path or catalog name). ``kw`` are :class:`ModelParams` fields."""
+    params = _model_params(params, kw)
+    path = resolve_model_path(path_or_name)
+    loader = open_loader(path, mode=params.load_mode, kv_overrides=params.kv_overrides)
+    model: Model | None = None
+    try:
+        model = _build_model(loader, path, params)
+        return model
+    except BaseException:
+        if model is not None:
+            model.close()
+        raise
+    finally:
+        loader.close()
+
+
+def _model_params(params: ModelParams | None, kw: dict[str, Any]) -> ModelParams:
+    """``params`` updated with keyword fields, validated; a bad field is a ConfigError naming it."""
+    from pydantic import ValidationError
+
+    from .errors import ConfigError
+
+    base = dict(params) if params is not None else {}
+    try:
+        return ModelParams(**{**base, **kw})
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise ConfigError(f"invalid model parameters: {problems}") from None
+
+
+def _build_model(loader: ModelFileLoader, path: Path, params: ModelParams) -> Model:
+    arch = get_architecture(loader.arch_name)
+    hparams = read_hparams(arch, loader)
+    from .vocab import Vocab
+
+    vocab = Vocab.from_metadata(loader.metadata)
+    specs = [] if params.vocab_only else arch.tensors(hparams)
+    model = Model(path=path, params=params, metadata=loader.metadata, arch=arch, hparams=hparams, vocab=vocab,
+                  tensor_specs=specs)
+    if params.vocab_only:
+        return model
+    try:
+        _place_layers(model, params)
+        loads = plan_weights(model, loader, specs)
+        loader.load_all_data(loads, params.progress)
+        for load in loads:
+            model._weights[load.name] = (load.backend, _spec_layer(hparams, load.layer))
+    except BaseException:
+        model.close()
+        raise
+    log.info("%s", model.describe())
+    return model
+
+
+def read_hparams(arch: Architecture, loader: ModelFileLoader) -> HParams:
+    keys = loader.keys
+    values = read_common_hparams(keys)
+    values.update(arch.own_hparams(keys, dict(values)))
+    hparams = make_hparams(arch.hparams_class, values)
+    arch.check_hparams(hparams)
+    return hparams
+
+
+def _spec_layer(hp: HParams, layer: int) -> int:
+    return hp.n_layer if layer == OUTPUT_LAYER else layer
+
+
+def _place_layers(model: Model, params: ModelParams) -> None:
+    """Decide the backend spec of every layer and the output head, and instantiate the backends."""
+    n_layer = model.hparams.n_layer
+    main = params.backend or default_backend_spec()
+    specs = [main] * (n_layer + 1)
+    n_gpu = n_layer + 1 if params.n_gpu_layers < 0 else params.n_gpu_layers
+    if n_gpu > 0:
+        first_gpu = max(n_layer + 1 - n_gpu, 0)  # llama.cpp's i_gpu_start: the output head counts as a layer
+        for il in range(first_gpu, n_layer + 1):
+            specs[il] = GPU_BACKEND
+    for il, spec in (params.placement or {}).items():
+        if not 0 <= il <= n_layer:
+            raise ModelError(f"placement names layer {il}, but the model has layers 0..{n_layer - 1} "
+                             f"(and {n_layer} for the output head)")
+        specs[il] = spec
+    model.layer_specs = specs
+    for spec in dict.fromkeys(["numpy", *specs]):
+        model.backends[spec] = create_backend(spec)
+    model.host_backend = model.backends["numpy"]
+
+
+def plan_weights(model: Model, loader: ModelFileLoader, specs: list[TensorSpec]) -> list[WeightLoad]:
+    """Check every declared tensor against the file and decide what to load where."""
+    hp = model.hparams
+    loads: list[WeightLoad] = []
+    seen: set[str] = set()
+    for spec in specs:
+        if spec.name in seen:
+            raise ModelError(f"architecture {hp.arch!r} declares tensor {spec.name!r} twice")
+        seen.add(spec.name)
+        backend = model.host_backend if spec.layer == INPUT_LAYER else model.layer_backend(_spec_layer(hp, spec.layer))
+        load = _plan_one(model, loader, spec, backend)
+        if load is not None:
+            load.layer = spec.layer
+            loads.append(load)
+    return loads
+
+
+def _plan_one(model: Model, loader: ModelFileLoader, spec: TensorSpec, backend: Backend) -> WeightLoad | None:
+    if loader.has_tensor(spec.name):
+        _check_shape(loader, spec.name, spec)
+        return WeightLoad(spec.name, spec.name, spec.ne, backend, spec.usage)
+    if spec.duplicate_of and loader.has_tensor(spec.duplicate_of):
+        _check_shape(loader, spec.duplicate_of, spec)
+        return WeightLoad(spec.name, spec.duplicate_of, spec.ne, backend, spec.usage)
+    if spec.generate is not None:
+        data = np.asarray(spec.generate(model.hparams), dtype=np.float32)
+        if data.shape != tuple(reversed(spec.ne)):
+            raise ModelError(f"generated tensor {spec.name!r} has shape {data.shape}, expected {tuple(reversed(spec.ne))}")
+        return WeightLoad(spec.name, None, spec.ne, backend, spec.usage, generated=data)
+    if spec.optional:
+        return None
+    extra = f" (nor {spec.duplicate_of!r})" if spec.duplicate_of else ""
+    raise ModelError(f"{model.path.name}: missing tensor {spec.name!r}{extra} required by architecture "
+                     f"{model.hparams.arch!r}")
+
+
+def _check_shape(loader: ModelFileLoader, file_name: str, spec: TensorSpec) -> None:
+    found = tuple(loader.tensor_record(file_name).ne)
+    # ggml drops trailing 1s: [n, 1] and [n] are the same tensor
+    def trim(ne: tuple[int, ...]) -> tuple[int, ...]:
+        ne = tuple(int(d) for d in ne)
+        while len(ne) > 1 and ne[-1] == 1:
+            ne = ne[:-1]
+        return ne
+
+    if trim(found) != trim(spec.ne):
+        raise ModelError(f"tensor {file_name!r} has shape {list(found)} in the file, but architecture expects "
+                         f"{list(spec.ne)} (ggml ne order)")

@@ -1,0 +1,351 @@
+"""Build the small random-weight GGUF models of ``arch_specs.SPECS`` with the project's own GGUF writer.
+
+The files are a pure function of the spec (seeded weights, the committed 8k vocabularies), so the tests rebuild
+them instead of committing megabytes of weights, and check the sha256 recorded with llama.cpp's reference
+numbers: the numbers are only valid for those exact bytes.
+
+Tensor names, shapes and metadata keys follow llama.cpp's converter (``convert_hf_to_gguf.py``) and loader
+(``src/models/<arch>.cpp``): llama.cpp refuses a file with a tensor its architecture does not create, so each
+family writes exactly its own set. Weight scales are chosen so every block matters: unit-scale embeddings,
+projections that keep activations near unit size, a sharper query/key so attention depends on position, and
+an output head scaled so logits are peaked (std about 5).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+_HERE = Path(__file__).resolve().parent
+_ROOT = _HERE.parents[1]
+if str(_ROOT) not in sys.path:  # the generator scripts run from anywhere
+    sys.path.insert(0, str(_ROOT))
+if str(_HERE) not in sys.path:
+    sys.path.insert(0, str(_HERE))
+
+from arch_specs import SPECS, file_name  # noqa: E402
+
+from llmfw.core.gguf import GGUFValueType, GGUFWriter  # noqa: E402
+from llmfw.core.quants import GGMLType, quantize  # noqa: E402
+
+DATA_DIR = _ROOT / "tests" / "data" / "arch"
+
+# ---------------------------------------------------------------------------------------------- metadata
+
+_U32_KEYS = {
+    "context_length", "embedding_length", "block_count", "feed_forward_length", "attention.head_count",
+    "attention.head_count_kv", "attention.key_length", "attention.value_length", "attention.sliding_window",
+    "rope.dimension_count", "rope.scaling.original_context_length",
+}
+
+
+def _key_type(suffix: str, value) -> GGUFValueType:
+    if suffix in _U32_KEYS:
+        return GGUFValueType.UINT32
+    if isinstance(value, str):
+        return GGUFValueType.STRING
+    if isinstance(value, bool):
+        return GGUFValueType.BOOL
+    return GGUFValueType.FLOAT32
+
+
+def _arch_keys(spec: dict) -> dict:
+    """``{arch}.*`` keys as the converter writes them for this family."""
+    keys = {
+        "context_length": spec["context_length"], "embedding_length": spec["n_embd"],
+        "block_count": spec["n_layer"], "feed_forward_length": spec["n_ff"],
+        "attention.head_count": spec["n_head"], "attention.head_count_kv": spec["n_head_kv"],
+    }
+    if "head_dim" in spec:
+        keys["attention.key_length"] = keys["attention.value_length"] = spec["head_dim"]
+    if spec["arch"] in ("llama", "phi3"):
+        keys["rope.dimension_count"] = _head_dim(spec)
+    if "original_context_length" in spec:
+        keys["rope.scaling.original_context_length"] = spec["original_context_length"]
+    if "sliding_window" in spec:
+        keys["attention.sliding_window"] = spec["sliding_window"]
+    if spec["arch"] == "phi3":
+        # Phi3MiniModel writes LongRoPE's attention factor; scale = n_ctx_train / original context
+        scale = spec["context_length"] / spec["original_context_length"]
+        keys["rope.scaling.attn_factor"] = math.sqrt(1 + math.log(scale) / math.log(spec["original_context_length"]))
+    keys.update(spec["keys"])
+    return keys
+
+
+# ---------------------------------------------------------------------------------------------- vocabularies
+
+_TOKEN_NORMAL, _TOKEN_UNKNOWN, _TOKEN_CONTROL, _TOKEN_BYTE = 1, 2, 3, 6
+#: Phi-3's added tokens (ids 32000..32010 in the real model; here right after the pieces), all special
+_PHI3_ADDED = ["<|endoftext|>", "<|assistant|>", "<|placeholder1|>", "<|placeholder2|>", "<|placeholder3|>",
+               "<|placeholder4|>", "<|system|>", "<|end|>", "<|placeholder5|>", "<|placeholder6|>", "<|user|>"]
+_GEMMA_FIRST_BYTE, _GEMMA_FIRST_PIECE = 238, 494
+
+
+def _read_vocab(name: str) -> dict:
+    return json.loads((DATA_DIR / name).read_text(encoding="utf-8"))
+
+
+def _bpe_vocab(pre: str) -> list[tuple]:
+    """SmolLM2's BPE (first 8k tokens) relabelled with the family's pre-tokenizer."""
+    vocab = _read_vocab("vocab_bpe_smollm2_8k.json")
+    special = vocab["special_ids"]
+    return [
+        ("tokenizer.ggml.model", "gpt2", GGUFValueType.STRING, None),
+        ("tokenizer.ggml.pre", pre, GGUFValueType.STRING, None),
+        ("tokenizer.ggml.tokens", vocab["tokens"], GGUFValueType.ARRAY, GGUFValueType.STRING),
+        ("tokenizer.ggml.token_type", vocab["token_type"], GGUFValueType.ARRAY, GGUFValueType.INT32),
+        ("tokenizer.ggml.merges", vocab["merges"], GGUFValueType.ARRAY, GGUFValueType.STRING),
+        *[(key, value, GGUFValueType.UINT32, None) for key, value in special.items()],
+        ("tokenizer.ggml.add_bos_token", False, GGUFValueType.BOOL, None),
+    ]
+
+
+def _spm_keys(tokens: list[str], scores: list[float], types: list[int], bos: int, eos: int, unk: int, pad: int,
+              extra: list[tuple]) -> list[tuple]:
+    return [
+        ("tokenizer.ggml.model", "llama", GGUFValueType.STRING, None),
+        ("tokenizer.ggml.pre", "default", GGUFValueType.STRING, None),
+        ("tokenizer.ggml.tokens", tokens, GGUFValueType.ARRAY, GGUFValueType.STRING),
+        ("tokenizer.ggml.scores", scores, GGUFValueType.ARRAY, GGUFValueType.FLOAT32),
+        ("tokenizer.ggml.token_type", types, GGUFValueType.ARRAY, GGUFValueType.INT32),
+        ("tokenizer.ggml.bos_token_id", bos, GGUFValueType.UINT32, None),
+        ("tokenizer.ggml.eos_token_id", eos, GGUFValueType.UINT32, None),
+        ("tokenizer.ggml.unknown_token_id", unk, GGUFValueType.UINT32, None),
+        ("tokenizer.ggml.padding_token_id", pad, GGUFValueType.UINT32, None),
+        ("tokenizer.ggml.add_bos_token", True, GGUFValueType.BOOL, None),
+        ("tokenizer.ggml.add_eos_token", False, GGUFValueType.BOOL, None),
+        *extra,
+    ]
+
+
+def _spm_gemma_vocab() -> list[tuple]:
+    """Gemma's SPM, first 8k ids unchanged (Gemma-2's converter also writes add_space_prefix = False)."""
+    v = _read_vocab("vocab_spm_gemma3_8k.json")
+    return _spm_keys(v["tokens"], v["scores"], v["token_type"], bos=2, eos=1, unk=3, pad=0,
+                     extra=[("tokenizer.ggml.add_space_prefix", False, GGUFValueType.BOOL, None)])
+
+
+def _spm_phi3_vocab() -> list[tuple]:
+    """A Llama-2 / Phi-3 layout: <unk> <s> </s>, 256 byte tokens, SPM pieces (Gemma's best-scored), then
+    Phi-3's special tokens; 8,192 tokens in all."""
+    v = _read_vocab("vocab_spm_gemma3_8k.json")
+    tokens = ["<unk>", "<s>", "</s>"]
+    types = [_TOKEN_UNKNOWN, _TOKEN_CONTROL, _TOKEN_CONTROL]
+    tokens += v["tokens"][_GEMMA_FIRST_BYTE:_GEMMA_FIRST_PIECE]
+    types += [_TOKEN_BYTE] * (_GEMMA_FIRST_PIECE - _GEMMA_FIRST_BYTE)
+    scores = [0.0] * len(tokens)
+    n_pieces = len(v["tokens"]) - len(tokens) - len(_PHI3_ADDED)
+    pieces = [i for i in range(_GEMMA_FIRST_PIECE, len(v["tokens"])) if v["token_type"][i] == _TOKEN_NORMAL]
+    for i in pieces[:n_pieces]:
+        tokens.append(v["tokens"][i])
+        scores.append(v["scores"][i])
+        types.append(_TOKEN_NORMAL)
+    first_added = len(tokens)
+    tokens += _PHI3_ADDED
+    scores += [0.0] * len(_PHI3_ADDED)
+    types += [_TOKEN_CONTROL] * len(_PHI3_ADDED)
+    return _spm_keys(tokens, scores, types, bos=1, eos=first_added, unk=0, pad=first_added, extra=[])
+
+
+_VOCABS = {"spm_gemma": _spm_gemma_vocab, "spm_phi3": _spm_phi3_vocab}
+
+
+def _vocab_keys(spec: dict) -> list[tuple]:
+    if spec["vocab"] == "bpe":
+        return _bpe_vocab(spec["pre"])
+    return _VOCABS[spec["vocab"]]()
+
+
+# ---------------------------------------------------------------------------------------------- tensors
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    name: str
+    shape: tuple[int, ...]   # numpy shape: (n_out, n_in) for matrices, (n,) for vectors
+    role: str                # key into spec["types"] for matrices; vectors are always F32
+    init: str                # how to draw the values (see _draw)
+    layer: int = -1
+
+
+def _head_dim(spec: dict) -> int:
+    return spec.get("head_dim", spec["n_embd"] // spec["n_head"])
+
+
+def _layer_plan(spec: dict, il: int) -> list[TensorPlan]:
+    arch, n_embd, n_ff = spec["arch"], spec["n_embd"], spec["n_ff"]
+    head = _head_dim(spec)
+    n_q, n_kv = head * spec["n_head"], head * spec["n_head_kv"]
+    blk = f"blk.{il}."
+    plan: list[TensorPlan] = []
+
+    def add(name: str, shape: tuple[int, ...], role: str, init: str) -> None:
+        plan.append(TensorPlan(blk + name, shape, role, init, il))
+
+    if arch != "olmo":  # OLMo's layer norms have no parameters
+        add("attn_norm.weight", (n_embd,), "norm", "norm")
+    if arch == "phi3":
+        add("attn_qkv.weight", (n_q + 2 * n_kv, n_embd), "attn_qkv", f"qkv:{n_q}:{n_kv}")
+    else:
+        add("attn_q.weight", (n_q, n_embd), "attn_q", "sharp")
+        add("attn_k.weight", (n_kv, n_embd), "attn_k", "sharp")
+        add("attn_v.weight", (n_kv, n_embd), "attn_v", "unit")
+    if arch == "qwen2":
+        add("attn_q.bias", (n_q,), "bias", "bias")
+        add("attn_k.bias", (n_kv,), "bias", "bias")
+        add("attn_v.bias", (n_kv,), "bias", "bias")
+    if arch == "qwen3":
+        add("attn_q_norm.weight", (head,), "norm", "qk_norm")
+        add("attn_k_norm.weight", (head,), "norm", "qk_norm")
+    add("attn_output.weight", (n_embd, n_q), "attn_output", "unit")
+    if arch == "gemma2":
+        add("post_attention_norm.weight", (n_embd,), "norm", "post_norm")
+    if arch != "olmo":
+        add("ffn_norm.weight", (n_embd,), "norm", "norm")
+    if arch == "phi3":  # gate and up fused, gate first (ggml_swiglu's order)
+        add("ffn_up.weight", (2 * n_ff, n_embd), "ffn_up", "unit")
+    else:
+        add("ffn_gate.weight", (n_ff, n_embd), "ffn_gate", "unit")
+        add("ffn_up.weight", (n_ff, n_embd), "ffn_up", "unit")
+    add("ffn_down.weight", (n_embd, n_ff), "ffn_down", "down")
+    if arch == "gemma2":
+        add("post_ffw_norm.weight", (n_embd,), "norm", "post_norm")
+    return plan
+
+
+def tensor_plan(spec: dict) -> list[TensorPlan]:
+    n_embd, n_vocab = spec["n_embd"], 8192
+    half_rot = _head_dim(spec) // 2
+    plan = [TensorPlan("token_embd.weight", (n_vocab, n_embd), "token_embd",
+                       "embd_tied" if spec["arch"] == "gemma2" else "embd")]
+    if "llama3_rope" in spec:
+        plan.append(TensorPlan("rope_freqs.weight", (half_rot,), "rope", "llama3_rope"))
+    if spec["arch"] == "phi3":
+        plan.append(TensorPlan("rope_factors_long.weight", (half_rot,), "rope", "rope_long"))
+        plan.append(TensorPlan("rope_factors_short.weight", (half_rot,), "rope", "rope_short"))
+    for il in range(spec["n_layer"]):
+        plan += _layer_plan(spec, il)
+    if spec["arch"] != "olmo":
+        plan.append(TensorPlan("output_norm.weight", (n_embd,), "norm", "norm"))
+    if spec["arch"] != "gemma2":  # Gemma-2 always ties the head to token_embd
+        plan.append(TensorPlan("output.weight", (n_vocab, n_embd), "output", "head"))
+    return plan
+
+
+def _llama3_rope_factors(spec: dict) -> np.ndarray:
+    """Llama-3.1's per-dimension divisors, computed exactly like LlamaModel.generate_extra_tensors."""
+    rope = spec["llama3_rope"]
+    dim, base = _head_dim(spec), spec["keys"]["rope.freq_base"]
+    freqs = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    old_ctx = rope["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_ctx / rope["low_freq_factor"], old_ctx / rope["high_freq_factor"]
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_wavelen:
+            factors.append(rope["factor"])
+        else:
+            smooth = (old_ctx / wavelen - rope["low_freq_factor"]) / (rope["high_freq_factor"] - rope["low_freq_factor"])
+            factors.append(1 / ((1 - smooth) / rope["factor"] + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+def _draw(spec: dict, item: TensorPlan, rng: np.random.Generator) -> np.ndarray:
+    normal = lambda shape, std: rng.standard_normal(shape, dtype=np.float32) * np.float32(std)  # noqa: E731
+    shape, n_in = item.shape, item.shape[-1]
+    ramp = np.linspace(0.0, 1.0, shape[0], dtype=np.float32)
+    kind, _, params = item.init.partition(":")
+    if kind == "embd":
+        return normal(shape, 1.0)
+    if kind == "embd_tied":  # input (x sqrt(n_embd)) and head at once: head logits std about 5.6
+        return normal(shape, 0.35)
+    if kind == "head":
+        return normal(shape, 5.0 / math.sqrt(n_in))
+    if kind == "sharp":  # query/key: attention scores of std ~4, so attention depends on position
+        return normal(shape, 2.0 / math.sqrt(n_in))
+    if kind == "unit":
+        return normal(shape, 1.0 / math.sqrt(n_in))
+    if kind == "down":
+        return normal(shape, 1.5 / math.sqrt(n_in))
+    if kind == "qkv":
+        n_q, n_kv = (int(p) for p in params.split(":"))
+        scale = np.concatenate([np.full(n_q + n_kv, 2.0), np.full(n_kv, 1.0)]).astype(np.float32)
+        return normal(shape, 1.0 / math.sqrt(n_in)) * scale[:, None]
+    if kind == "norm":
+        return 1.0 + normal(shape, 0.1)
+    if kind == "qk_norm":
+        return 2.0 + normal(shape, 0.2)
+    if kind == "post_norm":  # Gemma's post norms set the size of each block's contribution to the residual
+        return 6.0 + normal(shape, 0.5)
+    if kind == "bias":
+        return normal(shape, 0.5)
+    if kind == "rope_long":
+        return 1.0 + 7.0 * ramp ** 2
+    if kind == "rope_short":
+        return 1.0 + 0.5 * ramp
+    if kind == "llama3_rope":
+        return _llama3_rope_factors(spec)
+    raise ValueError(f"unknown init {item.init!r}")
+
+
+def _tensor_type(spec: dict, item: TensorPlan) -> GGMLType:
+    if len(item.shape) == 1:
+        return GGMLType.F32
+    chosen = spec["types"][item.role]
+    if isinstance(chosen, list):
+        chosen = chosen[item.layer]
+    return GGMLType[chosen]
+
+
+def _add_tensor(writer: GGUFWriter, name: str, values: np.ndarray, ggml_type: GGMLType) -> None:
+    if ggml_type == GGMLType.F32:
+        writer.add_tensor(name, values.astype(np.float32))
+    elif ggml_type == GGMLType.F16:
+        writer.add_tensor(name, values.astype(np.float16))
+    else:
+        writer.add_tensor(name, quantize(values, ggml_type), ggml_type, shape=tuple(reversed(values.shape)))
+
+
+# ---------------------------------------------------------------------------------------------- files
+
+
+def build_model_file(name: str, directory: str | Path) -> Path:
+    """Write ``SPECS[name]`` as ``directory/<name>.gguf`` and return its path."""
+    spec = SPECS[name]
+    path = Path(directory) / file_name(name)
+    writer = GGUFWriter(path)
+    arch = spec["arch"]
+    writer.add("general.architecture", arch, GGUFValueType.STRING)
+    writer.add("general.name", f"llmfw random {name}", GGUFValueType.STRING)
+    for suffix, value in _arch_keys(spec).items():
+        writer.add(f"{arch}.{suffix}", value, _key_type(suffix, value))
+    for key, value, vtype, array_type in _vocab_keys(spec):
+        writer.add(key, value, vtype, array_type=array_type)
+    for index, item in enumerate(tensor_plan(spec)):
+        rng = np.random.default_rng([spec["seed"], index])  # one stream per tensor: stable under plan edits
+        _add_tensor(writer, item.name, _draw(spec, item, rng), _tensor_type(spec, item))
+    writer.write()
+    return path
+
+
+def sha256_of(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+if __name__ == "__main__":
+    out = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
+    out.mkdir(parents=True, exist_ok=True)
+    for model_name in (sys.argv[2:] or SPECS):
+        built = build_model_file(model_name, out)
+        print(f"{built}  {built.stat().st_size:>10}  {sha256_of(built)}")

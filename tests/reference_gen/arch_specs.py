@@ -1,0 +1,133 @@
+"""What each random-weight test model is: plain data, shared by the file builder (``arch_files.py``, run by
+the tests and the generator under the project's interpreter) and the llama.cpp measuring script
+(``measure_llamacpp.py``, run in the throw-away llama-cpp-python environment, which cannot import llmfw).
+
+Only the standard library may be imported here.
+
+Every model has 2-4 layers, a few hundred dims, an 8,192-token vocabulary cut from a real model and a mix of
+F32 / F16 / Q8_0 / Q4_0 / Q4_1 / Q5_0 tensors named and shaped like llama.cpp's converter writes them.
+``types`` maps a tensor role to a ggml type name, or to a list with one type per layer.
+"""
+from __future__ import annotations
+
+PROMPTS: dict[str, str] = {
+    "short": "The capital of France is",
+    "medium": (
+        "Rivers carry water from the mountains to the sea. Along the way they cut valleys, move stones and "
+        "feed the fields of the farmers who live on their banks. Every spring the snow melts and the water "
+        "rises; in late summer the river is slow, warm and low."
+    ),
+    "long": (
+        "The old lighthouse stood at the edge of the cliff for more than two hundred years. Its keeper, a quiet "
+        "man named Tomas, climbed the ninety-seven steps every evening to light the lamp, and every morning he "
+        "climbed them again to put it out. Ships passed in the night, their captains trusting the steady beam "
+        "to warn them of the rocks below. In winter the storms were fierce: waves broke against the stones, "
+        "salt crusted the windows, and the wind howled through every crack in the walls. Yet the light never "
+        "failed. When the engineers finally came to replace the lamp with an automatic one, Tomas showed them "
+        "the logbook he had kept since he was young: 14,612 nights, each one written in the same careful hand."
+    ),
+    "phi3_chat": "<|user|>\nWrite a short poem about the sea.<|end|>\n<|assistant|>\n",
+    "gemma_chat": "<start_of_turn>user\nWrite a short poem about the sea.<end_of_turn>\n<start_of_turn>model\n",
+}
+
+#: greedy tokens llama.cpp appends to each prompt before the teacher-forced pass
+N_CONTINUATION = 16
+#: context used for the references (and by the tests)
+N_CTX = 512
+#: top entries stored per position
+N_TOP = 20
+
+_BPE_PROMPTS = ["short", "medium", "long"]
+
+SPECS: dict[str, dict] = {
+    "qwen2": {
+        "arch": "qwen2", "vocab": "bpe", "pre": "qwen2", "seed": 1002,
+        "n_layer": 3, "n_embd": 256, "n_head": 4, "n_head_kv": 2, "n_ff": 640, "context_length": 4096,
+        "keys": {"rope.freq_base": 1000000.0, "attention.layer_norm_rms_epsilon": 1e-6},
+        "types": {"token_embd": "Q8_0", "output": "F16", "attn_q": ["Q4_0", "Q5_0", "Q8_0"],
+                  "attn_k": ["Q5_0", "Q8_0", "Q4_1"], "attn_v": ["Q8_0", "Q4_0", "Q5_0"], "attn_output": "Q4_1",
+                  "ffn_gate": "Q4_0", "ffn_up": "Q5_0", "ffn_down": "Q8_0"},
+        "prompts": _BPE_PROMPTS,
+    },
+    "qwen3": {
+        "arch": "qwen3", "vocab": "bpe", "pre": "qwen2", "seed": 1003,
+        "n_layer": 3, "n_embd": 256, "n_head": 4, "n_head_kv": 2, "head_dim": 96, "n_ff": 512,
+        "context_length": 4096,
+        "keys": {"rope.freq_base": 1000000.0, "attention.layer_norm_rms_epsilon": 1e-6},
+        "types": {"token_embd": "Q4_0", "output": "Q8_0", "attn_q": "Q8_0", "attn_k": ["Q8_0", "Q5_0", "Q4_0"],
+                  "attn_v": "Q8_0", "attn_output": "Q5_0", "ffn_gate": "Q4_1", "ffn_up": "Q4_0",
+                  "ffn_down": ["Q8_0", "F16", "Q5_0"]},
+        "prompts": _BPE_PROMPTS,
+    },
+    "phi3": {
+        # Phi-3 style: fused QKV and gate/up, LongRoPE factors (long when n_ctx > original context), a sliding
+        # window in the file that llama.cpp deliberately ignores for phi3 (its loader turns SWA off).
+        "arch": "phi3", "vocab": "spm_phi3", "seed": 1004,
+        "n_layer": 3, "n_embd": 256, "n_head": 4, "n_head_kv": 2, "n_ff": 512, "context_length": 4096,
+        "original_context_length": 128, "sliding_window": 32,
+        "keys": {"rope.freq_base": 10000.0, "attention.layer_norm_rms_epsilon": 1e-5},
+        "types": {"token_embd": "F16", "output": "Q8_0", "attn_qkv": ["Q8_0", "Q5_0", "Q4_0"],
+                  "attn_output": "Q4_0", "ffn_up": "Q5_0", "ffn_down": "Q4_1"},
+        "prompts": ["phi3_chat", "medium", "long"],
+        # the same model once more with n_ctx <= original context: the short factors apply
+        "extra_runs": [{"n_ctx": 128, "prompts": ["phi3_chat", "medium"]}],
+    },
+    "gemma2": {
+        "arch": "gemma2", "vocab": "spm_gemma", "seed": 1005,
+        "n_layer": 4, "n_embd": 256, "n_head": 4, "n_head_kv": 2, "head_dim": 96, "n_ff": 512,
+        "context_length": 8192, "sliding_window": 32,
+        "keys": {"attention.layer_norm_rms_epsilon": 1e-6, "attn_logit_softcapping": 20.0,
+                 "final_logit_softcapping": 20.0},
+        "types": {"token_embd": "Q8_0", "attn_q": ["Q4_0", "Q5_0", "Q8_0", "Q4_1"], "attn_k": "Q5_0",
+                  "attn_v": "Q8_0", "attn_output": "Q8_0", "ffn_gate": "Q4_1", "ffn_up": "Q4_1",
+                  "ffn_down": "Q5_0"},
+        "prompts": ["gemma_chat", "medium", "long"],
+    },
+    "olmo": {
+        "arch": "olmo", "vocab": "bpe", "pre": "olmo", "seed": 1006,
+        "n_layer": 3, "n_embd": 256, "n_head": 4, "n_head_kv": 4, "n_ff": 512, "context_length": 4096,
+        "keys": {"rope.freq_base": 10000.0, "attention.layer_norm_epsilon": 1e-5, "attention.clamp_kqv": 3.0},
+        "types": {"token_embd": "F16", "output": "Q8_0", "attn_q": "Q8_0", "attn_k": "Q5_0", "attn_v": "Q4_1",
+                  "attn_output": "Q4_0", "ffn_gate": "Q4_1", "ffn_up": "Q5_0", "ffn_down": "Q8_0"},
+        "prompts": _BPE_PROMPTS,
+    },
+    # llama with each rope scaling type llama.cpp reads from a file (issue 4)
+    "llama-rope-linear": {
+        "arch": "llama", "vocab": "bpe", "pre": "smollm", "seed": 1011,
+        "n_layer": 2, "n_embd": 256, "n_head": 4, "n_head_kv": 2, "n_ff": 512, "context_length": 8192,
+        "keys": {"rope.freq_base": 10000.0, "attention.layer_norm_rms_epsilon": 1e-5,
+                 "rope.scaling.type": "linear", "rope.scaling.factor": 4.0},
+        "types": {"token_embd": "Q8_0", "output": "F16", "attn_q": "Q4_0", "attn_k": "Q8_0", "attn_v": "Q5_0",
+                  "attn_output": "Q4_1", "ffn_gate": "Q4_0", "ffn_up": "Q4_0", "ffn_down": "Q8_0"},
+        "prompts": _BPE_PROMPTS,
+    },
+    "llama-rope-yarn": {
+        "arch": "llama", "vocab": "bpe", "pre": "smollm", "seed": 1012,
+        "n_layer": 2, "n_embd": 256, "n_head": 4, "n_head_kv": 2, "n_ff": 512, "context_length": 256,
+        "keys": {"rope.freq_base": 10000.0, "attention.layer_norm_rms_epsilon": 1e-5,
+                 "rope.scaling.type": "yarn", "rope.scaling.factor": 4.0,
+                 "rope.scaling.original_context_length": 64, "rope.scaling.attn_factor": 0.8},
+        "types": {"token_embd": "Q8_0", "output": "F16", "attn_q": "Q8_0", "attn_k": "Q4_0", "attn_v": "Q5_0",
+                  "attn_output": "Q4_1", "ffn_gate": "Q5_0", "ffn_up": "Q4_0", "ffn_down": "Q8_0"},
+        "prompts": _BPE_PROMPTS,
+    },
+    "llama-rope-llama3": {
+        # Llama-3.1 style: no scaling type key, per-dimension factors in rope_freqs.weight
+        "arch": "llama", "vocab": "bpe", "pre": "smollm", "seed": 1013,
+        "n_layer": 2, "n_embd": 256, "n_head": 4, "n_head_kv": 2, "n_ff": 512, "context_length": 8192,
+        "llama3_rope": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                        "original_max_position_embeddings": 64},
+        "keys": {"rope.freq_base": 10000.0, "attention.layer_norm_rms_epsilon": 1e-5},
+        "types": {"token_embd": "Q8_0", "output": "F16", "attn_q": "Q5_0", "attn_k": "Q4_1", "attn_v": "Q8_0",
+                  "attn_output": "Q4_0", "ffn_gate": "Q8_0", "ffn_up": "Q4_1", "ffn_down": "Q5_0"},
+        "prompts": _BPE_PROMPTS,
+    },
+}
+
+
+def file_name(name: str) -> str:
+    return f"{name}.gguf"
+
+
+def reference_name(name: str) -> str:
+    return f"{name}.json"
