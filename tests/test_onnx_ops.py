@@ -236,9 +236,9 @@ def test_layer_graph_matches_numpy_over_decode_steps(case, softcap, use_factors)
             **{"kv_idx:kv": pos.astype(np.int64), "kq_mask:kv": mask}))
         np.testing.assert_allclose(got["logits"], want["logits"], rtol=2e-4, atol=2e-4)
     onnx_kv, numpy_kv = h.kv[h.onnx][("kv", 0)], h.kv[h.numpy][("kv", 0)]
-    np.testing.assert_allclose(onnx_kv.k, numpy_kv.k.transpose(1, 0, 2), rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(onnx_kv.v, numpy_kv.v.transpose(1, 0, 2), rtol=1e-4, atol=1e-5)
-    assert np.abs(onnx_kv.k[7:]).max() == 0.0  # cells never written stay zero
+    np.testing.assert_allclose(onnx_kv.k, numpy_kv.k, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(onnx_kv.v, numpy_kv.v, rtol=1e-4, atol=1e-5)
+    assert np.abs(onnx_kv.k[:, 7:]).max() == 0.0  # cells never written stay zero
     assert h.onnx.sessions_built == 1
 
 
@@ -246,17 +246,17 @@ def test_k_shift_rotates_cache_in_place():
     n_head_kv, head_dim, n_cells = 2, 16, 8
     shape = KVLayerShape("kv", 3, n_cells, n_head_kv, head_dim, head_dim)
     h = Harness([], [shape])
+    k = RNG.normal(size=(n_head_kv, n_cells, head_dim)).astype(np.float32)
     for backend in (h.onnx, h.numpy):
-        k = RNG.normal(size=(n_cells, n_head_kv, head_dim)).astype(np.float32) if backend is h.onnx else None
-        if backend is h.onnx:
-            h.kv[backend][("kv", 3)].k[:] = k
-            h.kv[h.numpy][("kv", 3)].k[:] = k.transpose(1, 0, 2)
+        h.kv[backend][("kv", 3)].k[:] = k
     g = Graph()
     shift = g.inputs["k_shift:kv"] = g.add("input", name="k_shift:kv")
     g.add("k_shift", shift, layer=3, cache="kv", **ROPE_CASES["neox-partial-yarn"]).attrs["layer"] = 3
     h.run(g, {"k_shift:kv": np.array([0, -1, 2, 3, 0, 5], np.int32)})
     onnx_k, numpy_k = h.kv[h.onnx][("kv", 3)].k, h.kv[h.numpy][("kv", 3)].k
-    np.testing.assert_allclose(onnx_k, numpy_k.transpose(1, 0, 2), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(onnx_k, numpy_k, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(onnx_k[:, 6:], k[:, 6:])  # cells past n_kv untouched
+    assert not np.allclose(onnx_k[:, 1:4], k[:, 1:4])
 
 
 # ---------------------------------------------------------------------------------------------------------------

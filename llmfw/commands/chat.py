@@ -23,12 +23,13 @@ class ChatSession:
     """The conversation, its context (KV cache) and sampler; :meth:`answer` streams one reply."""
 
     def __init__(self, pipeline: Any, model: Any, out: TextIO):
-        from ..core.generate import _ctx_int
+        from ..core.generate import GenerationStats, _ctx_int
 
         self.pipeline, self.model, self.out = pipeline, model, out
         self.ctx = pipeline.new_context(model)
         self.sampler = pipeline.make_sampler(model, _ctx_int(self.ctx, "n_ctx"))
         self.messages: list[dict[str, str]] = []
+        self.last_stats = GenerationStats()
         self.reset()
 
     def reset(self) -> None:
@@ -36,15 +37,17 @@ class ChatSession:
         self.messages = [{"role": "system", "content": system}] if system else []
 
     def answer(self, user_text: str) -> str:
-        from ..core.generate import generate
+        from ..core.generate import GenerationStats, generate
 
+        self.last_stats = GenerationStats()
         self.messages.append({"role": "user", "content": user_text})
         prompt = self.pipeline.render_messages(self.messages, self.model)
         gen, tok = self.pipeline.config.generation, self.pipeline.config.tokenizer
         pieces: list[str] = []
         try:
             for piece in generate(self.ctx, prompt, self.sampler, max_tokens=gen.max_tokens, stop=gen.stop,
-                                  parse_special=tok.parse_special, add_special=tok.add_special):
+                                  parse_special=tok.parse_special, add_special=tok.add_special,
+                                  stats=self.last_stats):
                 pieces.append(piece)
                 self.out.write(piece)
                 self.out.flush()
@@ -103,3 +106,6 @@ def chat(**opts: Any) -> None:
             session.answer(line)
         except LLMFWError as exc:
             click.echo(f"llmfw: error: {exc}", err=True)
+            continue
+        if opts["verbose"]:
+            click.echo(session.last_stats.summary(), err=True)

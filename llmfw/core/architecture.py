@@ -152,7 +152,9 @@ def default_rope_params(hp: HParams, mode: RopeType, *, swa: bool = False) -> Ro
         freq_base=hp.rope_freq_base_train_swa if swa else hp.rope_freq_base_train,
         freq_scale=hp.rope_freq_scale_train_swa if swa else hp.rope_freq_scale_train,
         ext_factor=hp.yarn_ext_factor_effective,
-        attn_factor=hp.yarn_attn_factor,
+        # llama.cpp's cparams: YaRN's own magnitude factor cancels out in the context set-up (ggml applies it),
+        # and rope.scaling.attn_factor multiplies the result (Phi-3's LongRoPE writes it, YaRN files may)
+        attn_factor=hp.yarn_attn_factor * hp.rope_attn_factor,
         beta_fast=hp.yarn_beta_fast,
         beta_slow=hp.yarn_beta_slow,
         n_ctx_orig=hp.n_ctx_orig_yarn or hp.n_ctx_train,

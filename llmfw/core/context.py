@@ -150,7 +150,8 @@ class Context:
         return DECODE_OK
 
     def _process_ubatch(self, ub: UBatch, reserved: Any, i: int, use_embd: bool) -> np.ndarray:
-        params = BuildParams(ub.n_tokens, ub.n_outputs, use_embd, tuple(sorted(reserved.n_kv().items())))
+        params = BuildParams(ub.n_tokens, ub.n_outputs, use_embd, tuple(sorted(reserved.n_kv().items())),
+                             n_ctx_seq=self.n_ctx // self.n_seq_max)
         plan = self._graph_for(params)
         inputs: dict[str, np.ndarray] = {"pos": ub.pos}
         if use_embd:
@@ -161,7 +162,7 @@ class Context:
             inputs["out_ids"] = ub.out_ids
         reserved.set_inputs(i, ub, inputs)
         outputs = self.scheduler.compute(plan, inputs)
-        return outputs["logits"].reshape(ub.n_outputs, -1)
+        return outputs["logits"].reshape(ub.n_outputs, self.n_vocab)
 
     def _graph_for(self, params: BuildParams) -> Plan:
         """The previous plan when the build parameters are unchanged, else a new graph planned on backends."""

@@ -111,6 +111,9 @@ class BuildParams:
     use_embd: bool = False
     #: (cache name, n_kv) for every KV cache, n_kv padded so that it changes rarely
     n_kv: tuple[tuple[str, int], ...] = ()
+    #: context size per sequence (llama.cpp's n_ctx_seq; 0 = unknown): Phi-3's LongRoPE picks its long or
+    #: short frequency factors by it
+    n_ctx_seq: int = 0
 
 
 class GraphBuilder:
@@ -209,23 +212,36 @@ class GraphBuilder:
             out = self.op("add", out, self.weight(bias))
         return out
 
-    def build_rope(self, x: Node, il: int | None = None) -> Node:
-        """Rotate ``x`` [T, H, D] at the ubatch positions with the layer's rope parameters (and factors)."""
+    def build_rope(self, x: Node, il: int | None = None, *, freq_factors: str | None = None) -> Node:
+        """Rotate ``x`` [T, H, D] at the ubatch positions with the layer's rope parameters (and factors;
+        ``freq_factors`` names the factor weight when the choice depends on the context, as for LongRoPE)."""
         il = self.layer if il is None else il
         inputs = [x, self.input("pos")]
-        factors = self.arch.rope_freq_factors(self.hp, il)
+        factors = freq_factors or self.arch.rope_freq_factors(self.hp, il)
         if factors is not None and self.has_weight(factors):
             inputs.append(self.weight(factors))
         return self.op("rope", *inputs, **self.arch.rope_params(self.hp, il).attrs())
 
     def build_qkv(self, x: Node, il: int | None = None, prefix: str | None = None) -> tuple[Node, Node, Node]:
-        """Q, K, V projections (+ optional biases) reshaped to [T, H, Dk], [T, Hkv, Dk], [T, Hkv, Dv]."""
+        """Q, K, V projections (+ optional biases) reshaped to [T, H, Dk], [T, Hkv, Dk], [T, Hkv, Dv].
+
+        A fused ``attn_qkv.weight`` (rows: Q, then K, then V; Phi-3, Falcon...) is used when the model has it,
+        with its ``attn_qkv.bias`` or else separate Q/K/V biases, like llama.cpp's ``build_qkv``."""
         il = self.layer if il is None else il
         p = prefix or f"blk.{il}"
         hp = self.hp
-        q = self.mul_mat(f"{p}.attn_q.weight", x, f"{p}.attn_q.bias")
-        k = self.mul_mat(f"{p}.attn_k.weight", x, f"{p}.attn_k.bias")
-        v = self.mul_mat(f"{p}.attn_v.weight", x, f"{p}.attn_v.bias")
+        if self.has_weight(f"{p}.attn_qkv.weight"):
+            n_q, n_k = hp.n_embd_head_k * hp.n_head(il), hp.n_embd_k_gqa(il)
+            qkv = self.mul_mat(f"{p}.attn_qkv.weight", x, f"{p}.attn_qkv.bias")
+            q, k, v = (self.op("slice", qkv, axis=-1, start=a, stop=b)
+                       for a, b in ((0, n_q), (n_q, n_q + n_k), (n_q + n_k, n_q + n_k + hp.n_embd_v_gqa(il))))
+            if not self.has_weight(f"{p}.attn_qkv.bias"):
+                q, k, v = (self.op("add", t, self.weight(f"{p}.attn_{n}.bias")) if self.has_weight(f"{p}.attn_{n}.bias")
+                           else t for t, n in ((q, "q"), (k, "k"), (v, "v")))
+        else:
+            q = self.mul_mat(f"{p}.attn_q.weight", x, f"{p}.attn_q.bias")
+            k = self.mul_mat(f"{p}.attn_k.weight", x, f"{p}.attn_k.bias")
+            v = self.mul_mat(f"{p}.attn_v.weight", x, f"{p}.attn_v.bias")
         q = self.op("reshape", q, shape=(-1, hp.n_head(il), hp.n_embd_head_k))
         k = self.op("reshape", k, shape=(-1, hp.n_head_kv(il), hp.n_embd_head_k))
         v = self.op("reshape", v, shape=(-1, hp.n_head_kv(il), hp.n_embd_head_v))
@@ -254,15 +270,21 @@ class GraphBuilder:
         return out
 
     def build_ffn(self, x: Node, il: int | None = None, *, act: str = "silu", gated: bool = True,
-                  up: str | None = None, gate: str | None = None, down: str | None = None) -> Node:
+                  up: str | None = None, gate: str | None = None, down: str | None = None,
+                  gate_in_up: bool = False) -> Node:
         """Feed-forward: ``down(act(gate(x)) * up(x))`` when gated (SwiGLU / GeGLU), else ``down(act(up(x)))``.
-        Biases ``*.bias`` are added when present."""
+        Biases ``*.bias`` are added when present. ``gate_in_up``: the up projection holds the gate rows first,
+        then the up rows (Phi-3's fused ``ffn_up``; llama.cpp's LLM_FFN_SWIGLU with no gate tensor)."""
         il = self.layer if il is None else il
         up = up or f"blk.{il}.ffn_up.weight"
         gate = gate or f"blk.{il}.ffn_gate.weight"
         down = down or f"blk.{il}.ffn_down.weight"
         h = self.mul_mat(up, x, _bias_of(up))
-        if gated:
+        if gate_in_up:
+            n_ff = self.hp.n_ff(il)
+            g = self.op(act, self.op("slice", h, axis=-1, start=0, stop=n_ff))
+            h = self.op("mul", g, self.op("slice", h, axis=-1, start=n_ff, stop=2 * n_ff))
+        elif gated:
             g = self.op(act, self.mul_mat(gate, x, _bias_of(gate)))
             h = self.op("mul", g, h)
         else:
@@ -293,7 +315,7 @@ class GraphBuilder:
             (x,) = self.select_outputs(x)
         if norm:
             x = self.build_norm(x, norm, norm_kind, bias=norm.replace(".weight", ".bias"))
-        logits = self.mul_mat(head, x)
+        logits = self.mul_mat(head, x, _bias_of(head))  # a head bias is used when the model has one (qwen2)
         cap = self.hp.f_final_logit_softcapping if softcap is None else softcap
         if cap:
             logits = self.op("softcap", logits, cap=cap)

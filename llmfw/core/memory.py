@@ -517,3 +517,68 @@ class _CompositeBatch(MemoryBatch):
     def set_inputs(self, i: int, ubatch: "UBatch", inputs: dict[str, np.ndarray]) -> None:
         for mb in self.batches:
             mb.set_inputs(i, ubatch, inputs)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# interleaved sliding-window attention (iSWA): llama.cpp's llama_kv_cache_iswa
+# ---------------------------------------------------------------------------------------------------------
+
+#: cache of the global (full-context) layers and of the sliding-window layers
+ISWA_BASE_CACHE = "kv"
+ISWA_SWA_CACHE = "kv_swa"
+
+
+def swa_cache_size(n_ctx: int, n_swa: int, n_seq_max: int, n_ubatch: int) -> int:
+    """Cells of the sliding-window cache, as llama.cpp sizes it: every sequence's window plus one ubatch (the
+    cells a ubatch writes cannot reuse cells its own tokens still see), at most the full context, padded to
+    256 (``GGML_PAD(min(n_ctx, n_swa * n_seq_max + n_ubatch), 256)`` with a unified cache)."""
+    return pad_to(min(n_ctx, n_swa * n_seq_max + n_ubatch), KV_PAD)
+
+
+class KVCacheISWA(CompositeMemory):
+    """Two KV caches side by side: ``"kv"`` for the global layers (the whole context) and ``"kv_swa"`` for the
+    sliding-window layers, which keeps only about ``n_swa + n_ubatch`` cells and reuses the cells that fell out
+    of every sequence's window (llama.cpp's ``llama_kv_cache_iswa``).
+
+    Each cache has its own cells, slots, ``kv_idx:<cache>`` and ``kq_mask:<cache>`` inputs (the SWA mask also
+    hides cells older than the window); a batch is reserved in both or in neither, and every sequence operation
+    applies to both. ``swa_full=True`` gives the SWA cache the full context size (llama.cpp's ``--swa-full``).
+    """
+
+    def __init__(self, model: Any, n_ctx: int, n_seq_max: int = 1, n_ubatch: int = 512, *, swa_full: bool = False):
+        hp = model.hparams
+        if hp.n_swa <= 0 or hp.swa_type == "none" or not any(hp.swa_layers):
+            raise ContextError(f"the interleaved sliding-window cache needs sliding-window layers; arch "
+                               f"{hp.arch!r} has n_swa = {hp.n_swa}, swa_type = {hp.swa_type!r}")
+        if n_ubatch <= 0:
+            raise ContextError(f"n_ubatch must be positive, got {n_ubatch}")
+        n_ctx = pad_to(n_ctx, KV_PAD)
+        size_swa = n_ctx if swa_full else swa_cache_size(n_ctx, hp.n_swa, n_seq_max, n_ubatch)
+        self.base = KVCache(model, n_ctx, n_seq_max, name=ISWA_BASE_CACHE,
+                            layers=[il for il in range(hp.n_layer) if not hp.is_swa(il)])
+        self.swa = KVCache(model, size_swa, n_seq_max, name=ISWA_SWA_CACHE,
+                           layers=[il for il in range(hp.n_layer) if hp.is_swa(il)],
+                           n_swa=hp.n_swa, swa_type=hp.swa_type)
+        super().__init__([self.base, self.swa])
+        log.info("iSWA KV cache: %d cells for %d global layers, %d cells for %d sliding-window layers (n_swa %d)",
+                 self.base.n_cells, len(self.base.layers), self.swa.n_cells, len(self.swa.layers), hp.n_swa)
+
+    @classmethod
+    def create(cls, model: Any, cparams: Any) -> Memory:
+        """The iSWA cache, or one plain :class:`KVCache` when the model has no sliding-window layer (llama.cpp
+        picks its memory the same way)."""
+        hp = model.hparams
+        if hp.n_swa <= 0 or hp.swa_type == "none" or not any(hp.swa_layers):
+            return KVCache.create(model, cparams)
+        return cls(model, cparams.n_ctx, cparams.n_seq_max, cparams.n_ubatch)
+
+    @property
+    def nbytes(self) -> int:
+        return self.base.nbytes + self.swa.nbytes
+
+    # the global cache holds a superset of the window's positions: llama.cpp answers from the SWA cache
+    def seq_pos_min(self, seq_id: int) -> int:
+        return self.swa.seq_pos_min(seq_id)
+
+    def seq_pos_max(self, seq_id: int) -> int:
+        return self.swa.seq_pos_max(seq_id)

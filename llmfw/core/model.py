@@ -69,6 +69,8 @@ class Model:
         self.backends: dict[str, Backend] = {}
         #: graph weight name → (backend, owning layer)
         self._weights: dict[str, tuple[Backend, int]] = {}
+        #: graph weight name → (file tensor it was loaded from or None when generated, ggml shape)
+        self.weight_sources: dict[str, tuple[str | None, tuple[int, ...]]] = {}
         #: backend spec per layer index (0..n_layer-1) and for the output side (n_layer)
         self.layer_specs: list[str] = []
         self.host_backend: Backend | None = None
@@ -111,8 +113,14 @@ class Model:
 
         return apply_chat_template(self, messages, add_generation_prompt)
 
+    @property
+    def n_params(self) -> int:
+        """Parameters in the file's tensors (a tied head is counted once)."""
+        counted = {source: ne for source, ne in self.weight_sources.values() if source is not None}
+        return sum(int(np.prod(ne)) for ne in counted.values())
+
     def describe(self) -> str:
-        n_params = sum(int(np.prod(s.ne)) for s in self.tensor_specs if self.has_weight(s.name))
+        n_params = self.n_params
         placement = ", ".join(sorted(set(self.layer_specs))) or "-"
         return (f"{self.path.name}: arch {self.arch_name}, {self.hparams.n_layer} layers, n_embd {self.n_embd}, "
                 f"n_vocab {self.n_vocab}, {n_params / 1e6:.1f}M params, backends {placement}")
@@ -216,6 +224,7 @@ def _build_model(loader: ModelFileLoader, path: Path, params: ModelParams) -> Mo
         loader.load_all_data(loads, params.progress)
         for load in loads:
             model._weights[load.name] = (load.backend, _spec_layer(hparams, load.layer))
+            model.weight_sources[load.name] = (load.source_name, load.ne)
     except BaseException:
         model.close()
         raise

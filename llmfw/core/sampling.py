@@ -47,7 +47,7 @@ DEFAULT_SAMPLER_ORDER: tuple[str, ...] = (
 #: names accepted in ``samplers`` lists besides the registered ones (llama.cpp's spellings)
 SAMPLER_ALIASES: dict[str, str] = {
     "typ_p": "typical", "typical_p": "typical", "typ": "typical",
-    "temp": "temperature", "top_n_sigma": "top_n_sigma", "nsigma": "top_n_sigma",
+    "temp": "temperature", "nsigma": "top_n_sigma",
     "repetition": "penalties", "penalty": "penalties", "mirostat_v1": "mirostat", "mirostat2": "mirostat_v2",
 }
 

@@ -76,6 +76,8 @@ _ATTR_OF_TYPE = {
     TokenType.USER_DEFINED: TokenAttr.USER_DEFINED,
     TokenType.BYTE: TokenAttr.BYTE,
 }
+_ATTR_BY_TYPE = np.array([int(_ATTR_OF_TYPE.get(TokenType(t), TokenAttr.UNDEFINED)) for t in range(len(TokenType))],
+                         dtype=np.int64)  # token type -> attribute bits (unknown types: UNDEFINED)
 # plain ints for the hot paths
 _UNKNOWN, _UNUSED, _NORMAL, _CONTROL, _USER, _BYTE = (int(a) for a in (
     TokenAttr.UNKNOWN, TokenAttr.UNUSED, TokenAttr.NORMAL, TokenAttr.CONTROL, TokenAttr.USER_DEFINED, TokenAttr.BYTE))
@@ -181,6 +183,9 @@ class Tokenizer(ABC):
     @abstractmethod
     def byte_to_token(self, byte: int) -> int:
         """The token of one raw byte; :class:`TokenizerError` if the vocab has none."""
+
+    def clear_cache(self) -> None:
+        """Forget memoised results (tokenizers may cache per-word ids; benchmarks measure a cold start)."""
 
     def newline_id(self) -> int | None:
         """The token llama.cpp records as the newline token (``token_nl``)."""
@@ -288,25 +293,33 @@ class Vocab:
         n = len(raw)
         if n == 0:
             raise VocabError(f"{key} is empty")
-        tokens: list[str] = []
-        token_to_id: dict[str, int] = {}
-        for i, word in enumerate(raw):
-            if not isinstance(word, str):
-                raise VocabError(f"{key}[{i}]: expected a string, found {type(word).__name__}")
-            if not word:  # llama.cpp renames empty tokens so that they can never match text
-                log.warning("vocab: empty token at index %d", i)
-                word = f"[EMPTY_{i}]"
-            if word in token_to_id:
-                raise VocabError(f"duplicate token in vocabulary: {word!r} has ids {token_to_id[word]} and {i}")
-            token_to_id[word] = i
-            tokens.append(word)
+        tokens = list(raw)
+        if set(map(type, tokens)) != {str}:
+            bad = next(i for i, word in enumerate(tokens) if not isinstance(word, str))
+            raise VocabError(f"{key}[{bad}]: expected a string, found {type(tokens[bad]).__name__}")
+        token_to_id = dict(zip(tokens, range(n)))
+        if len(token_to_id) != n or "" in token_to_id:  # rare: rebuild one by one to name the culprit
+            token_to_id = self._checked_token_index(tokens)
         self.tokens: list[str] = tokens
         self.token_to_id: dict[str, int] = token_to_id
         self.n_vocab: int = n
         self.scores: np.ndarray = self._read_numeric(metadata, "scores", n, np.float32, 0.0)
         self.token_types: np.ndarray = self._read_numeric(metadata, "token_type", n, np.int32, TokenType.NORMAL)
-        self.token_attrs: list[int] = [int(_ATTR_OF_TYPE.get(t, TokenAttr.UNDEFINED))
-                                       for t in self.token_types.tolist()]
+        in_range = (self.token_types >= 0) & (self.token_types < len(_ATTR_BY_TYPE))
+        self.token_attrs: list[int] = np.where(in_range, _ATTR_BY_TYPE[np.where(in_range, self.token_types, 0)],
+                                               0).tolist()
+
+    @staticmethod
+    def _checked_token_index(tokens: list[str]) -> dict[str, int]:
+        token_to_id: dict[str, int] = {}
+        for i, word in enumerate(tokens):
+            if not word:  # llama.cpp renames empty tokens so that they can never match text
+                log.warning("vocab: empty token at index %d", i)
+                word = tokens[i] = f"[EMPTY_{i}]"
+            if word in token_to_id:
+                raise VocabError(f"duplicate token in vocabulary: {word!r} has ids {token_to_id[word]} and {i}")
+            token_to_id[word] = i
+        return token_to_id
 
     @staticmethod
     def _read_numeric(metadata: Mapping[str, Any], name: str, n: int, dtype: type, default: Any) -> np.ndarray:
@@ -329,11 +342,11 @@ class Vocab:
         key = KEY_PREFIX + "merges"
         if key not in metadata:
             return None
-        merges = _as_list(metadata[key], key, "strings")
-        for i, item in enumerate(merges):
-            if not isinstance(item, str):
-                raise VocabError(f"{key}[{i}]: expected a string, found {type(item).__name__}")
-        return list(merges)
+        merges = list(_as_list(metadata[key], key, "strings"))
+        if merges and set(map(type, merges)) != {str}:
+            bad = next(i for i, item in enumerate(merges) if not isinstance(item, str))
+            raise VocabError(f"{key}[{bad}]: expected a string, found {type(merges[bad]).__name__}")
+        return merges
 
     def _read_flags(self, metadata: Mapping[str, Any], defaults: TokenizerDefaults) -> None:
         def flag(name: str, default: bool) -> bool:
@@ -388,9 +401,9 @@ class Vocab:
                     setattr(self, name, token)
                     self._force_control(token)
                     break
-        for token, attr in enumerate(self.token_attrs):
-            if attr & _CONTROL and "unused" in self.tokens[token]:
-                self.token_attrs[token] = attr | _UNUSED
+        for token in np.flatnonzero(np.asarray(self.token_attrs) & _CONTROL).tolist():
+            if "unused" in self.tokens[token]:
+                self.token_attrs[token] |= _UNUSED
         eog = {t for t in (self.fim_pad_id, self.fim_rep_id, self.fim_sep_id) if t is not None}
         for text in _EOG_TEXTS:
             token = token_to_id.get(text)
@@ -446,7 +459,7 @@ class Vocab:
 
     def _special_tokens_longest_first(self) -> list[int]:
         # llama.cpp sorts by byte length only (std::sort, unstable); ties here go by id, which is deterministic.
-        special = [t for t, attr in enumerate(self.token_attrs) if attr & _SPECIAL_SPLIT_ATTRS]
+        special = np.flatnonzero(np.asarray(self.token_attrs) & _SPECIAL_SPLIT_ATTRS).tolist()
         return sorted(special, key=lambda t: (-len(self.tokens[t].encode("utf-8", "surrogatepass")), t))
 
     # ------------------------------------------------------------------------------------------- queries
@@ -521,20 +534,56 @@ class Vocab:
         return output
 
     def _partition(self, text: str, parse_special: bool) -> list[str | int]:
-        """llama.cpp's ``tokenizer_st_partition``: special tokens split out, longest first, as fragments.
+        """llama.cpp's ``tokenizer_st_partition``: special tokens split out, as fragments in text order.
 
-        Returns the plain-text pieces (``str``) and special token ids (``int``) in order.
+        llama.cpp takes the special tokens longest first and splits every remaining text fragment at the token's
+        occurrences, leftmost first (stripping whitespace next to tokens with the lstrip / rstrip attributes).
+        Equivalently, we keep the claimed spans sorted and claim, token by token, every occurrence that lies
+        entirely in unclaimed text, left to right — only touching the places where the token occurs.
         """
         if not text:
             return []
         candidates = self._special_tokens_in(text, parse_special)
         if not candidates:
             return [text]
-        # fragments: (start, end) spans of text, or token ids
-        fragments: list[tuple[int, int] | int] = [(0, len(text))]
+        starts: list[int] = []  # claimed spans, sorted: [starts[i], ends[i]) holds token ids[i]
+        ends: list[int] = []
+        ids: list[int] = []
         for token in candidates:
-            fragments = self._split_on_token(text, fragments, token)
-        return [text[f[0]:f[1]] if isinstance(f, tuple) else f for f in fragments]
+            self._claim_occurrences(text, token, starts, ends, ids)
+        fragments: list[str | int] = []
+        previous_end = 0
+        for start, end, token in zip(starts, ends, ids):
+            if start > previous_end:
+                fragments.append(text[previous_end:start])
+            fragments.append(token)
+            previous_end = end
+        if previous_end < len(text):
+            fragments.append(text[previous_end:])
+        return fragments
+
+    def _claim_occurrences(self, text: str, token: int, starts: list[int], ends: list[int], ids: list[int]) -> None:
+        special, attr = self.tokens[token], self.token_attrs[token]
+        size = len(special)
+        pos = text.find(special)
+        while pos >= 0:
+            i = bisect.bisect_right(starts, pos)
+            gap_start = ends[i - 1] if i else 0
+            gap_end = starts[i] if i < len(starts) else len(text)
+            if pos < gap_start or pos + size > gap_end:  # overlaps a claimed span: not in any text fragment
+                pos = text.find(special, pos + 1)
+                continue
+            claim_start, claim_end = pos, pos + size
+            if attr & _LSTRIP:
+                while claim_start > gap_start and text[claim_start - 1] in _C_SPACE:
+                    claim_start -= 1
+            if attr & _RSTRIP:
+                while claim_end < gap_end and text[claim_end] in _C_SPACE:
+                    claim_end += 1
+            starts.insert(i, claim_start)
+            ends.insert(i, claim_end)
+            ids.insert(i, token)
+            pos = text.find(special, claim_end)  # llama.cpp goes on in the rest of the fragment
 
     def _special_tokens_in(self, text: str, parse_special: bool) -> list[int]:
         """The special tokens that occur in ``text``, in llama.cpp's processing order (longest first).
@@ -548,12 +597,14 @@ class Vocab:
         if matcher is None:
             return []
         found: set[str] = set()
+        maybe: set[str] = set()  # special texts that would run past the end of a match: confirmed below
         for match in set(matcher.pattern.findall(text)):
             found.update(matcher.prefixes_of(match))
             for k in range(1, len(match)):
                 rest = match[k:]
                 found.update(matcher.prefixes_of(rest))
-                found.update(t for t in matcher.extending(rest) if t not in found and t in text)
+                maybe.update(matcher.extending(rest))
+        found.update(t for t in maybe - found if t in text)
         if not found:
             return []
         ids = {self.token_to_id[t] for t in found}
@@ -566,45 +617,6 @@ class Vocab:
                      if self.token_attrs[t] & allowed and (parse_special or not self.token_attrs[t] & _HIDDEN_ATTRS)]
             self._special_matchers[parse_special] = _SpecialMatcher(texts) if texts else None
         return self._special_matchers[parse_special]
-
-    def _split_on_token(self, text: str, fragments: list[tuple[int, int] | int], token: int) -> list[tuple[int, int] | int]:
-        """Split every text fragment at the occurrences of one special token, leftmost first, like llama.cpp."""
-        special = self.tokens[token]
-        attr = self.token_attrs[token]
-        size = len(special)
-        occurrences = []  # every start position in the whole text, overlapping ones included
-        pos = text.find(special)
-        while pos >= 0:
-            occurrences.append(pos)
-            pos = text.find(special, pos + 1)
-        result: list[tuple[int, int] | int] = []
-        j, n_occ = 0, len(occurrences)
-        for fragment in fragments:
-            if isinstance(fragment, int):
-                result.append(fragment)
-                continue
-            start, end = fragment
-            while True:
-                while j < n_occ and occurrences[j] < start:
-                    j += 1
-                if j == n_occ or occurrences[j] + size > end:  # later ones end even further right
-                    result.append((start, end))
-                    break
-                match = occurrences[j]
-                left_end = match
-                if attr & _LSTRIP:
-                    while left_end > start and text[left_end - 1] in _C_SPACE:
-                        left_end -= 1
-                if left_end > start:
-                    result.append((start, left_end))
-                result.append(token)
-                start = match + size
-                if attr & _RSTRIP:
-                    while start < end and text[start] in _C_SPACE:
-                        start += 1
-                if start >= end:
-                    break
-        return result
 
     # ------------------------------------------------------------------------------------------- pieces
     def token_to_piece(self, token: int, special: bool = False) -> bytes:

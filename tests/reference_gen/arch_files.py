@@ -131,17 +131,16 @@ def _spm_gemma_vocab() -> list[tuple]:
 
 
 def _spm_phi3_vocab() -> list[tuple]:
-    """A Llama-2 / Phi-3 layout: <unk> <s> </s>, 256 byte tokens, SPM pieces (Gemma's best-scored), then
-    Phi-3's special tokens; 8,192 tokens in all."""
+    """A Llama-2 / Phi-3 layout: <unk> <s> </s>, 256 byte tokens, SPM pieces (the normal pieces among
+    Gemma's first 8,192 ids, best-scored first), then Phi-3's special tokens."""
     v = _read_vocab("vocab_spm_gemma3_8k.json")
     tokens = ["<unk>", "<s>", "</s>"]
     types = [_TOKEN_UNKNOWN, _TOKEN_CONTROL, _TOKEN_CONTROL]
     tokens += v["tokens"][_GEMMA_FIRST_BYTE:_GEMMA_FIRST_PIECE]
     types += [_TOKEN_BYTE] * (_GEMMA_FIRST_PIECE - _GEMMA_FIRST_BYTE)
     scores = [0.0] * len(tokens)
-    n_pieces = len(v["tokens"]) - len(tokens) - len(_PHI3_ADDED)
     pieces = [i for i in range(_GEMMA_FIRST_PIECE, len(v["tokens"])) if v["token_type"][i] == _TOKEN_NORMAL]
-    for i in pieces[:n_pieces]:
+    for i in pieces:
         tokens.append(v["tokens"][i])
         scores.append(v["scores"][i])
         types.append(_TOKEN_NORMAL)
@@ -218,8 +217,8 @@ def _layer_plan(spec: dict, il: int) -> list[TensorPlan]:
     return plan
 
 
-def tensor_plan(spec: dict) -> list[TensorPlan]:
-    n_embd, n_vocab = spec["n_embd"], 8192
+def tensor_plan(spec: dict, n_vocab: int) -> list[TensorPlan]:
+    n_embd = spec["n_embd"]
     half_rot = _head_dim(spec) // 2
     plan = [TensorPlan("token_embd.weight", (n_vocab, n_embd), "token_embd",
                        "embd_tied" if spec["arch"] == "gemma2" else "embd")]
@@ -326,9 +325,11 @@ def build_model_file(name: str, directory: str | Path) -> Path:
     writer.add("general.name", f"llmfw random {name}", GGUFValueType.STRING)
     for suffix, value in _arch_keys(spec).items():
         writer.add(f"{arch}.{suffix}", value, _key_type(suffix, value))
-    for key, value, vtype, array_type in _vocab_keys(spec):
+    vocab_keys = _vocab_keys(spec)
+    for key, value, vtype, array_type in vocab_keys:
         writer.add(key, value, vtype, array_type=array_type)
-    for index, item in enumerate(tensor_plan(spec)):
+    n_vocab = len(next(value for key, value, _, _ in vocab_keys if key == "tokenizer.ggml.tokens"))
+    for index, item in enumerate(tensor_plan(spec, n_vocab)):
         rng = np.random.default_rng([spec["seed"], index])  # one stream per tensor: stable under plan edits
         _add_tensor(writer, item.name, _draw(spec, item, rng), _tensor_type(spec, item))
     writer.write()

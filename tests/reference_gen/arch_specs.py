@@ -26,6 +26,16 @@ PROMPTS: dict[str, str] = {
         "failed. When the engineers finally came to replace the lamp with an automatic one, Tomas showed them "
         "the logbook he had kept since he was young: 14,612 nights, each one written in the same careful hand."
     ),
+    "harbour": (
+        "At dawn the harbour woke slowly. Fishermen untied their boats and checked the nets they had mended the "
+        "night before, while gulls circled above the market, waiting for the first catch. A baker opened his "
+        "shutters and the smell of warm bread drifted down the narrow street toward the water. Children ran "
+        "past the fountain on their way to school, their bags bouncing, their voices echoing between the stone "
+        "houses. By nine o'clock the boats were far out at sea, small white shapes against the grey horizon, "
+        "and the harbour was quiet again except for the slap of the waves against the pier and the distant "
+        "bell of the church on the hill. In the afternoon the wind turned, clouds gathered over the islands, "
+        "and the harbour master raised the red flag that warned every captain to come home before the storm."
+    ),
     "phi3_chat": "<|user|>\nWrite a short poem about the sea.<|end|>\n<|assistant|>\n",
     "gemma_chat": "<start_of_turn>user\nWrite a short poem about the sea.<end_of_turn>\n<start_of_turn>model\n",
 }
@@ -64,13 +74,14 @@ SPECS: dict[str, dict] = {
         # window in the file that llama.cpp deliberately ignores for phi3 (its loader turns SWA off).
         "arch": "phi3", "vocab": "spm_phi3", "seed": 1004,
         "n_layer": 3, "n_embd": 256, "n_head": 4, "n_head_kv": 2, "n_ff": 512, "context_length": 4096,
-        "original_context_length": 128, "sliding_window": 32,
+        "original_context_length": 256, "sliding_window": 32,
         "keys": {"rope.freq_base": 10000.0, "attention.layer_norm_rms_epsilon": 1e-5},
         "types": {"token_embd": "F16", "output": "Q8_0", "attn_qkv": ["Q8_0", "Q5_0", "Q4_0"],
                   "attn_output": "Q4_0", "ffn_up": "Q5_0", "ffn_down": "Q4_1"},
         "prompts": ["phi3_chat", "medium", "long"],
-        # the same model once more with n_ctx <= original context: the short factors apply
-        "extra_runs": [{"n_ctx": 128, "prompts": ["phi3_chat", "medium"]}],
+        # the same model once more with n_ctx <= original context: the short factors apply (llama.cpp pads
+        # n_ctx to a multiple of 256, so 256 is the smallest context that can pick them)
+        "extra_runs": [{"n_ctx": 256, "prompts": ["phi3_chat", "medium"]}],
     },
     "gemma2": {
         "arch": "gemma2", "vocab": "spm_gemma", "seed": 1005,
@@ -81,7 +92,8 @@ SPECS: dict[str, dict] = {
         "types": {"token_embd": "Q8_0", "attn_q": ["Q4_0", "Q5_0", "Q8_0", "Q4_1"], "attn_k": "Q5_0",
                   "attn_v": "Q8_0", "attn_output": "Q8_0", "ffn_gate": "Q4_1", "ffn_up": "Q4_1",
                   "ffn_down": "Q5_0"},
-        "prompts": ["gemma_chat", "medium", "long"],
+        # "long" + "harbour" (~330 tokens) outgrows the sliding-window cache of a small ubatch (256 cells)
+        "prompts": ["gemma_chat", "medium", "long", "long+harbour"],
     },
     "olmo": {
         "arch": "olmo", "vocab": "bpe", "pre": "olmo", "seed": 1006,
@@ -123,6 +135,11 @@ SPECS: dict[str, dict] = {
         "prompts": _BPE_PROMPTS,
     },
 }
+
+
+def prompt_text(key: str) -> str:
+    """The text of a prompt key; ``"a+b"`` is prompt a, a space, then prompt b."""
+    return " ".join(PROMPTS[part] for part in key.split("+"))
 
 
 def file_name(name: str) -> str:

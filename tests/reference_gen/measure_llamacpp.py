@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from arch_specs import N_CONTINUATION, N_CTX, N_TOP, PROMPTS, SPECS, reference_name  # noqa: E402
+from arch_specs import N_CONTINUATION, N_CTX, N_TOP, SPECS, prompt_text, reference_name  # noqa: E402
 
 import llama_cpp  # noqa: E402  (the measuring stick, only here)
 
@@ -47,7 +47,7 @@ def _positions(logits: np.ndarray) -> list[dict]:
 
 
 def _measure_prompt(llm: "llama_cpp.Llama", key: str, n_ctx: int) -> dict:
-    text = PROMPTS[key]
+    text = prompt_text(key)
     prompt_ids = llm.tokenize(text.encode("utf-8"), add_bos=True, special=True)
     llm.reset()
     llm.eval(prompt_ids)

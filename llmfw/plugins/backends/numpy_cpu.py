@@ -60,7 +60,10 @@ def layer_norm(x: np.ndarray, eps: float) -> np.ndarray:
 
 def silu(x: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):
-        return x / (F32(1.0) + np.exp(-x))
+        out = np.negative(x)
+        np.exp(out, out=out)
+        out += F32(1.0)
+        return np.divide(x, out, out=out)
 
 
 def gelu(x: np.ndarray) -> np.ndarray:
@@ -135,11 +138,10 @@ def attention(q: np.ndarray, kv: NumpyKV, n_kv: int, mask: np.ndarray, scale: fl
     group = n_head // n_head_kv
     keys = kv.k[:, :n_kv]  # [Hkv, n_kv, Dk]
     values = kv.v[:, :n_kv]  # [Hkv, n_kv, Dv]
-    # [T, H, D] -> [Hkv, G*T, D] so each KV head is one matmul over all its query heads and tokens
-    qg = q.reshape(n_tokens, n_head_kv, group, head_dim).transpose(1, 2, 0, 3).reshape(n_head_kv, group * n_tokens,
-                                                                                      head_dim)
-    scores = np.matmul(qg, keys.transpose(0, 2, 1))  # [Hkv, G*T, n_kv]
-    scores *= F32(scale)
+    # [T, H, D] -> [Hkv, G*T, D] so each KV head is one matmul over all its query heads and tokens; the scale
+    # is applied to q (small) rather than to the scores (large): the same product up to rounding
+    qg = (q * F32(scale)).reshape(n_tokens, n_head_kv, group, head_dim).transpose(1, 2, 0, 3)
+    scores = np.matmul(qg.reshape(n_head_kv, group * n_tokens, head_dim), keys.transpose(0, 2, 1))
     if softcap:
         np.tanh(scores / F32(softcap), out=scores)
         scores *= F32(softcap)
@@ -147,8 +149,9 @@ def attention(q: np.ndarray, kv: NumpyKV, n_kv: int, mask: np.ndarray, scale: fl
     scores += mask[None, None, :, :]
     scores -= scores.max(axis=-1, keepdims=True)
     np.exp(scores, out=scores)
-    scores /= scores.sum(axis=-1, keepdims=True)
+    denominators = scores.sum(axis=-1, keepdims=True).reshape(n_head_kv, group * n_tokens, 1)
     out = np.matmul(scores.reshape(n_head_kv, group * n_tokens, n_kv), values)  # [Hkv, G*T, Dv]
+    out /= denominators  # normalise after the product: Dv columns instead of n_kv
     dv = values.shape[-1]
     return out.reshape(n_head_kv, group, n_tokens, dv).transpose(2, 0, 1, 3).reshape(n_tokens, n_head * dv)
 

@@ -16,7 +16,7 @@ Weights are converted once, at load, into the forms ONNX Runtime runs fastest (`
 Weights reach sessions as external initializers (``SessionOptions.add_external_initializers``), so a model is
 never serialized with its weights and all sessions share one copy of the packed bytes.
 
-The KV cache of a layer is a pair of float32 arrays ``[n_cells, n_head_kv, head_dim]``. The ``attention`` node
+The KV cache of a layer is a pair of float32 arrays ``[n_head_kv, n_cells, head_dim]``. The ``attention`` node
 writes the ubatch's K/V rows with ``ScatterND`` whose input and output are bound (IOBinding) to the *same*
 buffer, so ONNX Runtime updates the cache in place — no cache-sized copy per token.
 
@@ -29,6 +29,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
@@ -299,8 +300,9 @@ def rope_frequencies(attrs: Mapping[str, Any], freq_factors: np.ndarray | None) 
 
 @dataclass
 class OnnxKV:
-    """K and V of one layer, ``[n_cells, n_head_kv, head_dim]`` float32, with OrtValues sharing their memory
-    (bound as both input and output of the in-place ScatterND)."""
+    """K and V of one layer, ``[n_head_kv, n_cells, head_dim]`` float32 (each head's cells contiguous, so a
+    prefix of cells is a cheap slice), with OrtValues sharing their memory (bound as both input and output of
+    the in-place ScatterND)."""
 
     k: np.ndarray
     v: np.ndarray
@@ -403,7 +405,7 @@ class _SplitTranslator:
         self.graph_outputs: list[Any] = []
         self.kv_bindings: list[tuple[str, str, tuple[str, int], str]] = []
         self._kv_current: dict[tuple[tuple[str, int], str], str] = {}
-        self._rope_tables: dict[tuple, tuple[str, str]] = {}
+        self._shared: dict[tuple, Any] = {}
         self._last_kv_writer: dict[tuple[tuple[str, int], str], int] = {}
         self._kv_declared: set[str] = set()
         self._fused: dict[int, str] = {}  # mul_mat node id → its part of a fused matmul's output
@@ -534,6 +536,8 @@ class _SplitTranslator:
         blocked = self.e.op("Reshape", [x, self.e.op("Concat", [lead, self.e.const([n_blocks, BLOCK])], axis=0)])
         sums = self.e.op("ReduceSum", [blocked, self.e.const([-1])], keepdims=0, hint="blocksum")
         offsets_t = self.e.external(f"o:{key}", self.backend.offsets_transposed(key, weight))
+        if len(x_shape) == 2:  # one Gemm: sums @ offsets.T + out
+            return self.e.op("Gemm", [sums, offsets_t, out], hint="mmq")
         return self.e.op("Add", [out, self.e.op("MatMul", [sums, offsets_t])], hint="mmq")
 
     def _op_get_rows(self, node: Node) -> str:
@@ -646,51 +650,46 @@ class _SplitTranslator:
         return self.e.op("Slice", [self.value(x), self.e.const([0 if start is None else start]),
                                    self.e.const([big if stop is None else stop]), self.e.const([axis])])
 
+    # -- values shared by every layer of a split (computed once per run) -----------------------------------
+    def shared(self, key: tuple, make: Callable[[], Any]) -> Any:
+        value = self._shared.get(key)
+        if value is None:
+            value = self._shared[key] = make()
+        return value
+
     # -- rope --------------------------------------------------------------------------------------------
-    def _rope_table(self, pos: str, attrs: Mapping[str, Any], factors: Node | None) -> tuple[str, str]:
-        """cos/sin [T, 1, n_dims/2] for a position input, shared by every rope with the same parameters."""
+    def _rope_table(self, pos: str, attrs: Mapping[str, Any], factors: Node | None) -> tuple[str, str, str]:
+        """cos/sin [T, n_dims/2] for a position input and ``arange(T)`` as RotaryEmbedding's position ids:
+        the table holds exactly this ubatch's rows (row t = position pos[t])."""
         rope_attrs = {k: v for k, v in attrs.items() if k not in ("layer", "cache")}
-        key = (pos, _freeze(rope_attrs), None if factors is None else factors.attrs.get("name"))
-        tables = self._rope_tables.get(key)
-        if tables is None:
-            ff = None if factors is None else self.backend.dense_copy(factors.attrs["name"])
-            slope, mscale = rope_frequencies(rope_attrs, ff)
-            positions = self.e.op("Unsqueeze", [self.e.op("Cast", [pos], to=1), self.e.const([-1])])
-            theta = self.e.op("Mul", [positions, self.e.const(slope, F32)], hint="theta")
-            cos, sin = self.e.op("Cos", [theta]), self.e.op("Sin", [theta])
-            if mscale != 1.0:
-                cos = self.e.op("Mul", [cos, self.e.const(mscale, F32)])
-                sin = self.e.op("Mul", [sin, self.e.const(mscale, F32)])
-            axis = self.e.const([1])
-            tables = self._rope_tables[key] = (self.e.op("Unsqueeze", [cos, axis], hint="cos"),
-                                               self.e.op("Unsqueeze", [sin, axis], hint="sin"))
-        return tables
+        key = ("rope", pos, _freeze(rope_attrs), None if factors is None else factors.attrs.get("name"))
+        return self.shared(key, lambda: self._make_rope_table(pos, rope_attrs, factors))
 
-    def _rotate(self, x: str, head_dim: int, cos: str, sin: str, n_dims: int, mode: str) -> str:
-        """x [..., H, head_dim] rotated on its first n_dims (NORM: adjacent pairs, NEOX: halves)."""
-        half = n_dims // 2
-        if mode == "neox":
-            x0 = self._slice_last(x, 0, half)
-            x1 = self._slice_last(x, half, n_dims)
-            c, s = cos, sin
-        else:
-            pairs = self.e.op("Reshape", [self._slice_last(x, 0, n_dims) if n_dims < head_dim else x,
-                                          self.e.const([0, 0, half, 2])])
-            x0 = self._slice_last(pairs, 0, 1)
-            x1 = self._slice_last(pairs, 1, 2)
-            axis = self.e.const([-1])
-            c, s = self.e.op("Unsqueeze", [cos, axis]), self.e.op("Unsqueeze", [sin, axis])
-        first = self.e.op("Sub", [self.e.op("Mul", [x0, c]), self.e.op("Mul", [x1, s])])
-        second = self.e.op("Add", [self.e.op("Mul", [x0, s]), self.e.op("Mul", [x1, c])])
-        rotated = self.e.op("Concat", [first, second], axis=-1)
-        if mode != "neox":
-            rotated = self.e.op("Reshape", [rotated, self.e.const([0, 0, n_dims])])
-        if n_dims < head_dim:
-            rotated = self.e.op("Concat", [rotated, self._slice_last(x, n_dims, head_dim)], axis=-1)
-        return rotated
+    def _make_rope_table(self, pos: str, attrs: Mapping[str, Any], factors: Node | None) -> tuple[str, str, str]:
+        ff = None if factors is None else self.backend.dense_copy(factors.attrs["name"])
+        slope, mscale = rope_frequencies(attrs, ff)
+        positions = self.e.op("Unsqueeze", [self.e.op("Cast", [pos], to=1), self.e.const([-1])])
+        theta = self.e.op("Mul", [positions, self.e.const(slope, F32)], hint="theta")
+        cos, sin = self.e.op("Cos", [theta], hint="cos"), self.e.op("Sin", [theta], hint="sin")
+        if mscale != 1.0:
+            cos = self.e.op("Mul", [cos, self.e.const(mscale, F32)], hint="cos")
+            sin = self.e.op("Mul", [sin, self.e.const(mscale, F32)], hint="sin")
+        n = self.e.op("Squeeze", [self.e.op("Shape", [pos], start=0, end=1)])
+        row_ids = self.e.op("Unsqueeze", [self.e.op("Range", [self.e.const(0), n, self.e.const(1)]),
+                                          self.e.const([0])], hint="rope_rows")
+        return cos, sin, row_ids
 
-    def _slice_last(self, x: str, start: int, stop: int) -> str:
-        return self.e.op("Slice", [x, self.e.const([start]), self.e.const([stop]), self.e.const([-1])])
+    def _rotate(self, x: str, n_head: int, head_dim: int, table: tuple[str, str, str], attrs: Mapping[str, Any]
+                ) -> str:
+        """x [T, H, D] rotated on its first n_dims by com.microsoft RotaryEmbedding (interleaved = NORM mode's
+        adjacent pairs, else NEOX halves; dims past n_dims pass through)."""
+        cos, sin, row_ids = table
+        n_dims = int(attrs["n_dims"])
+        extra = {"rotary_embedding_dim": n_dims} if n_dims < head_dim else {}
+        flat = self.e.op("Reshape", [x, self.e.const([1, -1, n_head * head_dim])])
+        rotated = self.e.op("RotaryEmbedding", [flat, row_ids, cos, sin], domain="com.microsoft", hint="rope",
+                            interleaved=int(attrs["mode"] != "neox"), num_heads=n_head, **extra)
+        return self.e.op("Reshape", [rotated, self.e.const([-1, n_head, head_dim])])
 
     def _op_rope(self, node: Node) -> str:
         x, pos = node.inputs[0], node.inputs[1]
@@ -699,11 +698,10 @@ class _SplitTranslator:
         if len(x_shape) != 3:
             raise ModelError(f"onnx backend: rope expects x [T, H, D], got shape {x_shape}")
         self.shapes[node.id] = x_shape
-        n_dims = int(node.attrs["n_dims"])
-        cos, sin = self._rope_table(self.value(pos), node.attrs, factors)
-        return self._rotate(self.value(x), x_shape[-1], cos, sin, n_dims, node.attrs["mode"])
+        table = self._rope_table(self.value(pos), node.attrs, factors)
+        return self._rotate(self.value(x), x_shape[1], x_shape[2], table, node.attrs)
 
-    # -- KV cache ----------------------------------------------------------------------------------------
+    # -- KV cache: [n_head_kv, n_cells, head_dim] per layer, updated in place ---------------------------------
     def _kv_input(self, key: tuple[str, int], which: str) -> str:
         """The current value of a cache tensor: the bound graph input, or the last in-place update of it."""
         current = self._kv_current.get((key, which))
@@ -713,19 +711,20 @@ class _SplitTranslator:
         if name not in self._kv_declared:
             storage: OnnxKV = self.kv[key]
             array = storage.k if which == "k" else storage.v
-            dims = [f"{name}_cells", array.shape[1], array.shape[2]]
+            dims = [array.shape[0], f"{name}_cells", array.shape[2]]
             self.graph_inputs.append(self.e.helper.make_tensor_value_info(name, 1, dims))
             self._kv_declared.add(name)
         return name
 
-    def _kv_write(self, node: Node, key: tuple[str, int], which: str, rows: str, values: str) -> str:
-        """ScatterND of ``values`` into the cache rows ``rows`` [T, 1] — in place, input and output share memory."""
+    def _kv_write(self, node: Node, key: tuple[str, int], which: str, index: str, rows: str) -> str:
+        """ScatterND of ``rows`` [Hkv, T, D] at ``index`` [Hkv, T, 2] (head, cell) — in place: the last update
+        of a cache is a graph output bound to the input's own buffer, so ORT skips ScatterND's copy."""
         current = self._kv_input(key, which)
         if self._last_kv_writer.get((key, which)) == node.id:
             updated = _kv_name(key, which) + "_out"
-            self.e.nodes.append(self.e.helper.make_node("ScatterND", [current, rows, values], [updated]))
+            self.e.nodes.append(self.e.helper.make_node("ScatterND", [current, index, rows], [updated]))
         else:
-            updated = self.e.op("ScatterND", [current, rows, values], hint=f"kv_{which}")
+            updated = self.e.op("ScatterND", [current, index, rows], hint=f"kv_{which}")
         self._kv_current[(key, which)] = updated
         return updated
 
@@ -736,54 +735,70 @@ class _SplitTranslator:
             raise ModelError(f"onnx backend: no KV storage of this backend for cache {key[0]!r} layer {key[1]}")
         return key, storage
 
+    def _scatter_index(self, cells: str, n_head_kv: int) -> str:
+        """[Hkv, T, 2] pairs (head, cell) for cells [T] (int), shared by the layers with n_head_kv heads."""
+        def make() -> str:
+            cells64 = self.e.op("Cast", [cells], to=7)
+            n = self.e.op("Shape", [cells64])
+            grid = self.e.op("Concat", [self.e.const([n_head_kv]), n, self.e.const([1])], axis=0)
+            heads = self.e.op("Expand", [self.e.const(np.arange(n_head_kv).reshape(-1, 1, 1)), grid])
+            cols = self.e.op("Expand", [self.e.op("Unsqueeze", [cells64, self.e.const([0, 2])]), grid])
+            return self.e.op("Concat", [heads, cols], axis=-1, hint="kv_index")
+        return self.shared(("kv_index", cells, n_head_kv), make)
+
+    def _cached_prefix(self, cache: str, n_kv: str) -> str:
+        """Cells 0 .. n_kv-1 of a cache tensor [Hkv, n_kv, D]."""
+        return self.e.op("Slice", [cache, self.e.const([0]), n_kv, self.e.const([1])])
+
     def _op_attention(self, node: Node) -> str:
         q, k, v, kv_idx, mask = node.inputs
         key, storage = self._kv_storage(node)
-        n_head_kv, head_dim_k = storage.k.shape[1:]
+        n_head_kv, _, head_dim_k = storage.k.shape
         head_dim_v = storage.v.shape[2]
-        q_shape = self.shape(q)
-        n_head = q_shape[1]
+        n_head = self.shape(q)[1]
         if n_head % n_head_kv:
             raise ModelError(f"onnx backend: {n_head} query heads are not a multiple of {n_head_kv} KV heads")
         group = n_head // n_head_kv
-        self.shapes[node.id] = (q_shape[0], n_head * head_dim_v)
-        rows = self.e.op("Unsqueeze", [self.e.op("Cast", [self.value(kv_idx)], to=7), self.e.const([1])])
-        keys = self._kv_write(node, key, "k", rows, self.value(k))
-        values = self._kv_write(node, key, "v", rows, self.value(v))
+        self.shapes[node.id] = (self.shape(q)[0], n_head * head_dim_v)
+        index = self._scatter_index(self.value(kv_idx), n_head_kv)
+        heads_first = dict(perm=[1, 0, 2])  # [T, Hkv, D] → [Hkv, T, D]
+        keys = self._kv_write(node, key, "k", index, self.e.op("Transpose", [self.value(k)], **heads_first))
+        values = self._kv_write(node, key, "v", index, self.e.op("Transpose", [self.value(v)], **heads_first))
         mask_name = self.value(mask)
-        n_kv = self.e.op("Shape", [mask_name], start=1, end=2)
-        zero, axis0 = self.e.const([0]), self.e.const([0])
-        keys = self.e.op("Slice", [keys, zero, n_kv, axis0])        # [n_kv, Hkv, Dk]
-        values = self.e.op("Slice", [values, zero, n_kv, axis0])    # [n_kv, Hkv, Dv]
-        # [T, H, Dk] → [Hkv, G, T, Dk]: query head h uses KV head h // G
-        qg = self.e.op("Reshape", [self.value(q), self.e.const([0, n_head_kv, group, head_dim_k])])
+        n_kv = self.shared(("n_kv", mask_name), lambda: self.e.op("Shape", [mask_name], start=1, end=2))
+        keys, values = self._cached_prefix(keys, n_kv), self._cached_prefix(values, n_kv)
+        # query head h uses KV head h // G: [T, H, Dk] → [Hkv, G*T, Dk], row g*T + t
+        qg = self.e.op("Reshape", [self.value(q), self.e.const([-1, n_head_kv, group, head_dim_k])])
         qg = self.e.op("Transpose", [qg], perm=[1, 2, 0, 3])
-        keys_t = self.e.op("Unsqueeze", [self.e.op("Transpose", [keys], perm=[1, 2, 0]), self.e.const([1])])
-        scores = self.e.op("MatMul", [qg, keys_t], hint="kq")                # [Hkv, G, T, n_kv]
-        scores = self.e.op("Mul", [scores, self.e.const(node.attrs["scale"], F32)])
+        qg = self.e.op("Reshape", [qg, self.e.const([n_head_kv, -1, head_dim_k])])
+        scale = float(node.attrs["scale"])
+        scores = self.e.op("FusedMatMul", [qg, keys], domain="com.microsoft", alpha=scale, transB=1, hint="kq")
         softcap = float(node.attrs.get("softcap", 0.0) or 0.0)
         if softcap:
             scores = self._softcap(scores, softcap)
-        probs = self.e.op("Softmax", [self.e.op("Add", [scores, mask_name])], axis=-1)
-        values_t = self.e.op("Unsqueeze", [self.e.op("Transpose", [values], perm=[1, 0, 2]), self.e.const([1])])
-        out = self.e.op("MatMul", [probs, values_t], hint="kqv")             # [Hkv, G, T, Dv]
-        out = self.e.op("Transpose", [out], perm=[2, 0, 1, 3])
-        return self.e.op("Reshape", [out, self.e.const([0, n_head * head_dim_v])], hint="attn")
+        # the mask [T, n_kv] repeated for the G query heads of each KV head: rows g*T + t
+        mask_rows = self.shared(("mask", mask_name, group),
+                                lambda: self.e.op("Tile", [mask_name, self.e.const([group, 1])], hint="mask"))
+        probs = self.e.op("Softmax", [self.e.op("Add", [scores, mask_rows])], axis=-1)
+        out = self.e.op("MatMul", [probs, values], hint="kqv")                 # [Hkv, G*T, Dv]
+        out = self.e.op("Reshape", [out, self.e.const([n_head_kv, group, -1, head_dim_v])])
+        out = self.e.op("Transpose", [out], perm=[2, 0, 1, 3])                  # [T, Hkv, G, Dv]
+        return self.e.op("Reshape", [out, self.e.const([-1, n_head * head_dim_v])], hint="attn")
 
     def _op_k_shift(self, node: Node) -> str:
         shift = node.inputs[0]
         factors = node.inputs[1] if len(node.inputs) > 1 else None
         key, storage = self._kv_storage(node)
-        head_dim = storage.k.shape[2]
-        n_dims = int(node.attrs["n_dims"])
+        n_head_kv, _, head_dim = storage.k.shape
         shift_name = self.value(shift)
         n_kv = self.e.op("Shape", [shift_name])
-        cached = self.e.op("Slice", [self._kv_input(key, "k"), self.e.const([0]), n_kv, self.e.const([0])])
-        cos, sin = self._rope_table(shift_name, node.attrs, factors)
-        rotated = self._rotate(cached, head_dim, cos, sin, n_dims, node.attrs["mode"])
-        rows = self.e.op("Unsqueeze", [self.e.op("Range", [self.e.const(0), self.e.op("Squeeze", [n_kv]),
-                                                           self.e.const(1)]), self.e.const([1])])
-        self._kv_write(node, key, "k", rows, rotated)
+        cached = self._cached_prefix(self._kv_input(key, "k"), n_kv)              # [Hkv, n_kv, D]
+        table = self._rope_table(shift_name, node.attrs, factors)
+        rotated = self._rotate(self.e.op("Transpose", [cached], perm=[1, 0, 2]), n_head_kv, head_dim, table,
+                               node.attrs)
+        cells = self.e.op("Range", [self.e.const(0), self.e.op("Squeeze", [n_kv]), self.e.const(1)])
+        self._kv_write(node, key, "k", self._scatter_index(cells, n_head_kv),
+                       self.e.op("Transpose", [rotated], perm=[1, 0, 2]))
         self.shapes[node.id] = (0,)
         return self.e.const(np.zeros(0, F32), F32)
 
@@ -892,8 +907,8 @@ class OnnxBackend(Backend):
 
     # -- KV storage ---------------------------------------------------------------------------------------
     def alloc_kv(self, shape: KVLayerShape) -> OnnxKV:
-        storage = OnnxKV(k=np.zeros((shape.n_cells, shape.n_head_kv, shape.head_dim_k), dtype=F32),
-                         v=np.zeros((shape.n_cells, shape.n_head_kv, shape.head_dim_v), dtype=F32))
+        storage = OnnxKV(k=np.zeros((shape.n_head_kv, shape.n_cells, shape.head_dim_k), dtype=F32),
+                         v=np.zeros((shape.n_head_kv, shape.n_cells, shape.head_dim_v), dtype=F32))
         storage.k_value = self._ort.OrtValue.ortvalue_from_numpy(storage.k)
         storage.v_value = self._ort.OrtValue.ortvalue_from_numpy(storage.v)
         return storage
@@ -949,7 +964,16 @@ class OnnxBackend(Backend):
         options.inter_op_num_threads = 1
         if self.n_threads:
             options.intra_op_num_threads = int(self.n_threads)
+        if os.environ.get("LLMFW_ONNX_SPIN") == "0":
+            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         options.log_severity_level = 3  # unused-initializer notes are expected (e.g. weights of fused matmuls)
+        profile_prefix = os.environ.get("LLMFW_ONNX_PROFILE")
+        if profile_prefix:  # ORT's per-node timings, a JSON trace per session (see the README section)
+            options.enable_profiling = True
+            options.profile_file_prefix = profile_prefix
+        optimized_path = os.environ.get("LLMFW_ONNX_DUMP")
+        if optimized_path:  # the graph after ORT's fusions, to check what it made of a split
+            options.optimized_model_filepath = f"{optimized_path}-{self.sessions_built}.onnx"
         return options
 
 

@@ -3,6 +3,7 @@ from llmfw.core.plugins import hookimpl
 
 MEMORY = {
     "kv_cache": "llmfw.core.memory:KVCache",
+    "kv_cache_iswa": "llmfw.core.memory:KVCacheISWA",
 }
 
 

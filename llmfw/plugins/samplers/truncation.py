@@ -54,13 +54,27 @@ class TopP(Sampler):
         if self.p >= 1.0:
             return
         cur.softmax(sort=False)
+        if not cur.sorted and cur.size > 1024:
+            # like llama.cpp, try the best 256 first: the nucleus is usually inside them
+            trial = Candidates(cur.ids, cur.logits, cur.probs)
+            trial.sort(256)
+            last = self._nucleus_end(trial.probs)
+            if last is not None:
+                cur.ids, cur.logits, cur.probs, cur.sorted = trial.ids, trial.logits, trial.probs, True
+                cur.truncate(last)
+                return
         if not cur.sorted:
             cur.sort()
-        cumulative = np.cumsum(cur.probs, dtype=np.float32)  # float running sum, as in the C loop
-        index = np.arange(1, cur.size + 1)
+        last = self._nucleus_end(cur.probs)
+        if last is not None:
+            cur.truncate(last)
+
+    def _nucleus_end(self, sorted_probs: np.ndarray) -> int | None:
+        """Length of the shortest prefix reaching ``p`` with at least ``min_keep`` tokens, or None."""
+        cumulative = np.cumsum(sorted_probs, dtype=np.float32)  # float running sum, as in the C loop
+        index = np.arange(1, len(sorted_probs) + 1)
         hits = np.nonzero((cumulative >= np.float32(self.p)) & (index >= self.min_keep))[0]
-        if hits.size:
-            cur.truncate(int(hits[0]) + 1)
+        return int(hits[0]) + 1 if hits.size else None
 
 
 class MinP(Sampler):

@@ -26,6 +26,7 @@ import logging
 import re
 import warnings
 from dataclasses import dataclass
+from itertools import repeat
 
 import regex
 
@@ -302,12 +303,17 @@ class BPETokenizer(Tokenizer):
 
     @staticmethod
     def _build_ranks(merges: list[str]) -> dict[tuple[str, str], int]:
-        ranks: dict[tuple[str, str], int] = {}
-        for rank, merge in enumerate(merges):
-            cut = merge.find(" ", 1)  # llama.cpp splits at the first space after the first character
-            pair = (merge[:cut], merge[cut + 1:]) if cut >= 0 else ("", "")
-            ranks.setdefault(pair, rank)  # the first rank of a repeated pair wins (std::map::emplace)
-        return ranks
+        """(left, right) -> rank. llama.cpp splits "left right" at the first space after the first character (a
+        merge without one becomes ("", "")), and the first rank of a repeated pair wins (std::map::emplace)."""
+        if any(merge[:1] == " " or " " not in merge for merge in merges):
+            ranks: dict[tuple[str, str], int] = {}
+            for rank, merge in enumerate(merges):
+                cut = merge.find(" ", 1)
+                ranks.setdefault((merge[:cut], merge[cut + 1:]) if cut >= 0 else ("", ""), rank)
+            return ranks
+        pairs = [tuple(merge.split(" ", 1)) for merge in merges]
+        # built from the end, so that the first rank of a repeated pair is the one that stays
+        return dict(zip(reversed(pairs), range(len(pairs) - 1, -1, -1)))  # type: ignore[arg-type]
 
     def tokenize(self, text: str) -> list[int]:
         output: list[int] = []
@@ -335,7 +341,7 @@ class BPETokenizer(Tokenizer):
         """Merge the lowest-rank adjacent pair (leftmost on ties) until none is left; ``min`` / ``index`` run in C."""
         symbols = list(encoded)
         get = self.ranks.get
-        pair_ranks = [get((symbols[i], symbols[i + 1]), _NO_RANK) for i in range(len(symbols) - 1)]
+        pair_ranks = list(map(get, zip(symbols, symbols[1:]), repeat(_NO_RANK)))  # loops in C
         while pair_ranks:
             best = min(pair_ranks)
             if best == _NO_RANK:
@@ -393,6 +399,9 @@ class BPETokenizer(Tokenizer):
                 if token is not None:
                     ids.append(token)
         return ids
+
+    def clear_cache(self) -> None:
+        self._cache.clear()
 
     def normal_piece(self, text: str) -> bytes:
         try:

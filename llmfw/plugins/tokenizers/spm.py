@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import heapq
 import re
+from itertools import repeat
+from operator import add
 
 from llmfw.core.errors import TokenizerError
 from llmfw.core.vocab import Tokenizer, TokenizerDefaults, Vocab
@@ -25,7 +27,8 @@ SPACE = "▁"
 _CACHE_LIMIT = 1 << 18
 _SMALL_WORD = 256  # up to this many symbols a C-level rescan per merge beats a heap
 _NO_PAIR = float("inf")
-_CUT = re.compile(f"(?<=[^{SPACE}]){SPACE}")  # positions before a ▁ that follows a non-▁ character
+_CUT = re.compile(f"(?<=[^{SPACE}]){SPACE}")  # a ▁ that follows a non-▁ character: we cut before it
+_CUT_SPLIT = re.compile(f"(?<=[^{SPACE}])(?={SPACE})").split
 
 
 class SPMTokenizer(Tokenizer):
@@ -43,7 +46,7 @@ class SPMTokenizer(Tokenizer):
         # text -> -score: a merge is only possible into a token, and the best merge is then the smallest value
         self._negated_score: dict[str, float] = dict(zip(vocab.tokens, (-vocab.scores.astype(float)).tolist()))
         self._cache: dict[str, list[int]] = {}
-        spanning = [t for t in vocab.tokens if _CUT.search(t)]
+        spanning = [t for t in vocab.tokens if SPACE in t[1:] and _CUT.search(t)]
         self._spanning = re.compile("|".join(re.escape(t) for t in sorted(spanning, key=len, reverse=True))) \
             if spanning else None
         self._byte_tokens = [self._find_byte_token(b) for b in range(256)]
@@ -64,20 +67,15 @@ class SPMTokenizer(Tokenizer):
         return output
 
     def _words(self, text: str) -> list[str]:
-        cuts = [m.start() for m in _CUT.finditer(text)]
-        if self._spanning is not None and cuts:
-            blocked: set[int] = set()
-            pos = 0
-            while True:  # every occurrence, overlapping ones included
-                match = self._spanning.search(text, pos)
-                if match is None:
-                    break
-                blocked.update(range(match.start() + 1, match.end()))
-                pos = match.start() + 1
-            cuts = [c for c in cuts if c not in blocked]
-        if not cuts:
-            return [text]
-        bounds = [0, *cuts, len(text)]
+        if self._spanning is None or self._spanning.search(text) is None:
+            return _CUT_SPLIT(text)
+        # rare: a token spanning a cut occurs here; keep its occurrences (overlapping ones too) in one word
+        blocked: set[int] = set()
+        pos = 0
+        while (match := self._spanning.search(text, pos)) is not None:
+            blocked.update(range(match.start() + 1, match.end()))
+            pos = match.start() + 1
+        bounds = [0, *(m.start() for m in _CUT.finditer(text) if m.start() not in blocked), len(text)]
         return [text[bounds[i]:bounds[i + 1]] for i in range(len(bounds) - 1)]
 
     def _encode_word(self, word: str) -> list[int]:
@@ -95,7 +93,7 @@ class SPMTokenizer(Tokenizer):
         """Merge the highest-score adjacent pair (leftmost on ties) until none is left; ``min`` / ``index`` run in C."""
         symbols = list(word)
         get = self._negated_score.get
-        costs = [get(symbols[i] + symbols[i + 1], _NO_PAIR) for i in range(len(symbols) - 1)]
+        costs = list(map(get, map(add, symbols[:-1], symbols[1:]), repeat(_NO_PAIR)))  # loops in C
         while costs:
             best = min(costs)
             if best == _NO_PAIR:
@@ -160,6 +158,9 @@ class SPMTokenizer(Tokenizer):
         if token is None:
             raise TokenizerError(f"the SPM vocab has no byte token <0x{byte:02X}>")
         return token
+
+    def clear_cache(self) -> None:
+        self._cache.clear()
 
     def normal_piece(self, text: str) -> bytes:
         return text.replace(SPACE, " ").encode("utf-8", "surrogatepass")

@@ -1,0 +1,127 @@
+"""The ``gemma2`` architecture (Gemma 2: 2B, 9B, 27B), as llama.cpp's ``llm_build_gemma2_iswa``.
+
+Per layer::
+
+    h = attn_output(attention(rope(q) * scale, rope(k), v))        with q, k, v from rms_norm(x) * attn_norm
+        attention scores soft-capped: cap * tanh(scores / cap)          (attn_logit_softcapping)
+    x = x + rms_norm(h) * post_attention_norm
+    h = ffn_down(gelu(ffn_gate(h)) * ffn_up(h))                     with h = rms_norm(x) * ffn_norm
+    x = x + rms_norm(h) * post_ffw_norm
+
+then ``softcap(output(rms_norm(x) * output_norm))`` with ``final_logit_softcapping``. The embeddings are scaled
+by ``sqrt(n_embd)``; the head is tied to ``token_embd`` (converted files have no ``output.weight``); NEOX rope.
+
+Queries are scaled as llama.cpp does: ``1/sqrt(head_dim)``, except for the 27B model (46 layers), which
+uses ``1/sqrt(n_embd / n_head)`` (gemma_pytorch's query_pre_attn_scalar).
+
+Sliding window: even layers (``il % 2 == 0``, llama.cpp's ``set_swa_pattern(2)``, or
+``attention.sliding_window_pattern``) attend only to the last ``attention.sliding_window`` positions (4096 by
+default) and keep their own small KV cache (memory module ``kv_cache_iswa``); odd layers see the whole context.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from llmfw.core.architecture import INPUT_LAYER, OUTPUT_LAYER, Architecture, TensorSpec
+from llmfw.core.errors import ModelError
+from llmfw.core.graph import GraphBuilder
+from llmfw.core.hparams import HParams
+from llmfw.plugins.architectures.gemma3 import swa_layer_pattern
+
+#: llama.cpp's defaults for Gemma 2
+DEFAULT_SWA = 4096
+DEFAULT_SWA_PATTERN = 2
+N_LAYER_27B = 46
+
+
+def _swa_layers(keys: Any, n_layer: int) -> list[bool]:
+    """``sliding_window_pattern`` as an array of per-layer flags, a period, or llama.cpp's default period 2."""
+    pattern = keys.get("{arch}.attention.sliding_window_pattern", default=None)
+    if pattern is None:
+        return swa_layer_pattern(n_layer, DEFAULT_SWA_PATTERN)
+    if isinstance(pattern, (list, tuple)) or hasattr(pattern, "shape"):
+        flags = [bool(v) for v in list(pattern)]
+        if len(flags) != n_layer:
+            raise ModelError(f"{keys.expand('{arch}.attention.sliding_window_pattern')} has {len(flags)} entries, "
+                             f"expected block_count = {n_layer}")
+        return flags
+    return swa_layer_pattern(n_layer, keys.as_int("{arch}.attention.sliding_window_pattern", pattern))
+
+
+class Gemma2Architecture(Architecture):
+    name = "gemma2"
+    rope_type = "neox"
+    memory = "kv_cache_iswa"
+
+    def own_hparams(self, keys: Any, common: dict[str, Any]) -> dict[str, Any]:
+        keys.get_float("{arch}.attention.layer_norm_rms_epsilon")  # required: ModelError names it when absent
+        n_layer = common["n_layer"]
+        if n_layer == N_LAYER_27B:
+            scale = 1.0 / math.sqrt(common["n_embd"] // common["n_head_arr"][0])
+        else:
+            scale = 1.0 / math.sqrt(common["n_embd_head_k"])
+        return {
+            "n_swa": keys.get_int("{arch}.attention.sliding_window", DEFAULT_SWA),
+            "swa_type": "standard",
+            "swa_layers": _swa_layers(keys, n_layer),
+            "f_attention_scale": scale,
+        }
+
+    def check_hparams(self, hp: HParams) -> None:
+        if hp.f_norm_rms_eps <= 0:
+            raise ModelError(f"gemma2: attention.layer_norm_rms_epsilon must be > 0, found {hp.f_norm_rms_eps}")
+        if hp.n_embd_head_k != hp.n_embd_head_v:
+            raise ModelError(f"gemma2: key_length {hp.n_embd_head_k} != value_length {hp.n_embd_head_v}")
+        if hp.f_final_logit_softcapping <= 0 or hp.f_attn_logit_softcapping <= 0:
+            raise ModelError("gemma2: attn_logit_softcapping and final_logit_softcapping must be > 0, found "
+                             f"{hp.f_attn_logit_softcapping} and {hp.f_final_logit_softcapping}")
+
+    def tensors(self, hp: HParams) -> list[TensorSpec]:
+        n_embd, n_vocab = hp.n_embd, hp.n_vocab
+        specs = [
+            TensorSpec("token_embd.weight", (n_embd, n_vocab), INPUT_LAYER, usage="get_rows"),
+            TensorSpec("output_norm.weight", (n_embd,), OUTPUT_LAYER, usage="mul"),
+            TensorSpec("output.weight", (n_embd, n_vocab), OUTPUT_LAYER, duplicate_of="token_embd.weight"),
+        ]
+        for il in range(hp.n_layer):
+            specs += self.layer_tensors(hp, il)
+        return specs
+
+    def layer_tensors(self, hp: HParams, il: int) -> list[TensorSpec]:
+        n_embd, n_ff = hp.n_embd, hp.n_ff(il)
+        n_q = hp.n_embd_head_k * hp.n_head(il)
+
+        def t(name: str, ne: tuple[int, ...], usage: str = "mul_mat") -> TensorSpec:
+            return TensorSpec(f"blk.{il}.{name}", ne, il, usage=usage)
+
+        return [
+            t("attn_norm.weight", (n_embd,), "mul"),
+            t("attn_q.weight", (n_embd, n_q)),
+            t("attn_k.weight", (n_embd, hp.n_embd_k_gqa(il))),
+            t("attn_v.weight", (n_embd, hp.n_embd_v_gqa(il))),
+            t("attn_output.weight", (n_q, n_embd)),
+            t("post_attention_norm.weight", (n_embd,), "mul"),
+            t("ffn_norm.weight", (n_embd,), "mul"),
+            t("ffn_gate.weight", (n_embd, n_ff)),
+            t("ffn_up.weight", (n_embd, n_ff)),
+            t("ffn_down.weight", (n_ff, n_embd)),
+            t("post_ffw_norm.weight", (n_embd,), "mul"),
+        ]
+
+    def build_graph(self, b: GraphBuilder) -> None:
+        hp = b.hp
+        x = b.op("scale", b.build_inp_embd(), s=math.sqrt(hp.n_embd), name="inp_scaled")
+        for il in b.layers():
+            p = f"blk.{il}"
+            residual = x
+            q, k, v = b.build_qkv(b.build_norm(x, f"{p}.attn_norm.weight"))
+            q, k = b.build_rope(q), b.build_rope(k)
+            # llama.cpp scales q, then soft-caps the scores and attends with scale 1: the same numbers
+            h = b.build_attn(q, k, v, kq_scale=hp.f_attention_scale, softcap=hp.f_attn_logit_softcapping)
+            if il == hp.n_layer - 1:
+                h, residual = b.select_outputs(h, residual)
+            x = b.op("add", b.build_norm(h, f"{p}.post_attention_norm.weight"), residual)
+            h = b.build_ffn(b.build_norm(x, f"{p}.ffn_norm.weight"), act="gelu")
+            x = b.op("add", b.build_norm(h, f"{p}.post_ffw_norm.weight"), x)
+        b.build_output(x)

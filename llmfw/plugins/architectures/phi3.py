@@ -1,0 +1,99 @@
+"""The ``phi3`` architecture (Phi-3 / Phi-3.5 mini and medium, Phi-4), as llama.cpp's ``llm_build_phi3``.
+
+Per layer::
+
+    q, k, v = split(attn_qkv(h))                          with h = rms_norm(x) * attn_norm  (fused Q/K/V rows)
+    x       = x + attn_output(attention(rope(q), rope(k), v))            NEOX rope, LongRoPE factors
+    x       = x + ffn_down(silu(g) * u)    with [g | u] = ffn_up(rms_norm(x) * ffn_norm)   (fused gate/up)
+
+LongRoPE: files of the 128k models carry ``rope_factors_long`` and ``rope_factors_short`` (per-dimension
+frequency divisors) and ``rope.scaling.attn_factor`` (the cos/sin magnitude). Like llama.cpp, the long
+factors apply when the context per sequence exceeds ``rope.scaling.original_context_length``, else the short
+ones.
+
+Sliding window: Phi-3 files may carry ``attention.sliding_window``, but llama.cpp turns the window off for this
+architecture (its loader warns "Phi SWA is currently disabled", ggml-org/llama.cpp#13676) and attends to the
+whole context; so do we, to stay identical to llama.cpp.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from llmfw.core.architecture import INPUT_LAYER, OUTPUT_LAYER, Architecture, TensorSpec
+from llmfw.core.errors import ModelError
+from llmfw.core.graph import GraphBuilder
+from llmfw.core.hparams import HParams
+
+ROPE_FACTORS = ("rope_factors_long", "rope_factors_short")
+
+
+class Phi3Architecture(Architecture):
+    name = "phi3"
+    rope_type = "neox"
+
+    def own_hparams(self, keys: Any, common: dict[str, Any]) -> dict[str, Any]:
+        keys.get_float("{arch}.attention.layer_norm_rms_epsilon")  # required: ModelError names it when absent
+        return {"n_swa": 0, "swa_type": "none", "swa_layers": []}  # llama.cpp disables Phi's window
+
+    def check_hparams(self, hp: HParams) -> None:
+        if hp.f_norm_rms_eps <= 0:
+            raise ModelError(f"phi3: attention.layer_norm_rms_epsilon must be > 0, found {hp.f_norm_rms_eps}")
+        if hp.n_embd_head_k != hp.n_embd_head_v:
+            raise ModelError(f"phi3: key_length {hp.n_embd_head_k} != value_length {hp.n_embd_head_v}")
+
+    def tensors(self, hp: HParams) -> list[TensorSpec]:
+        n_embd, n_vocab = hp.n_embd, hp.n_vocab
+        specs = [
+            TensorSpec("token_embd.weight", (n_embd, n_vocab), INPUT_LAYER, usage="get_rows"),
+            TensorSpec("output_norm.weight", (n_embd,), OUTPUT_LAYER, usage="mul"),
+            TensorSpec("output.weight", (n_embd, n_vocab), OUTPUT_LAYER, duplicate_of="token_embd.weight"),
+        ]
+        for il in range(hp.n_layer):
+            specs += self.layer_tensors(hp, il)
+        return specs
+
+    def layer_tensors(self, hp: HParams, il: int) -> list[TensorSpec]:
+        n_embd, n_ff = hp.n_embd, hp.n_ff(il)
+        n_q, n_k, n_v = hp.n_embd_head_k * hp.n_head(il), hp.n_embd_k_gqa(il), hp.n_embd_v_gqa(il)
+
+        def t(name: str, ne: tuple[int, ...], usage: str = "mul_mat", **kw: Any) -> TensorSpec:
+            return TensorSpec(f"blk.{il}.{name}", ne, il, usage=usage, **kw)
+
+        specs = [
+            t("attn_norm.weight", (n_embd,), "mul"),
+            # fused in every converted Phi-3; separate Q/K/V are accepted like llama.cpp's create_tensor_qkv
+            t("attn_qkv.weight", (n_embd, n_q + n_k + n_v), optional=True),
+            t("attn_q.weight", (n_embd, n_q), optional=True),
+            t("attn_k.weight", (n_embd, n_k), optional=True),
+            t("attn_v.weight", (n_embd, n_v), optional=True),
+            t("attn_output.weight", (n_q, n_embd)),
+            t("ffn_norm.weight", (n_embd,), "mul"),
+            t("ffn_up.weight", (n_embd, 2 * n_ff)),
+            t("ffn_down.weight", (n_ff, n_embd)),
+        ]
+        # one tensor of each kind in the file serves every layer (llama.cpp's TENSOR_DUPLICATED)
+        specs += [t(f"{f}.weight", (hp.n_rot // 2,), "rope", duplicate_of=f"{f}.weight") for f in ROPE_FACTORS]
+        return specs
+
+    def rope_factors(self, b: GraphBuilder, il: int) -> str | None:
+        """llama.cpp's ``get_rope_factors``: long factors past the original context, else short ones."""
+        long_ctx = b.params.n_ctx_seq > (b.hp.n_ctx_orig_yarn or b.hp.n_ctx_train)
+        name = f"blk.{il}.{ROPE_FACTORS[0] if long_ctx else ROPE_FACTORS[1]}.weight"
+        return name if b.has_weight(name) else None
+
+    def build_graph(self, b: GraphBuilder) -> None:
+        x = b.build_inp_embd()
+        for il in b.layers():
+            p = f"blk.{il}"
+            if not (b.has_weight(f"{p}.attn_qkv.weight") or b.has_weight(f"{p}.attn_q.weight")):
+                raise ModelError(f"phi3: layer {il} has neither {p}.attn_qkv.weight nor separate attn_q/k/v")
+            residual = x
+            q, k, v = b.build_qkv(b.build_norm(x, f"{p}.attn_norm.weight"))
+            factors = self.rope_factors(b, il)
+            q, k = b.build_rope(q, freq_factors=factors), b.build_rope(k, freq_factors=factors)
+            h = b.build_attn(q, k, v)
+            if il == b.hp.n_layer - 1:
+                h, residual = b.select_outputs(h, residual)
+            x = b.op("add", h, residual)
+            x = b.op("add", b.build_ffn(b.build_norm(x, f"{p}.ffn_norm.weight"), act="silu", gate_in_up=True), x)
+        b.build_output(x)

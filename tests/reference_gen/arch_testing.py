@@ -1,0 +1,81 @@
+"""Test helpers for the random-weight architecture models: rebuild a model file, check it is the one llama.cpp
+measured, and run llmfw's decode the ways the tests compare (whole sequence, small ubatches, two sequences).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from arch_files import DATA_DIR, build_model_file, sha256_of
+from arch_specs import SPECS, prompt_text, reference_name
+
+import llmfw
+
+#: issue 6's bar for random-weight models (their logits are flatter than a trained model's)
+BAR = {"top1": 0.90, "top5": 0.98, "mean_lp_err": 0.20}
+#: the same tokens decoded in different batch shapes may differ only by float rounding
+SAME_LOGITS_ATOL = 1e-3
+
+
+def reference(name: str) -> dict:
+    """llama.cpp's numbers for model ``name`` (``tests/data/arch/<name>.json``)."""
+    return json.loads((DATA_DIR / reference_name(name)).read_text(encoding="utf-8"))
+
+
+def model_file(name: str, directory: Path) -> Path:
+    """Build model ``name`` in ``directory`` and check it is byte for byte the file llama.cpp measured."""
+    path = build_model_file(name, directory)
+    expected = reference(name)["sha256"]
+    found = sha256_of(path)
+    if found != expected:
+        raise AssertionError(
+            f"{path.name}: sha256 {found} differs from the measured file's {expected}. The builder, the vocab "
+            "files or the quantizer changed: regenerate the references (tests/reference_gen/README.md)")
+    return path
+
+
+def records(ref: dict, n_ctx: int | None = None) -> list[dict]:
+    return [r for r in ref["prompts"] if n_ctx is None or r["n_ctx"] == n_ctx]
+
+
+def longest(ref: dict) -> dict:
+    return max(ref["prompts"], key=lambda r: len(r["sequence"]))
+
+
+def decode_all(model, sequence: list[int], *, n_ctx: int, n_ubatch: int = 512, n_batch: int = 2048) -> np.ndarray:
+    """Teacher-forced logits [len(sequence), n_vocab]: the whole sequence in one decode call."""
+    ctx = model.new_context(n_ctx=n_ctx, n_ubatch=n_ubatch, n_batch=max(n_batch, len(sequence)))
+    rc = ctx.decode(llmfw.Batch(sequence, logits=True))
+    assert rc == 0, f"decode returned {rc}: {ctx.last_error}"
+    return ctx.get_logits().copy()
+
+
+def decode_two_sequences(model, seq_a: list[int], seq_b: list[int], *, n_ctx: int,
+                         n_ubatch: int = 512) -> tuple[np.ndarray, np.ndarray]:
+    """Both sequences in one batch (seq ids 0 and 1, interleaved token by token); each one's logits rows."""
+    order = sorted([(i, 0) for i in range(len(seq_a))] + [(i, 1) for i in range(len(seq_b))])
+    tokens = [(seq_a, seq_b)[s][i] for i, s in order]
+    ctx = model.new_context(n_ctx=2 * n_ctx, n_seq_max=2, n_ubatch=n_ubatch, n_batch=len(tokens))
+    rc = ctx.decode(llmfw.Batch(tokens, pos=[i for i, _ in order], seq_id=[s for _, s in order], logits=True))
+    assert rc == 0, f"decode returned {rc}: {ctx.last_error}"
+    logits = ctx.get_logits()
+    rows = np.array([s for _, s in order])
+    return logits[rows == 0].copy(), logits[rows == 1].copy()
+
+
+def assert_clears_bar(score, record: dict, logits: np.ndarray, what: str) -> dict:
+    result = score(record, logits)
+    failed = [k for k, limit in BAR.items() if (result[k] > limit if k == "mean_lp_err" else result[k] < limit)]
+    assert not failed, f"{what}, prompt {record['name']!r} (n_ctx {record['n_ctx']}): {result} misses {BAR}"
+    return result
+
+
+def check_tokenization(model, record: dict) -> None:
+    ids = model.vocab.tokenize(prompt_text(record["name"]), add_special=True, parse_special=True)
+    assert ids == record["prompt_ids"], f"prompt {record['name']!r}: llmfw {ids} != llama.cpp {record['prompt_ids']}"
+
+
+__all__ = ["BAR", "SAME_LOGITS_ATOL", "SPECS", "assert_clears_bar", "check_tokenization", "decode_all",
+           "decode_two_sequences", "longest", "model_file", "records", "reference"]
