@@ -398,3 +398,39 @@ def test_tiny_model_tied_head_and_kv_override(tmp_path, smollm2_metadata):
         assert ctx.decode(llmfw.Batch([1, 2, 3], logits=True)) == 0
         logits = ctx.get_logits()
         assert logits.shape == (3, 49152) and np.isfinite(logits).all()
+
+
+# -- placement across backends ----------------------------------------------------------------------------------
+
+def test_layers_split_across_backends(smollm2_path, model):
+    pytest.importorskip("torch")
+    last = model.hparams.n_layer
+    placement = {last - 2: "torch", last - 1: "torch", last: "torch"}  # two layers + the output head
+    with llmfw.load_model(smollm2_path, backend="numpy", placement=placement) as mixed:
+        assert mixed.layer_specs[:last - 2] == ["numpy"] * (last - 2) and mixed.layer_specs[-3:] == ["torch"] * 3
+        assert mixed.weight_backend("token_embd.weight").name == "numpy"  # the embedding stays on the host
+        assert mixed.weight_backend("output.weight").name == "torch"
+        ctx = new_ctx(mixed)
+        assert ctx.decode(llmfw.Batch(PROMPT_A, logits=True)) == 0, ctx.last_error
+        assert [s.backend.name for s in ctx._plan.splits] == ["numpy", "torch"]  # one cut, one copy
+        _, reference = decode_alone(model, PROMPT_A)
+        logits = ctx.get_logits()
+        assert np.array_equal(logits.argmax(-1), reference.argmax(-1))
+        assert np.abs(logits - reference).max() < 0.5  # the torch backend's own weight form differs slightly
+        ctx.memory.seq_add(0, 0, -1, 2)  # the K-shift runs on both backends
+        assert ctx.decode(llmfw.Batch([30])) == 0, ctx.last_error
+
+
+def test_n_gpu_layers_follows_llama_cpp(smollm2_path):
+    from llmfw.core.errors import BackendUnavailable
+
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except ImportError:
+        has_cuda = False
+    if has_cuda:
+        pytest.skip("CUDA present: placement is exercised by the torch backend's tests")
+    with pytest.raises(BackendUnavailable):
+        llmfw.load_model(smollm2_path, backend="numpy", n_gpu_layers=2)

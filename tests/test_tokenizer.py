@@ -324,3 +324,12 @@ def test_load_model_vocab_only_gives_this_vocab(smollm2_path, smollm2_ref):
     assert isinstance(model.vocab, Vocab)
     record = smollm2_ref["prompts"][2]
     assert model.vocab.tokenize(record["prompt"], add_special=True, parse_special=True) == record["prompt_ids"]
+
+
+def test_all_pieces_equals_token_to_piece(gemma3_vocab):
+    vocab = gemma3_vocab
+    for special in (True, False):
+        pieces = vocab.all_pieces(special)
+        assert len(pieces) == vocab.n_vocab
+        for token in (0, 2, 106, 107, 138, 248, 1000, 9259, vocab.n_vocab - 1):
+            assert pieces[token] == vocab.token_to_piece(token, special)

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .batch import AllocatedBatch, Batch, BatchAllocator, BatchError, UBatch, split_simple
+from .batch import AllocatedBatch, Batch, BatchAllocator, BatchError, UBatch
 from .errors import ConfigError, ContextError, LogitsIndexError
 from .graph import BuildParams, Graph, GraphBuilder
 from .memory import KV_PAD, Memory, pad_to
@@ -120,8 +120,7 @@ class Context:
         except Exception as exc:  # noqa: BLE001 - a failed K-shift leaves the cache unusable: fatal
             log.exception("memory update failed")
             return self._fail(DECODE_COMPUTE_FAILED, f"memory update (K-shift) failed: {exc}")
-        ubatches = split_simple(allocated, self.n_ubatch)
-        reserved = self.memory.prepare(ubatches)
+        ubatches, reserved = self.memory.init_batch(allocated, self.n_ubatch)
         if reserved is None:
             return self._fail(DECODE_NO_SLOT, f"no KV cache slot for {allocated.n_tokens} tokens "
                                               f"(n_ctx = {self.n_ctx}); free space with memory.seq_rm or use a "

@@ -5,7 +5,8 @@ needs in ``Architecture.memory``). :class:`KVCache` is one unified KV cache:
 
 * **cells** — ``n_cells`` slots, each with a position and a set of sequence ids (a bitmask, so at most 64
   sequences); a cell with no sequence is empty;
-* **slots** — :meth:`KVCache.prepare` finds cells for *every* ubatch of a batch before any runs (llama.cpp's
+* **slots** — :meth:`Memory.init_batch` splits a batch into ubatches and :meth:`KVCache.prepare` finds cells for
+  *every* ubatch of a batch before any runs (llama.cpp's
   ``find_slot`` on a scratch copy of the cells); if one does not fit nothing changes and decode returns 1;
 * **inputs** — per ubatch the cells written (``kv_idx:<cache>``) and the attention mask
   (``kq_mask:<cache>``, [n_tokens, n_kv], 0 = visible / -inf = hidden): a token of sequence s at position p
@@ -31,7 +32,7 @@ from .backend import KVLayerShape
 from .errors import ContextError
 
 if TYPE_CHECKING:
-    from .batch import UBatch
+    from .batch import AllocatedBatch, UBatch
     from .graph import Graph
 
 log = logging.getLogger(__name__)
@@ -86,6 +87,14 @@ class Memory(ABC):
     @abstractmethod
     def allocate(self, backend_of_layer: Callable[[int], Any]) -> dict[tuple[str, int], Any]:
         """Allocate storage on each layer's backend; returns (cache, layer) → backend KV handle."""
+
+    def init_batch(self, batch: "AllocatedBatch", n_ubatch: int) -> tuple[list["UBatch"], MemoryBatch | None]:
+        """Split a validated batch into ubatches (llama.cpp's simple split; override for another) and reserve
+        cells for all of them (llama.cpp's ``init_batch``); the reservation is None when they do not fit."""
+        from .batch import split_simple
+
+        ubatches = split_simple(batch, n_ubatch)
+        return ubatches, self.prepare(ubatches)
 
     @abstractmethod
     def prepare(self, ubatches: list["UBatch"]) -> MemoryBatch | None:
@@ -441,6 +450,7 @@ class CompositeMemory(Memory):
 
     def __init__(self, parts: list[KVCache]):
         self.parts = parts
+        self.n_seq_max = parts[0].n_seq_max
         self.cache_names = [p.name for p in parts]
         self._layer_part = {il: p for p in parts for il in p.layers}
 

@@ -625,7 +625,19 @@ class Vocab:
         Control and unknown tokens render as ``b""`` unless ``special``; byte tokens give their byte, which may be
         part of a multi-byte UTF-8 character.
         """
-        token = self._check_id(token)
+        return self._piece(self._check_id(token), special)
+
+    def all_pieces(self, special: bool = True) -> list[bytes]:
+        """``token_to_piece(t, special)`` for every id, in one call (for samplers that scan the whole vocab)."""
+        cache = self._piece_cache
+        for token, piece in enumerate(cache):
+            if piece is None:
+                cache[token] = self._render_piece(token)
+        if special:
+            return list(cache)
+        return [b"" if attr & _HIDDEN_ATTRS else piece for attr, piece in zip(self.token_attrs, cache)]
+
+    def _piece(self, token: int, special: bool) -> bytes:
         if not special and self.token_attrs[token] & _HIDDEN_ATTRS:
             return b""
         piece = self._piece_cache[token]
@@ -667,7 +679,7 @@ class Vocab:
             ids = ids[1:]
         if remove_special and self.add_eos and ids and ids[-1] == self.eos_id:
             ids = ids[:-1]
-        pieces = [self.token_to_piece(t, unparse_special) for t in ids]
+        pieces = [self._piece(t, unparse_special) for t in ids]
         if remove_space and pieces and pieces[0].startswith(b" "):
             pieces[0] = pieces[0][1:]  # lstrip=1 on the first token only
         text = b"".join(pieces)

@@ -37,7 +37,7 @@ PIP_EXTRA = "torch"
 INSTALL_HINT = f"pip install 'llmfw[{PIP_EXTRA}]'"
 
 #: matmul weight forms; ``LLMFW_TORCH_MATMUL`` picks one instead of the device default
-MATMUL_FORMS = ("int8", "bf16", "f32")
+MATMUL_FORMS = ("fp16", "int8", "bf16", "f32")
 MATMUL_FORM_ENV = "LLMFW_TORCH_MATMUL"
 
 _torch: Any = None
@@ -75,15 +75,26 @@ def check_device(device: str | None) -> str:
 # Weight forms
 # ---------------------------------------------------------------------------------------------------------------
 
-def has_dynamic_int8() -> bool:
-    """Whether this torch has fbgemm's dynamic quantized linear (the fastest CPU matmul measured here)."""
+def _has_fbgemm_ops(*ops: str) -> bool:
     torch = import_torch()
     try:
-        return ("fbgemm" in torch.backends.quantized.supported_engines
-                and hasattr(torch.ops.quantized, "linear_prepack")
-                and hasattr(torch.ops.quantized, "linear_dynamic"))
+        return "fbgemm" in torch.backends.quantized.supported_engines and all(
+            hasattr(torch.ops.quantized, op) for op in ops)
     except (AttributeError, RuntimeError):  # pragma: no cover - exotic builds
         return False
+
+
+def has_dynamic_int8() -> bool:
+    """Whether this torch has fbgemm's dynamic quantized linear on int8 weights."""
+    return _has_fbgemm_ops("linear_prepack", "linear_dynamic", "linear_unpack")
+
+
+def has_fbgemm_fp16() -> bool:
+    """Whether this torch has fbgemm's fp16-weight linear (f32 activations, weights converted in the kernel)."""
+    return _has_fbgemm_ops("linear_prepack_fp16", "linear_dynamic_fp16", "linear_unpack_fp16")
+
+
+_FORM_AVAILABLE: dict[str, Callable[[], bool]] = {"fp16": has_fbgemm_fp16, "int8": has_dynamic_int8}
 
 
 def default_matmul_form(device: str) -> str:
@@ -92,22 +103,32 @@ def default_matmul_form(device: str) -> str:
     if forced:
         if forced not in MATMUL_FORMS:
             raise BackendUnavailable(f"{MATMUL_FORM_ENV} must be one of {', '.join(MATMUL_FORMS)}, got {forced!r}")
-        if forced == "int8" and (device != "cpu" or not has_dynamic_int8()):
-            raise BackendUnavailable(f"{MATMUL_FORM_ENV}=int8 needs fbgemm's dynamic quantized linear on the CPU; "
-                                     f"device {device!r}, available: {has_dynamic_int8()}")
+        available = _FORM_AVAILABLE.get(forced)
+        if available is not None and (device != "cpu" or not available()):
+            raise BackendUnavailable(f"{MATMUL_FORM_ENV}={forced} needs fbgemm's kernels on the CPU; device {device!r}, "
+                                     f"kernels present: {available()}")
         return forced
     if device == "cpu":
-        return "int8" if has_dynamic_int8() else "bf16"
+        # fp16 weights keep llama.cpp's accuracy (int8 per-row does not: see the README); without fbgemm, f32
+        # (bf16 matmuls have no fast path on AVX2 CPUs: ~10x slower prefill than f32 measured here)
+        return "fp16" if has_fbgemm_fp16() else "f32"
     return "bf16"
 
 
-def quantize_rows_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Symmetric per-row int8: ``w ≈ q * scale[:, None]`` with ``q`` in [-127, 127]; all-zero rows get scale 1."""
+#: int8 weights use 7 bits ([-63, 63]) so that 8-bit activations fit fbgemm's AVX2 kernel: it sums pairs of
+#: u8 x s8 products in int16 (255 * 63 * 2 < 32767). Measured on SmolLM2: 8-bit activations with 7-bit weights
+#: err ~1.6x less than the other split (7-bit activations, ``reduce_range``).
+INT8_WEIGHT_MAX = 63
+
+
+def quantize_rows_int8(w: np.ndarray, qmax: int = INT8_WEIGHT_MAX) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric per-row quantization: ``w ≈ q * scale[:, None]`` with int8 ``q`` in [-qmax, qmax]; all-zero rows
+    get scale 1."""
     w = np.asarray(w, dtype=np.float32)
-    scale = np.abs(w).max(axis=1) / np.float32(127.0)
+    scale = np.abs(w).max(axis=1) / np.float32(qmax)
     scale[scale == 0] = 1.0
     q = np.rint(w / scale[:, None])
-    np.clip(q, -127, 127, out=q)
+    np.clip(q, -qmax, qmax, out=q)
     return q.astype(np.int8), scale.astype(np.float32)
 
 
@@ -133,8 +154,8 @@ def dequantize_source(source: WeightSource) -> np.ndarray:
 class Int8Linear:
     """``x @ W.T`` through fbgemm's dynamic quantized linear on per-row int8 weights.
 
-    Activations are quantized per call with one (asymmetric, 7-bit: ``reduce_range`` keeps AVX2's 16-bit
-    pairwise sums from saturating) scale for the whole input; for more than one row the input is first scaled
+    Activations are quantized per call to 8 bits with one (asymmetric) scale for the whole input (weights are
+    7-bit, see INT8_WEIGHT_MAX); for more than one row the input is first scaled
     row by row to a common range (exact, the matmul is linear) so that one token's outliers cannot coarsen the
     quantization of the others — per-token activation quantization, like llama.cpp's per-block one.
     """
@@ -144,15 +165,18 @@ class Int8Linear:
     def __init__(self, q: Any, scale: Any):
         torch = import_torch()
         self.n_out, self.n_in = int(q.shape[0]), int(q.shape[1])
-        qw = torch._make_per_channel_quantized_tensor(q, scale.double(), torch.zeros(self.n_out, dtype=torch.long), 0)
+        with warnings.catch_warnings():  # quantized tensor creation is deprecated; it is what the kernel takes
+            warnings.simplefilter("ignore")
+            qw = torch._make_per_channel_quantized_tensor(q, scale.double(), torch.zeros(self.n_out, dtype=torch.long),
+                                                          0)
         self.packed = torch.ops.quantized.linear_prepack(qw, None)
         self._linear = torch.ops.quantized.linear_dynamic
 
     def __call__(self, x: Any) -> Any:
         if x.dim() == 1 or x.shape[-2] == 1 or x.numel() == x.shape[-1]:
-            return self._linear(x, self.packed, True)
+            return self._linear(x, self.packed, False)
         row_max = x.abs().amax(dim=-1, keepdim=True).clamp_min_(1e-30)
-        return self._linear(x / row_max, self.packed, True).mul_(row_max)
+        return self._linear(x / row_max, self.packed, False).mul_(row_max)
 
     def int8_rows(self) -> tuple[Any, Any]:
         """(int8 [n_out, n_in], float32 scale [n_out]) recovered from the packed weight."""
@@ -167,6 +191,32 @@ class Int8Linear:
     @property
     def nbytes(self) -> int:
         return self.n_out * self.n_in + 8 * self.n_out
+
+
+class Fp16Linear:
+    """``x @ W.T`` through fbgemm's fp16-weight linear: weights stored as fp16 (half the bytes of f32, 11
+    significant bits: GGUF's 4-8 bit quants and their f16 scales survive almost exactly), activations and
+    accumulation in float32."""
+
+    form = "fp16"
+
+    def __init__(self, weight: Any):
+        torch = import_torch()
+        self.n_out, self.n_in = int(weight.shape[0]), int(weight.shape[1])
+        self.packed = torch.ops.quantized.linear_prepack_fp16(weight.float().contiguous(), None)
+        self._linear = torch.ops.quantized.linear_dynamic_fp16
+
+    def __call__(self, x: Any) -> Any:
+        return self._linear(x, self.packed)
+
+    def dense(self) -> Any:
+        torch = import_torch()
+        weight, _ = torch.ops.quantized.linear_unpack_fp16(self.packed)
+        return weight
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.n_out * self.n_in
 
 
 class DenseLinear:
@@ -193,7 +243,7 @@ class DenseLinear:
         return self.weight.numel() * self.weight.element_size()
 
 
-Linear = Int8Linear | DenseLinear
+Linear = Int8Linear | Fp16Linear | DenseLinear
 
 
 def make_linear(w: np.ndarray, form: str, device: str = "cpu") -> Linear:
@@ -203,6 +253,8 @@ def make_linear(w: np.ndarray, form: str, device: str = "cpu") -> Linear:
     if form == "int8":
         q, scale = quantize_rows_int8(w)
         return Int8Linear(torch.from_numpy(q), torch.from_numpy(scale))
+    if form == "fp16":
+        return Fp16Linear(torch.from_numpy(w))
     dtype = torch.bfloat16 if form == "bf16" else torch.float32
     return DenseLinear(torch.from_numpy(w).to(device=device, dtype=dtype).contiguous())
 
@@ -213,6 +265,8 @@ def concat_linears(parts: list[Linear], form: str, device: str) -> Linear:
     if all(isinstance(p, Int8Linear) for p in parts):
         rows = [p.int8_rows() for p in parts]
         return Int8Linear(torch.cat([q for q, _ in rows]), torch.cat([s for _, s in rows]))
+    if form == "fp16":
+        return Fp16Linear(torch.cat([p.dense() for p in parts]))
     weights = [p.weight if isinstance(p, DenseLinear) else p.dense().to(device) for p in parts]
     dtype = torch.bfloat16 if form == "bf16" else torch.float32
     return DenseLinear(torch.cat([w.to(dtype) for w in weights]).contiguous())
@@ -741,6 +795,12 @@ class TorchBackend(Backend):
                 q[start:start + len(rows)] = torch.from_numpy(q_rows)
                 scale[start:start + len(rows)] = torch.from_numpy(s_rows)
             return Int8Linear(q, scale)
+        if self.matmul_form == "fp16":
+            w16 = torch.empty((n_out, n_in), dtype=torch.float16)
+            for start, rows in _dequantized_row_chunks(source, 4096):
+                w16[start:start + len(rows)] = torch.from_numpy(rows)
+            # prepack takes float32; one matrix at a time keeps the float32 copy transient
+            return Fp16Linear(w16.float())
         dtype = torch.bfloat16 if self.matmul_form == "bf16" else torch.float32
         w = torch.empty((n_out, n_in), dtype=dtype, device=self.torch_device)
         for start, rows in _dequantized_row_chunks(source, 4096):
@@ -761,6 +821,8 @@ class TorchBackend(Backend):
             if isinstance(fused, Int8Linear):
                 q, scale = fused.int8_rows()
                 weight.linear = Int8Linear(q[row:row + n_out].contiguous(), scale[row:row + n_out].contiguous())
+            elif isinstance(fused, Fp16Linear):
+                weight.linear = Fp16Linear(fused.dense()[row:row + n_out])
             else:
                 weight.linear = DenseLinear(fused.weight[row:row + n_out].contiguous())
             log.info("torch backend: weight %s unfused again from %s", name, "+".join(key))

@@ -22,7 +22,6 @@ depend only on the piece.
 from __future__ import annotations
 
 import heapq
-import logging
 import re
 import warnings
 from dataclasses import dataclass
@@ -32,8 +31,6 @@ import regex
 
 from llmfw.core.errors import TokenizerError, VocabError
 from llmfw.core.vocab import Tokenizer, TokenizerDefaults, Vocab
-
-log = logging.getLogger(__name__)
 
 
 # ----------------------------------------------------------------------------------------------- byte alphabet
@@ -53,12 +50,18 @@ BYTE_TO_CHAR: list[str] = _bytes_to_unicode()
 CHAR_TO_BYTE: dict[str, int] = {c: b for b, c in enumerate(BYTE_TO_CHAR)}
 
 
+_BYTE_ALPHABET = {b: c for b, c in enumerate(BYTE_TO_CHAR)}  # for str.translate on latin-1 decoded bytes
+
+
 def byte_encode(text: str) -> str:
     """``text``'s UTF-8 bytes in the GPT-2 byte alphabet."""
-    return "".join([BYTE_TO_CHAR[b] for b in text.encode("utf-8", "surrogatepass")])
+    return text.encode("utf-8", "surrogatepass").decode("latin-1").translate(_BYTE_ALPHABET)
 
 
 # ----------------------------------------------------------------------------------------------- categories
+_TRANSLATION_CACHE_LIMIT = 1 << 16
+
+
 class _LazyTranslation(dict):
     """A ``str.translate`` table filled on first use of each code point (ASCII maps to itself)."""
 
@@ -67,7 +70,9 @@ class _LazyTranslation(dict):
         self._rule = rule
 
     def __missing__(self, codepoint: int) -> int:
-        value = self[codepoint] = self._rule(chr(codepoint))
+        value = self._rule(chr(codepoint))
+        if len(self) < _TRANSLATION_CACHE_LIMIT:  # text with every code point must not grow it without bound
+            self[codepoint] = value
         return value
 
 
@@ -162,6 +167,7 @@ _TEKKEN = (r"[^\r\n\p{L}\p{N}]?" + _UPPER_THEN_LOWER + r"|[^\r\n\p{L}\p{N}]?" + 
 _GPT4O = (r"[^\r\n\p{L}\p{N}]?" + _UPPER_THEN_LOWER + _CONTRACTIONS + r"?|[^\r\n\p{L}\p{N}]?" + _UPPER_RUN
           + _CONTRACTIONS + r"?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _CJK = "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+"  # 一-龥, ࠀ-一, 가-퟿
+_DEEPSEEK_PUNCT = "\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+"  # ASCII, full-width, quotes, 　、。
 _DEEPSEEK_LETTERS = (  # upper/lower/title-case letters; escaped, as some of them change under NFC
     "\\s?["
     "A-Za-z\u00b5\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u01ba\u01bc-\u01bf\u01c4-\u0293\u0295-\u02af"
@@ -195,8 +201,8 @@ _TYPES = {
     "default": _DEFAULT,
     "llama3": PreTokenizer((_LLAMA3,), ignore_merges=True, add_bos=True),
     "llama3-regex": PreTokenizer((_LLAMA3,)),  # dbrx, smaug-bpe: same regex, no flags
-    "deepseek-llm": PreTokenizer(("[\r\n]", _DEEPSEEK_LETTERS, "\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+", "\\s+$", _CJK,
-                                  r"\p{N}+"), clean_spaces=False),
+    "deepseek-llm": PreTokenizer(("[\r\n]", _DEEPSEEK_LETTERS, _DEEPSEEK_PUNCT, "\\s+$", _CJK, r"\p{N}+"),
+                                 clean_spaces=False),
     "deepseek-coder": PreTokenizer(("[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _CJK, r"\p{N}"), clean_spaces=False),
     "falcon": PreTokenizer((r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, "[0-9][0-9][0-9]")),
     "starcoder": PreTokenizer((r"\p{N}", _GPT2)),
@@ -236,7 +242,6 @@ def pre_tokenizer_for(pre: str) -> PreTokenizer:
         what = "missing pre-tokenizer type" if not pre else f"unknown pre-tokenizer type {pre!r}"
         message = (f"{what}, using 'default' (llama.cpp's fallback); tokenization may differ from the model's "
                    f"own. Known: {', '.join(sorted(PRE_TYPES))}")
-        log.warning(message)
         warnings.warn(message, RuntimeWarning, stacklevel=3)
         name = "default"
     return _TYPES[name]

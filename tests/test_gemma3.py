@@ -1,0 +1,206 @@
+"""Gemma-3-270M (arch ``gemma3``, sliding window 512 on 5 of every 6 layers) on the numpy backend against
+llama.cpp's reference outputs.
+
+Teacher forcing: each prompt's ``sequence`` is decoded with logits for every token, in batches of 512 tokens
+(the same ubatches as one big batch: 512, 512, 172 for the 1,196-token prompt), once with n_ubatch 512 and
+once with n_ubatch 64, side by side; every prompt must clear the bar of the reference README (top1 ≥ 0.93,
+top5 ≥ 0.98, mean_lp_err ≤ 0.25) with both, and the two must agree within 1e-3. Batching by 512 keeps memory
+modest: Gemma's head has 262,144 rows, so the 1,196 logits rows alone would be 1.25 GB of float32; each batch
+is scored as it comes (with the reference ``score`` on that slice of positions) and the parts are combined.
+
+The long prompt crosses the window: local layers keep only their bounded cache (1,024 / 768 cells), the global
+ones the whole context. Greedy decoding reproduces llama.cpp's continuations (or diverges only where
+llama.cpp's own top two logits were within 0.1), including 16 one-token steps past the window.
+
+Contexts use ``n_threads=1`` (BLAS threads spinning on a shared CPU make small matmuls much slower).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import llmfw
+from llmfw.core.memory import ISWA_BASE_CACHE, ISWA_SWA_CACHE
+
+ROOT = Path(__file__).resolve().parent.parent
+BAR = {"top1": 0.93, "top5": 0.98, "mean_lp_err": 0.25}
+CONFIDENT_GAP = 0.1  # compare.py's: llama.cpp's top-1 must beat its top-2 by this much to count for top1
+UBATCH_TOL = 1e-3
+N_BATCH = 512
+N_CTX = 2048
+UBATCH_SIZES = (512, 64)
+#: cells of the local (sliding-window) cache per n_ubatch: pad256(min(n_ctx, 512 + n_ubatch))
+SWA_CELLS = {512: 1024, 64: 768}
+LONG = 4  # the 1,196-token prompt
+
+
+@pytest.fixture(scope="module")
+def model(gemma3_path):
+    with llmfw.load_model(gemma3_path, backend="numpy") as m:
+        yield m
+
+
+def combine_scores(parts: list[tuple[dict, list[dict]]]) -> dict:
+    """One score from per-slice scores: each slice's shares weighted by what compare.py divides by."""
+    n = sum(r["n"] for r, _ in parts)
+    n_ids = [sum(len(p["top_ids"]) for p in positions) for _, positions in parts]
+    confident = [sum(p["top_logits"][0] - p["top_logits"][1] >= CONFIDENT_GAP for p in positions)
+                 for _, positions in parts]
+    return {
+        "n": n,
+        "top1": sum(r["top1"] * c for (r, _), c in zip(parts, confident)) / max(sum(confident), 1),
+        "top5": sum(r["top5"] * r["n"] for r, _ in parts) / n,
+        "max_lp_err": max(r["max_lp_err"] for r, _ in parts),
+        "mean_lp_err": sum(r["mean_lp_err"] * k for (r, _), k in zip(parts, n_ids)) / sum(n_ids),
+    }
+
+
+def teacher_forced(model, record, score) -> dict:
+    """Decode ``record["sequence"]`` with each n_ubatch side by side; scores, the max logit difference between
+    the two, and what the caches looked like at the end."""
+    sequence, positions = record["sequence"], record["positions"]
+    contexts = {u: model.new_context(n_ctx=N_CTX, n_batch=N_BATCH, n_ubatch=u, n_threads=1) for u in UBATCH_SIZES}
+    parts: dict[int, list] = {u: [] for u in UBATCH_SIZES}
+    max_diff = 0.0
+    for start in range(0, len(sequence), N_BATCH):
+        chunk = sequence[start:start + N_BATCH]
+        sub = {"positions": positions[start:start + len(chunk)]}
+        logits = {}
+        for u, ctx in contexts.items():
+            assert ctx.decode(llmfw.Batch(chunk, logits=True)) == 0, ctx.last_error
+            logits[u] = ctx.get_logits()
+            parts[u].append((score(sub, logits[u]), sub["positions"]))
+        max_diff = max(max_diff, float(np.abs(logits[512] - logits[64]).max()))
+        del logits
+    caches = {u: cache_facts(ctx) for u, ctx in contexts.items()}
+    for ctx in contexts.values():
+        ctx.close()
+    return {"scores": {u: combine_scores(p) for u, p in parts.items()}, "max_diff": max_diff, "caches": caches}
+
+
+def cache_facts(ctx) -> dict:
+    memory = ctx.memory
+    return {
+        "cells": {part.name: part.n_cells for part in memory.parts},
+        "used": {part.name: part.n_used for part in memory.parts},
+        "pos_min": {part.name: part.seq_pos_min(0) for part in memory.parts},
+        "storage_cells": {key: value.k.shape[1] for key, value in ctx.kv_storage.items()},
+        "nbytes": memory.nbytes,
+    }
+
+
+@pytest.fixture(scope="module")
+def forced(model, gemma3_ref, score):
+    """index → teacher-forced results, computed once per prompt for every test that asks."""
+    runs: dict[int, dict] = {}
+
+    def get(index: int) -> dict:
+        if index not in runs:
+            runs[index] = teacher_forced(model, gemma3_ref["prompts"][index], score)
+        return runs[index]
+
+    return get
+
+
+def test_hyperparameters_follow_llama_cpp(model):
+    hp = model.hparams
+    assert model.arch.name == "gemma3" and model.arch.rope_type == "neox" and model.arch.memory == "kv_cache_iswa"
+    assert (hp.n_layer, hp.n_embd, hp.n_head(0), hp.n_head_kv(0), hp.n_embd_head_k) == (18, 640, 4, 1, 256)
+    assert hp.n_swa == 512 and hp.swa_type == "standard"
+    assert [il for il in range(18) if not hp.is_swa(il)] == [5, 11, 17]
+    assert hp.f_attention_scale == pytest.approx(1 / 16)
+    local, global_ = model.arch.rope_params(hp, 0), model.arch.rope_params(hp, 5)
+    assert (local.freq_base, global_.freq_base) == (10000.0, 1e6)
+    assert local.mode == global_.mode == "neox" and local.n_dims == 256
+    assert hp.f_final_logit_softcapping == 0 and hp.f_attn_logit_softcapping == 0
+    assert model.has_weight("output.weight")  # tied to token_embd
+    # the converter stored Gemma's (1 + w): norm weights are centred near 1, not 0
+    attn_norm = model.weight_backend("blk.0.attn_norm.weight").weight("blk.0.attn_norm.weight")
+    assert float(np.median(attn_norm)) > 0.5
+
+
+@pytest.mark.parametrize("n_ubatch", UBATCH_SIZES)
+@pytest.mark.parametrize("index", range(5))
+def test_teacher_forced_logits_clear_the_bar(forced, gemma3_ref, index, n_ubatch):
+    result = forced(index)["scores"][n_ubatch]
+    n = len(gemma3_ref["prompts"][index]["sequence"])
+    print(f"\nprompt {index} ({n} tokens) n_ubatch {n_ubatch}: {result}")
+    assert result["n"] == n
+    for key in ("top1", "top5"):
+        assert result[key] >= BAR[key], (index, n_ubatch, result)
+    assert result["mean_lp_err"] <= BAR["mean_lp_err"], (index, n_ubatch, result)
+
+
+@pytest.mark.parametrize("index", range(5))
+def test_ubatch_64_matches_ubatch_512(forced, index):
+    diff = forced(index)["max_diff"]
+    print(f"\nprompt {index}: max |logits(n_ubatch 512) - logits(n_ubatch 64)| = {diff:.2e}")
+    assert diff <= UBATCH_TOL
+
+
+@pytest.mark.parametrize("n_ubatch", UBATCH_SIZES)
+def test_local_layers_keep_only_the_window(forced, gemma3_ref, n_ubatch):
+    facts = forced(LONG)["caches"][n_ubatch]
+    n = len(gemma3_ref["prompts"][LONG]["sequence"])
+    swa_cells = SWA_CELLS[n_ubatch]
+    print(f"\nn_ubatch {n_ubatch}: cells {facts['cells']}, used {facts['used']}, KV bytes {facts['nbytes']:,}")
+    assert facts["cells"] == {ISWA_BASE_CACHE: N_CTX, ISWA_SWA_CACHE: swa_cells}
+    # the backend's storage has exactly those rows: 15 local layers bounded by the window, 3 global ones full
+    for (cache, il), cells in facts["storage_cells"].items():
+        assert cells == (N_CTX if il in (5, 11, 17) else swa_cells), (cache, il)
+        assert cache == (ISWA_BASE_CACHE if il in (5, 11, 17) else ISWA_SWA_CACHE)
+    assert len(facts["storage_cells"]) == 18
+    # past the window the local cache has let go of the oldest positions; the global one holds all
+    assert facts["used"][ISWA_BASE_CACHE] == n and facts["pos_min"][ISWA_BASE_CACHE] == 0
+    assert facts["used"][ISWA_SWA_CACHE] <= swa_cells < n
+    assert facts["pos_min"][ISWA_SWA_CACHE] > 0
+    assert facts["nbytes"] == 4 * 512 * (3 * N_CTX + 15 * swa_cells)
+
+
+def greedy_continuation(model, record, **ctx_kw) -> list[int]:
+    prompt = record["prompt_ids"]
+    n_new = len(record["sequence"]) - len(prompt)
+    ctx = model.new_context(n_threads=1, **ctx_kw)
+    assert ctx.decode(llmfw.Batch(prompt)) == 0, ctx.last_error
+    generated: list[int] = []
+    while len(generated) < n_new:
+        token = int(ctx.get_logits_ith(-1).argmax())
+        generated.append(token)
+        if model.vocab.is_eog(token):
+            break
+        assert ctx.decode(llmfw.Batch([token])) == 0, ctx.last_error
+    ctx.close()
+    return generated
+
+
+@pytest.mark.parametrize("index", [0, LONG])
+def test_greedy_continuation_reproduces_llama_cpp(model, gemma3_ref, index):
+    record = gemma3_ref["prompts"][index]
+    prompt = record["prompt_ids"]
+    expected = record["sequence"][len(prompt):]
+    generated = greedy_continuation(model, record, n_ctx=N_CTX)
+    for i, (got, want) in enumerate(zip(generated, expected)):
+        if got != want:
+            top = record["positions"][len(prompt) + i - 1]["top_logits"]
+            assert top[0] - top[1] < CONFIDENT_GAP, f"diverged at continuation token {i}: {got} != {want}"
+            return
+    assert generated == expected
+    assert model.vocab.detokenize(generated) == record["continuation_text"]
+
+
+@pytest.mark.slow
+def test_llmfw_run_continues_like_llama_cpp(gemma3_path, gemma3_ref, model):
+    record = gemma3_ref["prompts"][0]
+    n = 12
+    expected = model.vocab.detokenize(record["sequence"][len(record["prompt_ids"]):len(record["prompt_ids"]) + n])
+    result = subprocess.run(
+        [sys.executable, "-m", "llmfw.cli", "run", "-m", str(gemma3_path), "--backend", "numpy", "-n", str(n),
+         "--no-progress", record["prompt"]],
+        capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=900)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == expected + "\n"
