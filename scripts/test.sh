@@ -13,4 +13,7 @@ PY=${PYTHON:-python3}
 "$PY" -m llmfw.cli pull smollm2
 "$PY" -m llmfw.cli pull gemma-3-270m
 
-"$PY" -m pytest -q -p no:cacheprovider tests "$@"
+# the example third-party architecture package, installed like any plugin, and its own tests
+"$PY" -m pip install -q --disable-pip-version-check --no-deps ./examples/llmfw-olmo
+
+"$PY" -m pytest -q -p no:cacheprovider tests examples/llmfw-olmo/tests "$@"

@@ -58,13 +58,19 @@ def test_plugins_lists_olmo_from_its_package(site_dir):
     assert not listing["failures"]
 
 
-def test_without_the_package_olmo_is_unknown(tmp_path):
+def test_a_blocked_plugin_leaves_olmo_unknown(site_dir, monkeypatch, tmp_path):
+    """Installed but block-listed (LLMFW_DISABLE_PLUGINS), the package registers nothing: llmfw itself does
+    not know olmo, and the error lists what it does know."""
     from llmfw.core.errors import UnknownArchitecture
 
+    monkeypatch.syspath_prepend(str(site_dir))
+    monkeypatch.setenv("LLMFW_DISABLE_PLUGINS", "olmo")
     reset_plugin_manager()
-    path = model_file("olmo", tmp_path)
-    with pytest.raises(UnknownArchitecture, match="olmo"):
-        llmfw.load_model(path, backend="numpy")
+    try:
+        with pytest.raises(UnknownArchitecture, match="'olmo'.*known: .*llama"):
+            llmfw.load_model(model_file("olmo", tmp_path), backend="numpy")
+    finally:
+        reset_plugin_manager()
 
 
 def test_olmo_matches_llama_cpp(with_olmo, tmp_path, score):

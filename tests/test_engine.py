@@ -434,3 +434,14 @@ def test_n_gpu_layers_follows_llama_cpp(smollm2_path):
         pytest.skip("CUDA present: placement is exercised by the torch backend's tests")
     with pytest.raises(BackendUnavailable):
         llmfw.load_model(smollm2_path, backend="numpy", n_gpu_layers=2)
+
+
+@pytest.mark.parametrize("n_gpu_layers, n_blocks_offloaded, head_offloaded", [
+    (0, 0, False), (1, 1, False), (30, 30, False), (31, 30, True), (99, 30, True), (-1, 30, True),
+])
+def test_gpu_layer_choice_matches_llama_cpp(n_gpu_layers, n_blocks_offloaded, head_offloaded):
+    from llmfw.core.model import gpu_layers
+
+    offloaded = gpu_layers(30, n_gpu_layers)
+    assert sum(offloaded[:30]) == n_blocks_offloaded and offloaded[30] == head_offloaded
+    assert offloaded[:30] == sorted(offloaded[:30])  # always the last blocks

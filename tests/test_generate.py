@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from llmfw.core.errors import ContextError
-from llmfw.core.generate import GenerationStats, _TextStream, cached_tokens, generate
+from llmfw.core.generate import GenerationStats, TextStream, cached_tokens, generate
 from llmfw.core.sampling import SamplerChain, SamplerParams
 
 
@@ -41,7 +41,7 @@ def run(ctx, prompt, sampler=None, **kw):
 def test_stream_is_utf8_safe(vocab_model):
     text = "Привіт 🙂 日本語"
     tokens = vocab_model.vocab.tokenize(text, add_special=False)
-    stream = _TextStream(vocab_model.vocab, [])
+    stream = TextStream(vocab_model.vocab, [])
     pieces = [stream.feed(t) for t in tokens] + [stream.flush()]
     assert "".join(pieces) == text
     assert all("\ufffd" not in p for p in pieces)
@@ -53,7 +53,7 @@ def test_stream_is_utf8_safe(vocab_model):
 ])
 def test_stop_strings_are_cut_and_never_emitted(vocab_model, stop, expected):
     tokens = vocab_model.vocab.tokenize("Hello, world and more", add_special=False)
-    stream = _TextStream(vocab_model.vocab, stop)
+    stream = TextStream(vocab_model.vocab, stop)
     out = ""
     for t in tokens:
         piece = stream.feed(t)
@@ -68,7 +68,7 @@ def test_stop_strings_are_cut_and_never_emitted(vocab_model, stop, expected):
 
 def test_text_that_may_start_a_stop_string_is_held_back(vocab_model):
     vocab = vocab_model.vocab
-    stream = _TextStream(vocab, ["\n\nUser:"])
+    stream = TextStream(vocab, ["\n\nUser:"])
     first = stream.feed(vocab.tokenize("Hi\n\n", add_special=False)[0])
     held = "".join(stream.feed(t) for t in vocab.tokenize("\n\n", add_special=False))
     assert "\n" not in first + held  # "\n\n" could still become the stop string
@@ -114,6 +114,15 @@ def test_stop_string_then_max_tokens_with_prefix_reuse(ctx, smollm2_ref):
     assert "".join(pieces) == " Paris" and stats.stop_reason == "max_tokens"
     assert stats.n_cached == len(ref["prompt_ids"]) - 1  # the last prompt token is decoded again for its logits
     assert stats.n_prompt_decoded == 1
+
+
+def test_cache_trimmed_elsewhere_is_noticed(ctx, smollm2_ref):
+    ref = smollm2_ref["prompts"][0]
+    run(ctx, ref["prompt"], max_tokens=1)
+    ctx.memory.seq_rm(0, 3, -1)  # someone else trims the cache
+    _, stats = run(ctx, ref["prompt"], max_tokens=1)
+    assert stats.n_cached == 3 and stats.n_prompt_decoded == len(ref["prompt_ids"]) - 3
+    assert cached_tokens(ctx) == ref["prompt_ids"]
 
 
 def test_same_seed_same_text(model):

@@ -285,3 +285,31 @@ def test_without_onnxruntime_choosing_it_names_the_extra():
     result = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=120)
     assert "UNAVAILABLE:" in result.stdout, result.stdout + result.stderr
     assert "pip install 'llmfw[onnx]'" in result.stdout
+
+
+def test_thread_count_change_rebuilds_sessions_with_same_results():
+    w = RNG.normal(size=(16, 64)).astype(np.float32)
+    g = Graph()
+    xi = g.inputs["x"] = g.add("input", name="x")
+    weight = g.add("weight", name="w")
+    weight.attrs["name"] = "w"
+    g.outputs["y"] = g.add("silu", g.add("mul_mat", weight, xi))
+    h = Harness([weight_source("w", w, GGMLType.Q8_0, {"mul_mat"})], [])
+    x = RNG.normal(size=(2, 64)).astype(np.float32)
+    first, _ = h.run(g, {"x": x})
+    again, _ = h.run(g, {"x": x})
+    assert h.onnx.sessions_built == 1
+    h.onnx.set_n_threads(1)
+    after, _ = h.run(g, {"x": x})
+    assert h.onnx.sessions_built == 2
+    np.testing.assert_array_equal(first["y"], again["y"])
+    np.testing.assert_allclose(after["y"], first["y"], rtol=1e-6, atol=1e-6)
+
+
+def test_cuda_without_its_execution_provider_is_unavailable():
+    import onnxruntime
+
+    if "CUDAExecutionProvider" in onnxruntime.get_available_providers():
+        pytest.skip("this onnxruntime has the CUDA execution provider")
+    with pytest.raises(BackendUnavailable, match="CUDAExecutionProvider"):
+        OnnxBackend.check_available("cuda")

@@ -88,3 +88,18 @@ def test_smollm2_mixed_placement_numpy_and_onnx(smollm2_path, smollm2_ref, score
         assert kinds == {"NumpyBackend", "OnnxBackend"}
     finally:
         model.close()
+
+
+def test_smollm2_mixed_placement_torch_and_onnx(smollm2_path, smollm2_ref, score):
+    """Layers 10-19 and the output head on torch, the rest on ONNX Runtime."""
+    pytest.importorskip("torch")
+    placement = {il: "torch" for il in range(10, 20)}
+    placement[30] = "torch"  # layer n_layer = the output head
+    model = llmfw.load_model(smollm2_path, backend="onnx", placement=placement)
+    try:
+        record = min(smollm2_ref["prompts"], key=lambda p: len(p["sequence"]))
+        assert_within_bar(score(record, teacher_forced_logits(model, record["sequence"])), "onnx + torch")
+        kinds = {type(model.backends[spec]).__name__ for spec in model.layer_specs}
+        assert kinds == {"TorchBackend", "OnnxBackend"}
+    finally:
+        model.close()

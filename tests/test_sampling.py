@@ -390,3 +390,22 @@ def test_same_seed_same_tokens_through_full_default_chain():
         return [chain.sample(logits) for _ in range(20)]
     assert draw(7) == draw(7)
     assert draw(7) != draw(8)
+
+
+def test_candidates_basics():
+    with pytest.raises(SamplerError, match="empty logits"):
+        Candidates.from_logits([])
+    with pytest.raises(SamplerError, match="one length"):
+        Candidates(np.arange(3), np.zeros(2))
+    cur = Candidates.from_logits([1.0, 3.0, 2.0])
+    cur.softmax(sort=True)
+    assert cur.ids.tolist() == [1, 2, 0] and cur.sorted
+    np.testing.assert_allclose(cur.probs.sum(), 1.0, rtol=1e-6)
+
+
+def test_discrete_distribution_matches_libstdcxx_rule():
+    # lower_bound of u over the normalized cumulative weights, u drawn like uniform_real_distribution<double>
+    a, b = MT19937Rng(11), MT19937Rng(11)
+    weights = np.array([0.2, 0.5, 0.3])
+    u = b.uniform_double()
+    assert a.discrete(weights) == int(np.searchsorted(np.cumsum(weights / weights.sum()), u, side="left"))

@@ -23,28 +23,30 @@ class ChatSession:
     """The conversation, its context (KV cache) and sampler; :meth:`answer` streams one reply."""
 
     def __init__(self, pipeline: Any, model: Any, out: TextIO):
-        from ..core.generate import GenerationStats, _ctx_int
+        from ..core.generate import GenerationStats, context_int
 
         self.pipeline, self.model, self.out = pipeline, model, out
         self.ctx = pipeline.new_context(model)
-        self.sampler = pipeline.make_sampler(model, _ctx_int(self.ctx, "n_ctx"))
+        self.sampler = pipeline.make_sampler(model, context_int(self.ctx, "n_ctx"))
         self.messages: list[dict[str, str]] = []
         self.last_stats = GenerationStats()
         self.reset()
 
     def reset(self) -> None:
+        """A new conversation (the KV cache is reused for whatever prefix the new one shares)."""
         system = self.pipeline.config.chat.system
         self.messages = [{"role": "system", "content": system}] if system else []
+        self.sampler.reset()
 
     def answer(self, user_text: str) -> str:
         from ..core.generate import GenerationStats, generate
 
         self.last_stats = GenerationStats()
         self.messages.append({"role": "user", "content": user_text})
-        prompt = self.pipeline.render_messages(self.messages, self.model)
         gen, tok = self.pipeline.config.generation, self.pipeline.config.tokenizer
         pieces: list[str] = []
         try:
+            prompt = self.pipeline.render_messages(self.messages, self.model)
             for piece in generate(self.ctx, prompt, self.sampler, max_tokens=gen.max_tokens, stop=gen.stop,
                                   parse_special=tok.parse_special, add_special=tok.add_special,
                                   stats=self.last_stats):

@@ -141,7 +141,7 @@ def run(prompt: str | None, use_chat: bool, **opts: Any) -> None:
 
     Greedy unless a sampling flag is given; the prompt is tokenized with special tokens parsed, not echoed.
     """
-    from ..core.generate import GenerationStats, _ctx_int
+    from ..core.generate import GenerationStats, context_int
 
     if prompt == "-":
         prompt = sys.stdin.read()
@@ -150,7 +150,7 @@ def run(prompt: str | None, use_chat: bool, **opts: Any) -> None:
         raise click.UsageError("give a PROMPT (or set generation.prompt in --config)")
     model = load_model_with_progress(pipeline, not opts["no_progress"])
     ctx = pipeline.new_context(model)
-    sampler = pipeline.make_sampler(model, _ctx_int(ctx, "n_ctx"))
+    sampler = pipeline.make_sampler(model, context_int(ctx, "n_ctx"))
     if opts["verbose"]:
         describe_setup(model, ctx, sampler, pipeline)
     stats = GenerationStats()

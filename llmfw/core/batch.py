@@ -124,8 +124,7 @@ class BatchAllocator:
         pos = self._positions(batch.pos, n, seq_ids, memory)
         output = self._outputs(batch.logits, n, output_all)
         allocated = AllocatedBatch(tokens, embd, pos, seq_ids, seq_first, seq_bits, output)
-        if memory is not None:
-            self._check_continuity(allocated, memory)
+        self._check_continuity(allocated, memory)
         return allocated
 
     # -- pieces ---------------------------------------------------------------------------------------------
@@ -219,7 +218,7 @@ class BatchAllocator:
             s = int(s)
             mine = batch.pos[batch.seq_first == s]
             p_min, p_max = int(mine.min()), int(mine.max())
-            last = memory.seq_pos_max(s)
+            last = memory.seq_pos_max(s) if memory is not None else -1
             if last >= 0 and p_min != last + 1:
                 raise BatchError(f"sequence {s}: the memory ends at position {last} but the batch starts at "
                                  f"{p_min}; positions must stay consecutive (expected {last + 1})")

@@ -80,7 +80,8 @@ def _synced_record(ctx: Any) -> list[int]:
 
 
 # -- helpers ---------------------------------------------------------------------------------------------------
-def _ctx_int(ctx: Any, name: str, default: int | None = None) -> int | None:
+def context_int(ctx: Any, name: str, default: int | None = None) -> int | None:
+    """An integer setting of a context (``ctx.n_ctx``, or ``ctx.params.n_ctx``; 0 / missing -> default)."""
     value = getattr(ctx, name, None)
     if value is None:
         value = getattr(getattr(ctx, "params", None), name, None)
@@ -108,7 +109,7 @@ def tokenize_prompt(model: Any, prompt: str | Sequence[int], parse_special: bool
     return tokens
 
 
-class _TextStream:
+class TextStream:
     """Token bytes → text, holding back incomplete UTF-8 and anything that may start a stop string."""
 
     def __init__(self, vocab: Any, stop: Sequence[str]):
@@ -175,7 +176,10 @@ def _prepare_prompt(ctx: Any, tokens: list[int], n_ctx: int | None) -> tuple[int
     if common == len(tokens):
         common -= 1  # the last prompt token must be decoded again to get its logits
     if common < len(record):
-        ctx.memory.seq_rm(0, common, -1)
+        if ctx.memory.seq_rm(0, common, -1) is False:
+            # this memory cannot drop a tail (llama.cpp: recurrent state); start the sequence over
+            ctx.memory.seq_rm(0, -1, -1)
+            common = 0
         del record[common:]
     return common, tokens[common:]
 
@@ -200,8 +204,8 @@ def generate(ctx: Any, prompt: str | Sequence[int], sampler: Sampler | None = No
     if max_tokens is not None and max_tokens < 0:
         raise LLMFWError(f"max_tokens must be >= 0 or None, got {max_tokens}")
     stats = stats if stats is not None else GenerationStats()
-    n_ctx = _ctx_int(ctx, "n_ctx")
-    n_batch = _ctx_int(ctx, "n_batch", 512) or 512
+    n_ctx = context_int(ctx, "n_ctx")
+    n_batch = context_int(ctx, "n_batch", 512) or 512
 
     tokens = tokenize_prompt(model, prompt, parse_special=parse_special, add_special=add_special)
     n_keep, new_tokens = _prepare_prompt(ctx, tokens, n_ctx)
@@ -223,7 +227,7 @@ def _stream(ctx: Any, model: Any, chain: SamplerChain, record: list[int], n_keep
             for s in chain.samplers:
                 s.accept(t)
 
-    text = _TextStream(vocab, stops)
+    text = TextStream(vocab, stops)
     t_start = time.perf_counter()
     try:
         while True:

@@ -232,12 +232,16 @@ class GraphBuilder:
         hp = self.hp
         if self.has_weight(f"{p}.attn_qkv.weight"):
             n_q, n_k = hp.n_embd_head_k * hp.n_head(il), hp.n_embd_k_gqa(il)
+            fused_bias = self.has_weight(f"{p}.attn_qkv.bias")
             qkv = self.mul_mat(f"{p}.attn_qkv.weight", x, f"{p}.attn_qkv.bias")
-            q, k, v = (self.op("slice", qkv, axis=-1, start=a, stop=b)
-                       for a, b in ((0, n_q), (n_q, n_q + n_k), (n_q + n_k, n_q + n_k + hp.n_embd_v_gqa(il))))
-            if not self.has_weight(f"{p}.attn_qkv.bias"):
-                q, k, v = (self.op("add", t, self.weight(f"{p}.attn_{n}.bias")) if self.has_weight(f"{p}.attn_{n}.bias")
-                           else t for t, n in ((q, "q"), (k, "k"), (v, "v")))
+            bounds = {"q": (0, n_q), "k": (n_q, n_q + n_k), "v": (n_q + n_k, n_q + n_k + hp.n_embd_v_gqa(il))}
+            parts = []
+            for part, (start, stop) in bounds.items():
+                out = self.op("slice", qkv, axis=-1, start=start, stop=stop)
+                if not fused_bias and self.has_weight(f"{p}.attn_{part}.bias"):
+                    out = self.op("add", out, self.weight(f"{p}.attn_{part}.bias"))
+                parts.append(out)
+            q, k, v = parts
         else:
             q = self.mul_mat(f"{p}.attn_q.weight", x, f"{p}.attn_q.bias")
             k = self.mul_mat(f"{p}.attn_k.weight", x, f"{p}.attn_k.bias")

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .errors import GGUFError, LoadCancelled, ModelError
+from .errors import LoadCancelled, ModelError
 
 log = logging.getLogger(__name__)
 
@@ -233,10 +233,7 @@ class GGUFLoader(ModelFileLoader):
         return TensorRecord(info.name, tuple(int(d) for d in info.shape), int(info.ggml_type), int(info.nbytes))
 
     def tensor_bytes(self, name: str) -> np.ndarray:
-        try:
-            return self.file.tensor_bytes(name)
-        except GGUFError:
-            raise
+        return self.file.tensor_bytes(name)
 
     def close(self) -> None:
         self.file.close()

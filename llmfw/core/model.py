@@ -250,11 +250,8 @@ def _place_layers(model: Model, params: ModelParams) -> None:
     n_layer = model.hparams.n_layer
     main = params.backend or default_backend_spec()
     specs = [main] * (n_layer + 1)
-    n_gpu = n_layer + 1 if params.n_gpu_layers < 0 else params.n_gpu_layers
-    if n_gpu > 0:
-        first_gpu = max(n_layer + 1 - n_gpu, 0)  # llama.cpp's i_gpu_start: the output head counts as a layer
-        for il in range(first_gpu, n_layer + 1):
-            specs[il] = GPU_BACKEND
+    specs = [GPU_BACKEND if on_gpu else spec
+             for spec, on_gpu in zip(specs, gpu_layers(n_layer, params.n_gpu_layers))]
     for il, spec in (params.placement or {}).items():
         if not 0 <= il <= n_layer:
             raise ModelError(f"placement names layer {il}, but the model has layers 0..{n_layer - 1} "
@@ -264,6 +261,15 @@ def _place_layers(model: Model, params: ModelParams) -> None:
     for spec in dict.fromkeys(["numpy", *specs]):
         model.backends[spec] = create_backend(spec)
     model.host_backend = model.backends["numpy"]
+
+
+def gpu_layers(n_layer: int, n_gpu_layers: int) -> list[bool]:
+    """Which of layers 0..n_layer (n_layer = the output head) llama.cpp offloads for ``n_gpu_layers``: the
+    last n blocks, and the head only when n_gpu_layers > n_layer (-1 = everything)."""
+    n_gpu = n_layer + 1 if n_gpu_layers < 0 else n_gpu_layers
+    first = max(n_layer - n_gpu, 0)  # llama.cpp's i_gpu_start
+    active = min(n_gpu, n_layer + 1)
+    return [first <= il and il - first < active for il in range(n_layer + 1)]
 
 
 def plan_weights(model: Model, loader: ModelFileLoader, specs: list[TensorSpec]) -> list[WeightLoad]:

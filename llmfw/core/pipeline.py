@@ -212,14 +212,14 @@ class Pipeline:
     def run(self, prompt: str | None = None, *, ctx: Any = None, sampler: SamplerChain | None = None,
             stats: Any = None) -> Iterator[str]:
         """Generate for ``prompt`` (or ``generation.prompt``) with everything the file configures."""
-        from .generate import _ctx_int, generate
+        from .generate import context_int, generate
 
         text = prompt if prompt is not None else self.config.generation.prompt
         if text is None:
             raise ConfigError("no prompt: pass one or set generation.prompt in the pipeline file")
         model = self.load_model()
         ctx = ctx if ctx is not None else self.new_context(model)
-        sampler = sampler if sampler is not None else self.make_sampler(model, _ctx_int(ctx, "n_ctx"))
+        sampler = sampler if sampler is not None else self.make_sampler(model, context_int(ctx, "n_ctx"))
         gen = self.config.generation
         tok = self.config.tokenizer
         return generate(ctx, self.render_prompt(text, model), sampler, max_tokens=gen.max_tokens, stop=gen.stop,

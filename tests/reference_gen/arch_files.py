@@ -8,7 +8,7 @@ Tensor names, shapes and metadata keys follow llama.cpp's converter (``convert_h
 (``src/models/<arch>.cpp``): llama.cpp refuses a file with a tensor its architecture does not create, so each
 family writes exactly its own set. Weight scales are chosen so every block matters: unit-scale embeddings,
 projections that keep activations near unit size, a sharper query/key so attention depends on position, and
-an output head scaled so logits are peaked (std about 5).
+an output head scaled so logits are peaked (std about 4).
 """
 from __future__ import annotations
 
@@ -251,7 +251,8 @@ def _llama3_rope_factors(spec: dict) -> np.ndarray:
         elif wavelen > low_wavelen:
             factors.append(rope["factor"])
         else:
-            smooth = (old_ctx / wavelen - rope["low_freq_factor"]) / (rope["high_freq_factor"] - rope["low_freq_factor"])
+            low, high = rope["low_freq_factor"], rope["high_freq_factor"]
+            smooth = (old_ctx / wavelen - low) / (high - low)
             factors.append(1 / ((1 - smooth) / rope["factor"] + smooth))
     return np.array(factors, dtype=np.float32)
 
@@ -263,19 +264,19 @@ def _draw(spec: dict, item: TensorPlan, rng: np.random.Generator) -> np.ndarray:
     kind, _, params = item.init.partition(":")
     if kind == "embd":
         return normal(shape, 1.0)
-    if kind == "embd_tied":  # input (x sqrt(n_embd)) and head at once: head logits std about 5.6
-        return normal(shape, 0.35)
+    if kind == "embd_tied":  # input (x sqrt(n_embd)) and head at once: head logits std about 4.5
+        return normal(shape, 0.28)
     if kind == "head":
-        return normal(shape, 5.0 / math.sqrt(n_in))
-    if kind == "sharp":  # query/key: attention scores of std ~4, so attention depends on position
-        return normal(shape, 2.0 / math.sqrt(n_in))
+        return normal(shape, 4.0 / math.sqrt(n_in))
+    if kind == "sharp":  # query/key: attention scores of std ~3, so attention depends on position
+        return normal(shape, 1.75 / math.sqrt(n_in))
     if kind == "unit":
         return normal(shape, 1.0 / math.sqrt(n_in))
     if kind == "down":
         return normal(shape, 1.5 / math.sqrt(n_in))
-    if kind == "qkv":
-        n_q, n_kv = (int(p) for p in params.split(":"))
-        scale = np.concatenate([np.full(n_q + n_kv, 2.0), np.full(n_kv, 1.0)]).astype(np.float32)
+    if kind == "qkv":  # Phi-3: LongRoPE's attn_factor (1.22 on q and k) sharpens the scores 1.5x, so q/k start
+        n_q, n_kv = (int(p) for p in params.split(":"))  # a little smaller than "sharp"
+        scale = np.concatenate([np.full(n_q + n_kv, 1.4), np.full(n_kv, 1.0)]).astype(np.float32)
         return normal(shape, 1.0 / math.sqrt(n_in)) * scale[:, None]
     if kind == "norm":
         return 1.0 + normal(shape, 0.1)

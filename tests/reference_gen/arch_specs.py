@@ -41,7 +41,7 @@ PROMPTS: dict[str, str] = {
 }
 
 #: greedy tokens llama.cpp appends to each prompt before the teacher-forced pass
-N_CONTINUATION = 16
+N_CONTINUATION = 24
 #: context used for the references (and by the tests)
 N_CTX = 512
 #: top entries stored per position

@@ -47,8 +47,9 @@ class NumpyKV:
 # ---------------------------------------------------------------------------------------------------------
 
 def rms_norm(x: np.ndarray, eps: float) -> np.ndarray:
-    mean_sq = np.mean(np.square(x, dtype=F32), axis=-1, keepdims=True, dtype=np.float64)
-    return (x * (1.0 / np.sqrt(mean_sq + eps)).astype(F32)).astype(F32, copy=False)
+    # ggml accumulates the sum of squares in double; einsum in float64 does the same in one pass
+    mean_sq = np.einsum("...i,...i->...", x, x, dtype=np.float64)[..., None] / x.shape[-1]
+    return x * (1.0 / np.sqrt(mean_sq + eps)).astype(F32)
 
 
 def layer_norm(x: np.ndarray, eps: float) -> np.ndarray:

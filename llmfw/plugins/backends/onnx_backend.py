@@ -40,6 +40,8 @@ from llmfw.core.backend import Backend, CompiledSplit, KVLayerShape, Split, Weig
 from llmfw.core.errors import BackendUnavailable, ModelError
 from llmfw.core.graph import OPS, Node
 from llmfw.core.quants import GGMLType, block_view, dequantize
+# the oracle's YaRN correction range (one definition of ggml_rope_yarn_corr_dims for the backends)
+from llmfw.plugins.backends.numpy_cpu import yarn_corr_dims
 
 log = logging.getLogger(__name__)
 
@@ -151,9 +153,15 @@ def block_codes(source: WeightSource) -> BlockWeight:
     n_in = int(source.ne[0])
     if n_in % BLOCK:
         raise ModelError(f"onnx backend: {source.name} rows have {n_in} elements, not a multiple of {BLOCK}")
-    values = dequantize(source.raw, qtype, source.ne).reshape(-1, n_in // BLOCK, BLOCK)
-    n_out = values.shape[0]
+    n_out = int(np.prod(source.ne[1:], dtype=np.int64))
     shape = (n_out, n_in)
+    direct = _stored_codes(source, qtype, shape)
+    if direct is not None:  # Q4_0 / Q4_1 / Q8_0: the codes are in the bytes, no float round trip
+        d = _block_header_f16(source, 0)
+        offsets = _block_header_f16(source, 2) + F32(8.0) * d if qtype == GGMLType.Q4_1 else None
+        bits = 8 if qtype == GGMLType.Q8_0 else 4
+        return BlockWeight(shape, bits, d, offsets, codes=direct, exact=True, source_type=qtype.name)
+    values = dequantize(source.raw, qtype, source.ne).reshape(-1, n_in // BLOCK, BLOCK)
     if qtype in _SYMMETRIC_EXACT:
         bits = _SYMMETRIC_EXACT[qtype]
         d = _block_header_f16(source, 0)
@@ -166,6 +174,20 @@ def block_codes(source: WeightSource) -> BlockWeight:
         codes = np.rint((values - m[..., None]) * _safe_reciprocal(d)[..., None]) - centre
         return _finish(shape, bits, codes, d, m + F32(centre) * d, True, qtype)
     return requantize_8bit(values, shape, asymmetric=qtype in _AFFINE_REQUANT, source_type=qtype.name)
+
+
+def _stored_codes(source: WeightSource, qtype: GGMLType, shape: tuple[int, int]) -> np.ndarray | None:
+    """Signed codes [n_out, n_in] read straight from the blocks of the types that store them plainly."""
+    if qtype not in (GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1):
+        return None
+    blocks = block_view(source.raw, qtype, source.ne).reshape(shape[0], shape[1] // BLOCK, -1)
+    if qtype == GGMLType.Q8_0:  # d | 32 int8
+        return np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(shape)
+    # d (| m) | 16 bytes: element j in the low nibble of byte j, element j+16 in its high nibble; code q - 8
+    nibbles = blocks[..., 2 if qtype == GGMLType.Q4_0 else 4:]
+    q = np.concatenate([nibbles & np.uint8(0x0F), nibbles >> np.uint8(4)], axis=-1).view(np.int8)
+    q -= np.int8(8)
+    return q.reshape(shape)
 
 
 def requantize_8bit(values: np.ndarray, shape: tuple[int, int], asymmetric: bool,
@@ -257,16 +279,6 @@ def fuse_block_weights(parts: Sequence[BlockWeight]) -> BlockWeight:
 # ---------------------------------------------------------------------------------------------------------------
 # rope tables (ggml_rope_ext semantics: NORM/NEOX, YaRN, freq_factors)
 # ---------------------------------------------------------------------------------------------------------------
-
-def yarn_corr_dims(n_dims: int, n_ctx_orig: int, freq_base: float, beta_fast: float,
-                   beta_slow: float) -> tuple[float, float]:
-    """ggml_rope_yarn_corr_dims: the dimension range over which YaRN ramps interpolation → extrapolation."""
-
-    def corr_dim(n_rot: float) -> float:
-        return n_dims * math.log(n_ctx_orig / (n_rot * 2 * math.pi)) / (2 * math.log(freq_base))
-
-    return max(0.0, math.floor(corr_dim(beta_fast))), min(n_dims - 1.0, math.ceil(corr_dim(beta_slow)))
-
 
 def rope_frequencies(attrs: Mapping[str, Any], freq_factors: np.ndarray | None) -> tuple[np.ndarray, float]:
     """Per rotated pair i: the angle per position ``theta_i`` (theta = pos * theta_i) and the magnitude scale.
@@ -505,6 +517,8 @@ class _SplitTranslator:
         weight = self.backend.weight(name)
         if isinstance(weight, DenseWeight):
             self.shapes[node.id] = x_shape[:-1] + (weight.shape[0],)
+            if len(x_shape) == 2:  # Gemm reads W [n_out, n_in] as it is: no transposed copy
+                return self.e.op("Gemm", [x, self.e.external(f"w:{name}", weight.array)], transB=1, hint="mm")
             wt = self.e.external(f"wt:{name}", self.backend.transposed(name))
             return self.e.op("MatMul", [x, wt], hint="mm")
         members = self._fused_parts.get(node.id)
@@ -852,10 +866,19 @@ class OnnxBackend(Backend):
         self._programs: OrderedDict[tuple, _Program] = OrderedDict()
         #: sessions built (tests read it to check that one session serves many ubatches)
         self.sessions_built = 0
+        #: bumped when built sessions become stale (thread count changed); compiled splits then rebuild
+        self.generation = 0
 
     @classmethod
     def check_available(cls, device: str | None = None) -> None:
         execution_providers(device)
+
+    def set_n_threads(self, n_threads: int | None) -> None:
+        """Sessions fix their thread count when built: a change drops them (rebuilt on the next run)."""
+        if n_threads != self.n_threads:
+            super().set_n_threads(n_threads)
+            self._programs.clear()
+            self.generation += 1
 
     # -- weights ------------------------------------------------------------------------------------------
     def load_weight(self, source: WeightSource) -> Weight:
@@ -989,7 +1012,7 @@ class _CompiledSplit:
         self._signature: tuple | None = None
 
     def _prepare(self, arrays: list[np.ndarray]) -> None:
-        signature = tuple((a.dtype.str, a.ndim) for a in arrays)
+        signature = (self.backend.generation, tuple((a.dtype.str, a.ndim) for a in arrays))
         if self.program is not None and signature == self._signature:
             return
         self.program = self.backend.program(self.split, arrays, self.kv)

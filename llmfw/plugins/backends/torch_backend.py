@@ -748,9 +748,9 @@ class TorchBackend(Backend):
         self.matmul_form = default_matmul_form(self.device)
         if self.matmul_form == "int8":
             torch.backends.quantized.engine = "fbgemm"
-        if n_threads:
-            torch.set_num_threads(int(n_threads))
+        self.set_n_threads(n_threads)
         self._fused: dict[tuple[str, ...], Linear] = {}
+        self._loading = True
         self.last_source: str = ""
         log.info("torch backend on %s: matmul weights as %s, %d threads", self.device, self.matmul_form,
                  torch.get_num_threads())
@@ -758,6 +758,12 @@ class TorchBackend(Backend):
     @property
     def spec(self) -> str:
         return "torch" if self.device == "cpu" else f"torch:{self.device}"
+
+    def set_n_threads(self, n_threads: int | None) -> None:
+        """torch's intra-op thread count is process-wide: set it explicitly (None keeps torch's default)."""
+        super().set_n_threads(n_threads)
+        if n_threads:
+            import_torch().set_num_threads(int(n_threads))
 
     @classmethod
     def check_available(cls, device: str | None = None) -> None:
@@ -807,9 +813,6 @@ class TorchBackend(Backend):
             w[start:start + len(rows)] = torch.from_numpy(rows).to(self.torch_device, dtype)
         return DenseLinear(w)
 
-    def finish_loading(self) -> None:
-        """Called (when the engine does) after the last weight: hand conversion temporaries back to the OS."""
-        release_freed_memory()
 
     def linear(self, name: str) -> Linear:
         """The linear form of weight ``name``, rebuilt from a fused weight if it was folded into one."""
@@ -885,6 +888,9 @@ class TorchBackend(Backend):
     # -- compute ----------------------------------------------------------------------------------------
     def compile(self, split: Split, kv: Mapping[tuple[str, int], Any]) -> CompiledSplit:
         torch = import_torch()
+        if self._loading:  # the first compile follows the last weight: hand conversion temporaries back
+            self._loading = False
+            release_freed_memory()
         compiler = SplitCompiler(self, split, kv)
         run = compiler.compile()
         self.last_source = compiler.source
