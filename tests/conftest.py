@@ -71,3 +71,22 @@ def gemma3_path() -> Path:
     from llmfw.core.catalog import resolve_model
 
     return resolve_model("gemma-3-270m")
+
+
+@pytest.fixture(scope="session")
+def confident_prefix():
+    """``count(prompt_record, margin=0.5)``: how many tokens of llama.cpp's greedy continuation come before its
+    first close call (best logit ahead of the second by less than ``margin``). Up to there a correct engine's
+    greedy output must equal llama.cpp's; after it, correct engines may legitimately diverge."""
+
+    def count(record: dict, margin: float = 0.5) -> int:
+        start = len(record["prompt_ids"]) - 1
+        n = 0
+        for pos in range(start, len(record["sequence"]) - 1):
+            top = record["positions"][pos]["top_logits"]
+            if top[0] - top[1] < margin:
+                break
+            n += 1
+        return n
+
+    return count

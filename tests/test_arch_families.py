@@ -92,6 +92,25 @@ def test_phi3_picks_long_or_short_rope_factors_by_context(models):
     assert np.abs(long_run[:40] - short_run[:40]).max() > 0.1
 
 
+def test_phi3_k_shift_uses_the_same_rope_factors(tmp_path):
+    """seq_add re-ropes the cached keys (K-shift) with the factors the graph used (long ones at n_ctx 512), so
+    shifting a decoded prompt by 7 positions equals decoding it at those positions. attn_factor is overridden
+    to 1: llama.cpp's K-shift multiplies the cached keys by it once more (and so do we), which would break the
+    equality on purpose."""
+    path = model_file("phi3", tmp_path)
+    sequence = records(reference("phi3"))[1]["sequence"]
+    prompt, follower, delta = sequence[:60], sequence[60], 7
+    with llmfw.load_model(path, backend="numpy", kv_overrides={"phi3.rope.scaling.attn_factor": 1.0}) as model:
+        shifted = model.new_context(n_ctx=512)
+        assert shifted.decode(llmfw.Batch(prompt)) == 0
+        shifted.memory.seq_add(0, 0, -1, delta)
+        assert shifted.decode(llmfw.Batch([follower])) == 0
+        direct = model.new_context(n_ctx=512)
+        assert direct.decode(llmfw.Batch(prompt, pos=list(range(delta, delta + len(prompt))))) == 0
+        assert direct.decode(llmfw.Batch([follower])) == 0
+        assert np.abs(shifted.get_logits_ith(-1) - direct.get_logits_ith(-1)).max() <= SAME_LOGITS_ATOL
+
+
 def test_unknown_architecture_names_the_known_ones(tmp_path):
     from llmfw.core.errors import UnknownArchitecture
     from llmfw.core.gguf import GGUFValueType, GGUFWriter

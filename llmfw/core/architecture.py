@@ -143,6 +143,12 @@ class Architecture(ABC):
         as a :class:`TensorSpec` with ``generate``."""
         return None
 
+    def rope_factors_for(self, b: "GraphBuilder", il: int) -> str | None:
+        """The frequency-factor weight of layer ``il`` in the graph ``b`` builds (rope and K-shift alike).
+        Defaults to :meth:`rope_freq_factors`; override when the choice depends on the context: Phi-3's LongRoPE
+        picks long or short factors by ``b.params.n_ctx_seq``, like llama.cpp's ``get_rope_factors``."""
+        return self.rope_freq_factors(b.hp, il)
+
 
 def default_rope_params(hp: HParams, mode: RopeType, *, swa: bool = False) -> RopeParams:
     """llama.cpp's rope parameters from the hyperparameters (cparams left at their defaults)."""

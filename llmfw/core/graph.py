@@ -212,15 +212,16 @@ class GraphBuilder:
             out = self.op("add", out, self.weight(bias))
         return out
 
-    def build_rope(self, x: Node, il: int | None = None, *, freq_factors: str | None = None) -> Node:
-        """Rotate ``x`` [T, H, D] at the ubatch positions with the layer's rope parameters (and factors;
-        ``freq_factors`` names the factor weight when the choice depends on the context, as for LongRoPE)."""
+    def build_rope(self, x: Node, il: int | None = None) -> Node:
+        """Rotate ``x`` [T, H, D] at the ubatch positions with the layer's rope parameters (and factors)."""
         il = self.layer if il is None else il
-        inputs = [x, self.input("pos")]
-        factors = freq_factors or self.arch.rope_freq_factors(self.hp, il)
-        if factors is not None and self.has_weight(factors):
-            inputs.append(self.weight(factors))
-        return self.op("rope", *inputs, **self.arch.rope_params(self.hp, il).attrs())
+        return self.op("rope", x, self.input("pos"), *self._rope_factors(il),
+                       **self.arch.rope_params(self.hp, il).attrs())
+
+    def _rope_factors(self, il: int) -> list[Node]:
+        """The layer's frequency-factor weight as an extra rope input, or nothing."""
+        factors = self.arch.rope_factors_for(self, il)
+        return [self.weight(factors)] if factors is not None and self.has_weight(factors) else []
 
     def build_qkv(self, x: Node, il: int | None = None, prefix: str | None = None) -> tuple[Node, Node, Node]:
         """Q, K, V projections (+ optional biases) reshaped to [T, H, Dk], [T, Hkv, Dk], [T, Hkv, Dv].
@@ -347,11 +348,8 @@ class GraphBuilder:
         shift = self.input(f"k_shift:{cache}")
         for il in layers:
             self.layer = il
-            inputs = [shift]
-            factors = self.arch.rope_freq_factors(self.hp, il)
-            if factors is not None and self.has_weight(factors):
-                inputs.append(self.weight(factors))
-            self.op("k_shift", *inputs, layer=il, cache=cache, **self.arch.rope_params(self.hp, il).attrs())
+            self.op("k_shift", shift, *self._rope_factors(il), layer=il, cache=cache,
+                    **self.arch.rope_params(self.hp, il).attrs())
         return self.graph
 
 

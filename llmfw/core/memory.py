@@ -331,7 +331,9 @@ class KVCache(Memory):
             return
         from .graph import BuildParams, GraphBuilder
 
-        builder = GraphBuilder(self.model, BuildParams(0, 0), self.cache_of_layer)
+        # n_ctx_seq: Phi-3 re-ropes with the same long/short factors its graph uses
+        builder = GraphBuilder(self.model, BuildParams(0, 0, n_ctx_seq=self.n_cells // self.n_seq_max),
+                               self.cache_of_layer)
         graph = builder.build_k_shift(self.name, self.layers)
         run_graph(graph, {f"k_shift:{self.name}": self.cells.shift.astype(np.int32)})
         self.cells.shift[:] = 0

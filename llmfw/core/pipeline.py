@@ -24,6 +24,7 @@ from typing import Any, Iterator, Literal, Mapping, Sequence
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from .catalog import DEFAULT_MODEL
 from .errors import ConfigError
 from .sampling import SamplerChain, SamplerParams, validation_error_message
 
@@ -71,7 +72,7 @@ class GenerationConfig(_Section):
 class PipelineConfig(_Section):
     """The whole pipeline file."""
 
-    model: str = "smollm2"
+    model: str = DEFAULT_MODEL
     backend: str | None = None
     placement: dict[int, str] | None = None
     n_gpu_layers: int = Field(0, ge=-1)

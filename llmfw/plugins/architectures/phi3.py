@@ -75,7 +75,7 @@ class Phi3Architecture(Architecture):
         specs += [t(f"{f}.weight", (hp.n_rot // 2,), "rope", duplicate_of=f"{f}.weight") for f in ROPE_FACTORS]
         return specs
 
-    def rope_factors(self, b: GraphBuilder, il: int) -> str | None:
+    def rope_factors_for(self, b: GraphBuilder, il: int) -> str | None:
         """llama.cpp's ``get_rope_factors``: long factors past the original context, else short ones."""
         long_ctx = b.params.n_ctx_seq > (b.hp.n_ctx_orig_yarn or b.hp.n_ctx_train)
         name = f"blk.{il}.{ROPE_FACTORS[0] if long_ctx else ROPE_FACTORS[1]}.weight"
@@ -89,8 +89,7 @@ class Phi3Architecture(Architecture):
                 raise ModelError(f"phi3: layer {il} has neither {p}.attn_qkv.weight nor separate attn_q/k/v")
             residual = x
             q, k, v = b.build_qkv(b.build_norm(x, f"{p}.attn_norm.weight"))
-            factors = self.rope_factors(b, il)
-            q, k = b.build_rope(q, freq_factors=factors), b.build_rope(k, freq_factors=factors)
+            q, k = b.build_rope(q), b.build_rope(k)
             h = b.build_attn(q, k, v)
             if il == b.hp.n_layer - 1:
                 h, residual = b.select_outputs(h, residual)

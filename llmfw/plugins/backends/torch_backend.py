@@ -757,7 +757,7 @@ class TorchBackend(Backend):
 
     @property
     def spec(self) -> str:
-        return "torch" if self.device == "cpu" else f"torch:{self.device}"
+        return self.name if self.device == "cpu" else f"{self.name}:{self.device}"
 
     def set_n_threads(self, n_threads: int | None) -> None:
         """torch's intra-op thread count is process-wide: set it explicitly (None keeps torch's default)."""

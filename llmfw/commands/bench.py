@@ -1,0 +1,366 @@
+"""`llmfw bench MODEL`: llama-bench's tests on llmfw's backends, optionally side by side with llama.cpp.
+
+* ``pp`` (prompt processing): one batch of ``-p`` random tokens decoded from an empty cache, logits for the last
+  token only; ``tg`` (text generation): ``-n`` one-token decodes from an empty cache. Both after a warm-up run,
+  repeated ``-r`` times; the table shows the median tokens/s and the spread (sample standard deviation).
+* Per backend: load time, RSS before loading (after ``import llmfw`` and the backend's library), RSS after
+  loading, peak RSS, the weight bytes the backends keep, the KV cache bytes (n_ctx = p + n, like llama-bench),
+  and the graph builds / reuses of each test.
+* Each backend runs in a fresh worker process (``python -m llmfw.commands.bench --worker``), so its memory and
+  thread settings are its own; ``--compare-llama-cpp PYTHON`` runs the same tests through llama-cpp-python in
+  that interpreter (a subprocess given a script; llmfw never imports ``llama_cpp``) and adds the ratios.
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+from pydantic import BaseModel, Field
+
+from llmfw.core.errors import ConfigError, LLMFWError
+
+#: random tokens come from this seed so every backend and llama.cpp see the same ones
+TOKEN_SEED = 1234
+WORKER_FLAG = "--worker"
+
+
+class BenchParams(BaseModel):
+    """One benchmark run's settings (shared by the llmfw workers and the llama.cpp script)."""
+
+    model: str
+    n_prompt: int = Field(512, ge=0)
+    n_gen: int = Field(128, ge=0)
+    repetitions: int = Field(3, ge=1)
+    n_threads: int = Field(2, ge=1)
+    n_ubatch: int = Field(512, ge=1)
+
+    @property
+    def n_ctx(self) -> int:
+        return max(self.n_prompt + self.n_gen, 1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# measuring (shared by the llmfw worker and, as source text, by the llama.cpp script)
+# ---------------------------------------------------------------------------------------------------------------
+
+def current_rss() -> int:
+    """Resident set size of this process now, in bytes."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss() -> int:
+    """Peak resident set size of this process so far, in bytes (ru_maxrss is KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def summarize(n_tokens: int, seconds: list[float]) -> dict[str, Any]:
+    """tokens/s of each repetition → median, spread (sample stdev), min, max."""
+    rates = [n_tokens / s if s > 0 else 0.0 for s in seconds]
+    return {"n_tokens": n_tokens, "runs_s": seconds, "tps_median": statistics.median(rates),
+            "tps_std": statistics.stdev(rates) if len(rates) > 1 else 0.0, "tps_min": min(rates), "tps_max": max(rates)}
+
+
+def random_tokens(n_vocab: int, count: int) -> list[int]:
+    import numpy as np
+
+    return [int(t) for t in np.random.default_rng(TOKEN_SEED).integers(0, n_vocab, size=count)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# llmfw worker
+# ---------------------------------------------------------------------------------------------------------------
+
+def _nbytes(value: Any) -> int:
+    """Bytes of a numpy array / torch tensor / object holding them (``raw``, ``k``/``v``...)."""
+    if hasattr(value, "nbytes") and not callable(value.nbytes) and isinstance(value.nbytes, int):
+        return int(value.nbytes)
+    if hasattr(value, "numel") and hasattr(value, "element_size"):
+        return int(value.numel() * value.element_size())
+    fields = getattr(value, "__dict__", {})
+    return sum(_nbytes(v) for v in fields.values() if hasattr(v, "nbytes") or hasattr(v, "numel"))
+
+
+def backend_weight_bytes(backend: Any) -> int:
+    """Weight bytes a backend keeps: its own count when it has one, else the distinct arrays it holds."""
+    if hasattr(backend, "weight_nbytes"):
+        return int(backend.weight_nbytes())
+    seen: set[int] = set()
+    total = 0
+    for handle in backend.weights.values():
+        if id(handle) not in seen:
+            seen.add(id(handle))
+            total += _nbytes(handle)
+    return total
+
+
+def kv_cache_bytes(ctx: Any) -> int:
+    return sum(_nbytes(handle) for handle in getattr(ctx, "kv_storage", {}).values())
+
+
+def _graph_counts(ctx: Any) -> tuple[int, int]:
+    return ctx.n_graph_builds, ctx.n_graph_reuses
+
+
+def _timed_runs(ctx: Any, params: BenchParams, run_once) -> tuple[list[float], dict[str, int]]:
+    """Warm-up, then ``repetitions`` timed runs from an empty cache; graph builds/reuses during the timed runs."""
+    ctx.memory.clear()
+    run_once()
+    builds0, reuses0 = _graph_counts(ctx)
+    seconds = []
+    for _ in range(params.repetitions):
+        ctx.memory.clear()
+        start = time.perf_counter()
+        run_once()
+        seconds.append(time.perf_counter() - start)
+    builds, reuses = _graph_counts(ctx)
+    return seconds, {"graph_builds": builds - builds0, "graph_reuses": reuses - reuses0}
+
+
+def _check(rc: int, ctx: Any) -> None:
+    if rc != 0:
+        raise LLMFWError(f"decode returned {rc} during the benchmark: {ctx.last_error}")
+
+
+def bench_llmfw(params: BenchParams, backend: str) -> dict[str, Any]:
+    """Load the model on ``backend`` in this process and run pp / tg; the result record."""
+    import llmfw
+
+    if backend.startswith("torch"):
+        import torch  # noqa: F401 - part of the baseline: RSS of ``import llmfw, torch``
+    rss_base = current_rss()
+    start = time.perf_counter()
+    model = llmfw.load_model(params.model, backend=backend)
+    load_s = time.perf_counter() - start
+    try:
+        rss_loaded = current_rss()
+        ctx = model.new_context(n_ctx=params.n_ctx, n_batch=max(params.n_prompt, 1),
+                                n_ubatch=min(params.n_ubatch, max(params.n_prompt, 1)), n_threads=params.n_threads)
+        tokens = random_tokens(model.n_vocab, max(params.n_prompt, params.n_gen))
+        tests: dict[str, Any] = {}
+        if params.n_prompt:
+            prompt = tokens[:params.n_prompt]
+            seconds, graphs = _timed_runs(ctx, params, lambda: _check(ctx.decode(llmfw.Batch(prompt)), ctx))
+            tests[f"pp{params.n_prompt}"] = {**summarize(params.n_prompt, seconds), **graphs}
+        if params.n_gen:
+            def generate() -> None:
+                for token in tokens[:params.n_gen]:
+                    _check(ctx.decode(llmfw.Batch([token])), ctx)
+
+            seconds, graphs = _timed_runs(ctx, params, generate)
+            tests[f"tg{params.n_gen}"] = {**summarize(params.n_gen, seconds), **graphs}
+        weights = {spec: backend_weight_bytes(b) for spec, b in model.backends.items()}
+        return {
+            "engine": "llmfw", "backend": backend, "model": str(model.path), "n_threads": params.n_threads,
+            "n_ctx": ctx.n_ctx, "load_s": load_s, "rss_base": rss_base, "rss_after_load": rss_loaded,
+            "rss_peak": peak_rss(), "weight_bytes": sum(weights.values()), "weight_bytes_by_backend": weights,
+            "kv_bytes": kv_cache_bytes(ctx), "tests": tests,
+        }
+    finally:
+        model.close()
+
+
+def worker_main(argv: list[str]) -> None:
+    """``python -m llmfw.commands.bench --worker PARAMS_JSON BACKEND``: one JSON line on stdout."""
+    import logging
+
+    params = BenchParams.model_validate_json(argv[0])
+    if os.environ.get("LLMFW_BENCH_VERBOSE"):
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        record = bench_llmfw(params, argv[1])
+    except LLMFWError as exc:
+        record = {"engine": "llmfw", "backend": argv[1], "error": str(exc)}
+    print(json.dumps(record))
+
+
+def run_worker(params: BenchParams, backend: str, verbose: bool) -> dict[str, Any]:
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    if verbose:
+        env["LLMFW_BENCH_VERBOSE"] = "1"
+    cmd = [sys.executable, "-m", "llmfw.commands.bench", WORKER_FLAG, params.model_dump_json(), backend]
+    return _run_json(cmd, env, f"llmfw worker for backend {backend!r}")
+
+
+def _run_json(cmd: list[str], env: dict[str, str] | None, what: str) -> dict[str, Any]:
+    """Run a subprocess whose last stdout line is a JSON record; stderr passes through to ours."""
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None, text=True, env=env)
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    if proc.returncode != 0 or not lines:
+        raise LLMFWError(f"{what} failed (exit code {proc.returncode}); its messages are above")
+    try:
+        return json.loads(lines[-1])
+    except json.JSONDecodeError as exc:
+        raise LLMFWError(f"{what} printed no result record (last line: {lines[-1][:200]!r})") from exc
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# llama.cpp through llama-cpp-python, in another interpreter
+# ---------------------------------------------------------------------------------------------------------------
+
+#: run by ``PYTHON -c`` with the params JSON as argv[1]; it defines the same measurements from source text so
+#: that the other interpreter needs nothing from llmfw
+LLAMA_CPP_SCRIPT = r'''
+import json, os, resource, statistics, sys, time
+import numpy as np
+from llama_cpp import Llama, __version__
+p = json.loads(sys.argv[1])
+{helpers}
+rss_base = current_rss()
+start = time.perf_counter()
+llm = Llama(model_path=p["model"], n_ctx=max(p["n_prompt"] + p["n_gen"], 1), n_batch=max(p["n_prompt"], 1),
+            n_ubatch=min(p["n_ubatch"], max(p["n_prompt"], 1)), n_threads=p["n_threads"],
+            n_threads_batch=p["n_threads"], verbose=False)
+load_s = time.perf_counter() - start
+rss_loaded = current_rss()
+tokens = random_tokens(llm.n_vocab(), max(p["n_prompt"], p["n_gen"]))
+def timed(run_once):
+    llm.reset(); run_once()
+    seconds = []
+    for _ in range(p["repetitions"]):
+        llm.reset()
+        t = time.perf_counter(); run_once(); seconds.append(time.perf_counter() - t)
+    return seconds
+tests = {{}}
+if p["n_prompt"]:
+    tests["pp%d" % p["n_prompt"]] = summarize(p["n_prompt"], timed(lambda: llm.eval(tokens[:p["n_prompt"]])))
+if p["n_gen"]:
+    def generate():
+        for t in tokens[:p["n_gen"]]:
+            llm.eval([t])
+    tests["tg%d" % p["n_gen"]] = summarize(p["n_gen"], timed(generate))
+print(json.dumps({{"engine": "llama.cpp", "backend": "llama-cpp-python " + __version__, "model": p["model"],
+                  "n_threads": p["n_threads"], "load_s": load_s, "rss_base": rss_base, "rss_after_load": rss_loaded,
+                  "rss_peak": peak_rss(), "tests": tests}}))
+'''
+
+
+def llama_cpp_script() -> str:
+    import inspect
+
+    helpers = "\n".join(inspect.getsource(f) for f in (current_rss, peak_rss, summarize, random_tokens))
+    helpers = helpers.replace("    import numpy as np\n\n", "")
+    return LLAMA_CPP_SCRIPT.format(helpers=helpers)
+
+
+def bench_llama_cpp(python: str, params: BenchParams) -> dict[str, Any]:
+    probe = subprocess.run([python, "-c", "import llama_cpp"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        tail = (probe.stderr.strip().splitlines() or ["(no message)"])[-1]
+        raise ConfigError(f"--compare-llama-cpp: {python!r} cannot import llama_cpp ({tail}); give an interpreter "
+                          f"with llama-cpp-python installed")
+    return _run_json([python, "-c", llama_cpp_script(), params.model_dump_json()], None, "llama.cpp benchmark")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# report
+# ---------------------------------------------------------------------------------------------------------------
+
+def _mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.0f}"
+
+
+def format_table(records: list[dict[str, Any]], reference: dict[str, Any] | None) -> str:
+    """A markdown table like llama-bench's, with the llama.cpp ratio when there is a reference."""
+    head = ["engine", "backend", "threads", "test", "t/s (median)", "± std"]
+    if reference:
+        head += ["llama.cpp t/s", "ratio"]
+    head += ["graphs built/reused"]
+    rows = [head, ["---"] * len(head)]
+    for record in records + ([reference] if reference else []):
+        for test, result in record.get("tests", {}).items():
+            row = [record["engine"], record["backend"], str(record["n_threads"]), test,
+                   f"{result['tps_median']:.2f}", f"{result['tps_std']:.2f}"]
+            if reference:
+                ref = reference["tests"].get(test)
+                is_ref = record is reference
+                row += ["" if is_ref or not ref else f"{ref['tps_median']:.2f}",
+                        "" if is_ref or not ref else f"{result['tps_median'] / ref['tps_median']:.2f}x"]
+            row.append(f"{result['graph_builds']}/{result['graph_reuses']}" if "graph_builds" in result else "-")
+            rows.append(row)
+    lines = ["| " + " | ".join(r) + " |" for r in rows]
+    lines.append("")
+    for record in records + ([reference] if reference else []):
+        if "error" in record:
+            lines.append(f"{record['engine']} {record['backend']}: ERROR {record['error']}")
+            continue
+        extra = ""
+        if "weight_bytes" in record:
+            extra = (f", weights kept {_mib(record['weight_bytes'])} MiB, KV cache {_mib(record['kv_bytes'])} MiB "
+                     f"(n_ctx {record['n_ctx']})")
+        lines.append(f"{record['engine']} {record['backend']}: load {record['load_s']:.2f} s, RSS before load "
+                     f"{_mib(record['rss_base'])} MiB, after load {_mib(record['rss_after_load'])} MiB, peak "
+                     f"{_mib(record['rss_peak'])} MiB{extra}")
+    return "\n".join(lines)
+
+
+def _split_backends(values: tuple[str, ...]) -> list[str]:
+    out = [b.strip() for v in values for b in v.split(",") if b.strip()]
+    if not out:
+        from llmfw.core.backend import default_backend_spec
+
+        out = [default_backend_spec()]
+    return list(dict.fromkeys(out))
+
+
+@click.command("bench")
+@click.argument("model")
+@click.option("-p", "--n-prompt", "n_prompt", type=click.IntRange(min=0), default=512, show_default=True,
+              help="Prompt tokens of the pp test (0 = skip it).")
+@click.option("-n", "--n-gen", "n_gen", type=click.IntRange(min=0), default=128, show_default=True,
+              help="Generated tokens of the tg test (0 = skip it).")
+@click.option("-r", "--repetitions", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Timed repetitions of each test (after one warm-up).")
+@click.option("-ub", "--ubatch-size", "n_ubatch", type=click.IntRange(min=1), default=512, show_default=True,
+              help="Physical batch size.")
+@click.option("--backend", "backends", multiple=True,
+              help="Backend(s) to measure, comma-separated or repeated: numpy, torch, torch:cuda, onnx "
+                   "(default: the fastest installed).")
+@click.option("-t", "--threads", "n_threads", type=click.IntRange(min=1), default=2, show_default=True,
+              help="CPU threads (llmfw and llama.cpp alike).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
+@click.option("--compare-llama-cpp", "llama_python", default=None, metavar="PYTHON",
+              help="Also run the tests on llama.cpp through llama-cpp-python in this interpreter.")
+@click.option("-v", "--verbose", is_flag=True, help="Log loading, placement and op fallbacks to stderr.")
+def bench(model: str, n_prompt: int, n_gen: int, repetitions: int, n_ubatch: int, backends: tuple[str, ...],
+          n_threads: int, as_json: bool, llama_python: str | None, verbose: bool) -> None:
+    """Benchmark prompt processing (pp) and generation (tg) like llama-bench."""
+    from llmfw.core.model import resolve_model_path
+
+    path = str(resolve_model_path(model))
+    params = BenchParams(model=path, n_prompt=n_prompt, n_gen=n_gen, repetitions=repetitions, n_threads=n_threads,
+                         n_ubatch=n_ubatch)
+    records = []
+    for backend in _split_backends(backends):
+        if not as_json:
+            click.echo(f"benchmarking llmfw backend {backend} ...", err=True)
+        records.append(run_worker(params, backend, verbose))
+    reference = None
+    if llama_python:
+        if not as_json:
+            click.echo("benchmarking llama.cpp ...", err=True)
+        reference = bench_llama_cpp(llama_python, params)
+    if as_json:
+        click.echo(json.dumps({"params": params.model_dump(), "llmfw": records, "llama_cpp": reference}, indent=2))
+    else:
+        click.echo(format_table(records, reference))
+    failed = [r for r in records if "error" in r]
+    if failed:
+        raise LLMFWError("; ".join(f"backend {r['backend']}: {r['error']}" for r in failed))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == WORKER_FLAG:
+        worker_main(sys.argv[2:])
+    else:  # pragma: no cover - the command is reached through `llmfw bench`
+        bench()
