@@ -38,7 +38,7 @@ def measure(path: Path) -> None:
             assert isinstance(weight, BlockWeight)
             want = dequantize(raw, info.ggml_type, info.shape)
             err = float(np.linalg.norm(dequantize_block_weight(weight) - want) / max(np.linalg.norm(want), 1e-30))
-            form = f"{weight.bits}-bit {'exact' if weight.exact else 'requantized'}" + (
+            form = f"{weight.bits}-bit blocks of {weight.block} {'exact' if weight.exact else 'requantized'}" + (
                 " + offsets" if weight.offsets is not None else "")
             per_type[info.ggml_type.name].append((err, info.n_elements, form))
     print(f"\n{path.name}")

@@ -17,8 +17,8 @@ pytest.importorskip("onnx")
 
 from reference_gen.arch_files import DATA_DIR, build_model_file  # noqa: E402
 from reference_gen.arch_specs import SPECS, prompt_text, reference_name  # noqa: E402
-from reference_gen.arch_testing import (SAME_LOGITS_ATOL, assert_clears_bar, decode_all,  # noqa: E402
-                                        decode_two_sequences, model_file, records, reference)
+from reference_gen.arch_testing import (assert_clears_bar, decode_all, decode_two_sequences,  # noqa: E402
+                                        model_file, records, reference)
 
 import llmfw  # noqa: E402
 
@@ -76,8 +76,11 @@ def test_llama_cpp_bar_with_int8_activations(files, score, name):
         logits_a, logits_b = decode_two_sequences(model, first["sequence"], second["sequence"], n_ctx=512)
         assert_clears_bar(score, first, logits_a, f"onnx {name}, sequence 0 of 2")
         assert_clears_bar(score, second, logits_b, f"onnx {name}, sequence 1 of 2")
+        # int8 activations turn the float rounding differences of another batch layout into whole quantization
+        # steps now and then (so do llama.cpp's): close logits, not the same bits (those are checked with float
+        # activations against numpy above)
         alone = decode_all(model, second["sequence"], n_ctx=512)
-        assert np.abs(alone - logits_b).max() <= 10 * SAME_LOGITS_ATOL
+        assert np.abs(alone - logits_b).max() <= 0.05 * np.abs(alone).max()
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -45,6 +45,36 @@ def test_exact_types_reproduce_ggml_values(qtype, bits):
     np.testing.assert_allclose(dequantize_block_weight(weight), expected, rtol=1e-6, atol=1e-7)
 
 
+#: byte offsets of the f16 super-block scales in each K-quant block (the rest of a block may be any bytes)
+K_QUANT_F16_FIELDS = {GGMLType.Q4_K: (0, 2), GGMLType.Q5_K: (0, 2), GGMLType.Q6_K: (208,), GGMLType.Q3_K: (108,),
+                      GGMLType.Q2_K: (80, 82)}
+
+
+def k_quant_source(name: str, qtype: GGMLType, n_out: int, n_in: int, usage: set[str]) -> WeightSource:
+    """A K-quant tensor of random blocks (every byte pattern decodes) with small finite super-block scales."""
+    from llmfw.core.quants import TYPE_INFO
+
+    size = TYPE_INFO[qtype].type_size
+    blocks = RNG.integers(0, 256, size=(n_out * n_in // 256, size), dtype=np.uint8)
+    for offset in K_QUANT_F16_FIELDS[qtype]:
+        scales = RNG.uniform(0.001, 0.01, size=blocks.shape[0]).astype(np.float16)
+        blocks[:, offset:offset + 2] = scales.view(np.uint8).reshape(-1, 2)
+    return WeightSource(name=name, source_name=name, ggml_type=int(qtype), ne=(n_in, n_out),
+                        raw=blocks.reshape(-1), usage=frozenset(usage))
+
+
+@pytest.mark.parametrize("qtype,bits,block,exact", [(GGMLType.Q4_K, 4, 32, True), (GGMLType.Q5_K, 8, 32, True),
+                                                    (GGMLType.Q6_K, 8, 16, True), (GGMLType.Q3_K, 8, 32, False),
+                                                    (GGMLType.Q2_K, 8, 32, False)])
+def test_k_quants_map_exactly_or_requantize_closely(qtype, bits, block, exact):
+    source = k_quant_source("w", qtype, 8, 512, {"mul_mat", "get_rows"})
+    weight = convert_weight(source)
+    assert (weight.bits, weight.block, weight.exact) == (bits, block, exact)
+    want = dequantize(source.raw, qtype, source.ne)
+    err = np.abs(dequantize_block_weight(weight) - want).max() / np.abs(want).max()
+    assert err < (1e-6 if exact else 1e-2), err
+
+
 def test_nibble_order_is_matmulnbits_order():
     # codes 0..31 of one block: MatMulNBits wants element 2i in the low nibble of byte i, 2i+1 in the high one
     codes = (np.arange(32, dtype=np.int16) % 16 - 8).astype(np.int8).reshape(1, 32)
@@ -122,6 +152,24 @@ def test_mul_mat_packing_exact_and_int8_activations_close():
             got, want = h.run(g, {"x": x})
             rel = np.abs(got["y"] - want["y"]).max() / np.abs(want["y"]).max()
             assert rel < tol, (qtype.name, level, rel)
+
+
+@pytest.mark.parametrize("qtype", [GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q5_K])
+def test_k_quant_mul_mat_and_get_rows_run_exactly(qtype):
+    """MatMulNBits with 16-element blocks (Q6_K) and offsets (Q4_K, Q5_K); rows looked up in the same form."""
+    source = k_quant_source("w", qtype, 24, 256, {"mul_mat", "get_rows"})
+    g = Graph()
+    xi = g.inputs["x"] = g.add("input", name="x")
+    ids = g.inputs["ids"] = g.add("input", name="ids")
+    w = g.add("weight", name="w")
+    w.attrs["name"] = "w"
+    g.outputs["y"] = g.add("mul_mat", w, xi)
+    g.outputs["rows"] = g.add("get_rows", w, ids)
+    h = Harness([source], [])
+    got, want = h.run(g, {"x": RNG.normal(size=(3, 256)).astype(np.float32),
+                          "ids": np.array([0, 23, 5, 5], np.int32)})
+    np.testing.assert_allclose(got["y"], want["y"], rtol=1e-4, atol=1e-4 * np.abs(want["y"]).max())
+    np.testing.assert_allclose(got["rows"], want["rows"], rtol=1e-6, atol=1e-7)
 
 
 def test_fused_matmuls_match_separate_ones():

@@ -212,6 +212,7 @@ def _run_json(cmd: list[str], env: dict[str, str] | None, what: str) -> dict[str
 #: that the other interpreter needs nothing from llmfw
 LLAMA_CPP_SCRIPT = r'''
 import json, os, resource, statistics, sys, time
+from typing import Any
 import numpy as np
 from llama_cpp import Llama, __version__
 p = json.loads(sys.argv[1])
@@ -250,15 +251,22 @@ def llama_cpp_script() -> str:
 
     helpers = "\n".join(inspect.getsource(f) for f in (current_rss, peak_rss, summarize, random_tokens))
     helpers = helpers.replace("    import numpy as np\n\n", "")
-    return LLAMA_CPP_SCRIPT.format(helpers=helpers)
+    return LLAMA_CPP_SCRIPT.format(helpers=f"TOKEN_SEED = {TOKEN_SEED}\n{helpers}")
 
 
-def bench_llama_cpp(python: str, params: BenchParams) -> dict[str, Any]:
-    probe = subprocess.run([python, "-c", "import llama_cpp"], capture_output=True, text=True)
+def check_llama_cpp(python: str) -> None:
+    """ConfigError unless ``python`` runs and imports llama_cpp (checked before any benchmark starts)."""
+    try:
+        probe = subprocess.run([python, "-c", "import llama_cpp"], capture_output=True, text=True)
+    except OSError as exc:
+        raise ConfigError(f"--compare-llama-cpp: cannot run {python!r}: {exc}") from exc
     if probe.returncode != 0:
         tail = (probe.stderr.strip().splitlines() or ["(no message)"])[-1]
         raise ConfigError(f"--compare-llama-cpp: {python!r} cannot import llama_cpp ({tail}); give an interpreter "
                           f"with llama-cpp-python installed")
+
+
+def bench_llama_cpp(python: str, params: BenchParams) -> dict[str, Any]:
     return _run_json([python, "-c", llama_cpp_script(), params.model_dump_json()], None, "llama.cpp benchmark")
 
 
@@ -340,6 +348,8 @@ def bench(model: str, n_prompt: int, n_gen: int, repetitions: int, n_ubatch: int
     path = str(resolve_model_path(model))
     params = BenchParams(model=path, n_prompt=n_prompt, n_gen=n_gen, repetitions=repetitions, n_threads=n_threads,
                          n_ubatch=n_ubatch)
+    if llama_python:
+        check_llama_cpp(llama_python)
     records = []
     for backend in _split_backends(backends):
         if not as_json:

@@ -421,6 +421,17 @@ def block_view(raw: RawBytes, ggml_type: int | GGMLType,
     return data.reshape(*reversed(ne[1:]), ne[0] // info.block_size, info.type_size)
 
 
+def k4_sub_block_params(raw: RawBytes, ggml_type: int | GGMLType,
+                        shape: tuple[int, ...] | list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K: each 32-element sub-block's ``(d * scale, dmin * min)``, float32 ``(n_rows, ne0 // 32)`` each,
+    so that an element is ``scale * q - min`` with ``q`` its stored 4/5-bit code (for exact repacking)."""
+    qtype = _supported_type(ggml_type, frozenset({GGMLType.Q4_K, GGMLType.Q5_K}), "sub-block parameters")
+    blocks = block_view(raw, qtype, shape)
+    n_rows = prod(blocks.shape[:-2])
+    d1, m1 = _k4_sub_block_params(blocks.reshape(-1, blocks.shape[-1]))
+    return d1.reshape(n_rows, -1), m1.reshape(n_rows, -1)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Quantization: ggml's reference quantizers (quantize_row_*_ref), vectorised over blocks. Every step is float32,
 # as in the C code, so the bytes match ggml's and the gguf package's.

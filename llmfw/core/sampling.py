@@ -590,6 +590,9 @@ def ids_lookup(ids: np.ndarray, table: dict[int, float]) -> tuple[np.ndarray, np
         return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.float64)
     keys = np.fromiter(table.keys(), dtype=np.int64, count=len(table))
     values = np.fromiter(table.values(), dtype=np.float64, count=len(table))
+    inside = (keys >= 0) & (keys < len(ids))
+    if inside.all() and np.array_equal(ids[keys], keys):
+        return keys, values  # the usual case: candidates still in vocabulary order (position == id)
     order = np.argsort(keys)
     keys, values = keys[order], values[order]
     where = np.searchsorted(keys, ids)

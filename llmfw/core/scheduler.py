@@ -139,20 +139,24 @@ class Scheduler:
     def _cut(graph: Graph, placed: dict[int, Backend | None]) -> list[Split]:
         """Consecutive compute nodes on one backend form a split; each split carries the weights it uses."""
         splits: list[Split] = []
+        in_split: set[int] = set()  # ids of the nodes of the last split (a linear scan made this quadratic)
         for node in graph.nodes:
             if node.op in ("input", "weight"):
                 continue
             backend = placed[node.id]
             if not splits or splits[-1].backend is not backend:
                 splits.append(Split(backend=backend))
+                in_split = set()
             split = splits[-1]
             for inp in node.inputs:
-                if inp.op == "weight" and all(n is not inp for n in split.nodes):
+                if inp.op == "weight" and inp.id not in in_split:
+                    in_split.add(inp.id)
                     if placed[inp.id] is not backend:
                         raise ModelError(f"weight {inp.attrs['name']!r} is on {placed[inp.id].spec} but node "
                                          f"{node!r} runs on {backend.spec}")
                     split.nodes.append(inp)
             split.nodes.append(node)
+            in_split.add(node.id)
         return splits
 
     # -- running --------------------------------------------------------------------------------------------

@@ -58,10 +58,10 @@ class Gemma3Architecture(Architecture):
             extra["f_final_logit_softcapping"] = 0.0
         else:
             extra.update(n_swa=0, swa_type="none", swa_layers=[])
-        if n_layer == N_LAYER_27B:
-            extra["f_attention_scale"] = 1.0 / math.sqrt(common["n_embd"] // common["n_head_arr"][0])
-        else:
-            extra["f_attention_scale"] = 1.0 / math.sqrt(common["n_embd_head_k"])
+        # query scale (gemma_pytorch's query_pre_attn_scalar); a malformed size of 0 is left to the validation
+        scaled_dim = (common["n_embd"] // max(common["n_head_arr"][0], 1) if n_layer == N_LAYER_27B
+                      else common["n_embd_head_k"])
+        extra["f_attention_scale"] = 1.0 / math.sqrt(scaled_dim) if scaled_dim > 0 else 0.0
         # Gemma 3 has no attention-logit soft-capping (Gemma 2 has)
         extra["f_attn_logit_softcapping"] = 0.0
         return extra

@@ -39,7 +39,7 @@ import numpy as np
 from llmfw.core.backend import Backend, CompiledSplit, KVLayerShape, Split, WeightSource
 from llmfw.core.errors import BackendUnavailable, ModelError
 from llmfw.core.graph import OPS, Node
-from llmfw.core.quants import GGMLType, block_view, dequantize
+from llmfw.core.quants import GGMLType, block_view, dequantize, k4_sub_block_params
 # the oracle's YaRN correction range (one definition of ggml_rope_yarn_corr_dims for the backends)
 from llmfw.plugins.backends.numpy_cpu import yarn_corr_dims
 
@@ -52,6 +52,8 @@ F32 = np.float32
 BLOCK = 32
 #: ONNX opset of the default domain; com.microsoft ops are version 1
 OPSET = 17
+#: ONNX element types used in the graphs (constants here: the module must import without onnx)
+_ONNX_FLOAT, _ONNX_INT64 = 1, 7  # onnx.TensorProto.FLOAT, INT64
 #: sessions kept per backend (one per split structure: decode, prefill, mixed placements...)
 MAX_SESSIONS = 16
 
@@ -92,11 +94,11 @@ def execution_providers(device: str | None) -> list[str]:
 
 @dataclass
 class BlockWeight:
-    """A matrix [n_out, n_in] as integer codes in blocks of 32 along a row:
+    """A matrix [n_out, n_in] as integer codes in blocks of ``block`` (16 or 32) consecutive elements of a row:
 
-    ``W[r, 32*b + j] = codes[r, 32*b + j] * scales[r, b] (+ offsets[r, b])``, codes signed with ``bits`` bits.
-    ``packed`` is MatMulNBits' ``B`` (unsigned code ``codes + 2**(bits-1)``, two 4-bit codes per byte low nibble
-    first); ``codes`` (int8) is kept only for ``get_rows`` tables.
+    ``W[r, block*b + j] = codes[r, block*b + j] * scales[r, b] (+ offsets[r, b])``, codes signed with ``bits``
+    bits. ``packed`` is MatMulNBits' ``B`` (unsigned code ``codes + 2**(bits-1)``, two 4-bit codes per byte low
+    nibble first); ``codes`` (int8) is kept only for ``get_rows`` tables.
     """
 
     shape: tuple[int, int]
@@ -108,14 +110,18 @@ class BlockWeight:
     #: True when ``W`` reproduces ggml's dequantized values (up to float rounding); False when requantized
     exact: bool = True
     source_type: str = ""
+    block: int = BLOCK
+
+    @property
+    def n_blocks(self) -> int:
+        return self.shape[1] // self.block
 
 
 @dataclass
 class DenseWeight:
-    """A float32 tensor (norm weights, biases, float matrices; ``transposed`` caches ``W.T`` for MatMul)."""
+    """A float32 tensor (norm weights, biases, rope factors, float matrices)."""
 
     array: np.ndarray
-    transposed: np.ndarray | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -124,13 +130,17 @@ class DenseWeight:
 
 Weight = BlockWeight | DenseWeight
 
-#: types whose codes map exactly: value = code * d, d the block's leading f16 → bits needed for the code
+#: value = code * d, d the block's leading f16 → bits needed for the code
 _SYMMETRIC_EXACT = {GGMLType.Q4_0: 4, GGMLType.Q8_0: 8, GGMLType.Q5_0: 8}
 #: value = q * d + m with q ≥ 0 (d, m leading f16s) → (bits, centre subtracted from q to make a signed code)
 _AFFINE_EXACT = {GGMLType.Q4_1: (4, 8), GGMLType.Q5_1: (8, 16)}
+#: K-quants whose 32-element sub-blocks are value = d1 * q - m1 → (bits, centre)
+_K4_EXACT = {GGMLType.Q4_K: (4, 8), GGMLType.Q5_K: (8, 16)}
 #: requantized types with a per-(sub)block minimum: an asymmetric 8-bit grid fits them better
-_AFFINE_REQUANT = {GGMLType.Q2_K, GGMLType.Q4_K, GGMLType.Q5_K}
+_AFFINE_REQUANT = {GGMLType.Q2_K}
 _FLOAT_TYPES = {GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.F64}
+#: Q6_K: 16-element sub-blocks, value = d * scale_j * (q - 32); int8 scales at byte 192, d (f16) at 208
+Q6_K_SUB_BLOCK, Q6_K_SCALES_AT, Q6_K_D_AT = 16, 192, 208
 
 
 def _block_header_f16(source: WeightSource, offset: int) -> np.ndarray:
@@ -161,19 +171,48 @@ def block_codes(source: WeightSource) -> BlockWeight:
         offsets = _block_header_f16(source, 2) + F32(8.0) * d if qtype == GGMLType.Q4_1 else None
         bits = 8 if qtype == GGMLType.Q8_0 else 4
         return BlockWeight(shape, bits, d, offsets, codes=direct, exact=True, source_type=qtype.name)
-    values = dequantize(source.raw, qtype, source.ne).reshape(-1, n_in // BLOCK, BLOCK)
+    values = dequantize(source.raw, qtype, source.ne).reshape(shape)
     if qtype in _SYMMETRIC_EXACT:
-        bits = _SYMMETRIC_EXACT[qtype]
-        d = _block_header_f16(source, 0)
-        codes = np.rint(values * _safe_reciprocal(d)[..., None])
-        return _finish(shape, bits, codes, d, None, True, qtype)
+        return codes_from_values(values, _block_header_f16(source, 0), bits=_SYMMETRIC_EXACT[qtype],
+                                 source_type=qtype.name)
     if qtype in _AFFINE_EXACT:
         bits, centre = _AFFINE_EXACT[qtype]
-        d = _block_header_f16(source, 0)
-        m = _block_header_f16(source, 2)
-        codes = np.rint((values - m[..., None]) * _safe_reciprocal(d)[..., None]) - centre
-        return _finish(shape, bits, codes, d, m + F32(centre) * d, True, qtype)
-    return requantize_8bit(values, shape, asymmetric=qtype in _AFFINE_REQUANT, source_type=qtype.name)
+        return codes_from_values(values, _block_header_f16(source, 0), bits=bits, base=_block_header_f16(source, 2),
+                                 centre=centre, source_type=qtype.name)
+    if qtype in _K4_EXACT:
+        bits, centre = _K4_EXACT[qtype]
+        d1, m1 = k4_sub_block_params(source.raw, qtype, source.ne)
+        return codes_from_values(values, d1, bits=bits, base=-m1, centre=centre, source_type=qtype.name)
+    if qtype == GGMLType.Q6_K:
+        return codes_from_values(values, _q6_k_scales(source, n_out), bits=8, block=Q6_K_SUB_BLOCK,
+                                 source_type=qtype.name)
+    return requantize_8bit(values.reshape(n_out, -1, BLOCK), shape, asymmetric=qtype in _AFFINE_REQUANT,
+                           source_type=qtype.name)
+
+
+def codes_from_values(values: np.ndarray, scales: np.ndarray, *, bits: int, base: np.ndarray | None = None,
+                      centre: int = 0, block: int = BLOCK, source_type: str = "") -> BlockWeight:
+    """The exact codes of values known to lie on a per-block grid ``scale * q (+ base)``, q integer.
+
+    ``values`` [n_out, n_in] (ggml's dequantization), ``scales`` / ``base`` [n_out, n_in // block]. The code is
+    ``q - centre`` (signed); the offset ``base + centre * scale`` restores the values.
+    """
+    n_out, n_in = values.shape
+    blocked = values.reshape(n_out, n_in // block, block)
+    if base is not None:
+        blocked = blocked - base[..., None]
+    codes = np.rint(blocked * _safe_reciprocal(scales)[..., None]) - centre
+    offsets = None if base is None else base + F32(centre) * scales
+    return _finish((n_out, n_in), bits, codes, scales, offsets, True, source_type, block)
+
+
+def _q6_k_scales(source: WeightSource, n_out: int) -> np.ndarray:
+    """Q6_K's per-16-element scales d * scale_j, float32 [n_out, n_in // 16] (ggml multiplies the same way)."""
+    blocks = block_view(source.raw, source.ggml_type, source.ne)
+    blocks = blocks.reshape(-1, blocks.shape[-1])
+    d = np.ascontiguousarray(blocks[:, Q6_K_D_AT:Q6_K_D_AT + 2]).view(np.float16).astype(F32)
+    sub_scales = blocks[:, Q6_K_SCALES_AT:Q6_K_SCALES_AT + 16].view(np.int8).astype(F32)
+    return (d * sub_scales).reshape(n_out, -1)
 
 
 def _stored_codes(source: WeightSource, qtype: GGMLType, shape: tuple[int, int]) -> np.ndarray | None:
@@ -204,23 +243,23 @@ def requantize_8bit(values: np.ndarray, shape: tuple[int, int], asymmetric: bool
         scales = (np.abs(values).max(axis=-1) / F32(127.0)).astype(F32)
         centred = values
     codes = np.rint(centred * _safe_reciprocal(scales)[..., None])
-    return _finish(shape, 8, codes, scales, offsets, False, source_type)
+    return _finish(shape, 8, codes, scales, offsets, False, source_type, BLOCK)
 
 
 def _finish(shape: tuple[int, int], bits: int, codes: np.ndarray, scales: np.ndarray, offsets: np.ndarray | None,
-            exact: bool, qtype: Any) -> BlockWeight:
+            exact: bool, source_type: str, block: int) -> BlockWeight:
     limit = 1 << (bits - 1)
     codes = np.clip(codes, -limit, limit - 1).astype(np.int8).reshape(shape)
-    name = qtype.name if isinstance(qtype, GGMLType) else str(qtype)
     return BlockWeight(shape, bits, np.ascontiguousarray(scales, dtype=F32),
                        None if offsets is None else np.ascontiguousarray(offsets, dtype=F32),
-                       codes=codes, exact=exact, source_type=name)
+                       codes=codes, exact=exact, source_type=source_type, block=block)
 
 
-def pack_nbits(codes: np.ndarray, bits: int) -> np.ndarray:
-    """MatMulNBits' B: uint8 [n_out, n_blocks, 32*bits/8], codes shifted to unsigned (zero point 2**(bits-1))."""
+def pack_nbits(codes: np.ndarray, bits: int, block: int = BLOCK) -> np.ndarray:
+    """MatMulNBits' B: uint8 [n_out, n_blocks, block*bits/8], codes shifted to unsigned (zero point
+    2**(bits-1))."""
     n_out, n_in = codes.shape
-    unsigned = (codes.astype(np.int16) + (1 << (bits - 1))).astype(np.uint8).reshape(n_out, n_in // BLOCK, BLOCK)
+    unsigned = (codes.astype(np.int16) + (1 << (bits - 1))).astype(np.uint8).reshape(n_out, n_in // block, block)
     if bits == 8:
         return np.ascontiguousarray(unsigned)
     # consecutive elements two per byte, the first in the low nibble
@@ -231,7 +270,7 @@ def dequantize_block_weight(w: BlockWeight) -> np.ndarray:
     """The float32 matrix a BlockWeight stands for (tests and error measurements)."""
     codes = w.codes if w.codes is not None else _unpack_nbits(w.packed, w.bits)
     n_out, n_in = w.shape
-    values = codes.reshape(n_out, -1, BLOCK).astype(F32) * w.scales[..., None]
+    values = codes.reshape(n_out, -1, w.block).astype(F32) * w.scales[..., None]
     if w.offsets is not None:
         values += w.offsets[..., None]
     return values.reshape(n_out, n_in)
@@ -257,7 +296,7 @@ def convert_weight(source: WeightSource) -> Weight:
         return DenseWeight(array.reshape(array.shape[-2:]) if is_matrix and array.ndim > 2 else array)
     weight = block_codes(source)
     if "mul_mat" in usage or not usage:
-        weight.packed = pack_nbits(weight.codes, weight.bits)
+        weight.packed = pack_nbits(weight.codes, weight.bits, weight.block)
     if usage and "get_rows" not in usage:
         weight.codes = None  # only the packed form is needed; halves the memory of 4-bit matrices
     return weight
@@ -273,7 +312,7 @@ def fuse_block_weights(parts: Sequence[BlockWeight]) -> BlockWeight:
         shape=(sum(p.shape[0] for p in parts), parts[0].shape[1]), bits=bits,
         scales=np.concatenate([p.scales for p in parts]), offsets=offsets,
         packed=np.concatenate([p.packed for p in parts]), exact=all(p.exact for p in parts),
-        source_type="+".join(sorted({p.source_type for p in parts})))
+        source_type="+".join(sorted({p.source_type for p in parts})), block=parts[0].block)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -334,7 +373,7 @@ class _Program:
     input_names: list[str]            # split.input_ids order
     output_names: list[str]           # split.output_ids order
     kv_bindings: list[tuple[str, str, tuple[str, int], str]]  # (input, output, kv key, "k"|"v")
-    node_count: int = 0
+    node_count: int = 0               # ONNX nodes before ORT's own fusions (diagnostics)
 
 
 @dataclass
@@ -403,10 +442,9 @@ class _SplitTranslator:
 
     def __init__(self, backend: "OnnxBackend", split: Split, inputs: Sequence[np.ndarray],
                  kv: Mapping[tuple[str, int], Any]):
-        _, onnx = import_onnxruntime()
+        import_onnxruntime()
         from onnx import helper, numpy_helper
 
-        self.onnx = onnx
         self.backend = backend
         self.split = split
         self.kv = kv
@@ -432,43 +470,57 @@ class _SplitTranslator:
 
     # -- driving -----------------------------------------------------------------------------------------
     def translate(self) -> tuple[Any, list[str]]:
+        """The ONNX model of the split and the names of its outputs (split.output_ids order)."""
         self._plan_fusion()
+        self._mark_last_kv_writers()
+        for node in self.split.nodes:
+            self._translate_node(node)
+        output_names = self._declare_outputs()
+        return self._assemble(), output_names
+
+    def _mark_last_kv_writers(self) -> None:
+        """The last node writing each cache tensor names its ScatterND output as the bound graph output."""
         for node in self.split.nodes:
             if node.op in ("attention", "k_shift"):
                 key = (node.attrs["cache"], int(node.attrs["layer"]))
                 for which in ("k", "v") if node.op == "attention" else ("k",):
                     self._last_kv_writer[(key, which)] = node.id
-        for node in self.split.nodes:
-            if node.op == "weight":
-                self.shapes[node.id] = tuple(self.backend.weight(node.attrs["name"]).shape)
-                continue
-            handler = getattr(self, f"_op_{node.op}", None)
-            if handler is None:
-                raise ModelError(f"onnx backend: op {node.op!r} is not implemented")
-            self.names[node.id] = handler(node)
+
+    def _translate_node(self, node: Node) -> None:
+        if node.op == "weight":  # emitted by its consumers, in the form each one needs
+            self.shapes[node.id] = tuple(self.backend.weight(node.attrs["name"]).shape)
+            return
+        handler = getattr(self, f"_op_{node.op}", None)
+        if handler is None:
+            raise ModelError(f"onnx backend: op {node.op!r} is not implemented")
+        self.names[node.id] = handler(node)
+
+    def _declare_outputs(self) -> list[str]:
         helper = self.e.helper
         output_names = []
         for node_id in self.split.output_ids:
             name = f"out_{node_id}"
             self.e.nodes.append(helper.make_node("Identity", [self.names[node_id]], [name]))
             output_names.append(name)
-            self.graph_outputs.append(helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(
-                np.dtype(np.float32)), None))
+            self.graph_outputs.append(helper.make_tensor_value_info(name, _ONNX_FLOAT, None))
         for (key, which), current in self._kv_current.items():
             # the last update's own output is the graph output: bound to the input's buffer, ScatterND skips
             # its copy (an Identity here would copy the whole cache)
-            self.graph_outputs.append(helper.make_tensor_value_info(current, 1, None))
+            self.graph_outputs.append(helper.make_tensor_value_info(current, _ONNX_FLOAT, None))
             self.kv_bindings.append((_kv_name(key, which), current, key, which))
+        return output_names
+
+    def _assemble(self) -> Any:
+        helper = self.e.helper
         initializers = list(self.e.constants)
-        for name, array in self.e.externals.items():
-            initializers.append(_external_tensor_proto(name, array))
+        initializers += [_external_tensor_proto(name, array) for name, array in self.e.externals.items()]
         graph = helper.make_graph(self.e.nodes, "llmfw_split", self.graph_inputs, self.graph_outputs,
                                   initializer=initializers)
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET),
                                                         helper.make_opsetid("com.microsoft", 1)],
                                   producer_name="llmfw")
         model.ir_version = min(model.ir_version, 10)  # what ORT ≥ 1.17 reads
-        return model, output_names
+        return model
 
     def value(self, node: Node) -> str:
         if node.id in self.names:
@@ -491,13 +543,13 @@ class _SplitTranslator:
     # -- fusion of matmuls sharing their input ------------------------------------------------------------
     def _plan_fusion(self) -> None:
         """Group block-quantized mul_mats with the same input (Q/K/V, gate/up) into one MatMulNBits."""
-        groups: dict[tuple[int, int, int], list[Node]] = {}
+        groups: dict[tuple[int, int, int, int], list[Node]] = {}
         for node in self.split.nodes:
             if node.op != "mul_mat" or node.inputs[0].op != "weight":
                 continue
             weight = self.backend.weight(node.inputs[0].attrs["name"])
             if isinstance(weight, BlockWeight) and weight.packed is not None:
-                groups.setdefault((node.inputs[1].id, weight.bits, weight.shape[1]), []).append(node)
+                groups.setdefault((node.inputs[1].id, weight.bits, weight.block, weight.shape[1]), []).append(node)
         for members in groups.values():
             if len(members) > 1:
                 self._fused_parts[members[0].id] = members
@@ -541,15 +593,16 @@ class _SplitTranslator:
         b = self.e.external(f"q:{key}", weight.packed)
         s = self.e.external(f"s:{key}", weight.scales)
         out = self.e.op("MatMulNBits", [x, b, s], domain="com.microsoft", hint="mmq", K=n_in, N=n_out,
-                        bits=weight.bits, block_size=BLOCK, accuracy_level=self.backend.accuracy_level)
+                        bits=weight.bits, block_size=weight.block, accuracy_level=self.backend.accuracy_level)
         if weight.offsets is None:
             return out
         # per-block offsets: W = codes*scales + offsets ⇒ x @ W.T += blocksum(x) @ offsets.T
-        n_blocks = n_in // BLOCK
+        n_blocks = weight.n_blocks
         lead = self.e.op("Shape", [x], end=-1)
-        blocked = self.e.op("Reshape", [x, self.e.op("Concat", [lead, self.e.const([n_blocks, BLOCK])], axis=0)])
+        blocked = self.e.op("Reshape", [x, self.e.op("Concat", [lead, self.e.const([n_blocks, weight.block])],
+                                                       axis=0)])
         sums = self.e.op("ReduceSum", [blocked, self.e.const([-1])], keepdims=0, hint="blocksum")
-        offsets_t = self.e.external(f"o:{key}", self.backend.offsets_transposed(key, weight))
+        offsets_t = self.e.external(f"oT:{key}", self.backend.offsets_transposed(key, weight))
         if len(x_shape) == 2:  # one Gemm: sums @ offsets.T + out
             return self.e.op("Gemm", [sums, offsets_t, out], hint="mmq")
         return self.e.op("Add", [out, self.e.op("MatMul", [sums, offsets_t])], hint="mmq")
@@ -570,14 +623,14 @@ class _SplitTranslator:
             raise ModelError(f"onnx backend: {name} was loaded for mul_mat only, but the graph looks up its rows")
         n_in = weight.shape[1]
         codes = self.e.op("Cast", [self.e.op("Gather", [self.e.external(f"c:{name}", weight.codes), ids_name],
-                                              axis=0)], to=1)
-        blocked = self.e.op("Reshape", [codes, self.e.const([-1, n_in // BLOCK, BLOCK])])
+                                              axis=0)], to=_ONNX_FLOAT)
+        blocked = self.e.op("Reshape", [codes, self.e.const([-1, weight.n_blocks, weight.block])])
         scales = self.e.op("Gather", [self.e.external(f"s:{name}", weight.scales), ids_name], axis=0)
-        scales = self.e.op("Reshape", [scales, self.e.const([-1, n_in // BLOCK, 1])])
+        scales = self.e.op("Reshape", [scales, self.e.const([-1, weight.n_blocks, 1])])
         rows = self.e.op("Mul", [blocked, scales])
         if weight.offsets is not None:
             offsets = self.e.op("Gather", [self.e.external(f"o:{name}", weight.offsets), ids_name], axis=0)
-            rows = self.e.op("Add", [rows, self.e.op("Reshape", [offsets, self.e.const([-1, n_in // BLOCK, 1])])])
+            rows = self.e.op("Add", [rows, self.e.op("Reshape", [offsets, self.e.const([-1, weight.n_blocks, 1])])])
         out_shape = self.e.op("Concat", [self.e.op("Shape", [ids_name]), self.e.const([n_in])], axis=0)
         return self.e.op("Reshape", [rows, out_shape], hint="rows")
 
@@ -682,7 +735,7 @@ class _SplitTranslator:
     def _make_rope_table(self, pos: str, attrs: Mapping[str, Any], factors: Node | None) -> tuple[str, str, str]:
         ff = None if factors is None else self.backend.dense_copy(factors.attrs["name"])
         slope, mscale = rope_frequencies(attrs, ff)
-        positions = self.e.op("Unsqueeze", [self.e.op("Cast", [pos], to=1), self.e.const([-1])])
+        positions = self.e.op("Unsqueeze", [self.e.op("Cast", [pos], to=_ONNX_FLOAT), self.e.const([-1])])
         theta = self.e.op("Mul", [positions, self.e.const(slope, F32)], hint="theta")
         cos, sin = self.e.op("Cos", [theta], hint="cos"), self.e.op("Sin", [theta], hint="sin")
         if mscale != 1.0:
@@ -726,7 +779,7 @@ class _SplitTranslator:
             storage: OnnxKV = self.kv[key]
             array = storage.k if which == "k" else storage.v
             dims = [array.shape[0], f"{name}_cells", array.shape[2]]
-            self.graph_inputs.append(self.e.helper.make_tensor_value_info(name, 1, dims))
+            self.graph_inputs.append(self.e.helper.make_tensor_value_info(name, _ONNX_FLOAT, dims))
             self._kv_declared.add(name)
         return name
 
@@ -752,7 +805,7 @@ class _SplitTranslator:
     def _scatter_index(self, cells: str, n_head_kv: int) -> str:
         """[Hkv, T, 2] pairs (head, cell) for cells [T] (int), shared by the layers with n_head_kv heads."""
         def make() -> str:
-            cells64 = self.e.op("Cast", [cells], to=7)
+            cells64 = self.e.op("Cast", [cells], to=_ONNX_INT64)
             n = self.e.op("Shape", [cells64])
             grid = self.e.op("Concat", [self.e.const([n_head_kv]), n, self.e.const([1])], axis=0)
             heads = self.e.op("Expand", [self.e.const(np.arange(n_head_kv).reshape(-1, 1, 1)), grid])
@@ -923,10 +976,10 @@ class OnnxBackend(Backend):
 
     def ort_value(self, name: str, array: np.ndarray) -> Any:
         """One OrtValue per weight array, shared by every session (ORT reads the numpy memory directly)."""
-        value = self._ort_values.get(name)
-        if value is None:
-            value = self._ort_values[name] = self._ort.OrtValue.ortvalue_from_numpy(array)
-        return value
+        cached = self._ort_values.get(name)
+        if cached is None or cached[0] is not array:
+            cached = self._ort_values[name] = (array, self._ort.OrtValue.ortvalue_from_numpy(array))
+        return cached[1]
 
     # -- KV storage ---------------------------------------------------------------------------------------
     def alloc_kv(self, shape: KVLayerShape) -> OnnxKV:

@@ -1,0 +1,94 @@
+"""`llmfw bench`: a tiny configuration (-p 16 -n 4 -r 1) checked for structure, never for speed."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from llmfw.cli import cli
+from llmfw.commands.bench import format_table, llama_cpp_script
+
+TINY = ["-p", "16", "-n", "4", "-r", "1"]
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(cli, ["bench", *args], catch_exceptions=False)
+
+
+def check_record(record: dict, backend: str) -> None:
+    assert record["engine"] == "llmfw" and record["backend"] == backend
+    assert "error" not in record, record
+    assert set(record["tests"]) == {"pp16", "tg4"}
+    for name, n_tokens in (("pp16", 16), ("tg4", 4)):
+        test = record["tests"][name]
+        assert test["n_tokens"] == n_tokens and len(test["runs_s"]) == 1
+        assert test["tps_median"] > 0 and test["tps_min"] <= test["tps_median"] <= test["tps_max"]
+        assert test["graph_builds"] >= 0 and test["graph_reuses"] >= 0
+    # the one-token graph is built during the warm-up and reused by every timed decode
+    assert record["tests"]["tg4"]["graph_builds"] == 0 and record["tests"]["tg4"]["graph_reuses"] == 4
+    assert record["n_ctx"] >= 20 and record["kv_bytes"] > 0 and record["weight_bytes"] > 0
+    assert 0 < record["rss_base"] <= record["rss_after_load"] <= record["rss_peak"]
+    assert record["load_s"] > 0
+
+
+@pytest.mark.parametrize("backends", [["numpy", "torch"]])
+def test_bench_json_structure(smollm2_path, backends) -> None:
+    if "torch" in backends:
+        pytest.importorskip("torch")
+    result = invoke(str(smollm2_path), *TINY, "--backend", ",".join(backends), "--json", "-t", "1")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["params"]["n_prompt"] == 16 and report["params"]["n_threads"] == 1
+    assert report["llama_cpp"] is None
+    assert [r["backend"] for r in report["llmfw"]] == backends
+    for record, backend in zip(report["llmfw"], backends):
+        check_record(record, backend)
+    table = format_table(report["llmfw"], None)
+    assert table.splitlines()[0].startswith("| engine | backend | threads | test | t/s (median)")
+    assert sum(line.startswith("| llmfw |") for line in table.splitlines()) == 2 * len(backends)
+
+
+def test_bench_table_with_a_reference_has_ratios() -> None:
+    record = {"engine": "llmfw", "backend": "torch", "n_threads": 2, "load_s": 1.0, "rss_base": 1 << 20,
+              "rss_after_load": 2 << 20, "rss_peak": 3 << 20, "weight_bytes": 1 << 20, "kv_bytes": 1 << 20,
+              "n_ctx": 20, "tests": {"tg4": {"tps_median": 50.0, "tps_std": 1.0, "graph_builds": 0,
+                                             "graph_reuses": 4}}}
+    reference = {"engine": "llama.cpp", "backend": "llama-cpp-python", "n_threads": 2, "load_s": 0.1,
+                 "rss_base": 1 << 20, "rss_after_load": 2 << 20, "rss_peak": 2 << 20,
+                 "tests": {"tg4": {"tps_median": 100.0, "tps_std": 2.0}}}
+    table = format_table([record], reference)
+    assert "| llmfw | torch | 2 | tg4 | 50.00 | 1.00 | 100.00 | 0.50x | 0/4 |" in table
+    assert "llama.cpp llama-cpp-python: load 0.10 s" in table
+
+
+def test_llama_cpp_script_is_self_contained() -> None:
+    """The script for the other interpreter must compile and must not import llmfw."""
+    source = llama_cpp_script()
+    compile(source, "<llama.cpp bench>", "exec")
+    assert "llmfw" not in source and "from llama_cpp import Llama" in source
+
+
+def test_compare_with_an_interpreter_without_llama_cpp_is_a_clear_error(smollm2_path) -> None:
+    result = CliRunner().invoke(cli, ["bench", str(smollm2_path), *TINY, "--backend", "numpy",
+                                      "--compare-llama-cpp", sys.executable])
+    assert result.exit_code != 0
+    assert "cannot import llama_cpp" in str(result.exception)
+
+
+def test_bad_options_are_usage_errors(smollm2_path) -> None:
+    result = CliRunner().invoke(cli, ["bench", str(smollm2_path), "-r", "0"])
+    assert result.exit_code == 2 and "-r" in result.output
+
+
+@pytest.mark.skipif(not os.environ.get("LLMFW_LLAMA_CPP_PYTHON"),
+                    reason="set LLMFW_LLAMA_CPP_PYTHON to an interpreter with llama-cpp-python")
+def test_compare_with_llama_cpp(smollm2_path) -> None:
+    result = invoke(str(smollm2_path), *TINY, "--backend", "numpy", "--json",
+                    "--compare-llama-cpp", os.environ["LLMFW_LLAMA_CPP_PYTHON"])
+    assert result.exit_code == 0, result.output
+    reference = json.loads(result.stdout)["llama_cpp"]
+    assert reference["engine"] == "llama.cpp" and set(reference["tests"]) == {"pp16", "tg4"}
+    assert reference["tests"]["tg4"]["tps_median"] > 0
