@@ -187,6 +187,14 @@ def test_fused_matmuls_match_separate_ones():
     got, want = h.run(g, {"x": x})
     for name in want:
         np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-4)
+    # a member alone afterwards (its arrays are now rows of the fused copy)
+    single = Graph()
+    xs = single.inputs["x"] = single.add("input", name="x")
+    w1 = single.add("weight", name="w1")
+    w1.attrs["name"] = "w1"
+    single.outputs["y1"] = single.add("mul_mat", w1, xs)
+    got_single, _ = h.run(single, {"x": x})
+    np.testing.assert_allclose(got_single["y1"], want["y1"], rtol=1e-4, atol=1e-4)
 
 
 def _layer_graph(n_head: int, n_head_kv: int, head_dim: int, rope_attrs: dict, softcap: float,

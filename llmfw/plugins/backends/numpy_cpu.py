@@ -231,8 +231,7 @@ def attention(q: np.ndarray, kv: NumpyKV, n_kv: int, mask: np.ndarray, scale: fl
 
     ``limits`` (from :func:`visible_limits` of ``mask``; computed when omitted) lets each block of query rows
     skip the cells none of its rows can see."""
-    n_tokens, n_head, head_dim = q.shape
-    n_head_kv = kv.k.shape[0]
+    n_tokens, n_head, _ = q.shape
     dv = kv.v.shape[-1]
     if limits is None:
         limits = visible_limits(mask[:, :n_kv])
@@ -291,6 +290,17 @@ def get_rows(table: Any, ids: np.ndarray) -> np.ndarray:
         # a matrix stored transposed for the matmuls: gather along the contiguous axis, then lay rows out
         return np.ascontiguousarray(table.T[:, ids].T, dtype=F32)
     return np.asarray(table[ids], dtype=F32)
+
+
+def _return_freed_memory() -> None:
+    """Give freed heap pages back to the OS (glibc's ``malloc_trim``). Weights of a few MB live in the heap, not
+    in their own mappings, so freeing them alone leaves the resident size unchanged."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).malloc_trim(ctypes.c_size_t(0))  # the process's own symbols include the C library's
+    except (OSError, AttributeError, TypeError):  # not glibc (or no dlopen of the process): nothing to do
+        pass
 
 
 def _is_stored_transposed(array: np.ndarray) -> bool:
@@ -441,7 +451,11 @@ class NumpyBackend(Backend):
 
     # -- compile -----------------------------------------------------------------------------------------
     def compile(self, split: Split, kv: Mapping[tuple[str, int], Any]) -> CompiledSplit:
-        return _SplitCompiler(self, split, kv).compile()
+        n_fused = len(self._fused)
+        run = _SplitCompiler(self, split, kv).compile()
+        if len(self._fused) != n_fused:
+            _return_freed_memory()  # the members' separate copies were freed
+        return run
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -450,10 +464,6 @@ class NumpyBackend(Backend):
 
 #: a compiled step: reads its inputs from the slot list and stores its value in its own slot
 Step = Callable[[], None]
-
-#: ops whose value is a view of their first input (its buffer stays alive as long as they do)
-_VIEW_OPS = frozenset({"reshape", "slice"})
-
 
 class _SplitCompiler:
     """Turns a split into ``run(inputs) -> outputs``: a flat list of closures over a list of value slots.

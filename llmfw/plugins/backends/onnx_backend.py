@@ -315,6 +315,18 @@ def fuse_block_weights(parts: Sequence[BlockWeight]) -> BlockWeight:
         source_type="+".join(sorted({p.source_type for p in parts})), block=parts[0].block)
 
 
+def _share_rows(fused: BlockWeight, parts: Sequence[BlockWeight]) -> None:
+    """Point each part's arrays at its rows of the fused copy, so the fusion costs no memory (sessions built
+    earlier keep the old arrays alive through their OrtValues)."""
+    start = 0
+    for part in parts:
+        rows = slice(start, start + part.shape[0])
+        part.packed, part.scales = fused.packed[rows], fused.scales[rows]
+        if part.offsets is not None:
+            part.offsets = fused.offsets[rows]
+        start = rows.stop
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # rope tables (ggml_rope_ext semantics: NORM/NEOX, YaRN, freq_factors)
 # ---------------------------------------------------------------------------------------------------------------
@@ -953,7 +965,9 @@ class OnnxBackend(Backend):
     def fused_weight(self, names: tuple[str, ...]) -> BlockWeight:
         fused = self._fused.get(names)
         if fused is None:
-            fused = self._fused[names] = fuse_block_weights([self.weight(n) for n in names])
+            parts = [self.weight(n) for n in names]
+            fused = self._fused[names] = fuse_block_weights(parts)
+            _share_rows(fused, parts)
         return fused
 
     def _derive(self, name: str, kind: str, make: Callable[[], np.ndarray]) -> np.ndarray:

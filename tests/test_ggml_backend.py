@@ -1,0 +1,149 @@
+"""The "ggml" backend (numpy + llama.cpp's CPU roundings) on SmolLM2 against llama.cpp's reference outputs.
+
+Kernel tests check the emulated arithmetic against independent computations (the gguf package's quantizer, an
+integer block-by-block dot product like ``ggml_vec_dot_q4_1_q8_1``); model tests check the reference bar and
+greedy agreement with llama.cpp's continuations.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import llmfw
+from llmfw.core.quants import GGMLType
+from llmfw.plugins.backends.ggml_cpu import (
+    GgmlMatrix,
+    _scaled_part,
+    q8_1_block_sums,
+    quantize_q8,
+    quantize_q8_k,
+    round_bf16,
+)
+
+BAR = {"top1": 0.93, "top5": 0.98, "mean_lp_err": 0.25}
+#: llama.cpp's top-two gap under which the ggml backend may pick llama.cpp's second choice. Measured: the
+#: short prompts either match all the way or first differ where llama.cpp's gap is 0.19 or less (numpy: up to
+#: 0.33). It cannot reach 0 — see the README: an ulp-level difference anywhere flips some 8-bit roundings.
+NEAR_TIE_GAP = 0.25
+
+
+# ---------------------------------------------------------------------------------------------------------
+# kernels
+# ---------------------------------------------------------------------------------------------------------
+
+def test_q8_activation_quantization_matches_ggml_q8_0():
+    gguf_quants = pytest.importorskip("gguf.quants")
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((16, 576)) * rng.uniform(0.01, 30, (16, 1))).astype(np.float32)
+    x[3, :32] = 0.0  # an all-zero block quantizes to zeros
+    ours, _, _ = quantize_q8(x)
+    reference = gguf_quants.dequantize(gguf_quants.quantize(x, GGMLType.Q8_0), GGMLType.Q8_0)
+    # ggml's reference rounds x * (1/d) half away from zero, AVX2 x * (127/amax) to even: they may differ by
+    # one step on a rare element whose product lands within an ulp of a half
+    differs = ours != reference
+    assert differs.mean() < 1e-3
+    assert np.all(ours[3, :32] == 0.0)
+
+
+def test_q8_1_block_sums_use_the_unrounded_scale():
+    x = np.linspace(-1.0, 3.0, 64, dtype=np.float32).reshape(1, 64)
+    xq, sums, d = quantize_q8(x)
+    assert np.array_equal(sums, np.rint(xq.reshape(1, 2, 32) / d.astype(np.float16).astype(np.float32)).sum(-1))
+    s = q8_1_block_sums(sums, d)
+    np.testing.assert_array_equal(s, (d[..., 0] * sums).astype(np.float16).astype(np.float32))
+
+
+def test_q8_k_maps_the_largest_magnitude_to_minus_127():
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((2, 512)).astype(np.float32)
+    q = quantize_q8_k(x).reshape(2, 2, 256)
+    blocks = x.reshape(2, 2, 256)
+    peak = np.take_along_axis(blocks, np.abs(blocks).argmax(-1)[..., None], -1)
+    d = (1.0 / (np.float32(-127.0) / peak)).astype(np.float32)
+    codes = np.rint(q / d)
+    assert np.all(codes >= -127) and np.all(codes <= 127)
+    assert np.allclose(np.abs(q).max(-1, keepdims=True), np.abs(peak), rtol=1e-6)
+
+
+def test_round_bf16_rounds_to_nearest_even():
+    x = np.array([1.0, 1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8, -2.5], dtype=np.float32)
+    np.testing.assert_array_equal(round_bf16(x), np.array([1.0, 1.0, 1.0 + 2 ** -6, -2.5], dtype=np.float32))
+
+
+def _q4_1_blocks(raw: np.ndarray, n_rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """d, m [rows, nb] and the 4-bit codes [rows, nb, 32] of a Q4_1 matrix, decoded independently."""
+    blocks = raw.reshape(n_rows, -1, 20)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float64)
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
+    qs = blocks[..., 4:]
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int64)
+    return d, m, codes
+
+
+def test_q4_1_matmul_equals_ggml_integer_dot_product(smollm2_path):
+    gguf = pytest.importorskip("gguf")
+    reader = gguf.GGUFReader(str(smollm2_path))
+    tensor = next(t for t in reader.tensors if t.name == "blk.0.attn_k.weight")
+    raw = np.asarray(tensor.data).reshape(-1).view(np.uint8)
+    ne = tuple(int(n) for n in tensor.shape)
+    scaled, block_min = _scaled_part(raw, GGMLType.Q4_1, ne)
+    matrix = GgmlMatrix(scaled, block_min, "q8_1")
+    rng = np.random.default_rng(2)
+    x = (rng.standard_normal((3, ne[0])) * 2).astype(np.float32)
+    got = matrix.matmul(x)
+
+    # ggml_vec_dot_q4_1_q8_1: Σ_blocks d_w·d_a·Σ(q_w·q_a) + m_w·s_a, integers exact
+    d_w, m_w, q_w = _q4_1_blocks(raw, ne[1])
+    xq, sums, d = quantize_q8(x)
+    d_a = d[..., 0].astype(np.float16).astype(np.float64)
+    q_a = np.rint(xq.reshape(3, -1, 32) / d_a[..., None]).astype(np.int64)
+    s_a = q8_1_block_sums(sums, d).astype(np.float64)
+    int_dot = np.einsum("tbk,obk->tob", q_a, q_w)
+    expected = (d_w[None] * d_a[:, None] * int_dot).sum(-1) + (m_w[None] * s_a[:, None]).sum(-1)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-4)
+    # and without activation quantization it is the plain float32 product with the dequantized weight
+    dense = scaled + np.repeat(block_min, 32, axis=1)
+    np.testing.assert_allclose(matrix.matmul(x, quantize=False), x @ dense.T, rtol=1e-5, atol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# SmolLM2 against llama.cpp
+# ---------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def model(smollm2_path):
+    with llmfw.load_model(smollm2_path, backend="ggml") as m:
+        yield m
+
+
+@pytest.mark.parametrize("index", range(5))
+def test_teacher_forced_logits_clear_the_bar(model, smollm2_ref, score, index):
+    record = smollm2_ref["prompts"][index]
+    sequence = record["sequence"]
+    ctx = model.new_context(n_ctx=len(sequence), n_batch=len(sequence), n_ubatch=512, n_threads=1)
+    assert ctx.decode(llmfw.Batch(sequence, logits=True)) == 0, ctx.last_error
+    result = score(record, ctx.get_logits())
+    print(f"\nggml backend, prompt {index} ({len(sequence)} tokens): {result}")
+    for key in ("top1", "top5"):
+        assert result[key] >= BAR[key], (index, result)
+    assert result["mean_lp_err"] <= BAR["mean_lp_err"], (index, result)
+
+
+@pytest.mark.parametrize("index", range(4))
+def test_greedy_continuation_follows_llama_cpp(model, smollm2_ref, index):
+    record = smollm2_ref["prompts"][index]
+    prompt = record["prompt_ids"]
+    expected = record["sequence"][len(prompt):]
+    ctx = model.new_context(n_ctx=512, n_threads=1)
+    assert ctx.decode(llmfw.Batch(prompt)) == 0
+    for i, want in enumerate(expected):
+        got = int(ctx.get_logits_ith(-1).argmax())
+        if got != want:
+            position = record["positions"][len(prompt) + i - 1]
+            top, ids = position["top_logits"], position["top_ids"]
+            assert top[0] - top[1] < NEAR_TIE_GAP, f"prompt {index}: diverged at token {i}: {got} != {want}"
+            assert got == ids[1], f"prompt {index}: diverged at token {i} to {got}, not llama.cpp's second"
+            return
+        if model.vocab.is_eog(got):
+            break
+        assert ctx.decode(llmfw.Batch([got])) == 0, ctx.last_error
