@@ -18,6 +18,10 @@ Speed (measured on a 2-core AVX2 machine with OpenBLAS, see ``benchmarks/numpy_d
   rope tables once per run for all layers, and folds ``rms_norm`` followed by a multiply into one kernel.
 * attention skips the KV cells that no query of a block of rows can see (the causal half of a prefill, the
   padding of ``n_kv``): their probabilities are exactly zero, so the result is the same.
+
+With one BLAS thread, a SmolLM2-135M decode step is now ~90% weight streaming (the 536 MB of float32 weights at
+~11-14 GB/s, ~48 ms of CPU) — the bound of an exact float32 engine on one core; the rest is ~5 ms of attention,
+norms, rope and Python. A 512-token prefill is ~70% GEMM (~65 GFLOP/s), ~20% attention.
 """
 from __future__ import annotations
 
