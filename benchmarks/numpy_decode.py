@@ -1,7 +1,9 @@
-"""Time the numpy backend on SmolLM2: one-token decode (tg) and a batched prefill (pp), CPU time and wall.
+"""Time the numpy backend: one-token decodes (tg) and one batched prefill (pp), in CPU time and wall time.
 
-The CPU here is shared, so CPU seconds (``time.process_time``) are the stable figure; wall seconds are printed
-too. Usage: ``python3 benchmarks/numpy_decode.py [--tg 32] [--pp 512] [--threads 1] [--profile]``.
+On a shared CPU, CPU seconds (``time.process_time``) are the repeatable figure; wall seconds are printed too.
+``--profile tg`` / ``--profile pp`` prints a CPU-time cProfile of that test (where the time goes).
+
+    PYTHONPATH=. python3 benchmarks/numpy_decode.py [--model smollm2] [--tg 32] [--pp 512] [--threads 1]
 """
 from __future__ import annotations
 
@@ -35,11 +37,11 @@ def profiled(fn, profile: bool) -> tuple[float, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--tg", type=int, default=32)
-    ap.add_argument("--pp", type=int, default=512)
-    ap.add_argument("--threads", type=int, default=1)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2", help="catalog name or GGUF path")
+    ap.add_argument("--tg", type=int, default=32, help="one-token decodes to time (0 = skip)")
+    ap.add_argument("--pp", type=int, default=512, help="prompt tokens of the prefill (0 = skip)")
+    ap.add_argument("--threads", type=int, default=1, help="BLAS threads")
     ap.add_argument("--profile", choices=["tg", "pp"], help="cProfile (CPU time) the tg or pp run")
     args = ap.parse_args()
 

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Literal
 
 import numpy as np
 
+from .errors import ModelError
 from .hparams import HParams
 
 if TYPE_CHECKING:
@@ -120,13 +121,42 @@ class Architecture(ABC):
         """
         return {}
 
+    #: the norm epsilon the family needs ("rms": attention.layer_norm_rms_epsilon, "layer": layer_norm_epsilon)
+    norm_kind: ClassVar[str] = "rms"
+
     def check_hparams(self, hp: HParams) -> None:
-        """Raise ModelError for values this architecture cannot run with (called after loading hparams)."""
+        """Raise ModelError for values this architecture cannot run with (called after loading hparams).
+
+        The default checks what every transformer family here needs: a positive norm epsilon and equal key /
+        value head sizes. Override to add checks (and call ``super().check_hparams(hp)``).
+        """
+        if self.norm_kind == "rms" and hp.f_norm_rms_eps <= 0:
+            raise ModelError(f"{self.name}: attention.layer_norm_rms_epsilon must be > 0, found {hp.f_norm_rms_eps}")
+        if self.norm_kind == "layer" and hp.f_norm_eps <= 0:
+            raise ModelError(f"{self.name}: attention.layer_norm_epsilon must be > 0, found {hp.f_norm_eps}")
+        if hp.n_embd_head_k != hp.n_embd_head_v:
+            raise ModelError(f"{self.name}: key_length {hp.n_embd_head_k} != value_length {hp.n_embd_head_v}")
 
     # -- tensors -----------------------------------------------------------------------------------------
-    @abstractmethod
     def tensors(self, hp: HParams) -> list[TensorSpec]:
-        """Every tensor of the model, in load order."""
+        """Every tensor of the model, in load order.
+
+        The default is the common layout: token embedding, output norm, output head (tied to the embedding
+        when the file has none), then :meth:`layer_tensors` for each layer. Override for other layouts.
+        """
+        n_embd, n_vocab = hp.n_embd, hp.n_vocab
+        specs = [
+            TensorSpec("token_embd.weight", (n_embd, n_vocab), INPUT_LAYER, usage="get_rows"),
+            TensorSpec("output_norm.weight", (n_embd,), OUTPUT_LAYER, usage="mul"),
+            TensorSpec("output.weight", (n_embd, n_vocab), OUTPUT_LAYER, duplicate_of="token_embd.weight"),
+        ]
+        for il in range(hp.n_layer):
+            specs += self.layer_tensors(hp, il)
+        return specs
+
+    def layer_tensors(self, hp: HParams, il: int) -> list[TensorSpec]:
+        """The tensors of layer ``il`` (used by the default :meth:`tensors`)."""
+        raise NotImplementedError(f"{type(self).__name__} must define layer_tensors() or tensors()")
 
     # -- graph -------------------------------------------------------------------------------------------
     @abstractmethod

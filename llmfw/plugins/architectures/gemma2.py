@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from llmfw.core.architecture import INPUT_LAYER, OUTPUT_LAYER, Architecture, TensorSpec
+from llmfw.core.architecture import Architecture, TensorSpec
 from llmfw.core.errors import ModelError
 from llmfw.core.graph import GraphBuilder
 from llmfw.core.hparams import HParams
@@ -69,24 +69,10 @@ class Gemma2Architecture(Architecture):
         }
 
     def check_hparams(self, hp: HParams) -> None:
-        if hp.f_norm_rms_eps <= 0:
-            raise ModelError(f"gemma2: attention.layer_norm_rms_epsilon must be > 0, found {hp.f_norm_rms_eps}")
-        if hp.n_embd_head_k != hp.n_embd_head_v:
-            raise ModelError(f"gemma2: key_length {hp.n_embd_head_k} != value_length {hp.n_embd_head_v}")
+        super().check_hparams(hp)
         if hp.f_final_logit_softcapping <= 0 or hp.f_attn_logit_softcapping <= 0:
             raise ModelError("gemma2: attn_logit_softcapping and final_logit_softcapping must be > 0, found "
                              f"{hp.f_attn_logit_softcapping} and {hp.f_final_logit_softcapping}")
-
-    def tensors(self, hp: HParams) -> list[TensorSpec]:
-        n_embd, n_vocab = hp.n_embd, hp.n_vocab
-        specs = [
-            TensorSpec("token_embd.weight", (n_embd, n_vocab), INPUT_LAYER, usage="get_rows"),
-            TensorSpec("output_norm.weight", (n_embd,), OUTPUT_LAYER, usage="mul"),
-            TensorSpec("output.weight", (n_embd, n_vocab), OUTPUT_LAYER, duplicate_of="token_embd.weight"),
-        ]
-        for il in range(hp.n_layer):
-            specs += self.layer_tensors(hp, il)
-        return specs
 
     def layer_tensors(self, hp: HParams, il: int) -> list[TensorSpec]:
         n_embd, n_ff = hp.n_embd, hp.n_ff(il)

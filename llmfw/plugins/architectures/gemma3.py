@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from llmfw.core.architecture import INPUT_LAYER, OUTPUT_LAYER, Architecture, TensorSpec
+from llmfw.core.architecture import Architecture, TensorSpec
 from llmfw.core.errors import ModelError
 from llmfw.core.graph import GraphBuilder
 from llmfw.core.hparams import HParams
@@ -67,23 +67,9 @@ class Gemma3Architecture(Architecture):
         return extra
 
     def check_hparams(self, hp: HParams) -> None:
-        if hp.f_norm_rms_eps <= 0:
-            raise ModelError(f"gemma3: attention.layer_norm_rms_epsilon must be > 0, found {hp.f_norm_rms_eps}")
-        if hp.n_embd_head_k != hp.n_embd_head_v:
-            raise ModelError(f"gemma3: key_length {hp.n_embd_head_k} != value_length {hp.n_embd_head_v}")
+        super().check_hparams(hp)
         if any(h <= 0 for h in hp.n_head_kv_arr):
             raise ModelError(f"gemma3: every layer needs KV heads, found head_count_kv {hp.n_head_kv_arr}")
-
-    def tensors(self, hp: HParams) -> list[TensorSpec]:
-        n_embd, n_vocab = hp.n_embd, hp.n_vocab
-        specs = [
-            TensorSpec("token_embd.weight", (n_embd, n_vocab), INPUT_LAYER, usage="get_rows"),
-            TensorSpec("output_norm.weight", (n_embd,), OUTPUT_LAYER, usage="mul"),
-            TensorSpec("output.weight", (n_embd, n_vocab), OUTPUT_LAYER, duplicate_of="token_embd.weight"),
-        ]
-        for il in range(hp.n_layer):
-            specs += self.layer_tensors(hp, il)
-        return specs
 
     def layer_tensors(self, hp: HParams, il: int) -> list[TensorSpec]:
         n_embd, n_ff, head_dim = hp.n_embd, hp.n_ff(il), hp.n_embd_head_k

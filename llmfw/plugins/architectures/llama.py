@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from llmfw.core.architecture import INPUT_LAYER, OUTPUT_LAYER, Architecture, TensorSpec
+from llmfw.core.architecture import Architecture, TensorSpec
 from llmfw.core.errors import ModelError
 from llmfw.core.graph import GraphBuilder
 from llmfw.core.hparams import HParams
@@ -57,23 +57,6 @@ class LlamaArchitecture(Architecture):
             extra["rope_freq_scale_train"] = 1.0
             extra["rope_freq_scale_train_swa"] = 1.0
         return extra
-
-    def check_hparams(self, hp: HParams) -> None:
-        if hp.f_norm_rms_eps <= 0:
-            raise ModelError(f"llama: attention.layer_norm_rms_epsilon must be > 0, found {hp.f_norm_rms_eps}")
-        if hp.n_embd_head_k != hp.n_embd_head_v:
-            raise ModelError(f"llama: key_length {hp.n_embd_head_k} != value_length {hp.n_embd_head_v}")
-
-    def tensors(self, hp: HParams) -> list[TensorSpec]:
-        n_embd, n_vocab = hp.n_embd, hp.n_vocab
-        specs = [
-            TensorSpec("token_embd.weight", (n_embd, n_vocab), INPUT_LAYER, usage="get_rows"),
-            TensorSpec("output_norm.weight", (n_embd,), OUTPUT_LAYER, usage="mul"),
-            TensorSpec("output.weight", (n_embd, n_vocab), OUTPUT_LAYER, duplicate_of="token_embd.weight"),
-        ]
-        for il in range(hp.n_layer):
-            specs += self.layer_tensors(hp, il)
-        return specs
 
     def layer_tensors(self, hp: HParams, il: int) -> list[TensorSpec]:
         n_embd, n_ff = hp.n_embd, hp.n_ff(il)

@@ -669,7 +669,7 @@ class _SplitCompiler:
         weight = self.weight_array(node.inputs[0])
         env = self.env
         if weight is not None:
-            weight_t = weight.T  # C-contiguous for weights this backend loaded (see load_weight)
+            weight_t = weight.T  # a view in the layout load_weight chose: BLAS reads either without a copy
             x_slot = ins[1]
 
             def step():

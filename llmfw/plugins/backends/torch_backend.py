@@ -20,6 +20,7 @@ import ctypes
 import logging
 import math
 import os
+import re
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Mapping
@@ -562,7 +563,8 @@ class SplitCompiler:
                 raise ModelError(f"torch backend cannot compile op {node.op!r} (node %{node.id})")
             handler(node)
         outputs = ", ".join(f"{i}: v{i}" for i in self.split.output_ids)
-        source = "def run(inputs):\n" + "\n".join(body + self.lines) + f"\n    return {{{outputs}}}\n"
+        lines = free_dead_values(body + self.lines, {f"v{i}" for i in self.split.output_ids})
+        source = "def run(inputs):\n" + "\n".join(lines) + f"\n    return {{{outputs}}}\n"
         namespace: dict[str, Any] = {"torch": import_torch(), "F": import_torch().nn.functional, **self.consts,
                                      **KERNELS}
         exec(compile(source, f"<torch split {id(self.split):x}>", "exec"), namespace)  # noqa: S102 - our codegen
@@ -740,6 +742,32 @@ class SplitCompiler:
         args = ", ".join(self.var(n) for n in (q, k, v, kv_idx, mask))
         self.emit(node, f"attention({args}, {self.memo[mkey]}, {self.const(storage, 'kv')}, "
                         f"{float(node.attrs['scale'])!r}, {float(node.attrs.get('softcap', 0.0) or 0.0)!r})")
+
+
+_LOCAL_NAME = re.compile(r"\b(?:v|f|cs|masks)\d+\b")
+
+
+def free_dead_values(lines: list[str], keep: set[str]) -> list[str]:
+    """Insert ``del`` after the last use of every local, so that a long prefill holds one layer's temporaries at
+    a time instead of all of them until the split returns (measured: +700 MB peak for SmolLM2's pp512)."""
+    last_use: dict[str, int] = {}
+    for index, line in enumerate(lines):
+        code = line.split("#", 1)[0]
+        target, _, expr = code.partition("=")
+        for name in _LOCAL_NAME.findall(expr):
+            last_use[name] = index
+        for name in _LOCAL_NAME.findall(target):
+            last_use.setdefault(name, index)
+    dead_after: dict[int, list[str]] = {}
+    for name, index in last_use.items():
+        if name not in keep:
+            dead_after.setdefault(index, []).append(name)
+    out = []
+    for index, line in enumerate(lines):
+        out.append(line)
+        if index in dead_after:
+            out.append(f"    del {', '.join(sorted(dead_after[index]))}")
+    return out
 
 
 KERNELS: dict[str, Callable[..., Any]] = {
