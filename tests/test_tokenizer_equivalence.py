@@ -181,7 +181,7 @@ _SPM_ALPHABET = ["a", "b", "th", "e", " ", "  ", ">", "</", "▁", "ж", "ні",
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.sampled_from(_SPM_ALPHABET), max_size=30).map("".join))
 def test_spm_word_cache_equals_whole_fragment_merge(gemma_spm, text):
-    whole = gemma_spm._encode_word(text.replace(" ", "▁"))  # llama.cpp: one merge run over the fragment
+    whole = gemma_spm.encode_word(text.replace(" ", "▁"))  # llama.cpp: one merge run over the fragment
     gemma_spm.clear_cache()
     assert gemma_spm.tokenize(text) == whole
     assert gemma_spm.tokenize(text) == whole  # and from the cache
@@ -190,5 +190,5 @@ def test_spm_word_cache_equals_whole_fragment_merge(gemma_spm, text):
 def test_spm_token_spanning_a_cut_stays_whole(gemma_spm):
     """Gemma-3 has the piece ">▁</": the text must not be cut between ">" and "▁" where it occurs."""
     text = "<b>bold> </b>"
-    assert gemma_spm.tokenize(text) == gemma_spm._encode_word(text.replace(" ", "▁"))
+    assert gemma_spm.tokenize(text) == gemma_spm.encode_word(text.replace(" ", "▁"))
     assert gemma_spm.vocab.token_to_id[">▁</"] in gemma_spm.tokenize(text)

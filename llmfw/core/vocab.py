@@ -163,9 +163,32 @@ class Tokenizer(ABC):
     """
 
     space_prefix_after_special: bool = False
+    #: bound on memoised words, so adversarial text cannot grow the memo without limit
+    word_cache_limit: int = 1 << 18
 
     def __init__(self, vocab: "Vocab"):
         self.vocab = vocab
+        self._word_cache: dict[str, list[int]] = {}
+
+    def encode_words(self, words: Iterable[str]) -> list[int]:
+        """Ids of ``words`` encoded one by one with :meth:`encode_word`, memoised: natural text repeats its
+        words, so tokenizers that can split text into independent words (BPE after pre-tokenization, SPM
+        between cuts no piece spans) skip most of the merging work."""
+        output: list[int] = []
+        cache = self._word_cache
+        for word in words:
+            ids = cache.get(word)
+            if ids is None:
+                ids = self.encode_word(word)
+                if len(cache) >= self.word_cache_limit:
+                    cache.clear()
+                cache[word] = ids
+            output.extend(ids)
+        return output
+
+    def encode_word(self, word: str) -> list[int]:
+        """Ids of one word, for :meth:`encode_words` (tokenizers that do not split into words need not define it)."""
+        raise NotImplementedError(f"{type(self).__name__} does not encode word by word")
 
     @classmethod
     def defaults(cls, pre: str) -> TokenizerDefaults:
@@ -185,7 +208,8 @@ class Tokenizer(ABC):
         """The token of one raw byte; :class:`TokenizerError` if the vocab has none."""
 
     def clear_cache(self) -> None:
-        """Forget memoised results (tokenizers may cache per-word ids; benchmarks measure a cold start)."""
+        """Forget memoised results (benchmarks measure a cold start)."""
+        self._word_cache.clear()
 
     def newline_id(self) -> int | None:
         """The token llama.cpp records as the newline token (``token_nl``)."""

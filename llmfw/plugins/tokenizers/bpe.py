@@ -285,7 +285,6 @@ class RegexSplitter:
 # ----------------------------------------------------------------------------------------------- the tokenizer
 _SMALL_WORD = 256  # up to this many symbols a C-level rescan per merge beats a heap
 _NO_RANK = 1 << 62
-_CACHE_LIMIT = 1 << 18
 
 
 class BPETokenizer(Tokenizer):
@@ -304,7 +303,6 @@ class BPETokenizer(Tokenizer):
         self.splitter = RegexSplitter(self.pre.regexes)
         self.ranks = self._build_ranks(vocab.merges)
         self.token_to_id = vocab.token_to_id
-        self._cache: dict[str, list[int]] = {}
 
     @staticmethod
     def _build_ranks(merges: list[str]) -> dict[tuple[str, str], int]:
@@ -321,19 +319,9 @@ class BPETokenizer(Tokenizer):
         return dict(zip(reversed(pairs), range(len(pairs) - 1, -1, -1)))  # type: ignore[arg-type]
 
     def tokenize(self, text: str) -> list[int]:
-        output: list[int] = []
-        cache = self._cache
-        for word in self.splitter.split(text):
-            ids = cache.get(word)
-            if ids is None:
-                ids = self._encode_word(word)
-                if len(cache) >= _CACHE_LIMIT:
-                    cache.clear()
-                cache[word] = ids
-            output.extend(ids)
-        return output
+        return self.encode_words(self.splitter.split(text))
 
-    def _encode_word(self, word: str) -> list[int]:
+    def encode_word(self, word: str) -> list[int]:
         encoded = byte_encode(word)
         if self.pre.ignore_merges:
             token = self.token_to_id.get(encoded)
@@ -404,9 +392,6 @@ class BPETokenizer(Tokenizer):
                 if token is not None:
                     ids.append(token)
         return ids
-
-    def clear_cache(self) -> None:
-        self._cache.clear()
 
     def normal_piece(self, text: str) -> bytes:
         try:

@@ -24,7 +24,6 @@ from llmfw.core.errors import TokenizerError
 from llmfw.core.vocab import Tokenizer, TokenizerDefaults, Vocab
 
 SPACE = "▁"
-_CACHE_LIMIT = 1 << 18
 _SMALL_WORD = 256  # up to this many symbols a C-level rescan per merge beats a heap
 _NO_PAIR = float("inf")
 _CUT = re.compile(f"(?<=[^{SPACE}]){SPACE}")  # a ▁ that follows a non-▁ character: we cut before it
@@ -45,7 +44,6 @@ class SPMTokenizer(Tokenizer):
         self.token_to_id = vocab.token_to_id
         # text -> -score: a merge is only possible into a token, and the best merge is then the smallest value
         self._negated_score: dict[str, float] = dict(zip(vocab.tokens, (-vocab.scores.astype(float)).tolist()))
-        self._cache: dict[str, list[int]] = {}
         spanning = [t for t in vocab.tokens if SPACE in t[1:] and _CUT.search(t)]
         self._spanning = re.compile("|".join(re.escape(t) for t in sorted(spanning, key=len, reverse=True))) \
             if spanning else None
@@ -53,18 +51,7 @@ class SPMTokenizer(Tokenizer):
 
     # -------------------------------------------------------------------------------------------- encode
     def tokenize(self, text: str) -> list[int]:
-        escaped = text.replace(" ", SPACE)
-        output: list[int] = []
-        cache = self._cache
-        for word in self._words(escaped):
-            ids = cache.get(word)
-            if ids is None:
-                ids = self._encode_word(word)
-                if len(cache) >= _CACHE_LIMIT:
-                    cache.clear()
-                cache[word] = ids
-            output.extend(ids)
-        return output
+        return self.encode_words(self._words(text.replace(" ", SPACE)))
 
     def _words(self, text: str) -> list[str]:
         if self._spanning is None or self._spanning.search(text) is None:
@@ -78,7 +65,7 @@ class SPMTokenizer(Tokenizer):
         bounds = [0, *(m.start() for m in _CUT.finditer(text) if m.start() not in blocked), len(text)]
         return [text[bounds[i]:bounds[i + 1]] for i in range(len(bounds) - 1)]
 
-    def _encode_word(self, word: str) -> list[int]:
+    def encode_word(self, word: str) -> list[int]:
         symbols = self._merge_small(word) if len(word) <= _SMALL_WORD else self._merge_large(word)
         ids: list[int] = []
         for symbol in symbols:
@@ -158,9 +145,6 @@ class SPMTokenizer(Tokenizer):
         if token is None:
             raise TokenizerError(f"the SPM vocab has no byte token <0x{byte:02X}>")
         return token
-
-    def clear_cache(self) -> None:
-        self._cache.clear()
 
     def normal_piece(self, text: str) -> bytes:
         return text.replace(SPACE, " ").encode("utf-8", "surrogatepass")
