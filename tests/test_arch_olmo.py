@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import install_example_package
 
 from reference_gen.arch_testing import (SAME_LOGITS_ATOL, assert_clears_bar, decode_all, decode_two_sequences,
                                         longest, model_file, records, reference)
@@ -30,13 +30,7 @@ PACKAGE = ROOT / "examples" / "llmfw-olmo"
 @pytest.fixture(scope="module")
 def site_dir(tmp_path_factory) -> Path:
     """The example package installed into a fresh directory (what ``pip install`` does, minus the venv)."""
-    target = tmp_path_factory.mktemp("olmo-site")
-    # a copy: setuptools builds in the source tree (build/, *.egg-info), which must stay out of the checkout
-    source = shutil.copytree(PACKAGE, tmp_path_factory.mktemp("olmo-src") / PACKAGE.name,
-                             ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
-    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-                    "--no-index", "--target", str(target), str(source)], check=True, capture_output=True)
-    return target
+    return install_example_package(PACKAGE.name, tmp_path_factory)
 
 
 @pytest.fixture()

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import install_example_package
 
 ROOT = Path(__file__).resolve().parent.parent
 PLUGIN_DIR = ROOT / "examples" / "llmfw-example-plugin"
@@ -18,14 +18,7 @@ PLUGIN_DIR = ROOT / "examples" / "llmfw-example-plugin"
 def plugin_env(tmp_path_factory) -> dict[str, str]:
     """pip-install the plugin (no deps: llmfw comes from this checkout) into a folder on PYTHONPATH;
     importlib.metadata finds its .dist-info there, so the entry point is discovered."""
-    target = tmp_path_factory.mktemp("site")
-    # build from a copy: setuptools writes build/ and *.egg-info next to the sources
-    source = tmp_path_factory.mktemp("src") / PLUGIN_DIR.name
-    shutil.copytree(PLUGIN_DIR, source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
-    cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-           "--disable-pip-version-check", "--target", str(target), str(source)]
-    result = subprocess.run(cmd, capture_output=True, text=True, cwd=target)
-    assert result.returncode == 0, result.stderr
+    target = install_example_package(PLUGIN_DIR.name, tmp_path_factory)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(target), str(ROOT)])
     env.pop("LLMFW_LOAD_PLUGINS", None)
