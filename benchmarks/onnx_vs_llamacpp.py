@@ -94,8 +94,8 @@ def main() -> None:
                 result = bench_llmfw(model, args.threads, args.pp, args.tg)
             if result is None:
                 continue
-            print(f"round {round_}: {who:14s} pp{args.pp} {result['pp']:7.1f} t/s   tg{args.tg} {result['tg']:7.1f} t/s",
-                  flush=True)
+            print(f"round {round_}: {who:14s} pp{args.pp} {result['pp']:7.1f} t/s   "
+                  f"tg{args.tg} {result['tg']:7.1f} t/s", flush=True)
             entry = best.setdefault(who, {"pp": 0.0, "tg": 0.0})
             entry["pp"], entry["tg"] = max(entry["pp"], result["pp"]), max(entry["tg"], result["tg"])
     print(f"\n| {path.name} ({args.threads} threads) | pp{args.pp} t/s | tg{args.tg} t/s |\n| --- | --- | --- |")

@@ -42,8 +42,8 @@ def measure(path: Path) -> None:
                 " + offsets" if weight.offsets is not None else "")
             per_type[info.ggml_type.name].append((err, info.n_elements, form))
     print(f"\n{path.name}")
-    print(f"| type | tensors | weights | ONNX form | rel. error (max) |")
-    print(f"| --- | --- | --- | --- | --- |")
+    print("| type | tensors | weights | ONNX form | rel. error (max) |")
+    print("| --- | --- | --- | --- | --- |")
     for qtype, rows in sorted(per_type.items()):
         forms = ", ".join(sorted({r[2] for r in rows}))
         print(f"| {qtype} | {len(rows)} | {sum(r[1] for r in rows) / 1e6:.1f} M | {forms} | "

@@ -18,13 +18,15 @@ from llmfw.plugins.backends.ggml_cpu import (
     quantize_q8,
     quantize_q8_k,
     round_bf16,
+    round_f16,
 )
 
 BAR = {"top1": 0.93, "top5": 0.98, "mean_lp_err": 0.25}
-#: llama.cpp's top-two gap under which the ggml backend may pick llama.cpp's second choice. Measured: the
-#: short prompts either match all the way or first differ where llama.cpp's gap is 0.19 or less (numpy: up to
-#: 0.33). It cannot reach 0 — see the README: an ulp-level difference anywhere flips some 8-bit roundings.
-NEAR_TIE_GAP = 0.25
+#: llama.cpp's top-two gap under which the ggml backend may pick llama.cpp's second choice. The same bound as
+#: the numpy backend's test, on purpose: with 8-bit activations a ±1-ulp change of the input embeddings alone
+#: moves log-probs by ~0.1 on average (measured), so which near-tie flips is chance, not a property to pin.
+#: (Measured today: prompts 1 and 2 match all the way, 0 and 3 first differ where llama.cpp's gap is 0.19 / 0.10.)
+NEAR_TIE_GAP = 0.5
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -68,6 +70,17 @@ def test_q8_k_maps_the_largest_magnitude_to_minus_127():
 def test_round_bf16_rounds_to_nearest_even():
     x = np.array([1.0, 1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8, -2.5], dtype=np.float32)
     np.testing.assert_array_equal(round_bf16(x), np.array([1.0, 1.0, 1.0 + 2 ** -6, -2.5], dtype=np.float32))
+
+
+def test_round_f16_equals_numpy_half_conversion():
+    rng = np.random.default_rng(3)
+    samples = [rng.random(4096, dtype=np.float32) ** 12,  # probabilities, many f16 subnormals
+               (rng.standard_normal(4096) * 50).astype(np.float32),
+               np.array([0.0, -0.0, 2 ** -25, 3 * 2 ** -25, -(2 ** -25), 65504, 1e5, -np.inf, np.nan], np.float32)]
+    for x in samples:
+        with np.errstate(over="ignore"):
+            expected = x.astype(np.float16).astype(np.float32)
+        np.testing.assert_array_equal(round_f16(x), expected)
 
 
 def _q4_1_blocks(raw: np.ndarray, n_rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -116,7 +129,8 @@ def model(smollm2_path):
         yield m
 
 
-@pytest.mark.parametrize("index", range(5))
+#: the 2,727-token prompt takes ~2x the numpy backend's time (f16 roundings of the attention probabilities)
+@pytest.mark.parametrize("index", [0, 1, 2, 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_teacher_forced_logits_clear_the_bar(model, smollm2_ref, score, index):
     record = smollm2_ref["prompts"][index]
     sequence = record["sequence"]

@@ -75,9 +75,10 @@ def test_weights_are_converted_once_to_the_device_form(smollm2) -> None:
     assert backend.spec == "torch"
     linear = backend.linear("blk.0.ffn_down.weight")
     assert linear.form == backend.matmul_form
-    # kept bytes: fp16 matmul weights (~2 bytes per parameter) plus small f32 norms; nothing float32-sized
+    # kept bytes: fp16 matmul weights, 2 bytes per parameter, but fbgemm pads a 576-wide input dimension to
+    # 1024 (x1.78); small f32 norms. Less than float32's 4 bytes per parameter.
     n_params = sum(int(np.prod(w.shape)) for w in backend.weights.values())
-    assert backend.weight_nbytes() < 2.2 * n_params
+    assert 2 * n_params < backend.weight_nbytes() < 3.6 * n_params
 
 
 @pytest.mark.parametrize("index", SMOLLM2_PROMPTS)

@@ -2,14 +2,14 @@
 
 Weights are converted once, at load, into the forms ONNX Runtime runs fastest (``shared/PERF-NOTES.md``):
 
-* A quantized matrix becomes ``MatMulNBits`` blocks (com.microsoft, blocks of 32, ``accuracy_level=4``: the
-  activations are quantized to int8 per block, as llama.cpp does inside its quantized matmuls). The map is
-  exact where the GGUF type allows it: Q4_0 → 4-bit codes, Q8_0 and Q5_0 → 8-bit codes, Q4_1 / Q5_1 → codes
-  plus a per-block *offset* ``m`` applied as ``blocksum(x) @ offsets.T`` (llama.cpp's Q8_1 block sums do the same
-  thing; float zero points would hit ORT's slow path). Every other quantized type (K-quants, IQ...) is
-  requantized once to 8-bit blocks of 32 (asymmetric for the types with a per-block minimum); the error is far
-  below the type's own quantization step.
-* Float matrices stay float32 (``MatMul``); norms, biases and rope factors are float32 initializers.
+* A quantized matrix becomes ``MatMulNBits`` blocks (com.microsoft, ``accuracy_level=4``: the activations are
+  quantized to int8 per block, as llama.cpp does inside its quantized matmuls). The map is exact for every type
+  of the real models: Q4_0 → 4-bit codes; Q8_0, Q5_0 → 8-bit codes; Q4_1, Q4_K → 4-bit codes plus a per-block
+  *offset* applied as ``blocksum(x) @ offsets.T`` (llama.cpp's Q8_1 block sums do the same; ORT's float zero
+  points take a path ~50x slower); Q5_1, Q5_K → 8-bit codes plus offsets; Q6_K → 8-bit codes in blocks of 16
+  (its sub-block scales). Other quantized types (Q2_K, Q3_K, IQ...) are requantized once to 8-bit blocks of 32,
+  an error far below the type's own quantization step.
+* Float matrices stay float32 (``Gemm`` / ``MatMul``); norms, biases and rope factors are float32 initializers.
 * An embedding table used by ``get_rows`` keeps one byte per element (int8 codes + per-block scales) and rows
   are decoded in the graph.
 

@@ -1,11 +1,15 @@
 """The torch backend: the graph IR executed with PyTorch on the CPU or on a CUDA device.
 
-Weights are converted once, at load, into the fastest form measured for the device (``shared/PERF-NOTES.md``):
+Weights are converted once, at load, into the fastest form for the device that still clears the reference bar
+(``LLMFW_TORCH_MATMUL`` = fp16 | int8 | bf16 | f32 overrides it):
 
-* CPU: matmul weights become per-row (per-output-channel) int8 for fbgemm's dynamic quantized linear
-  (``quantized::linear_dynamic``: activations are quantized per call, the GEMM accumulates in int32). When the
-  installed torch lacks that kernel, bf16 weights with an f32 result (``LLMFW_TORCH_MATMUL`` overrides the form).
-* CUDA: bf16 weights; activations are cast to bf16 for the matmul and back to float32 after it.
+* CPU: fp16 matmul weights for fbgemm's fp16 linear (``quantized::linear_dynamic_fp16``: float32 activations
+  and accumulation, weights widened inside the kernel). Per-row int8 for fbgemm's dynamic quantized linear
+  (``quantized::linear_dynamic``) is faster but measured *outside* the bar on SmolLM2 (mean log-prob error 0.7
+  vs 0.25: per-row re-quantization of Q4_1 blocks plus one activation scale per token), so it is opt-in. Without
+  fbgemm: float32 (bf16 matmuls have no fast path on AVX2 CPUs).
+* CUDA: bf16 weights; activations are cast to bf16 for the matmul and back to float32 after it (unverified: no
+  GPU was available when this was written).
 
 Everything else (norms, rope, attention, activations) runs in float32. A split is compiled once per graph build
 into straight-line Python source (one line per op, like ``torch.fx`` code generation), with these rewrites:
@@ -22,7 +26,7 @@ import math
 import os
 import re
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Mapping
 
 import numpy as np
@@ -30,7 +34,7 @@ import numpy as np
 from llmfw.core.backend import Backend, CompiledSplit, KVLayerShape, NativeValue, Split, WeightSource
 from llmfw.core.errors import BackendUnavailable, ModelError
 from llmfw.core.graph import OPS, Node
-from llmfw.core.quants import GGMLType, dequantize_rows, ggml_type
+from llmfw.core.quants import dequantize_rows
 
 log = logging.getLogger(__name__)
 
@@ -106,8 +110,8 @@ def default_matmul_form(device: str) -> str:
             raise BackendUnavailable(f"{MATMUL_FORM_ENV} must be one of {', '.join(MATMUL_FORMS)}, got {forced!r}")
         available = _FORM_AVAILABLE.get(forced)
         if available is not None and (device != "cpu" or not available()):
-            raise BackendUnavailable(f"{MATMUL_FORM_ENV}={forced} needs fbgemm's kernels on the CPU; device {device!r}, "
-                                     f"kernels present: {available()}")
+            raise BackendUnavailable(f"{MATMUL_FORM_ENV}={forced} needs fbgemm's kernels on the CPU; device "
+                                     f"{device!r}, kernels present: {available()}")
         return forced
     if device == "cpu":
         # fp16 weights keep llama.cpp's accuracy (int8 per-row does not: see the README); without fbgemm, f32
