@@ -112,6 +112,27 @@ def test_gemma3_teacher_forced_clears_the_bar(gemma3_path, gemma3_ref, score) ->
         assert_greedy_matches(model, record, generated)
 
 
+def test_gemma3_long_prompt_crosses_the_sliding_window(gemma3_path, gemma3_ref, score) -> None:
+    """The 1,196-token prompt, past the 512-token window, in batches of 512 scored slice by slice (Gemma's
+    262k-row head makes the whole logits matrix 1.25 GB)."""
+    from test_gemma3 import combine_scores
+
+    record = max(gemma3_ref["prompts"], key=lambda r: len(r["sequence"]))
+    sequence = record["sequence"]
+    assert len(sequence) > 2 * N_UBATCH
+    with llmfw.load_model(gemma3_path, backend="torch") as model:
+        ctx = model.new_context(n_ctx=2048, n_batch=N_UBATCH, n_ubatch=N_UBATCH, n_threads=2)
+        parts = []
+        for start in range(0, len(sequence), N_UBATCH):
+            chunk = sequence[start:start + N_UBATCH]
+            assert ctx.decode(llmfw.Batch(chunk, logits=True)) == 0, ctx.last_error
+            positions = record["positions"][start:start + len(chunk)]
+            parts.append((score({**record, "positions": positions}, ctx.get_logits()), positions))
+    result = combine_scores(parts)
+    print(f"\nGemma-3 torch long prompt ({len(sequence)} tokens): {result}")
+    assert_clears_bar(result, "Gemma-3 long prompt")
+
+
 @pytest.fixture(scope="module")
 def arch_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("arch_torch")
