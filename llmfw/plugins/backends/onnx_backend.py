@@ -40,8 +40,7 @@ from llmfw.core.backend import Backend, CompiledSplit, KVLayerShape, Split, Weig
 from llmfw.core.errors import BackendUnavailable, ModelError
 from llmfw.core.graph import OPS, Node
 from llmfw.core.quants import GGMLType, block_view, dequantize, k4_sub_block_params
-# the oracle's YaRN correction range (one definition of ggml_rope_yarn_corr_dims for the backends)
-from llmfw.plugins.backends.numpy_cpu import yarn_corr_dims
+from llmfw.core.rope import yarn_corr_dims
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +64,8 @@ MAX_SESSIONS = 16
 def import_onnxruntime() -> tuple[Any, Any]:
     """``(onnxruntime, onnx)``, imported on first use; BackendUnavailable naming the extra when missing."""
     try:
-        import onnxruntime
         import onnx
+        import onnxruntime
     except ImportError as exc:
         raise BackendUnavailable(f"the onnx backend needs onnxruntime and onnx, which are not installed ({exc}); "
                                  f"install them with: {INSTALL_HINT}") from exc

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import math
 import os
 import re
 import warnings
@@ -31,10 +30,18 @@ from typing import Any, Callable, ClassVar, Mapping
 
 import numpy as np
 
-from llmfw.core.backend import Backend, CompiledSplit, KVLayerShape, NativeValue, Split, WeightSource
+from llmfw.core.backend import (
+    Backend,
+    CompiledSplit,
+    KVLayerShape,
+    NativeValue,
+    Split,
+    WeightSource,
+)
 from llmfw.core.errors import BackendUnavailable, ModelError
 from llmfw.core.graph import OPS, Node
 from llmfw.core.quants import dequantize_rows
+from llmfw.core.rope import rope_cos_sin as host_rope_cos_sin
 
 log = logging.getLogger(__name__)
 
@@ -314,18 +321,6 @@ class TorchWeight:
 # Kernels (module-level functions bound into the generated code)
 # ---------------------------------------------------------------------------------------------------------------
 
-def rope_yarn_corr_dims(n_dims: int, n_ctx_orig: int, freq_base: float, beta_fast: float,
-                        beta_slow: float) -> tuple[float, float]:
-    """ggml_rope_yarn_corr_dims: the dimension range over which YaRN ramps from interpolation to extrapolation."""
-
-    def corr_dim(n_rot: float) -> float:
-        return n_dims * math.log(n_ctx_orig / (n_rot * 2 * math.pi)) / (2 * math.log(freq_base))
-
-    start = math.floor(corr_dim(beta_fast))
-    end = math.ceil(corr_dim(beta_slow))
-    return max(0.0, float(start)), min(float(n_dims - 1), float(end))
-
-
 @dataclass(frozen=True)
 class RopeParams:
     n_dims: int
@@ -357,27 +352,10 @@ def rope_cos_sin(pos: Any, p: RopeParams, freq_factors: Any = None) -> tuple[Any
     by several ulps).
     """
     torch = import_torch()
-    f32 = np.float32
-    half = p.n_dims // 2
-    theta_scale = f32(p.freq_base ** (-2.0 / p.n_dims))
-    positions = pos.detach().cpu().numpy().astype(f32)
-    theta_extrap = np.empty((positions.shape[0], half), dtype=f32)
-    current = positions
-    for i in range(half):
-        theta_extrap[:, i] = current
-        current = current * theta_scale
-    if freq_factors is not None:
-        theta_extrap /= freq_factors.detach().cpu().numpy().astype(f32).reshape(-1)[:half]
-    theta = f32(p.freq_scale) * theta_extrap
-    mscale = f32(p.attn_factor)
-    if p.ext_factor != 0.0:
-        low, high = rope_yarn_corr_dims(p.n_dims, p.n_ctx_orig, p.freq_base, p.beta_fast, p.beta_slow)
-        y = (np.arange(half, dtype=f32) - f32(low)) / f32(max(0.001, high - low))
-        ramp_mix = (f32(1.0) - np.clip(y, 0.0, 1.0)) * f32(p.ext_factor)
-        theta = theta * (f32(1.0) - ramp_mix) + theta_extrap * ramp_mix
-        mscale = f32(mscale * (1.0 + 0.1 * math.log(1.0 / p.freq_scale)))
-    cos = torch.from_numpy((np.cos(theta) * mscale).astype(f32))
-    sin = torch.from_numpy((np.sin(theta) * mscale).astype(f32))
+    factors = None if freq_factors is None else freq_factors.detach().cpu().numpy()
+    cos, sin = host_rope_cos_sin(pos.detach().cpu().numpy(), p.n_dims, p.freq_base, p.freq_scale, p.ext_factor,
+                                 p.attn_factor, p.beta_fast, p.beta_slow, p.n_ctx_orig, factors)
+    cos, sin = torch.from_numpy(cos), torch.from_numpy(sin)
     return cos.to(pos.device), sin.to(pos.device)
 
 
