@@ -27,7 +27,7 @@ from llmfw.core.architecture import Architecture, TensorSpec
 from llmfw.core.errors import ModelError
 from llmfw.core.graph import GraphBuilder
 from llmfw.core.hparams import HParams
-from llmfw.plugins.architectures.gemma3 import swa_layer_pattern
+from llmfw.plugins.architectures.gemma3 import gemma_layer_tensors, swa_layer_pattern
 
 #: llama.cpp's defaults for Gemma 2
 DEFAULT_SWA = 4096
@@ -75,25 +75,7 @@ class Gemma2Architecture(Architecture):
                              f"{hp.f_attn_logit_softcapping} and {hp.f_final_logit_softcapping}")
 
     def layer_tensors(self, hp: HParams, il: int) -> list[TensorSpec]:
-        n_embd, n_ff = hp.n_embd, hp.n_ff(il)
-        n_q = hp.n_embd_head_k * hp.n_head(il)
-
-        def t(name: str, ne: tuple[int, ...], usage: str = "mul_mat") -> TensorSpec:
-            return TensorSpec(f"blk.{il}.{name}", ne, il, usage=usage)
-
-        return [
-            t("attn_norm.weight", (n_embd,), "mul"),
-            t("attn_q.weight", (n_embd, n_q)),
-            t("attn_k.weight", (n_embd, hp.n_embd_k_gqa(il))),
-            t("attn_v.weight", (n_embd, hp.n_embd_v_gqa(il))),
-            t("attn_output.weight", (n_q, n_embd)),
-            t("post_attention_norm.weight", (n_embd,), "mul"),
-            t("ffn_norm.weight", (n_embd,), "mul"),
-            t("ffn_gate.weight", (n_embd, n_ff)),
-            t("ffn_up.weight", (n_embd, n_ff)),
-            t("ffn_down.weight", (n_ff, n_embd)),
-            t("post_ffw_norm.weight", (n_embd,), "mul"),
-        ]
+        return gemma_layer_tensors(hp, il, qk_norm=False)
 
     def build_graph(self, b: GraphBuilder) -> None:
         hp = b.hp

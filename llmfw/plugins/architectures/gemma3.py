@@ -72,27 +72,7 @@ class Gemma3Architecture(Architecture):
             raise ModelError(f"gemma3: every layer needs KV heads, found head_count_kv {hp.n_head_kv_arr}")
 
     def layer_tensors(self, hp: HParams, il: int) -> list[TensorSpec]:
-        n_embd, n_ff, head_dim = hp.n_embd, hp.n_ff(il), hp.n_embd_head_k
-        n_q = head_dim * hp.n_head(il)
-
-        def t(name: str, ne: tuple[int, ...], usage: str = "mul_mat") -> TensorSpec:
-            return TensorSpec(f"blk.{il}.{name}", ne, il, usage=usage)
-
-        return [
-            t("attn_norm.weight", (n_embd,), "mul"),
-            t("attn_q.weight", (n_embd, n_q)),
-            t("attn_k.weight", (n_embd, hp.n_embd_k_gqa(il))),
-            t("attn_v.weight", (n_embd, hp.n_embd_v_gqa(il))),
-            t("attn_q_norm.weight", (head_dim,), "mul"),
-            t("attn_k_norm.weight", (head_dim,), "mul"),
-            t("attn_output.weight", (n_q, n_embd)),
-            t("post_attention_norm.weight", (n_embd,), "mul"),
-            t("ffn_norm.weight", (n_embd,), "mul"),
-            t("ffn_gate.weight", (n_embd, n_ff)),
-            t("ffn_up.weight", (n_embd, n_ff)),
-            t("ffn_down.weight", (n_ff, n_embd)),
-            t("post_ffw_norm.weight", (n_embd,), "mul"),
-        ]
+        return gemma_layer_tensors(hp, il, qk_norm=True)
 
     def build_graph(self, b: GraphBuilder) -> None:
         hp = b.hp
@@ -115,3 +95,29 @@ class Gemma3Architecture(Architecture):
             h = b.build_ffn(b.build_norm(x, f"{p}.ffn_norm.weight"), act="gelu")
             x = b.op("add", b.build_norm(h, f"{p}.post_ffw_norm.weight"), x)
         b.build_output(x)
+
+
+def gemma_layer_tensors(hp: HParams, il: int, *, qk_norm: bool) -> list[TensorSpec]:
+    """One Gemma layer: pre- and post-norms around attention and the gated FFN (Gemma 2 and 3);
+    Gemma 3 adds per-head q/k RMS norms."""
+    n_embd, n_ff, head_dim = hp.n_embd, hp.n_ff(il), hp.n_embd_head_k
+    n_q = head_dim * hp.n_head(il)
+
+    def t(name: str, ne: tuple[int, ...], usage: str = "mul_mat") -> TensorSpec:
+        return TensorSpec(f"blk.{il}.{name}", ne, il, usage=usage)
+
+    qk_norms = [t("attn_q_norm.weight", (head_dim,), "mul"), t("attn_k_norm.weight", (head_dim,), "mul")]
+    return [
+        t("attn_norm.weight", (n_embd,), "mul"),
+        t("attn_q.weight", (n_embd, n_q)),
+        t("attn_k.weight", (n_embd, hp.n_embd_k_gqa(il))),
+        t("attn_v.weight", (n_embd, hp.n_embd_v_gqa(il))),
+        *(qk_norms if qk_norm else []),
+        t("attn_output.weight", (n_q, n_embd)),
+        t("post_attention_norm.weight", (n_embd,), "mul"),
+        t("ffn_norm.weight", (n_embd,), "mul"),
+        t("ffn_gate.weight", (n_embd, n_ff)),
+        t("ffn_up.weight", (n_embd, n_ff)),
+        t("ffn_down.weight", (n_ff, n_embd)),
+        t("post_ffw_norm.weight", (n_embd,), "mul"),
+    ]
