@@ -52,6 +52,9 @@ from llmfw.plugins.backends.numpy_cpu import (
     NumpyKV,
     Step,
     _SplitCompiler,
+    group_queries,
+    masked_exp,
+    ungroup_heads,
     visible_limits,
 )
 
@@ -242,27 +245,15 @@ def ggml_attention(q: np.ndarray, kv: NumpyKV, mask: np.ndarray, scale: float, s
 
 def _ggml_attention_block(q: np.ndarray, kv: NumpyKV, n_cols: int, mask: np.ndarray, scale: float,
                           softcap: float, f16_inputs: bool) -> np.ndarray:
-    n_tokens, n_head, head_dim = q.shape
-    n_head_kv = kv.k.shape[0]
-    group = n_head // n_head_kv
-    qg = q.reshape(n_tokens, n_head_kv, group, head_dim).transpose(1, 2, 0, 3).reshape(
-        n_head_kv, group * n_tokens, head_dim)
-    scores = np.matmul(qg, kv.k[:, :n_cols].transpose(0, 2, 1))  # [Hkv, G*t, n]
+    n_tokens = q.shape[0]
+    scores = np.matmul(group_queries(q, kv.k.shape[0]), kv.k[:, :n_cols].transpose(0, 2, 1))  # [Hkv, G*t, n]
     scores *= F32(scale)  # soft_max_ext's scale, after the f16 product
-    if softcap:
-        scores /= F32(softcap)
-        np.tanh(scores, out=scores)
-        scores *= F32(softcap)
-    scores4 = scores.reshape(n_head_kv, group, n_tokens, n_cols)
-    scores4 += mask[:, :n_cols]
-    scores4 -= scores4.max(axis=-1, keepdims=True)
-    np.exp(scores, out=scores)
+    masked_exp(scores, mask[:, :n_cols], softcap, n_tokens)
     # ggml_vec_soft_max_f32 sums in double and scales the row by float(1/sum) before the f16 conversion
     inverse = (1.0 / scores.sum(axis=-1, keepdims=True, dtype=np.float64)).astype(F32)
     scores *= inverse
     probs = round_f16(scores) if f16_inputs else scores
-    out = np.matmul(probs, kv.v[:, :n_cols])  # [Hkv, G*t, Dv]
-    return out.reshape(n_head_kv, group, n_tokens, -1).transpose(2, 0, 1, 3).reshape(n_tokens, -1)
+    return ungroup_heads(np.matmul(probs, kv.v[:, :n_cols]), n_tokens)  # [Hkv, G*t, Dv] -> [t, H*Dv]
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -212,34 +212,47 @@ def attention(q: np.ndarray, kv: NumpyKV, n_kv: int, mask: np.ndarray, scale: fl
 
 def _attention_block(q: np.ndarray, kv: NumpyKV, n_cols: int, mask: np.ndarray, softcap: float) -> np.ndarray:
     """Attention of the (already scaled) query rows ``q`` [t, H, Dk] over cache cells ``0..n_cols-1`` → [t, H*Dv]."""
+    n_tokens, n_head, _ = q.shape
+    qg = group_queries(q, kv.k.shape[0])
+    scores = np.matmul(qg, kv.k[:, :n_cols].transpose(0, 2, 1))  # [Hkv, G*t, n]
+    masked_exp(scores, mask[:, :n_cols], softcap, n_tokens)
+    denominators = scores.sum(axis=-1, keepdims=True)
+    out = np.matmul(scores, kv.v[:, :n_cols])  # [Hkv, G*t, Dv]
+    out /= denominators  # normalise after the product: Dv columns instead of n_kv
+    return ungroup_heads(out, n_tokens)
+
+
+def group_queries(q: np.ndarray, n_head_kv: int) -> np.ndarray:
+    """[t, H, D] → [Hkv, G*t, D]: each KV head becomes one matmul over all its query heads and tokens (a free
+    reshape for one token)."""
     n_tokens, n_head, head_dim = q.shape
-    n_head_kv = kv.k.shape[0]
     group = n_head // n_head_kv
-    keys = kv.k[:, :n_cols]  # [Hkv, n, Dk]
-    values = kv.v[:, :n_cols]  # [Hkv, n, Dv]
-    # [t, H, D] -> [Hkv, G*t, D] so each KV head is one matmul over all its query heads and tokens (a free
-    # reshape for one token)
     if n_tokens == 1:
-        qg = q.reshape(n_head_kv, group, head_dim)
-    else:
-        qg = q.reshape(n_tokens, n_head_kv, group, head_dim).transpose(1, 2, 0, 3).reshape(
-            n_head_kv, group * n_tokens, head_dim)
-    scores = np.matmul(qg, keys.transpose(0, 2, 1))  # [Hkv, G*t, n]
+        return q.reshape(n_head_kv, group, head_dim)
+    return q.reshape(n_tokens, n_head_kv, group, head_dim).transpose(1, 2, 0, 3).reshape(
+        n_head_kv, group * n_tokens, head_dim)
+
+
+def ungroup_heads(out: np.ndarray, n_tokens: int) -> np.ndarray:
+    """[Hkv, G*t, Dv] → [t, H*Dv], the inverse of :func:`group_queries`."""
+    n_head_kv, rows, dv = out.shape
+    if n_tokens == 1:
+        return out.reshape(1, n_head_kv * rows * dv)
+    return out.reshape(n_head_kv, rows // n_tokens, n_tokens, dv).transpose(2, 0, 1, 3).reshape(n_tokens, -1)
+
+
+def masked_exp(scores: np.ndarray, mask: np.ndarray, softcap: float, n_tokens: int) -> None:
+    """In place: ``exp(softcap(scores) + mask - rowmax)`` — the unnormalised softmax of grouped scores
+    [Hkv, G*t, n] under the mask [t, n]."""
     if softcap:
         scores /= F32(softcap)
         np.tanh(scores, out=scores)
         scores *= F32(softcap)
-    scores4 = scores.reshape(n_head_kv, group, n_tokens, n_cols)
-    scores4 += mask[:, :n_cols]
+    n_head_kv, rows, n_cols = scores.shape
+    scores4 = scores.reshape(n_head_kv, rows // n_tokens, n_tokens, n_cols)
+    scores4 += mask
     scores4 -= scores4.max(axis=-1, keepdims=True)
     np.exp(scores, out=scores)
-    denominators = scores.sum(axis=-1, keepdims=True)
-    out = np.matmul(scores, values)  # [Hkv, G*t, Dv]
-    out /= denominators  # normalise after the product: Dv columns instead of n_kv
-    dv = values.shape[-1]
-    if n_tokens == 1:
-        return out.reshape(1, n_head * dv)
-    return out.reshape(n_head_kv, group, n_tokens, dv).transpose(2, 0, 1, 3).reshape(n_tokens, n_head * dv)
 
 
 def write_kv(kv: NumpyKV, k: np.ndarray, v: np.ndarray, idx: np.ndarray) -> None:
