@@ -35,7 +35,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Literal, Mapping
 
 import numpy as np
 
@@ -88,16 +88,26 @@ class RopeParams:
 
     n_dims: int
     mode: str  # "norm" | "neox"
-    freq_base: float
-    freq_scale: float
-    ext_factor: float
-    attn_factor: float
-    beta_fast: float
-    beta_slow: float
-    n_ctx_orig: int
+    freq_base: float = 10000.0
+    freq_scale: float = 1.0
+    ext_factor: float = 0.0
+    attn_factor: float = 1.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    n_ctx_orig: int = 0
 
     def attrs(self) -> dict[str, Any]:
         return dict(self.__dict__)
+
+    @classmethod
+    def from_attrs(cls, attrs: Mapping[str, Any]) -> "RopeParams":
+        """The parameters of a ``rope`` (or ``k_shift``) node; other attributes are ignored."""
+        known = {k: attrs[k] for k in cls.__dataclass_fields__ if k in attrs}
+        mode = str(known.get("mode", "norm")).lower()
+        if mode not in ("norm", "neox"):
+            raise ModelError(f"rope mode must be 'norm' or 'neox', got {mode!r}")
+        known["mode"] = mode
+        return cls(**known)
 
 
 class Architecture(ABC):

@@ -30,6 +30,7 @@ from typing import Any, Callable, ClassVar, Mapping
 
 import numpy as np
 
+from llmfw.core.architecture import RopeParams
 from llmfw.core.backend import (
     Backend,
     CompiledSplit,
@@ -320,28 +321,6 @@ class TorchWeight:
 # ---------------------------------------------------------------------------------------------------------------
 # Kernels (module-level functions bound into the generated code)
 # ---------------------------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class RopeParams:
-    n_dims: int
-    mode: str
-    freq_base: float = 10000.0
-    freq_scale: float = 1.0
-    ext_factor: float = 0.0
-    attn_factor: float = 1.0
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    n_ctx_orig: int = 0
-
-    @classmethod
-    def from_attrs(cls, attrs: Mapping[str, Any]) -> "RopeParams":
-        known = {k: attrs[k] for k in cls.__dataclass_fields__ if k in attrs}
-        mode = str(known.get("mode", "norm")).lower()
-        if mode not in ("norm", "neox"):
-            raise ModelError(f"rope mode must be 'norm' or 'neox', got {mode!r}")
-        known["mode"] = mode
-        return cls(**known)
-
 
 def rope_cos_sin(pos: Any, p: RopeParams, freq_factors: Any = None) -> tuple[Any, Any]:
     """cos and sin [T, n_dims/2] of ggml_rope_ext's angles (YaRN ramp, freq factors, attention factor).
