@@ -27,7 +27,7 @@ from llmfw.core.architecture import Architecture, TensorSpec
 from llmfw.core.errors import ModelError
 from llmfw.core.graph import GraphBuilder
 from llmfw.core.hparams import HParams
-from llmfw.plugins.architectures.gemma3 import gemma_layer_tensors, swa_layer_pattern
+from llmfw.plugins.architectures.gemma3 import gemma_layer_tensors, gemma_post_attention, swa_layer_pattern
 
 #: llama.cpp's defaults for Gemma 2
 DEFAULT_SWA = 4096
@@ -87,9 +87,5 @@ class Gemma2Architecture(Architecture):
             q, k = b.build_rope(q), b.build_rope(k)
             # llama.cpp scales q, then soft-caps the scores and attends with scale 1: the same numbers
             h = b.build_attn(q, k, v, kq_scale=hp.f_attention_scale, softcap=hp.f_attn_logit_softcapping)
-            if il == hp.n_layer - 1:
-                h, residual = b.select_outputs(h, residual)
-            x = b.op("add", b.build_norm(h, f"{p}.post_attention_norm.weight"), residual)
-            h = b.build_ffn(b.build_norm(x, f"{p}.ffn_norm.weight"), act="gelu")
-            x = b.op("add", b.build_norm(h, f"{p}.post_ffw_norm.weight"), x)
+            x = gemma_post_attention(b, il, h, residual)
         b.build_output(x)

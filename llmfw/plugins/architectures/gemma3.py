@@ -26,7 +26,7 @@ from typing import Any
 
 from llmfw.core.architecture import Architecture, TensorSpec
 from llmfw.core.errors import ModelError
-from llmfw.core.graph import GraphBuilder
+from llmfw.core.graph import GraphBuilder, Node
 from llmfw.core.hparams import HParams
 
 #: every SWA_PATTERN-th layer is global (llama.cpp's ``hparams.set_swa_pattern(6)``)
@@ -89,11 +89,7 @@ class Gemma3Architecture(Architecture):
             k = b.build_rope(b.build_norm(k, f"{p}.attn_k_norm.weight"))
             # llama.cpp scales q by f_attention_scale and attends with scale 1: the same product
             h = b.build_attn(q, k, v, kq_scale=hp.f_attention_scale, softcap=0.0)
-            if il == hp.n_layer - 1:
-                h, residual = b.select_outputs(h, residual)
-            x = b.op("add", b.build_norm(h, f"{p}.post_attention_norm.weight"), residual)
-            h = b.build_ffn(b.build_norm(x, f"{p}.ffn_norm.weight"), act="gelu")
-            x = b.op("add", b.build_norm(h, f"{p}.post_ffw_norm.weight"), x)
+            x = gemma_post_attention(b, il, h, residual)
         b.build_output(x)
 
 
@@ -121,3 +117,14 @@ def gemma_layer_tensors(hp: HParams, il: int, *, qk_norm: bool) -> list[TensorSp
         t("ffn_down.weight", (n_ff, n_embd)),
         t("post_ffw_norm.weight", (n_embd,), "mul"),
     ]
+
+
+def gemma_post_attention(b: GraphBuilder, il: int, h: Node, residual: Node) -> Node:
+    """The rest of a Gemma layer after attention (Gemma 2 and 3): post-attention norm and residual, then the
+    normed GELU FFN with its post-norm and residual; the last layer keeps only the output rows first."""
+    p = f"blk.{il}"
+    if il == b.hp.n_layer - 1:
+        h, residual = b.select_outputs(h, residual)
+    x = b.op("add", b.build_norm(h, f"{p}.post_attention_norm.weight"), residual)
+    h = b.build_ffn(b.build_norm(x, f"{p}.ffn_norm.weight"), act="gelu")
+    return b.op("add", b.build_norm(h, f"{p}.post_ffw_norm.weight"), x)
