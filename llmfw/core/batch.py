@@ -56,8 +56,23 @@ class Batch:
         return f"Batch({self.n_tokens} {kind})"
 
 
+class _TokenRows:
+    """Counts shared by allocated batches and ubatches (both have ``pos`` and ``output`` per token)."""
+
+    pos: np.ndarray
+    output: np.ndarray
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.pos.shape[0])
+
+    @property
+    def n_outputs(self) -> int:
+        return int(np.count_nonzero(self.output))
+
+
 @dataclass
-class AllocatedBatch:
+class AllocatedBatch(_TokenRows):
     """A validated batch with everything filled in."""
 
     tokens: np.ndarray | None  # int32 [T]
@@ -68,17 +83,9 @@ class AllocatedBatch:
     seq_bits: np.ndarray  # uint64 [T]
     output: np.ndarray  # bool [T]
 
-    @property
-    def n_tokens(self) -> int:
-        return int(self.pos.shape[0])
-
-    @property
-    def n_outputs(self) -> int:
-        return int(np.count_nonzero(self.output))
-
 
 @dataclass
-class UBatch:
+class UBatch(_TokenRows):
     """A slice of an allocated batch processed by one graph evaluation."""
 
     start: int  # index of the first token in the batch
@@ -88,14 +95,6 @@ class UBatch:
     seq_first: np.ndarray
     seq_bits: np.ndarray
     output: np.ndarray
-
-    @property
-    def n_tokens(self) -> int:
-        return int(self.pos.shape[0])
-
-    @property
-    def n_outputs(self) -> int:
-        return int(np.count_nonzero(self.output))
 
     @property
     def out_ids(self) -> np.ndarray:
