@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from llmfw.cli import cli
-from llmfw.commands.bench import format_table, llama_cpp_script
+from llmfw.commands.bench import PEERS, format_table, peer_script
 
 TINY = ["-p", "16", "-n", "4", "-r", "1"]
 
@@ -64,18 +64,29 @@ def test_bench_table_with_a_reference_has_ratios() -> None:
     assert "llama.cpp llama-cpp-python: load 0.10 s" in table
 
 
-def test_llama_cpp_script_is_self_contained() -> None:
+@pytest.mark.parametrize("peer, import_line", [("llama_cpp", "from llama_cpp import Llama"),
+                                                 ("transformers", "from transformers import AutoModelForCausalLM")])
+def test_peer_scripts_are_self_contained(peer: str, import_line: str) -> None:
     """The script for the other interpreter must compile and must not import llmfw."""
-    source = llama_cpp_script()
-    compile(source, "<llama.cpp bench>", "exec")
-    assert "llmfw" not in source and "from llama_cpp import Llama" in source
+    source = peer_script(PEERS[peer])
+    compile(source, f"<{peer} bench>", "exec")
+    assert "llmfw" not in source and import_line in source
 
 
-def test_compare_with_an_interpreter_without_llama_cpp_is_a_clear_error(smollm2_path) -> None:
-    result = CliRunner().invoke(cli, ["bench", str(smollm2_path), *TINY, "--backend", "numpy",
-                                      "--compare-llama-cpp", sys.executable])
+@pytest.mark.parametrize("option, module", [("--compare-llama-cpp", "llama_cpp"),
+                                            ("--compare-transformers", "transformers")])
+def test_compare_with_an_interpreter_without_the_peer_is_a_clear_error(smollm2_path, option: str,
+                                                                      module: str) -> None:
+    try:
+        __import__(module)
+    except ImportError:
+        pass
+    else:
+        pytest.skip(f"this interpreter has {module}")
+    result = CliRunner().invoke(cli, ["bench", str(smollm2_path), *TINY, "--backend", "numpy", option,
+                                      sys.executable])
     assert result.exit_code != 0
-    assert "cannot import llama_cpp" in str(result.exception)
+    assert f"cannot import {module}" in str(result.exception) and option in str(result.exception)
 
 
 def test_bad_options_are_usage_errors(smollm2_path) -> None:
@@ -92,3 +103,12 @@ def test_compare_with_llama_cpp(smollm2_path) -> None:
     reference = json.loads(result.stdout)["llama_cpp"]
     assert reference["engine"] == "llama.cpp" and set(reference["tests"]) == {"pp16", "tg4"}
     assert reference["tests"]["tg4"]["tps_median"] > 0
+
+
+@pytest.mark.skipif(not os.environ.get("LLMFW_TRANSFORMERS_PYTHON"),
+                    reason="set LLMFW_TRANSFORMERS_PYTHON to an interpreter with transformers, torch and gguf")
+def test_compare_with_transformers(smollm2_path) -> None:
+    result = invoke(str(smollm2_path), *TINY, "--backend", "numpy",
+                    "--compare-transformers", os.environ["LLMFW_TRANSFORMERS_PYTHON"])
+    assert result.exit_code == 0, result.output
+    assert "| transformers | transformers " in result.stdout and " f32 | 2 | tg4 |" in result.stdout

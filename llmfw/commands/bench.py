@@ -1,4 +1,5 @@
-"""`llmfw bench MODEL`: llama-bench's tests on llmfw's backends, optionally side by side with llama.cpp.
+"""`llmfw bench MODEL`: llama-bench's tests on llmfw's backends, optionally side by side with llama.cpp and
+transformers.
 
 * ``pp`` (prompt processing): one batch of ``-p`` random tokens decoded from an empty cache, logits for the last
   token only; ``tg`` (text generation): ``-n`` one-token decodes from an empty cache. Both after a warm-up run,
@@ -8,7 +9,9 @@
   and the graph builds / reuses of each test.
 * Each backend runs in a fresh worker process (``python -m llmfw.commands.bench --worker``), so its memory and
   thread settings are its own; ``--compare-llama-cpp PYTHON`` runs the same tests through llama-cpp-python in
-  that interpreter (a subprocess given a script; llmfw never imports ``llama_cpp``) and adds the ratios.
+  that interpreter (a subprocess given a script; llmfw never imports ``llama_cpp``) and adds the ratios;
+  ``--compare-transformers PYTHON`` does the same with Hugging Face transformers in float32 (the peer the
+  numpy backend's speed target is stated against), so every figure of a comparison comes from one run.
 """
 from __future__ import annotations
 
@@ -205,11 +208,11 @@ def _run_json(cmd: list[str], env: dict[str, str] | None, what: str) -> dict[str
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# llama.cpp through llama-cpp-python, in another interpreter
+# peers in other interpreters: llama.cpp (llama-cpp-python) and Hugging Face transformers
 # ---------------------------------------------------------------------------------------------------------------
 
-#: run by ``PYTHON -c`` with the params JSON as argv[1]; it defines the same measurements from source text so
-#: that the other interpreter needs nothing from llmfw
+#: run by ``PYTHON -c`` with the params JSON as argv[1]; each peer script defines the same measurements from
+#: source text so that the other interpreter needs nothing from llmfw
 LLAMA_CPP_SCRIPT = r'''
 import json, os, resource, statistics, sys, time
 from typing import Any
@@ -245,29 +248,91 @@ print(json.dumps({{"engine": "llama.cpp", "backend": "llama-cpp-python " + __ver
                   "rss_peak": peak_rss(), "tests": tests}}))
 '''
 
+#: transformers loads the GGUF file itself (dequantized to float32, its GGUF support needs the ``gguf``
+#: package), pp is one forward over the prompt, tg one-token forwards on its KV cache, both from an empty cache
+TRANSFORMERS_SCRIPT = r'''
+import json, os, resource, statistics, sys, time
+from typing import Any
+import numpy as np
+import torch
+import transformers
+from transformers import AutoModelForCausalLM
+p = json.loads(sys.argv[1])
+{helpers}
+torch.set_num_threads(p["n_threads"])
+rss_base = current_rss()
+start = time.perf_counter()
+folder, name = os.path.split(os.path.abspath(p["model"]))
+model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+load_s = time.perf_counter() - start
+rss_loaded = current_rss()
+ids = torch.tensor([random_tokens(model.config.vocab_size, max(p["n_prompt"], p["n_gen"]))])
+def timed(run_once):
+    run_once()
+    seconds = []
+    for _ in range(p["repetitions"]):
+        t = time.perf_counter(); run_once(); seconds.append(time.perf_counter() - t)
+    return seconds
+tests = {{}}
+with torch.inference_mode():
+    if p["n_prompt"]:
+        prompt = ids[:, :p["n_prompt"]]
+        tests["pp%d" % p["n_prompt"]] = summarize(p["n_prompt"], timed(
+            lambda: model(prompt, use_cache=True, logits_to_keep=1)))
+    if p["n_gen"]:
+        def generate():
+            cache = None
+            for i in range(p["n_gen"]):
+                cache = model(ids[:, i:i + 1], past_key_values=cache, use_cache=True, logits_to_keep=1).past_key_values
+        tests["tg%d" % p["n_gen"]] = summarize(p["n_gen"], timed(generate))
+print(json.dumps({{"engine": "transformers", "backend": "transformers " + transformers.__version__ + " f32",
+                  "model": p["model"], "n_threads": p["n_threads"], "load_s": load_s, "rss_base": rss_base,
+                  "rss_after_load": rss_loaded, "rss_peak": peak_rss(), "tests": tests}}))
+'''
 
-def llama_cpp_script() -> str:
+
+class Peer(BaseModel):
+    """An engine measured in another interpreter: its option, the module that interpreter must import, the
+    script it runs."""
+
+    name: str
+    option: str
+    module: str
+    package: str
+    script: str
+
+
+PEERS = {
+    "llama_cpp": Peer(name="llama.cpp", option="--compare-llama-cpp", module="llama_cpp",
+                      package="llama-cpp-python", script=LLAMA_CPP_SCRIPT),
+    "transformers": Peer(name="transformers", option="--compare-transformers", module="transformers",
+                         package="transformers, torch and gguf", script=TRANSFORMERS_SCRIPT),
+}
+
+
+def peer_script(peer: Peer) -> str:
+    """The peer's script with the measuring helpers pasted in as source text."""
     import inspect
 
     helpers = "\n".join(inspect.getsource(f) for f in (current_rss, peak_rss, summarize, random_tokens))
     helpers = helpers.replace("    import numpy as np\n\n", "")
-    return LLAMA_CPP_SCRIPT.format(helpers=f"TOKEN_SEED = {TOKEN_SEED}\n{helpers}")
+    return peer.script.format(helpers=f"TOKEN_SEED = {TOKEN_SEED}\n{helpers}")
 
 
-def check_llama_cpp(python: str) -> None:
-    """ConfigError unless ``python`` runs and imports llama_cpp (checked before any benchmark starts)."""
+def check_peer(peer: Peer, python: str) -> None:
+    """ConfigError unless ``python`` runs and imports the peer's module (checked before any benchmark starts)."""
     try:
-        probe = subprocess.run([python, "-c", "import llama_cpp"], capture_output=True, text=True)
+        probe = subprocess.run([python, "-c", f"import {peer.module}"], capture_output=True, text=True)
     except OSError as exc:
-        raise ConfigError(f"--compare-llama-cpp: cannot run {python!r}: {exc}") from exc
+        raise ConfigError(f"{peer.option}: cannot run {python!r}: {exc}") from exc
     if probe.returncode != 0:
         tail = (probe.stderr.strip().splitlines() or ["(no message)"])[-1]
-        raise ConfigError(f"--compare-llama-cpp: {python!r} cannot import llama_cpp ({tail}); give an interpreter "
-                          f"with llama-cpp-python installed")
+        raise ConfigError(f"{peer.option}: {python!r} cannot import {peer.module} ({tail}); give an interpreter "
+                          f"with {peer.package} installed")
 
 
-def bench_llama_cpp(python: str, params: BenchParams) -> dict[str, Any]:
-    return _run_json([python, "-c", llama_cpp_script(), params.model_dump_json()], None, "llama.cpp benchmark")
+def bench_peer(peer: Peer, python: str, params: BenchParams) -> dict[str, Any]:
+    return _run_json([python, "-c", peer_script(peer), params.model_dump_json()], None, f"{peer.name} benchmark")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -338,32 +403,42 @@ def _split_backends(values: tuple[str, ...]) -> list[str]:
               help="CPU threads (llmfw and llama.cpp alike).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
 @click.option("--compare-llama-cpp", "llama_python", default=None, metavar="PYTHON",
-              help="Also run the tests on llama.cpp through llama-cpp-python in this interpreter.")
+              help="Also run the tests on llama.cpp through llama-cpp-python in this interpreter; the table shows "
+                   "every engine's ratio to it.")
+@click.option("--compare-transformers", "transformers_python", default=None, metavar="PYTHON",
+              help="Also run the tests on Hugging Face transformers (float32, loading the GGUF itself) in this "
+                   "interpreter.")
 @click.option("-v", "--verbose", is_flag=True, help="Log loading, placement and op fallbacks to stderr.")
 def bench(model: str, n_prompt: int, n_gen: int, repetitions: int, n_ubatch: int, backends: tuple[str, ...],
-          n_threads: int, as_json: bool, llama_python: str | None, verbose: bool) -> None:
+          n_threads: int, as_json: bool, llama_python: str | None, transformers_python: str | None,
+          verbose: bool) -> None:
     """Benchmark prompt processing (pp) and generation (tg) like llama-bench."""
     from llmfw.core.model import resolve_model_path
 
     path = str(resolve_model_path(model))
     params = BenchParams(model=path, n_prompt=n_prompt, n_gen=n_gen, repetitions=repetitions, n_threads=n_threads,
                          n_ubatch=n_ubatch)
-    if llama_python:
-        check_llama_cpp(llama_python)
+    peers = {key: python for key, python in (("transformers", transformers_python), ("llama_cpp", llama_python))
+             if python}
+    for key, python in peers.items():
+        check_peer(PEERS[key], python)
     records = []
     for backend in _split_backends(backends):
         if not as_json:
             click.echo(f"benchmarking llmfw backend {backend} ...", err=True)
         records.append(run_worker(params, backend, verbose))
-    reference = None
-    if llama_python:
+    measured: dict[str, Any] = {}
+    for key, python in peers.items():
         if not as_json:
-            click.echo("benchmarking llama.cpp ...", err=True)
-        reference = bench_llama_cpp(llama_python, params)
+            click.echo(f"benchmarking {PEERS[key].name} ...", err=True)
+        measured[key] = bench_peer(PEERS[key], python, params)
     if as_json:
-        click.echo(json.dumps({"params": params.model_dump(), "llmfw": records, "llama_cpp": reference}, indent=2))
+        click.echo(json.dumps({"params": params.model_dump(), "llmfw": records,
+                               "llama_cpp": measured.get("llama_cpp"), "transformers": measured.get("transformers")},
+                              indent=2))
     else:
-        click.echo(format_table(records, reference))
+        others = [measured["transformers"]] if "transformers" in measured else []
+        click.echo(format_table(records + others, measured.get("llama_cpp")))
     failed = [r for r in records if "error" in r]
     if failed:
         raise LLMFWError("; ".join(f"backend {r['backend']}: {r['error']}" for r in failed))
