@@ -312,3 +312,25 @@ def test_split_on_cuda_matches_numpy() -> None:
     expected, _ = _run_graph(oracle.NumpyBackend(), graph, steps)
     got, _ = _run_graph(tb.TorchBackend("cuda"), graph, steps)
     assert np.max(np.abs(got[0] - expected[0])) <= 0.05 * max(1.0, np.max(np.abs(expected[0])))
+
+
+SPIN_PROBE = ("import os; from llmfw.plugins.backends.torch_backend import import_torch; import_torch(); "
+              "print(os.environ.get('OMP_WAIT_POLICY'))")
+
+
+@pytest.mark.parametrize("spin, preset, expected", [("0", None, "PASSIVE"), ("1", None, "None"), (None, None, "None"),
+                                                    ("0", "ACTIVE", "ACTIVE")])
+def test_spin_setting_reaches_openmp_before_torch_loads(spin: str | None, preset: str | None,
+                                                        expected: str) -> None:
+    """LLMFW_TORCH_SPIN=0 sets OpenMP's passive wait policy in a fresh process before torch is imported; an
+    explicit OMP_WAIT_POLICY is left alone."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k not in ("LLMFW_TORCH_SPIN", "OMP_WAIT_POLICY")}
+    if spin is not None:
+        env["LLMFW_TORCH_SPIN"] = spin
+    if preset is not None:
+        env["OMP_WAIT_POLICY"] = preset
+    result = subprocess.run([sys.executable, "-c", SPIN_PROBE], capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == expected
