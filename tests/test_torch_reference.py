@@ -39,7 +39,8 @@ def teacher_forced(model, sequence: list[int], n_ubatch: int = N_UBATCH) -> np.n
 
 
 def greedy(model, prompt: list[int], n_tokens: int) -> tuple[list[int], object]:
-    ctx = model.new_context(n_ctx=512, n_threads=2)
+    n_ctx = max(512, len(prompt) + n_tokens)
+    ctx = model.new_context(n_ctx=n_ctx, n_batch=n_ctx, n_threads=2)
     assert ctx.decode(llmfw.Batch(prompt)) == 0, ctx.last_error
     out: list[int] = []
     for _ in range(n_tokens):
@@ -96,6 +97,27 @@ def test_smollm2_greedy_decode_reuses_its_graph(smollm2, smollm2_ref) -> None:
     assert_greedy_matches(smollm2, record, generated)
     # one graph for the prompt, one for one-token decodes (rebuilt only when the padded KV length grows)
     assert ctx.n_graph_builds <= 4 and ctx.n_graph_reuses >= len(generated) - 4
+
+
+@pytest.fixture(scope="module")
+def gemma3(gemma3_path):
+    with llmfw.load_model(gemma3_path, backend="torch") as model:
+        yield model
+
+
+@pytest.mark.parametrize("index", range(5))
+@pytest.mark.parametrize("model_name", ["smollm2", "gemma3"])
+def test_default_backend_greedy_follows_llama_cpp_on_every_prompt(request, model_name: str, index: int) -> None:
+    """The default backend's greedy continuation of every reference prompt equals llama.cpp's up to one of its
+    close calls (measured: SmolLM2 parts at reference gaps 0.33 / - / 0.275 / 0.035 / 0.051, Gemma-3 at 0.114 / - /
+    0.087 / 0.049 / 0.16 — llama.cpp 0.3.36 rebuilt here parts from the reference at that same 0.16 token too,
+    see benchmarks/llama_cpp_vs_reference.py)."""
+    model = request.getfixturevalue(model_name)
+    record = request.getfixturevalue(f"{model_name}_ref")["prompts"][index]
+    expected = record["sequence"][len(record["prompt_ids"]):]
+    generated, ctx = greedy(model, record["prompt_ids"], len(expected))
+    ctx.close()
+    assert_greedy_matches(model, record, generated)
 
 
 def test_gemma3_teacher_forced_clears_the_bar(gemma3_path, gemma3_ref, score) -> None:
