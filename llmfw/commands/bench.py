@@ -398,9 +398,9 @@ def _split_backends(values: tuple[str, ...]) -> list[str]:
               help="Physical batch size.")
 @click.option("--backend", "backends", multiple=True,
               help="Backend(s) to measure, comma-separated or repeated: numpy, torch, torch:cuda, onnx "
-                   "(default: the fastest installed).")
+                   "(default: torch when installed, else numpy).")
 @click.option("-t", "--threads", "n_threads", type=click.IntRange(min=1), default=2, show_default=True,
-              help="CPU threads (llmfw and llama.cpp alike).")
+              help="CPU threads (llmfw and the peers alike).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
 @click.option("--compare-llama-cpp", "llama_python", default=None, metavar="PYTHON",
               help="Also run the tests on llama.cpp through llama-cpp-python in this interpreter; the table shows "

@@ -31,7 +31,7 @@ class ModelParams(BaseModel):
 
     model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")
 
-    #: None = the fastest installed ("torch" when importable and working, else "numpy"); or "numpy",
+    #: None = the default backend ("torch" when importable and working, else "numpy"); or "numpy",
     #: "torch", "torch:cuda", "onnx", ...
     backend: str | None = None
     #: the last n layers go to "torch:cuda" (n > n_layer: the output head too; -1: everything), like llama.cpp
