@@ -55,7 +55,7 @@ from llmfw.plugins.backends.numpy_cpu import (
     group_queries,
     masked_exp,
     ungroup_heads,
-    visible_limits,
+    write_kv,
 )
 
 F16 = np.float16
@@ -323,34 +323,20 @@ class _GgmlSplitCompiler(_SplitCompiler):
 
         return step
 
-    def _op_attention(self, node, ins, out) -> Step:
-        q_slot, k_slot, v_slot, idx_slot, mask_slot = ins
-        storage: NumpyKV = self.kv[(node.attrs["cache"], node.attrs["layer"])]
-        scale, softcap = float(node.attrs["scale"]), float(node.attrs.get("softcap", 0.0) or 0.0)
-        env, memo = self.env, self.memo
-        f16_kv, f16_attention = self.backend.f16_kv_cache, self.backend.f16_attention
-        key = ("attn_limits", mask_slot)
+    def _write_kv(self, storage: NumpyKV, k: np.ndarray, v: np.ndarray, idx: np.ndarray) -> None:
+        if self.backend.f16_kv_cache:
+            k, v = round_f16(k), round_f16(v)
+        write_kv(storage, k, v, idx)
 
-        def step():
-            k, v = env[k_slot], env[v_slot]
-            if f16_kv:
-                k, v = round_f16(k), round_f16(v)
-            idx = env[idx_slot]
-            storage.k[:, idx, :] = k.transpose(1, 0, 2)
-            storage.v[:, idx, :] = v.transpose(1, 0, 2)
-            mask = env[mask_slot]
-            limits = memo.get(key)
-            if limits is None:
-                limits = memo[key] = visible_limits(mask)
-            env[out] = ggml_attention(env[q_slot], storage, mask, scale, softcap, f16_attention, limits)
-
-        return step
+    def _attend(self, q: np.ndarray, storage: NumpyKV, mask: np.ndarray, scale: float, softcap: float,
+                limits: list[tuple[int, int, int]]) -> np.ndarray:
+        return ggml_attention(q, storage, mask, scale, softcap, self.backend.f16_attention, limits)
 
     def _op_k_shift(self, node, ins, out) -> Step:
         shift_step = super()._op_k_shift(node, ins, out)
         if not self.backend.f16_kv_cache:
             return shift_step
-        storage: NumpyKV = self.kv[(node.attrs["cache"], node.attrs["layer"])]
+        storage = self._kv_storage(node)
 
         def step():
             shift_step()  # ggml re-ropes K in float32 and stores the result back into the f16 cache

@@ -738,26 +738,38 @@ class _SplitCompiler:
 
         return step
 
+    def _kv_storage(self, node: Node) -> NumpyKV:
+        return self.kv[(node.attrs["cache"], node.attrs["layer"])]
+
+    def _write_kv(self, storage: NumpyKV, k: np.ndarray, v: np.ndarray, idx: np.ndarray) -> None:
+        """Store a ubatch's K/V rows in the cache (a subclass may round them first)."""
+        write_kv(storage, k, v, idx)
+
+    def _attend(self, q: np.ndarray, storage: NumpyKV, mask: np.ndarray, scale: float, softcap: float,
+                limits: list[tuple[int, int, int]]) -> np.ndarray:
+        """Attention of ``q`` over the cache (a subclass may use its own arithmetic)."""
+        return attention(q, storage, mask.shape[1], mask, scale, softcap, limits)
+
     def _op_attention(self, node, ins, out) -> Step:
         q_slot, k_slot, v_slot, idx_slot, mask_slot = ins
-        storage: NumpyKV = self.kv[(node.attrs["cache"], node.attrs["layer"])]
+        storage = self._kv_storage(node)
         scale, softcap = float(node.attrs["scale"]), float(node.attrs.get("softcap", 0.0) or 0.0)
-        env, memo = self.env, self.memo
+        env, memo, write, attend = self.env, self.memo, self._write_kv, self._attend
         key = ("attn_limits", mask_slot)
 
         def step():
-            write_kv(storage, env[k_slot], env[v_slot], env[idx_slot])
+            write(storage, env[k_slot], env[v_slot], env[idx_slot])
             mask = env[mask_slot]
             limits = memo.get(key)
             if limits is None:
                 limits = memo[key] = visible_limits(mask)
-            env[out] = attention(env[q_slot], storage, mask.shape[1], mask, scale, softcap, limits)
+            env[out] = attend(env[q_slot], storage, mask, scale, softcap, limits)
 
         return step
 
     def _op_k_shift(self, node, ins, out) -> Step:
         attrs = {k: v for k, v in node.attrs.items() if k not in ("layer", "cache")}
-        storage: NumpyKV = self.kv[(node.attrs["cache"], node.attrs["layer"])]
+        storage = self._kv_storage(node)
         n_dims, mode = int(attrs["n_dims"]), attrs["mode"]
         shift_slot = ins[0]
         ff_slot = ins[1] if len(ins) > 1 else None
