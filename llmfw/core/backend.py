@@ -190,6 +190,18 @@ class Backend(ABC):
         """Wait for queued work (asynchronous devices); the scheduler calls it before reading outputs."""
 
 
+def release_freed_memory() -> None:
+    """Give freed heap pages back to the OS (glibc's ``malloc_trim``; a no-op elsewhere). Backends call it after
+    converting weights: glibc keeps freed temporaries, and weights of a few MB live in the heap rather than in
+    their own mappings, so without it RSS after load would count what was already freed."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).malloc_trim(ctypes.c_size_t(0))  # the process's own symbols include the C library's
+    except (OSError, AttributeError, TypeError):  # not glibc (or no dlopen of the process): nothing to do
+        pass
+
+
 def parse_backend_spec(spec: str) -> tuple[str, str | None]:
     """``"torch:cuda:1"`` → ``("torch", "cuda:1")``; ``"numpy"`` → ``("numpy", None)``."""
     name, _, device = spec.strip().partition(":")

@@ -31,7 +31,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from llmfw.core.backend import Backend, CompiledSplit, KVLayerShape, Split, WeightSource
+from llmfw.core.backend import Backend, CompiledSplit, KVLayerShape, Split, WeightSource, release_freed_memory
 from llmfw.core.errors import ModelError
 from llmfw.core.graph import OPS, Node
 from llmfw.core.quants import GGMLType, dequantize, dequantize_rows
@@ -270,17 +270,6 @@ def get_rows(table: Any, ids: np.ndarray) -> np.ndarray:
     return np.asarray(table[ids], dtype=F32)
 
 
-def _return_freed_memory() -> None:
-    """Give freed heap pages back to the OS (glibc's ``malloc_trim``). Weights of a few MB live in the heap, not
-    in their own mappings, so freeing them alone leaves the resident size unchanged."""
-    import ctypes
-
-    try:
-        ctypes.CDLL(None).malloc_trim(ctypes.c_size_t(0))  # the process's own symbols include the C library's
-    except (OSError, AttributeError, TypeError):  # not glibc (or no dlopen of the process): nothing to do
-        pass
-
-
 def _is_stored_transposed(array: np.ndarray) -> bool:
     return array.ndim == 2 and array.T.flags.c_contiguous
 
@@ -432,7 +421,7 @@ class NumpyBackend(Backend):
         n_fused = len(self._fused)
         run = _SplitCompiler(self, split, kv).compile()
         if len(self._fused) != n_fused:
-            _return_freed_memory()  # the members' separate copies were freed
+            release_freed_memory()  # the members' separate copies were freed
         return run
 
 

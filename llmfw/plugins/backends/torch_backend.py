@@ -20,7 +20,6 @@ written in place with ``index_copy_``. torch is imported only by this module, an
 """
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import re
@@ -39,6 +38,7 @@ from llmfw.core.backend import (
     NativeValue,
     Split,
     WeightSource,
+    release_freed_memory,
 )
 from llmfw.core.errors import BackendUnavailable, ModelError
 from llmfw.core.graph import OPS, Node
@@ -762,15 +762,6 @@ KERNELS: dict[str, Callable[..., Any]] = {
 # ---------------------------------------------------------------------------------------------------------------
 # The backend
 # ---------------------------------------------------------------------------------------------------------------
-
-def release_freed_memory() -> None:
-    """Give freed heap pages back to the OS (glibc keeps them otherwise), so RSS after load reflects what is
-    kept, not the conversion's temporaries."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # pragma: no cover - not glibc
-        pass
-
 
 class TorchBackend(Backend):
     """PyTorch on ``cpu`` (default) or ``cuda[:N]``; see the module docstring."""
