@@ -144,13 +144,15 @@ def build_pipeline(opts: dict[str, Any], extra: dict[str, Any] | None = None, *,
                               overridden=frozenset(overrides))
 
 
-def load_model_with_progress(pipeline: Any, show: bool) -> Any:
-    """Resolve (pulling a catalog model if needed) and load the pipeline's model, with progress bars."""
+def load_model_with_progress(pipeline: Any, show: bool, verbose: bool = False) -> Any:
+    """Resolve (pulling a catalog model if needed; pip's output only with ``verbose``) and load the pipeline's
+    model, with progress bars."""
     from ..core.catalog import resolve_model
 
     location = pipeline.model_location()
     with ProgressBar(f"pull {location}", enabled=None if show else False) as bar:
-        path = resolve_model(location, progress=lambda done, total, what: bar.update(done / max(total, 1), what))
+        path = resolve_model(location, verbose=verbose,
+                             progress=lambda done, total, what: bar.update(done / max(total, 1), what))
     pipeline.config.model = str(path)
     with ProgressBar(f"loading {Path(path).name}", enabled=None if show else False) as bar:
         return pipeline.load_model(progress=lambda fraction: bar.update(fraction))
@@ -185,7 +187,7 @@ def run(prompt: str | None, use_chat: bool, **opts: Any) -> None:
     pipeline = build_pipeline(opts, {"chat.enabled": True} if use_chat else None)
     if prompt is None and pipeline.config.generation.prompt is None:
         raise click.UsageError("give a PROMPT (or set generation.prompt in --config)")
-    model = load_model_with_progress(pipeline, not opts["no_progress"])
+    model = load_model_with_progress(pipeline, not opts["no_progress"], verbose=opts["verbose"])
     ctx = pipeline.new_context(model)
     sampler = pipeline.make_sampler(model, context_int(ctx, "n_ctx"))
     if opts["verbose"]:

@@ -341,7 +341,8 @@ class Pipeline:
         gen = self.config.generation
         tok = self.config.tokenizer
         return generate(ctx, self.render_prompt(text, model), sampler, max_tokens=gen.max_tokens, stop=gen.stop,
-                        parse_special=tok.parse_special, add_special=tok.add_special, stats=stats)
+                        parse_special=tok.parse_special, add_special=tok.add_special, stats=stats,
+                        special=tok.special)
 
 
 def load_pipeline(path: str | Path, overrides: Mapping[str, Any] | None = None) -> Pipeline:
