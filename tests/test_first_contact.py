@@ -240,3 +240,48 @@ def test_yaml_errors_through_the_cli_name_the_file(tmp_path):
     empty = tmp_path / "empty.yaml"
     empty.write_text("")
     assert f"{empty}: the pipeline file is empty" in llmfw("run", "--config", str(empty), "hi").stderr
+
+
+def test_tokenize_counts_in_the_singular_too(smollm2_path):
+    result = llmfw("tokenize", str(smollm2_path), "Hello")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == "1 token"
+
+
+def test_the_default_follows_the_backends_declarations():
+    """The core names no backend: a plugin declaring a higher priority wins where it can run, and one that
+    cannot is skipped with its reason."""
+    from llmfw.core.backend import choose_default_backend
+    from llmfw.core.plugins import registry, reset_plugin_manager
+    from llmfw.plugins.backends.numpy_cpu import NumpyBackend
+
+    class Unavailable(NumpyBackend):
+        name = "unavailable"
+        requires = ("llmfw_no_such_library",)
+        default_priority = {"cpu": 1000}
+
+    class Preferred(NumpyBackend):
+        name = "preferred"
+        default_priority = {"cpu": 500}
+
+    reset_plugin_manager()
+    try:
+        registry("backends").register("unavailable", Unavailable)
+        registry("backends").register("preferred", Preferred)
+        choice = choose_default_backend()
+    finally:
+        reset_plugin_manager()
+    assert choice.spec == "preferred"
+    assert "priority 500" in choice.reason
+    assert "skipped unavailable: llmfw_no_such_library not installed" in choice.reason
+    assert choose_default_backend().spec in ("onnx", "torch:cuda")  # the built-ins again
+
+
+@pytest.mark.cuda
+def test_default_backend_is_torch_cuda_on_a_gpu():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from llmfw.core.backend import choose_default_backend
+
+    assert choose_default_backend().spec == "torch:cuda"
