@@ -80,6 +80,7 @@ def model_and_sampling_options(func: Callable[..., Any]) -> Callable[..., Any]:
                      callback=check_n_predict,
                      help="Tokens to generate: N >= 0, -1 = until end of generation, -2 = until the context is "
                           "full (default 256)."),
+        threads_option,
         click.option("--stop", "stop", multiple=True, help="Stop string (repeatable; never printed)."),
         click.option("-s", "--seed", type=int, default=None, help="RNG seed (-1 = random)."),
         click.option("--sampler-seq", "--samplers", "sampler_seq", default=None,
@@ -89,14 +90,15 @@ def model_and_sampling_options(func: Callable[..., Any]) -> Callable[..., Any]:
                      help="Print control tokens (<|im_start|>, <end_of_turn>...), like llama-cli --special."),
         click.option("--config", "config", type=click.Path(dir_okay=False), default=None,
                      help="YAML pipeline file; flags override it."),
-        click.option("-v", "--verbose", is_flag=True, help="Show the model, the sampler chain and parameters."),
+        click.option("-v", "--verbose", is_flag=True,
+                     help="Show the model, the backend and why, the context size, the sampler chain and parameters."),
         click.option("--no-progress", is_flag=True, help="No progress bars."),
     ]
     for flag, (_, kind, help_text) in SAMPLING_FLAGS.items():
         options.append(click.option(flag, _option_key(flag), type=kind, default=None, help=help_text))
     for option in reversed(options):
         func = option(func)
-    return threads_option(func)
+    return func
 
 
 def config_overrides(opts: dict[str, Any]) -> dict[str, Any]:
