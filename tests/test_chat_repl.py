@@ -3,6 +3,7 @@ real console script: sampling by default, readline editing and history, /help, /
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -16,10 +17,15 @@ PROMPT = "> "
 UP_ARROW = "\x1b[A"
 
 
+def default_sigint() -> None:
+    """Ctrl-C as in a terminal, however the suite was launched (a background job inherits SIGINT ignored)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def spawn_chat(model: Path, *args: str):
     child = pexpect.spawn(str(CONSOLE_SCRIPT), ["chat", "-m", str(model), "-c", "512", "--no-progress", *args],
                           cwd=str(ROOT), env=dict(os.environ, PYTHONPATH=str(ROOT)), encoding="utf-8",
-                          timeout=300, dimensions=(40, 200))
+                          timeout=300, dimensions=(40, 200), preexec_fn=default_sigint)
     return child
 
 

@@ -39,6 +39,12 @@ def llmfw(*args: str, env: dict[str, str] | None = None, timeout: int = 600) -> 
                           env=env or console_env(), timeout=timeout)
 
 
+def default_sigint() -> None:
+    """In the child: Ctrl-C as in a terminal. A shell without job control starts background jobs with SIGINT
+    ignored, and Python then leaves it ignored, so a suite launched that way would see no KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def without_modules(tmp_path: Path, *modules: str) -> Path:
     """A folder whose sitecustomize makes ``modules`` unimportable: a machine where they are not installed."""
     folder = tmp_path / f"without-{'-'.join(modules)}"
@@ -158,7 +164,8 @@ def test_one_token_is_singular(smollm2_path):
 def test_ctrl_c_during_run_prints_the_timing_line_and_exits_130(smollm2_path):
     proc = subprocess.Popen([str(CONSOLE_SCRIPT), "run", "-m", str(smollm2_path), "Count: 1, 2, 3, 4,", "-n", "-1",
                              "-c", "4096", "--no-progress"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, env=console_env())
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, env=console_env(),
+                            preexec_fn=default_sigint)
     try:
         seen = b""
         deadline = time.monotonic() + 300
