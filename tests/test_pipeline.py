@@ -148,3 +148,11 @@ def test_a_missing_model_names_the_yaml_file(tmp_path):
     flagged = Pipeline.from_dict({"model": "no-such-model.gguf"}, path, overridden=frozenset({"model"}))
     with pytest.raises(ConfigError, match=r"^model: 'no-such-model.gguf'"):
         flagged.model_location()
+
+
+def test_a_backend_the_file_names_wrongly_names_the_file(tmp_path, smollm2_path):
+    from llmfw.core.errors import UnknownBackend
+
+    path = write(tmp_path, f"model: {smollm2_path}\nbackend: numpyy\n")
+    with pytest.raises(UnknownBackend, match=rf"^{path}: backend: unknown backend 'numpyy'; known: .*numpy"):
+        load_pipeline(path).load_model()

@@ -31,7 +31,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .catalog import DEFAULT_MODEL, lookup
-from .errors import ConfigError
+from .errors import BackendUnavailable, ConfigError, UnknownBackend
 from .sampling import SamplerChain, SamplerParams, validation_problems
 
 #: YAML ``sampling`` keys named after the CLI flags (``--repeat-penalty`` -> ``repeat_penalty``) -> the
@@ -250,11 +250,12 @@ class Pipeline:
                   overridden: frozenset[str] = frozenset()) -> "Pipeline":
         return cls(validate_config(data, str(source or "<config>")), source, overridden=overridden)
 
+    def _from_file(self, key: str) -> bool:
+        return self.source is not None and key not in self.overridden
+
     def _blame(self, key: str) -> str:
         """``"p.yaml: model: "`` for a key the file set, ``"model: "`` for one a flag set."""
-        if self.source is not None and key not in self.overridden:
-            return f"{self.source}: {key}: "
-        return f"{key}: "
+        return f"{self.source}: {key}: " if self._from_file(key) else f"{key}: "
 
     # -- paths -------------------------------------------------------------------------------------------
     def _relative(self, value: str) -> Path:
@@ -295,8 +296,14 @@ class Pipeline:
             from .model import load_model
 
             cfg = self.config
-            self._model = load_model(self.model_location(), backend=cfg.backend, placement=cfg.placement,
-                                     n_gpu_layers=cfg.n_gpu_layers, load_mode=cfg.load_mode, progress=progress)
+            location = self.model_location()
+            try:
+                self._model = load_model(location, backend=cfg.backend, placement=cfg.placement,
+                                         n_gpu_layers=cfg.n_gpu_layers, load_mode=cfg.load_mode, progress=progress)
+            except (UnknownBackend, BackendUnavailable) as exc:
+                if cfg.backend is None or not self._from_file("backend"):
+                    raise
+                raise type(exc)(f"{self._blame('backend')}{exc}") from exc  # the file asked for it: say which
         return self._model
 
     def new_context(self, model: Any = None) -> Any:
