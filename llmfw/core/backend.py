@@ -302,7 +302,10 @@ def choose_default_backend() -> BackendChoice:
     skipped: list[str] = []
     for priority, name, device in _default_candidates():
         spec = name if device == "cpu" else f"{name}:{device}"
-        why_not = backend_class(name).default_unavailable_reason(device)
+        try:
+            why_not = backend_class(name).default_unavailable_reason(device)
+        except Exception as exc:  # noqa: BLE001 - one broken plugin's check must not leave no default at all
+            why_not = f"its availability check failed: {type(exc).__name__}: {exc}"
         if why_not is None:
             reason = f"the highest-priority backend usable here (priority {priority})"
             if skipped:
