@@ -271,16 +271,26 @@ def test_the_default_follows_the_backends_declarations():
         name = "preferred"
         default_priority = {"cpu": 500}
 
+    class Broken(NumpyBackend):
+        name = "broken"
+        default_priority = {"cpu": 2000}
+
+        @classmethod
+        def check_available(cls, device=None):
+            raise RuntimeError("driver exploded")
+
     reset_plugin_manager()
     try:
         registry("backends").register("unavailable", Unavailable)
         registry("backends").register("preferred", Preferred)
+        registry("backends").register("broken", Broken)
         choice = choose_default_backend()
     finally:
         reset_plugin_manager()
     assert choice.spec == "preferred"
     assert "priority 500" in choice.reason
-    assert "skipped unavailable: llmfw_no_such_library not installed" in choice.reason
+    assert "broken: its availability check failed: RuntimeError: driver exploded" in choice.reason
+    assert "unavailable: llmfw_no_such_library not installed" in choice.reason
     assert choose_default_backend().spec in ("onnx", "torch:cuda")  # the built-ins again
 
 
