@@ -143,7 +143,8 @@ def test_control_tokens_print_only_with_special(smollm2_path, tmp_path):
 def test_gemma_user_defined_tokens_print_as_llama_cpp_prints_them(gemma3_path):
     """llama.cpp's token_to_piece (llama-vocab.cpp) hides only UNKNOWN and CONTROL tokens when special is
     false; USER_DEFINED ones always print their text. Gemma-3's GGUF types <start_of_image> as USER_DEFINED
-    (token type 4) and <end_of_turn> as CONTROL (3): llama-cli prints the first and hides the second."""
+    (token type 4) and <end_of_turn> as CONTROL (3): llama-cli prints the first and hides the second (checked
+    with llama-cpp-python 0.3.36: b'<start_of_image>' and b'' with special=False; see the opt-in test below)."""
     import llmfw as lf
 
     vocab = lf.load_model(gemma3_path, vocab_only=True).vocab
@@ -304,3 +305,45 @@ def test_default_backend_is_torch_cuda_on_a_gpu():
     from llmfw.core.backend import choose_default_backend
 
     assert choose_default_backend().spec == "torch:cuda"
+
+
+#: run by the interpreter LLMFW_LLAMA_CPP_PYTHON names: llama.cpp's pieces of every token that is not NORMAL
+LLAMA_CPP_PIECES = """
+import ctypes, json, sys
+import llama_cpp
+llm = llama_cpp.Llama(model_path=sys.argv[1], vocab_only=True, verbose=False)
+vocab = llama_cpp.llama_model_get_vocab(llm.model)
+NORMAL = 4
+def piece(token, special):
+    buf = ctypes.create_string_buffer(256)
+    n = llama_cpp.llama_token_to_piece(vocab, token, buf, 256, 0, special)
+    return buf.raw[:n].hex()
+out = {t: [piece(t, False), piece(t, True)] for t in range(llama_cpp.llama_vocab_n_tokens(vocab))
+       if llama_cpp.llama_token_get_attr(vocab, t) != NORMAL}
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not os.environ.get("LLMFW_LLAMA_CPP_PYTHON"),
+                    reason="set LLMFW_LLAMA_CPP_PYTHON to an interpreter with llama-cpp-python")
+@pytest.mark.parametrize("model_name", ["smollm2", "gemma3"])
+def test_special_and_plain_pieces_match_llama_cpp(request, model_name):
+    """Every control, user-defined, unknown, unused and byte token renders as llama.cpp renders it, with and
+    without ``special`` (what ``--special`` switches)."""
+    import json
+
+    import llmfw as lf
+
+    path = request.getfixturevalue(f"{model_name}_path")
+    result = subprocess.run([os.environ["LLMFW_LLAMA_CPP_PYTHON"], "-c", LLAMA_CPP_PIECES, str(path)],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    expected = json.loads(result.stdout.strip().splitlines()[-1])
+    vocab = lf.load_model(path, vocab_only=True).vocab
+    assert expected  # both models have control and user-defined tokens
+
+    def ours(token: int) -> list[str]:
+        return [vocab.token_to_piece(token).hex(), vocab.token_to_piece(token, special=True).hex()]
+
+    mismatches = [(token, pieces, ours(int(token))) for token, pieces in expected.items() if pieces != ours(int(token))]
+    assert mismatches[:5] == []
