@@ -18,7 +18,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .architecture import INPUT_LAYER, OUTPUT_LAYER, Architecture, TensorSpec, get_architecture
-from .backend import Backend, create_backend, default_backend_spec
+from .backend import Backend, choose_default_backend, create_backend
 from .errors import ModelError
 from .hparams import HParams, make_hparams, read_common_hparams
 from .loader import ModelFileLoader, WeightLoad, open_loader
@@ -31,8 +31,9 @@ class ModelParams(BaseModel):
 
     model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")
 
-    #: None = the default backend ("torch" when importable and working, else "numpy"); or "numpy",
-    #: "torch", "torch:cuda", "onnx", ...
+    #: None = the default backend, chosen from the backends' declarations (core/backend.py
+    #: choose_default_backend; built in: "torch:cuda" with a CUDA GPU and torch, else "onnx" when onnxruntime
+    #: imports, else "numpy"); or a spec: "numpy", "torch", "torch:cuda", "onnx", ...
     backend: str | None = None
     #: the last n layers go to "torch:cuda" (n > n_layer: the output head too; -1: everything), like llama.cpp
     n_gpu_layers: int = Field(default=0, ge=-1)
@@ -74,6 +75,8 @@ class Model:
         #: backend spec per layer index (0..n_layer-1) and for the output side (n_layer)
         self.layer_specs: list[str] = []
         self.host_backend: Backend | None = None
+        #: which backend runs the model and why (``llmfw run -v``): "onnx (default: ...)" or "numpy (asked for)"
+        self.backend_choice = ""
         self.closed = False
 
     # -- public ------------------------------------------------------------------------------------------
@@ -248,7 +251,11 @@ def _spec_layer(hp: HParams, layer: int) -> int:
 def _place_layers(model: Model, params: ModelParams) -> None:
     """Decide the backend spec of every layer and the output head, and instantiate the backends."""
     n_layer = model.hparams.n_layer
-    main = params.backend or default_backend_spec()
+    if params.backend:
+        main, model.backend_choice = params.backend, f"{params.backend} (asked for)"
+    else:
+        choice = choose_default_backend()
+        main, model.backend_choice = choice.spec, f"{choice.spec} (the default: {choice.reason})"
     specs = [main] * (n_layer + 1)
     specs = [GPU_BACKEND if on_gpu else spec
              for spec, on_gpu in zip(specs, gpu_layers(n_layer, params.n_gpu_layers))]
