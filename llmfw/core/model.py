@@ -330,9 +330,10 @@ def _plan_one(model: Model, loader: ModelFileLoader, spec: TensorSpec, backend: 
         if data.shape != tuple(reversed(spec.ne)):
             raise ModelError(f"generated tensor {spec.name!r} has shape {data.shape}, expected {tuple(reversed(spec.ne))}")
         return WeightLoad(spec.name, None, spec.ne, backend, spec.usage, generated=data)
-    if spec.optional:
+    if spec.optional or (spec.unless is not None and loader.has_tensor(spec.unless)):
         return None
-    extra = f" (nor {spec.duplicate_of!r})" if spec.duplicate_of else ""
+    alternative = spec.duplicate_of or spec.unless
+    extra = f" (nor {alternative!r})" if alternative else ""
     raise ModelError(f"{model.path.name}: missing tensor {spec.name!r}{extra} required by architecture "
                      f"{model.hparams.arch!r}")
 
