@@ -273,6 +273,8 @@ class Vocab:
         if not isinstance(pre, str):
             raise VocabError(f"{KEY_PREFIX}pre: expected a string, found {type(pre).__name__} {pre!r}")
         self.pre: str = pre
+        #: every tokenizer.ggml.* key, for plugins with keys of their own (UGM's precompiled_charsmap ...)
+        self.tokenizer_metadata: dict[str, Any] = {k: v for k, v in metadata.items() if k.startswith(KEY_PREFIX)}
         defaults = tokenizer_class.defaults(pre)
         self._read_tokens(metadata)
         self.merges: list[str] | None = self._read_merges(metadata)

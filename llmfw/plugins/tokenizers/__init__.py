@@ -6,6 +6,7 @@ TOKENIZERS = {
     "llama": "llmfw.plugins.tokenizers.spm:SPMTokenizer",
     "gemma4": "llmfw.plugins.tokenizers.bpe:Gemma4Tokenizer",
     "bert": "llmfw.plugins.tokenizers.wpm:WPMTokenizer",
+    "t5": "llmfw.plugins.tokenizers.ugm:UGMTokenizer",
 }
 
 
