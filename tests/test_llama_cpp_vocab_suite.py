@@ -10,6 +10,7 @@ falcon, gemma4, gpt2, mpt, refact, starcoder2 ...) have no plugin, and a vocab-o
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -113,3 +114,16 @@ def test_file_has_its_cases(name, suite_results):
 
 def test_the_suite_spans_four_tokenizer_types(suite_results):
     assert {model for model, _, _ in suite_results.values()} == {"bert", "gemma4", "gpt2", "llama"}
+
+
+def test_ugm_nomic_bert_moe_matches_llama_cpp(vocab_suite_dir):
+    """The suite's T5-style (UGM) vocab has no .inp / .out; llama.cpp's own tokenization of it, with every flag
+    combination, is tests/data/ugm_nomic_bert_moe.json (tests/reference_gen/ugm_reference.py)."""
+    reference = json.loads((Path(__file__).parent / "data" / "ugm_nomic_bert_moe.json").read_text(encoding="utf-8"))
+    vocab = llmfw.load_model(vocab_suite_dir / reference["vocab"], vocab_only=True).vocab
+    assert vocab.model == "t5" and vocab.tokenizer.charsmap is not None and vocab.add_eos
+    cases = reference["cases"]
+    wrong = [(c["text"], c["add_special"], c["parse_special"]) for c in cases
+             if vocab.tokenize(c["text"], c["add_special"], c["parse_special"]) != c["ids"]]
+    assert len(cases) == 228
+    assert not wrong, wrong[:3]
