@@ -224,12 +224,15 @@ def load_like_load_model(path: Path) -> None:
         loader.close()
 
 
-def fuzz_headers(seeds: list[HeaderSeed], n_cases: int, work: Path, rng: random.Random) -> Tally:
+def fuzz_headers(seeds: list[HeaderSeed], n_cases: int, work: Path, rng: random.Random,
+                 keep: Path | None = None) -> Tally:
+    """``keep``: a folder that receives the header of every failing case (``<case>-<seed>.header``)."""
     tally = Tally()
     path = work / "mutated.gguf"
     for i in range(n_cases):
         seed = seeds[i % len(seeds)]
-        size = write_sparse(path, mutate_header(seed, rng), seed.data_bytes)
+        header = mutate_header(seed, rng)
+        size = write_sparse(path, header, seed.data_bytes)
         outcome, seconds, detail = run_guarded(lambda: load_like_load_model(path))
         if outcome not in ("crash", "hang"):
             peak = traced_peak(lambda: load_like_load_model(path))
@@ -238,6 +241,9 @@ def fuzz_headers(seeds: list[HeaderSeed], n_cases: int, work: Path, rng: random.
             if peak > size:
                 outcome, detail = "over-allocation", f"{peak} bytes for a {size}-byte file"
         tally.record(outcome, seconds, f"{seed.name}: {detail}")
+        if keep is not None and outcome in ("crash", "hang", "over-allocation"):
+            keep.mkdir(parents=True, exist_ok=True)
+            (keep / f"{i}-{seed.name}.header").write_bytes(header)
     return tally
 
 
@@ -401,12 +407,12 @@ def default_models() -> list[Path]:
     return [Path(resolve_model("smollm2")), Path(resolve_model("gemma-3-270m"))]
 
 
-def run(models: list[Path], n_headers: int, n_vocabs: int, seed: int) -> dict[str, Any]:
+def run(models: list[Path], n_headers: int, n_vocabs: int, seed: int, keep: Path | None = None) -> dict[str, Any]:
     rng = random.Random(seed)
     with tempfile.TemporaryDirectory(prefix="llmfw-fuzz-") as tmp:
         work = Path(tmp)
         start = time.perf_counter()
-        headers = fuzz_headers([header_seed(m, work) for m in models], n_headers, work, rng)
+        headers = fuzz_headers([header_seed(m, work) for m in models], n_headers, work, rng, keep)
         vocabs = fuzz_vocabs([tokenizer_keys(m) for m in models], n_vocabs, rng)
         quants = fuzz_quants(seed)
         elapsed = time.perf_counter() - start
@@ -420,10 +426,11 @@ def main() -> None:
     parser.add_argument("--vocabs", type=int, default=1_000, help="mutated vocabulary cases")
     parser.add_argument("--seed", type=int, default=17)
     parser.add_argument("--json", type=Path, help="also write the summary here")
+    parser.add_argument("--keep", type=Path, help="save the headers of failing cases in this folder")
     parser.add_argument("models", nargs="*", type=Path, help="GGUF files (default: the two catalog models)")
     args = parser.parse_args()
     logging.disable(logging.WARNING)  # damaged vocabularies log a warning per bad token
-    summary = run(args.models or default_models(), args.headers, args.vocabs, args.seed)
+    summary = run(args.models or default_models(), args.headers, args.vocabs, args.seed, args.keep)
     text = json.dumps(summary, indent=1)
     print(text)
     if args.json:

@@ -18,7 +18,7 @@ if str(ROOT) not in sys.path:
 from benchmarks import fuzz_gguf  # noqa: E402
 
 from llmfw.core.errors import GGUFError  # noqa: E402
-from llmfw.core.gguf import GGUFWriter, open_gguf  # noqa: E402
+from llmfw.core.gguf import GGUFValueType, GGUFWriter, open_gguf  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -79,3 +79,34 @@ def test_a_huge_string_length_costs_at_most_the_file(tmp_path, mode):
         tracemalloc.stop()
     # mmap: a few chunks of the validation pass; read mode: the buffer the header is read into (grown by doubling)
     assert peak < (2 * size if mode == "read" else 4 << 20), peak
+
+
+@pytest.mark.parametrize("element", ["bool", "string"])
+def test_a_huge_array_count_costs_at_most_the_file(tmp_path, element):
+    # an array whose count claims the rest of an 8 MiB file of zero bytes (empty strings / false bools): the value
+    # is built once, at its final size (it used to be copied once more, or grown by doubling)
+    path = tmp_path / f"huge-{element}-array.gguf"
+    writer = GGUFWriter(path)
+    writer.add("general.architecture", "llama")
+    if element == "bool":
+        writer.add("x.flags", [True], GGUFValueType.ARRAY, array_type=GGUFValueType.BOOL)
+    else:
+        writer.add("x.names", ["a"], GGUFValueType.ARRAY, array_type=GGUFValueType.STRING)
+    writer.write()
+    data = bytearray(path.read_bytes())
+    size = 8 << 20
+    count_at = data.index(b"x.") + len("x.flags") + 4 + 4  # after the key, the ARRAY tag and the element type
+    struct.pack_into("<Q", data, count_at, (size - count_at - 8) // (1 if element == "bool" else 8))
+    data += bytes(size - len(data))
+    path.write_bytes(data)
+    tracemalloc.start()
+    try:
+        try:
+            with open_gguf(path) as gguf:
+                assert len(next(v for k, v in gguf.metadata.items() if k.startswith("x."))) > 1000
+        except GGUFError:
+            pass
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1.1 * size, peak

@@ -236,18 +236,19 @@ class _Cursor:
     def numeric_array(self, vtype: GGUFValueType, count: int, what: str) -> np.ndarray:
         dtype = _NUMPY_DTYPE[vtype]
         self.need(count * dtype.itemsize, what)
-        # copy: metadata must not pin the mapping (close() would fail) and must be native-endian & writable
-        values = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos).astype(dtype.newbyteorder("="))
+        # copy (once): metadata must not pin the mapping (close() would fail) and must be native-endian & writable
+        raw = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos)
         self.pos += count * dtype.itemsize
-        return values.astype(bool) if vtype == GGUFValueType.BOOL else values
+        return raw.astype(bool) if vtype == GGUFValueType.BOOL else raw.astype(dtype.newbyteorder("="))
 
     def string_array(self, count: int, what: str) -> list[str]:
         """The hot loop for vocabularies (262144 strings for Gemma-3): locals only, two integer bounds tests per
         item; the buffer is only refilled (read mode) when a test fails."""
         buf, pos, available = self.buf, self.pos, self.available
         unpack_len = _U64.unpack_from
-        out: list[str] = []
-        append = out.append
+        # sized once (the caller checked count against the bytes left): growing by append would briefly hold
+        # the old and the new list, twice the memory a damaged count may claim
+        out: list[str] = [""] * count
         index = 0
         try:
             for index in range(count):
@@ -262,7 +263,7 @@ class _Cursor:
                     self.pos = start
                     self.need(length, f"item {index} of {what}")
                     buf, available = self.buf, self.available
-                append(buf[start:end].decode("utf-8") if length < _LARGE_STRING else _decode_utf8(buf, start, end))
+                out[index] = buf[start:end].decode("utf-8") if length < _LARGE_STRING else _decode_utf8(buf, start, end)
                 pos = end
         except UnicodeDecodeError as exc:
             raise self.fail(f"item {index} of {what} at offset {start} is not valid UTF-8 "
