@@ -9,6 +9,11 @@ where the tensor is not neutral in the original. A tensor that is required still
 """
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -108,3 +113,38 @@ def test_a_required_tensor_still_fails_by_name(family_file, variant, family, dro
     broken = variant(family_file(family), f"{family}-broken", drop=dropped)
     with pytest.raises(ModelError, match=message):
         llmfw.load_model(broken, backend="numpy")
+
+
+LLAMA_PYTHON = os.environ.get("LLMFW_LLAMA_PYTHON")
+LLAMA_LOGITS = Path(__file__).resolve().parent / "reference_gen" / "llamacpp_logits.py"
+
+
+def _variants_for_llama_cpp(family_file, variant) -> dict[str, tuple[Path, str]]:
+    """The variants llama.cpp must load too: label -> (file, family)."""
+    phi3, qwen2, llama = family_file("phi3"), family_file("qwen2"), family_file("llama-rope-linear")
+    biases = [n for n in tensor_names(qwen2) if n.endswith(("attn_q.bias", "attn_k.bias", "attn_v.bias"))]
+    separate, fused, names = fused_qkv_edits(llama, SPECS["llama-rope-linear"]["n_layer"])
+    return {
+        "phi3-4k": (variant(phi3, "phi3-4k", drop=["rope_factors_long.weight", "rope_factors_short.weight"]), "phi3"),
+        "qwen2-nobias": (variant(qwen2, "qwen2-nobias", drop=biases), "qwen2"),
+        "qwen2-tied": (variant(qwen2, "qwen2-tied", drop=["output.weight"]), "qwen2"),
+        "llama-fused": (variant(llama, "llama-fused", drop=names, replace=fused), "llama-rope-linear"),
+    }
+
+
+@pytest.mark.skipif(not LLAMA_PYTHON, reason="opt-in: set LLMFW_LLAMA_PYTHON to a python with llama-cpp-python "
+                                             "0.3.36 to compare the variants with llama.cpp")
+def test_variants_match_llama_cpp(family_file, variant, tmp_path):
+    for label, (path, family) in _variants_for_llama_cpp(family_file, variant).items():
+        record = longest(reference(family))
+        tokens = record["sequence"][:N_TOKENS]
+        out = tmp_path / f"{label}.npy"
+        subprocess.run([LLAMA_PYTHON, str(LLAMA_LOGITS), str(path), str(record["n_ctx"]), json.dumps(tokens),
+                        str(out)], check=True, capture_output=True, timeout=300)
+        theirs, ours = np.load(out), logits(path, family)
+        agree = float(np.mean(theirs.argmax(-1) == ours.argmax(-1)))
+        lp_theirs = theirs - np.logaddexp.reduce(theirs, axis=-1, keepdims=True)
+        lp_ours = ours - np.logaddexp.reduce(ours, axis=-1, keepdims=True)
+        top = theirs.argmax(-1)[:, None]
+        lp_err = float(np.mean(np.abs(np.take_along_axis(lp_theirs - lp_ours, top, -1))))
+        assert agree >= 0.9 and lp_err <= 0.2, (label, agree, lp_err)
