@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from llmfw.core.architecture import Architecture, TensorSpec
+from llmfw.core.architecture import Architecture, TensorSpec, attention_qkv_tensors
 from llmfw.core.errors import ModelError
 from llmfw.core.graph import GraphBuilder
 from llmfw.core.hparams import HParams
@@ -66,7 +66,6 @@ class LlamaArchitecture(Architecture):
     def layer_tensors(self, hp: HParams, il: int) -> list[TensorSpec]:
         n_embd, n_ff = hp.n_embd, hp.n_ff(il)
         n_q = hp.n_embd_head_k * hp.n_head(il)
-        n_k, n_v = hp.n_embd_k_gqa(il), hp.n_embd_v_gqa(il)
         p = f"blk.{il}"
 
         def t(name: str, ne: tuple[int, ...], usage: str = "mul_mat", optional: bool = False, **kw: Any):
@@ -74,13 +73,8 @@ class LlamaArchitecture(Architecture):
 
         specs = [
             t("attn_norm.weight", (n_embd,), "mul"),
-            t("attn_q.weight", (n_embd, n_q)),
-            t("attn_k.weight", (n_embd, n_k)),
-            t("attn_v.weight", (n_embd, n_v)),
+            *attention_qkv_tensors(hp, il),
             t("attn_output.weight", (n_q, n_embd)),
-            t("attn_q.bias", (n_q,), "add", True),
-            t("attn_k.bias", (n_k,), "add", True),
-            t("attn_v.bias", (n_v,), "add", True),
             t("attn_output.bias", (n_embd,), "add", True),
             t("ffn_norm.weight", (n_embd,), "mul"),
             t("ffn_gate.weight", (n_embd, n_ff)),
