@@ -87,10 +87,18 @@ class GenerationFields(_Body):
                 fields[ours] = value
         fields["seed"] = DEFAULT_SEED if self.seed is None else (self.seed + choice) & 0xFFFFFFFF
         fields["logit_bias"] = self._token_biases(n_vocab)
+        if fields.get("temp", 1.0) <= 0.0:
+            # greedy: the truncation samplers always keep the best token, so only the ones that change
+            # logits matter (same token, without sorting the vocabulary for every request at every step)
+            fields["samplers"] = ["penalties"] if self._penalized() else []
         try:
             return SamplerParams(**fields)
         except SamplerError as exc:
             raise RequestError(str(exc)) from None
+
+    def _penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or (self.repeat_penalty is not None and self.repeat_penalty != 1.0))
 
     def _token_biases(self, n_vocab: int) -> dict[int, float]:
         biases: dict[int, float] = {}
