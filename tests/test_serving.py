@@ -257,7 +257,7 @@ def test_python_api_matches_the_server(client, engine):
 
 # -- batching ------------------------------------------------------------------------------------------------------------
 def test_greedy_output_does_not_depend_on_the_batch(client):
-    prompts = [f"Question {i}: what is {i} plus {i}? Answer:" for i in range(8)]
+    prompts = [f"{i} plus {i} is" for i in range(8)]
 
     def ask(prompt):
         return client.completions.create(model="smol", prompt=prompt, max_tokens=6, **greedy()).choices[0].text
@@ -277,10 +277,9 @@ def test_sixteen_concurrent_streams_complete(client, server):
 
     def stream(i):
         text, finish = "", None
-        for chunk in client.chat.completions.create(model="smol", messages=[{"role": "user", "content": f"Hi {i}"}],
-                                                    max_tokens=4, stream=True, **greedy()):
+        for chunk in client.completions.create(model="smol", prompt=f"{i} +", max_tokens=3, stream=True, **greedy()):
             if chunk.choices:
-                text += chunk.choices[0].delta.content or ""
+                text += chunk.choices[0].text
                 finish = chunk.choices[0].finish_reason or finish
         results[i] = (text, finish)
 

@@ -243,7 +243,7 @@ async def detokenize(request: Request) -> Response:
     bad = [t for t in body.tokens if not 0 <= t < engine.model.n_vocab]
     if bad:
         raise RequestError(f"token {bad[0]} is outside the vocabulary (0..{engine.model.n_vocab - 1})", "tokens")
-    return JSONResponse({"content": engine.model.vocab.detokenize(body.tokens)})
+    return JSONResponse({"content": await _in_thread(engine.model.vocab.detokenize, body.tokens)})
 
 
 async def metrics(request: Request) -> Response:
