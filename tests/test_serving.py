@@ -113,7 +113,7 @@ def running(url: str, headers: dict | None = None) -> float:
     return float(re.search(r"^llmfw_requests_running (\S+)", text, re.M).group(1))
 
 
-# -- endpoints -------------------------------------------------------------------------------------------------------
+# -- endpoints ------------------------------------------------------------------------------------------------------
 def test_health_models_and_replica_header(server):
     health = get(server.url + "/health")
     assert health.status_code == 200 and health.json() == {"status": "ok"}
@@ -255,7 +255,7 @@ def test_python_api_matches_the_server(client, engine):
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
-# -- batching ------------------------------------------------------------------------------------------------------------
+# -- batching -------------------------------------------------------------------------------------------------------
 def test_greedy_output_does_not_depend_on_the_batch(client):
     prompts = [f"{i} plus {i} is" for i in range(8)]
 
@@ -319,7 +319,7 @@ def test_full_queue_answers_503_with_retry_after(small_server):
                 assert third.json()["error"]["code"] == "queue_full"
 
 
-# -- auth and bad input ------------------------------------------------------------------------------------------------------
+# -- auth and bad input ---------------------------------------------------------------------------------------------
 def test_api_key(small_server):
     url = small_server.url
     assert get(url + "/health").status_code == 200  # no key needed

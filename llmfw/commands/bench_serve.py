@@ -7,7 +7,8 @@ time to first token and of the per-token latency (the gaps between streamed toke
 
 Given a model instead of a URL, it starts ``llmfw serve`` on a free port; ``--compare-llama-cpp PYTHON`` also
 starts llama-cpp-python's server (``PYTHON -m llama_cpp.server``, a throw-away environment, never a dependency)
-on the same model and threads, so both are measured in one run. Only the standard library talks HTTP here.
+on the same model and threads, so both are measured in one run: per level the servers take turns ``-r`` times
+and the median run is shown. Only the standard library talks HTTP here.
 """
 from __future__ import annotations
 
@@ -92,6 +93,8 @@ def run_level(url: str, concurrency: int, n_tokens: int, banned: list[int], api_
         body = {"model": "bench", "prompt": f"{PROMPT} {i + 1}:", "max_tokens": n_tokens, "temperature": 0,
                 "stream": True, "logit_bias": {str(t): -100 for t in banned}}
         result = stream_completion(url, body, api_key)
+        if result.error is None and result.n_tokens < n_tokens:
+            result.error = f"the stream ended after {result.n_tokens} of {n_tokens} tokens"
         with lock:
             timings.append(result)
 
@@ -146,8 +149,9 @@ def start_llmfw(path: str, parallel: int, n_ctx: int, threads: int, backend: str
 
 def start_llama_cpp(python: str, path: str, n_ctx: int, threads: int) -> tuple[str, Any]:
     port = free_port()
+    # requests queue behind its lock instead of cutting the running stream short (its default)
     cmd = [python, "-m", "llama_cpp.server", "--model", path, "--port", str(port), "--n_threads", str(threads),
-           "--n_ctx", str(n_ctx)]
+           "--n_ctx", str(n_ctx), "--interrupt_requests", "False"]
     return f"http://127.0.0.1:{port}", subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -158,24 +162,45 @@ def end_of_generation_ids(path: str) -> list[int]:
     return sorted(vocab.eog_ids)
 
 
-def measure(name: str, url: str, levels: list[int], n_tokens: int, banned: list[int],
-            api_key: str | None) -> list[dict[str, Any]]:
-    stream_completion(url, {"prompt": "Hello", "max_tokens": 4, "temperature": 0, "stream": True}, api_key)  # warm-up
+def warm_up(url: str, api_key: str | None) -> None:
+    stream_completion(url, {"prompt": "Hello", "max_tokens": 4, "temperature": 0, "stream": True}, api_key)
+
+
+def median_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The repetition with the median aggregate throughput (its latencies come with it)."""
+    ordered = sorted(rows, key=lambda r: r["aggregate_tps"])
+    row = dict(ordered[len(ordered) // 2])
+    row["aggregate_tps_runs"] = [r["aggregate_tps"] for r in rows]
+    row["n_errors"] = sum(r["n_errors"] for r in rows)
+    row["errors"] = [e for r in rows for e in r["errors"]][:3]
+    return row
+
+
+def measure(servers: list[tuple[str, str, str | None]], levels: list[int], n_tokens: int, banned: list[int],
+            repetitions: int) -> list[dict[str, Any]]:
+    """Every level, ``repetitions`` times, the servers taking turns (so a busy machine's drift hits all alike);
+    one row per server and level: the median repetition."""
+    for _, url, key in servers:
+        warm_up(url, key)
     rows = []
     for level in levels:
-        row = {"server": name, **run_level(url, level, n_tokens, banned, api_key)}
-        click.echo(format_row(row), err=True)
-        rows.append(row)
+        runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in servers}
+        for _ in range(repetitions):
+            for name, url, key in servers:
+                runs[name].append({"server": name, **run_level(url, level, n_tokens, banned, key)})
+        for name, _, _ in servers:
+            rows.append(median_row(runs[name]))
+            click.echo(format_row(rows[-1]), err=True)
     return rows
 
 
-HEADER = (f"{'server':<20} {'conc':>4} {'tokens':>6} {'agg t/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} "
+HEADER = (f"{'server':<24} {'conc':>4} {'tokens':>6} {'agg t/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} "
           f"{'tok p50':>8} {'tok p99':>8}")
 
 
 def format_row(row: dict[str, Any]) -> str:
     errors = f"  ({row['n_errors']} errors: {row['errors'][0]})" if row["n_errors"] else ""
-    return (f"{row['server']:<20} {row['concurrency']:>4} {row['tokens']:>6} {row['aggregate_tps']:>8.1f} "
+    return (f"{row['server']:<24} {row['concurrency']:>4} {row['tokens']:>6} {row['aggregate_tps']:>8.1f} "
             f"{row['ttft_p50_s'] * 1000:>7.0f}ms {row['ttft_p99_s'] * 1000:>7.0f}ms "
             f"{row['tpot_p50_s'] * 1000:>6.0f}ms {row['tpot_p99_s'] * 1000:>6.0f}ms{errors}")
 
@@ -202,10 +227,12 @@ def _levels(text: str) -> list[int]:
 @click.option("--api-key", default=None, help="Bearer key for the URL.")
 @click.option("--compare-llama-cpp", "llama_python", default=None,
               help="Also measure llama-cpp-python's server run by this Python interpreter.")
+@click.option("-r", "--repetitions", type=int, default=1, show_default=True,
+              help="Runs per level and server (the servers take turns; the median is shown).")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 def bench_serve(target: str, concurrency: str, n_tokens: int, parallel: int, n_ctx: int, threads: int,
                 backend: str | None, model: str | None, api_key: str | None, llama_python: str | None,
-                as_json: bool) -> None:
+                repetitions: int, as_json: bool) -> None:
     """Benchmark TARGET: a server URL, or a model (an llmfw server is started for it)."""
     from ..core.catalog import resolve_model
 
@@ -216,25 +243,24 @@ def bench_serve(target: str, concurrency: str, n_tokens: int, parallel: int, n_c
     prompt_room = 64
     n_ctx = n_ctx or parallel * (n_tokens + prompt_room)
     started: list[Any] = []
-    rows: list[dict[str, Any]] = []
+    servers: list[tuple[str, str, str | None]] = []
     click.echo(HEADER, err=True)
     try:
         if is_url:
-            rows += measure("server", target, levels, n_tokens, banned, api_key)
+            servers.append(("server", target, api_key))
         else:
             url, proc = start_llmfw(str(path), parallel, n_ctx, threads, backend)
             started.append(proc)
             wait_until_serving(url, proc, "llmfw serve")
-            rows += measure(f"llmfw (np {parallel})", url, levels, n_tokens, banned, None)
-            proc.terminate()
-            proc.wait(30)
+            servers.append((f"llmfw {backend or 'default'} -np {parallel}", url, None))
         if llama_python:
             if not path:
                 raise click.UsageError("--compare-llama-cpp needs the model: give -m MODEL")
             url, proc = start_llama_cpp(llama_python, path, max(n_ctx, n_tokens + prompt_room), threads)
             started.append(proc)
             wait_until_serving(url, proc, "llama-cpp-python's server")
-            rows += measure("llama-cpp-python", url, levels, n_tokens, banned, None)
+            servers.append(("llama-cpp-python", url, None))
+        rows = measure(servers, levels, n_tokens, banned, repetitions)
     finally:
         for proc in started:
             if proc.poll() is None:
@@ -244,7 +270,8 @@ def bench_serve(target: str, concurrency: str, n_tokens: int, parallel: int, n_c
                 except subprocess.TimeoutExpired:
                     proc.kill()
     if as_json:
-        click.echo(json.dumps({"n_tokens": n_tokens, "parallel": parallel, "threads": threads, "rows": rows},
+        click.echo(json.dumps({"n_tokens": n_tokens, "parallel": parallel, "threads": threads,
+                               "repetitions": repetitions, "rows": rows},
                               indent=1))
     else:
         click.echo(HEADER)

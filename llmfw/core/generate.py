@@ -1,9 +1,10 @@
 """``generate``: the decode loop — prompt → batch → decode → sample → detokenize, streamed as text pieces.
 
 KV-cache reuse: the context owns, per sequence, the list of tokens that are in its KV cache
-(``Context.seq_tokens``; :func:`cached_tokens`); ``generate`` uses sequence 0. A new call tokenizes the *whole* prompt it is given (for a chat: the whole rendered
-conversation), keeps the longest common prefix with that record, removes the divergent tail from the cache
-(``memory.seq_rm``) and decodes only the rest. So a multi-turn chat that re-renders the conversation each
+(``Context.seq_tokens``; :func:`cached_tokens`); ``generate`` uses sequence 0, the serving engine one per slot.
+A new call tokenizes the *whole* prompt it is given (for a chat: the whole rendered conversation), keeps the
+longest common prefix with that record, removes the divergent tail from the cache (``memory.seq_rm``) and
+decodes only the rest. So a multi-turn chat that re-renders the conversation each
 turn only pays for the new turn. (llama.cpp's server does the same with ``cache_prompt``.)
 
 Tokenization: a ``str`` prompt is tokenized with ``parse_special=True`` (special-token text such as

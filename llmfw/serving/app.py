@@ -29,8 +29,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..core.errors import ChatTemplateError, ContextError, EngineBusy, EngineLoading, EngineStopped, LLMFWError, RequestError, \
-    SamplerError, TokenizerError
+from ..core.errors import ChatTemplateError, ContextError, EngineBusy, EngineLoading, EngineStopped, LLMFWError, \
+    RequestError, SamplerError, TokenizerError
 from .engine import Engine
 from .metrics import CONTENT_TYPE
 from .protocol import parse_request
