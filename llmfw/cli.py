@@ -19,6 +19,8 @@ COMMANDS = {
     "pull": "llmfw.commands.models:pull_cmd",
     "models": "llmfw.commands.models:models_cmd",
     "bench": "llmfw.commands.bench:bench",
+    "serve": "llmfw.commands.serve:serve",
+    "bench-serve": "llmfw.commands.bench_serve:bench_serve",
 }
 
 _HELP = {
@@ -30,6 +32,8 @@ _HELP = {
     "pull": "Fetch a catalog model into the local cache.",
     "models": "List catalog models and which are cached.",
     "bench": "Benchmark prompt processing and generation (llama-bench style).",
+    "serve": "Serve a model over an OpenAI-compatible HTTP API (continuous batching).",
+    "bench-serve": "Benchmark an OpenAI-compatible server under concurrent requests.",
 }
 
 

@@ -71,6 +71,9 @@ class Context:
             for backend in model.backends.values():
                 backend.set_n_threads(self.params.n_threads)
         self.memory: Memory = self._create_memory()
+        #: per sequence, the tokens whose KV is in the cache, kept by whoever decodes them (``generate``, the
+        #: serving engine) to reuse a shared prefix; checked against the memory before use (generate.synced_record)
+        self.seq_tokens: list[list[int]] = [[] for _ in range(self.n_seq_max)]
         self.kv_storage = self.memory.allocate(model.layer_backend)
         self.scheduler = Scheduler(model, self.kv_storage)
         self.allocator = BatchAllocator(model.n_vocab, hp.n_embd, self.n_seq_max)

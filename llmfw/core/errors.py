@@ -84,3 +84,24 @@ class CatalogError(LLMFWError):
 
 class ChatTemplateError(LLMFWError):
     """A chat template failed to render or tried something the sandbox forbids."""
+
+
+class RequestError(LLMFWError, ValueError):
+    """A generation request (Python API or HTTP body) that is invalid; ``param`` names the field at fault.
+    The server answers it with 400."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class EngineBusy(LLMFWError):
+    """The serving engine's queue is full (the server answers 503 with Retry-After)."""
+
+
+class EngineStopped(LLMFWError):
+    """The serving engine was shut down (or failed) before the request finished."""
+
+
+class EngineLoading(EngineStopped):
+    """The server's model is still loading (503 until it is ready)."""

@@ -1,9 +1,10 @@
 """``generate``: the decode loop — prompt → batch → decode → sample → detokenize, streamed as text pieces.
 
-KV-cache reuse: ``generate`` keeps, per context, the list of tokens that are in the KV cache for sequence 0
-(:func:`cached_tokens`). A new call tokenizes the *whole* prompt it is given (for a chat: the whole rendered
-conversation), keeps the longest common prefix with that record, removes the divergent tail from the cache
-(``memory.seq_rm``) and decodes only the rest. So a multi-turn chat that re-renders the conversation each
+KV-cache reuse: the context owns, per sequence, the list of tokens that are in its KV cache
+(``Context.seq_tokens``; :func:`cached_tokens`); ``generate`` uses sequence 0, the serving engine one per slot.
+A new call tokenizes the *whole* prompt it is given (for a chat: the whole rendered conversation), keeps the
+longest common prefix with that record, removes the divergent tail from the cache (``memory.seq_rm``) and
+decodes only the rest. So a multi-turn chat that re-renders the conversation each
 turn only pays for the new turn. (llama.cpp's server does the same with ``cache_prompt``.)
 
 Tokenization: a ``str`` prompt is tokenized with ``parse_special=True`` (special-token text such as
@@ -18,7 +19,6 @@ until it cannot.
 from __future__ import annotations
 
 import time
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
@@ -60,29 +60,65 @@ def plural(n: int, noun: str) -> str:
 
 
 # -- the record of what is in each context's cache -------------------------------------------------------------
-_records: "weakref.WeakKeyDictionary[Any, list[int]]" = weakref.WeakKeyDictionary()
+def _record(ctx: Any, seq: int = 0) -> list[int]:
+    """The context's own list of the tokens whose KV is cached for ``seq`` (``Context.seq_tokens``)."""
+    return ctx.seq_tokens[seq]
 
 
-def cached_tokens(ctx: Any) -> list[int]:
-    """The tokens :func:`generate` knows to be in ``ctx``'s KV cache for sequence 0 (a copy)."""
-    return list(_records.get(ctx, ()))
+def cached_tokens(ctx: Any, seq: int = 0) -> list[int]:
+    """The tokens known to be in ``ctx``'s KV cache for sequence ``seq`` (a copy)."""
+    return list(_record(ctx, seq))
 
 
-def forget_cache(ctx: Any) -> None:
-    """Clear sequence 0 of the cache and the record (the next call decodes its whole prompt)."""
-    ctx.memory.seq_rm(0, -1, -1)
-    _records[ctx] = []
+def forget_cache(ctx: Any, seq: int = 0) -> None:
+    """Clear sequence ``seq`` of the cache and its record (the next call decodes its whole prompt)."""
+    ctx.memory.seq_rm(seq, -1, -1)
+    _record(ctx, seq).clear()
 
 
-def _synced_record(ctx: Any) -> list[int]:
+def synced_record(ctx: Any, seq: int = 0) -> list[int]:
     """The record, trimmed to what the cache really holds (someone may have decoded or removed tokens)."""
-    record = _records.setdefault(ctx, [])
-    n_in_cache = int(ctx.memory.seq_pos_max(0)) + 1  # -1 when empty
+    record = _record(ctx, seq)
+    n_in_cache = int(ctx.memory.seq_pos_max(seq)) + 1  # -1 when empty
     if n_in_cache < len(record):
         del record[max(n_in_cache, 0):]
     elif n_in_cache > len(record):
-        ctx.memory.seq_rm(0, len(record), -1)
+        ctx.memory.seq_rm(seq, len(record), -1)
     return record
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def reuse_cached_prefix(ctx: Any, tokens: list[int], seq: int = 0) -> int:
+    """Keep the longest cached prefix of ``tokens`` in sequence ``seq`` (at least the last prompt token is
+    left to decode, for its logits), drop the rest of the sequence; return how many tokens are kept."""
+    record = synced_record(ctx, seq)
+    common = common_prefix_length(record, tokens)
+    if common == len(tokens):
+        common -= 1  # the last prompt token must be decoded again to get its logits
+    if common < len(record):
+        if ctx.memory.seq_rm(seq, common, -1) is False:
+            # this memory cannot drop a tail (llama.cpp: recurrent state); start the sequence over
+            ctx.memory.seq_rm(seq, -1, -1)
+            common = 0
+        del record[common:]
+    return common
+
+
+def accept_prompt_tokens(chain: SamplerChain, tokens: Sequence[int]) -> None:
+    """Feed prompt tokens to each sampler of the chain (not the chain: its history holds sampled tokens
+    only), so repetition penalties see the prompt, as llama-cli does."""
+    for t in tokens:
+        for s in chain.samplers:
+            s.accept(t)
 
 
 # -- helpers ---------------------------------------------------------------------------------------------------
@@ -174,20 +210,7 @@ def _prepare_prompt(ctx: Any, tokens: list[int], n_ctx: int | None) -> tuple[int
         padding = getattr(ctx, "n_ctx_padding_note", lambda: "")()
         raise ContextError(f"the prompt has {len(tokens)} tokens but the context holds {n_ctx}"
                            + (f" ({padding})" if padding else "") + "; use a larger n_ctx or a shorter prompt")
-    record = _synced_record(ctx)
-    common = 0
-    for cached, new in zip(record, tokens):
-        if cached != new:
-            break
-        common += 1
-    if common == len(tokens):
-        common -= 1  # the last prompt token must be decoded again to get its logits
-    if common < len(record):
-        if ctx.memory.seq_rm(0, common, -1) is False:
-            # this memory cannot drop a tail (llama.cpp: recurrent state); start the sequence over
-            ctx.memory.seq_rm(0, -1, -1)
-            common = 0
-        del record[common:]
+    common = reuse_cached_prefix(ctx, tokens, 0)
     return common, tokens[common:]
 
 
@@ -219,7 +242,7 @@ def generate(ctx: Any, prompt: str | Sequence[int], sampler: Sampler | None = No
 
     tokens = tokenize_prompt(model, prompt, parse_special=parse_special, add_special=add_special)
     n_keep, new_tokens = _prepare_prompt(ctx, tokens, n_ctx)
-    record = _records[ctx]
+    record = _record(ctx, 0)
     stats.n_prompt, stats.n_cached = len(tokens), n_keep
     return _stream(ctx, model, chain, record, n_keep, new_tokens, n_batch, n_ctx, max_tokens,
                    TextStream(model.vocab, stops, special), accept_prompt, stats)
@@ -232,10 +255,8 @@ def _stream(ctx: Any, model: Any, chain: SamplerChain, record: list[int], n_keep
     t0 = time.perf_counter()
     _decode(ctx, new_tokens, n_keep, n_batch, record)
     stats.t_prompt, stats.n_prompt_decoded = time.perf_counter() - t0, len(new_tokens)
-    if accept_prompt:  # into each sampler, not the chain: its history holds sampled tokens only
-        for t in new_tokens:
-            for s in chain.samplers:
-                s.accept(t)
+    if accept_prompt:
+        accept_prompt_tokens(chain, new_tokens)
 
     t_start = time.perf_counter()
     try:

@@ -9,6 +9,7 @@ tokenizer: {parse_special: true}
 sampling: {temp: 0.7, top_k: 40, samplers: [penalties, top_k, top_p, temperature]}
 chat: {enabled: true, system: "You are terse."}
 generation: {max_tokens: 128, stop: ["\\n\\n"]}
+server: {port: 8080, parallel: 4, api_key_file: key.txt}   # llmfw serve
 ```
 
 Every section is a pydantic model with ``extra="forbid"``: an unknown or misspelled key is an error (with the
@@ -100,6 +101,20 @@ class GenerationConfig(_Section):
         raise ValueError("must be >= 0, -1 (until end of generation) or -2 (until the context is full)")
 
 
+class ServerConfig(_Section):
+    """``llmfw serve`` settings (the flags of the same names); the model, backend, ``context.n_ctx`` and
+    ``context.n_threads`` come from their usual keys."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=0, le=65535)
+    parallel: int = Field(4, ge=1, le=64)
+    api_key: str | None = None
+    api_key_file: str | None = None
+    max_queue: int = Field(64, ge=0)
+    alias: str | None = None
+    cors_origin: list[str] = Field(default_factory=list)
+
+
 class PipelineConfig(_Section):
     """The whole pipeline file."""
 
@@ -113,6 +128,7 @@ class PipelineConfig(_Section):
     sampling: SamplerParams = Field(default_factory=SamplerParams)
     chat: ChatConfig = Field(default_factory=ChatConfig)
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
+    server: ServerConfig = Field(default_factory=ServerConfig)
 
 
 # -- reading -------------------------------------------------------------------------------------------------
@@ -360,5 +376,5 @@ def load_pipeline(path: str | Path, overrides: Mapping[str, Any] | None = None) 
     return Pipeline.from_dict(data, Path(path))
 
 
-__all__ = ["ChatConfig", "ContextConfig", "GenerationConfig", "Pipeline", "PipelineConfig",
+__all__ = ["ChatConfig", "ContextConfig", "GenerationConfig", "Pipeline", "PipelineConfig", "ServerConfig",
            "TokenizerConfig", "load_pipeline", "merge_overrides", "parse_yaml", "read_yaml", "validate_config"]

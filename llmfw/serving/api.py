@@ -1,0 +1,329 @@
+"""The OpenAI-shaped front of the engine: request dict → jobs → response dict or chunk iterator.
+
+:meth:`Engine.completion` and :meth:`Engine.chat_completion` call :func:`run_completion` /
+:func:`run_chat_completion`; the HTTP server calls those two methods and nothing else. A non-streaming response
+is assembled from exactly the events a stream would carry, so both always agree.
+
+Usage counts: ``prompt_tokens`` is the prompt as decoded — for a chat, the conversation rendered with the
+model's chat template and tokenized with ``add_special=True, parse_special=True`` (as ``llmfw run --chat``);
+``completion_tokens`` counts every sampled token, the end-of-generation token included (llama-server's rule).
+With ``n`` > 1 the prompt is counted once per prompt, completions per choice.
+"""
+from __future__ import annotations
+
+import queue
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from ..core.chat import apply_chat_template
+from ..core.errors import ContextError, EngineStopped, LLMFWError, RequestError
+from ..core.generate import tokenize_prompt
+from ..core.sampling import SamplerChain
+from .constraints import constraint_samplers
+from .engine import Cancel, Engine, ErrorEvent, Event, FinishEvent, Job, TokenEvent
+from .protocol import ChatCompletionRequest, CompletionRequest, GenerationFields, parse_request
+
+#: how often a waiting consumer checks that the engine is still alive, seconds
+POLL_S = 1.0
+
+
+# -- tokenizing within bounds ---------------------------------------------------------------------------------
+def tokenize_request_text(engine: Engine, text: str, param: str) -> list[int]:
+    """Tokenize (``add_special``, ``parse_special``) a prompt, refusing at once text that cannot fit a slot:
+    more bytes than a slot's tokens times the longest token piece can never tokenize into the slot."""
+    if len(text.encode("utf-8", errors="replace")) > engine.n_ctx_slot * engine.max_piece_bytes:
+        raise RequestError(f"the {param} is far longer than the context of a slot ({engine.n_ctx_slot} tokens); "
+                           "shorten it", param)
+    return tokenize_prompt(engine.model, text, parse_special=True, add_special=True)
+
+
+def token_ids(engine: Engine, ids: list[int]) -> list[int]:
+    try:
+        return tokenize_prompt(engine.model, ids)
+    except ContextError as exc:
+        raise RequestError(str(exc), "prompt") from None
+
+
+# -- accumulating a choice ---------------------------------------------------------------------------------------
+@dataclass
+class ChoiceState:
+    text: list[str] = field(default_factory=list)
+    logprobs: list[TokenEvent] = field(default_factory=list)
+    finish_reason: str | None = None
+    n_generated: int = 0
+
+
+def _piece(engine: Engine, token: int) -> bytes:
+    return engine.model.vocab.token_to_piece(token, special=True)
+
+
+class ResponseShape:
+    """What one endpoint's responses look like (ids, objects, where the text and logprobs go)."""
+
+    object_name = ""
+    chunk_object = ""
+    id_prefix = ""
+
+    def __init__(self, engine: Engine, request: GenerationFields, n_choices: int):
+        self.engine = engine
+        self.request = request
+        self.n_choices = n_choices
+        self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.engine.alias,
+                "system_fingerprint": None, "choices": choices}
+
+    def chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> dict[str, Any]:
+        out = self._envelope(self.chunk_object, choices)
+        if self.request.include_usage:
+            out["usage"] = usage
+        return out
+
+    # per endpoint
+    def start_chunks(self, index: int) -> list[dict[str, Any]]:
+        return []
+
+    def token_chunk(self, event: TokenEvent) -> dict[str, Any] | None:
+        raise NotImplementedError
+
+    def finish_chunk(self, index: int, reason: str) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def response(self, choices: list[ChoiceState], usage: dict[str, int]) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class CompletionShape(ResponseShape):
+    object_name = chunk_object = "text_completion"
+    id_prefix = "cmpl"
+
+    def __init__(self, engine: Engine, request: CompletionRequest, n_choices: int, echo_texts: list[str]):
+        super().__init__(engine, request, n_choices)
+        self.echo_texts = echo_texts  # per choice ("" without echo)
+
+    def _logprobs(self, events: list[TokenEvent], offset: int) -> dict[str, Any] | None:
+        if self.request.logprobs is None:  # type: ignore[attr-defined]
+            return None
+        tokens, offsets = [], []
+        for e in events:
+            offsets.append(offset)
+            text = _piece(self.engine, e.token).decode("utf-8", errors="replace")  # type: ignore[arg-type]
+            tokens.append(text)
+            offset += len(e.text)
+        top = [{_piece(self.engine, t).decode("utf-8", errors="replace"): lp for t, lp in e.top} for e in events]
+        return {"tokens": tokens, "token_logprobs": [e.logprob for e in events], "top_logprobs": top,
+                "text_offset": offsets}
+
+    def _choice(self, index: int, text: str, logprobs: dict[str, Any] | None, reason: str | None) -> dict[str, Any]:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+
+    def start_chunks(self, index: int) -> list[dict[str, Any]]:
+        echo = self.echo_texts[index]
+        return [self.chunk([self._choice(index, echo, None, None)])] if echo else []
+
+    def token_chunk(self, event: TokenEvent) -> dict[str, Any] | None:
+        with_lp = event.token is not None and self.request.logprobs is not None  # type: ignore[attr-defined]
+        if not event.text and not with_lp:
+            return None
+        logprobs = self._logprobs([event], 0) if with_lp else None
+        return self.chunk([self._choice(event.index, event.text, logprobs, None)])
+
+    def finish_chunk(self, index: int, reason: str) -> dict[str, Any]:
+        return self.chunk([self._choice(index, "", None, reason)])
+
+    def response(self, choices: list[ChoiceState], usage: dict[str, int]) -> dict[str, Any]:
+        out = self._envelope(self.object_name, [
+            self._choice(i, self.echo_texts[i] + "".join(c.text),
+                         self._logprobs(c.logprobs, len(self.echo_texts[i])), c.finish_reason)
+            for i, c in enumerate(choices)])
+        out["usage"] = usage
+        return out
+
+
+class ChatShape(ResponseShape):
+    object_name = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+    id_prefix = "chatcmpl"
+
+    def _entry(self, token: int, logprob: float) -> dict[str, Any]:
+        piece = _piece(self.engine, token)
+        return {"token": piece.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(piece)}
+
+    def _logprobs(self, events: list[TokenEvent]) -> dict[str, Any] | None:
+        if not self.request.logprobs:  # type: ignore[attr-defined]
+            return None
+        content = [{**self._entry(e.token, e.logprob), "top_logprobs": [self._entry(t, lp) for t, lp in e.top]}
+                   for e in events if e.token is not None and e.logprob is not None]
+        return {"content": content, "refusal": None}
+
+    def _choice(self, index: int, delta: dict[str, Any], logprobs: Any, reason: str | None) -> dict[str, Any]:
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+
+    def start_chunks(self, index: int) -> list[dict[str, Any]]:
+        return [self.chunk([self._choice(index, {"role": "assistant", "content": ""}, None, None)])]
+
+    def token_chunk(self, event: TokenEvent) -> dict[str, Any] | None:
+        with_lp = event.token is not None and bool(self.request.logprobs)  # type: ignore[attr-defined]
+        if not event.text and not with_lp:
+            return None
+        return self.chunk([self._choice(event.index, {"content": event.text},
+                                        self._logprobs([event]) if with_lp else None, None)])
+
+    def finish_chunk(self, index: int, reason: str) -> dict[str, Any]:
+        return self.chunk([self._choice(index, {}, None, reason)])
+
+    def response(self, choices: list[ChoiceState], usage: dict[str, int]) -> dict[str, Any]:
+        out = self._envelope(self.object_name, [
+            {"index": i, "message": {"role": "assistant", "content": "".join(c.text)},
+             "logprobs": self._logprobs(c.logprobs), "finish_reason": c.finish_reason}
+            for i, c in enumerate(choices)])
+        out["usage"] = usage
+        return out
+
+
+# -- running a request -----------------------------------------------------------------------------------------------
+class ChunkStream:
+    """The chunks of a streaming request, as an iterator; :meth:`close` (or dropping out of a ``for`` loop
+    and closing) cancels the generation, which frees its slots at the engine's next step."""
+
+    def __init__(self, run: "RequestRun"):
+        self._run = run
+        self._chunks = self._generate()
+
+    def __iter__(self) -> "ChunkStream":
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        return next(self._chunks)
+
+    def close(self) -> None:
+        """Cancel the generation; safe from any thread, also while another thread waits in ``next``."""
+        self._run.cancel_now()
+        try:
+            self._chunks.close()
+        except ValueError:
+            pass  # another thread is inside next(): it wakes on the engine's cancellation event and ends
+
+    def _generate(self) -> Iterator[dict[str, Any]]:
+        run, shape = self._run, self._run.shape
+        try:
+            for i in range(shape.n_choices):
+                yield from shape.start_chunks(i)
+            for event in run.events():
+                if isinstance(event, TokenEvent):
+                    chunk = shape.token_chunk(event)
+                    if chunk is not None:
+                        yield chunk
+                else:
+                    yield shape.finish_chunk(event.index, event.reason)
+            if shape.request.include_usage:
+                yield {**shape.chunk([], run.usage())}
+        finally:
+            run.cancel_now()
+
+
+class RequestRun:
+    """The jobs of one request and the event queue they share."""
+
+    def __init__(self, engine: Engine, shape: ResponseShape, prompts: list[list[int]], limits: list[int],
+                 n_logprobs: int | None):
+        self.engine, self.shape = engine, shape
+        self.cancel = Cancel()
+        self.queue: "queue.Queue[Event]" = queue.Queue()
+        self.n_prompt = sum(len(p) for p in prompts)
+        request = shape.request
+        self.jobs = []
+        for p, (tokens, limit) in enumerate(zip(prompts, limits)):
+            for i in range(request.n):
+                index = p * request.n + i
+                chain = SamplerChain.from_params(request.sampler_params(engine.model.n_vocab, index),
+                                                 model=engine.model, n_ctx=engine.n_ctx_slot)
+                chain.samplers[:0] = constraint_samplers(request, engine.model)
+                self.jobs.append(Job(index, tokens, chain, limit, list(request.stop or []), n_logprobs,
+                                     self.queue, self.cancel))
+        self.choices = [ChoiceState() for _ in self.jobs]
+
+    def start(self) -> None:
+        self.engine.submit(self.jobs)
+
+    def cancel_now(self) -> None:
+        if not self.cancel.is_set and any(c.finish_reason is None for c in self.choices):
+            self.cancel.set()
+            self.engine.wake()
+
+    def _next_event(self) -> Event:
+        while True:
+            try:
+                return self.queue.get(timeout=POLL_S)
+            except queue.Empty:
+                if not self.engine.running:
+                    raise EngineStopped("the server is shutting down") from None
+
+    def events(self) -> Iterator[TokenEvent | FinishEvent]:
+        """Token and finish events until every choice finished; an error event raises."""
+        n_open = len(self.jobs)
+        while n_open:
+            event = self._next_event()
+            if isinstance(event, ErrorEvent):
+                if event.stopped:
+                    raise EngineStopped(event.message)
+                raise LLMFWError(event.message)
+            choice = self.choices[event.index]
+            if isinstance(event, TokenEvent):
+                choice.text.append(event.text)
+                if event.token is not None:
+                    choice.logprobs.append(event)
+            else:
+                choice.finish_reason, choice.n_generated = event.reason, event.n_generated
+                n_open -= 1
+            yield event
+
+    def usage(self) -> dict[str, int]:
+        completion = sum(c.n_generated for c in self.choices)
+        return {"prompt_tokens": self.n_prompt, "completion_tokens": completion,
+                "total_tokens": self.n_prompt + completion}
+
+    def result(self) -> dict[str, Any]:
+        try:
+            for _ in self.events():
+                pass
+        finally:
+            self.cancel_now()
+        return self.shape.response(self.choices, self.usage())
+
+
+def _execute(engine: Engine, shape: ResponseShape, prompts: list[list[int]], n_logprobs: int | None) -> Any:
+    request = shape.request
+    limits = [engine.check_fits(len(p), request.token_limit()) for p in prompts]
+    run = RequestRun(engine, shape, prompts, limits, n_logprobs)
+    run.start()
+    return ChunkStream(run) if request.stream else run.result()
+
+
+def run_completion(engine: Engine, params: dict[str, Any]) -> Any:
+    request: CompletionRequest = parse_request(CompletionRequest, params)
+    if request.echo and request.logprobs is not None:
+        raise RequestError("echo together with logprobs (prompt logprobs) is not supported", "echo")
+    prompts, echo_texts = [], []
+    for prompt in request.prompts():
+        if isinstance(prompt, str):
+            prompts.append(tokenize_request_text(engine, prompt, "prompt"))
+            echo_texts += [prompt] * request.n
+        else:
+            prompts.append(token_ids(engine, prompt))
+            echo_texts += [engine.model.vocab.detokenize(prompts[-1])] * request.n
+    if not request.echo:
+        echo_texts = [""] * len(echo_texts)
+    return _execute(engine, CompletionShape(engine, request, len(echo_texts), echo_texts), prompts,
+                    request.logprobs)
+
+
+def run_chat_completion(engine: Engine, params: dict[str, Any]) -> Any:
+    request: ChatCompletionRequest = parse_request(ChatCompletionRequest, params)
+    text = apply_chat_template(engine.model, request.template_messages())
+    tokens = tokenize_request_text(engine, text, "messages")
+    return _execute(engine, ChatShape(engine, request, request.n), [tokens], request.n_top_logprobs())

@@ -1,0 +1,368 @@
+"""The continuous-batching engine: one thread, one Context with ``n_seq_max = parallel`` slots.
+
+Callers (HTTP handlers, Python code, any thread) build a :class:`Job` per choice and :meth:`Engine.submit`
+it; the engine thread never blocks on them. Each :meth:`Engine._step`:
+
+1. drops cancelled jobs (their slot is free at once; the cached tokens stay for prefix reuse);
+2. admits waiting jobs into idle slots — the idle slot whose cached tokens share the longest prefix with the
+   prompt (llama-server's ``cache_prompt``), so only the rest of the prompt is decoded;
+3. decodes **one batch**: the next token of every generating job plus prompt chunks of admitted ones, at most
+   ``n_batch`` tokens;
+4. samples each job whose row came out with that job's own sampler chain (own seed), and pushes a
+   :class:`TokenEvent` / :class:`FinishEvent` to the job's event queue.
+
+Each slot may hold ``n_ctx / parallel`` tokens (llama-server's rule); a job that cannot fit is refused at
+submit time with a :class:`RequestError` whose message names the context.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+import numpy as np
+
+from ..core.batch import Batch
+from ..core.errors import EngineBusy, EngineStopped, LLMFWError, RequestError
+from ..core.generate import TextStream, accept_prompt_tokens, common_prefix_length, forget_cache, \
+    reuse_cached_prefix
+from ..core.sampling import SamplerChain
+from .metrics import EngineMetrics
+
+log = logging.getLogger(__name__)
+
+
+# -- what a job reports -------------------------------------------------------------------------------------
+@dataclass
+class TokenEvent:
+    """Text produced by one sampled token (``token`` None: text flushed at the end)."""
+
+    index: int
+    text: str
+    token: int | None = None
+    logprob: float | None = None
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class FinishEvent:
+    index: int
+    reason: str  # "stop" | "length"
+    n_prompt: int
+    n_generated: int
+
+
+@dataclass
+class ErrorEvent:
+    index: int
+    message: str
+    stopped: bool  # True when the engine shut down (the server answers 503), False for a failed decode
+
+
+Event = Union[TokenEvent, FinishEvent, ErrorEvent]
+
+
+class Cancel:
+    """Shared by the jobs of one request: the consumer sets it when the client goes away."""
+
+    def __init__(self) -> None:
+        self._flag = threading.Event()
+
+    def set(self) -> None:
+        self._flag.set()
+
+    @property
+    def is_set(self) -> bool:
+        return self._flag.is_set()
+
+
+@dataclass
+class Job:
+    """One choice of a request: its prompt tokens, sampler chain and limits, and its progress."""
+
+    index: int
+    tokens: list[int]
+    chain: SamplerChain
+    max_tokens: int
+    stops: list[str]
+    n_logprobs: int | None  # None: no logprobs; k: the chosen token's logprob plus k alternatives
+    events: "queue.Queue[Event]"
+    cancel: Cancel
+    # progress, touched only by the engine thread
+    seq: int = -1
+    pending: list[int] = field(default_factory=list)  # tokens still to decode (prompt rest or the last sample)
+    n_past: int = 0
+    n_generated: int = 0
+    text: TextStream | None = None
+    t_submit: float = field(default_factory=time.perf_counter)
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = logits.astype(np.float64) - float(np.max(logits))
+    return shifted - np.log(np.sum(np.exp(shifted)))
+
+
+class Engine:
+    """``Engine(model, parallel=4)``: serve ``completion`` / ``chat_completion`` calls from any thread.
+
+    ``n_ctx``: total KV cache size (0 = the model's default); each slot gets ``n_ctx / parallel``.
+    ``n_batch``: most tokens one decode step holds. ``max_queue``: most jobs waiting for a slot (more are
+    refused with :class:`EngineBusy`). ``alias``: the model name reported in responses.
+    """
+
+    def __init__(self, model: Any, parallel: int = 4, *, n_ctx: int = 0, n_batch: int = 512,
+                 n_threads: int | None = None, max_queue: int = 64, alias: str | None = None):
+        if parallel < 1:
+            raise RequestError(f"parallel must be >= 1, got {parallel}", "parallel")
+        self.model = model
+        self.alias = alias or _model_name(model)
+        self.parallel = parallel
+        self.max_queue = max_queue
+        self._stopping = threading.Event()
+        self.ctx = model.new_context(n_ctx=n_ctx, n_seq_max=parallel, n_batch=max(n_batch, parallel),
+                                     n_ubatch=max(n_batch, parallel), n_threads=n_threads,
+                                     abort_callback=self._stopping.is_set)
+        self.n_ctx_slot = self.ctx.n_ctx // parallel
+        self.n_batch = self.ctx.n_batch
+        #: the longest token piece in bytes: text longer than n_ctx_slot times this cannot fit a slot
+        self.max_piece_bytes = max(1, max(len(p) for p in model.vocab.all_pieces(special=True)))
+        self._slots: list[Job | None] = [None] * parallel
+        self._waiting: deque[Job] = deque()
+        self._cond = threading.Condition()
+        self.metrics = EngineMetrics(lambda: sum(j is not None for j in self._slots), lambda: len(self._waiting))
+        self._thread = threading.Thread(target=self._run, name="llmfw-engine", daemon=True)
+        self._thread.start()
+
+    # -- the Python API (see api.py for the OpenAI-shaped front) -------------------------------------------------
+    def completion(self, /, **params: Any) -> Any:
+        """OpenAI ``/v1/completions``: a response dict, or an iterator of chunk dicts with ``stream=True``."""
+        from .api import run_completion
+
+        return run_completion(self, params)
+
+    def chat_completion(self, /, **params: Any) -> Any:
+        """OpenAI ``/v1/chat/completions``: a response dict, or an iterator of chunk dicts with ``stream=True``."""
+        from .api import run_chat_completion
+
+        return run_chat_completion(self, params)
+
+    # -- submitting ------------------------------------------------------------------------------------------
+    def check_fits(self, n_prompt: int, max_tokens: int | None) -> int:
+        """The job's token limit; a :class:`RequestError` naming the context when it cannot fit in a slot."""
+        if n_prompt == 0:
+            raise RequestError("the prompt is empty: nothing to generate from", "prompt")
+        room = self.n_ctx_slot - n_prompt
+        wanted = 1 if max_tokens is None else max_tokens
+        if wanted > room:
+            raise RequestError(f"the prompt ({n_prompt} tokens) plus max_tokens ({wanted}) exceeds the context "
+                               f"of a slot ({self.n_ctx_slot} tokens = n_ctx {self.ctx.n_ctx} / parallel "
+                               f"{self.parallel}); shorten the prompt or lower max_tokens", "max_tokens")
+        return room if max_tokens is None else max_tokens
+
+    def submit(self, jobs: list[Job]) -> None:
+        """Queue the jobs of one request together (all or none: :class:`EngineBusy` when the queue is full)."""
+        with self._cond:
+            if self._stopping.is_set() or not self._thread.is_alive():
+                raise EngineStopped("the engine is shut down")
+            if len(self._waiting) + len(jobs) > self.max_queue:
+                raise EngineBusy(f"the server is busy: {len(self._waiting)} requests are waiting "
+                                 f"(--max-queue {self.max_queue}); retry later")
+            self._waiting.extend(jobs)
+            self._cond.notify()
+
+    def wake(self) -> None:
+        """Make the engine look at its jobs now (a consumer cancelled one)."""
+        with self._cond:
+            self._cond.notify()
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive() and not self._stopping.is_set()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the engine thread: every unfinished job ends with an error event."""
+        with self._cond:
+            self._stopping.set()
+            self._cond.notify()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the engine thread -------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        message = "the server is shutting down"
+        try:
+            while self._wait_for_work():
+                self._step()
+        except Exception as exc:  # noqa: BLE001 - report to every waiting client, then stop
+            log.exception("the serving engine failed")
+            message = f"the engine failed: {type(exc).__name__}: {exc}"
+        finally:
+            self._stopping.set()
+            self._fail_all(message)
+
+    def _wait_for_work(self) -> bool:
+        with self._cond:
+            while not self._stopping.is_set() and not self._waiting and not any(self._slots):
+                self._cond.wait()
+            return not self._stopping.is_set()
+
+    def _fail_all(self, message: str) -> None:
+        with self._cond:
+            jobs = [j for j in self._slots if j is not None] + list(self._waiting)
+            self._waiting.clear()
+            self._slots = [None] * self.parallel
+        for job in jobs:
+            job.events.put(ErrorEvent(job.index, message, stopped=True))
+
+    def _step(self) -> None:
+        self._drop_cancelled()
+        self._admit()
+        plan = self._plan_batch()
+        if not plan:
+            return
+        tokens = [t for _, chunk in plan for t in chunk]
+        pos = [job.n_past + i for job, chunk in plan for i in range(len(chunk))]
+        seqs = [job.seq for job, chunk in plan for _ in chunk]
+        outputs = [i == len(chunk) - 1 and len(chunk) == len(job.pending)
+                   for job, chunk in plan for i in range(len(chunk))]
+        code = self.ctx.decode(Batch(tokens, pos=pos, seq_id=seqs, logits=outputs))
+        if code != 0:
+            self._fail_batch(plan, code)
+            return
+        row = 0
+        for job, chunk in plan:
+            finished_prompt = len(chunk) == len(job.pending)
+            self.ctx.seq_tokens[job.seq].extend(chunk)
+            job.n_past += len(chunk)
+            job.pending = job.pending[len(chunk):]
+            row += len(chunk)
+            if finished_prompt:
+                self._sample(job, row - 1)
+
+    def _drop_cancelled(self) -> None:
+        with self._cond:
+            for seq, job in enumerate(self._slots):
+                if job is not None and job.cancel.is_set:
+                    self._slots[seq] = None
+                    job.events.put(ErrorEvent(job.index, "cancelled", stopped=False))
+            kept = [j for j in self._waiting if not j.cancel.is_set]
+            if len(kept) != len(self._waiting):
+                self._waiting = deque(kept)
+
+    def _admit(self) -> None:
+        """Move waiting jobs into idle slots, each into the slot with the longest cached common prefix."""
+        while True:
+            with self._cond:
+                idle = [s for s, j in enumerate(self._slots) if j is None]
+                if not idle or not self._waiting:
+                    return
+                job = self._waiting.popleft()
+                seq = max(idle, key=lambda s: common_prefix_length(self.ctx.seq_tokens[s], job.tokens))
+                self._slots[seq] = job
+            self._start(job, seq)
+
+    def _start(self, job: Job, seq: int) -> None:
+        job.seq = seq
+        n_keep = reuse_cached_prefix(self.ctx, job.tokens, seq)
+        job.n_past, job.pending = n_keep, job.tokens[n_keep:]
+        job.text = TextStream(self.model.vocab, job.stops)
+        accept_prompt_tokens(job.chain, job.tokens)
+        self.metrics.prompt_tokens.inc(len(job.tokens))
+        if job.max_tokens == 0:
+            self._finish(job, "length")
+
+    def _plan_batch(self) -> list[tuple[Job, list[int]]]:
+        """(job, tokens to decode) for this step: every generating job's token first, then prompt chunks."""
+        active = [j for j in self._slots if j is not None]
+        plan = [(j, list(j.pending)) for j in active if j.n_generated > 0]
+        budget = self.n_batch - len(plan)
+        for job in active:
+            if job.n_generated == 0 and job.pending and budget > 0:
+                chunk = job.pending[:budget]
+                plan.append((job, chunk))
+                budget -= len(chunk)
+        return plan
+
+    def _fail_batch(self, plan: list[tuple[Job, list[int]]], code: int) -> None:
+        reason = self.ctx.last_error or f"decode returned {code}"
+        stopped = self._stopping.is_set()
+        for job, _ in plan:
+            forget_cache(self.ctx, job.seq)
+            self._release(job)
+            job.events.put(ErrorEvent(job.index, f"decoding failed: {reason}", stopped=stopped))
+
+    # -- sampling ------------------------------------------------------------------------------------------------
+    def _sample(self, job: Job, row: int) -> None:
+        logits = self.ctx.get_logits_ith(row)
+        try:
+            token = job.chain.sample(logits)
+        except LLMFWError as exc:
+            self._release(job)
+            job.events.put(ErrorEvent(job.index, f"sampling failed: {exc}", stopped=False))
+            return
+        if job.n_generated == 0:
+            self.metrics.time_to_first_token.observe(time.perf_counter() - job.t_submit)
+        job.n_generated += 1
+        self.metrics.generated_tokens.inc()
+        if self.model.vocab.is_eog(token):
+            self._finish(job, "stop")
+            return
+        assert job.text is not None
+        event = TokenEvent(job.index, job.text.feed(token), token)
+        if job.n_logprobs is not None:
+            event.logprob, event.top = _token_logprobs(logits, token, job.n_logprobs)
+        job.events.put(event)
+        if job.text.stopped:
+            self._finish(job, "stop")
+        elif job.n_generated >= job.max_tokens or job.n_past + 1 > self.n_ctx_slot:
+            self._finish(job, "length")
+        else:
+            job.pending = [token]
+
+    def _finish(self, job: Job, reason: str) -> None:
+        assert job.text is not None
+        rest = "" if job.text.stopped else job.text.flush()
+        if rest:
+            job.events.put(TokenEvent(job.index, rest))
+        self._release(job)
+        job.events.put(FinishEvent(job.index, reason, len(job.tokens), job.n_generated))
+
+    def _release(self, job: Job) -> None:
+        with self._cond:
+            if 0 <= job.seq < self.parallel and self._slots[job.seq] is job:
+                self._slots[job.seq] = None
+
+
+def _token_logprobs(logits: np.ndarray, token: int, n_top: int) -> tuple[float, list[tuple[int, float]]]:
+    """The model's log-probability of ``token`` and its ``n_top`` most likely alternatives."""
+    lp = log_softmax(logits)
+    top: list[tuple[int, float]] = []
+    if n_top > 0:
+        best = np.argpartition(-lp, n_top - 1)[:n_top]
+        best = best[np.argsort(-lp[best], kind="stable")]
+        top = [(int(t), _finite(float(lp[t]))) for t in best]
+    return _finite(float(lp[token])), top
+
+
+def _finite(value: float, floor: float = -9999.0) -> float:
+    """JSON has no -inf: a log-probability of a banned token is reported as ``floor``."""
+    return value if np.isfinite(value) else floor
+
+
+def _model_name(model: Any) -> str:
+    path = getattr(model, "path", None) or getattr(getattr(model, "loader", None), "path", None)
+    if path:
+        from pathlib import Path
+
+        return Path(str(path)).name
+    return "llmfw"

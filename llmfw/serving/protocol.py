@@ -1,0 +1,197 @@
+"""The OpenAI request bodies (pydantic) and how they map onto llmfw's sampling parameters.
+
+Field names, types and meanings follow OpenAI's ``/v1/completions`` and ``/v1/chat/completions``, with the
+llama-server additions ``top_k``, ``min_p`` and ``repeat_penalty``. Unknown fields are ignored, as OpenAI does;
+a field that llmfw knows but does not implement yet is refused by :mod:`llmfw.serving.constraints` rather than
+ignored. Sampling defaults are llama.cpp's (temperature 0.8, top-k 40, top-p 0.95, min-p 0.05).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from ..core.errors import RequestError, SamplerError
+from ..core.sampling import DEFAULT_SEED, SamplerParams, validation_problems
+
+#: most choices one request may ask for (``n``)
+MAX_CHOICES = 16
+#: most alternatives per token (``logprobs`` / ``top_logprobs``), OpenAI's limit
+MAX_TOP_LOGPROBS = 20
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class GenerationFields(_Body):
+    """The fields both endpoints share."""
+
+    model: Any = None  # accepted whatever its value (llama-server's rule)
+    max_tokens: int | None = Field(None, ge=0)
+    temperature: float | None = None
+    top_p: float | None = Field(None, ge=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repeat_penalty: float | None = Field(None, gt=0.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    logit_bias: dict[str, float] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # constrained decoding: handed to llmfw.serving.constraints, never ignored
+    response_format: Any = None
+    grammar: Any = None
+    json_schema: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+
+    @field_validator("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repeat_penalty")
+    @classmethod
+    def _finite(cls, value: float | None) -> float | None:
+        if value is not None and not math.isfinite(value):
+            raise ValueError("must be a finite number")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, value: str | list[str] | None) -> list[str]:
+        stops = [value] if isinstance(value, str) else list(value or [])
+        if len(stops) > 16:
+            raise ValueError(f"at most 16 stop strings, got {len(stops)}")
+        return [s for s in stops if s]
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def token_limit(self) -> int | None:
+        return self.max_tokens
+
+    def sampler_params(self, n_vocab: int, choice: int = 0) -> SamplerParams:
+        """llama.cpp's sampling parameters for this request; choice ``i`` of ``n`` uses ``seed + i``."""
+        fields: dict[str, Any] = {}
+        for ours, theirs in (("temp", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"), ("min_p", "min_p"),
+                             ("penalty_present", "presence_penalty"), ("penalty_freq", "frequency_penalty"),
+                             ("penalty_repeat", "repeat_penalty")):
+            value = getattr(self, theirs)
+            if value is not None:
+                fields[ours] = value
+        fields["seed"] = DEFAULT_SEED if self.seed is None else (self.seed + choice) & 0xFFFFFFFF
+        fields["logit_bias"] = self._token_biases(n_vocab)
+        if fields.get("temp", 1.0) <= 0.0:
+            # greedy: the truncation samplers always keep the best token, so only the ones that change
+            # logits matter (same token, without sorting the vocabulary for every request at every step)
+            fields["samplers"] = ["penalties"] if self._penalized() else []
+        try:
+            return SamplerParams(**fields)
+        except SamplerError as exc:
+            raise RequestError(str(exc)) from None
+
+    def _penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or (self.repeat_penalty is not None and self.repeat_penalty != 1.0))
+
+    def _token_biases(self, n_vocab: int) -> dict[int, float]:
+        biases: dict[int, float] = {}
+        for key, bias in (self.logit_bias or {}).items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise RequestError(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+            if not 0 <= token < n_vocab:
+                raise RequestError(f"logit_bias token {token} is outside the vocabulary (0..{n_vocab - 1})",
+                                   "logit_bias")
+            if not -100.0 <= bias <= 100.0:
+                raise RequestError(f"logit_bias values must be in [-100, 100], got {bias}", "logit_bias")
+            biases[token] = bias
+        return biases
+
+
+PromptType = Union[str, list[str], list[int], list[list[int]]]
+
+
+class CompletionRequest(GenerationFields):
+    """``POST /v1/completions``. The OpenAI default for ``max_tokens`` is 16."""
+
+    prompt: PromptType
+    max_tokens: int | None = Field(16, ge=0)
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    suffix: str | None = None
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: str | None) -> str | None:
+        if value:
+            raise ValueError("suffix (insertion) is not supported")
+        return value
+
+    def prompts(self) -> list[str | list[int]]:
+        """One prompt per entry: a string, a list of strings, token ids, or a list of token-id lists."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt:
+            raise RequestError("prompt is empty", "prompt")
+        if all(isinstance(p, int) for p in prompt):
+            return [list(prompt)]  # type: ignore[arg-type]
+        return list(prompt)  # type: ignore[arg-type]
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(GenerationFields):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=0)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def n_top_logprobs(self) -> int | None:
+        """None = no logprobs; else how many alternatives per token."""
+        if not self.logprobs:
+            return None
+        return self.top_logprobs or 0
+
+    def template_messages(self) -> list[dict[str, str]]:
+        """The conversation as the chat template takes it (``developer`` is OpenAI's new name for ``system``)."""
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                for m in self.messages]
+
+
+def parse_request(model: type[GenerationFields], params: dict[str, Any]) -> Any:
+    """Validate a request body; every problem becomes one :class:`RequestError` naming the first field."""
+    try:
+        return model.model_validate(params)
+    except ValidationError as exc:
+        problems = validation_problems(exc)
+        param = problems[0][0].split(".")[0] if problems else None
+        raise RequestError("invalid request: " + "; ".join(f"{k}: {m}" for k, m in problems), param) from None
