@@ -32,23 +32,47 @@ def serve_pipeline(opts: dict[str, Any]) -> Any:
     overrides = {key: opts[name] for name, key in SERVE_KEYS.items() if opts.get(name) is not None}
     if opts.get("cors_origin"):
         overrides["server.cors_origin"] = list(opts["cors_origin"])
+    overrides.update(ray_overrides(opts, (data.get("server") or {}).get("ray") is not None))
     return Pipeline.from_dict(merge_overrides(data, overrides), Path(config) if config else "<command line>")
 
 
-def read_api_key(server: Any) -> str | None:
+def ray_overrides(opts: dict[str, Any], in_file: bool) -> dict[str, Any]:
+    """The ``server.ray.*`` keys the Ray flags set; a Ray flag without --ray (or a ``server.ray`` section) is an
+    error rather than silently ignored."""
     from ..core.errors import ConfigError
 
-    if server.api_key and server.api_key_file:
-        raise ConfigError("give --api-key or --api-key-file, not both")
-    if not server.api_key_file:
-        return server.api_key or None
+    flags = {name: opts.get(name) for name in ("replicas", "autoscale", "ray_address")}
+    given = [f"--{name.replace('_', '-')}" for name, value in flags.items() if value is not None]
+    if not (opts.get("use_ray") or in_file):
+        if given:
+            raise ConfigError(f"{', '.join(given)} only make{'s' if len(given) == 1 else ''} sense with --ray")
+        return {}
+    if flags["replicas"] is not None and flags["autoscale"] is not None:
+        raise ConfigError("give --replicas or --autoscale, not both")
+    overrides: dict[str, Any] = {"server.ray.address": flags["ray_address"]} if flags["ray_address"] else {}
+    if flags["replicas"] is not None:
+        overrides["server.ray.num_replicas"] = flags["replicas"]
+    if flags["autoscale"] is not None:
+        low, high = parse_autoscale(flags["autoscale"])
+        overrides["server.ray.autoscaling_config.min_replicas"] = low
+        overrides["server.ray.autoscaling_config.max_replicas"] = high
+    if not overrides and not in_file:
+        overrides["server.ray"] = {}  # --ray alone: one replica on a local instance
+    return overrides
+
+
+def parse_autoscale(text: str) -> tuple[int, int]:
+    """``MIN:MAX`` → (MIN, MAX), with 0 <= MIN <= MAX and MAX >= 1."""
+    from ..core.errors import ConfigError
+
+    low, sep, high = text.partition(":")
     try:
-        key = Path(server.api_key_file).read_text(encoding="utf-8").strip()
-    except OSError as exc:
-        raise ConfigError(f"--api-key-file {server.api_key_file}: {exc.strerror or exc}") from None
-    if not key:
-        raise ConfigError(f"--api-key-file {server.api_key_file} is empty")
-    return key
+        bounds = int(low), int(high)
+    except ValueError:
+        bounds = (-1, -1)
+    if not sep or bounds[0] < 0 or bounds[1] < max(1, bounds[0]):
+        raise ConfigError(f"--autoscale {text!r}: expected MIN:MAX replicas with 0 <= MIN <= MAX, MAX >= 1")
+    return bounds
 
 
 def make_server(app: Any, host: str, port: int, verbose: bool) -> Any:
@@ -85,30 +109,37 @@ def make_server(app: Any, host: str, port: int, verbose: bool) -> Any:
 @click.option("--alias", default=None, help="Model name in /v1/models and responses (default: the file name).")
 @click.option("--cors-origin", multiple=True, help="Allow browser requests from this origin (repeatable).")
 @click.option("--config", type=click.Path(dir_okay=False), default=None, help="YAML file (its server: section).")
+@click.option("--ray", "use_ray", is_flag=True,
+              help="Serve as a Ray Serve application (replicas behind Ray's router; needs llmfw[ray]).")
+@click.option("--replicas", type=click.IntRange(min=1), default=None, help="With --ray: this many replicas.")
+@click.option("--autoscale", default=None, metavar="MIN:MAX",
+              help="With --ray: autoscale between MIN and MAX replicas.")
+@click.option("--ray-address", default=None, metavar="auto|ray://HOST:PORT",
+              help="With --ray: join this cluster (default: start a local Ray instance).")
 @click.option("-v", "--verbose", is_flag=True, help="Log every request.")
 def serve(**opts: Any) -> None:
     """Serve a model over an OpenAI-compatible HTTP API with continuous batching."""
-    from ..serving.app import create_app
+    from ..serving.app import pipeline_app, read_api_key
     from ..serving.engine import Engine
     from .run import load_model_with_progress
 
     pipeline = serve_pipeline(opts)
     cfg = pipeline.config
     server_cfg = cfg.server
-    api_key = read_api_key(server_cfg)
+    if server_cfg.ray is not None:
+        from ..serving.ray_app import run_ray_server
+
+        run_ray_server(pipeline, lambda line: click.echo(line, err=True))
+        return
+    read_api_key(server_cfg)  # a bad key file fails before the model loads
     url = f"http://{server_cfg.host}:{server_cfg.port}"
 
-    def load() -> Engine:
-        model = load_model_with_progress(pipeline, True)
-        engine = Engine(model, server_cfg.parallel, n_ctx=cfg.context.n_ctx, n_threads=cfg.context.n_threads,
-                        max_queue=server_cfg.max_queue, alias=server_cfg.alias)
+    def announce(engine: Engine) -> None:
         click.echo(f"llmfw: serving {engine.alias} at {url} (parallel {engine.parallel}, "
                    f"{engine.n_ctx_slot} tokens per slot)", err=True)
         sys.stderr.flush()
-        return engine
 
-    app = create_app(load, api_key=api_key, cors_origins=server_cfg.cors_origin,
-                     thread_tokens=server_cfg.max_queue + server_cfg.parallel + 16)
+    app = pipeline_app(pipeline, load_model=lambda: load_model_with_progress(pipeline, True), on_ready=announce)
     server = make_server(app, server_cfg.host, server_cfg.port, opts["verbose"])
     try:
         server.run()

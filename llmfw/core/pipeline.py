@@ -101,6 +101,31 @@ class GenerationConfig(_Section):
         raise ValueError("must be >= 0, -1 (until end of generation) or -2 (until the context is full)")
 
 
+class RayAutoscalingConfig(_Section):
+    """Ray Serve's autoscaling: replicas between ``min_replicas`` and ``max_replicas``, aiming at
+    ``target_ongoing_requests`` per replica; the delays say how long load must stay high / low before a change."""
+
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(1, ge=1)
+    target_ongoing_requests: float = Field(2.0, gt=0)
+    upscale_delay_s: float | None = Field(None, ge=0)
+    downscale_delay_s: float | None = Field(None, ge=0)
+    #: how often replicas report their load, and over how long a window Ray averages it
+    metrics_interval_s: float | None = Field(None, gt=0)
+    look_back_period_s: float | None = Field(None, gt=0)
+
+
+class RayConfig(_Section):
+    """``llmfw serve --ray``: the same app as Ray Serve replicas. ``address`` None starts a local Ray instance,
+    ``auto`` or ``ray://HOST:PORT`` joins a cluster; ``num_replicas`` or ``autoscaling_config`` (not both);
+    ``ray_actor_options`` go to every replica's actor (``num_cpus``, ``memory``, ...)."""
+
+    address: str | None = None
+    num_replicas: int | None = Field(None, ge=1)
+    autoscaling_config: RayAutoscalingConfig | None = None
+    ray_actor_options: dict[str, Any] = Field(default_factory=dict)
+
+
 class ServerConfig(_Section):
     """``llmfw serve`` settings (the flags of the same names); the model, backend, ``context.n_ctx`` and
     ``context.n_threads`` come from their usual keys."""
@@ -113,6 +138,7 @@ class ServerConfig(_Section):
     max_queue: int = Field(64, ge=0)
     alias: str | None = None
     cors_origin: list[str] = Field(default_factory=list)
+    ray: RayConfig | None = None  # present (or --ray): serve as a Ray Serve application
 
 
 class PipelineConfig(_Section):
@@ -376,5 +402,6 @@ def load_pipeline(path: str | Path, overrides: Mapping[str, Any] | None = None) 
     return Pipeline.from_dict(data, Path(path))
 
 
-__all__ = ["ChatConfig", "ContextConfig", "GenerationConfig", "Pipeline", "PipelineConfig", "ServerConfig",
+__all__ = ["ChatConfig", "ContextConfig", "GenerationConfig", "Pipeline", "PipelineConfig", "RayAutoscalingConfig", "RayConfig",
+           "ServerConfig",
            "TokenizerConfig", "load_pipeline", "merge_overrides", "parse_yaml", "read_yaml", "validate_config"]

@@ -16,6 +16,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
 import anyio
@@ -29,8 +30,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..core.errors import ChatTemplateError, ContextError, EngineBusy, EngineLoading, EngineStopped, LLMFWError, \
-    RequestError, SamplerError, TokenizerError
+from ..core.errors import ChatTemplateError, ConfigError, ContextError, EngineBusy, EngineLoading, EngineStopped, \
+    LLMFWError, RequestError, SamplerError, TokenizerError
 from .engine import Engine
 from .metrics import CONTENT_TYPE
 from .protocol import parse_request
@@ -351,3 +352,38 @@ def create_app(engine: Engine | Callable[[], Engine], *, api_key: str | None = N
     wrapped.state = state  # type: ignore[attr-defined]
     return wrapped
 
+
+
+def pipeline_app(pipeline: Any, *, eager: bool = False, load_model: Callable[[], Any] | None = None,
+                 on_ready: Callable[[Engine], None] | None = None) -> Any:
+    """The app for a pipeline's ``server`` settings: its engine over ``load_model()`` (default: the pipeline's
+    own model). ``eager`` builds the engine now (a Ray replica, ready only once loaded); otherwise it loads in
+    the background while ``/health`` answers 503 (``llmfw serve``). ``on_ready`` sees the engine once built."""
+    cfg = pipeline.config
+    server = cfg.server
+
+    def build() -> Engine:
+        model = (load_model or pipeline.load_model)()
+        engine = Engine(model, server.parallel, n_ctx=cfg.context.n_ctx, n_threads=cfg.context.n_threads,
+                        max_queue=server.max_queue, alias=server.alias)
+        if on_ready is not None:
+            on_ready(engine)
+        return engine
+
+    return create_app(build() if eager else build, api_key=read_api_key(server), cors_origins=server.cors_origin,
+                      thread_tokens=server.max_queue + server.parallel + 16)
+
+
+def read_api_key(server: Any) -> str | None:
+    """The API key of the ``server`` settings (``api_key`` or the first line of ``api_key_file``), or None."""
+    if server.api_key and server.api_key_file:
+        raise ConfigError("give --api-key or --api-key-file, not both")
+    if not server.api_key_file:
+        return server.api_key or None
+    try:
+        key = Path(server.api_key_file).read_text(encoding="utf-8").strip()
+    except OSError as exc:
+        raise ConfigError(f"--api-key-file {server.api_key_file}: {exc.strerror or exc}") from None
+    if not key:
+        raise ConfigError(f"--api-key-file {server.api_key_file} is empty")
+    return key
