@@ -36,7 +36,7 @@ class GenerationStats:
     t_prompt: float = 0.0      # seconds spent decoding them
     n_generated: int = 0       # tokens sampled
     t_generate: float = 0.0    # seconds from the first sample to the end
-    stop_reason: str = ""      # "eog", "stop", "max_tokens", "context_full"
+    stop_reason: str = ""      # "eog" (also: the grammar is complete), "stop", "max_tokens", "context_full"
     tokens: list[int] = field(default_factory=list)  # the sampled tokens
 
     @property
@@ -222,10 +222,9 @@ def _stream(ctx: Any, model: Any, chain: SamplerChain, record: list[int], n_keep
     t0 = time.perf_counter()
     _decode(ctx, new_tokens, n_keep, n_batch, record)
     stats.t_prompt, stats.n_prompt_decoded = time.perf_counter() - t0, len(new_tokens)
-    if accept_prompt:  # into each sampler, not the chain: its history holds sampled tokens only
+    if accept_prompt:  # into each sampler, not the chain's history: that holds sampled tokens only
         for t in new_tokens:
-            for s in chain.samplers:
-                s.accept(t)
+            chain.accept_prompt(t)
 
     text = TextStream(vocab, stops)
     t_start = time.perf_counter()
@@ -245,6 +244,9 @@ def _stream(ctx: Any, model: Any, chain: SamplerChain, record: list[int], n_keep
                 yield piece
             if text.stopped:
                 stats.stop_reason = "stop"
+                break
+            if chain.done():  # the grammar is complete: nothing else may follow
+                stats.stop_reason = "eog"
                 break
             if max_tokens is not None and stats.n_generated >= max_tokens:
                 stats.stop_reason = "max_tokens"
