@@ -446,6 +446,53 @@ def check_text_matches(spec: GrammarSpec, vocab: Any, text: str) -> bool:
     return bool(matcher.consume_tokens(tokens) and matcher.is_accepting())
 
 
-__all__ = ["ANY_JSON_OBJECT", "GrammarMatcher", "GrammarSpec", "JSON_WHITESPACE", "MAX_GRAMMAR_CHARS",
-           "MAX_SCHEMA_DEPTH", "check_text_matches", "gbnf_to_lark", "grammar_spec", "grammar_tokenizer",
-           "json_depth", "line_and_column", "schema_text", "token_bytes"]
+
+# ---------------------------------------------------------------------------------------------------------------
+# sources named by a file (YAML pipelines)
+# ---------------------------------------------------------------------------------------------------------------
+GRAMMAR_FILE_SUFFIXES = (".gbnf", ".lark", ".ebnf", ".txt")
+
+
+def constraint_file(key: str, value: Any) -> str | None:
+    """The file a pipeline's ``sampling.grammar`` / ``sampling.json_schema`` value names, or None when the value
+    is the grammar / schema itself: a schema text starts with ``{`` (a mapping is inline anyway); a grammar is
+    a file when it is one line without ``:`` that ends in a grammar suffix or names an existing file."""
+    if not isinstance(value, str) or "\n" in value.strip() or not value.strip():
+        return None
+    text = value.strip()
+    if key == "json_schema":
+        return None if text.startswith("{") or text in ("true", "false") else text
+    if key == "grammar" and ":" not in text and not text.startswith("%"):  # GBNF has "::=", Lark "name:"
+        return text if text.endswith(GRAMMAR_FILE_SUFFIXES) or len(text) < 4096 and _is_file(text) else None
+    return None
+
+
+def _is_file(text: str) -> bool:
+    from pathlib import Path
+
+    try:
+        return Path(text).expanduser().is_file()
+    except OSError:
+        return False
+
+
+def read_constraint_file(path: Any, what: str) -> str:
+    """A grammar / schema file's text; GrammarError when it cannot be read or is too large."""
+    from pathlib import Path
+
+    path = Path(path).expanduser()
+    try:
+        size = path.stat().st_size
+        if size > MAX_GRAMMAR_CHARS * 4:
+            raise GrammarError(f"{what} file {path} is {size:,} bytes; the limit is {MAX_GRAMMAR_CHARS:,} characters")
+        return path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise GrammarError(f"cannot read the {what} file {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise GrammarError(f"the {what} file {path} is not UTF-8 text") from None
+
+
+__all__ = ["ANY_JSON_OBJECT", "GRAMMAR_FILE_SUFFIXES", "GrammarMatcher", "GrammarSpec", "JSON_WHITESPACE",
+           "MAX_GRAMMAR_CHARS", "MAX_SCHEMA_DEPTH", "check_text_matches", "constraint_file", "gbnf_to_lark",
+           "grammar_spec", "grammar_tokenizer", "json_depth", "line_and_column", "read_constraint_file",
+           "schema_text", "token_bytes"]

@@ -100,10 +100,13 @@ def call_schema(tools: Sequence[Mapping[str, Any]] | None, names: Sequence[str],
     return {**schema, "x-guidance": {"whitespace_pattern": JSON_WHITESPACE}}
 
 
-def tool_call_grammar(tools: Sequence[Mapping[str, Any]] | None, tool_choice: Any,
-                      fmt: ToolCallFormat) -> str | None:
+def tool_call_grammar(tools: Sequence[Mapping[str, Any]] | None, tool_choice: Any, fmt: ToolCallFormat,
+                      vocab: Any = None) -> str | None:
     """A Lark grammar that forces a call of the chosen function(s), for ``SamplerParams(grammar=...)``; None
-    when ``tool_choice`` forces nothing. GrammarError for bad ``tools`` / ``tool_choice`` / parameter schemas."""
+    when ``tool_choice`` forces nothing. GrammarError for bad ``tools`` / ``tool_choice`` / parameter schemas.
+
+    With ``vocab``, a tag the vocabulary holds as one special token (Qwen's ``<tool_call>``) is written as that
+    token (``<[id]>``), so the model emits the token it was trained on rather than the tag spelled in pieces."""
     names = forced_function_names(tools, tool_choice)
     if names is None:
         return None
@@ -111,9 +114,17 @@ def tool_call_grammar(tools: Sequence[Mapping[str, Any]] | None, tool_choice: An
     if fmt == ToolCallFormat.HERMES:
         return ("%llguidance {}\n"
                 'start: tool_call ("\\n" tool_call)*\n'
-                f'tool_call: "{HERMES_OPEN}\\n" call "\\n{HERMES_CLOSE}"\n'
+                f'tool_call: {_tag(HERMES_OPEN, vocab)} "\\n" call "\\n" {_tag(HERMES_CLOSE, vocab)}\n'
                 f"call: %json {call}\n")
     return f"%llguidance {{}}\nstart: call\ncall: %json {call}\n"
+
+
+def _tag(text: str, vocab: Any) -> str:
+    """A Lark item for a tag: its special token when ``vocab`` has one, else the literal text."""
+    token = vocab.text_to_token(text) if vocab is not None else None
+    if token is not None and (vocab.is_control(token) or vocab.is_user_defined(token)):
+        return f"<[{token}]>"
+    return json.dumps(text)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,0 +1,102 @@
+"""Structured output from the command line and YAML pipelines: `llmfw run` / `llmfw chat` with --grammar,
+--grammar-file, -j/--json-schema, -jf/--json-schema-file, --json and --regex; `sampling.grammar` /
+`sampling.json_schema` as text, a file path (relative to the YAML file) or an inline mapping."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from llmfw.core.errors import ConfigError
+from llmfw.core.pipeline import Pipeline, load_pipeline
+
+ROOT = Path(__file__).resolve().parent.parent
+GRAMMARS = Path(__file__).parent / "data" / "grammars"
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                           "rank": {"type": "integer", "minimum": 1, "maximum": 9}},
+          "required": ["city", "rank"], "additionalProperties": False}
+
+
+def llmfw(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "llmfw.cli", *args], capture_output=True, text=True, cwd=ROOT,
+                          input=stdin, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=600)
+
+
+def test_run_with_a_json_schema_prints_valid_json():
+    result = llmfw("run", "-m", "smollm2", "--no-progress", "--chat", "-n", "48", "--temp", "1", "-s", "4",
+                   "-j", json.dumps(SCHEMA), "Name a city as JSON.")
+    assert result.returncode == 0, result.stderr
+    jsonschema.validate(json.loads(result.stdout), SCHEMA)
+    assert "stop: eog" in result.stderr
+
+
+def test_run_with_a_grammar_file_and_regex(tmp_path):
+    result = llmfw("run", "-m", "smollm2", "--no-progress", "-n", "24", "--grammar-file", str(GRAMMARS / "list.gbnf"),
+                   "My shopping list:\n")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("- ")
+    result = llmfw("run", "-m", "smollm2", "--no-progress", "-n", "8", "--regex", "[0-9]{2}", "Two digits:")
+    assert result.returncode == 0 and re.fullmatch(r"[0-9]{2}\n", result.stdout), result.stdout
+
+
+def test_chat_with_json_answers_each_turn_with_a_json_object():
+    result = llmfw("chat", "-m", "smollm2", "--no-progress", "-n", "40", "--json",
+                   stdin="Give me a JSON object.\nAnother one.\n")
+    assert result.returncode == 0, result.stderr
+    answers = [line.removeprefix("> ") for line in result.stdout.splitlines() if line.removeprefix("> ").strip()]
+    objects = [json.loads(a) for a in answers if a.startswith("{")]
+    assert len(objects) == 2 and all(isinstance(o, dict) for o in objects), result.stdout
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--grammar", 'root ::= "a'], "line 1, column 12"),
+    (["-j", '{"type": "nope"}'], "Invalid type"),
+    (["--regex", "(abc"], "unclosed group"),
+    (["--grammar-file", "/nonexistent.gbnf"], "cannot read"),
+    (["--json", "--regex", "a"], "at most one output constraint"),
+])
+def test_bad_constraints_are_one_line_errors(args, words):
+    result = llmfw("run", "-m", "smollm2", "--no-progress", "-n", "4", *args, "hi")
+    assert result.returncode != 0
+    assert words in result.stderr and "Traceback" not in result.stderr
+
+
+def test_help_lists_the_flags():
+    result = llmfw("run", "--help")
+    for flag in ("--grammar", "--grammar-file", "--json-schema", "-jf", "--json", "--regex"):
+        assert flag in result.stdout
+
+
+# -- YAML ------------------------------------------------------------------------------------------------------
+def test_yaml_grammar_and_schema_files_are_relative_to_the_yaml_file(tmp_path):
+    (tmp_path / "g").mkdir()
+    (tmp_path / "g" / "yes.gbnf").write_text('root ::= "yes" | "no"\n')
+    (tmp_path / "s.json").write_text(json.dumps(SCHEMA))
+    (tmp_path / "a.yaml").write_text("sampling:\n  grammar: g/yes.gbnf\n")
+    (tmp_path / "b.yaml").write_text("sampling:\n  json_schema: s.json\n")
+    assert load_pipeline(tmp_path / "a.yaml").config.sampling.grammar == 'root ::= "yes" | "no"\n'
+    assert json.loads(load_pipeline(tmp_path / "b.yaml").config.sampling.json_schema) == SCHEMA
+
+
+def test_yaml_inline_schema_mapping_and_grammar_text(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text("sampling:\n  json_schema:\n    type: object\n    properties: {n: {type: integer}}\n")
+    assert load_pipeline(path).config.sampling.json_schema == {"type": "object",
+                                                               "properties": {"n": {"type": "integer"}}}
+    pipeline = Pipeline.from_dict({"sampling": {"grammar": 'root ::= "a" | "b"'}})
+    assert pipeline.config.sampling.grammar_spec().kind == "gbnf"
+
+
+def test_yaml_bad_grammar_or_missing_file_names_the_key(tmp_path):
+    (tmp_path / "a.yaml").write_text("sampling:\n  grammar: missing.gbnf\n")
+    with pytest.raises(ConfigError, match=r"sampling\.grammar: cannot read"):
+        load_pipeline(tmp_path / "a.yaml")
+    (tmp_path / "b.yaml").write_text("sampling:\n  json_schema: {type: nope}\n")
+    with pytest.raises(ConfigError, match=r"sampling.*Invalid type"):
+        load_pipeline(tmp_path / "b.yaml")
