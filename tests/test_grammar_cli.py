@@ -100,3 +100,27 @@ def test_yaml_bad_grammar_or_missing_file_names_the_key(tmp_path):
     (tmp_path / "b.yaml").write_text("sampling:\n  json_schema: {type: nope}\n")
     with pytest.raises(ConfigError, match=r"sampling.*Invalid type"):
         load_pipeline(tmp_path / "b.yaml")
+
+
+# -- bench -----------------------------------------------------------------------------------------------------
+def test_bench_with_a_json_schema_reports_constrained_tg(smollm2_path):
+    from click.testing import CliRunner
+
+    from llmfw.cli import cli
+
+    schema = ROOT / "benchmarks" / "schemas" / "person.json"
+    result = CliRunner().invoke(cli, ["bench", str(smollm2_path), "-p", "0", "-n", "4", "-r", "1", "--backend",
+                                      "numpy", "-t", "1", "--json", "-jf", str(schema)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    tests = json.loads(result.stdout)["llmfw"][0]["tests"]
+    assert set(tests) == {"tg4", "tg4+sample", "tg4+json"}
+    constrained = tests["tg4+json"]
+    assert constrained["tps_median"] > 0 and constrained["n_tokens"] == 4
+    assert constrained["mask_ms_per_token"] > 0 and constrained["grammar_compile_ms"] > 0
+
+
+def test_bench_refuses_a_bad_schema_before_loading(tmp_path, smollm2_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"type": "nope"}')
+    result = llmfw("bench", str(smollm2_path), "-n", "4", "-p", "0", "-jf", str(bad))
+    assert result.returncode != 0 and "Invalid type" in result.stderr and "Traceback" not in result.stderr
