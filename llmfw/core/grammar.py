@@ -390,18 +390,25 @@ class GrammarMatcher:
         self.vocab = vocab
         self.tokenizer = grammar_tokenizer(vocab)
         start = time.perf_counter()
-        self._matcher = _llguidance().LLMatcher(self.tokenizer, compiled or spec.compile(), log_level=0)
+        llg = _llguidance()
+        self._matcher = llg.LLMatcher(self.tokenizer, compiled or spec.compile(), log_level=0,
+                                      limits=llg.LLParserLimits(verbose_errors=False))
         self.compile_s = time.perf_counter() - start
-        self._raise_if_error()
         self.n_consumed = 0
+        self._raise_if_error()
         self.mask_s = 0.0
         self.n_masks = 0
         if not self.allowed().any() and not self._matcher.is_accepting():
             raise GrammarError(f"the {_KIND_NAMES[spec.kind]} can never match: no token of this model can start it")
 
     def _raise_if_error(self) -> None:
-        if self._matcher.is_error():
-            raise GrammarError(f"{_KIND_NAMES[self.spec.kind]}: {self._matcher.get_error().strip()}")
+        if not self._matcher.is_error():
+            return
+        message = self._matcher.get_error().strip().split("<state>")[0].strip().splitlines()
+        reason = message[0] if message else "error"
+        if self.n_consumed == 0 and reason.startswith("NoExtension"):
+            raise GrammarError(f"the {_KIND_NAMES[self.spec.kind]} can never match: no text satisfies it")
+        raise GrammarError(f"{_KIND_NAMES[self.spec.kind]}: {reason}")
 
     def allowed(self) -> np.ndarray:
         """A boolean array over the vocabulary: True for every token the grammar accepts next (end-of-generation

@@ -389,7 +389,7 @@ class SamplerParams(BaseModel):
     json_schema: str | dict[str, Any] | bool | None = Field(
         None, description="JSON schema the output must match ({} or true = any JSON value)")
     regex: str | None = Field(None, description="regular expression the output must match")
-    _compiled: str | None = PrivateAttr(None)
+    _compiled: tuple[Any, str] | None = PrivateAttr(None)
 
     def __init__(self, **data: Any):
         try:
@@ -403,8 +403,7 @@ class SamplerParams(BaseModel):
 
     @model_validator(mode="after")
     def _check_grammar(self) -> "SamplerParams":
-        spec = self.grammar_spec()
-        self._compiled = spec.compile() if spec is not None else None
+        self.compiled_grammar()  # a bad grammar is an error now, not when a chain is built
         return self
 
     def grammar_spec(self) -> Any:
@@ -416,11 +415,14 @@ class SamplerParams(BaseModel):
         return grammar_spec(self.grammar, self.json_schema, self.regex)
 
     def compiled_grammar(self) -> str | None:
-        """The constraint compiled by llguidance (checked and kept when the parameters were validated)."""
-        if self._compiled is None:
-            spec = self.grammar_spec()
-            self._compiled = spec.compile() if spec is not None else None
-        return self._compiled
+        """The constraint compiled by llguidance (kept with the source it was compiled from, so a copy with
+        another grammar compiles its own)."""
+        spec = self.grammar_spec()
+        if spec is None:
+            return None
+        if self._compiled is None or self._compiled[0] != spec:
+            self._compiled = (spec, spec.compile())
+        return self._compiled[1]
 
     @field_validator("temp", "top_n_sigma", "penalty_freq", "penalty_present", "dynatemp_exponent",
                      "top_p", "min_p", "typical_p", "xtc_probability", "xtc_threshold", "penalty_repeat",
