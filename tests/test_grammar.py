@@ -253,3 +253,23 @@ def test_response_format_json_object_and_schema():
 def test_bad_request_constraints_raise_grammar_error(body, words):
     with pytest.raises(GrammarError, match=words):
         constraint_from_request(json.loads(json.dumps(body)))
+
+
+def test_random_sources_give_grammar_errors_only():
+    """A seeded fuzz over GBNF / Lark / regex / schema fragments: every failure is a GrammarError."""
+    import random
+
+    rng = random.Random(0)
+    alphabet = list('root::= "ab|()[]*+?{}0-9\\\n^x-') + ["::=", "root", '"', "[^", "\\x", "\\u12", "{2,",
+                                                           "%llguidance", "start:", "/", "\ud800"]
+    prefixes = ['{"type":', '{"$ref":"#"}', '{"anyOf":[{"$ref":"#"}]}', '{"type":"string","pattern":"',
+                '{"enum":[]}', '{"type":"array","minItems":5,"maxItems":2}', '{"properties":{"a":']
+    for kind in ("grammar", "regex", "json_schema"):
+        for _ in range(150):
+            text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 40)))
+            if kind == "json_schema":
+                text = rng.choice(prefixes) + text
+            try:
+                SamplerParams(**{kind: text})
+            except GrammarError as exc:
+                assert str(exc) and "Traceback" not in str(exc)

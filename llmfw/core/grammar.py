@@ -122,6 +122,11 @@ def _check_text(text: Any, what: str) -> None:
         raise GrammarError(f"the {what} is empty")
     if len(text) > MAX_GRAMMAR_CHARS:
         raise GrammarError(f"the {what} is {len(text):,} characters long; the limit is {MAX_GRAMMAR_CHARS:,}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise GrammarError(f"the {what} is not valid Unicode text (a lone surrogate at character {exc.start})",
+                           *line_and_column(text, exc.start)) from None
 
 
 def schema_text(schema: str | dict[str, Any] | bool) -> str:
