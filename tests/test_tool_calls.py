@@ -52,9 +52,12 @@ def test_required_grammar_accepts_calls_of_the_tools_only(smollm2_vocab):
     spec = GrammarSpec.from_grammar(grammar)
     assert spec.kind == "lark"
     good = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}\n</tool_call>'
+    second = '\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
     assert check_text_matches(spec, smollm2_vocab, good)
-    assert check_text_matches(spec, smollm2_vocab, good + '\n<tool_call>\n{"name": "get_time", "arguments": '
-                                                          '{"zone": "UTC"}}\n</tool_call>')
+    assert not check_text_matches(spec, smollm2_vocab, good + second)  # one call unless parallel
+    parallel = GrammarSpec.from_grammar(tool_call_grammar([WEATHER, TIME], "required", ToolCallFormat.HERMES,
+                                                          parallel=True))
+    assert check_text_matches(parallel, smollm2_vocab, good + second)
     assert not check_text_matches(spec, smollm2_vocab, good.replace("get_weather", "get_wind"))
     assert not check_text_matches(spec, smollm2_vocab, good.replace('"unit": "c"', '"unit": "k"'))
     assert not check_text_matches(spec, smollm2_vocab, "Sure! " + good)

@@ -33,6 +33,7 @@ class ToolCallFormat(str, Enum):
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
+MORE_HERMES_CALLS = ' ("\\n" tool_call)*'  # Lark: further calls, one per line
 #: the key holding the arguments in each format's call object
 ARGUMENTS_KEY = {ToolCallFormat.HERMES: "arguments", ToolCallFormat.LLAMA3_JSON: "parameters"}
 
@@ -101,9 +102,11 @@ def call_schema(tools: Sequence[Mapping[str, Any]] | None, names: Sequence[str],
 
 
 def tool_call_grammar(tools: Sequence[Mapping[str, Any]] | None, tool_choice: Any, fmt: ToolCallFormat,
-                      vocab: Any = None) -> str | None:
+                      vocab: Any = None, parallel: bool = False) -> str | None:
     """A Lark grammar that forces a call of the chosen function(s), for ``SamplerParams(grammar=...)``; None
     when ``tool_choice`` forces nothing. GrammarError for bad ``tools`` / ``tool_choice`` / parameter schemas.
+    One call, and generation ends after it; ``parallel`` (OpenAI's ``parallel_tool_calls``; llama-server's
+    default is false) allows several calls in a row (hermes format).
 
     With ``vocab``, a tag the vocabulary holds as one special token (Qwen's ``<tool_call>``) is written as that
     token (``<[id]>``), so the model emits the token it was trained on rather than the tag spelled in pieces."""
@@ -113,7 +116,7 @@ def tool_call_grammar(tools: Sequence[Mapping[str, Any]] | None, tool_choice: An
     call = schema_text(call_schema(tools, names, fmt))  # checked for size and nesting
     if fmt == ToolCallFormat.HERMES:
         return ("%llguidance {}\n"
-                'start: tool_call ("\\n" tool_call)*\n'
+                f"start: tool_call{MORE_HERMES_CALLS if parallel else ''}\n"
                 f'tool_call: {_tag(HERMES_OPEN, vocab)} "\\n" call "\\n" {_tag(HERMES_CLOSE, vocab)}\n'
                 f"call: %json {call}\n")
     return f"%llguidance {{}}\nstart: call\ncall: %json {call}\n"

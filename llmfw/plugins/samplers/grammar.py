@@ -27,6 +27,7 @@ class Grammar(Sampler):
         if vocab is None:
             raise SamplerError("the grammar sampler needs the model's vocabulary (build the chain with model=)")
         self.matcher = GrammarMatcher(spec, vocab, compiled)
+        self._ids: np.ndarray | None = None  # 0..n_vocab-1, to recognise candidates still in vocabulary order
 
     @classmethod
     def from_params(cls, params: SamplerParams, env: SamplerEnv, options: dict[str, Any]) -> Sampler:
@@ -37,16 +38,27 @@ class Grammar(Sampler):
 
     def apply(self, cur: Candidates) -> None:
         allowed = self.matcher.allowed()
-        inside = cur.ids < allowed.size
-        keep = np.zeros(cur.size, dtype=bool)
-        keep[inside] = allowed[cur.ids[inside]]
-        if keep.all():
+        positions = self._allowed_positions(cur, allowed)
+        if positions.size == cur.size:
             return
-        positions = np.flatnonzero(keep)
         if positions.size == 0:
             raise GrammarError("no candidate token fits the grammar here (an earlier sampler removed them all, "
                                "or the grammar needs a token this model lacks)")
         cur.take(positions)  # a subset in the same order: ``sorted`` stays true if it was
+
+    def _allowed_positions(self, cur: Candidates, allowed: np.ndarray) -> np.ndarray:
+        n = allowed.size
+        if cur.size >= n and np.array_equal(cur.ids[:n], self._identity(n)):
+            return np.flatnonzero(allowed)  # the usual case, first in the chain: position == token id
+        inside = cur.ids < n
+        keep = np.zeros(cur.size, dtype=bool)
+        keep[inside] = allowed[cur.ids[inside]]
+        return np.flatnonzero(keep)
+
+    def _identity(self, n: int) -> np.ndarray:
+        if self._ids is None or self._ids.size != n:
+            self._ids = np.arange(n, dtype=np.int32)
+        return self._ids
 
     def accept(self, token: int) -> None:
         if not self.matcher.is_stopped:
