@@ -273,3 +273,23 @@ def test_random_sources_give_grammar_errors_only():
                 SamplerParams(**{kind: text})
             except GrammarError as exc:
                 assert str(exc) and "Traceback" not in str(exc)
+
+
+def test_grammar_sampler_keeps_exactly_the_allowed_candidates(smollm2_vocab):
+    """In vocabulary order (first in the chain) and after reordering or truncation alike."""
+    import numpy as np
+
+    from llmfw.core.sampling import Candidates, SamplerEnv, build_sampler
+
+    sampler = build_sampler("grammar", SamplerParams(regex="(yes|no)"), SamplerEnv(vocab=smollm2_vocab))
+    allowed = set(np.flatnonzero(sampler.matcher.allowed()).tolist())
+    rng = np.random.default_rng(1)
+    logits = rng.normal(size=smollm2_vocab.n_vocab).astype(np.float32)
+    in_order = Candidates.from_logits(logits)
+    sampler.apply(in_order)
+    assert set(in_order.ids.tolist()) == allowed and np.array_equal(in_order.logits, logits[in_order.ids])
+    shuffled = Candidates.from_logits(logits)
+    shuffled.take(rng.permutation(shuffled.size)[:30_000])
+    kept_before = set(shuffled.ids.tolist())
+    sampler.apply(shuffled)
+    assert set(shuffled.ids.tolist()) == allowed & kept_before

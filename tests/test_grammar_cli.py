@@ -45,13 +45,25 @@ def test_run_with_a_grammar_file_and_regex(tmp_path):
     assert result.returncode == 0 and re.fullmatch(r"[0-9]{2}\n", result.stdout), result.stdout
 
 
-def test_chat_with_json_answers_each_turn_with_a_json_object():
-    result = llmfw("chat", "-m", "smollm2", "--no-progress", "-n", "40", "--json",
-                   stdin="Give me a JSON object.\nAnother one.\n")
+def test_chat_answers_each_turn_under_the_schema():
+    schema = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 20}},
+              "required": ["answer"], "additionalProperties": False}
+    result = llmfw("chat", "-m", "smollm2", "--no-progress", "-n", "40", "-j", json.dumps(schema),
+                   stdin="Say hello.\nSay goodbye.\n")
     assert result.returncode == 0, result.stderr
-    answers = [line.removeprefix("> ") for line in result.stdout.splitlines() if line.removeprefix("> ").strip()]
-    objects = [json.loads(a) for a in answers if a.startswith("{")]
-    assert len(objects) == 2 and all(isinstance(o, dict) for o in objects), result.stdout
+    answers = [chunk.strip() for chunk in re.split(r"(?m)^> ", result.stdout) if chunk.strip()]
+    assert len(answers) == 2, result.stdout
+    for answer in answers:
+        jsonschema.validate(json.loads(answer), schema)
+
+
+def test_run_with_json_gives_an_object():
+    result = llmfw("run", "-m", "smollm2", "--no-progress", "--chat", "-n", "64", "--json",
+                   "Reply with a JSON object with one key.")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.lstrip().startswith("{")
+    if "stop: eog" in result.stderr:
+        assert isinstance(json.loads(result.stdout), dict)
 
 
 @pytest.mark.parametrize("args, words", [
