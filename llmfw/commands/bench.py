@@ -421,8 +421,10 @@ def format_table(records: list[dict[str, Any]], reference: dict[str, Any] | None
 
 def _constraint_note(record: dict[str, Any], test: str, result: dict[str, Any]) -> str:
     """The constrained run against the plain tg of the same record."""
-    plain = record["tests"].get(test.split("+")[0], {}).get("tps_median")
-    ratio = f", {result['tps_median'] / plain:.2f}x of {test.split('+')[0]}" if plain else ""
+    base = test.split("+")[0]
+    ratios = [f"{result['tps_median'] / ref['tps_median']:.2f}x of {name}" for name in (base, f"{base}+sample")
+              if (ref := record["tests"].get(name)) and ref.get("tps_median")]
+    ratio = f", {', '.join(ratios)}" if ratios else ""
     return (f"{record['engine']} {record['backend']} {test}: mask {result['mask_ms_per_token']:.3f} ms/token, "
             f"grammar compile {result['grammar_compile_ms']:.1f} ms, vocabulary bridge "
             f"{result['vocab_bridge_ms']:.0f} ms (once per model){ratio}")
