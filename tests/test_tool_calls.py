@@ -177,3 +177,11 @@ def test_forced_call_from_a_real_model_parses_and_validates(smollm2_path):
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
     for call in calls:
         jsonschema.validate(json.loads(call.arguments), schemas[call.name])
+
+
+def test_tools_reach_the_template_as_transformers_passes_them():
+    from llmfw.core.chat import render_chat_template
+
+    template = (TEMPLATES / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text(encoding="utf-8")
+    prompt = render_chat_template(template, [{"role": "user", "content": "Weather in Oslo?"}], tools=[WEATHER])
+    assert "get_weather" in prompt and "<tool_call>" in prompt
