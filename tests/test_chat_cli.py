@@ -22,7 +22,9 @@ class PtySession:
         self.master, slave = pty.openpty()
         self.stderr = stderr_path.open("wb")
         self.proc = subprocess.Popen([sys.executable, "-m", "llmfw.cli", *args], stdin=slave, stdout=slave,
-                                     stderr=self.stderr, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                                     stderr=self.stderr, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                                     preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # a job
+        # started in the background inherits SIGINT ignored, and the Ctrl-C below would then do nothing
         os.close(slave)
         self.buffer = ""
 

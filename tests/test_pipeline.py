@@ -33,14 +33,16 @@ def test_defaults_are_llamas_and_sections_parse(tmp_path):
 
 
 @pytest.mark.parametrize("text, message", [
-    ("sampling:\n  top_p: 1.5\n", r"sampling\.top_p: .*less than or equal to 1 \(got 1\.5\)"),
+    ("sampling:\n  top_p: 1.5\n", r"sampling\.top_p: must be <= 1\.0 \(got 1\.5\)"),
     ("sampling:\n  top_k: -2\n", r"sampling\.top_k: must be >= 0"),
     ("sampling:\n  samplers: [top_k, top_z]\n", r"sampling\.samplers: unknown sampler 'top_z'; known: .*top_p"),
-    ("sampling:\n  tempp: 0.5\n", r"sampling\.tempp: Extra inputs are not permitted"),
-    ("context:\n  n_ctx: lots\n", r"context\.n_ctx: .*valid integer"),
+    ("sampling:\n  tempp: 0.5\n", r"sampling\.tempp: unknown key, did you mean `temp`\?"),
+    ("context:\n  n_ctx: lots\n", r"context\.n_ctx: must be an integer \(got 'lots'\)"),
     ("generation:\n  max_tokens: -3\n", r"generation\.max_tokens"),
-    ("chat:\n  enabled: true\n  sytem: hi\n", r"chat\.sytem: Extra inputs"),
-    ("modle: smollm2\n", r"modle: Extra inputs"),
+    ("chat:\n  enabled: true\n  sytem: hi\n", r"chat\.sytem: unknown key, did you mean `system`\?"),
+    ("modle: smollm2\n", r"modle: unknown key, did you mean `model`\?"),
+    ("", r"the pipeline file is empty"),
+    ("# only a comment\n", r"the pipeline file is empty"),
     ("- a\n- b\n", r"must be a mapping"),
 ])
 def test_errors_name_the_key(tmp_path, text, message):
@@ -79,9 +81,10 @@ def test_chat_prompt_uses_template_override(tmp_path):
     assert Pipeline.from_dict({}).render_prompt("hi", model=object()) == "hi"
 
 
-def test_parse_yaml_empty_is_defaults():
-    assert parse_yaml("") == {}
+def test_empty_mapping_is_defaults_but_an_empty_file_is_an_error():
     assert Pipeline.from_dict({}).config.model == "smollm2"
+    with pytest.raises(ConfigError, match="empty"):
+        parse_yaml("", "p.yaml")
 
 
 @pytest.mark.slow
@@ -94,3 +97,62 @@ def test_every_example_runs(path):
     text = "".join(pipeline.run("Hello", stats=stats))
     assert stats.n_generated >= 1 and stats.stop_reason in ("max_tokens", "eog", "stop")
     assert isinstance(text, str)
+
+
+def test_every_problem_in_one_message_with_key_paths(tmp_path):
+    path = write(tmp_path, "sampling: {top_pp: 0.5, temp: hot, top_p: 1.5}\ncontext: {n_ctxx: 5}\n"
+                           "generation: {max_tokens: -5}\n")
+    with pytest.raises(ConfigError) as info:
+        load_pipeline(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}: 5 problems: ")
+    for part in ("sampling.top_pp: unknown key, did you mean `top_p`?", "sampling.temp: must be a number",
+                 "sampling.top_p: must be <= 1.0 (got 1.5)", "context.n_ctxx: unknown key, did you mean `n_ctx`?",
+                 "generation.max_tokens: must be >= 0, -1 (until end of generation) or -2"):
+        assert part in message
+    assert "Extra inputs" not in message and "Input should" not in message  # no pydantic wording
+
+
+def test_sampling_keys_mirror_the_flags_and_old_spellings_are_aliases(tmp_path):
+    new = load_pipeline(write(tmp_path, "sampling: {repeat_penalty: 1.3, repeat_last_n: 32, presence_penalty: 0.2,"
+                                        " frequency_penalty: 0.1, mirostat_lr: 0.2, mirostat_ent: 4, typical: 0.9}\n"))
+    old = load_pipeline(write(tmp_path, "sampling: {penalty_repeat: 1.3, penalty_last_n: 32, penalty_present: 0.2,"
+                                        " penalty_freq: 0.1, mirostat_eta: 0.2, mirostat_tau: 4, typical_p: 0.9}\n",
+                              "old.yaml"))
+    assert new.config.sampling == old.config.sampling
+    s = new.config.sampling
+    assert (s.penalty_repeat, s.penalty_last_n, s.typical_p, s.mirostat_eta) == (1.3, 32, 0.9, 0.2)
+    # errors use the flag-style name, whichever spelling the file used; a flag overrides either spelling
+    with pytest.raises(ConfigError, match=r"sampling\.repeat_penalty: must be > 0"):
+        load_pipeline(write(tmp_path, "sampling: {penalty_repeat: 0}\n", "bad.yaml"))
+    with pytest.raises(ConfigError, match=r"sampling\.repeat_penalty: given twice"):
+        load_pipeline(write(tmp_path, "sampling: {penalty_repeat: 1.1, repeat_penalty: 1.2}\n", "twice.yaml"))
+    overridden = load_pipeline(tmp_path / "p.yaml", {"sampling.penalty_repeat": 1.7})
+    assert overridden.config.sampling.penalty_repeat == 1.7
+    with pytest.raises(ConfigError, match=r"sampling\.repeat_pnealty: unknown key, did you mean `repeat_penalty`"):
+        load_pipeline(write(tmp_path, "sampling: {repeat_pnealty: 1.1}\n", "typo.yaml"))
+
+
+def test_generation_limits_follow_llama_cpp(tmp_path):
+    for value in (-1, -2):
+        assert load_pipeline(write(tmp_path, f"generation: {{max_tokens: {value}}}\n")).config.generation.max_tokens \
+            is None
+    assert load_pipeline(write(tmp_path, "generation: {max_tokens: 0}\n")).config.generation.max_tokens == 0
+
+
+def test_a_missing_model_names_the_yaml_file(tmp_path):
+    path = write(tmp_path, "model: no-such-model.gguf\n")
+    with pytest.raises(ConfigError, match=rf"^{path}: model: 'no-such-model.gguf' is neither a file"):
+        load_pipeline(path).model_location()
+    # the same name from a flag is not the file's fault
+    flagged = Pipeline.from_dict({"model": "no-such-model.gguf"}, path, overridden=frozenset({"model"}))
+    with pytest.raises(ConfigError, match=r"^model: 'no-such-model.gguf'"):
+        flagged.model_location()
+
+
+def test_a_backend_the_file_names_wrongly_names_the_file(tmp_path, smollm2_path):
+    from llmfw.core.errors import UnknownBackend
+
+    path = write(tmp_path, f"model: {smollm2_path}\nbackend: numpyy\n")
+    with pytest.raises(UnknownBackend, match=rf"^{path}: backend: unknown backend 'numpyy'; known: .*numpy"):
+        load_pipeline(path).load_model()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from reference_gen.arch_specs import SPECS
 from reference_gen.arch_testing import assert_clears_bar, decode_all, longest, model_file, records, reference
 
 import llmfw
@@ -55,3 +56,22 @@ def test_the_reference_sees_the_scaling(files, score, scaling):
     result = score(record, unscaled)
     assert result["top1"] < 0.9 or result["mean_lp_err"] > 0.2, result
     assert np.isfinite(unscaled).all()
+
+
+def test_run_time_llama3_factors_equal_the_files_bit_for_bit(files):
+    """A Llama-3.1 file without ``rope_freqs`` gets its divisors computed at load; they must be the converter's
+    exact float32 values on any CPU (no vectorised float32 power, whose last bits depend on AVX2 / AVX-512)."""
+    from llmfw.core.gguf import open_gguf
+    from llmfw.plugins.architectures.llama import llama3_rope_factors
+
+    path = files("llama3")
+    with open_gguf(path) as f:
+        stored = np.array(f.tensor_array("rope_freqs.weight"), dtype=np.float32)
+    scaling = SPECS["llama-rope-llama3"]["llama3_rope"]  # the converter's inputs, which the file does not keep
+    with llmfw.load_model(path, backend="numpy", vocab_only=True) as model:
+        hparams = model.hparams.model_copy(update={
+            "rope_scaling_factor": scaling["factor"], "n_ctx_orig_yarn": scaling["original_max_position_embeddings"],
+            "rope_llama3_low_freq_factor": scaling["low_freq_factor"],
+            "rope_llama3_high_freq_factor": scaling["high_freq_factor"]})
+        computed = llama3_rope_factors(hparams)
+    assert computed.dtype == np.float32 and computed.tobytes() == stored.tobytes()

@@ -137,6 +137,15 @@ def _human_count(n: int) -> str:
     return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M" if n >= 1e6 else str(n)
 
 
+def _special_tokens_text(tok: dict[str, Any]) -> str:
+    """``bos 1, eos 2, unknown 0, padding 2; add_bos_token false`` — what the text view promises (README)."""
+    ids = [f"{label} {tok[key]}" for key, label in (("bos_token_id", "bos"), ("eos_token_id", "eos"),
+                                                     ("unknown_token_id", "unknown"), ("padding_token_id", "padding"))
+           if key in tok]
+    flags = [f"{key} {str(tok[key]).lower()}" for key in ("add_bos_token", "add_eos_token") if key in tok]
+    return "; ".join(part for part in (", ".join(ids), ", ".join(flags)) if part) or "none declared"
+
+
 def format_text(s: dict[str, Any]) -> str:
     lines = [f"file:            {', '.join(s['files'])}",
              f"GGUF version:    {s['gguf_version']} (alignment {s['alignment']}, {s['metadata_keys']} keys)",
@@ -148,6 +157,8 @@ def format_text(s: dict[str, Any]) -> str:
     tok = s["tokenizer"]
     merges = f", {tok['merges']} merges" if tok["merges"] is not None else ""
     lines.append(f"tokenizer:       {tok['model']} (pre {tok['pre']}), {tok['vocab_size']} tokens{merges}")
+    lines.append(f"special tokens:  {_special_tokens_text(tok)}")
+    lines.append(f"chat template:   {'yes' if tok['chat_template'] else 'no (ChatML is used)'}")
     ftype = s["file_type"] or "-"
     if s["general_file_type"]:
         ftype += f" (general.file_type {s['general_file_type']['id']}: {s['general_file_type']['name']})"

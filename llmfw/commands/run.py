@@ -38,28 +38,60 @@ SAMPLING_FLAGS: dict[str, tuple[str, Any, str]] = {
 }
 
 
+#: what --backend's help says about the default (core/backend.py choose_default_backend: the backends'
+#: declared priorities; these are the built-in ones)
+BACKEND_HELP = ("numpy, onnx, torch, torch:cuda, ggml. Default: torch:cuda when a CUDA GPU and torch are present, "
+                "else onnx (onnxruntime importable), else numpy; -v says which and why.")
+#: llama.cpp's -n values below 0 (llmfw has no context shift, so both run until the context is full at most)
+N_PREDICT_UNTIL_EOG, N_PREDICT_UNTIL_FULL = -1, -2
+
+
 def _option_key(flag: str) -> str:
     return flag.lstrip("-").replace("-", "_")
+
+
+def check_n_predict(ctx: click.Context, param: click.Parameter, value: int | None) -> int | None:
+    """llama.cpp's -n: N >= 0 tokens, -1 until end of generation, -2 until the context is full; else an error
+    (a stray -5 must not mean "no limit")."""
+    if value is not None and value < N_PREDICT_UNTIL_FULL:
+        raise click.BadParameter(f"{value} is not a token limit: use N >= 0, -1 (until end of generation) or -2 "
+                                 "(until the context is full)", ctx=ctx, param=param)
+    return value
+
+
+def threads_option(func: Callable[..., Any]) -> Callable[..., Any]:
+    """``-t/--threads N``: CPU threads for the backends' kernels (``context.n_threads``); for `run`, `chat`
+    and any command that builds a context (e.g. `serve`)."""
+    return click.option("-t", "--threads", "threads", type=click.IntRange(min=1), default=None,
+                        help="CPU threads for generation (default: the backend library's own choice).")(func)
 
 
 def model_and_sampling_options(func: Callable[..., Any]) -> Callable[..., Any]:
     """The options `run` and `chat` share: model, placement, context, sampling, config, verbosity."""
     options = [
         click.option("-m", "--model", "model", default=None, help="Catalog name or GGUF path (default: smollm2)."),
-        click.option("--backend", default=None, help="numpy, torch, torch:cuda, onnx (default: fastest)."),
+        click.option("--backend", default=None, help=BACKEND_HELP),
         click.option("-ngl", "--n-gpu-layers", "n_gpu_layers", type=int, default=None,
                      help="Layers on the GPU (-1 = all)."),
-        click.option("-c", "--n-ctx", "n_ctx", type=int, default=None, help="Context size (0 = model default)."),
+        click.option("-c", "--n-ctx", "n_ctx", type=click.IntRange(min=0), default=None,
+                     help="Context size in tokens (0 = min(n_ctx_train, 4096)); rounded up to a multiple of 256 "
+                          "like llama.cpp (-v shows the size used)."),
         click.option("-n", "--n-predict", "--max-tokens", "max_tokens", type=int, default=None,
-                     help="Maximum tokens to generate (-1 = until end of generation)."),
+                     callback=check_n_predict,
+                     help="Tokens to generate: N >= 0, -1 = until end of generation, -2 = until the context is "
+                          "full (default 256)."),
+        threads_option,
         click.option("--stop", "stop", multiple=True, help="Stop string (repeatable; never printed)."),
         click.option("-s", "--seed", type=int, default=None, help="RNG seed (-1 = random)."),
         click.option("--sampler-seq", "--samplers", "sampler_seq", default=None,
                      help="Sampler order: llama.cpp letters (edskypmxt) or names (top_k,top_p,temp)."),
         click.option("--system", default=None, help="System prompt (chat template)."),
+        click.option("--special", is_flag=True, default=None,
+                     help="Print control tokens (<|im_start|>, <end_of_turn>...), like llama-cli --special."),
         click.option("--config", "config", type=click.Path(dir_okay=False), default=None,
                      help="YAML pipeline file; flags override it."),
-        click.option("-v", "--verbose", is_flag=True, help="Show the model, the sampler chain and parameters."),
+        click.option("-v", "--verbose", is_flag=True,
+                     help="Show the model, the backend and why, the context size, the sampler chain and parameters."),
         click.option("--no-progress", is_flag=True, help="No progress bars."),
     ]
     for flag, (_, kind, help_text) in SAMPLING_FLAGS.items():
@@ -114,7 +146,8 @@ def config_overrides(opts: dict[str, Any]) -> dict[str, Any]:
 
     overrides: dict[str, Any] = {}
     simple = {"model": "model", "backend": "backend", "n_gpu_layers": "n_gpu_layers", "n_ctx": "context.n_ctx",
-              "system": "chat.system", "seed": "sampling.seed"}
+              "threads": "context.n_threads", "system": "chat.system", "seed": "sampling.seed",
+              "special": "tokenizer.special"}
     for option, key in simple.items():
         if opts.get(option) is not None:
             overrides[key] = opts[option]
@@ -137,8 +170,9 @@ def sampling_flag_given(opts: dict[str, Any]) -> bool:
         opts.get(_option_key(flag)) is not None for flag in SAMPLING_FLAGS)
 
 
-def build_pipeline(opts: dict[str, Any], extra: dict[str, Any] | None = None) -> Any:
-    """The pipeline from ``--config`` (if any) with the flags applied; greedy unless sampling is configured."""
+def build_pipeline(opts: dict[str, Any], extra: dict[str, Any] | None = None, *, greedy_default: bool = True) -> Any:
+    """The pipeline from ``--config`` (if any) with the flags applied. With ``greedy_default`` (`run`) it is
+    greedy unless sampling is configured; without (`chat`) llama.cpp's sampling defaults apply."""
     from ..core.pipeline import Pipeline, merge_overrides, read_yaml
 
     config = opts.get("config")
@@ -146,18 +180,21 @@ def build_pipeline(opts: dict[str, Any], extra: dict[str, Any] | None = None) ->
     overrides = config_overrides(opts)
     if extra:
         overrides.update(extra)
-    if not sampling_flag_given(opts) and "sampling" not in data:
+    if greedy_default and not sampling_flag_given(opts) and "sampling" not in data:
         overrides["sampling.temp"] = 0.0  # greedy by default: reproduces llama.cpp's reference continuations
-    return Pipeline.from_dict(merge_overrides(data, overrides), Path(config) if config else "<command line>")
+    return Pipeline.from_dict(merge_overrides(data, overrides), Path(config) if config else "<command line>",
+                              overridden=frozenset(overrides))
 
 
-def load_model_with_progress(pipeline: Any, show: bool) -> Any:
-    """Resolve (pulling a catalog model if needed) and load the pipeline's model, with progress bars."""
+def load_model_with_progress(pipeline: Any, show: bool, verbose: bool = False) -> Any:
+    """Resolve (pulling a catalog model if needed; pip's output only with ``verbose``) and load the pipeline's
+    model, with progress bars."""
     from ..core.catalog import resolve_model
 
     location = pipeline.model_location()
     with ProgressBar(f"pull {location}", enabled=None if show else False) as bar:
-        path = resolve_model(location, progress=lambda done, total, what: bar.update(done / max(total, 1), what))
+        path = resolve_model(location, verbose=verbose,
+                             progress=lambda done, total, what: bar.update(done / max(total, 1), what))
     pipeline.config.model = str(path)
     with ProgressBar(f"loading {Path(path).name}", enabled=None if show else False) as bar:
         return pipeline.load_model(progress=lambda fraction: bar.update(fraction))
@@ -166,7 +203,10 @@ def load_model_with_progress(pipeline: Any, show: bool) -> Any:
 def describe_setup(model: Any, ctx: Any, sampler: Any, pipeline: Any) -> None:
     describe = getattr(model, "describe", None)
     click.echo(describe() if callable(describe) else repr(model), err=True)
-    click.echo(f"context: n_ctx {getattr(ctx, 'n_ctx', '?')}", err=True)
+    click.echo(f"backend: {getattr(model, 'backend_choice', '') or '?'}", err=True)
+    size = ctx.describe_n_ctx() if hasattr(ctx, "describe_n_ctx") else f"n_ctx {getattr(ctx, 'n_ctx', '?')}"
+    threads = pipeline.config.context.n_threads
+    click.echo(f"context: {size}, threads {threads if threads else 'backend default'}", err=True)
     click.echo(f"sampler chain: {' -> '.join(sampler.names)}", err=True)
     params = pipeline.config.sampling.model_dump(exclude={"samplers", "dry_sequence_breakers", "options", "grammar",
                                                           "json_schema", "regex"})
@@ -184,6 +224,7 @@ def run(prompt: str | None, use_chat: bool, **opts: Any) -> None:
     """Generate a continuation of PROMPT ("-" reads it from stdin).
 
     Greedy unless a sampling flag is given; the prompt is tokenized with special tokens parsed, not echoed.
+    Ctrl-C stops the generation, prints the timing line and exits with status 130.
     """
     from ..core.generate import GenerationStats, context_int
 
@@ -192,7 +233,7 @@ def run(prompt: str | None, use_chat: bool, **opts: Any) -> None:
     pipeline = build_pipeline(opts, {"chat.enabled": True} if use_chat else None)
     if prompt is None and pipeline.config.generation.prompt is None:
         raise click.UsageError("give a PROMPT (or set generation.prompt in --config)")
-    model = load_model_with_progress(pipeline, not opts["no_progress"])
+    model = load_model_with_progress(pipeline, not opts["no_progress"], verbose=opts["verbose"])
     ctx = pipeline.new_context(model)
     sampler = pipeline.make_sampler(model, context_int(ctx, "n_ctx"))
     if opts["verbose"]:
@@ -208,4 +249,6 @@ def run(prompt: str | None, use_chat: bool, **opts: Any) -> None:
     out.write("\n")
     out.flush()
     click.echo(stats.summary(), err=True)
+    if stats.stop_reason == "interrupted":
+        sys.exit(130)  # like any program stopped by SIGINT: a script can tell an interrupted run from a finished one
 

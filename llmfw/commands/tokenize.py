@@ -45,4 +45,6 @@ def tokenize_cmd(model: str, text: str, ids_only: bool, pieces_only: bool, no_sp
         else:
             click.echo(f"{token:6d} -> '{piece}'")
     if not pieces_only:
-        click.echo(f"{len(tokens)} tokens", err=True)
+        from ..core.generate import plural
+
+        click.echo(plural(len(tokens), "token"), err=True)

@@ -66,8 +66,10 @@ class TensorSpec:
     ``name``: the GGUF name (``"blk.3.attn_q.weight"``); ``ne``: ggml shape, ``ne0`` first (the contiguous
     dimension: for a matmul weight that is the input size); ``layer``: the block index, or :data:`INPUT_LAYER`
     / :data:`OUTPUT_LAYER`; ``optional``: absent from the file is fine (the graph checks
-    ``builder.has_weight``); ``duplicate_of``: when absent, reuse this other tensor's data (tied output head).
-    A tensor with ``duplicate_of`` is implicitly optional. The same name may be declared once only.
+    ``builder.has_weight``; llama.cpp's ``TENSOR_NOT_REQUIRED``); ``duplicate_of``: when absent, reuse this other
+    tensor's data (tied output head; llama.cpp's ``TENSOR_DUPLICATED``), and absent both, the tensor is missing
+    unless ``optional``; ``unless``: absent is fine when the file has this other tensor instead (separate Q/K/V
+    when a fused ``attn_qkv`` is there). The same name may be declared once only.
     """
 
     name: str
@@ -80,6 +82,23 @@ class TensorSpec:
     #: when absent from the file, compute it from the hyperparameters (float32, numpy shape = reversed ne);
     #: e.g. llama3 rope frequency factors derived from ``rope.scaling.*`` keys. Implicitly optional.
     generate: Callable[[HParams], np.ndarray] | None = None
+    #: the fused alternative whose presence makes this tensor unnecessary
+    unless: str | None = None
+
+
+def attention_qkv_tensors(hp: HParams, il: int, n_embd: int | None = None) -> list[TensorSpec]:
+    """llama.cpp's ``create_tensor_qkv``: a fused ``attn_qkv`` (optional, with an optional bias) or separate Q, K,
+    V projections (required unless fused), each with an optional bias. ``n_embd`` is the input size."""
+    n_in = hp.n_embd if n_embd is None else n_embd
+    sizes = {"q": hp.n_embd_head_k * hp.n_head(il), "k": hp.n_embd_k_gqa(il), "v": hp.n_embd_v_gqa(il)}
+    fused = f"blk.{il}.attn_qkv.weight"
+    specs = [TensorSpec(fused, (n_in, sum(sizes.values())), il, optional=True),
+             TensorSpec(f"blk.{il}.attn_qkv.bias", (sum(sizes.values()),), il, optional=True, usage="add")]
+    specs += [TensorSpec(f"blk.{il}.attn_{part}.weight", (n_in, size), il, unless=fused)
+              for part, size in sizes.items()]
+    specs += [TensorSpec(f"blk.{il}.attn_{part}.bias", (size,), il, optional=True, usage="add")
+              for part, size in sizes.items()]
+    return specs
 
 
 @dataclass(frozen=True)

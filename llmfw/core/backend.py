@@ -30,6 +30,7 @@ with :meth:`from_numpy`). ``weight`` nodes do appear; the backend resolves them 
 """
 from __future__ import annotations
 
+import importlib.util
 import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -37,7 +38,7 @@ from typing import Any, Callable, ClassVar, Mapping
 
 import numpy as np
 
-from .errors import BackendUnavailable, UnknownBackend
+from .errors import BackendUnavailable, LLMFWError, UnknownBackend
 from .graph import Node
 
 log = logging.getLogger(__name__)
@@ -114,6 +115,13 @@ class Backend(ABC):
     supported_ops: ClassVar[frozenset[str]] = frozenset()
     #: True for the backend that may hold the token embedding (get_rows on token_embd, like llama.cpp's CPU)
     is_host: ClassVar[bool] = False
+    #: importable modules this backend needs (checked with ``find_spec``, without importing them): what
+    #: ``llmfw plugins`` reports as "not installed"
+    requires: ClassVar[tuple[str, ...]] = ()
+    #: how this backend offers itself as the default (``backend=None``): device -> priority. The default is
+    #: the highest-priority device whose :meth:`default_unavailable_reason` is None; no entry = never chosen
+    #: by default (only when asked for by name)
+    default_priority: ClassVar[Mapping[str, int]] = {}
 
     def __init__(self, device: str | None = None, n_threads: int | None = None):
         self.device = device
@@ -131,6 +139,31 @@ class Backend(ABC):
     @classmethod
     def check_available(cls, device: str | None = None) -> None:
         """Raise :class:`BackendUnavailable` (naming the pip extra) when this backend cannot run here."""
+
+    @classmethod
+    def install_hint(cls) -> str:
+        """How to install what :attr:`requires` names: the pip extra when there is one."""
+        if cls.pip_extra:
+            return f"pip install 'llmfw[{cls.pip_extra}]'"
+        return "pip install " + " ".join(cls.requires)
+
+    @classmethod
+    def missing_requirements(cls) -> list[str]:
+        """The modules of :attr:`requires` that are not installed (nothing is imported to find out)."""
+        return [module for module in cls.requires if not _module_installed(module)]
+
+    @classmethod
+    def default_unavailable_reason(cls, device: str) -> str | None:
+        """Why this backend cannot be the default on ``device`` here (None: it can). Cheap checks first, so
+        that ruling a backend out never imports a large library it does not need."""
+        missing = cls.missing_requirements()
+        if missing:
+            return f"{', '.join(missing)} not installed"
+        try:
+            cls.check_available(None if device == "cpu" else device)
+        except LLMFWError as exc:
+            return str(exc)
+        return None
 
     # -- weights ----------------------------------------------------------------------------------------
     @abstractmethod
@@ -232,12 +265,57 @@ def create_backend(spec: str, n_threads: int | None = None) -> Backend:
     return cls(device=device, n_threads=n_threads)
 
 
-def default_backend_spec() -> str:
-    """``"torch"`` when torch is importable and its backend works here, else ``"numpy"`` (DESIGN.md)."""
+def _module_installed(module: str) -> bool:
     try:
-        cls = backend_class("torch")
-        cls.check_available(None)
-    except Exception as exc:  # noqa: BLE001 - any failure means: fall back to the always-present numpy
-        log.debug("torch backend not usable (%s); using numpy", exc)
-        return "numpy"
-    return "torch"
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a broken parent package, or a module without a spec
+        return False
+
+
+@dataclass(frozen=True)
+class BackendChoice:
+    """The default backend and why: ``spec`` is what ``backend=None`` resolves to, ``reason`` says so in words."""
+
+    spec: str
+    reason: str
+
+
+def _default_candidates() -> list[tuple[int, str, str]]:
+    """(priority, registry name, device) for every default declaration, best first."""
+    from .plugins import registry
+
+    candidates = []
+    for name in registry("backends").names():
+        try:
+            cls = backend_class(name)
+        except LLMFWError as exc:  # a plugin that cannot be imported offers nothing
+            log.debug("backend %s not considered as the default: %s", name, exc)
+            continue
+        candidates += [(int(priority), name, device) for device, priority in cls.default_priority.items()]
+    return sorted(candidates, key=lambda c: (-c[0], c[1], c[2]))
+
+
+def choose_default_backend() -> BackendChoice:
+    """The backend ``backend=None`` means: among the registered backends' declarations
+    (:attr:`Backend.default_priority`), the highest priority that can run here. Built in: ``torch:cuda`` (a
+    CUDA GPU and torch), then ``onnx`` on the CPU (onnxruntime importable), then ``numpy``."""
+    skipped: list[str] = []
+    for priority, name, device in _default_candidates():
+        spec = name if device == "cpu" else f"{name}:{device}"
+        try:
+            why_not = backend_class(name).default_unavailable_reason(device)
+        except Exception as exc:  # noqa: BLE001 - one broken plugin's check must not leave no default at all
+            why_not = f"its availability check failed: {type(exc).__name__}: {exc}"
+        if why_not is None:
+            reason = f"the highest-priority backend usable here (priority {priority})"
+            if skipped:
+                reason += "; skipped " + "; ".join(skipped)
+            return BackendChoice(spec, reason)
+        skipped.append(f"{spec}: {why_not}")
+    raise BackendUnavailable("no registered backend can run here as the default"
+                             + (f" ({'; '.join(skipped)})" if skipped else "") + "; name one with backend=...")
+
+
+def default_backend_spec() -> str:
+    """The spec ``backend=None`` means (see :func:`choose_default_backend`)."""
+    return choose_default_backend().spec

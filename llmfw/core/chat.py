@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import json
 from datetime import datetime
+from functools import lru_cache
 from typing import Any, Mapping, Sequence
 
 import jinja2
 from jinja2.exceptions import SecurityError, TemplateError
+from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.utils import Namespace
 
 from .errors import ChatTemplateError
 
@@ -57,6 +60,38 @@ class _GuardedEnvironment(ImmutableSandboxedEnvironment):
         return super().call_binop(context, operator, left, right)
 
 
+class _GenerationTag(Extension):
+    """``{% generation %}...{% endgeneration %}``: transformers marks the assistant's part with it (to build an
+    assistant-token mask); for rendering it is its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body).set_lineno(lineno)
+
+
+class _Namespace(Namespace):
+    """jinja2's ``namespace()`` that refuses underscore names, as transformers' does (no ``ns.__class__`` tricks)."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:  # noqa: N805 - jinja2's own signature trick
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _Namespace._check_name(name)
+        Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _Namespace._check_name(name)
+        Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check_name(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise SecurityError(f"a chat template may not store the underscore name {name!r} on a namespace")
+
+
 def _raise_exception(message: str) -> None:
     raise ChatTemplateError(f"the chat template refused the conversation: {message}")
 
@@ -79,12 +114,18 @@ def template_environment() -> _GuardedEnvironment:
     """The shared sandbox (trim_blocks / lstrip_blocks, as Hugging Face and llama-cpp-python render)."""
     global _environment
     if _environment is None:
-        env = _GuardedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env = _GuardedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                  extensions=["jinja2.ext.loopcontrols", _GenerationTag])
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = _strftime_now
+        env.globals["namespace"] = _Namespace
         _environment = env
     return _environment
+
+
+#: names a message's reasoning comes under; transformers fills the first from the others and ``thinking`` too
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
 def _check_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -94,18 +135,30 @@ def _check_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any
             raise ChatTemplateError(f"message {i} must be a mapping with 'role' and 'content', got {message!r}")
         if "role" not in message or "content" not in message:
             raise ChatTemplateError(f"message {i} needs 'role' and 'content' keys, got {sorted(message)}")
-        checked.append(dict(message))
+        checked.append(_with_reasoning_aliases(dict(message)))
     return checked
+
+
+def _with_reasoning_aliases(message: dict[str, Any]) -> dict[str, Any]:
+    """transformers' ``_alias_reasoning_fields``: templates read ``reasoning_content`` (gpt-oss ``thinking``)."""
+    reasoning = next((message[key] for key in _REASONING_FIELDS if message.get(key) is not None), None)
+    if reasoning is None:
+        return message
+    return {"thinking": reasoning, **message, "reasoning_content": reasoning}
 
 
 def render_chat_template(template: str, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                          bos_token: str = "", eos_token: str = "", **extra: Any) -> str:
-    """Render a Jinja2 chat template in the sandbox; any failure is a :class:`ChatTemplateError`."""
+    """Render a Jinja2 chat template in the sandbox; any failure is a :class:`ChatTemplateError`.
+
+    Every ``extra`` keyword (``tools``, ``documents``, ``date_string``, ``enable_thinking`` ...) reaches the template
+    as a variable; ``tools`` and ``documents`` are None when not given, as transformers passes them."""
     checked = _check_messages(messages)
+    variables = {"tools": None, "documents": None, **extra}
     try:
-        compiled = template_environment().from_string(template)
+        compiled = _compiled(template)
         return compiled.render(messages=checked, add_generation_prompt=add_generation_prompt,
-                               bos_token=bos_token, eos_token=eos_token, **extra)
+                               bos_token=bos_token, eos_token=eos_token, **variables)
     except ChatTemplateError:
         raise
     except SecurityError as exc:
@@ -118,6 +171,13 @@ def render_chat_template(template: str, messages: Sequence[Mapping[str, Any]], a
     except (TypeError, ValueError, KeyError, AttributeError, IndexError, ZeroDivisionError,
             RecursionError, OverflowError) as exc:
         raise ChatTemplateError(f"the chat template failed to render: {type(exc).__name__}: {exc}") from None
+
+
+@lru_cache(maxsize=32)
+def _compiled(template: str) -> jinja2.Template:
+    """Compiling a large template costs tens of milliseconds; a chat or a server renders the same one again and
+    again (bounded: a few distinct templates per process)."""
+    return template_environment().from_string(template)
 
 
 def _metadata_value(model: Any, key: str) -> Any:

@@ -123,9 +123,22 @@ class Context:
         ubatches, reserved = self.memory.init_batch(allocated, self.n_ubatch)
         if reserved is None:
             return self._fail(DECODE_NO_SLOT, f"no KV cache slot for {allocated.n_tokens} tokens "
-                                              f"(n_ctx = {self.n_ctx}); free space with memory.seq_rm or use a "
-                                              "larger n_ctx")
+                                              f"({self.describe_n_ctx()}); free space with memory.seq_rm or use "
+                                              "a larger n_ctx")
         return self._run_ubatches(allocated, ubatches, reserved)
+
+    def n_ctx_padding_note(self) -> str:
+        """``"64 requested, padded to a multiple of 256 like llama.cpp"`` when the KV padding changed the size
+        that was asked for, else ``""``: the padding is never silent (``-v``, too-long errors)."""
+        requested = self.params.n_ctx
+        if requested and requested != self.n_ctx:
+            return f"{requested} requested, padded to a multiple of {KV_PAD} like llama.cpp"
+        return ""
+
+    def describe_n_ctx(self) -> str:
+        """``n_ctx 256 (64 requested, padded ...)`` or just ``n_ctx 4096``."""
+        note = self.n_ctx_padding_note()
+        return f"n_ctx {self.n_ctx}" + (f" ({note})" if note else "")
 
     def _run_ubatches(self, allocated: AllocatedBatch, ubatches: list[UBatch], reserved: Any) -> int:
         start = time.perf_counter()

@@ -46,6 +46,10 @@ class ModelError(LLMFWError):
     """A model's hyperparameters or tensors do not match what its architecture expects."""
 
 
+class MissingMetadataKey(ModelError):
+    """A metadata key the architecture needs is not in the file (a vocab-only load may do without it)."""
+
+
 class LoadCancelled(LLMFWError):
     """The progress callback returned False; the partly loaded model was released."""
 

@@ -37,6 +37,7 @@ class GenerationStats:
     n_generated: int = 0       # tokens sampled
     t_generate: float = 0.0    # seconds from the first sample to the end
     stop_reason: str = ""      # "eog" (also: the grammar is complete), "stop", "max_tokens", "context_full"
+    #                            ("interrupted": set by the CLI)
     tokens: list[int] = field(default_factory=list)  # the sampled tokens
 
     @property
@@ -48,9 +49,15 @@ class GenerationStats:
         return self.n_generated / self.t_generate if self.t_generate > 0 else 0.0
 
     def summary(self) -> str:
-        return (f"prompt: {self.n_prompt_decoded} tokens in {self.t_prompt:.2f} s ({self.prompt_tps:.1f} tok/s, "
-                f"{self.n_cached} cached) | generation: {self.n_generated} tokens in {self.t_generate:.2f} s "
-                f"({self.generate_tps:.1f} tok/s) | stop: {self.stop_reason}")
+        return (f"prompt: {plural(self.n_prompt_decoded, 'token')} in {self.t_prompt:.2f} s "
+                f"({self.prompt_tps:.1f} tok/s, {self.n_cached} cached) | generation: "
+                f"{plural(self.n_generated, 'token')} in {self.t_generate:.2f} s ({self.generate_tps:.1f} tok/s) | "
+                f"stop: {self.stop_reason}")
+
+
+def plural(n: int, noun: str) -> str:
+    """``1 token``, ``0 tokens``, ``2 tokens``."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 # -- the record of what is in each context's cache -------------------------------------------------------------
@@ -112,10 +119,10 @@ def tokenize_prompt(model: Any, prompt: str | Sequence[int], parse_special: bool
 class TextStream:
     """Token bytes → text, holding back incomplete UTF-8 and anything that may start a stop string."""
 
-    def __init__(self, vocab: Any, stop: Sequence[str]):
+    def __init__(self, vocab: Any, stop: Sequence[str], special: bool = False):
         from .vocab import StreamingDetokenizer
 
-        self.detokenizer = StreamingDetokenizer(vocab)
+        self.detokenizer = StreamingDetokenizer(vocab, special)
         self.stop = [s for s in stop if s]
         self.pending = ""
         self.stopped = False
@@ -165,8 +172,9 @@ def _prepare_prompt(ctx: Any, tokens: list[int], n_ctx: int | None) -> tuple[int
     if not tokens:
         raise ContextError("the prompt is empty: nothing to generate from (give at least one token)")
     if n_ctx is not None and len(tokens) > n_ctx:
-        raise ContextError(f"the prompt has {len(tokens)} tokens but the context holds {n_ctx}; use a larger "
-                           "n_ctx or a shorter prompt")
+        padding = getattr(ctx, "n_ctx_padding_note", lambda: "")()
+        raise ContextError(f"the prompt has {len(tokens)} tokens but the context holds {n_ctx}"
+                           + (f" ({padding})" if padding else "") + "; use a larger n_ctx or a shorter prompt")
     record = _synced_record(ctx)
     common = 0
     for cached, new in zip(record, tokens):
@@ -187,14 +195,17 @@ def _prepare_prompt(ctx: Any, tokens: list[int], n_ctx: int | None) -> tuple[int
 def generate(ctx: Any, prompt: str | Sequence[int], sampler: Sampler | None = None,
              max_tokens: int | None = None, stop: str | Sequence[str] | None = None, *,
              parse_special: bool = True, add_special: bool = True, accept_prompt: bool = True,
-             stats: GenerationStats | None = None) -> Iterator[str]:
+             stats: GenerationStats | None = None, special: bool = False) -> Iterator[str]:
     """Stream the continuation of ``prompt`` as text pieces.
 
     ``sampler``: a :class:`SamplerChain` (or any Sampler that selects); None = greedy.
     ``max_tokens``: at most this many sampled tokens (None = until an end-of-generation token, a stop
     string or a full context). ``stop``: strings that end the generation (not emitted).
     ``accept_prompt``: feed the newly decoded prompt tokens to the sampler's history (like llama-cli, so
-    repetition penalties see the prompt). ``stats``: a :class:`GenerationStats` to fill in.
+    repetition penalties see the prompt). ``stats``: a :class:`GenerationStats` to fill in. ``special``: render
+    control tokens (llama.cpp's ``token_to_piece(special=True)``, llama-cli ``--special``); by default they
+    print as nothing, as in llama-cli. User-defined tokens (Gemma-3's ``<start_of_image>``) always print, as
+    in llama.cpp.
     """
     model = _model(ctx)
     chain = sampler if sampler is not None else SamplerChain.greedy()
@@ -211,12 +222,12 @@ def generate(ctx: Any, prompt: str | Sequence[int], sampler: Sampler | None = No
     n_keep, new_tokens = _prepare_prompt(ctx, tokens, n_ctx)
     record = _records[ctx]
     stats.n_prompt, stats.n_cached = len(tokens), n_keep
-    return _stream(ctx, model, chain, record, n_keep, new_tokens, n_batch, n_ctx, max_tokens, stops,
-                   accept_prompt, stats)
+    return _stream(ctx, model, chain, record, n_keep, new_tokens, n_batch, n_ctx, max_tokens,
+                   TextStream(model.vocab, stops, special), accept_prompt, stats)
 
 
 def _stream(ctx: Any, model: Any, chain: SamplerChain, record: list[int], n_keep: int, new_tokens: list[int],
-            n_batch: int, n_ctx: int | None, max_tokens: int | None, stops: list[str], accept_prompt: bool,
+            n_batch: int, n_ctx: int | None, max_tokens: int | None, text: "TextStream", accept_prompt: bool,
             stats: GenerationStats) -> Iterator[str]:
     vocab = model.vocab
     t0 = time.perf_counter()
@@ -226,7 +237,6 @@ def _stream(ctx: Any, model: Any, chain: SamplerChain, record: list[int], n_keep
         for t in new_tokens:
             chain.accept_prompt(t)
 
-    text = TextStream(vocab, stops)
     t_start = time.perf_counter()
     try:
         while True:

@@ -23,6 +23,7 @@ is garbage collected. Metadata values are always copies, so they never pin a map
 """
 from __future__ import annotations
 
+import codecs
 import mmap
 import os
 import re
@@ -136,6 +137,28 @@ def _align_up(value: int, alignment: int) -> int:
 # ----------------------------------------------------------------------------------------------- reading
 
 
+#: from this length on a string is decoded in place instead of being copied out of the buffer first
+_LARGE_STRING = 1 << 20
+
+
+def _decode_utf8(buf: Any, start: int, end: int) -> str:
+    """UTF-8 text of ``buf[start:end]``. A long one is decoded through a memoryview, so a huge length in a damaged
+    header costs one string of at most the file's size, not a copy of the bytes as well."""
+    if end - start < _LARGE_STRING:
+        return buf[start:end].decode("utf-8")
+    with memoryview(buf) as view, view[start:end] as part:  # released at once: a bytearray must stay resizable
+        # validated chunk by chunk first: a UnicodeDecodeError keeps a copy of all the bytes it was given
+        decoder = codecs.getincrementaldecoder("utf-8")()
+        for offset in range(0, len(part), _LARGE_STRING):
+            with part[offset:offset + _LARGE_STRING] as chunk:
+                try:
+                    decoder.decode(chunk, final=offset + _LARGE_STRING >= len(part))
+                except UnicodeDecodeError as exc:
+                    raise UnicodeDecodeError("utf-8", b"", offset + exc.start, offset + exc.end, exc.reason) \
+                        from None
+        return codecs.utf_8_decode(part, "strict", True)[0]
+
+
 class _Cursor:
     """Sequential reader over one file's header with bounds checks.
 
@@ -201,10 +224,11 @@ class _Cursor:
         start = self.pos
         length = self.u64(f"length of {what}")
         self.need(length, what)
-        raw = self.buf[self.pos:self.pos + length]
-        self.pos += length
+        end = self.pos + length
         try:
-            return raw.decode("utf-8")
+            text = _decode_utf8(self.buf, self.pos, end)
+            self.pos = end
+            return text
         except UnicodeDecodeError as exc:
             raise self.fail(f"{what} at offset {start} is not valid UTF-8 ({exc.reason} at byte {exc.start})") \
                 from None
@@ -212,18 +236,19 @@ class _Cursor:
     def numeric_array(self, vtype: GGUFValueType, count: int, what: str) -> np.ndarray:
         dtype = _NUMPY_DTYPE[vtype]
         self.need(count * dtype.itemsize, what)
-        # copy: metadata must not pin the mapping (close() would fail) and must be native-endian & writable
-        values = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos).astype(dtype.newbyteorder("="))
+        # copy (once): metadata must not pin the mapping (close() would fail) and must be native-endian & writable
+        raw = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos)
         self.pos += count * dtype.itemsize
-        return values.astype(bool) if vtype == GGUFValueType.BOOL else values
+        return raw.astype(bool) if vtype == GGUFValueType.BOOL else raw.astype(dtype.newbyteorder("="))
 
     def string_array(self, count: int, what: str) -> list[str]:
         """The hot loop for vocabularies (262144 strings for Gemma-3): locals only, two integer bounds tests per
         item; the buffer is only refilled (read mode) when a test fails."""
         buf, pos, available = self.buf, self.pos, self.available
         unpack_len = _U64.unpack_from
-        out: list[str] = []
-        append = out.append
+        # sized once (the caller checked count against the bytes left): growing by append would briefly hold
+        # the old and the new list, twice the memory a damaged count may claim
+        out: list[str] = [""] * count
         index = 0
         try:
             for index in range(count):
@@ -238,7 +263,7 @@ class _Cursor:
                     self.pos = start
                     self.need(length, f"item {index} of {what}")
                     buf, available = self.buf, self.available
-                append(buf[start:end].decode("utf-8"))
+                out[index] = buf[start:end].decode("utf-8") if length < _LARGE_STRING else _decode_utf8(buf, start, end)
                 pos = end
         except UnicodeDecodeError as exc:
             raise self.fail(f"item {index} of {what} at offset {start} is not valid UTF-8 "

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from .errors import ModelError
+from .errors import MissingMetadataKey, ModelError
 
 if TYPE_CHECKING:
     from .loader import MetadataView
@@ -129,7 +129,7 @@ def _per_layer(keys: "MetadataView", key: str, n_layer: int, default: int | None
     value = keys.get(key, default=None)
     if value is None:
         if default is None:
-            raise ModelError(f"missing required key {keys.expand(key)!r}")
+            raise MissingMetadataKey(f"missing required key {keys.expand(key)!r}")
         return [default] * n_layer
     if isinstance(value, (list, tuple)) or hasattr(value, "shape"):
         values = [int(v) for v in list(value)]

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .errors import LoadCancelled, ModelError
+from .errors import LoadCancelled, MissingMetadataKey, ModelError
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ class MetadataView:
         if full in self.metadata:
             return self.metadata[full]
         if default is _MISSING:
-            raise ModelError(f"missing required metadata key {full!r}")
+            raise MissingMetadataKey(f"missing required metadata key {full!r}")
         return default
 
     def as_int(self, key: str, value: Any) -> int:

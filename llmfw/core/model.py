@@ -18,8 +18,8 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .architecture import INPUT_LAYER, OUTPUT_LAYER, Architecture, TensorSpec, get_architecture
-from .backend import Backend, create_backend, default_backend_spec
-from .errors import ModelError
+from .backend import Backend, choose_default_backend, create_backend
+from .errors import MissingMetadataKey, ModelError
 from .hparams import HParams, make_hparams, read_common_hparams
 from .loader import ModelFileLoader, WeightLoad, open_loader
 
@@ -31,8 +31,9 @@ class ModelParams(BaseModel):
 
     model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")
 
-    #: None = the default backend ("torch" when importable and working, else "numpy"); or "numpy",
-    #: "torch", "torch:cuda", "onnx", ...
+    #: None = the default backend, chosen from the backends' declarations (core/backend.py
+    #: choose_default_backend; built in: "torch:cuda" with a CUDA GPU and torch, else "onnx" when onnxruntime
+    #: imports, else "numpy"); or a spec: "numpy", "torch", "torch:cuda", "onnx", ...
     backend: str | None = None
     #: the last n layers go to "torch:cuda" (n > n_layer: the output head too; -1: everything), like llama.cpp
     n_gpu_layers: int = Field(default=0, ge=-1)
@@ -56,8 +57,8 @@ GPU_BACKEND = "torch:cuda"
 class Model:
     """A loaded model: architecture, hyperparameters, vocabulary, weights on their backends."""
 
-    def __init__(self, *, path: Path, params: ModelParams, metadata: dict[str, Any], arch: Architecture,
-                 hparams: HParams, vocab: Any, tensor_specs: list[TensorSpec] | None = None):
+    def __init__(self, *, path: Path, params: ModelParams, metadata: dict[str, Any], arch: Architecture | None,
+                 hparams: HParams | None, vocab: Any, tensor_specs: list[TensorSpec] | None = None):
         self.path = path
         self.params = params
         self.metadata = metadata
@@ -74,6 +75,8 @@ class Model:
         #: backend spec per layer index (0..n_layer-1) and for the output side (n_layer)
         self.layer_specs: list[str] = []
         self.host_backend: Backend | None = None
+        #: which backend runs the model and why (``llmfw run -v``): "onnx (default: ...)" or "numpy (asked for)"
+        self.backend_choice = ""
         self.closed = False
 
     # -- public ------------------------------------------------------------------------------------------
@@ -83,19 +86,28 @@ class Model:
 
     @property
     def n_layer(self) -> int:
-        return self.hparams.n_layer
+        return self._known_hparams().n_layer
 
     @property
     def n_embd(self) -> int:
-        return self.hparams.n_embd
+        return self._known_hparams().n_embd
 
     @property
     def n_ctx_train(self) -> int:
-        return self.hparams.n_ctx_train
+        return self._known_hparams().n_ctx_train
 
     @property
     def arch_name(self) -> str:
-        return self.hparams.arch
+        if self.hparams is not None:
+            return self.hparams.arch
+        name = self.metadata.get("general.architecture")
+        return name if isinstance(name, str) else ""
+
+    def _known_hparams(self) -> HParams:
+        if self.hparams is None:
+            raise ModelError(f"{self.path.name} was loaded with vocab_only=True and has no hyperparameters "
+                             f"(architecture {self.arch_name or '(none)'!r} unknown or its keys absent)")
+        return self.hparams
 
     @property
     def vocab_only(self) -> bool:
@@ -139,7 +151,8 @@ class Model:
         self.close()
 
     def __repr__(self) -> str:
-        return f"<Model {self.path.name} arch={self.hparams.arch} n_layer={self.hparams.n_layer}>"
+        layers = self.hparams.n_layer if self.hparams is not None else "?"
+        return f"<Model {self.path.name} arch={self.arch_name} n_layer={layers}>"
 
     # -- used by the graph builder and the scheduler -----------------------------------------------------
     def has_weight(self, name: str) -> bool:
@@ -208,16 +221,18 @@ def _model_params(params: ModelParams | None, kw: dict[str, Any]) -> ModelParams
 
 
 def _build_model(loader: ModelFileLoader, path: Path, params: ModelParams) -> Model:
-    arch = get_architecture(loader.arch_name)
-    hparams = read_hparams(arch, loader)
     from .vocab import Vocab
 
+    if params.vocab_only:
+        vocab = Vocab.from_metadata(loader.metadata)
+        arch, hparams = _architecture_if_described(loader)
+        return Model(path=path, params=params, metadata=loader.metadata, arch=arch, hparams=hparams, vocab=vocab)
+    arch = get_architecture(loader.arch_name)
+    hparams = read_hparams(arch, loader)
     vocab = Vocab.from_metadata(loader.metadata)
-    specs = [] if params.vocab_only else arch.tensors(hparams)
+    specs = arch.tensors(hparams)
     model = Model(path=path, params=params, metadata=loader.metadata, arch=arch, hparams=hparams, vocab=vocab,
                   tensor_specs=specs)
-    if params.vocab_only:
-        return model
     try:
         _place_layers(model, params)
         loads = plan_weights(model, loader, specs)
@@ -230,6 +245,23 @@ def _build_model(loader: ModelFileLoader, path: Path, params: ModelParams) -> Mo
         raise
     log.info("%s", model.describe())
     return model
+
+
+def _architecture_if_described(loader: ModelFileLoader) -> tuple[Architecture | None, HParams | None]:
+    """For a vocab-only load, which needs only the general and tokenizer keys (as llama.cpp reads with
+    ``vocab_only``): the architecture and hyperparameters when a plugin knows the architecture and the file has
+    its keys, else None. A hyperparameter that is present but invalid is still a ModelError: the file is broken."""
+    from .plugins import registry
+
+    name = loader.metadata.get("general.architecture")
+    if not isinstance(name, str) or name not in registry("architectures"):
+        return None, None
+    arch = get_architecture(name)
+    try:
+        return arch, read_hparams(arch, loader)
+    except MissingMetadataKey as exc:
+        log.info("vocab-only load of a %s file without its hyperparameters (%s)", name, exc)
+        return arch, None
 
 
 def read_hparams(arch: Architecture, loader: ModelFileLoader) -> HParams:
@@ -248,7 +280,11 @@ def _spec_layer(hp: HParams, layer: int) -> int:
 def _place_layers(model: Model, params: ModelParams) -> None:
     """Decide the backend spec of every layer and the output head, and instantiate the backends."""
     n_layer = model.hparams.n_layer
-    main = params.backend or default_backend_spec()
+    if params.backend:
+        main, model.backend_choice = params.backend, f"{params.backend} (asked for)"
+    else:
+        choice = choose_default_backend()
+        main, model.backend_choice = choice.spec, f"{choice.spec} (the default: {choice.reason})"
     specs = [main] * (n_layer + 1)
     specs = [GPU_BACKEND if on_gpu else spec
              for spec, on_gpu in zip(specs, gpu_layers(n_layer, params.n_gpu_layers))]
@@ -301,9 +337,10 @@ def _plan_one(model: Model, loader: ModelFileLoader, spec: TensorSpec, backend: 
         if data.shape != tuple(reversed(spec.ne)):
             raise ModelError(f"generated tensor {spec.name!r} has shape {data.shape}, expected {tuple(reversed(spec.ne))}")
         return WeightLoad(spec.name, None, spec.ne, backend, spec.usage, generated=data)
-    if spec.optional:
+    if spec.optional or (spec.unless is not None and loader.has_tensor(spec.unless)):
         return None
-    extra = f" (nor {spec.duplicate_of!r})" if spec.duplicate_of else ""
+    alternative = spec.duplicate_of or spec.unless
+    extra = f" (nor {alternative!r})" if alternative else ""
     raise ModelError(f"{model.path.name}: missing tensor {spec.name!r}{extra} required by architecture "
                      f"{model.hparams.arch!r}")
 

@@ -3,7 +3,7 @@ chain, the chat settings and the generation limits.
 
 ```yaml
 model: smollm2                 # a catalog name or a path (relative paths are relative to this file)
-backend: numpy                 # optional; default: torch when installed, else numpy
+backend: numpy                 # optional; default: torch:cuda on a CUDA GPU, else onnx, else numpy
 context: {n_ctx: 2048}
 tokenizer: {parse_special: true}
 sampling: {temp: 0.7, top_k: 40, samplers: [penalties, top_k, top_p, temperature]}
@@ -11,22 +11,41 @@ chat: {enabled: true, system: "You are terse."}
 generation: {max_tokens: 128, stop: ["\\n\\n"]}
 ```
 
-Every section is a pydantic model with ``extra="forbid"``: an unknown or misspelled key is an error, and every
-error is a :class:`ConfigError` that names the file and the key path (``sampling.top_p: ...``); YAML syntax
-errors give the line and column.
+Every section is a pydantic model with ``extra="forbid"``: an unknown or misspelled key is an error (with the
+closest valid name: "did you mean `top_p`?"), and all of a file's errors come in one :class:`ConfigError` that
+names the file and each key path (``p.yaml: sampling.top_p: must be <= 1 (got 1.5); ...``); YAML syntax errors
+give the line and column; an empty file is an error.
+
+Keys mirror the command-line flags: ``sampling.repeat_penalty`` is ``--repeat-penalty``, and so on
+(:data:`SAMPLING_FLAG_NAMES`); the :class:`SamplerParams` field names (``penalty_repeat``, ...) are accepted as
+aliases.
 """
 from __future__ import annotations
 
 import copy
+import difflib
 from pathlib import Path
 from typing import Any, Iterator, Literal, Mapping, Sequence
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from .catalog import DEFAULT_MODEL
-from .errors import ConfigError
-from .sampling import SamplerChain, SamplerParams, validation_error_message
+from .catalog import DEFAULT_MODEL, lookup
+from .errors import BackendUnavailable, ConfigError, UnknownBackend
+from .sampling import SamplerChain, SamplerParams, validation_problems
+
+#: YAML ``sampling`` keys named after the CLI flags (``--repeat-penalty`` -> ``repeat_penalty``) -> the
+#: SamplerParams field (llama.cpp's ``common_params_sampling`` name), which stays accepted as an alias
+SAMPLING_FLAG_NAMES = {
+    "repeat_penalty": "penalty_repeat",
+    "repeat_last_n": "penalty_last_n",
+    "presence_penalty": "penalty_present",
+    "frequency_penalty": "penalty_freq",
+    "typical": "typical_p",
+    "mirostat_lr": "mirostat_eta",
+    "mirostat_ent": "mirostat_tau",
+}
+_FIELD_TO_FLAG_NAME = {field: name for name, field in SAMPLING_FLAG_NAMES.items()}
 
 
 class _Section(BaseModel):
@@ -48,6 +67,8 @@ class TokenizerConfig(_Section):
 
     add_special: bool = True
     parse_special: bool = True
+    #: print control tokens in the output (llama-cli ``--special``)
+    special: bool = False
 
 
 class ChatConfig(_Section):
@@ -61,12 +82,22 @@ class ChatConfig(_Section):
 
 
 class GenerationConfig(_Section):
-    """Generation limits: ``max_tokens`` (None = until end of generation or a full context), ``stop`` strings,
-    and an optional default ``prompt``."""
+    """Generation limits: ``max_tokens`` like ``-n`` (N >= 0; -1 or None = until end of generation, -2 = until
+    the context is full — both stop at a full context, llmfw has no context shift), ``stop`` strings, and an
+    optional default ``prompt``."""
 
-    max_tokens: int | None = Field(256, ge=0)
+    max_tokens: int | None = 256
     stop: list[str] = Field(default_factory=list)
     prompt: str | None = None
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _llama_cpp_limit(cls, value: int | None) -> int | None:
+        if value is None or value >= 0:
+            return value
+        if value in (-1, -2):
+            return None
+        raise ValueError("must be >= 0, -1 (until end of generation) or -2 (until the context is full)")
 
 
 class PipelineConfig(_Section):
@@ -104,15 +135,24 @@ def parse_yaml(text: str, source: str = "<string>") -> dict[str, Any]:
         problem = getattr(exc, "problem", None) or str(exc)
         raise ConfigError(f"{source}: YAML syntax error at {where}{problem}") from None
     if data is None:
-        return {}
+        raise ConfigError(f"{source}: the pipeline file is empty; give at least `model:` (e.g. `model: smollm2`)")
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: a pipeline file must be a mapping of keys (model, sampling, ...), "
                           f"found a {type(data).__name__}")
     return data
 
 
+def _spellings(parents: list[str], key: str) -> set[str]:
+    """Every accepted name of one key (``sampling.repeat_penalty`` / ``sampling.penalty_repeat``)."""
+    if parents != ["sampling"]:
+        return {key}
+    field = SAMPLING_FLAG_NAMES.get(key, key)
+    return {field, _FIELD_TO_FLAG_NAME.get(field, field)}
+
+
 def merge_overrides(data: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
-    """``data`` with ``overrides`` applied; keys may be dotted (``"sampling.temp"``) or nested mappings."""
+    """``data`` with ``overrides`` applied; keys may be dotted (``"sampling.temp"``) or nested mappings. An
+    override replaces the key under any of its spellings (a flag wins over the file's alias)."""
     merged = copy.deepcopy(dict(data))
     for key, value in overrides.items():
         parts = key.split(".")
@@ -123,30 +163,100 @@ def merge_overrides(data: Mapping[str, Any], overrides: Mapping[str, Any]) -> di
                 child = {}
                 node[part] = child
             node = child
+        for spelling in _spellings(parts[:-1], parts[-1]):
+            node.pop(spelling, None)
         node[parts[-1]] = value
     return merged
 
 
+def _canonical_sampling(data: dict[str, Any]) -> list[str]:
+    """Rename the flag-style ``sampling`` keys to SamplerParams fields in place; problems for a key given twice."""
+    sampling = data.get("sampling")
+    if not isinstance(sampling, dict):
+        return []
+    problems = []
+    renamed = {}
+    for key, value in sampling.items():
+        field = SAMPLING_FLAG_NAMES.get(key, key) if isinstance(key, str) else key
+        if field in renamed:
+            problems.append(f"sampling.{_FIELD_TO_FLAG_NAME.get(field, field)}: given twice (as "
+                            f"`{_FIELD_TO_FLAG_NAME.get(field, field)}` and `{field}`), keep one")
+        renamed[field] = value
+    data["sampling"] = renamed
+    return problems
+
+
+def _section_names(path: list[str]) -> list[str]:
+    """The valid keys of the section at ``path`` (flag-style names for ``sampling``), for "did you mean"."""
+    model: Any = PipelineConfig
+    for part in path:
+        field = getattr(model, "model_fields", {}).get(part)
+        model = getattr(field, "annotation", None)
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            return []
+    names = list(model.model_fields)
+    return [_FIELD_TO_FLAG_NAME.get(n, n) for n in names] + list(_FIELD_TO_FLAG_NAME) if path == ["sampling"] else names
+
+
+def _shown_path(path: str) -> str:
+    """A key path as the documentation spells it (``sampling.penalty_repeat`` -> ``sampling.repeat_penalty``)."""
+    parts = path.split(".")
+    if len(parts) == 2 and parts[0] == "sampling":
+        parts[1] = _FIELD_TO_FLAG_NAME.get(parts[1], parts[1])
+    return ".".join(parts)
+
+
+def _problem_text(path: str, message: str) -> str:
+    if message.startswith("unknown key"):
+        parts = path.split(".")
+        match = difflib.get_close_matches(parts[-1], _section_names(parts[:-1]), n=1, cutoff=0.6)
+        if match:
+            message = f"unknown key, did you mean `{match[0]}`?"
+        else:
+            message = "unknown key; valid here: " + ", ".join(sorted(set(_section_names(parts[:-1])))) \
+                if _section_names(parts[:-1]) else "unknown key"
+    return f"{_shown_path(path)}: {message}"
+
+
 def validate_config(data: Mapping[str, Any], source: str = "<config>") -> PipelineConfig:
+    """The validated configuration; every problem of the file in one :class:`ConfigError` naming ``source``."""
+    data = copy.deepcopy(dict(data))
+    problems = _canonical_sampling(data)
     try:
-        return PipelineConfig.model_validate(dict(data))
+        config = PipelineConfig.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(f"{source}: {validation_error_message(exc)}") from None
+        problems += [_problem_text(path, message) for path, message in validation_problems(exc)]
+        config = None
+    if problems:
+        count = f"{len(problems)} problems: " if len(problems) > 1 else ""
+        raise ConfigError(f"{source}: {count}{'; '.join(problems)}")
+    return config
 
 
 # -- the pipeline ----------------------------------------------------------------------------------------------
 class Pipeline:
     """A validated configuration and the objects it builds (model, context, sampler chain) on demand."""
 
-    def __init__(self, config: PipelineConfig, source: str | Path | None = None):
+    def __init__(self, config: PipelineConfig, source: str | Path | None = None, *,
+                 overridden: frozenset[str] = frozenset()):
         self.config = config
         self.source = Path(source) if source is not None and not str(source).startswith("<") else None
+        #: dotted keys set from outside the file (command-line flags): errors about them do not blame the file
+        self.overridden = overridden
         self._model: Any = None
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any], source: str | Path | None = None) -> "Pipeline":
+    def from_dict(cls, data: Mapping[str, Any], source: str | Path | None = None, *,
+                  overridden: frozenset[str] = frozenset()) -> "Pipeline":
         data = _with_constraint_files_read(data, source)
-        return cls(validate_config(data, str(source or "<config>")), source)
+        return cls(validate_config(data, str(source or "<config>")), source, overridden=overridden)
+
+    def _from_file(self, key: str) -> bool:
+        return self.source is not None and key not in self.overridden
+
+    def _blame(self, key: str) -> str:
+        """``"p.yaml: model: "`` for a key the file set, ``"model: "`` for one a flag set."""
+        return f"{self.source}: {key}: " if self._from_file(key) else f"{key}: "
 
     # -- paths -------------------------------------------------------------------------------------------
     def _relative(self, value: str) -> Path:
@@ -158,9 +268,16 @@ class Pipeline:
         return path
 
     def model_location(self) -> str:
-        """A path (relative ones resolved against the YAML file) or the catalog name."""
+        """A path (relative ones resolved against the YAML file) or the catalog name; neither is an error
+        naming the file that asked for it."""
         candidate = self._relative(self.config.model)
-        return str(candidate) if candidate.exists() else self.config.model
+        if candidate.exists():
+            return str(candidate)
+        if lookup(self.config.model) is None:
+            where = f" (as given or relative to {self.source.parent})" if self.source is not None else ""
+            raise ConfigError(f"{self._blame('model')}{self.config.model!r} is neither a file{where} nor a catalog "
+                              "model (`llmfw models` lists them)")
+        return self.config.model
 
     def chat_template(self) -> str | None:
         chat = self.config.chat
@@ -169,7 +286,8 @@ class Pipeline:
             try:
                 return path.read_text(encoding="utf-8")
             except OSError as exc:
-                raise ConfigError(f"chat.template_file: cannot read {path}: {exc.strerror or exc}") from None
+                raise ConfigError(f"{self._blame('chat.template_file')}cannot read {path}: "
+                                  f"{exc.strerror or exc}") from None
         return chat.template
 
     # -- building ------------------------------------------------------------------------------------------
@@ -179,8 +297,14 @@ class Pipeline:
             from .model import load_model
 
             cfg = self.config
-            self._model = load_model(self.model_location(), backend=cfg.backend, placement=cfg.placement,
-                                     n_gpu_layers=cfg.n_gpu_layers, load_mode=cfg.load_mode, progress=progress)
+            location = self.model_location()
+            try:
+                self._model = load_model(location, backend=cfg.backend, placement=cfg.placement,
+                                         n_gpu_layers=cfg.n_gpu_layers, load_mode=cfg.load_mode, progress=progress)
+            except (UnknownBackend, BackendUnavailable) as exc:
+                if cfg.backend is None or not self._from_file("backend"):
+                    raise
+                raise type(exc)(f"{self._blame('backend')}{exc}") from exc  # the file asked for it: say which
         return self._model
 
     def new_context(self, model: Any = None) -> Any:
@@ -225,7 +349,8 @@ class Pipeline:
         gen = self.config.generation
         tok = self.config.tokenizer
         return generate(ctx, self.render_prompt(text, model), sampler, max_tokens=gen.max_tokens, stop=gen.stop,
-                        parse_special=tok.parse_special, add_special=tok.add_special, stats=stats)
+                        parse_special=tok.parse_special, add_special=tok.add_special, stats=stats,
+                        special=tok.special)
 
 
 def _with_constraint_files_read(data: Mapping[str, Any], source: str | Path | None) -> Mapping[str, Any]:

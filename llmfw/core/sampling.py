@@ -29,7 +29,7 @@ import os
 from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, ClassVar, Iterable, Sequence
+from typing import Any, ClassVar, Iterable, Mapping, Sequence
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
@@ -320,6 +320,25 @@ class SamplerParamsError(SamplerError):
         super().__init__("invalid sampling parameters: " + "; ".join(f"{k}: {m}" for k, m in problems))
 
 
+def _plain_wording(err: Mapping[str, Any]) -> str:
+    """pydantic's error as a person would say it: "must be <= 1", "unknown key", "must be an integer"."""
+    kind, ctx = err.get("type", ""), err.get("ctx") or {}
+    bounds = {"greater_than_equal": (">=", "ge"), "greater_than": (">", "gt"), "less_than_equal": ("<=", "le"),
+              "less_than": ("<", "lt")}
+    if kind in bounds:
+        symbol, key = bounds[kind]
+        return f"must be {symbol} {ctx.get(key)}"
+    if kind == "literal_error":
+        return f"must be one of {ctx.get('expected')}"
+    fixed = {"extra_forbidden": "unknown key", "missing": "is required", "int_parsing": "must be an integer",
+             "int_type": "must be an integer", "int_from_float": "must be an integer", "float_parsing":
+             "must be a number", "float_type": "must be a number", "bool_parsing": "must be true or false",
+             "bool_type": "must be true or false", "string_type": "must be a string", "list_type": "must be a list",
+             "dict_type": "must be a mapping (key: value)", "model_type": "must be a mapping (key: value)",
+             "model_attributes_type": "must be a mapping (key: value)"}
+    return fixed.get(kind) or err.get("msg", "invalid value").removeprefix("Value error, ")
+
+
 def validation_problems(exc: ValidationError, prefix: str = "") -> list[tuple[str, str]]:
     """(``key.path``, ``what was wrong (got VALUE)``) for every error; nested SamplerParams errors are
     expanded under their own path."""
@@ -330,9 +349,10 @@ def validation_problems(exc: ValidationError, prefix: str = "") -> list[tuple[st
         if isinstance(nested, SamplerParamsError):
             problems += [(".".join(p for p in (path, key) if p), msg) for key, msg in nested.problems]
             continue
-        msg = err.get("msg", "invalid value").removeprefix("Value error, ")
+        msg = _plain_wording(err)
         shown = ""
-        if "input" in err and err.get("type") != "missing" and not isinstance(err["input"], dict):
+        if "input" in err and err.get("type") not in ("missing", "extra_forbidden") \
+                and not isinstance(err["input"], dict):
             shown = f" (got {err['input']!r})"
         problems.append((path or "(top level)", f"{msg}{shown}"))
     return problems

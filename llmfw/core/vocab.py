@@ -163,6 +163,8 @@ class Tokenizer(ABC):
     """
 
     space_prefix_after_special: bool = False
+    #: with ``add_special``, BOS before and SEP after the ids whatever add_bos / add_eos say (llama.cpp's WPM)
+    wraps_with_bos_and_sep: bool = False
     #: bound on memoised words, so adversarial text cannot grow the memo without limit
     word_cache_limit: int = 1 << 18
 
@@ -271,6 +273,8 @@ class Vocab:
         if not isinstance(pre, str):
             raise VocabError(f"{KEY_PREFIX}pre: expected a string, found {type(pre).__name__} {pre!r}")
         self.pre: str = pre
+        #: every tokenizer.ggml.* key, for plugins with keys of their own (UGM's precompiled_charsmap ...)
+        self.tokenizer_metadata: dict[str, Any] = {k: v for k, v in metadata.items() if k.startswith(KEY_PREFIX)}
         defaults = tokenizer_class.defaults(pre)
         self._read_tokens(metadata)
         self.merges: list[str] | None = self._read_merges(metadata)
@@ -383,6 +387,9 @@ class Vocab:
         self.add_eos: bool = flag("add_eos_token", defaults.add_eos)
         self.add_sep: bool = flag("add_sep_token", defaults.add_sep)
         self.clean_spaces: bool = defaults.clean_spaces
+        # BertNormalizer options (llama.cpp reads them for every vocab type; WPM uses them)
+        self.normalizer_lowercase: bool = flag("normalizer.lowercase", True)
+        self.normalizer_strip_accents: bool = flag("normalizer.strip_accents", self.normalizer_lowercase)
 
     def _read_special_ids(self, metadata: Mapping[str, Any], defaults: TokenizerDefaults) -> None:
         default_ids = {f.name: getattr(defaults, f.name) for f in fields(defaults) if f.name.endswith("_id")}
@@ -534,6 +541,8 @@ class Vocab:
         """
         if not isinstance(text, str):
             raise TokenizerError(f"tokenize expects a str, found {type(text).__name__}")
+        if add_special and self.tokenizer.wraps_with_bos_and_sep:
+            return self._wrap_bos_sep(self.tokenize(text, add_special=False, parse_special=parse_special))
         output: list[int] = []
         if add_special and self.add_bos:
             output.append(self.bos_id)  # type: ignore[arg-type]  # checked at load
@@ -557,6 +566,12 @@ class Vocab:
             if len(output) >= 2 and output[-2] == self.eos_id:
                 log.warning("tokenize: added an EOS token, but the prompt also ends with one; it now ends with 2")
         return output
+
+    def _wrap_bos_sep(self, ids: list[int]) -> list[int]:
+        if self.bos_id is None or self.sep_id is None:
+            raise TokenizerError(f"the {self.model!r} tokenizer adds BOS and SEP, but the vocab lacks "
+                                 f"{'BOS' if self.bos_id is None else 'SEP'}")
+        return [self.bos_id, *ids, self.sep_id]
 
     def _partition(self, text: str, parse_special: bool) -> list[str | int]:
         """llama.cpp's ``tokenizer_st_partition``: special tokens split out, as fragments in text order.

@@ -237,10 +237,14 @@ def tensor_plan(spec: dict, n_vocab: int) -> list[TensorPlan]:
 
 
 def _llama3_rope_factors(spec: dict) -> np.ndarray:
-    """Llama-3.1's per-dimension divisors, computed exactly like LlamaModel.generate_extra_tensors."""
+    """Llama-3.1's per-dimension divisors, computed exactly like LlamaModel.generate_extra_tensors: float32
+    arithmetic on each element (numpy 2's scalar promotion keeps ``2 * math.pi / freq`` in float32)."""
     rope = spec["llama3_rope"]
     dim, base = _head_dim(spec), spec["keys"]["rope.freq_base"]
-    freqs = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    # base ** x in float64, rounded once to float32: numpy's vectorised float32 power differs in the last bit
+    # between AVX2 and AVX-512 builds, and these bytes must be the same on every CPU (the sha256 check)
+    exponents = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)
+    freqs = np.float32(1.0) / np.array([float(base) ** float(x) for x in exponents], dtype=np.float32)
     old_ctx = rope["original_max_position_embeddings"]
     low_wavelen, high_wavelen = old_ctx / rope["low_freq_factor"], old_ctx / rope["high_freq_factor"]
     factors = []

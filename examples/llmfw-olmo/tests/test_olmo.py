@@ -29,7 +29,7 @@ def _checkout_helpers():
     if not (CHECKOUT_TESTS / "reference_gen" / "arch_testing.py").is_file():
         pytest.skip("needs llmfw's checkout (tests/reference_gen)")
     sys.path.insert(0, str(CHECKOUT_TESTS))
-    from conftest import REFERENCE_DIR  # the checkout's locator of shared/reference
+    from conftest import REFERENCE_DIR  # the checkout's tests/data/reference
     from reference_gen import arch_testing
 
     spec = importlib.util.spec_from_file_location("olmo_compare", REFERENCE_DIR / "compare.py")

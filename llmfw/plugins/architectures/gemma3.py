@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from llmfw.core.architecture import Architecture, TensorSpec
+from llmfw.core.architecture import Architecture, TensorSpec, attention_qkv_tensors
 from llmfw.core.errors import ModelError
 from llmfw.core.graph import GraphBuilder, Node
 from llmfw.core.hparams import HParams
@@ -105,9 +105,7 @@ def gemma_layer_tensors(hp: HParams, il: int, *, qk_norm: bool) -> list[TensorSp
     qk_norms = [t("attn_q_norm.weight", (head_dim,), "mul"), t("attn_k_norm.weight", (head_dim,), "mul")]
     return [
         t("attn_norm.weight", (n_embd,), "mul"),
-        t("attn_q.weight", (n_embd, n_q)),
-        t("attn_k.weight", (n_embd, hp.n_embd_k_gqa(il))),
-        t("attn_v.weight", (n_embd, hp.n_embd_v_gqa(il))),
+        *attention_qkv_tensors(hp, il),
         *(qk_norms if qk_norm else []),
         t("attn_output.weight", (n_q, n_embd)),
         t("post_attention_norm.weight", (n_embd,), "mul"),

@@ -17,30 +17,35 @@ from typing import Any
 
 import numpy as np
 
-from llmfw.core.architecture import Architecture, TensorSpec
+from llmfw.core.architecture import Architecture, TensorSpec, attention_qkv_tensors
 from llmfw.core.errors import ModelError
 from llmfw.core.graph import GraphBuilder
 from llmfw.core.hparams import HParams
 
 
 def llama3_rope_factors(hp: HParams) -> np.ndarray:
-    """Frequency divisors of Llama 3.x's rope scaling, as the HF→GGUF converter computes ``rope_freqs``."""
-    factor = hp.rope_scaling_factor or 8.0
+    """Frequency divisors of Llama 3.x's rope scaling, as the HF→GGUF converter computes ``rope_freqs``.
+
+    Float32 arithmetic throughout, as the converter does it, with every operation a correctly rounded scalar one:
+    numpy's vectorised float32 power gives other last bits on AVX-512 than on AVX2, and the same file must get
+    the same factors on every CPU."""
+    f32 = np.float32
+    factor = f32(hp.rope_scaling_factor or 8.0)
     low, high = hp.rope_llama3_low_freq_factor, hp.rope_llama3_high_freq_factor
     old_ctx = hp.n_ctx_orig_yarn or 8192
-    dims = np.arange(0, hp.n_rot, 2, dtype=np.float32)
-    freqs = 1.0 / (hp.rope_freq_base_train ** (dims / hp.n_rot))
     low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
     out = []
-    for freq in freqs:
-        wavelen = 2 * math.pi / float(freq)
+    for dim in range(0, hp.n_rot, 2):
+        exponent = f32(dim) / f32(hp.n_rot)
+        freq = f32(1.0) / f32(float(hp.rope_freq_base_train) ** float(exponent))
+        wavelen = f32(2 * math.pi) / freq
         if wavelen < high_wavelen:
-            out.append(1.0)
+            out.append(f32(1.0))
         elif wavelen > low_wavelen:
             out.append(factor)
         else:
-            smooth = (old_ctx / wavelen - low) / (high - low)
-            out.append(1.0 / ((1 - smooth) / factor + smooth))
+            smooth = (f32(old_ctx) / wavelen - f32(low)) / f32(high - low)
+            out.append(f32(1.0) / ((f32(1.0) - smooth) / factor + smooth))
     return np.asarray(out, dtype=np.float32)
 
 
@@ -61,7 +66,6 @@ class LlamaArchitecture(Architecture):
     def layer_tensors(self, hp: HParams, il: int) -> list[TensorSpec]:
         n_embd, n_ff = hp.n_embd, hp.n_ff(il)
         n_q = hp.n_embd_head_k * hp.n_head(il)
-        n_k, n_v = hp.n_embd_k_gqa(il), hp.n_embd_v_gqa(il)
         p = f"blk.{il}"
 
         def t(name: str, ne: tuple[int, ...], usage: str = "mul_mat", optional: bool = False, **kw: Any):
@@ -69,13 +73,8 @@ class LlamaArchitecture(Architecture):
 
         specs = [
             t("attn_norm.weight", (n_embd,), "mul"),
-            t("attn_q.weight", (n_embd, n_q)),
-            t("attn_k.weight", (n_embd, n_k)),
-            t("attn_v.weight", (n_embd, n_v)),
+            *attention_qkv_tensors(hp, il),
             t("attn_output.weight", (n_q, n_embd)),
-            t("attn_q.bias", (n_q,), "add", True),
-            t("attn_k.bias", (n_k,), "add", True),
-            t("attn_v.bias", (n_v,), "add", True),
             t("attn_output.bias", (n_embd,), "add", True),
             t("ffn_norm.weight", (n_embd,), "mul"),
             t("ffn_gate.weight", (n_embd, n_ff)),

@@ -19,8 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from llmfw.core.architecture import Architecture, TensorSpec
-from llmfw.core.errors import ModelError
+from llmfw.core.architecture import Architecture, TensorSpec, attention_qkv_tensors
 from llmfw.core.graph import GraphBuilder
 from llmfw.core.hparams import HParams
 
@@ -37,7 +36,7 @@ class Phi3Architecture(Architecture):
 
     def layer_tensors(self, hp: HParams, il: int) -> list[TensorSpec]:
         n_embd, n_ff = hp.n_embd, hp.n_ff(il)
-        n_q, n_k, n_v = hp.n_embd_head_k * hp.n_head(il), hp.n_embd_k_gqa(il), hp.n_embd_v_gqa(il)
+        n_q = hp.n_embd_head_k * hp.n_head(il)
 
         def t(name: str, ne: tuple[int, ...], usage: str = "mul_mat", **kw: Any) -> TensorSpec:
             return TensorSpec(f"blk.{il}.{name}", ne, il, usage=usage, **kw)
@@ -45,17 +44,16 @@ class Phi3Architecture(Architecture):
         specs = [
             t("attn_norm.weight", (n_embd,), "mul"),
             # fused in every converted Phi-3; separate Q/K/V are accepted like llama.cpp's create_tensor_qkv
-            t("attn_qkv.weight", (n_embd, n_q + n_k + n_v), optional=True),
-            t("attn_q.weight", (n_embd, n_q), optional=True),
-            t("attn_k.weight", (n_embd, n_k), optional=True),
-            t("attn_v.weight", (n_embd, n_v), optional=True),
+            *attention_qkv_tensors(hp, il),
             t("attn_output.weight", (n_q, n_embd)),
             t("ffn_norm.weight", (n_embd,), "mul"),
             t("ffn_up.weight", (n_embd, 2 * n_ff)),
             t("ffn_down.weight", (n_ff, n_embd)),
         ]
-        # one tensor of each kind in the file serves every layer (llama.cpp's TENSOR_DUPLICATED)
-        specs += [t(f"{f}.weight", (hp.n_rot // 2,), "rope", duplicate_of=f"{f}.weight") for f in ROPE_FACTORS]
+        # one tensor of each kind in the file serves every layer (llama.cpp's TENSOR_DUPLICATED); Phi-3-mini-4k
+        # files have none (TENSOR_NOT_REQUIRED): rope then runs unscaled
+        specs += [t(f"{f}.weight", (hp.n_rot // 2,), "rope", optional=True, duplicate_of=f"{f}.weight")
+                  for f in ROPE_FACTORS]
         return specs
 
     def rope_factors_for(self, b: GraphBuilder, il: int) -> str | None:
@@ -68,8 +66,6 @@ class Phi3Architecture(Architecture):
         x = b.build_inp_embd()
         for il in b.layers():
             p = f"blk.{il}"
-            if not (b.has_weight(f"{p}.attn_qkv.weight") or b.has_weight(f"{p}.attn_q.weight")):
-                raise ModelError(f"phi3: layer {il} has neither {p}.attn_qkv.weight nor separate attn_q/k/v")
             residual = x
             q, k, v = b.build_qkv(b.build_norm(x, f"{p}.attn_norm.weight"))
             q, k = b.build_rope(q), b.build_rope(k)

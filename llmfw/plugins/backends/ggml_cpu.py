@@ -265,6 +265,8 @@ class GgmlBackend(NumpyBackend):
     f16 attention products (see the module docstring)."""
 
     name = "ggml"
+    #: a fidelity study of ggml's kernels, not a default (see the module docstring)
+    default_priority: dict[str, int] = {}
     #: each emulation can be switched off alone (measurement of its contribution; all on = llama.cpp)
     quantize_activations: bool = True
     f16_kv_cache: bool = True

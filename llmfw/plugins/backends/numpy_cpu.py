@@ -330,6 +330,8 @@ class NumpyBackend(Backend):
     name = "numpy"
     supported_ops = OPS
     is_host = True
+    #: the default when no faster backend can run (always installed)
+    default_priority = {"cpu": 100}
 
     def __init__(self, device: str | None = None, n_threads: int | None = None):
         super().__init__(device, n_threads)

@@ -44,7 +44,7 @@ from llmfw.core.rope import yarn_corr_dims
 
 log = logging.getLogger(__name__)
 
-INSTALL_HINT = "pip install 'llmfw[onnx]'"
+INSTALL_HINT = "pip install onnxruntime onnx (core dependencies of llmfw)"
 F32 = np.float32
 
 #: elements per MatMulNBits block (ggml's 32-element blocks map onto it one to one)
@@ -166,10 +166,7 @@ def block_codes(source: WeightSource) -> BlockWeight:
     shape = (n_out, n_in)
     direct = _stored_codes(source, qtype, shape)
     if direct is not None:  # Q4_0 / Q4_1 / Q8_0: the codes are in the bytes, no float round trip
-        d = _block_header_f16(source, 0)
-        offsets = _block_header_f16(source, 2) + F32(8.0) * d if qtype == GGMLType.Q4_1 else None
-        bits = 8 if qtype == GGMLType.Q8_0 else 4
-        return BlockWeight(shape, bits, d, offsets, codes=direct, exact=True, source_type=qtype.name)
+        return _stored_block_weight(source, shape, codes=direct)
     values = dequantize(source.raw, qtype, source.ne).reshape(shape)
     if qtype in _SYMMETRIC_EXACT:
         return codes_from_values(values, _block_header_f16(source, 0), bits=_SYMMETRIC_EXACT[qtype],
@@ -187,6 +184,21 @@ def block_codes(source: WeightSource) -> BlockWeight:
                                  source_type=qtype.name)
     return requantize_8bit(values.reshape(n_out, -1, BLOCK), shape, asymmetric=qtype in _AFFINE_REQUANT,
                            source_type=qtype.name)
+
+
+def _stored_block_weight(source: WeightSource, shape: tuple[int, int], *, codes: np.ndarray | None = None,
+                         packed: np.ndarray | None = None) -> BlockWeight:
+    """Q4_0 / Q4_1 / Q8_0: scales (and Q4_1's offsets) from the block headers, with codes and/or packed bytes."""
+    qtype = GGMLType(source.ggml_type)
+    d = _block_header_f16(source, 0)
+    offsets = _block_header_f16(source, 2) + F32(8.0) * d if qtype == GGMLType.Q4_1 else None
+    bits = 8 if qtype == GGMLType.Q8_0 else 4
+    return BlockWeight(shape, bits, d, offsets, packed=packed, codes=codes, exact=True, source_type=qtype.name)
+
+
+def block_weight_of_packed(source: WeightSource, packed: np.ndarray) -> BlockWeight:
+    n_out, n_blocks = packed.shape[:2]
+    return _stored_block_weight(source, (n_out, n_blocks * BLOCK), packed=packed)
 
 
 def codes_from_values(values: np.ndarray, scales: np.ndarray, *, bits: int, base: np.ndarray | None = None,
@@ -258,11 +270,34 @@ def pack_nbits(codes: np.ndarray, bits: int, block: int = BLOCK) -> np.ndarray:
     """MatMulNBits' B: uint8 [n_out, n_blocks, block*bits/8], codes shifted to unsigned (zero point
     2**(bits-1))."""
     n_out, n_in = codes.shape
-    unsigned = (codes.astype(np.int16) + (1 << (bits - 1))).astype(np.uint8).reshape(n_out, n_in // block, block)
+    # code + 2**(bits-1) in wrapping uint8 arithmetic: no int16 copy of the matrix
+    unsigned = (codes.view(np.uint8) + np.uint8(1 << (bits - 1))).reshape(n_out, n_in // block, block)
     if bits == 8:
-        return np.ascontiguousarray(unsigned)
+        return unsigned
     # consecutive elements two per byte, the first in the low nibble
-    return np.ascontiguousarray(unsigned[..., 0::2] | (unsigned[..., 1::2] << np.uint8(4)))
+    return unsigned[..., 0::2] | (unsigned[..., 1::2] << np.uint8(4))
+
+
+def packed_from_blocks(source: WeightSource) -> np.ndarray | None:
+    """MatMulNBits' B straight from the bytes of the types whose blocks store it almost as is (Q4_0, Q4_1, Q8_0),
+    without the int8 code matrix in between: the load's largest cost on a 4-bit model was that round trip.
+
+    Q4_x keeps element j in the low nibble of byte j and element j+16 in its high nibble, unsigned (code + 8 is
+    the stored nibble); MatMulNBits wants elements 2k, 2k+1 in byte k. Q8_0's int8 codes only flip their sign
+    bit (code + 128)."""
+    qtype = GGMLType(source.ggml_type)
+    if qtype not in (GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1):
+        return None
+    n_in = int(source.ne[0])
+    n_out = int(np.prod(source.ne[1:], dtype=np.int64))
+    blocks = block_view(source.raw, qtype, source.ne).reshape(n_out, n_in // BLOCK, -1)
+    if qtype == GGMLType.Q8_0:
+        return blocks[..., 2:] ^ np.uint8(0x80)
+    nibbles = blocks[..., 2 if qtype == GGMLType.Q4_0 else 4:]
+    even, odd = nibbles[..., 0::2], nibbles[..., 1::2]
+    first_half = (even & np.uint8(0x0F)) | (odd << np.uint8(4))        # elements 0..15: low nibbles
+    second_half = (even >> np.uint8(4)) | (odd & np.uint8(0xF0))       # elements 16..31: high nibbles
+    return np.concatenate([first_half, second_half], axis=-1)
 
 
 def dequantize_block_weight(w: BlockWeight) -> np.ndarray:
@@ -293,10 +328,14 @@ def convert_weight(source: WeightSource) -> Weight:
         if np.shares_memory(array, source.raw):
             array = array.copy()
         return DenseWeight(array.reshape(array.shape[-2:]) if is_matrix and array.ndim > 2 else array)
+    lookups = not usage or "get_rows" in usage
+    packed = None if lookups else packed_from_blocks(source)
+    if packed is not None:  # a matmul-only Q4_0 / Q4_1 / Q8_0 matrix: no codes needed at all
+        return block_weight_of_packed(source, packed)
     weight = block_codes(source)
     if "mul_mat" in usage or not usage:
         weight.packed = pack_nbits(weight.codes, weight.bits, weight.block)
-    if usage and "get_rows" not in usage:
+    if not lookups:
         weight.codes = None  # only the packed form is needed; halves the memory of 4-bit matrices
     return weight
 
@@ -913,9 +952,11 @@ class OnnxBackend(Backend):
     """ONNX Runtime execution of the graph IR (CPU execution provider; CUDA when asked and present)."""
 
     name = "onnx"
-    pip_extra = "onnx"
     supported_ops = OPS
     is_host = False
+    requires = ("onnxruntime", "onnx")
+    #: the default on a CPU: it decodes about twice as fast as numpy or torch there (README, Benchmarks)
+    default_priority = {"cpu": 200}
 
     #: MatMulNBits accuracy level: 4 = int8 activations (llama.cpp's own quantized dot products)
     accuracy_level: int = 4

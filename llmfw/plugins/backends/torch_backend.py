@@ -86,6 +86,11 @@ def import_torch() -> Any:
     return _torch
 
 
+def nvidia_driver_present() -> bool:
+    """Whether an NVIDIA kernel driver is loaded (what CUDA needs), read from /proc without importing torch."""
+    return os.path.exists("/proc/driver/nvidia/version")
+
+
 def check_device(device: str | None) -> str:
     """Normalise a device ("cpu", "cuda", "cuda:1"); BackendUnavailable when torch cannot use it."""
     torch = import_torch()
@@ -770,6 +775,9 @@ class TorchBackend(Backend):
     pip_extra: ClassVar[str | None] = PIP_EXTRA
     supported_ops: ClassVar[frozenset[str]] = frozenset(OPS - {"input"})
     is_host: ClassVar[bool] = False
+    requires: ClassVar[tuple[str, ...]] = ("torch",)
+    #: the default only on a CUDA GPU: on a CPU, importing torch alone costs seconds and onnx decodes faster
+    default_priority: ClassVar[Mapping[str, int]] = {"cuda": 300}
 
     def __init__(self, device: str | None = None, n_threads: int | None = None):
         torch = import_torch()
@@ -798,6 +806,13 @@ class TorchBackend(Backend):
     @classmethod
     def check_available(cls, device: str | None = None) -> None:
         check_device(device)
+
+    @classmethod
+    def default_unavailable_reason(cls, device: str) -> str | None:
+        """No NVIDIA driver: no CUDA GPU, decided without importing torch (seconds) just to hear so."""
+        if device.startswith("cuda") and not nvidia_driver_present():
+            return "no CUDA GPU (no NVIDIA driver loaded)"
+        return super().default_unavailable_reason(device)
 
     # -- weights ----------------------------------------------------------------------------------------
     def load_weight(self, source: WeightSource) -> TorchWeight:

@@ -4,6 +4,9 @@ from llmfw.core.plugins import hookimpl
 TOKENIZERS = {
     "gpt2": "llmfw.plugins.tokenizers.bpe:BPETokenizer",
     "llama": "llmfw.plugins.tokenizers.spm:SPMTokenizer",
+    "gemma4": "llmfw.plugins.tokenizers.bpe:Gemma4Tokenizer",
+    "bert": "llmfw.plugins.tokenizers.wpm:WPMTokenizer",
+    "t5": "llmfw.plugins.tokenizers.ugm:UGMTokenizer",
 }
 
 

@@ -21,6 +21,7 @@ depend only on the piece.
 """
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import re
 import warnings
@@ -57,6 +58,8 @@ def byte_encode(text: str) -> str:
     """``text``'s UTF-8 bytes in the GPT-2 byte alphabet."""
     return text.encode("utf-8", "surrogatepass").decode("latin-1").translate(_BYTE_ALPHABET)
 
+
+SPM_SPACE = "\u2581"  # what SPM-style vocabularies write for a space
 
 # ----------------------------------------------------------------------------------------------- categories
 _TRANSLATION_CACHE_LIMIT = 1 << 16
@@ -186,6 +189,38 @@ _DEEPSEEK_LETTERS = (  # upper/lower/title-case letters; escaped, as some of the
 )
 
 
+_QWEN35 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+"
+           r"|\s+(?!\S)|\s+")
+_JAIS2 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+          + "".join(rf"|\s{{{n}}}(?!\S)" for n in (512, 256, 128, 64, 32, 16, 8, 4)) + r"|\s{1,2}(?!\S)|\s{1}")
+_ASCII_PUNCT_WORD = r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+"  # \" is " to the regex
+_KANA_CJK = "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+"  # 一-龥, hiragana, katakana
+_DEEPSEEK3 = (_ASCII_PUNCT_WORD + r"|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+"
+              r"|\s+(?!\S)|\s+")
+_SPARK = _ASCII_PUNCT_WORD + r"|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+|[\r\n]|\s+(?!\S)|\s+"
+_CASED_WORDS = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+" + _CONTRACTIONS
+                + r"?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*" + _CONTRACTIONS + "?")
+_YOUTU = ("[\uac00-\ud7a3\u3131-\u318e]+|[\uff01\u2026\u201c\u201d\u2018\u2019\u2014\uff1a\uff1b\uff0c\u3001-\u303f"
+          "\ufe30-\ufe4f]+|[\u3105-\u312f]+|" + _KANA_CJK,
+          _CASED_WORDS + r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_BLOOM = " ?[^(\\s|.,!?\u2026\u3002\uff0c\u3001\u0964\u06d4\u060c)]+"  # … 。 ， 、 । ۔ ،
+_CHATGLM4 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_EXAONE_MOE = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?(?:\p{L}\p{M}*(?: \p{L}\p{M}*)*)+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]?"
+               r"|\s*[\r\n]|\s+(?!\S)|\s+")
+_CHAMELEON = ("<sentinel:[0-9]+>", "(IMGIMG)((A|B|C|D|E|F|G|H|I){1,4})Z", "([\\t\\n]|    |  )", r"\p{N}",
+              r"[\p{P}!-/:-@\[-`{-~]", _GPT2)
+_GRANITE_MULTI = (r"[^\r\n\p{L}\p{N}]?((?=[\p{L}\p{M}])([^a-z]))*((?=[\p{L}\p{M}])([^A-Z]))+" + _CONTRACTIONS
+                  + r"?|[^\r\n\p{L}\p{N}]?((?=[\p{L}\p{M}])([^a-z]))+((?=[\p{L}\p{M}])([^A-Z]))*" + _CONTRACTIONS
+                  + r"?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_BAILING = (r"'(?:[sSdDmMtT]|[lL][lL]|[vV][eE]|[rR][eE])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+            r"|\s*[\r\n]|\s+(?!\S)|\s+")
+_SEED_CODER = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1}| ?[^\s\p{L}\p{N}\r\n]+|\s*[\r\n]+|\s+(?!\S)|\s+")
+_UFAKZEKA = r"[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_MINICPM5 = (r"\p{N}{1,3}",
+             _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}+| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LINES = "[^\\n]+|[\\n]+"
+
+
 @dataclass(frozen=True)
 class PreTokenizer:
     """One llama.cpp pre-tokenizer type: its regexes and the vocab flags it sets."""
@@ -194,9 +229,19 @@ class PreTokenizer:
     clean_spaces: bool = True
     ignore_merges: bool = False
     add_bos: bool = False
+    add_sep: bool = False
+    #: BPE's default BOS / EOS id 11 (chatglm / glm4 clear the BOS default)
+    default_bos: bool = True
+    #: pieces in the GPT-2 byte alphabet (False: SPM-style BPE on raw UTF-8 with <0xNN> byte tokens, Gemma 4)
+    byte_encode: bool = True
+    #: spaces become U+2581 before splitting (llama.cpp's escape_whitespaces, SPM-style BPE)
+    escape_whitespace: bool = False
+    #: a piece of newlines only that is a token is taken whole (llama.cpp's Gemma 4 fix)
+    newline_pieces_whole: bool = False
 
 
 _DEFAULT = PreTokenizer((r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", "[0-9][0-9][0-9]"))
+_DEEPSEEK3_TYPE = PreTokenizer((r"\p{N}{1,3}", _KANA_CJK, _DEEPSEEK3), clean_spaces=False)
 _TYPES = {
     "default": _DEFAULT,
     "llama3": PreTokenizer((_LLAMA3,), ignore_merges=True, add_bos=True),
@@ -204,17 +249,42 @@ _TYPES = {
     "deepseek-llm": PreTokenizer(("[\r\n]", _DEEPSEEK_LETTERS, _DEEPSEEK_PUNCT, "\\s+$", _CJK, r"\p{N}+"),
                                  clean_spaces=False),
     "deepseek-coder": PreTokenizer(("[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _CJK, r"\p{N}"), clean_spaces=False),
+    "deepseek-v3": _DEEPSEEK3_TYPE,
+    "spark2_5": PreTokenizer((r"\p{N}{1,3}", _KANA_CJK, _SPARK, r"\p{N}"), clean_spaces=False),
+    "youtu": PreTokenizer(_YOUTU, clean_spaces=False, ignore_merges=True),
     "falcon": PreTokenizer((r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, "[0-9][0-9][0-9]")),
     "starcoder": PreTokenizer((r"\p{N}", _GPT2)),
     "starcoder-noclean": PreTokenizer((r"\p{N}", _GPT2), clean_spaces=False),
     "gpt2": PreTokenizer((_GPT2,)),
     "gpt2-noclean": PreTokenizer((_GPT2,), clean_spaces=False),
+    "gpt2-sep": PreTokenizer((_GPT2,), add_sep=True),
+    "jais2": PreTokenizer((_JAIS2,)),
+    "gemma4": PreTokenizer((_LINES,), byte_encode=False, escape_whitespace=True, newline_pieces_whole=True,
+                           add_bos=True),
+    "sarvam-moe": PreTokenizer((_LINES,), clean_spaces=False, byte_encode=False, escape_whitespace=True),
     "qwen2": PreTokenizer((_QWEN2,), clean_spaces=False),
     "qwen2-clean": PreTokenizer((_QWEN2,)),
+    "qwen35": PreTokenizer((_QWEN35,), clean_spaces=False),
+    "bloom": PreTokenizer((_BLOOM,)),
+    "poro": PreTokenizer((_BLOOM,), clean_spaces=False),
+    "viking": PreTokenizer((_BLOOM, r"\p{N}"), clean_spaces=False),
+    "chatglm4": PreTokenizer((_CHATGLM4,), default_bos=False),
+    "glm4": PreTokenizer((_CHATGLM4,), default_bos=False, ignore_merges=True),
     "tekken": PreTokenizer((_TEKKEN,), clean_spaces=False, ignore_merges=True, add_bos=True),
+    "exaone-moe": PreTokenizer((_EXAONE_MOE,)),
+    "chameleon": PreTokenizer(_CHAMELEON, clean_spaces=False, add_bos=True),
     "gpt4o": PreTokenizer((_GPT4O,), clean_spaces=False),
+    "granite-multi": PreTokenizer((_GRANITE_MULTI,), clean_spaces=False, ignore_merges=True),
+    "bailingmoe": PreTokenizer((_BAILING,), clean_spaces=False),
+    "seed-coder": PreTokenizer((_SEED_CODER,), clean_spaces=False),
+    "ufakzeka": PreTokenizer((_UFAKZEKA,), clean_spaces=False),
+    "grok-2": PreTokenizer((_QWEN2,), clean_spaces=False),
+    "laguna": PreTokenizer((_LINES, _QWEN2), clean_spaces=False),
+    "minicpm5": PreTokenizer(_MINICPM5, ignore_merges=True),
 }
-#: ``tokenizer.ggml.pre`` value -> pre-tokenizer type, as llama.cpp's ``llama_vocab::impl::load`` maps them
+#: ``tokenizer.ggml.pre`` value -> pre-tokenizer type, as llama.cpp's ``llama_vocab::impl::load`` maps them.
+#: Not supported (llama.cpp runs hand-written splitters or other tokenizer sessions for them): kimi-k2, afmoe,
+#: tiny_aya, cohere2moe, superbpe, whitespace.
 PRE_TYPES: dict[str, str] = {
     "default": "default",
     **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
@@ -222,16 +292,39 @@ PRE_TYPES: dict[str, str] = {
     **dict.fromkeys(("dbrx", "smaug-bpe"), "llama3-regex"),
     "deepseek-llm": "deepseek-llm",
     "deepseek-coder": "deepseek-coder",
+    **dict.fromkeys(("deepseek-v3", "hunyuan-dense", "joyai-llm", "hy_v4"), "deepseek-v3"),
+    "spark2_5": "spark2_5",
+    "youtu": "youtu",
     "falcon": "falcon",
     **dict.fromkeys(("starcoder", "refact", "codeshell", "exaone", "minerva-7b", "mellum2"), "starcoder"),
     **dict.fromkeys(("smollm", "command-r"), "starcoder-noclean"),
     **dict.fromkeys(("gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es", "jina-v2-de", "a.x-4.0",
                      "mellum", "modern-bert", "mpt", "olmo", "jais", "exaone4"), "gpt2"),
+    **dict.fromkeys(("jina-v1-en", "jina-v2-code", "roberta-bpe"), "gpt2-sep"),
+    "jais-2": "jais2",
+    **dict.fromkeys(("gemma4", "granite-embed-multi-311m"), "gemma4"),
+    "sarvam-moe": "sarvam-moe",
     **dict.fromkeys(("trillion", "granite-docling"), "gpt2-noclean"),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "hunyuan", "solar-open"), "qwen2"),
+    "qwen35": "qwen35",
     **dict.fromkeys(("stablelm2", "megrez"), "qwen2-clean"),
+    "bloom": "bloom",
+    "gpt3-finnish": "bloom",
+    "poro-chat": "poro",
+    "viking": "viking",
+    "chatglm-bpe": "chatglm4",
+    **dict.fromkeys(("glm4", "glm5"), "glm4"),
     "tekken": "tekken",
-    **dict.fromkeys(("gpt-4o", "llama4", "kanana2", "talkie"), "gpt4o"),
+    "exaone-moe": "exaone-moe",
+    "chameleon": "chameleon",
+    **dict.fromkeys(("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"), "gpt4o"),
+    "granite-embed-multi-97m": "granite-multi",
+    **dict.fromkeys(("bailingmoe", "bailingmoe2", "llada-moe"), "bailingmoe"),
+    "seed-coder": "seed-coder",
+    "ufakzeka": "ufakzeka",
+    "grok-2": "grok-2",
+    "laguna": "laguna",
+    "minicpm5": "minicpm5",
 }
 
 
@@ -291,18 +384,26 @@ class BPETokenizer(Tokenizer):
     """llama.cpp's byte-level BPE tokenizer; see the module docstring."""
 
     @classmethod
+    def pre_tokenizer(cls, pre: str, warn: bool = True) -> PreTokenizer:
+        """The pre-tokenizer for the file's ``tokenizer.ggml.pre`` value ``pre``."""
+        return pre_tokenizer_for(pre) if warn or pre in PRE_TYPES else _DEFAULT
+
+    @classmethod
     def defaults(cls, pre: str) -> TokenizerDefaults:
-        pre_tok = pre_tokenizer_for(pre) if pre in PRE_TYPES else _DEFAULT
-        return TokenizerDefaults(bos_id=11, eos_id=11, add_bos=pre_tok.add_bos, clean_spaces=pre_tok.clean_spaces)
+        pre_tok = cls.pre_tokenizer(pre, warn=False)
+        bos_eos = 11 if pre_tok.default_bos else None
+        return TokenizerDefaults(bos_id=bos_eos, eos_id=11, add_bos=pre_tok.add_bos, add_sep=pre_tok.add_sep,
+                                 clean_spaces=pre_tok.clean_spaces)
 
     def __init__(self, vocab: Vocab):
         super().__init__(vocab)
         if vocab.merges is None:
             raise VocabError("tokenizer.ggml.merges is missing: a BPE vocabulary needs its merges")
-        self.pre = pre_tokenizer_for(vocab.pre)
+        self.pre = self.pre_tokenizer(vocab.pre)
         self.splitter = RegexSplitter(self.pre.regexes)
         self.ranks = self._build_ranks(vocab.merges)
         self.token_to_id = vocab.token_to_id
+        self._encode = byte_encode if self.pre.byte_encode else str
 
     @staticmethod
     def _build_ranks(merges: list[str]) -> dict[tuple[str, str], int]:
@@ -319,11 +420,13 @@ class BPETokenizer(Tokenizer):
         return dict(zip(reversed(pairs), range(len(pairs) - 1, -1, -1)))  # type: ignore[arg-type]
 
     def tokenize(self, text: str) -> list[int]:
+        if self.pre.escape_whitespace:
+            text = text.replace(" ", SPM_SPACE)
         return self.encode_words(self.splitter.split(text))
 
     def encode_word(self, word: str) -> list[int]:
-        encoded = byte_encode(word)
-        if self.pre.ignore_merges:
+        encoded = self._encode(word)
+        if self.pre.ignore_merges or (self.pre.newline_pieces_whole and not word.strip("\n")):
             token = self.token_to_id.get(encoded)
             if token is not None:
                 return [token]
@@ -386,14 +489,22 @@ class BPETokenizer(Tokenizer):
             if token is not None:
                 ids.append(token)
                 continue
-            # llama.cpp falls back to the symbol's single UTF-8 bytes that happen to be tokens
-            for byte in symbol.encode("utf-8"):
-                token = token_to_id.get(chr(byte) if byte < 0x80 else chr(0xDC00 + byte))
+            # llama.cpp falls back to the symbol's single UTF-8 bytes that happen to be tokens (<0xNN> tokens
+            # without the byte alphabet)
+            for byte in symbol.encode("utf-8", "surrogatepass"):
+                token = token_to_id.get(self._single_byte_text(byte))
                 if token is not None:
                     ids.append(token)
         return ids
 
+    def _single_byte_text(self, byte: int) -> str:
+        if not self.pre.byte_encode:
+            return f"<0x{byte:02X}>"
+        return chr(byte) if byte < 0x80 else chr(0xDC00 + byte)
+
     def normal_piece(self, text: str) -> bytes:
+        if self.pre.escape_whitespace:
+            return text.replace(SPM_SPACE, " ").encode("utf-8", "surrogatepass")
         try:
             return bytes([CHAR_TO_BYTE[c] for c in text])
         except KeyError:
@@ -409,7 +520,26 @@ class BPETokenizer(Tokenizer):
         return bytes(out)
 
     def byte_to_token(self, byte: int) -> int:
-        token = self.token_to_id.get(BYTE_TO_CHAR[byte])
+        text = BYTE_TO_CHAR[byte] if self.pre.byte_encode else f"<0x{byte:02X}>"
+        token = self.token_to_id.get(text)
         if token is None:
-            raise TokenizerError(f"the BPE vocab has no token for byte 0x{byte:02X} ({BYTE_TO_CHAR[byte]!r})")
+            raise TokenizerError(f"the BPE vocab has no token for byte 0x{byte:02X} ({text!r})")
         return token
+
+
+class Gemma4Tokenizer(BPETokenizer):
+    """``tokenizer.ggml.model = "gemma4"``: llama.cpp's SPM-style BPE (spaces as U+2581, raw UTF-8 merges, <0xNN>
+    byte fallback), whatever ``tokenizer.ggml.pre`` says; llama.cpp also always adds BOS for it."""
+
+    @classmethod
+    def pre_tokenizer(cls, pre: str, warn: bool = True) -> PreTokenizer:
+        return _TYPES["gemma4"]
+
+    @classmethod
+    def defaults(cls, pre: str) -> TokenizerDefaults:
+        return dataclasses.replace(super().defaults(pre), bos_id=None, eos_id=None)
+
+    def __init__(self, vocab: Vocab):
+        super().__init__(vocab)
+        if vocab.bos_id is not None:
+            vocab.add_bos = True  # llama.cpp overrides add_bos_token = false for Gemma 4 (its PR 21500)
