@@ -44,6 +44,7 @@ class BenchParams(BaseModel):
     repetitions: int = Field(3, ge=1)
     n_threads: int = Field(2, ge=1)
     n_ubatch: int = Field(512, ge=1)
+    json_schema: str | None = None  # with a schema: tg also with sampling, and with sampling under the schema
 
     @property
     def n_ctx(self) -> int:
@@ -160,6 +161,8 @@ def bench_llmfw(params: BenchParams, backend: str) -> dict[str, Any]:
 
             seconds, graphs = _timed_runs(ctx, params, generate)
             tests[f"tg{params.n_gen}"] = {**summarize(params.n_gen, seconds), **graphs}
+            if params.json_schema is not None:
+                tests.update(constrained_tests(model, ctx, params, tokens[0]))
         weights = {spec: backend_weight_bytes(b) for spec, b in model.backends.items()}
         return {
             "engine": "llmfw", "backend": backend, "model": str(model.path), "n_threads": params.n_threads,
@@ -169,6 +172,42 @@ def bench_llmfw(params: BenchParams, backend: str) -> dict[str, Any]:
         }
     finally:
         model.close()
+
+
+def constrained_tests(model: Any, ctx: Any, params: BenchParams, first_token: int) -> dict[str, Any]:
+    """``tg{n}+sample``: each step decodes the token the sampler chain (temperature 1) picked; ``tg{n}+json``: the
+    same under the JSON schema, whose grammar restarts whenever it completes. Mask time per token and the
+    grammar's compile time (the vocabulary bridge is built once per model before, and reported apart)."""
+    import llmfw
+    from llmfw.core.grammar import grammar_tokenizer
+    from llmfw.core.sampling import SamplerChain, SamplerParams
+
+    start = time.perf_counter()
+    grammar_tokenizer(model.vocab)
+    bridge_s = time.perf_counter() - start
+    start = time.perf_counter()
+    constrained = SamplerChain.from_params(SamplerParams(temp=1.0, seed=1, json_schema=params.json_schema),
+                                           model=model)
+    compile_s = time.perf_counter() - start
+    results: dict[str, Any] = {}
+    for name, chain in (("sample", SamplerChain.from_params(SamplerParams(temp=1.0, seed=1), model=model)),
+                        ("json", constrained)):
+        def generate(chain: Any = chain) -> None:
+            chain.reset()
+            token = first_token
+            for _ in range(params.n_gen):
+                _check(ctx.decode(llmfw.Batch([token])), ctx)
+                token = chain.sample(ctx, -1)
+                if chain.done() or model.vocab.is_eog(token):
+                    chain.reset()
+
+        seconds, graphs = _timed_runs(ctx, params, generate)
+        results[f"tg{params.n_gen}+{name}"] = {**summarize(params.n_gen, seconds), **graphs}
+    matcher = constrained.samplers[0].matcher
+    results[f"tg{params.n_gen}+json"].update({"mask_ms_per_token": matcher.mask_ms_per_token,
+                                             "grammar_compile_ms": 1000 * compile_s,
+                                             "vocab_bridge_ms": 1000 * bridge_s})
+    return results
 
 
 def worker_main(argv: list[str]) -> None:
@@ -350,6 +389,7 @@ def format_table(records: list[dict[str, Any]], reference: dict[str, Any] | None
         head += ["llama.cpp t/s", "ratio"]
     head += ["graphs built/reused"]
     rows = [head, ["---"] * len(head)]
+    notes: list[str] = []
     for record in records + ([reference] if reference else []):
         for test, result in record.get("tests", {}).items():
             row = [record["engine"], record["backend"], str(record["n_threads"]), test,
@@ -361,8 +401,10 @@ def format_table(records: list[dict[str, Any]], reference: dict[str, Any] | None
                         "" if is_ref or not ref else f"{result['tps_median'] / ref['tps_median']:.2f}x"]
             row.append(f"{result['graph_builds']}/{result['graph_reuses']}" if "graph_builds" in result else "-")
             rows.append(row)
+            if "mask_ms_per_token" in result:
+                notes.append(_constraint_note(record, test, result))
     lines = ["| " + " | ".join(r) + " |" for r in rows]
-    lines.append("")
+    lines += [""] + notes
     for record in records + ([reference] if reference else []):
         if "error" in record:
             lines.append(f"{record['engine']} {record['backend']}: ERROR {record['error']}")
@@ -375,6 +417,17 @@ def format_table(records: list[dict[str, Any]], reference: dict[str, Any] | None
                      f"{_mib(record['rss_base'])} MiB, after load {_mib(record['rss_after_load'])} MiB, peak "
                      f"{_mib(record['rss_peak'])} MiB{extra}")
     return "\n".join(lines)
+
+
+def _constraint_note(record: dict[str, Any], test: str, result: dict[str, Any]) -> str:
+    """The constrained run against the plain tg of the same record."""
+    base = test.split("+")[0]
+    ratios = [f"{result['tps_median'] / ref['tps_median']:.2f}x of {name}" for name in (base, f"{base}+sample")
+              if (ref := record["tests"].get(name)) and ref.get("tps_median")]
+    ratio = f", {', '.join(ratios)}" if ratios else ""
+    return (f"{record['engine']} {record['backend']} {test}: mask {result['mask_ms_per_token']:.3f} ms/token, "
+            f"grammar compile {result['grammar_compile_ms']:.1f} ms, vocabulary bridge "
+            f"{result['vocab_bridge_ms']:.0f} ms (once per model){ratio}")
 
 
 def _split_backends(values: tuple[str, ...]) -> list[str]:
@@ -409,15 +462,24 @@ def _split_backends(values: tuple[str, ...]) -> list[str]:
               help="Also run the tests on Hugging Face transformers (float32, loading the GGUF itself) in this "
                    "interpreter.")
 @click.option("-v", "--verbose", is_flag=True, help="Log loading, placement and op fallbacks to stderr.")
+@click.option("-jf", "--json-schema", "json_schema_file", type=click.Path(dir_okay=False), default=None,
+              help="Also measure tg with sampling, and with sampling constrained by this JSON schema file "
+                   "(mask time per token, grammar compile time).")
 def bench(model: str, n_prompt: int, n_gen: int, repetitions: int, n_ubatch: int, backends: tuple[str, ...],
           n_threads: int, as_json: bool, llama_python: str | None, transformers_python: str | None,
-          verbose: bool) -> None:
+          verbose: bool, json_schema_file: str | None) -> None:
     """Benchmark prompt processing (pp) and generation (tg) like llama-bench."""
     from llmfw.core.model import resolve_model_path
 
     path = str(resolve_model_path(model))
+    schema = None
+    if json_schema_file is not None:
+        from llmfw.core.grammar import GrammarSpec, read_constraint_file
+
+        schema = read_constraint_file(json_schema_file, "JSON schema")
+        GrammarSpec.from_json_schema(schema).compile()  # a bad schema fails before any model is loaded
     params = BenchParams(model=path, n_prompt=n_prompt, n_gen=n_gen, repetitions=repetitions, n_threads=n_threads,
-                         n_ubatch=n_ubatch)
+                         n_ubatch=n_ubatch, json_schema=schema)
     peers = {key: python for key, python in (("transformers", transformers_python), ("llama_cpp", llama_python))
              if python}
     for key, python in peers.items():

@@ -96,9 +96,48 @@ def model_and_sampling_options(func: Callable[..., Any]) -> Callable[..., Any]:
     ]
     for flag, (_, kind, help_text) in SAMPLING_FLAGS.items():
         options.append(click.option(flag, _option_key(flag), type=kind, default=None, help=help_text))
+    options += constraint_options()
     for option in reversed(options):
         func = option(func)
     return func
+
+
+def constraint_options() -> list[Callable[..., Any]]:
+    """llama.cpp's structured-output flags (plus --regex): at most one of them per run."""
+    file_type = click.Path(dir_okay=False)
+    return [
+        click.option("--grammar", "grammar", default=None, metavar="TEXT",
+                     help="GBNF (llama.cpp syntax) or Lark grammar the output must match."),
+        click.option("--grammar-file", "grammar_file", type=file_type, default=None, help="Read --grammar from FILE."),
+        click.option("-j", "--json-schema", "json_schema", default=None, metavar="TEXT",
+                     help="JSON schema the output must match ({} = any JSON value)."),
+        click.option("-jf", "--json-schema-file", "json_schema_file", type=file_type, default=None,
+                     help="Read --json-schema from FILE."),
+        click.option("--json", "any_json", is_flag=True, help="The output is a JSON object."),
+        click.option("--regex", "regex", default=None, metavar="PATTERN",
+                     help="Regular expression the output must match."),
+    ]
+
+
+def constraint_overrides(opts: dict[str, Any]) -> dict[str, Any]:
+    """The pipeline key (``sampling.grammar`` / ``.json_schema`` / ``.regex``) for the constraint flag given."""
+    from ..core.grammar import ANY_JSON_OBJECT, read_constraint_file
+
+    given = {flag: opts.get(key) for flag, key in (("--grammar", "grammar"), ("--grammar-file", "grammar_file"),
+             ("--json-schema", "json_schema"), ("--json-schema-file", "json_schema_file"), ("--json", "any_json"),
+             ("--regex", "regex")) if opts.get(key) not in (None, False)}
+    if len(given) > 1:
+        raise click.UsageError(f"give one of {', '.join(given)}: a run has at most one output constraint")
+    if not given:
+        return {}
+    flag, value = next(iter(given.items()))
+    if flag == "--grammar-file":
+        return {"sampling.grammar": read_constraint_file(value, "grammar")}
+    if flag == "--json-schema-file":
+        return {"sampling.json_schema": read_constraint_file(value, "JSON schema")}
+    if flag == "--json":
+        return {"sampling.json_schema": dict(ANY_JSON_OBJECT)}
+    return {f"sampling.{flag.lstrip('-').replace('-', '_')}": value}
 
 
 def config_overrides(opts: dict[str, Any]) -> dict[str, Any]:
@@ -122,6 +161,7 @@ def config_overrides(opts: dict[str, Any]) -> dict[str, Any]:
             overrides[f"sampling.{field}"] = value
     if opts.get("sampler_seq"):
         overrides["sampling.samplers"] = parse_sampler_seq(opts["sampler_seq"])
+    overrides.update(constraint_overrides(opts))
     return overrides
 
 
@@ -168,8 +208,12 @@ def describe_setup(model: Any, ctx: Any, sampler: Any, pipeline: Any) -> None:
     threads = pipeline.config.context.n_threads
     click.echo(f"context: {size}, threads {threads if threads else 'backend default'}", err=True)
     click.echo(f"sampler chain: {' -> '.join(sampler.names)}", err=True)
-    params = pipeline.config.sampling.model_dump(exclude={"samplers", "dry_sequence_breakers", "options"})
+    params = pipeline.config.sampling.model_dump(exclude={"samplers", "dry_sequence_breakers", "options", "grammar",
+                                                          "json_schema", "regex"})
     click.echo("sampling: " + ", ".join(f"{k} = {v}" for k, v in params.items()), err=True)
+    spec = pipeline.config.sampling.grammar_spec()
+    if spec is not None:
+        click.echo(f"output constraint: {spec.describe()}", err=True)
 
 
 @click.command("run")

@@ -105,3 +105,14 @@ class EngineStopped(LLMFWError):
 
 class EngineLoading(EngineStopped):
     """The server's model is still loading (503 until it is ready)."""
+
+
+class GrammarError(LLMFWError, ValueError):
+    """A grammar, JSON schema or regex that does not parse, is too large or too deeply nested, or can never
+    match. ``line`` and ``column`` (1-based, or None) point into the source text when the error has a place."""
+
+    def __init__(self, message: str, line: int | None = None, column: int | None = None):
+        self.message, self.line, self.column = message, line, column
+        where = f"line {line}, column {column}: " if line is not None and column is not None else (
+            f"line {line}: " if line is not None else "")
+        super().__init__(where + message)

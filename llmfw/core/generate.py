@@ -36,7 +36,8 @@ class GenerationStats:
     t_prompt: float = 0.0      # seconds spent decoding them
     n_generated: int = 0       # tokens sampled
     t_generate: float = 0.0    # seconds from the first sample to the end
-    stop_reason: str = ""      # "eog", "stop", "max_tokens", "context_full" ("interrupted": set by the CLI)
+    stop_reason: str = ""      # "eog" (also: the grammar is complete), "stop", "max_tokens", "context_full"
+    #                            ("interrupted": set by the CLI)
     tokens: list[int] = field(default_factory=list)  # the sampled tokens
 
     @property
@@ -114,11 +115,10 @@ def reuse_cached_prefix(ctx: Any, tokens: list[int], seq: int = 0) -> int:
 
 
 def accept_prompt_tokens(chain: SamplerChain, tokens: Sequence[int]) -> None:
-    """Feed prompt tokens to each sampler of the chain (not the chain: its history holds sampled tokens
-    only), so repetition penalties see the prompt, as llama-cli does."""
+    """Feed prompt tokens to each sampler of the chain (not the chain's history: that holds sampled tokens
+    only), so repetition penalties see the prompt, as llama-cli does; a grammar sampler starts afresh."""
     for t in tokens:
-        for s in chain.samplers:
-            s.accept(t)
+        chain.accept_prompt(t)
 
 
 # -- helpers ---------------------------------------------------------------------------------------------------
@@ -275,6 +275,9 @@ def _stream(ctx: Any, model: Any, chain: SamplerChain, record: list[int], n_keep
                 yield piece
             if text.stopped:
                 stats.stop_reason = "stop"
+                break
+            if chain.done():  # the grammar is complete: nothing else may follow
+                stats.stop_reason = "eog"
                 break
             if max_tokens is not None and stats.n_generated >= max_tokens:
                 stats.stop_reason = "max_tokens"

@@ -290,6 +290,7 @@ class Pipeline:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], source: str | Path | None = None, *,
                   overridden: frozenset[str] = frozenset()) -> "Pipeline":
+        data = _with_constraint_files_read(data, source)
         return cls(validate_config(data, str(source or "<config>")), source, overridden=overridden)
 
     def _from_file(self, key: str) -> bool:
@@ -392,6 +393,27 @@ class Pipeline:
         return generate(ctx, self.render_prompt(text, model), sampler, max_tokens=gen.max_tokens, stop=gen.stop,
                         parse_special=tok.parse_special, add_special=tok.add_special, stats=stats,
                         special=tok.special)
+
+
+def _with_constraint_files_read(data: Mapping[str, Any], source: str | Path | None) -> Mapping[str, Any]:
+    """``sampling.grammar`` / ``sampling.json_schema`` naming a file (relative to the YAML file) -> its text."""
+    from .errors import GrammarError
+    from .grammar import constraint_file, read_constraint_file
+
+    sampling = data.get("sampling")
+    if not isinstance(sampling, Mapping):
+        return data
+    base = Path(source).parent if source is not None and not str(source).startswith("<") else Path(".")
+    replaced = dict(sampling)
+    for key in ("grammar", "json_schema"):
+        name = constraint_file(key, sampling.get(key))
+        if name is not None:
+            path = Path(name).expanduser()
+            try:
+                replaced[key] = read_constraint_file(path if path.is_absolute() else base / path, key)
+            except GrammarError as exc:
+                raise ConfigError(f"{source or '<config>'}: sampling.{key}: {exc}") from None
+    return {**data, "sampling": replaced}
 
 
 def load_pipeline(path: str | Path, overrides: Mapping[str, Any] | None = None) -> Pipeline:

@@ -32,9 +32,9 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Iterable, Mapping, Sequence
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-from .errors import SamplerError
+from .errors import GrammarError, SamplerError
 
 #: llama.cpp's LLAMA_DEFAULT_SEED: "pick a random seed".
 DEFAULT_SEED = 0xFFFFFFFF
@@ -277,6 +277,14 @@ class Sampler(ABC):
     def reset(self) -> None:  # noqa: B027 - optional hook
         """Forget the history and re-seed (default: no state)."""
 
+    def accept_prompt(self, token: int) -> None:
+        """Record a prompt token (default: like :meth:`accept`; the grammar sampler starts afresh instead)."""
+        self.accept(token)
+
+    def done(self) -> bool:
+        """True when nothing more may be generated (the grammar sampler: its grammar is complete)."""
+        return False
+
     @classmethod
     def from_params(cls, params: "SamplerParams", env: SamplerEnv, options: dict[str, Any]) -> "Sampler":
         try:
@@ -397,12 +405,44 @@ class SamplerParams(BaseModel):
                                 description="order of the configurable samplers")
     options: dict[str, dict[str, Any]] = Field(default_factory=dict,
                                                description="extra keyword options per sampler name (plugins)")
+    grammar: str | None = Field(None, description="GBNF (llama.cpp syntax) or Lark grammar the output must match")
+    json_schema: str | dict[str, Any] | bool | None = Field(
+        None, description="JSON schema the output must match ({} or true = any JSON value)")
+    regex: str | None = Field(None, description="regular expression the output must match")
+    _compiled: tuple[Any, str] | None = PrivateAttr(None)
 
     def __init__(self, **data: Any):
         try:
             super().__init__(**data)
         except ValidationError as exc:
+            grammar_errors = [e["ctx"]["error"] for e in exc.errors()
+                              if isinstance((e.get("ctx") or {}).get("error"), GrammarError)]
+            if grammar_errors:  # keep its class, line and column (a server answers 400 with it)
+                raise grammar_errors[0] from None
             raise SamplerParamsError(validation_problems(exc)) from None
+
+    @model_validator(mode="after")
+    def _check_grammar(self) -> "SamplerParams":
+        self.compiled_grammar()  # a bad grammar is an error now, not when a chain is built
+        return self
+
+    def grammar_spec(self) -> Any:
+        """The :class:`~llmfw.core.grammar.GrammarSpec` of ``grammar`` / ``json_schema`` / ``regex`` (or None)."""
+        if self.grammar is None and self.json_schema is None and self.regex is None:
+            return None
+        from .grammar import grammar_spec
+
+        return grammar_spec(self.grammar, self.json_schema, self.regex)
+
+    def compiled_grammar(self) -> str | None:
+        """The constraint compiled by llguidance (kept with the source it was compiled from, so a copy with
+        another grammar compiles its own)."""
+        spec = self.grammar_spec()
+        if spec is None:
+            return None
+        if self._compiled is None or self._compiled[0] != spec:
+            self._compiled = (spec, spec.compile())
+        return self._compiled[1]
 
     @field_validator("temp", "top_n_sigma", "penalty_freq", "penalty_present", "dynatemp_exponent",
                      "top_p", "min_p", "typical_p", "xtc_probability", "xtc_threshold", "penalty_repeat",
@@ -518,6 +558,8 @@ class SamplerChain(Sampler):
         params = params or SamplerParams()
         env = env or SamplerEnv.from_model(model, vocab, n_ctx)
         samplers: list[Sampler] = []
+        if params.grammar_spec() is not None:  # first, like llama.cpp: later samplers see allowed tokens only
+            samplers.append(build_sampler("grammar", params, env))
         if params.logit_bias:
             samplers.append(build_sampler("logit_bias", params, env))
         if params.mirostat == 0:
@@ -554,6 +596,13 @@ class SamplerChain(Sampler):
         for sampler in self.samplers:
             sampler.reset()
         self.history.clear()
+
+    def accept_prompt(self, token: int) -> None:
+        for sampler in self.samplers:
+            sampler.accept_prompt(int(token))
+
+    def done(self) -> bool:
+        return any(sampler.done() for sampler in self.samplers)
 
     # -- use -----------------------------------------------------------------------------------------------
     def sample(self, ctx_or_logits: Any, idx: int = -1) -> int:

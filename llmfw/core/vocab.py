@@ -285,6 +285,7 @@ class Vocab:
         self._special_split_order = self._special_tokens_longest_first()
         self._piece_cache: list[bytes | None] = [None] * self.n_vocab
         self._special_matchers: dict[bool, _SpecialMatcher | None] = {}
+        self.derived: dict[str, Any] = {}  # things built once from this vocab (the grammar engine's tokenizer)
         self.tokenizer: Tokenizer = tokenizer_class(self)
         self.nl_id: int | None = self.tokenizer.newline_id()
 

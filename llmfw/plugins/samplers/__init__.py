@@ -19,6 +19,7 @@ SAMPLERS: dict[str, str] = {
     "dry": f"{_PKG}.dry:DRY",
     "mirostat": f"{_PKG}.mirostat:Mirostat",
     "mirostat_v2": f"{_PKG}.mirostat:MirostatV2",
+    "grammar": f"{_PKG}.grammar:Grammar",
 }
 
 
