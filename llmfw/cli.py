@@ -19,6 +19,8 @@ COMMANDS = {
     "pull": "llmfw.commands.models:pull_cmd",
     "models": "llmfw.commands.models:models_cmd",
     "bench": "llmfw.commands.bench:bench",
+    "perplexity": "llmfw.commands.perplexity:perplexity_cmd",
+    "embed": "llmfw.commands.embed:embed_cmd",
 }
 
 _HELP = {
@@ -30,6 +32,8 @@ _HELP = {
     "pull": "Fetch a catalog model into the local cache.",
     "models": "List catalog models and which are cached.",
     "bench": "Benchmark prompt processing and generation (llama-bench style).",
+    "perplexity": "Perplexity of a text file, as llama-perplexity computes it.",
+    "embed": "Embeddings of texts as JSON (llama.cpp pooling).",
 }
 
 

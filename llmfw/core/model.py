@@ -107,6 +107,21 @@ class Model:
 
         return Context(self, params, **kw)
 
+    def embed(self, texts: Any, pooling: str | None = None, normalize: bool = True, **kw: Any) -> Any:
+        """Embeddings of ``texts`` (a string or a list of strings / token id lists), llama.cpp's way.
+
+        Returns float32 ``[n_texts, n_embd]`` (``[n_embd]`` for one string); with ``pooling="none"`` a list of
+        ``[n_tokens, n_embd]`` arrays (one array for one string). ``pooling`` None = the GGUF's
+        ``pooling_type``. See :func:`llmfw.core.embedding.embed_texts` for the token counts too.
+        """
+        from .embedding import embed_texts
+
+        result = embed_texts(self, texts, pooling, normalize, **kw)
+        if result.pooling == "none":
+            return result.vectors[0] if isinstance(texts, str) else result.vectors
+        stacked = np.stack(result.vectors)
+        return stacked[0] if isinstance(texts, str) else stacked
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Render chat messages with the model's template (``tokenizer.chat_template``)."""
         from .chat import apply_chat_template
