@@ -85,6 +85,9 @@ class Context:
         self._plan_params: BuildParams | None = None
         self._logits = np.zeros((0, model.n_vocab), dtype=np.float32)
         self._output_ids = np.zeros(0, dtype=np.int32)
+        #: per sequence, the tokens known to be in the KV cache (``generate`` keeps sequence 0's; saved with
+        #: the state)
+        self.token_records: dict[int, list[int]] = {}
         self.reset_perf()
 
     # -- set-up ------------------------------------------------------------------------------------------
@@ -248,6 +251,21 @@ class Context:
             if row < 0:
                 raise LogitsIndexError(f"no logits for batch index {i}: that token was not marked for output")
         return self._logits[row].copy()
+
+    # -- saved state (core/state.py) ----------------------------------------------------------------------
+    def state_save_file(self, path: Any, tokens: Any = None, sampler: Any = None) -> int:
+        """Save the KV cells of every sequence, the token records (``tokens`` replaces sequence 0's) and the
+        RNG state of ``sampler``'s samplers to ``path``; returns the bytes written."""
+        from .state import save_state_file
+
+        return save_state_file(self, path, tokens, sampler)
+
+    def state_load_file(self, path: Any, sampler: Any = None) -> list[int]:
+        """Load a state saved by :meth:`state_save_file` and return its tokens. A file of another model or
+        context shape, or a truncated / corrupt one, raises ContextError and leaves the context as it was."""
+        from .state import load_state_file
+
+        return load_state_file(self, path, sampler)
 
     # -- performance counters (llama.cpp's llama_perf_context) ---------------------------------------------
     def reset_perf(self) -> None:

@@ -1,7 +1,7 @@
 """``generate``: the decode loop — prompt → batch → decode → sample → detokenize, streamed as text pieces.
 
-KV-cache reuse: ``generate`` keeps, per context, the list of tokens that are in the KV cache for sequence 0
-(:func:`cached_tokens`). A new call tokenizes the *whole* prompt it is given (for a chat: the whole rendered
+KV-cache reuse: ``generate`` keeps, in the context's ``token_records[0]``, the list of tokens that are in the KV
+cache for sequence 0 (:func:`cached_tokens`; a saved state carries it). A new call tokenizes the *whole* prompt it is given (for a chat: the whole rendered
 conversation), keeps the longest common prefix with that record, removes the divergent tail from the cache
 (``memory.seq_rm``) and decodes only the rest. So a multi-turn chat that re-renders the conversation each
 turn only pays for the new turn. (llama.cpp's server does the same with ``cache_prompt``.)
@@ -18,7 +18,6 @@ until it cannot.
 from __future__ import annotations
 
 import time
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
@@ -38,6 +37,13 @@ class GenerationStats:
     t_generate: float = 0.0    # seconds from the first sample to the end
     stop_reason: str = ""      # "eog", "stop", "max_tokens", "context_full"
     tokens: list[int] = field(default_factory=list)  # the sampled tokens
+    n_drafted: int = 0         # speculative decoding: tokens drafted ...
+    n_accepted: int = 0        # ... and accepted
+    n_verify_batches: int = 0  # ... and the batches that verified them
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.n_accepted / self.n_drafted if self.n_drafted else 0.0
 
     @property
     def prompt_tps(self) -> float:
@@ -50,27 +56,33 @@ class GenerationStats:
     def summary(self) -> str:
         return (f"prompt: {self.n_prompt_decoded} tokens in {self.t_prompt:.2f} s ({self.prompt_tps:.1f} tok/s, "
                 f"{self.n_cached} cached) | generation: {self.n_generated} tokens in {self.t_generate:.2f} s "
-                f"({self.generate_tps:.1f} tok/s) | stop: {self.stop_reason}")
+                f"({self.generate_tps:.1f} tok/s) | stop: {self.stop_reason}"
+                + (f" | draft: {self.n_accepted}/{self.n_drafted} accepted ({100 * self.acceptance_rate:.0f}%)"
+                   if self.n_drafted else ""))
 
 
-# -- the record of what is in each context's cache -------------------------------------------------------------
-_records: "weakref.WeakKeyDictionary[Any, list[int]]" = weakref.WeakKeyDictionary()
+# -- the record of what is in each context's cache (``ctx.token_records``) -----------------------------------------
+def _record(ctx: Any) -> list[int]:
+    records = getattr(ctx, "token_records", None)
+    if records is None:
+        raise ContextError("generate needs an llmfw Context (ctx.token_records is missing)")
+    return records.setdefault(0, [])
 
 
 def cached_tokens(ctx: Any) -> list[int]:
     """The tokens :func:`generate` knows to be in ``ctx``'s KV cache for sequence 0 (a copy)."""
-    return list(_records.get(ctx, ()))
+    return list(_record(ctx))
 
 
 def forget_cache(ctx: Any) -> None:
     """Clear sequence 0 of the cache and the record (the next call decodes its whole prompt)."""
     ctx.memory.seq_rm(0, -1, -1)
-    _records[ctx] = []
+    _record(ctx).clear()
 
 
 def _synced_record(ctx: Any) -> list[int]:
     """The record, trimmed to what the cache really holds (someone may have decoded or removed tokens)."""
-    record = _records.setdefault(ctx, [])
+    record = _record(ctx)
     n_in_cache = int(ctx.memory.seq_pos_max(0)) + 1  # -1 when empty
     if n_in_cache < len(record):
         del record[max(n_in_cache, 0):]
@@ -187,7 +199,7 @@ def _prepare_prompt(ctx: Any, tokens: list[int], n_ctx: int | None) -> tuple[int
 def generate(ctx: Any, prompt: str | Sequence[int], sampler: Sampler | None = None,
              max_tokens: int | None = None, stop: str | Sequence[str] | None = None, *,
              parse_special: bool = True, add_special: bool = True, accept_prompt: bool = True,
-             stats: GenerationStats | None = None) -> Iterator[str]:
+             stats: GenerationStats | None = None, draft: Any = None) -> Iterator[str]:
     """Stream the continuation of ``prompt`` as text pieces.
 
     ``sampler``: a :class:`SamplerChain` (or any Sampler that selects); None = greedy.
@@ -195,6 +207,8 @@ def generate(ctx: Any, prompt: str | Sequence[int], sampler: Sampler | None = No
     string or a full context). ``stop``: strings that end the generation (not emitted).
     ``accept_prompt``: feed the newly decoded prompt tokens to the sampler's history (like llama-cli, so
     repetition penalties see the prompt). ``stats``: a :class:`GenerationStats` to fill in.
+    ``draft``: a drafter (:mod:`llmfw.core.speculative`) for speculative decoding; the drafted / accepted
+    counts land in ``stats.n_drafted`` / ``stats.n_accepted``.
     """
     model = _model(ctx)
     chain = sampler if sampler is not None else SamplerChain.greedy()
@@ -209,55 +223,125 @@ def generate(ctx: Any, prompt: str | Sequence[int], sampler: Sampler | None = No
 
     tokens = tokenize_prompt(model, prompt, parse_special=parse_special, add_special=add_special)
     n_keep, new_tokens = _prepare_prompt(ctx, tokens, n_ctx)
-    record = _records[ctx]
+    loop = _Loop(ctx, chain, _record(ctx), TextStream(model.vocab, stops), stats, max_tokens, n_ctx, draft)
     stats.n_prompt, stats.n_cached = len(tokens), n_keep
-    return _stream(ctx, model, chain, record, n_keep, new_tokens, n_batch, n_ctx, max_tokens, stops,
-                   accept_prompt, stats)
+    return _stream(loop, n_keep, new_tokens, n_batch, accept_prompt)
 
 
-def _stream(ctx: Any, model: Any, chain: SamplerChain, record: list[int], n_keep: int, new_tokens: list[int],
-            n_batch: int, n_ctx: int | None, max_tokens: int | None, stops: list[str], accept_prompt: bool,
-            stats: GenerationStats) -> Iterator[str]:
-    vocab = model.vocab
+@dataclass
+class _Loop:
+    """The state of one generation: what ``_stream`` and its speculative step share."""
+
+    ctx: Any
+    chain: SamplerChain
+    record: list[int]
+    text: TextStream
+    stats: GenerationStats
+    max_tokens: int | None
+    n_ctx: int | None
+    drafter: Any = None
+
+    def emit(self, token: int) -> tuple[str, bool]:
+        """Count a sampled token; returns (text to yield, whether generation ends here)."""
+        stats = self.stats
+        stats.n_generated += 1
+        stats.tokens.append(token)
+        if self.ctx.model.vocab.is_eog(token):
+            stats.stop_reason = "eog"
+            return "", True
+        piece = self.text.feed(token)
+        if self.text.stopped:
+            stats.stop_reason = "stop"
+        elif self.max_tokens is not None and stats.n_generated >= self.max_tokens:
+            stats.stop_reason = "max_tokens"
+        elif self.n_ctx is not None and len(self.record) >= self.n_ctx:
+            stats.stop_reason = "context_full"
+        return piece, bool(stats.stop_reason)
+
+    def draft_for(self, token: int) -> list[int]:
+        """The drafter's guess after ``token``, cut to what the limits and the context leave room for."""
+        if self.drafter is None:
+            return []
+        room = self.drafter.n_max
+        if self.max_tokens is not None:
+            room = min(room, self.max_tokens - self.stats.n_generated)
+        if self.n_ctx is not None:
+            room = min(room, self.n_ctx - len(self.record) - 1)
+        return list(self.drafter.draft(self.record, token))[:max(room, 0)]
+
+
+def _stream(loop: _Loop, n_keep: int, new_tokens: list[int], n_batch: int, accept_prompt: bool) -> Iterator[str]:
+    ctx, chain, stats = loop.ctx, loop.chain, loop.stats
     t0 = time.perf_counter()
-    _decode(ctx, new_tokens, n_keep, n_batch, record)
+    _decode(ctx, new_tokens, n_keep, n_batch, loop.record)
     stats.t_prompt, stats.n_prompt_decoded = time.perf_counter() - t0, len(new_tokens)
     if accept_prompt:  # into each sampler, not the chain: its history holds sampled tokens only
         for t in new_tokens:
             for s in chain.samplers:
                 s.accept(t)
 
-    text = TextStream(vocab, stops)
     t_start = time.perf_counter()
     try:
-        while True:
-            if max_tokens is not None and stats.n_generated >= max_tokens:
-                stats.stop_reason = "max_tokens"
-                break
+        if loop.max_tokens is not None and loop.max_tokens <= 0:
+            stats.stop_reason = "max_tokens"
+        else:
             token = chain.sample(ctx, -1)
-            stats.n_generated += 1
-            stats.tokens.append(token)
-            if vocab.is_eog(token):
-                stats.stop_reason = "eog"
-                break
-            piece = text.feed(token)
-            if piece:
-                yield piece
-            if text.stopped:
-                stats.stop_reason = "stop"
-                break
-            if max_tokens is not None and stats.n_generated >= max_tokens:
-                stats.stop_reason = "max_tokens"
-                break
-            if n_ctx is not None and len(record) >= n_ctx:
-                stats.stop_reason = "context_full"
-                break
-            _decode(ctx, [token], len(record), 1, record)
-        rest = "" if text.stopped else text.flush()
+            while True:
+                piece, done = loop.emit(token)
+                if piece:
+                    yield piece
+                if done:
+                    break
+                draft = loop.draft_for(token)
+                if not draft:
+                    _decode(ctx, [token], len(loop.record), 1, loop.record)
+                    token = chain.sample(ctx, -1)
+                    continue
+                pieces, token = _verify(loop, token, draft)
+                for piece in pieces:
+                    yield piece
+                if token is None:
+                    break
+        rest = "" if loop.text.stopped else loop.text.flush()
         if rest:
             yield rest
     finally:
         stats.t_generate = time.perf_counter() - t_start
+
+
+def _verify(loop: _Loop, token: int, draft: list[int]) -> tuple[list[str], int | None]:
+    """Decode ``token`` + ``draft`` in one batch, emit the accepted draft; returns the text and the next token
+    (None when generation ended inside the draft). The cells after the kept tokens are removed."""
+    from .batch import Batch
+
+    ctx, record, stats = loop.ctx, loop.record, loop.stats
+    pos0 = len(record)
+    batch = [token, *draft]
+    code = ctx.decode(Batch(batch, pos=list(range(pos0, pos0 + len(batch))), seq_id=0, logits=True))
+    if code != 0:
+        raise ContextError(f"decode failed with code {code} at position {pos0}: {getattr(ctx, 'last_error', '')}")
+    record.append(token)
+    stats.n_drafted += len(draft)
+    stats.n_verify_batches += 1
+    pieces: list[str] = []
+    next_token: int | None = None
+    for i, guess in enumerate(draft):
+        sampled = loop.chain.sample(ctx, i)
+        if sampled != guess:
+            next_token = sampled
+            break
+        stats.n_accepted += 1
+        record.append(guess)
+        piece, done = loop.emit(guess)
+        pieces.append(piece)
+        if done:
+            break
+    else:
+        next_token = loop.chain.sample(ctx, len(draft))
+    if stats.stop_reason:
+        next_token = None
+    ctx.memory.seq_rm(0, len(record), -1)
+    return pieces, next_token
 
 
 def generate_text(ctx: Any, prompt: str | Sequence[int], sampler: Sampler | None = None, **kwargs: Any) -> str:

@@ -75,6 +75,7 @@ class Model:
         self.layer_specs: list[str] = []
         self.host_backend: Backend | None = None
         self.closed = False
+        self._sha256: str | None = None
 
     # -- public ------------------------------------------------------------------------------------------
     @property
@@ -127,6 +128,15 @@ class Model:
         from .chat import apply_chat_template
 
         return apply_chat_template(self, messages, add_generation_prompt)
+
+    @property
+    def sha256(self) -> str:
+        """The model file's sha256 (computed on first use, then remembered): saved prompt states name it."""
+        if self._sha256 is None:
+            from .catalog import file_sha256
+
+            self._sha256 = file_sha256(self.path)
+        return self._sha256
 
     @property
     def n_params(self) -> int:

@@ -69,6 +69,16 @@ class GenerationConfig(_Section):
     prompt: str | None = None
 
 
+class SpeculativeConfig(_Section):
+    """Speculative decoding (``llmfw.core.speculative``): ``draft_max`` > 0 drafts up to that many tokens per
+    step — by prompt lookup (n-grams of ``ngram_n`` tokens) or, with ``model_draft``, by a small model with the
+    same vocabulary. 0 = off."""
+
+    draft_max: int = Field(0, ge=0, le=1024)
+    ngram_n: int = Field(3, ge=1, le=1024)
+    model_draft: str | None = None
+
+
 class PipelineConfig(_Section):
     """The whole pipeline file."""
 
@@ -82,6 +92,7 @@ class PipelineConfig(_Section):
     sampling: SamplerParams = Field(default_factory=SamplerParams)
     chat: ChatConfig = Field(default_factory=ChatConfig)
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
+    speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
 
 
 # -- reading -------------------------------------------------------------------------------------------------
@@ -187,6 +198,19 @@ class Pipeline:
         params = self.config.context.model_dump(exclude_none=True)
         return model.new_context(**params)
 
+    def make_drafter(self, model: Any = None, n_ctx: int = 0) -> Any:
+        """The speculative drafter ``speculative`` configures, or None when it is off."""
+        from .speculative import DEFAULT_DRAFT_MAX, DraftModelDrafter, NgramDrafter
+
+        spec = self.config.speculative
+        if spec.model_draft:
+            from .model import load_model
+
+            draft_model = load_model(str(self._relative(spec.model_draft)), backend=self.config.backend)
+            return DraftModelDrafter(model or self.load_model(), draft_model, spec.draft_max or DEFAULT_DRAFT_MAX,
+                                     n_ctx)
+        return NgramDrafter(spec.draft_max, spec.ngram_n) if spec.draft_max else None
+
     def make_sampler(self, model: Any = None, n_ctx: int | None = None) -> SamplerChain:
         return SamplerChain.from_params(self.config.sampling, model=model or self.load_model(), n_ctx=n_ctx)
 
@@ -211,7 +235,7 @@ class Pipeline:
                                    template=self.chat_template())
 
     def run(self, prompt: str | None = None, *, ctx: Any = None, sampler: SamplerChain | None = None,
-            stats: Any = None) -> Iterator[str]:
+            stats: Any = None, draft: Any = None) -> Iterator[str]:
         """Generate for ``prompt`` (or ``generation.prompt``) with everything the file configures."""
         from .generate import context_int, generate
 
@@ -224,7 +248,8 @@ class Pipeline:
         gen = self.config.generation
         tok = self.config.tokenizer
         return generate(ctx, self.render_prompt(text, model), sampler, max_tokens=gen.max_tokens, stop=gen.stop,
-                        parse_special=tok.parse_special, add_special=tok.add_special, stats=stats)
+                        parse_special=tok.parse_special, add_special=tok.add_special, stats=stats,
+                        draft=draft if draft is not None else self.make_drafter(model, context_int(ctx, "n_ctx") or 0))
 
 
 def load_pipeline(path: str | Path, overrides: Mapping[str, Any] | None = None) -> Pipeline:
@@ -235,5 +260,5 @@ def load_pipeline(path: str | Path, overrides: Mapping[str, Any] | None = None) 
     return Pipeline.from_dict(data, Path(path))
 
 
-__all__ = ["ChatConfig", "ContextConfig", "GenerationConfig", "Pipeline", "PipelineConfig",
+__all__ = ["ChatConfig", "ContextConfig", "GenerationConfig", "Pipeline", "PipelineConfig", "SpeculativeConfig",
            "TokenizerConfig", "load_pipeline", "merge_overrides", "parse_yaml", "read_yaml", "validate_config"]
