@@ -81,14 +81,14 @@ def _corrupt(path, offset, data):
 def test_bad_files_raise_and_leave_the_context_unchanged(model, tmp_path, damage, message):
     tokens = _tokens(model)
     source = model.new_context(n_ctx=256)
-    _decode(source, tokens[:30])
+    _decode(source, tokens[:16])
     path = tmp_path / "s.bin"
-    source.state_save_file(path, tokens[:30])
+    source.state_save_file(path, tokens[:16])
     size = path.stat().st_size
     if damage == "truncate":
         path.write_bytes(path.read_bytes()[:size - 100])
     elif damage == "flip":
-        _corrupt(path, size - 200, b"\xff\x00\xff")
+        _corrupt(path, size - 100, b"\xff\x00\xff")
     elif damage == "magic":
         _corrupt(path, 0, b"GGUF")
     elif damage == "version":
@@ -145,4 +145,5 @@ def test_prompt_cache_decodes_only_what_differs(smollm2_path, tmp_path):
     assert again_out == first_out
     assert loaded2 == decoded and reused2 == decoded - 1 and decoded2 == 1  # only the last token, for its logits
     longer_out, (loaded3, reused3, decoded3) = _run(smollm2_path, cache, prompt + "Fog is their enemy.")
-    assert loaded3 == decoded and reused3 == decoded and 1 < decoded3 < 10
+    # the trailing space of the old prompt joins the new word's token, so one old token is decoded again
+    assert loaded3 == decoded and decoded - 1 <= reused3 <= decoded and 1 < decoded3 < 10
