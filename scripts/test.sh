@@ -25,4 +25,4 @@ done
 if [ "$names_a_path" = false ]; then
     set -- tests examples/llmfw-olmo/tests "$@"
 fi
-"$PY" -m pytest -q -p no:cacheprovider "$@"
+"$PY" -m pytest -q -p no:cacheprovider --durations=15 "$@"
