@@ -119,6 +119,13 @@ class GenerationFields(_Body):
 PromptType = Union[str, list[str], list[int], list[list[int]]]
 
 
+def _unsupported(value: Any, what: str) -> Any:
+    """A validator's answer for a field llmfw does not implement: given at all, it is an error."""
+    if value is not None:
+        raise ValueError(f"{what} is not supported")
+    return value
+
+
 class CompletionRequest(GenerationFields):
     """``POST /v1/completions``. The OpenAI default for ``max_tokens`` is 16."""
 
@@ -131,20 +138,23 @@ class CompletionRequest(GenerationFields):
     @field_validator("suffix")
     @classmethod
     def _no_suffix(cls, value: str | None) -> str | None:
-        if value:
-            raise ValueError("suffix (insertion) is not supported")
-        return value
+        return _unsupported(value or None, "suffix (insertion)")
 
     def prompts(self) -> list[str | list[int]]:
         """One prompt per entry: a string, a list of strings, token ids, or a list of token-id lists."""
-        prompt = self.prompt
-        if isinstance(prompt, str):
-            return [prompt]
-        if not prompt:
-            raise RequestError("prompt is empty", "prompt")
-        if all(isinstance(p, int) for p in prompt):
-            return [list(prompt)]  # type: ignore[arg-type]
-        return list(prompt)  # type: ignore[arg-type]
+        return prompt_entries(self.prompt, "prompt")
+
+
+def prompt_entries(value: Any, param: str, limit: int | None = None) -> list[str | list[int]]:
+    """A ``prompt`` / ``input`` field as one entry per text: a string, strings, token ids, or lists of them."""
+    if isinstance(value, str):
+        return [value]
+    if not value:
+        raise RequestError(f"{param} is empty", param)
+    entries = [list(value)] if all(isinstance(v, int) for v in value) else list(value)
+    if limit is not None and len(entries) > limit:
+        raise RequestError(f"{param} has {len(entries)} entries; at most {limit} per request", param)
+    return entries
 
 
 #: most inputs one ``/v1/embeddings`` request may carry (OpenAI's limit)
@@ -163,21 +173,11 @@ class EmbeddingRequest(_Body):
     @field_validator("dimensions")
     @classmethod
     def _no_dimensions(cls, value: int | None) -> int | None:
-        if value is not None:
-            raise ValueError("dimensions (shortened embeddings) is not supported")
-        return value
+        return _unsupported(value, "dimensions (shortened embeddings)")
 
     def inputs(self) -> list[str | list[int]]:
         """One entry per text: a string, a list of strings, token ids, or a list of token-id lists."""
-        value = self.input
-        if isinstance(value, str):
-            return [value]
-        if not value:
-            raise RequestError("input is empty", "input")
-        items = [list(value)] if all(isinstance(v, int) for v in value) else list(value)
-        if len(items) > MAX_EMBEDDING_INPUTS:
-            raise RequestError(f"input has {len(items)} entries; at most {MAX_EMBEDDING_INPUTS} per request", "input")
-        return items  # type: ignore[return-value]
+        return prompt_entries(self.input, "input", MAX_EMBEDDING_INPUTS)
 
 
 class TextPart(_Body):
