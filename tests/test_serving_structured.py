@@ -203,3 +203,17 @@ def test_earlier_calls_and_tool_results_render_through_the_template(client, mode
     assert '"arguments": {"city": "Paris"' in text and "<tool_response>" in text
     n_prompt = len(model.vocab.tokenize(text, add_special=True, parse_special=True))
     assert reply.usage.prompt_tokens == n_prompt
+
+
+def test_a_pipelines_chat_template_file_reaches_the_served_engine(tmp_path, smollm2_path):
+    from llmfw.core.pipeline import load_pipeline
+    from llmfw.serving.app import pipeline_app
+
+    (tmp_path / "qwen.jinja").write_text(TEMPLATE)
+    config = tmp_path / "serve.yaml"
+    config.write_text(f"model: {smollm2_path}\nbackend: numpy\ncontext: {{n_ctx: 256}}\n"
+                      "chat: {template_file: qwen.jinja}\nserver: {parallel: 1}\n")
+    engines: list[Engine] = []
+    pipeline_app(load_pipeline(config), eager=True, on_ready=engines.append)
+    with engines[0] as engine:  # (the tests above serve this template and parse its <tool_call> format)
+        assert engine.chat_template == TEMPLATE
