@@ -61,11 +61,10 @@ def tool_constraint(request: GenerationFields, model: Any, template: str | None)
                                                                                           ToolCallFormat | None]:
     """(the grammar forcing a call, the format to parse calls from) for a chat's ``tools`` / ``tool_choice``."""
     tools = request.tools
+    forced = _check_tools(tools, request.tool_choice)  # also: a forced choice without tools is an error
     if not tools or request.tool_choice == "none":
-        _check_tools(tools, None)
         return None, None
     fmt = detect_tool_call_format(template)
-    forced = _check_tools(tools, request.tool_choice)
     if fmt is None:
         if forced:
             raise RequestError("this model's chat template shows no tool-call format (Hermes/Qwen <tool_call> or "
