@@ -219,3 +219,11 @@ def test_a_pipelines_chat_template_file_reaches_the_served_engine(tmp_path, smol
     pipeline_app(load_pipeline(config), eager=True, on_ready=engines.append)
     with engines[0] as engine:  # (the tests above serve this template and parse its <tool_call> format)
         assert engine.chat_template == TEMPLATE
+
+
+def test_a_call_cut_short_by_max_tokens_finishes_with_length(client):
+    reply = client.chat.completions.create(model="smol", messages=ASK_WEATHER, tools=[WEATHER],
+                                           tool_choice="required", temperature=0, max_tokens=26)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "length"
+    assert choice.message.tool_calls[0].function.name == "get_weather"  # the part that came is still parsed
