@@ -21,6 +21,7 @@ _LAZY = {
     "ContextParams": "llmfw.core.context:ContextParams",
     "Batch": "llmfw.core.batch:Batch",
     "generate": "llmfw.core.generate:generate",
+    "perplexity": "llmfw.core.perplexity:perplexity",
     "SamplerChain": "llmfw.core.sampling:SamplerChain",
     "SamplerParams": "llmfw.core.sampling:SamplerParams",
     "load_pipeline": "llmfw.core.pipeline:load_pipeline",

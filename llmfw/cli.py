@@ -21,6 +21,8 @@ COMMANDS = {
     "bench": "llmfw.commands.bench:bench",
     "serve": "llmfw.commands.serve:serve",
     "bench-serve": "llmfw.commands.bench_serve:bench_serve",
+    "perplexity": "llmfw.commands.perplexity:perplexity_cmd",
+    "embed": "llmfw.commands.embed:embed_cmd",
 }
 
 _HELP = {
@@ -34,6 +36,8 @@ _HELP = {
     "bench": "Benchmark prompt processing and generation (llama-bench style).",
     "serve": "Serve a model over an OpenAI-compatible HTTP API (continuous batching).",
     "bench-serve": "Benchmark an OpenAI-compatible server under concurrent requests.",
+    "perplexity": "Perplexity of a text file, as llama-perplexity computes it.",
+    "embed": "Embeddings of texts as JSON (llama.cpp pooling).",
 }
 
 

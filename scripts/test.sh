@@ -10,7 +10,7 @@ PY=${PYTHON:-python3}
 # torch first, pinned to the CPU build on this machine, so the project's `torch>=...` extra is already met
 # and pip does not pull a multi-GB CUDA build.
 "$PY" -m pip install -q --disable-pip-version-check torch==2.13.0
-"$PY" -m pip install -q --disable-pip-version-check -e ".[test,torch,onnx]"
+"$PY" -m pip install -q --disable-pip-version-check -e ".[test,torch,ray]"
 
 "$PY" -m llmfw.cli pull smollm2
 "$PY" -m llmfw.cli pull gemma-3-270m
@@ -25,4 +25,4 @@ done
 if [ "$names_a_path" = false ]; then
     set -- tests examples/llmfw-olmo/tests "$@"
 fi
-"$PY" -m pytest -q -p no:cacheprovider "$@"
+"$PY" -m pytest -q -p no:cacheprovider --durations=15 "$@"

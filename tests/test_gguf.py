@@ -464,7 +464,7 @@ def test_huge_header_counts(small_model: Path, tmp_path: Path, offset: int, what
 
 
 def test_huge_key_length(small_model: Path, tmp_path: Path) -> None:
-    expect_error(patched(small_model, tmp_path / "k.gguf", 24, _u64(2**62)), "truncated key 0", str(2**62))
+    expect_error(patched(small_model, tmp_path / "k.gguf", 24, _u64(2**62)), "key 0 at offset 24 claims", str(2**62))
 
 
 @pytest.mark.parametrize("elem_type", [VT.UINT8, VT.FLOAT64, VT.BOOL, VT.STRING, VT.ARRAY])
@@ -475,9 +475,24 @@ def test_huge_array_count(tmp_path: Path, elem_type: VT) -> None:
 
 def test_huge_string_value_and_array_item(tmp_path: Path) -> None:
     body = _gguf_string("k") + _u32(VT.STRING) + _u64(2**62) + b"abc"
-    expect_error(header_file(tmp_path, body), "truncated value of 'k'")
+    expect_error(header_file(tmp_path, body), "value of 'k' at offset", "claims 4611686018427387904 bytes")
     body = _gguf_string("k") + _u32(VT.ARRAY) + _u32(VT.STRING) + _u64(2) + _gguf_string("a") + _u64(2**62)
-    expect_error(header_file(tmp_path, body), "item 1 of value of 'k'")
+    expect_error(header_file(tmp_path, body), "item 1 of value of 'k'", "claims 4611686018427387904 bytes")
+    body = _gguf_string("k") + _u32(VT.STRING) + _u64(1000) + b"abc"  # under the cap: the file is too short
+    expect_error(header_file(tmp_path, body), "truncated value of 'k'")
+
+
+@pytest.mark.parametrize("mode", ["mmap", "read"])
+def test_a_string_over_the_cap_is_refused_even_inside_the_file(tmp_path: Path, mode: str) -> None:
+    """A length the file could hold but no real metadata string needs is refused before anything is decoded."""
+    from llmfw.core.gguf import MAX_STRING_BYTES
+
+    n = MAX_STRING_BYTES + 1
+    path = header_file(tmp_path, _gguf_string("k") + _u32(VT.STRING) + _u64(n))
+    with open(path, "r+b") as f:  # the claimed bytes really follow (a sparse stretch of zeros)
+        f.truncate(path.stat().st_size + n + 64)
+    with pytest.raises(GGUFError, match=f"claims {n} bytes"):
+        open_gguf(path, mode)
 
 
 def test_huge_tensor_name_length(tmp_path: Path) -> None:

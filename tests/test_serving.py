@@ -199,8 +199,6 @@ def test_tokenize_detokenize_embeddings_metrics(server, model):
     tokens = post(server.url + "/tokenize", json={"content": "Hello world"}).json()["tokens"]
     assert tokens == model.vocab.tokenize("Hello world", add_special=False, parse_special=True)
     assert post(server.url + "/detokenize", json={"tokens": tokens}).json() == {"content": "Hello world"}
-    emb = post(server.url + "/v1/embeddings", json={"input": "x"})
-    assert emb.status_code == 501 and "embeddings" in emb.json()["error"]["message"]
     text = get(server.url + "/metrics").text
     for name in ("llmfw_requests_running", "llmfw_requests_waiting", "llmfw_prompt_tokens_total",
                  "llmfw_generated_tokens_total", "llmfw_time_to_first_token_seconds_bucket"):
@@ -368,3 +366,37 @@ def test_serve_command_yaml_and_sigterm(tmp_path, smollm2_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_embeddings_endpoint(server, client, model):
+    import base64
+
+    import numpy as np
+
+    texts = ["The capital of France is Paris.", "Bonjour", "A completely different sentence about rockets."]
+    response = client.embeddings.create(model="anything", input=texts)
+    assert [d.index for d in response.data] == [0, 1, 2] and response.model
+    vectors = np.array([d.embedding for d in response.data], dtype=np.float32)
+    assert vectors.shape == (3, model.hparams.n_embd)
+    np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, rtol=1e-4)  # normalized like llama-server
+    expected = model.embed(texts, pooling="mean")  # the GGUF says no pooling: the endpoint pools by mean
+    assert np.all(np.sum(vectors * expected, axis=1) > 0.9999)
+    assert response.usage.prompt_tokens == sum(len(model.vocab.tokenize(t)) for t in texts)
+    one = client.embeddings.create(model="x", input=texts[1], encoding_format="base64")  # the client keeps it
+    decoded = np.frombuffer(base64.b64decode(one.data[0].embedding), dtype="<f4")
+    np.testing.assert_allclose(decoded, vectors[1], rtol=1e-4, atol=1e-5)
+    by_ids = post(server.url + "/v1/embeddings", json={"input": model.vocab.tokenize(texts[0]), "pooling": "last"})
+    assert by_ids.status_code == 200 and len(by_ids.json()["data"][0]["embedding"]) == model.hparams.n_embd
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"input": ""}, "input"), ({"input": []}, "input"), ({"input": "x", "pooling": "bogus"}, "pooling"),
+    ({"input": "x", "dimensions": 8}, "dimensions"), ({"input": [[1, 2], "mixed", 3]}, "input"),
+    ({"input": ["x"] * 3000}, "input"), ({"input": "word " * 200_000}, "input"),
+])
+def test_embeddings_bad_input_is_400(server, body, param):
+    response = post(server.url + "/v1/embeddings", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["message"] and error["param"] == param
+    assert get(server.url + "/health").status_code == 200

@@ -219,8 +219,15 @@ def describe_setup(model: Any, ctx: Any, sampler: Any, pipeline: Any) -> None:
 @click.command("run")
 @click.argument("prompt", required=False)
 @click.option("--chat", "use_chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
+@click.option("--prompt-cache", "prompt_cache", default=None,
+              help="Save the state after the prompt to FILE; later runs decode only what differs.")
+@click.option("--draft-max", "draft_max", type=click.IntRange(1, 1024), default=None,
+              help="Speculative decoding: draft up to K tokens (n-gram prompt lookup unless --model-draft).")
+@click.option("-md", "--model-draft", "model_draft", default=None,
+              help="Speculative decoding with this draft model (same vocabulary).")
 @model_and_sampling_options
-def run(prompt: str | None, use_chat: bool, **opts: Any) -> None:
+def run(prompt: str | None, use_chat: bool, prompt_cache: str | None, draft_max: int | None,
+        model_draft: str | None, **opts: Any) -> None:
     """Generate a continuation of PROMPT ("-" reads it from stdin).
 
     Greedy unless a sampling flag is given; the prompt is tokenized with special tokens parsed, not echoed.
@@ -230,7 +237,12 @@ def run(prompt: str | None, use_chat: bool, **opts: Any) -> None:
 
     if prompt == "-":
         prompt = sys.stdin.read()
-    pipeline = build_pipeline(opts, {"chat.enabled": True} if use_chat else None)
+    extra: dict[str, Any] = {"chat.enabled": True} if use_chat else {}
+    if draft_max is not None:
+        extra["speculative.draft_max"] = draft_max
+    if model_draft is not None:
+        extra["speculative.model_draft"] = model_draft
+    pipeline = build_pipeline(opts, extra)
     if prompt is None and pipeline.config.generation.prompt is None:
         raise click.UsageError("give a PROMPT (or set generation.prompt in --config)")
     model = load_model_with_progress(pipeline, not opts["no_progress"], verbose=opts["verbose"])
@@ -238,6 +250,10 @@ def run(prompt: str | None, use_chat: bool, **opts: Any) -> None:
     sampler = pipeline.make_sampler(model, context_int(ctx, "n_ctx"))
     if opts["verbose"]:
         describe_setup(model, ctx, sampler, pipeline)
+    if prompt_cache:
+        from .prompt_cache import prime_prompt_cache
+
+        prime_prompt_cache(pipeline, model, ctx, prompt, prompt_cache)
     stats = GenerationStats()
     out = sys.stdout
     try:

@@ -196,6 +196,17 @@ class Backend(ABC):
         Zero-filled matters: masked cells are multiplied by zero probabilities, and garbage NaNs would leak.
         """
 
+    def read_kv_cells(self, kv: Any, cells: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """K and V rows of ``cells`` as float32 numpy ``[n_head_kv, len(cells), head_dim]`` (saved states).
+
+        The default serves storage whose ``k`` / ``v`` are numpy arrays ``[n_head_kv, n_cells, head_dim]``."""
+        return np.ascontiguousarray(kv.k[:, cells]), np.ascontiguousarray(kv.v[:, cells])
+
+    def write_kv_cells(self, kv: Any, cells: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
+        """Overwrite the K and V rows of ``cells`` in place (a loaded state)."""
+        kv.k[:, cells] = k
+        kv.v[:, cells] = v
+
     # -- compute ----------------------------------------------------------------------------------------
     @abstractmethod
     def compile(self, split: Split, kv: Mapping[tuple[str, int], Any]) -> CompiledSplit:

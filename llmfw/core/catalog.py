@@ -137,6 +137,28 @@ def _phase_progress(progress: ProgressFn | None, phase: str) -> ProgressFn | Non
     return report
 
 
+def file_sha256(path: Path) -> str:
+    """The hex sha256 of a file, remembered in ``<models_dir>/.sha256/`` under the file's absolute path, size
+    and modification time (so a saved prompt state loads without re-reading a model of hundreds of MB)."""
+    path = Path(path).resolve()
+    stat = path.stat()
+    identity = f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}"
+    memo = models_dir() / ".sha256" / hashlib.sha256(identity.encode()).hexdigest()
+    try:
+        known = memo.read_text(encoding="ascii").strip()
+        if len(known) == 64 and all(c in "0123456789abcdef" for c in known):
+            return known
+    except (OSError, UnicodeDecodeError):
+        pass
+    digest = _sha256(path, None)
+    try:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        memo.write_text(digest, encoding="ascii")
+    except OSError:
+        pass  # a read-only cache only costs the next caller another read of the file
+    return digest
+
+
 def _sha256(path: Path, progress: ProgressFn | None) -> str:
     digest = hashlib.sha256()
     total, done = path.stat().st_size, 0

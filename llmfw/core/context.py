@@ -48,6 +48,9 @@ class ContextParams(BaseModel):
     n_threads: int | None = Field(default=None, gt=0)
     #: polled between ubatches; returning True aborts decode (it returns 2)
     abort_callback: Callable[[], bool] | None = None
+    #: llama.cpp's ``embeddings``: decode outputs the final hidden state (after the output norm) of each output
+    #: token instead of logits; read it with ``get_embeddings`` (``Model.embed`` pools it)
+    embeddings: bool = False
 
 
 class Context:
@@ -72,7 +75,8 @@ class Context:
                 backend.set_n_threads(self.params.n_threads)
         self.memory: Memory = self._create_memory()
         #: per sequence, the tokens whose KV is in the cache, kept by whoever decodes them (``generate``, the
-        #: serving engine) to reuse a shared prefix; checked against the memory before use (generate.synced_record)
+        #: serving engine) to reuse a shared prefix; checked against the memory before use (generate.synced_record);
+        #: a saved state (``state_save_file``) carries them
         self.seq_tokens: list[list[int]] = [[] for _ in range(self.n_seq_max)]
         self.kv_storage = self.memory.allocate(model.layer_backend)
         self.scheduler = Scheduler(model, self.kv_storage)
@@ -166,7 +170,7 @@ class Context:
 
     def _process_ubatch(self, ub: UBatch, reserved: Any, i: int, use_embd: bool) -> np.ndarray:
         params = BuildParams(ub.n_tokens, ub.n_outputs, use_embd, tuple(sorted(reserved.n_kv().items())),
-                             n_ctx_seq=self.n_ctx // self.n_seq_max)
+                             n_ctx_seq=self.n_ctx // self.n_seq_max, embeddings=self.params.embeddings)
         plan = self._graph_for(params)
         inputs: dict[str, np.ndarray] = {"pos": ub.pos}
         if use_embd:
@@ -177,7 +181,15 @@ class Context:
             inputs["out_ids"] = ub.out_ids
         reserved.set_inputs(i, ub, inputs)
         outputs = self.scheduler.compute(plan, inputs)
-        return outputs["logits"].reshape(ub.n_outputs, self.n_vocab)
+        return outputs[self._output_name].reshape(ub.n_outputs, self._output_width)
+
+    @property
+    def _output_name(self) -> str:
+        return "embd" if self.params.embeddings else "logits"
+
+    @property
+    def _output_width(self) -> int:
+        return self.model.n_embd if self.params.embeddings else self.n_vocab
 
     def _graph_for(self, params: BuildParams) -> Plan:
         """The previous plan when the build parameters are unchanged, else a new graph planned on backends."""
@@ -186,8 +198,9 @@ class Context:
             return self._plan
         builder = GraphBuilder(self.model, params, self.memory.cache_of_layer)
         self.model.arch.build_graph(builder)
-        if "logits" not in builder.graph.outputs:
-            raise ContextError(f"architecture {self.model.arch.name!r} built a graph without a 'logits' output")
+        if self._output_name not in builder.graph.outputs:
+            raise ContextError(f"architecture {self.model.arch.name!r} built a graph without a "
+                               f"{self._output_name!r} output")
         self._plan = self.scheduler.plan(builder.graph)
         self._plan_params = params
         self.n_graph_builds += 1
@@ -210,7 +223,7 @@ class Context:
 
     # -- outputs --------------------------------------------------------------------------------------------
     def _begin_outputs(self, allocated: AllocatedBatch) -> None:
-        self._logits = np.empty((allocated.n_outputs, self.n_vocab), dtype=np.float32)
+        self._logits = np.empty((allocated.n_outputs, self._output_width), dtype=np.float32)
         ids = np.full(allocated.n_tokens, -1, dtype=np.int32)
         ids[allocated.output] = np.arange(allocated.n_outputs, dtype=np.int32)
         self._output_ids = ids
@@ -226,6 +239,14 @@ class Context:
 
     def get_logits(self) -> np.ndarray:
         """float32 [n_outputs, n_vocab] of the last decode (rows in batch order of the output tokens)."""
+        if self.params.embeddings:
+            raise ContextError("this context computes embeddings (embeddings=True): use get_embeddings()")
+        return self._logits
+
+    def get_embeddings(self) -> np.ndarray:
+        """float32 [n_outputs, n_embd]: the output tokens' final hidden states (an ``embeddings=True`` context)."""
+        if not self.params.embeddings:
+            raise ContextError("this context computes logits; create it with embeddings=True for embeddings")
         return self._logits
 
     def get_logits_ith(self, i: int) -> np.ndarray:
@@ -244,6 +265,21 @@ class Context:
             if row < 0:
                 raise LogitsIndexError(f"no logits for batch index {i}: that token was not marked for output")
         return self._logits[row].copy()
+
+    # -- saved state (core/state.py) ----------------------------------------------------------------------
+    def state_save_file(self, path: Any, tokens: Any = None, sampler: Any = None) -> int:
+        """Save the KV cells of every sequence, the token records (``tokens`` replaces sequence 0's) and the
+        RNG state of ``sampler``'s samplers to ``path``; returns the bytes written."""
+        from .state import save_state_file
+
+        return save_state_file(self, path, tokens, sampler)
+
+    def state_load_file(self, path: Any, sampler: Any = None) -> list[int]:
+        """Load a state saved by :meth:`state_save_file` and return its tokens. A file of another model or
+        context shape, or a truncated / corrupt one, raises ContextError and leaves the context as it was."""
+        from .state import load_state_file
+
+        return load_state_file(self, path, sampler)
 
     # -- performance counters (llama.cpp's llama_perf_context) ---------------------------------------------
     def reset_perf(self) -> None:

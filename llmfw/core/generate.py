@@ -39,6 +39,13 @@ class GenerationStats:
     stop_reason: str = ""      # "eog" (also: the grammar is complete), "stop", "max_tokens", "context_full"
     #                            ("interrupted": set by the CLI)
     tokens: list[int] = field(default_factory=list)  # the sampled tokens
+    n_drafted: int = 0         # speculative decoding: tokens drafted ...
+    n_accepted: int = 0        # ... and accepted
+    n_verify_batches: int = 0  # ... and the batches that verified them
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.n_accepted / self.n_drafted if self.n_drafted else 0.0
 
     @property
     def prompt_tps(self) -> float:
@@ -52,7 +59,9 @@ class GenerationStats:
         return (f"prompt: {plural(self.n_prompt_decoded, 'token')} in {self.t_prompt:.2f} s "
                 f"({self.prompt_tps:.1f} tok/s, {self.n_cached} cached) | generation: "
                 f"{plural(self.n_generated, 'token')} in {self.t_generate:.2f} s ({self.generate_tps:.1f} tok/s) | "
-                f"stop: {self.stop_reason}")
+                f"stop: {self.stop_reason}"
+                + (f" | draft: {self.n_accepted}/{self.n_drafted} accepted ({100 * self.acceptance_rate:.0f}%)"
+                   if self.n_drafted else ""))
 
 
 def plural(n: int, noun: str) -> str:
@@ -217,7 +226,7 @@ def _prepare_prompt(ctx: Any, tokens: list[int], n_ctx: int | None) -> tuple[int
 def generate(ctx: Any, prompt: str | Sequence[int], sampler: Sampler | None = None,
              max_tokens: int | None = None, stop: str | Sequence[str] | None = None, *,
              parse_special: bool = True, add_special: bool = True, accept_prompt: bool = True,
-             stats: GenerationStats | None = None, special: bool = False) -> Iterator[str]:
+             stats: GenerationStats | None = None, special: bool = False, draft: Any = None) -> Iterator[str]:
     """Stream the continuation of ``prompt`` as text pieces.
 
     ``sampler``: a :class:`SamplerChain` (or any Sampler that selects); None = greedy.
@@ -228,6 +237,8 @@ def generate(ctx: Any, prompt: str | Sequence[int], sampler: Sampler | None = No
     control tokens (llama.cpp's ``token_to_piece(special=True)``, llama-cli ``--special``); by default they
     print as nothing, as in llama-cli. User-defined tokens (Gemma-3's ``<start_of_image>``) always print, as
     in llama.cpp.
+    ``draft``: a drafter (:mod:`llmfw.core.speculative`) for speculative decoding; the drafted / accepted
+    counts land in ``stats.n_drafted`` / ``stats.n_accepted``.
     """
     model = _model(ctx)
     chain = sampler if sampler is not None else SamplerChain.greedy()
@@ -242,55 +253,125 @@ def generate(ctx: Any, prompt: str | Sequence[int], sampler: Sampler | None = No
 
     tokens = tokenize_prompt(model, prompt, parse_special=parse_special, add_special=add_special)
     n_keep, new_tokens = _prepare_prompt(ctx, tokens, n_ctx)
-    record = _record(ctx, 0)
+    loop = _Loop(ctx, chain, _record(ctx, 0), TextStream(model.vocab, stops, special), stats, max_tokens, n_ctx, draft)
     stats.n_prompt, stats.n_cached = len(tokens), n_keep
-    return _stream(ctx, model, chain, record, n_keep, new_tokens, n_batch, n_ctx, max_tokens,
-                   TextStream(model.vocab, stops, special), accept_prompt, stats)
+    return _stream(loop, n_keep, new_tokens, n_batch, accept_prompt)
 
 
-def _stream(ctx: Any, model: Any, chain: SamplerChain, record: list[int], n_keep: int, new_tokens: list[int],
-            n_batch: int, n_ctx: int | None, max_tokens: int | None, text: "TextStream", accept_prompt: bool,
-            stats: GenerationStats) -> Iterator[str]:
-    vocab = model.vocab
+@dataclass
+class _Loop:
+    """The state of one generation: what ``_stream`` and its speculative step share."""
+
+    ctx: Any
+    chain: SamplerChain
+    record: list[int]
+    text: TextStream
+    stats: GenerationStats
+    max_tokens: int | None
+    n_ctx: int | None
+    drafter: Any = None
+
+    def emit(self, token: int) -> tuple[str, bool]:
+        """Count a sampled token; returns (text to yield, whether generation ends here)."""
+        stats = self.stats
+        stats.n_generated += 1
+        stats.tokens.append(token)
+        if self.ctx.model.vocab.is_eog(token):
+            stats.stop_reason = "eog"
+            return "", True
+        piece = self.text.feed(token)
+        if self.text.stopped:
+            stats.stop_reason = "stop"
+        elif self.chain.done():  # the grammar is complete: nothing else may follow
+            stats.stop_reason = "eog"
+        elif self.max_tokens is not None and stats.n_generated >= self.max_tokens:
+            stats.stop_reason = "max_tokens"
+        elif self.n_ctx is not None and len(self.record) >= self.n_ctx:
+            stats.stop_reason = "context_full"
+        return piece, bool(stats.stop_reason)
+
+    def draft_for(self, token: int) -> list[int]:
+        """The drafter's guess after ``token``, cut to what the limits and the context leave room for."""
+        if self.drafter is None:
+            return []
+        room = self.drafter.n_max
+        if self.max_tokens is not None:
+            room = min(room, self.max_tokens - self.stats.n_generated)
+        if self.n_ctx is not None:
+            room = min(room, self.n_ctx - len(self.record) - 1)
+        return list(self.drafter.draft(self.record, token))[:max(room, 0)]
+
+
+def _stream(loop: _Loop, n_keep: int, new_tokens: list[int], n_batch: int, accept_prompt: bool) -> Iterator[str]:
+    ctx, chain, stats = loop.ctx, loop.chain, loop.stats
     t0 = time.perf_counter()
-    _decode(ctx, new_tokens, n_keep, n_batch, record)
+    _decode(ctx, new_tokens, n_keep, n_batch, loop.record)
     stats.t_prompt, stats.n_prompt_decoded = time.perf_counter() - t0, len(new_tokens)
     if accept_prompt:
         accept_prompt_tokens(chain, new_tokens)
 
     t_start = time.perf_counter()
     try:
-        while True:
-            if max_tokens is not None and stats.n_generated >= max_tokens:
-                stats.stop_reason = "max_tokens"
-                break
+        if loop.max_tokens is not None and loop.max_tokens <= 0:
+            stats.stop_reason = "max_tokens"
+        else:
             token = chain.sample(ctx, -1)
-            stats.n_generated += 1
-            stats.tokens.append(token)
-            if vocab.is_eog(token):
-                stats.stop_reason = "eog"
-                break
-            piece = text.feed(token)
-            if piece:
-                yield piece
-            if text.stopped:
-                stats.stop_reason = "stop"
-                break
-            if chain.done():  # the grammar is complete: nothing else may follow
-                stats.stop_reason = "eog"
-                break
-            if max_tokens is not None and stats.n_generated >= max_tokens:
-                stats.stop_reason = "max_tokens"
-                break
-            if n_ctx is not None and len(record) >= n_ctx:
-                stats.stop_reason = "context_full"
-                break
-            _decode(ctx, [token], len(record), 1, record)
-        rest = "" if text.stopped else text.flush()
+            while True:
+                piece, done = loop.emit(token)
+                if piece:
+                    yield piece
+                if done:
+                    break
+                draft = loop.draft_for(token)
+                if not draft:
+                    _decode(ctx, [token], len(loop.record), 1, loop.record)
+                    token = chain.sample(ctx, -1)
+                    continue
+                pieces, token = _verify(loop, token, draft)
+                for piece in pieces:
+                    yield piece
+                if token is None:
+                    break
+        rest = "" if loop.text.stopped else loop.text.flush()
         if rest:
             yield rest
     finally:
         stats.t_generate = time.perf_counter() - t_start
+
+
+def _verify(loop: _Loop, token: int, draft: list[int]) -> tuple[list[str], int | None]:
+    """Decode ``token`` + ``draft`` in one batch, emit the accepted draft; returns the text and the next token
+    (None when generation ended inside the draft). The cells after the kept tokens are removed."""
+    from .batch import Batch
+
+    ctx, record, stats = loop.ctx, loop.record, loop.stats
+    pos0 = len(record)
+    batch = [token, *draft]
+    code = ctx.decode(Batch(batch, pos=list(range(pos0, pos0 + len(batch))), seq_id=0, logits=True))
+    if code != 0:
+        raise ContextError(f"decode failed with code {code} at position {pos0}: {getattr(ctx, 'last_error', '')}")
+    record.append(token)
+    stats.n_drafted += len(draft)
+    stats.n_verify_batches += 1
+    pieces: list[str] = []
+    next_token: int | None = None
+    for i, guess in enumerate(draft):
+        sampled = loop.chain.sample(ctx, i)
+        if sampled != guess:
+            next_token = sampled
+            break
+        stats.n_accepted += 1
+        record.append(guess)
+        piece, done = loop.emit(guess)
+        pieces.append(piece)
+        if done:
+            break
+    else:
+        next_token = loop.chain.sample(ctx, len(draft))
+    if stats.stop_reason:
+        next_token = None
+    ctx.memory.seq_rm(0, len(record), -1)
+    return pieces, next_token
 
 
 def generate_text(ctx: Any, prompt: str | Sequence[int], sampler: Sampler | None = None, **kwargs: Any) -> str:

@@ -139,6 +139,10 @@ def _align_up(value: int, alignment: int) -> int:
 
 #: from this length on a string is decoded in place instead of being copied out of the buffer first
 _LARGE_STRING = 1 << 20
+#: the longest metadata string read (the largest real ones, embedded tokenizer files and chat templates, are far
+#: smaller): a damaged length can otherwise claim most of the file, and Python may hold up to four bytes per
+#: character of it
+MAX_STRING_BYTES = 16 << 20
 
 
 def _decode_utf8(buf: Any, start: int, end: int) -> str:
@@ -223,6 +227,9 @@ class _Cursor:
     def string(self, what: str) -> str:
         start = self.pos
         length = self.u64(f"length of {what}")
+        if length > MAX_STRING_BYTES:
+            raise self.fail(f"{what} at offset {start} claims {length} bytes, more than the {MAX_STRING_BYTES} a "
+                            "metadata string may hold")
         self.need(length, what)
         end = self.pos + length
         try:
@@ -259,6 +266,9 @@ class _Cursor:
                     buf, available = self.buf, self.available
                 (length,) = unpack_len(buf, pos)
                 start, end = end, end + length
+                if length > MAX_STRING_BYTES:
+                    raise self.fail(f"item {index} of {what} at offset {pos} claims {length} bytes, more than the "
+                                    f"{MAX_STRING_BYTES} a metadata string may hold")
                 if end > available:
                     self.pos = start
                     self.need(length, f"item {index} of {what}")

@@ -46,7 +46,8 @@ Ops (inputs in order; attributes in ``Node.attrs``):
 before the head. Nodes are executed even when nothing consumes them (``attention`` / ``k_shift`` write the
 cache).
 
-Graph outputs are named: ``logits`` f32 [n_outputs, n_vocab] (and optionally ``embd`` for embeddings).
+Graph outputs are named: ``logits`` f32 [n_outputs, n_vocab], or in embeddings mode (``BuildParams.embeddings``)
+``embd`` f32 [n_outputs, n_embd], the final hidden state after the output norm.
 """
 from __future__ import annotations
 
@@ -114,6 +115,9 @@ class BuildParams:
     #: context size per sequence (llama.cpp's n_ctx_seq; 0 = unknown): Phi-3's LongRoPE picks its long or
     #: short frequency factors by it
     n_ctx_seq: int = 0
+    #: embeddings mode (llama.cpp's ``cparams.embeddings``): the graph ends at the output norm, with an ``embd``
+    #: output instead of ``logits`` (the head is not computed)
+    embeddings: bool = False
 
 
 class GraphBuilder:
@@ -314,12 +318,16 @@ class GraphBuilder:
     def build_output(self, x: Node, *, norm: str | None = "output_norm.weight", norm_kind: str = "rms",
                      head: str = "output.weight", softcap: float | None = None) -> Node:
         """Final norm → output head → optional final soft-capping; sets ``graph.outputs["logits"]``.
-        Rows not yet reduced to the outputs are selected here."""
+        Rows not yet reduced to the outputs are selected here. In embeddings mode the graph stops after the
+        norm (llama.cpp's ``t_embd``, "result_norm") and sets ``graph.outputs["embd"]`` instead."""
         self.layer = self.hp.n_layer
         if self.params.n_outputs != self.params.n_tokens and not self._selected(x):
             (x,) = self.select_outputs(x)
         if norm:
             x = self.build_norm(x, norm, norm_kind, bias=norm.replace(".weight", ".bias"))
+        if self.params.embeddings:
+            self.graph.outputs["embd"] = x
+            return x
         logits = self.mul_mat(head, x, _bias_of(head))  # a head bias is used when the model has one (qwen2)
         cap = self.hp.f_final_logit_softcapping if softcap is None else softcap
         if cap:

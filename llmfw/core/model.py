@@ -78,6 +78,7 @@ class Model:
         #: which backend runs the model and why (``llmfw run -v``): "onnx (default: ...)" or "numpy (asked for)"
         self.backend_choice = ""
         self.closed = False
+        self._sha256: str | None = None
 
     # -- public ------------------------------------------------------------------------------------------
     @property
@@ -119,11 +120,35 @@ class Model:
 
         return Context(self, params, **kw)
 
+    def embed(self, texts: Any, pooling: str | None = None, normalize: bool = True, **kw: Any) -> Any:
+        """Embeddings of ``texts`` (a string or a list of strings / token id lists), llama.cpp's way.
+
+        Returns float32 ``[n_texts, n_embd]`` (``[n_embd]`` for one string); with ``pooling="none"`` a list of
+        ``[n_tokens, n_embd]`` arrays (one array for one string). ``pooling`` None = the GGUF's
+        ``pooling_type``. See :func:`llmfw.core.embedding.embed_texts` for the token counts too.
+        """
+        from .embedding import embed_texts
+
+        result = embed_texts(self, texts, pooling, normalize, **kw)
+        if result.pooling == "none":
+            return result.vectors[0] if isinstance(texts, str) else result.vectors
+        stacked = np.stack(result.vectors)
+        return stacked[0] if isinstance(texts, str) else stacked
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Render chat messages with the model's template (``tokenizer.chat_template``)."""
         from .chat import apply_chat_template
 
         return apply_chat_template(self, messages, add_generation_prompt)
+
+    @property
+    def sha256(self) -> str:
+        """The model file's sha256 (computed on first use, then remembered): saved prompt states name it."""
+        if self._sha256 is None:
+            from .catalog import file_sha256
+
+            self._sha256 = file_sha256(self.path)
+        return self._sha256
 
     @property
     def n_params(self) -> int:

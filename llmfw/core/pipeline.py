@@ -141,6 +141,16 @@ class ServerConfig(_Section):
     ray: RayConfig | None = None  # present (or --ray): serve as a Ray Serve application
 
 
+class SpeculativeConfig(_Section):
+    """Speculative decoding (``llmfw.core.speculative``): ``draft_max`` > 0 drafts up to that many tokens per
+    step — by prompt lookup (n-grams of ``ngram_n`` tokens) or, with ``model_draft``, by a small model with the
+    same vocabulary. 0 = off."""
+
+    draft_max: int = Field(0, ge=0, le=1024)
+    ngram_n: int = Field(3, ge=1, le=1024)
+    model_draft: str | None = None
+
+
 class PipelineConfig(_Section):
     """The whole pipeline file."""
 
@@ -155,6 +165,7 @@ class PipelineConfig(_Section):
     chat: ChatConfig = Field(default_factory=ChatConfig)
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
+    speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
 
 
 # -- reading -------------------------------------------------------------------------------------------------
@@ -354,6 +365,19 @@ class Pipeline:
         params = self.config.context.model_dump(exclude_none=True)
         return model.new_context(**params)
 
+    def make_drafter(self, model: Any = None, n_ctx: int = 0) -> Any:
+        """The speculative drafter ``speculative`` configures, or None when it is off."""
+        from .speculative import DEFAULT_DRAFT_MAX, DraftModelDrafter, NgramDrafter
+
+        spec = self.config.speculative
+        if spec.model_draft:
+            from .model import load_model
+
+            draft_model = load_model(str(self._relative(spec.model_draft)), backend=self.config.backend)
+            return DraftModelDrafter(model or self.load_model(), draft_model, spec.draft_max or DEFAULT_DRAFT_MAX,
+                                     n_ctx)
+        return NgramDrafter(spec.draft_max, spec.ngram_n) if spec.draft_max else None
+
     def make_sampler(self, model: Any = None, n_ctx: int | None = None) -> SamplerChain:
         return SamplerChain.from_params(self.config.sampling, model=model or self.load_model(), n_ctx=n_ctx)
 
@@ -378,7 +402,7 @@ class Pipeline:
                                    template=self.chat_template())
 
     def run(self, prompt: str | None = None, *, ctx: Any = None, sampler: SamplerChain | None = None,
-            stats: Any = None) -> Iterator[str]:
+            stats: Any = None, draft: Any = None) -> Iterator[str]:
         """Generate for ``prompt`` (or ``generation.prompt``) with everything the file configures."""
         from .generate import context_int, generate
 
@@ -392,7 +416,8 @@ class Pipeline:
         tok = self.config.tokenizer
         return generate(ctx, self.render_prompt(text, model), sampler, max_tokens=gen.max_tokens, stop=gen.stop,
                         parse_special=tok.parse_special, add_special=tok.add_special, stats=stats,
-                        special=tok.special)
+                        special=tok.special,
+                        draft=draft if draft is not None else self.make_drafter(model, context_int(ctx, "n_ctx") or 0))
 
 
 def _with_constraint_files_read(data: Mapping[str, Any], source: str | Path | None) -> Mapping[str, Any]:
@@ -424,6 +449,6 @@ def load_pipeline(path: str | Path, overrides: Mapping[str, Any] | None = None) 
     return Pipeline.from_dict(data, Path(path))
 
 
-__all__ = ["ChatConfig", "ContextConfig", "GenerationConfig", "Pipeline", "PipelineConfig", "RayAutoscalingConfig", "RayConfig",
-           "ServerConfig",
+__all__ = ["ChatConfig", "ContextConfig", "GenerationConfig", "Pipeline", "PipelineConfig", "RayAutoscalingConfig",
+           "RayConfig", "ServerConfig", "SpeculativeConfig",
            "TokenizerConfig", "load_pipeline", "merge_overrides", "parse_yaml", "read_yaml", "validate_config"]

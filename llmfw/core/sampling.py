@@ -93,6 +93,18 @@ class MT19937Rng:
         self.seed = seed
         self._bits.state = {"bit_generator": "MT19937", "state": {"key": _mt19937_key(seed), "pos": 624}}
 
+    def get_state(self) -> dict[str, Any]:
+        """The generator's position, JSON-serializable (a saved prompt state keeps it)."""
+        state = self._bits.state["state"]
+        return {"seed": int(self.seed), "pos": int(state["pos"]), "key": [int(k) for k in state["key"]]}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        key = np.asarray(state["key"], dtype=np.uint32)
+        if key.shape != (624,) or not 0 <= int(state["pos"]) <= 624:
+            raise SamplerError("an MT19937 state needs 624 key words and a position in 0..624")
+        self.seed = int(state["seed"])
+        self._bits.state = {"bit_generator": "MT19937", "state": {"key": key, "pos": int(state["pos"])}}
+
     def next_u32(self) -> int:
         return int(self._bits.random_raw())
 

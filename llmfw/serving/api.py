@@ -11,20 +11,23 @@ With ``n`` > 1 the prompt is counted once per prompt, completions per choice.
 """
 from __future__ import annotations
 
+import base64
 import queue
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
+import numpy as np
+
 from ..core.chat import CHATML_TEMPLATE, apply_chat_template, model_chat_template
-from ..core.errors import ContextError, EngineStopped, LLMFWError, RequestError
+from ..core.errors import ConfigError, ContextError, EngineStopped, LLMFWError, RequestError
 from ..core.generate import tokenize_prompt
 from ..core.sampling import SamplerChain
 from ..core.tool_calls import ToolCallFormat, ToolCallStream, parse_tool_calls
 from .constraints import Constraint, request_constraint
 from .engine import Cancel, Engine, ErrorEvent, Event, FinishEvent, Job, TokenEvent
-from .protocol import ChatCompletionRequest, CompletionRequest, GenerationFields, parse_request
+from .protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, GenerationFields, parse_request
 
 #: how often a waiting consumer checks that the engine is still alive, seconds
 POLL_S = 1.0
@@ -32,12 +35,17 @@ POLL_S = 1.0
 
 # -- tokenizing within bounds ---------------------------------------------------------------------------------
 def tokenize_request_text(engine: Engine, text: str, param: str) -> list[int]:
-    """Tokenize (``add_special``, ``parse_special``) a prompt, refusing at once text that cannot fit a slot:
-    more bytes than a slot's tokens times the longest token piece can never tokenize into the slot."""
+    """Tokenize (``add_special``, ``parse_special``) a prompt, refusing at once text that cannot fit a slot."""
+    check_text_fits(engine, text, param)
+    return tokenize_prompt(engine.model, text, parse_special=True, add_special=True)
+
+
+def check_text_fits(engine: Engine, text: str, param: str) -> None:
+    """More bytes than a slot's tokens times the longest token piece can never tokenize into the slot: refused
+    before the tokenizer spends time on it."""
     if len(text.encode("utf-8", errors="replace")) > engine.n_ctx_slot * engine.max_piece_bytes:
         raise RequestError(f"the {param} is far longer than the context of a slot ({engine.n_ctx_slot} tokens); "
                            "shorten it", param)
-    return tokenize_prompt(engine.model, text, parse_special=True, add_special=True)
 
 
 def token_ids(engine: Engine, ids: list[int]) -> list[int]:
@@ -190,7 +198,7 @@ class ChatShape(ResponseShape):
         if self.tool_streams:
             stream = self.tool_streams[index]
             chunks = [self.chunk([self._choice(index, d, None, None)]) for d in stream.finish()]
-            reason = "tool_calls" if stream.calls and reason == "stop" else reason  # cut short: "length"
+            reason = "tool_calls" if stream.calls else reason
         return chunks + [self.chunk([self._choice(index, {}, None, reason)])]
 
     def _message(self, choice: ChoiceState) -> tuple[dict[str, Any], str | None]:
@@ -198,9 +206,8 @@ class ChatShape(ResponseShape):
         content, calls = parse_tool_calls("".join(choice.text), self.tool_format)
         if not calls:
             return {"role": "assistant", "content": content}, choice.finish_reason
-        reason = "tool_calls" if choice.finish_reason == "stop" else choice.finish_reason  # cut short: "length"
         return ({"role": "assistant", "content": content or None, "tool_calls": [c.to_openai() for c in calls]},
-                reason)
+                "tool_calls")
 
     def response(self, choices: list[ChoiceState], usage: dict[str, int]) -> dict[str, Any]:
         out_choices = []
@@ -359,3 +366,32 @@ def run_chat_completion(engine: Engine, params: dict[str, Any]) -> Any:
     tokens = tokenize_request_text(engine, text, "messages")
     return _execute(engine, ChatShape(engine, request, request.n, constraint.tool_format), [tokens],
                     request.n_top_logprobs(), constraint)
+
+
+# -- embeddings ------------------------------------------------------------------------------------------------------
+def run_embeddings(engine: Engine, params: dict[str, Any]) -> dict[str, Any]:
+    """``/v1/embeddings``: every input tokenized like a prompt, embedded on the engine thread, pooled per
+    ``pooling`` (default: the GGUF's ``pooling_type``, mean when it says none), L2-normalized like llama-server."""
+    from ..core.embedding import embed_texts, model_pooling
+
+    request: EmbeddingRequest = parse_request(EmbeddingRequest, params)
+    inputs = request.inputs()  # tokenized by embed_texts exactly as model.embed tokenizes them
+    for item in inputs:
+        if isinstance(item, str):
+            check_text_fits(engine, item, "input")
+    pooling = request.pooling or (model_pooling(engine.model) if model_pooling(engine.model) != "none" else "mean")
+    try:
+        result = engine.call_in_engine(lambda: embed_texts(engine.model, inputs, pooling=pooling))
+    except (ContextError, ConfigError) as exc:
+        raise RequestError(str(exc), "input") from None
+    data = [{"object": "embedding", "index": i, "embedding": _encoded(vector, request.encoding_format)}
+            for i, vector in enumerate(result.vectors)]
+    usage = {"prompt_tokens": result.total_tokens, "total_tokens": result.total_tokens}
+    return {"object": "list", "data": data, "model": engine.alias, "usage": usage}
+
+
+def _encoded(vector: Any, encoding: str) -> Any:
+    """A vector as OpenAI sends it: a list of floats, or base64 of its little-endian float32 bytes."""
+
+    values = np.asarray(vector, dtype="<f4")
+    return base64.b64encode(values.tobytes()).decode("ascii") if encoding == "base64" else values.tolist()

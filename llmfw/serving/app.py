@@ -211,11 +211,11 @@ async def chat_completions(request: Request) -> Response:
 
 
 async def embeddings(request: Request) -> Response:
-    """The one place embeddings are served: wire ``model.embed`` in here once it exists."""
-    _state(request).ready_engine()
-    await read_json(request)
-    return error_response(501, "embeddings are not available in this version of llmfw yet (model.embed is not "
-                               "built); use /v1/completions or /v1/chat/completions", code="not_implemented")
+    """``/v1/embeddings``: the engine's :meth:`~llmfw.serving.Engine.embeddings` (between decode steps)."""
+    engine = _state(request).ready_engine()
+    body = await read_json(request)
+    result = await _in_thread(engine.embeddings, **body)
+    return Response(_finite_json(result), media_type="application/json")
 
 
 class TokenizeBody(BaseModel):

@@ -21,8 +21,9 @@ import queue
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any, Callable, Union
 
 import numpy as np
 
@@ -136,6 +137,8 @@ class Engine:
         self.max_piece_bytes = max(1, max(len(p) for p in model.vocab.all_pieces(special=True)))
         self._slots: list[Job | None] = [None] * parallel
         self._waiting: deque[Job] = deque()
+        #: work that must run where the model's backends are used, between two decode steps (embeddings)
+        self._calls: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
         self._cond = threading.Condition()
         self.metrics = EngineMetrics(lambda: sum(j is not None for j in self._slots), lambda: len(self._waiting))
         self._thread = threading.Thread(target=self._run, name="llmfw-engine", daemon=True)
@@ -153,6 +156,23 @@ class Engine:
         from .api import run_chat_completion
 
         return run_chat_completion(self, params)
+
+    def embeddings(self, /, **params: Any) -> dict[str, Any]:
+        """OpenAI ``/v1/embeddings``: ``input`` a string, strings, token ids or lists of them."""
+        from .api import run_embeddings
+
+        return run_embeddings(self, params)
+
+    def call_in_engine(self, func: Callable[[], Any]) -> Any:
+        """Run ``func`` on the engine thread between two decode steps and return its result: the thread owns the
+        model's backends, so work beside generation (an embeddings context) never runs concurrently with a step."""
+        future: Future[Any] = Future()
+        with self._cond:
+            if self._stopping.is_set() or not self._thread.is_alive():
+                raise EngineStopped("the engine is shut down")
+            self._calls.append((func, future))
+            self._cond.notify()
+        return future.result()
 
     # -- submitting ------------------------------------------------------------------------------------------
     def check_fits(self, n_prompt: int, max_tokens: int | None) -> int:
@@ -206,6 +226,7 @@ class Engine:
         message = "the server is shutting down"
         try:
             while self._wait_for_work():
+                self._run_calls()
                 self._step()
         except Exception as exc:  # noqa: BLE001 - report to every waiting client, then stop
             log.exception("the serving engine failed")
@@ -216,14 +237,28 @@ class Engine:
 
     def _wait_for_work(self) -> bool:
         with self._cond:
-            while not self._stopping.is_set() and not self._waiting and not any(self._slots):
+            while not self._stopping.is_set() and not self._waiting and not self._calls and not any(self._slots):
                 self._cond.wait()
             return not self._stopping.is_set()
+
+    def _run_calls(self) -> None:
+        with self._cond:
+            calls = list(self._calls)
+            self._calls.clear()
+        for func, future in calls:
+            try:
+                future.set_result(func())
+            except Exception as exc:  # noqa: BLE001 - the caller's error, raised in the caller's thread
+                future.set_exception(exc)
 
     def _fail_all(self, message: str) -> None:
         with self._cond:
             jobs = [j for j in self._slots if j is not None] + list(self._waiting)
+            calls = list(self._calls)
+            self._calls.clear()
             self._waiting.clear()
+        for _, future in calls:
+            future.set_exception(EngineStopped(message))
             self._slots = [None] * self.parallel
         for job in jobs:
             job.events.put(ErrorEvent(job.index, message, stopped=True))

@@ -148,6 +148,39 @@ class CompletionRequest(GenerationFields):
         return list(prompt)  # type: ignore[arg-type]
 
 
+#: most inputs one ``/v1/embeddings`` request may carry (OpenAI's limit)
+MAX_EMBEDDING_INPUTS = 2048
+
+
+class EmbeddingRequest(_Body):
+    """``POST /v1/embeddings``. ``pooling`` (llama-server's extension) overrides the model's pooling; a model
+    whose GGUF says none is pooled by mean, since the endpoint returns one vector per input."""
+
+    input: PromptType
+    encoding_format: Literal["float", "base64"] = "float"
+    pooling: Literal["mean", "cls", "last"] | None = None
+    dimensions: int | None = None
+
+    @field_validator("dimensions")
+    @classmethod
+    def _no_dimensions(cls, value: int | None) -> int | None:
+        if value is not None:
+            raise ValueError("dimensions (shortened embeddings) is not supported")
+        return value
+
+    def inputs(self) -> list[str | list[int]]:
+        """One entry per text: a string, a list of strings, token ids, or a list of token-id lists."""
+        value = self.input
+        if isinstance(value, str):
+            return [value]
+        if not value:
+            raise RequestError("input is empty", "input")
+        items = [list(value)] if all(isinstance(v, int) for v in value) else list(value)
+        if len(items) > MAX_EMBEDDING_INPUTS:
+            raise RequestError(f"input has {len(items)} entries; at most {MAX_EMBEDDING_INPUTS} per request", "input")
+        return items  # type: ignore[return-value]
+
+
 class TextPart(_Body):
     type: Literal["text"]
     text: str
@@ -226,7 +259,7 @@ def _arguments_object(arguments: str | dict[str, Any]) -> Any:
         return arguments  # not JSON: the template gets the text as it came
 
 
-def parse_request(model: type[GenerationFields], params: dict[str, Any]) -> Any:
+def parse_request(model: type[_Body], params: dict[str, Any]) -> Any:
     """Validate a request body; every problem becomes one :class:`RequestError` naming the first field."""
     try:
         return model.model_validate(params)

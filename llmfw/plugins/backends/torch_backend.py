@@ -936,6 +936,17 @@ class TorchBackend(Backend):
                         device=self.torch_device)
         return KVStorage(k, v)
 
+    def read_kv_cells(self, kv: KVStorage, cells: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        torch = import_torch()
+        index = torch.from_numpy(np.array(cells, dtype=np.int64)).to(self.torch_device)
+        return (kv.k.index_select(1, index).cpu().numpy(), kv.v.index_select(1, index).cpu().numpy())
+
+    def write_kv_cells(self, kv: KVStorage, cells: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
+        torch = import_torch()
+        index = torch.from_numpy(np.array(cells, dtype=np.int64)).to(self.torch_device)
+        kv.k.index_copy_(1, index, torch.from_numpy(np.array(k)).to(self.torch_device))
+        kv.v.index_copy_(1, index, torch.from_numpy(np.array(v)).to(self.torch_device))
+
     # -- compute ----------------------------------------------------------------------------------------
     def compile(self, split: Split, kv: Mapping[tuple[str, int], Any]) -> CompiledSplit:
         torch = import_torch()
