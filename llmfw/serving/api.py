@@ -198,7 +198,7 @@ class ChatShape(ResponseShape):
         if self.tool_streams:
             stream = self.tool_streams[index]
             chunks = [self.chunk([self._choice(index, d, None, None)]) for d in stream.finish()]
-            reason = "tool_calls" if stream.calls else reason
+            reason = "tool_calls" if stream.calls and reason == "stop" else reason  # cut short: "length"
         return chunks + [self.chunk([self._choice(index, {}, None, reason)])]
 
     def _message(self, choice: ChoiceState) -> tuple[dict[str, Any], str | None]:
@@ -206,8 +206,9 @@ class ChatShape(ResponseShape):
         content, calls = parse_tool_calls("".join(choice.text), self.tool_format)
         if not calls:
             return {"role": "assistant", "content": content}, choice.finish_reason
+        reason = "tool_calls" if choice.finish_reason == "stop" else choice.finish_reason  # cut short: "length"
         return ({"role": "assistant", "content": content or None, "tool_calls": [c.to_openai() for c in calls]},
-                "tool_calls")
+                reason)
 
     def response(self, choices: list[ChoiceState], usage: dict[str, int]) -> dict[str, Any]:
         out_choices = []
