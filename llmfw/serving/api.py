@@ -20,11 +20,12 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from ..core.chat import apply_chat_template
+from ..core.chat import CHATML_TEMPLATE, apply_chat_template, model_chat_template
 from ..core.errors import ConfigError, ContextError, EngineStopped, LLMFWError, RequestError
 from ..core.generate import tokenize_prompt
 from ..core.sampling import SamplerChain
-from .constraints import constraint_samplers
+from ..core.tool_calls import ToolCallFormat, ToolCallStream, parse_tool_calls
+from .constraints import Constraint, request_constraint
 from .engine import Cancel, Engine, ErrorEvent, Event, FinishEvent, Job, TokenEvent
 from .protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, GenerationFields, parse_request
 
@@ -95,10 +96,10 @@ class ResponseShape:
     def start_chunks(self, index: int) -> list[dict[str, Any]]:
         return []
 
-    def token_chunk(self, event: TokenEvent) -> dict[str, Any] | None:
+    def token_chunks(self, event: TokenEvent) -> list[dict[str, Any]]:
         raise NotImplementedError
 
-    def finish_chunk(self, index: int, reason: str) -> dict[str, Any]:
+    def finish_chunks(self, index: int, reason: str) -> list[dict[str, Any]]:
         raise NotImplementedError
 
     def response(self, choices: list[ChoiceState], usage: dict[str, int]) -> dict[str, Any]:
@@ -133,15 +134,15 @@ class CompletionShape(ResponseShape):
         echo = self.echo_texts[index]
         return [self.chunk([self._choice(index, echo, None, None)])] if echo else []
 
-    def token_chunk(self, event: TokenEvent) -> dict[str, Any] | None:
+    def token_chunks(self, event: TokenEvent) -> list[dict[str, Any]]:
         with_lp = event.token is not None and self.request.logprobs is not None  # type: ignore[attr-defined]
         if not event.text and not with_lp:
-            return None
+            return []
         logprobs = self._logprobs([event], 0) if with_lp else None
-        return self.chunk([self._choice(event.index, event.text, logprobs, None)])
+        return [self.chunk([self._choice(event.index, event.text, logprobs, None)])]
 
-    def finish_chunk(self, index: int, reason: str) -> dict[str, Any]:
-        return self.chunk([self._choice(index, "", None, reason)])
+    def finish_chunks(self, index: int, reason: str) -> list[dict[str, Any]]:
+        return [self.chunk([self._choice(index, "", None, reason)])]
 
     def response(self, choices: list[ChoiceState], usage: dict[str, int]) -> dict[str, Any]:
         out = self._envelope(self.object_name, [
@@ -156,6 +157,13 @@ class ChatShape(ResponseShape):
     object_name = "chat.completion"
     chunk_object = "chat.completion.chunk"
     id_prefix = "chatcmpl"
+
+    def __init__(self, engine: Engine, request: ChatCompletionRequest, n_choices: int,
+                 tool_format: ToolCallFormat | None = None):
+        super().__init__(engine, request, n_choices)
+        self.tool_format = tool_format
+        #: per choice, the parser turning a streamed reply into content and tool-call deltas
+        self.tool_streams = [ToolCallStream(tool_format) for _ in range(n_choices)] if tool_format else []
 
     def _entry(self, token: int, logprob: float) -> dict[str, Any]:
         piece = _piece(self.engine, token)
@@ -174,21 +182,41 @@ class ChatShape(ResponseShape):
     def start_chunks(self, index: int) -> list[dict[str, Any]]:
         return [self.chunk([self._choice(index, {"role": "assistant", "content": ""}, None, None)])]
 
-    def token_chunk(self, event: TokenEvent) -> dict[str, Any] | None:
+    def token_chunks(self, event: TokenEvent) -> list[dict[str, Any]]:
         with_lp = event.token is not None and bool(self.request.logprobs)  # type: ignore[attr-defined]
-        if not event.text and not with_lp:
-            return None
-        return self.chunk([self._choice(event.index, {"content": event.text},
-                                        self._logprobs([event]) if with_lp else None, None)])
+        logprobs = self._logprobs([event]) if with_lp else None
+        deltas = self.tool_streams[event.index].feed(event.text) if self.tool_streams else \
+            [{"content": event.text}] if event.text else []
+        if not deltas and logprobs is not None:
+            deltas = [{"content": ""}]  # the token's logprobs still go out, with the text it held back
+        # the logprobs ride on the first delta of their token
+        return [self.chunk([self._choice(event.index, d, logprobs if k == 0 else None, None)])
+                for k, d in enumerate(deltas)]
 
-    def finish_chunk(self, index: int, reason: str) -> dict[str, Any]:
-        return self.chunk([self._choice(index, {}, None, reason)])
+    def finish_chunks(self, index: int, reason: str) -> list[dict[str, Any]]:
+        chunks = []
+        if self.tool_streams:
+            stream = self.tool_streams[index]
+            chunks = [self.chunk([self._choice(index, d, None, None)]) for d in stream.finish()]
+            reason = "tool_calls" if stream.calls and reason == "stop" else reason  # cut short: "length"
+        return chunks + [self.chunk([self._choice(index, {}, None, reason)])]
+
+    def _message(self, choice: ChoiceState) -> tuple[dict[str, Any], str | None]:
+        """The assistant message of a whole reply and its finish reason (``tool_calls`` when it made calls)."""
+        content, calls = parse_tool_calls("".join(choice.text), self.tool_format)
+        if not calls:
+            return {"role": "assistant", "content": content}, choice.finish_reason
+        reason = "tool_calls" if choice.finish_reason == "stop" else choice.finish_reason  # cut short: "length"
+        return ({"role": "assistant", "content": content or None, "tool_calls": [c.to_openai() for c in calls]},
+                reason)
 
     def response(self, choices: list[ChoiceState], usage: dict[str, int]) -> dict[str, Any]:
-        out = self._envelope(self.object_name, [
-            {"index": i, "message": {"role": "assistant", "content": "".join(c.text)},
-             "logprobs": self._logprobs(c.logprobs), "finish_reason": c.finish_reason}
-            for i, c in enumerate(choices)])
+        out_choices = []
+        for i, c in enumerate(choices):
+            message, reason = self._message(c)
+            out_choices.append({"index": i, "message": message, "logprobs": self._logprobs(c.logprobs),
+                                "finish_reason": reason})
+        out = self._envelope(self.object_name, out_choices)
         out["usage"] = usage
         return out
 
@@ -223,11 +251,9 @@ class ChunkStream:
                 yield from shape.start_chunks(i)
             for event in run.events():
                 if isinstance(event, TokenEvent):
-                    chunk = shape.token_chunk(event)
-                    if chunk is not None:
-                        yield chunk
+                    yield from shape.token_chunks(event)
                 else:
-                    yield shape.finish_chunk(event.index, event.reason)
+                    yield from shape.finish_chunks(event.index, event.reason)
             if shape.request.include_usage:
                 yield {**shape.chunk([], run.usage())}
         finally:
@@ -238,7 +264,7 @@ class RequestRun:
     """The jobs of one request and the event queue they share."""
 
     def __init__(self, engine: Engine, shape: ResponseShape, prompts: list[list[int]], limits: list[int],
-                 n_logprobs: int | None):
+                 n_logprobs: int | None, constraint: Constraint):
         self.engine, self.shape = engine, shape
         self.cancel = Cancel()
         self.queue: "queue.Queue[Event]" = queue.Queue()
@@ -250,7 +276,7 @@ class RequestRun:
                 index = p * request.n + i
                 chain = SamplerChain.from_params(request.sampler_params(engine.model.n_vocab, index),
                                                  model=engine.model, n_ctx=engine.n_ctx_slot)
-                chain.samplers[:0] = constraint_samplers(request, engine.model)
+                chain.samplers[:0] = constraint.samplers(engine.model, engine.n_ctx_slot)
                 self.jobs.append(Job(index, tokens, chain, limit, list(request.stop or []), n_logprobs,
                                      self.queue, self.cancel))
         self.choices = [ChoiceState() for _ in self.jobs]
@@ -304,10 +330,11 @@ class RequestRun:
         return self.shape.response(self.choices, self.usage())
 
 
-def _execute(engine: Engine, shape: ResponseShape, prompts: list[list[int]], n_logprobs: int | None) -> Any:
+def _execute(engine: Engine, shape: ResponseShape, prompts: list[list[int]], n_logprobs: int | None,
+             constraint: Constraint) -> Any:
     request = shape.request
     limits = [engine.check_fits(len(p), request.token_limit()) for p in prompts]
-    run = RequestRun(engine, shape, prompts, limits, n_logprobs)
+    run = RequestRun(engine, shape, prompts, limits, n_logprobs, constraint)
     run.start()
     return ChunkStream(run) if request.stream else run.result()
 
@@ -316,6 +343,7 @@ def run_completion(engine: Engine, params: dict[str, Any]) -> Any:
     request: CompletionRequest = parse_request(CompletionRequest, params)
     if request.echo and request.logprobs is not None:
         raise RequestError("echo together with logprobs (prompt logprobs) is not supported", "echo")
+    constraint = request_constraint(request, engine.model)
     prompts, echo_texts = [], []
     for prompt in request.prompts():
         if isinstance(prompt, str):
@@ -327,14 +355,18 @@ def run_completion(engine: Engine, params: dict[str, Any]) -> Any:
     if not request.echo:
         echo_texts = [""] * len(echo_texts)
     return _execute(engine, CompletionShape(engine, request, len(echo_texts), echo_texts), prompts,
-                    request.logprobs)
+                    request.logprobs, constraint)
 
 
 def run_chat_completion(engine: Engine, params: dict[str, Any]) -> Any:
     request: ChatCompletionRequest = parse_request(ChatCompletionRequest, params)
-    text = apply_chat_template(engine.model, request.template_messages())
+    template = engine.chat_template or model_chat_template(engine.model) or CHATML_TEMPLATE
+    constraint = request_constraint(request, engine.model, template, chat=True)
+    extra = {"tools": request.tools} if request.tools else {}  # tools reach the template as transformers passes them
+    text = apply_chat_template(engine.model, request.template_messages(), template=template, **extra)
     tokens = tokenize_request_text(engine, text, "messages")
-    return _execute(engine, ChatShape(engine, request, request.n), [tokens], request.n_top_logprobs())
+    return _execute(engine, ChatShape(engine, request, request.n, constraint.tool_format), [tokens],
+                    request.n_top_logprobs(), constraint)
 
 
 # -- embeddings ------------------------------------------------------------------------------------------------------

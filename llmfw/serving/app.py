@@ -365,7 +365,8 @@ def pipeline_app(pipeline: Any, *, eager: bool = False, load_model: Callable[[],
     def build() -> Engine:
         model = (load_model or pipeline.load_model)()
         engine = Engine(model, server.parallel, n_ctx=cfg.context.n_ctx, n_threads=cfg.context.n_threads,
-                        max_queue=server.max_queue, alias=server.alias)
+                        max_queue=server.max_queue, alias=server.alias,
+                        chat_template=pipeline.chat_template())
         if on_ready is not None:
             on_ready(engine)
         return engine

@@ -1,36 +1,112 @@
-"""The one hook point for constrained decoding in the server: request fields → extra samplers.
+"""The one hook point for constrained decoding in the server: request fields → the grammar sampler.
 
-``response_format``, ``grammar``, ``json_schema`` and ``tools`` are turned into samplers here and nowhere else.
-The engine puts the samplers returned by :func:`constraint_samplers` at the *front* of the request's chain
-(a grammar's token mask must come before the other samplers, DESIGN.md "Structured output").
-
-Until the grammar sampler exists every such field that asks for a constraint is refused with a 400 naming the
-field — nothing is silently ignored. To wire the grammar sampler in, replace the body of
-:func:`constraint_samplers` (e.g. ``build_sampler("grammar", SamplerParams(grammar=..., json_schema=...), env)``).
+``response_format``, ``grammar``, ``json_schema`` (:func:`llmfw.core.response_format.constraint_from_request`) and,
+on chat, ``tools`` / ``tool_choice`` (:mod:`llmfw.core.tool_calls`) are read here and nowhere else.
+:func:`request_constraint` checks and compiles the constraint once per request; :meth:`Constraint.samplers`
+gives each choice its own grammar sampler (its own matcher), which the engine puts at the *front* of the
+choice's chain (a grammar's token mask must come before the other samplers, DESIGN.md "Structured output").
+Every bad field answers 400 with ``param`` naming it.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
-from ..core.errors import RequestError
-from ..core.sampling import Sampler
+from ..core.errors import GrammarError, RequestError
+from ..core.response_format import constraint_from_request
+from ..core.sampling import Sampler, SamplerEnv, SamplerParams, build_sampler
+from ..core.tool_calls import ToolCallFormat, detect_tool_call_format, forced_function_names, tool_call_grammar
 from .protocol import GenerationFields
 
+#: the output-format fields, in the order a conflict between them is reported
+FORMAT_FIELDS = ("response_format", "json_schema", "grammar")
 
-def _asks_for_constraint(field: str, value: Any) -> bool:
+
+@dataclass
+class Constraint:
+    """What one request asks of its output: a compiled grammar (or none) and, for a chat with tools, the
+    format its tool calls are parsed from (None: the output is all content)."""
+
+    params: SamplerParams | None = None
+    tool_format: ToolCallFormat | None = None
+
+    def samplers(self, model: Any, n_ctx: int) -> list[Sampler]:
+        """A fresh grammar sampler for one choice (the compiled grammar is shared, the matcher is not)."""
+        if self.params is None:
+            return []
+        return [build_sampler("grammar", self.params, SamplerEnv.from_model(model, None, n_ctx))]
+
+
+def _asks_for_format(field: str, value: Any) -> bool:
     if value is None:
         return False
     if field == "response_format":
         return not (isinstance(value, dict) and value.get("type", "text") == "text")
-    if field == "tools":
-        return bool(value)
     return True
 
 
-def constraint_samplers(request: GenerationFields, model: Any) -> list[Sampler]:
-    """Samplers that enforce the request's output constraints (none yet: constrained requests are refused)."""
-    for field in ("response_format", "grammar", "json_schema", "tools"):
-        if _asks_for_constraint(field, getattr(request, field)):
-            raise RequestError(f"{field} is not supported by this server yet (constrained decoding is not "
-                               "built); send the request without it", field)
-    return []
+def format_constraint(request: GenerationFields) -> dict[str, Any]:
+    """``SamplerParams`` keywords for ``response_format`` / ``json_schema`` / ``grammar`` (``{}`` for none);
+    a RequestError naming the bad (or second, conflicting) field."""
+    given = [f for f in FORMAT_FIELDS if _asks_for_format(f, getattr(request, f))]
+    if not given:
+        return {}
+    try:
+        return constraint_from_request({f: getattr(request, f) for f in given})
+    except GrammarError as exc:
+        raise RequestError(str(exc), given[1] if len(given) > 1 else given[0]) from None
+
+
+def tool_constraint(request: GenerationFields, model: Any, template: str | None) -> tuple[str | None,
+                                                                                          ToolCallFormat | None]:
+    """(the grammar forcing a call, the format to parse calls from) for a chat's ``tools`` / ``tool_choice``."""
+    tools = request.tools
+    forced = _check_tools(tools, request.tool_choice)  # also: a forced choice without tools is an error
+    if not tools or request.tool_choice == "none":
+        return None, None
+    fmt = detect_tool_call_format(template)
+    if fmt is None:
+        if forced:
+            raise RequestError("this model's chat template shows no tool-call format (Hermes/Qwen <tool_call> or "
+                               "Llama-3.1 JSON), so a tool call cannot be forced; serve it with a tool-capable "
+                               "chat template (the pipeline's chat.template / chat.template_file)", "tool_choice")
+        return None, None  # "auto" with a template that knows no tools: the reply is plain content
+    try:
+        grammar = tool_call_grammar(tools, request.tool_choice, fmt, vocab=model.vocab,
+                                    parallel=bool(getattr(request, "parallel_tool_calls", False)))
+    except GrammarError as exc:
+        raise RequestError(f"tools: {exc}", "tools") from None
+    return grammar, fmt
+
+
+def _check_tools(tools: Any, tool_choice: Any) -> bool:
+    """Validate ``tools`` and ``tool_choice``; True when the choice forces a call."""
+    if tools is not None and not isinstance(tools, list):
+        raise RequestError(f"tools must be a list of functions, got {type(tools).__name__}", "tools")
+    try:
+        return forced_function_names(tools, tool_choice) is not None
+    except GrammarError as exc:
+        raise RequestError(str(exc), "tool_choice" if "tool_choice" in str(exc) else "tools") from None
+
+
+def request_constraint(request: GenerationFields, model: Any, template: str | None = None,
+                       chat: bool = False) -> Constraint:
+    """The request's constraint, checked and compiled once (RequestError naming the field when it is bad)."""
+    fields = format_constraint(request)
+    param = next((f for f in FORMAT_FIELDS if _asks_for_format(f, getattr(request, f))), "grammar")
+    tool_format = None
+    if chat:
+        grammar, tool_format = tool_constraint(request, model, template)
+        if grammar is not None:
+            if fields:
+                raise RequestError("a forced tool call (tool_choice required or a named function) cannot be "
+                                   "combined with response_format, json_schema or grammar", "tool_choice")
+            fields, param = {"grammar": grammar}, "tools"
+    elif request.tools:
+        raise RequestError("tools are only supported on /v1/chat/completions", "tools")
+    if not fields:
+        return Constraint(None, tool_format)
+    try:
+        return Constraint(SamplerParams(**fields), tool_format)
+    except GrammarError as exc:
+        raise RequestError(str(exc), param) from None

@@ -112,15 +112,19 @@ class Engine:
 
     ``n_ctx``: total KV cache size (0 = the model's default); each slot gets ``n_ctx / parallel``.
     ``n_batch``: most tokens one decode step holds. ``max_queue``: most jobs waiting for a slot (more are
-    refused with :class:`EngineBusy`). ``alias``: the model name reported in responses.
+    refused with :class:`EngineBusy`). ``alias``: the model name reported in responses. ``chat_template``:
+    a Jinja chat template overriding the model's (e.g. one that knows tools).
     """
 
     def __init__(self, model: Any, parallel: int = 4, *, n_ctx: int = 0, n_batch: int = 512,
-                 n_threads: int | None = None, max_queue: int = 64, alias: str | None = None):
+                 n_threads: int | None = None, max_queue: int = 64, alias: str | None = None,
+                 chat_template: str | None = None):
         if parallel < 1:
             raise RequestError(f"parallel must be >= 1, got {parallel}", "parallel")
         self.model = model
         self.alias = alias or _model_name(model)
+        #: Jinja source chats are rendered with (None: the model's own, else ChatML)
+        self.chat_template = chat_template
         self.parallel = parallel
         self.max_queue = max_queue
         self._stopping = threading.Event()
@@ -357,7 +361,7 @@ class Engine:
         if job.n_logprobs is not None:
             event.logprob, event.top = _token_logprobs(logits, token, job.n_logprobs)
         job.events.put(event)
-        if job.text.stopped:
+        if job.text.stopped or job.chain.done():  # a stop string, or the grammar is complete
             self._finish(job, "stop")
         elif job.n_generated >= job.max_tokens or job.n_past + 1 > self.n_ctx_slot:
             self._finish(job, "length")

@@ -7,6 +7,7 @@ ignored. Sampling defaults are llama.cpp's (temperature 0.8, top-k 40, top-p 0.9
 """
 from __future__ import annotations
 
+import json
 import math
 from typing import Any, Literal, Union
 
@@ -185,9 +186,38 @@ class TextPart(_Body):
     text: str
 
 
+class ToolCallFunction(_Body):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class MessageToolCall(_Body):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+
+    def template_message(self) -> dict[str, Any]:
+        """The message as chat templates take it (transformers' shape); ``developer`` is OpenAI's new name for
+        ``system``. A call's ``arguments`` string becomes the object it encodes, as templates such as Qwen's
+        write ``arguments | tojson`` (llama.cpp does the same)."""
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
+                               "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": c.type, "function": {
+                "name": c.function.name, "arguments": _arguments_object(c.function.arguments)}}
+                for c in self.tool_calls]
+        for key in ("name", "tool_call_id"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
 
     def text(self) -> str:
         if self.content is None:
@@ -204,6 +234,7 @@ class ChatCompletionRequest(GenerationFields):
     max_completion_tokens: int | None = Field(None, ge=0)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    parallel_tool_calls: bool = False  # llama-server's default: one call per reply
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -214,10 +245,18 @@ class ChatCompletionRequest(GenerationFields):
             return None
         return self.top_logprobs or 0
 
-    def template_messages(self) -> list[dict[str, str]]:
-        """The conversation as the chat template takes it (``developer`` is OpenAI's new name for ``system``)."""
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                for m in self.messages]
+    def template_messages(self) -> list[dict[str, Any]]:
+        """The conversation as the chat template takes it."""
+        return [m.template_message() for m in self.messages]
+
+
+def _arguments_object(arguments: str | dict[str, Any]) -> Any:
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        return json.loads(arguments)
+    except (ValueError, RecursionError):
+        return arguments  # not JSON: the template gets the text as it came
 
 
 def parse_request(model: type[_Body], params: dict[str, Any]) -> Any:
