@@ -119,7 +119,8 @@ def test_yaml_speculative_section():
 
 
 def test_run_draft_max_flag_drafts_and_reports_acceptance(smollm2_path):
-    prompt = "Copy this line exactly: alpha beta gamma delta alpha beta gamma delta alpha beta gamma delta\n"
+    # a continuation that repeats its prompt, so prompt lookup drafts (on any backend: the text is unambiguous)
+    prompt = "1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 6, 1, 2, 3,"
     cmd = [sys.executable, "-m", "llmfw.cli", "run", "-m", str(smollm2_path), "--no-progress", "-n", "12", prompt]
     plain = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     spec = subprocess.run(cmd[:4] + ["--draft-max", "8"] + cmd[4:], capture_output=True, text=True, timeout=600)
