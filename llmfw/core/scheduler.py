@@ -24,7 +24,8 @@ import numpy as np
 
 from .backend import Backend, Split
 from .errors import ModelError
-from .graph import Graph, Node
+from .graph import Graph, Node, consumers_of, last_uses
+from .passes import apply_rewrite_rules, optimize
 
 log = logging.getLogger(__name__)
 
@@ -99,10 +100,15 @@ class Scheduler:
 
     # -- splitting ----------------------------------------------------------------------------------------
     def plan(self, graph: Graph) -> Plan:
+        """Optimise ``graph`` (the core passes, in place), place and cut it, apply each backend's rewrite rules
+        to its splits, mark liveness and compile every split: once per built graph."""
+        optimize(graph, self.model.fused_weights, self.model.weight_backend)
         placed = self.assign(graph)
         splits = self._cut(graph, placed)
-        consumers = self._consumers(graph)
-        output_nodes = {node.id for node in graph.outputs.values()}
+        graph_outputs = {node.id for node in graph.outputs.values()}
+        for split in splits:
+            split.nodes = apply_rewrite_rules(split.nodes, split.backend.rewrite_rules, graph_outputs)
+        consumers = consumers_of([n for split in splits for n in split.nodes])
         split_of: dict[int, int] = {}
         for si, split in enumerate(splits):
             for node in split.nodes:
@@ -118,22 +124,15 @@ class Scheduler:
             split.input_ids = needed
             split.output_ids = [
                 n.id for n in split.nodes if n.op != "weight" and (
-                    n.id in output_nodes or any(split_of.get(c, si) != si for c in consumers.get(n.id, ())))
+                    n.id in graph_outputs or any(split_of.get(c.id, si) != si for c in consumers.get(n.id, ())))
             ]
+            split.release_after = last_uses(split.nodes, set(split.output_ids))
         runners = [split.backend.compile(split, self.kv_storage) for split in splits]
         return Plan(
             graph=graph, splits=splits, runners=runners,
             input_ids={name: node.id for name, node in graph.inputs.items()},
             output_ids={name: (node.id, placed[node.id]) for name, node in graph.outputs.items()},
         )
-
-    @staticmethod
-    def _consumers(graph: Graph) -> dict[int, list[int]]:
-        consumers: dict[int, list[int]] = {}
-        for node in graph.nodes:
-            for inp in node.inputs:
-                consumers.setdefault(inp.id, []).append(node.id)
-        return consumers
 
     @staticmethod
     def _cut(graph: Graph, placed: dict[int, Backend | None]) -> list[Split]:
