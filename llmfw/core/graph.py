@@ -1,11 +1,32 @@
-"""The graph IR: a small DAG of ops that an architecture emits and backends execute.
+"""The graph IR: a small typed DAG of ops that an architecture emits, the core optimises and backends execute.
+
+The compiler, in the core (one for every backend)::
+
+    Architecture.build_graph(GraphBuilder)        one graph per ubatch shape (BuildParams), reused while equal
+      → typed nodes: every Node gets shape + dtype from OP_TABLE when built; a misfit is a ModelError naming it
+    core passes (core/passes.py, once per built graph, before placement)
+      → fuse_shared_input_matmuls: mul_mats of one input (Q/K/V, gate/up) → one mul_mat on a fused weight
+        (attrs name="a+b+c", parts=(a, b, c)) + one slice per part. The fused weight was made once at load
+        (prepare_fused_weights: the same detection on a representative graph, Backend.fuse_weights per group)
+      → fold_norm_weights: norm(x) × 1-D weight → rms_norm(x, w) / norm(x, w)
+    placement and splits (core/scheduler.py)
+      → apply_rewrite_rules: each backend's declared fusions (a pattern of core ops → one op of its own, e.g.
+        numpy's swiglu) on the nodes placed on it, per split
+      → last_uses (liveness, below): per split, the values dead after each node (Split.release_after)
+    Backend.compile(split)                         maps ops to kernels: weights + kernels, no compiler of its own
+
+:func:`consumers_of` is the one consumer map and :func:`last_uses` the one liveness analysis: passes, scheduler
+and backends all use them.
 
 Conventions (every backend implements exactly these semantics; the numpy backend is the oracle):
 
 * Arrays are row-major. Activations are float32 ``[n_tokens, n_embd]``; attention tensors are
   ``[n_tokens, n_head, head_dim]``. A weight whose GGUF shape is ``ne = [ne0, ne1]`` is seen as the numpy
   shape ``(ne1, ne0)`` — rows of ``ne0`` contiguous elements, like ggml.
-* Nodes are created in topological order; ``Graph.nodes`` keeps that order.
+* Nodes are created in topological order; ``Graph.nodes`` keeps that order (passes renumber ids to indices).
+* Types: ``Node.shape`` is concrete (graphs are built per ubatch shape) except ``DYNAMIC`` (-1) dimensions the
+  builder cannot see (the K-shift's ``n_kv``); ``Node.dtype`` is ``f32`` for activations and weights (whatever
+  form a backend stores them in), ``i32`` / ``i64`` for ids, positions and KV cell indices.
 
 Ops (inputs in order; attributes in ``Node.attrs``):
 
@@ -14,14 +35,16 @@ Ops (inputs in order; attributes in ``Node.attrs``):
                     ``embd`` f32 [T, n_embd], ``pos`` int32 [T], ``out_ids`` int32 [n_outputs],
                     ``kv_idx:<cache>`` int64 [T] (KV cells written by this ubatch), ``kq_mask:<cache>``
                     f32 [T, n_kv] (0 = visible, -inf = hidden) for each KV cache ``<cache>``.
-``weight``          a model tensor. attrs: ``name`` (GGUF tensor name). ``layer`` says who owns it.
+``weight``          a model tensor. attrs: ``name`` (GGUF tensor name). ``layer`` says who owns it. A fused
+                    weight (core pass) also has ``parts`` (its members' names, stacked by output rows).
 ``get_rows``        (table, ids) → ``table[ids]`` as float32 (table may be a quantized weight).
 ``mul_mat``         (w, x) → ``x @ w.T`` ; w is a weight [n_out, n_in], x [..., n_in] → [..., n_out].
 ``add`` ``sub``     (a, b) elementwise with numpy broadcasting.
 ``mul``             (a, b) elementwise with numpy broadcasting.
 ``scale``           (x) → ``x * attrs["s"]``.
-``rms_norm``        (x) → ``x / sqrt(mean(x², -1) + eps)``; attrs: ``eps``.
-``norm``            (x) → ``(x - mean) / sqrt(var + eps)`` over the last axis; attrs: ``eps``.
+``rms_norm``        (x [, w]) → ``x / sqrt(mean(x², -1) + eps)`` (× w: a weight of x's last size, folded in
+                    by the core pass); attrs: ``eps``.
+``norm``            (x [, w]) → ``(x - mean) / sqrt(var + eps)`` over the last axis (× w); attrs: ``eps``.
 ``silu`` ``relu``   (x) → activation.
 ``gelu``            (x) → ggml's tanh approximation ``0.5x(1 + tanh(√(2/π)(x + 0.044715x³)))``.
 ``softcap``         (x) → ``cap * tanh(x / cap)``; attrs: ``cap``.
@@ -244,7 +267,7 @@ def _slice(inputs: Sequence[Node], attrs: Mapping[str, AttrValue]) -> tuple[Shap
     out = list(shape)
     size = shape[axis]
     if size != DYNAMIC:
-        out[axis] = len(range(*slice(start, stop).indices(size)))  # type: ignore[arg-type]
+        out[axis] = len(range(*slice(start, stop).indices(size)))
     return tuple(out), dtype
 
 
