@@ -12,7 +12,8 @@ torch = pytest.importorskip("torch")
 
 from llmfw.core.backend import KVLayerShape, Split, WeightSource  # noqa: E402
 from llmfw.core.errors import BackendUnavailable  # noqa: E402
-from llmfw.core.graph import Graph  # noqa: E402
+from llmfw.core.graph import DYNAMIC, Graph  # noqa: E402
+from llmfw.core.passes import matmul_groups, optimize  # noqa: E402
 from llmfw.core.quants import GGMLType, dequantize  # noqa: E402
 from llmfw.plugins.backends import numpy_cpu as oracle  # noqa: E402
 from llmfw.plugins.backends import torch_backend as tb  # noqa: E402
@@ -158,7 +159,9 @@ def test_fused_linear_equals_separate(form: str, monkeypatch) -> None:
         backend.load_weight(_f32_source(name, w))
     x = torch.from_numpy(randn(4, 24))
     separate = [backend.linear(n)(x) for n in weights]
-    fused = backend.fused_linear(("q", "k", "v"))
+    assert backend.fuse_weights("q+k+v", ("q", "k", "v"))  # what the core asks at load
+    fused = backend.linear("q+k+v")
+    assert backend.weights["q+k+v"].shape == (48, 24)
     assert backend.weights["q"].linear is None  # the fused copy replaced the members'
     np.testing.assert_allclose(fused(x).numpy(), torch.cat(separate, dim=-1).numpy(), rtol=1e-5, atol=1e-5)
     again = backend.linear("k")(x)  # rebuilt from the fused weight when a graph needs it alone
@@ -204,17 +207,14 @@ def _tiny_weights() -> dict[str, tuple[np.ndarray, str]]:
 def _tiny_graph(rope_mode: str, softcap: float) -> Graph:
     """A llama-shaped graph written with the raw IR (no architecture plugin): every op the models use."""
     g = Graph()
-    tokens, pos = g.add("input", name="tokens"), g.add("input", name="pos")
-    kv_idx, mask = g.add("input", name="kv_idx:kv"), g.add("input", name="kq_mask:kv")
-    for node in (tokens, pos, kv_idx, mask):
-        node.attrs["name"] = node.name
-        g.inputs[node.name] = node
+    tokens, pos = g.leaf("input", "tokens", (DYNAMIC,), "i32"), g.leaf("input", "pos", (DYNAMIC,), "i32")
+    kv_idx, mask = g.leaf("input", "kv_idx:kv", (DYNAMIC,), "i64"), g.leaf("input", "kq_mask:kv", (DYNAMIC, 16))
     weight = {}
+    shapes = {name: array.shape for name, (array, _) in _tiny_weights().items()}
 
     def w(name: str, layer: int):
         if name not in weight:
-            weight[name] = g.add("weight", layer=layer, name=name)
-            weight[name].attrs["name"] = name
+            weight[name] = g.leaf("weight", name, shapes[name], layer=layer)
         return weight[name]
 
     rope = dict(n_dims=HEAD_DIM, mode=rope_mode, freq_base=10000.0, freq_scale=1.0, ext_factor=0.0, attn_factor=1.0,
@@ -252,6 +252,8 @@ def _run_graph(backend, graph: Graph, steps: list[tuple[np.ndarray, np.ndarray]]
     weights = _tiny_weights()
     for name, (array, usage) in weights.items():
         backend.weights[name] = backend.load_weight(_f32_source(name, array, usage))
+    fused = {g.parts: g.name for g in matmul_groups(graph, lambda name: backend) if backend.fuse_weights(g.name, g.parts)}
+    optimize(graph, fused, lambda name: backend)  # the core passes, as the scheduler runs them
     kv = {("kv", il): backend.alloc_kv(KVLayerShape("kv", il, 16, N_HEAD_KV, HEAD_DIM, HEAD_DIM))
           for il in range(N_LAYER)}
     inputs = [n for n in graph.nodes if n.op == "input"]
@@ -273,18 +275,20 @@ def test_split_matches_numpy_backend(form: str, rope_mode: str, softcap: float, 
     if form == "int8" and not tb.has_dynamic_int8():
         pytest.skip("no fbgemm dynamic quantized linear")
     monkeypatch.setenv(tb.MATMUL_FORM_ENV, form)
-    graph = _tiny_graph(rope_mode, softcap)
     steps = [(np.array([3, 14, 15, 9], dtype=np.int32), np.arange(4, dtype=np.int32)),
              (np.array([26], dtype=np.int32), np.array([4], dtype=np.int32))]
-    expected, _ = _run_graph(oracle.NumpyBackend(), graph, steps)
+    expected, _ = _run_graph(oracle.NumpyBackend(), _tiny_graph(rope_mode, softcap), steps)
     backend = tb.TorchBackend("cpu")
+    graph = _tiny_graph(rope_mode, softcap)
     got, run = _run_graph(backend, graph, steps)
     tolerance = {"f32": 2e-4, "fp16": 2e-3, "int8": 0.1}[form]  # int8: 8-bit activations, see the README
     for e, g in zip(expected, got):
         assert g.shape == e.shape
         assert np.max(np.abs(g - e)) <= tolerance * max(1.0, np.max(np.abs(e))), np.max(np.abs(g - e))
     source = run.source
-    assert source.count("# fused") == 2 * N_LAYER  # QKV and gate/up of every layer
+    fused = [n.attrs["name"] for n in graph.nodes if n.op == "weight" and "parts" in n.attrs]
+    assert len(fused) == 2 * N_LAYER and all(backend.weights[name].linear is not None for name in fused)  # QKV, gate/up
+    assert not any(n.op == "mul" and n.inputs[0].op in ("rms_norm", "norm") for n in graph.nodes)  # norms folded
     assert "F.rms_norm" in source and "F.layer_norm" in source
     assert source.count("rope_tables") == 1  # angles shared by q and k of every layer
 

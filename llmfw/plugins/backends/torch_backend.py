@@ -12,10 +12,10 @@ Weights are converted once, at load, into the fastest form for the device that s
   GPU was available when this was written).
 
 Everything else (norms, rope, attention, activations) runs in float32. A split is compiled once per graph build
-into straight-line Python source (one line per op, like ``torch.fx`` code generation), with these rewrites:
-matmuls sharing their input (Q/K/V, gate/up) become one matmul on a fused weight built once and cached; a norm
-followed by a multiplication with a weight becomes one ``rms_norm`` / ``layer_norm`` call; rope angles are
-computed once per graph run and shared by every layer. The KV cache is a static preallocated tensor per layer,
+into straight-line Python source (one line per op, like ``torch.fx`` code generation) from the graph the core
+passes optimised: matmuls sharing their input (Q/K/V, gate/up) arrive as one matmul on a fused weight this backend
+built once at load (:meth:`TorchBackend.fuse_weights`), norms with their weight as one ``rms_norm`` /
+``layer_norm`` call; rope angles are computed once per graph run and shared by every layer. The KV cache is a static preallocated tensor per layer,
 written in place with ``index_copy_``. torch is imported only by this module, and only when the backend is used.
 """
 from __future__ import annotations
@@ -498,29 +498,9 @@ class SplitCompiler:
         self.by_id = {n.id: n for n in self.nodes}
         self.consts: dict[str, Any] = {}
         self.lines: list[str] = []
-        self.uses = self._count_uses()
-        self.skip: set[int] = set()
         self.memo: dict[tuple, str] = {}
 
     # -- analysis ---------------------------------------------------------------------------------------
-    def _count_uses(self) -> dict[int, int]:
-        uses: dict[int, int] = {}
-        for node in self.nodes:
-            for src in node.inputs:
-                uses[src.id] = uses.get(src.id, 0) + 1
-        for out_id in self.split.output_ids:
-            uses[out_id] = uses.get(out_id, 0) + 1
-        return uses
-
-    def _sole_consumer(self, node: Node, op: str) -> Node | None:
-        """The next node if it is the only consumer of ``node`` and has op ``op``."""
-        if self.uses.get(node.id, 0) != 1:
-            return None
-        for later in self.nodes[self.nodes.index(node) + 1:]:
-            if any(src is node for src in later.inputs):
-                return later if later.op == op else None
-        return None
-
     def _weight_of(self, node: Node) -> TorchWeight | None:
         if node.op != "weight" or node.id not in self.by_id:
             return None
@@ -542,10 +522,7 @@ class SplitCompiler:
     # -- code generation --------------------------------------------------------------------------------
     def compile(self) -> CompiledSplit:
         body = [f"    v{i} = inputs[{i}]" for i in self.split.input_ids]
-        self._plan_fused_matmuls()
         for node in self.nodes:
-            if node.id in self.skip:
-                continue
             handler = getattr(self, f"_op_{node.op}", None)
             if handler is None:
                 raise ModelError(f"torch backend cannot compile op {node.op!r} (node %{node.id})")
@@ -558,23 +535,6 @@ class SplitCompiler:
         exec(compile(source, f"<torch split {id(self.split):x}>", "exec"), namespace)  # noqa: S102 - our codegen
         self.source = source
         return namespace["run"]
-
-    def _plan_fused_matmuls(self) -> None:
-        """Group mul_mats whose weights live here and that read the same input: one fused matmul each."""
-        groups: dict[int, list[Node]] = {}
-        for node in self.nodes:
-            if node.op == "mul_mat" and self._weight_of(node.inputs[0]) is not None:
-                groups.setdefault(node.inputs[1].id, []).append(node)
-        self.fused: dict[int, tuple[list[Node], Linear]] = {}
-        for members in groups.values():
-            if len(members) < 2:
-                continue
-            names = tuple(m.inputs[0].attrs["name"] for m in members)
-            fused = self.backend.fused_linear(names)
-            if fused is None:
-                continue
-            for m in members:
-                self.fused[m.id] = (members, fused)
 
     def _op_weight(self, node: Node) -> None:
         weight = self.backend.weights.get(node.attrs["name"])
@@ -602,22 +562,6 @@ class SplitCompiler:
 
     def _op_mul_mat(self, node: Node) -> None:
         w, x = node.inputs
-        if node.id in self.fused:
-            members, fused = self.fused[node.id]
-            first = members[0]
-            if node is first:
-                out = f"f{node.id}"
-                self.lines.append(f"    {out} = {self.const(fused, 'lin')}({self.var(x)})  # fused "
-                                  f"{'+'.join(m.inputs[0].attrs['name'] for m in members)}")
-                self.memo[("fused", first.id)] = out
-            offset = 0
-            for m in members:
-                if m is node:
-                    break
-                offset += self.backend.weights[m.inputs[0].attrs["name"]].shape[0]
-            n_out = self.backend.weights[w.attrs["name"]].shape[0]
-            self.emit(node, f"{self.memo[('fused', first.id)]}.narrow(-1, {offset}, {n_out})")
-            return
         weight = self._weight_of(w)
         if weight is not None:
             self.emit(node, f"{self.const(self.backend.linear(weight.name), 'lin')}({self.var(x)})")
@@ -640,33 +584,19 @@ class SplitCompiler:
     def _op_scale(self, node: Node) -> None:
         self.emit(node, f"torch.mul({self.var(node.inputs[0])}, {float(node.attrs['s'])!r})")
 
-    def _norm_with_weight(self, node: Node) -> tuple[str, Node]:
-        """A norm's following ``mul`` by a 1-D weight of the normalised size, folded into the norm call."""
-        mul = self._sole_consumer(node, "mul")
-        if mul is not None:
-            other = mul.inputs[1] if mul.inputs[0] is node else mul.inputs[0]
-            weight = self._weight_of(other)
-            if weight is not None and len(weight.shape) == 1:
-                self.skip.add(mul.id)
-                return self._dense(other), mul
-        return "None", node
+    def _norm_weight(self, node: Node) -> str:
+        """The norm's weight (its optional 2nd input, folded in by the core pass) as a dense tensor, or None."""
+        return self._dense(node.inputs[1]) if len(node.inputs) > 1 else "None"
 
     def _op_rms_norm(self, node: Node) -> None:
         x = node.inputs[0]
-        weight, target = self._norm_with_weight(node)
-        expr = f"F.rms_norm({self.var(x)}, ({self.var(x)}.shape[-1],), {weight}, {float(node.attrs['eps'])!r})"
-        self.emit(node, expr)
-        if target is not node:
-            self.emit(target, self.var(node))
+        self.emit(node, f"F.rms_norm({self.var(x)}, ({self.var(x)}.shape[-1],), {self._norm_weight(node)}, "
+                        f"{float(node.attrs['eps'])!r})")
 
     def _op_norm(self, node: Node) -> None:
         x = node.inputs[0]
-        weight, target = self._norm_with_weight(node)
-        expr = (f"F.layer_norm({self.var(x)}, ({self.var(x)}.shape[-1],), {weight}, None, "
-                f"{float(node.attrs['eps'])!r})")
-        self.emit(node, expr)
-        if target is not node:
-            self.emit(target, self.var(node))
+        self.emit(node, f"F.layer_norm({self.var(x)}, ({self.var(x)}.shape[-1],), {self._norm_weight(node)}, None, "
+                        f"{float(node.attrs['eps'])!r})")
 
     def _op_silu(self, node: Node) -> None:
         self.emit(node, f"F.silu({self.var(node.inputs[0])})")
@@ -885,25 +815,26 @@ class TorchBackend(Backend):
             weight.linear = make_linear(self.dense_tensor(name).cpu().numpy(), self.matmul_form, self.device)
         return weight.linear
 
-    def fused_linear(self, names: tuple[str, ...]) -> Linear | None:
-        """One linear for weights ``names`` stacked by output rows; built once, members' own forms released."""
-        if names in self._fused:
-            return self._fused[names]
-        weights = [self.weights[n] for n in names]
-        if len({w.shape[1] for w in weights}) != 1 or any(len(w.shape) != 2 for w in weights):
-            return None
-        if any(w.fused_into is not None and w.linear is None for w in weights):
-            return None  # already folded into another group: keep the graph's own structure
-        fused = concat_linears([self.linear(n) for n in names], self.matmul_form, self.device)
-        self._fused[names] = fused
+    def fuse_weights(self, name: str, parts: tuple[str, ...]) -> bool:
+        """One linear for weights ``parts`` stacked by output rows, kept as weight ``name``; the parts' own forms
+        are released (``linear`` rebuilds one if a graph needs it alone)."""
+        weights = [self.weights.get(n) for n in parts]
+        if any(w is None or len(w.shape) != 2 or w.linear is None for w in weights):
+            return False
+        members = [w for w in weights if w is not None]
+        if len({w.shape[1] for w in members}) != 1:
+            return False
+        fused = concat_linears([self.linear(n) for n in parts], self.matmul_form, self.device)
+        self._fused[parts] = fused
+        self.weights[name] = TorchWeight(name, (sum(w.shape[0] for w in members), members[0].shape[1]), linear=fused)
         row = 0
-        for w in weights:
-            w.fused_into = (names, row)
+        for w in members:
+            w.fused_into = (parts, row)
             row += w.shape[0]
             w.linear = None  # the fused copy replaces it; linear() rebuilds it if a graph needs it alone
         release_freed_memory()
-        log.debug("torch backend: fused %s into one %s matmul", "+".join(names), fused.form)
-        return fused
+        log.debug("torch backend: fused %s into one %s matmul", name, fused.form)
+        return True
 
     def dense_tensor(self, name: str) -> Any:
         """Weight ``name`` as a float32 tensor (derived from its linear or raw form once, if needed)."""
@@ -921,7 +852,7 @@ class TorchBackend(Backend):
 
     def weight_nbytes(self) -> int:
         """Bytes of weight data this backend keeps (fused weights included)."""
-        return sum(w.nbytes for w in self.weights.values()) + sum(f.nbytes for f in self._fused.values())
+        return sum(w.nbytes for w in self.weights.values())  # a fused weight is one of them
 
     def free_weights(self) -> None:
         super().free_weights()
