@@ -12,11 +12,13 @@ torch = pytest.importorskip("torch")
 
 from llmfw.core.backend import KVLayerShape, Split, WeightSource  # noqa: E402
 from llmfw.core.errors import BackendUnavailable  # noqa: E402
-from llmfw.core.graph import DYNAMIC, Graph  # noqa: E402
-from llmfw.core.passes import matmul_groups, optimize  # noqa: E402
+from llmfw.core.graph import Graph  # noqa: E402
 from llmfw.core.quants import GGMLType, dequantize  # noqa: E402
 from llmfw.plugins.backends import numpy_cpu as oracle  # noqa: E402
-from llmfw.plugins.backends import torch_backend as tb  # noqa: E402
+from llmfw.core.architecture import RopeParams  # noqa: E402
+from llmfw.plugins.backends.torch import TorchBackend  # noqa: E402
+from llmfw.plugins.backends.torch.kernels import RopeTables, attention, k_shift, rope_apply, rope_cos_sin  # noqa: E402
+from llmfw.plugins.backends.torch.weights import MATMUL_FORM_ENV, has_dynamic_int8  # noqa: E402
 
 RNG = np.random.default_rng(7)
 
@@ -43,13 +45,13 @@ def test_rope_matches_ggml_semantics(case: str, with_factors: bool) -> None:
     cos, sin = oracle.rope_cos_sin(pos, freq_factors=factors, **attrs)
     expected = oracle.rope_apply(x, cos, sin, attrs["n_dims"], attrs["mode"])
 
-    params = tb.RopeParams.from_attrs(attrs)
-    tcos, tsin = tb.rope_cos_sin(torch.from_numpy(pos), params, None if factors is None else torch.from_numpy(factors))
-    tables = tb.RopeTables.make(tcos, tsin, params.mode == "neox")
-    got = tb.rope_apply(torch.from_numpy(x), tables, params.n_dims, params.mode == "neox").numpy()
+    params = RopeParams.from_attrs(attrs)
+    tcos, tsin = rope_cos_sin(torch.from_numpy(pos), params, None if factors is None else torch.from_numpy(factors))
+    tables = RopeTables.make(tcos, tsin, params.mode == "neox")
+    got = rope_apply(torch.from_numpy(x), tables, params.n_dims, params.mode == "neox").numpy()
     # the same rotation on a strided view (how q and k arrive: slices of a fused QKV output)
     wide = torch.from_numpy(np.concatenate([x, x[:, :1]], axis=1))[:, :3]
-    np.testing.assert_allclose(tb.rope_apply(wide, tables, params.n_dims, params.mode == "neox").numpy(), got)
+    np.testing.assert_allclose(rope_apply(wide, tables, params.n_dims, params.mode == "neox").numpy(), got)
     np.testing.assert_allclose(tcos.numpy(), cos, atol=2e-6)
     np.testing.assert_allclose(got, expected, atol=2e-5, rtol=1e-5)
     if attrs["n_dims"] < 64:
@@ -58,7 +60,7 @@ def test_rope_matches_ggml_semantics(case: str, with_factors: bool) -> None:
 
 def test_rope_rejects_unknown_mode() -> None:
     with pytest.raises(Exception, match="rope mode"):
-        tb.RopeParams.from_attrs(dict(n_dims=8, mode="sideways"))
+        RopeParams.from_attrs(dict(n_dims=8, mode="sideways"))
 
 
 def _causal_mask(n_tokens: int, n_kv: int, first_pos: int) -> np.ndarray:
@@ -74,7 +76,7 @@ def test_attention_with_cache_matches_numpy(softcap: float, n_head: int, n_head_
     head_dim, n_cells = 16, 32
     shape = KVLayerShape("kv", 0, n_cells, n_head_kv, head_dim, head_dim)
     ref_kv = oracle.NumpyBackend().alloc_kv(shape)
-    backend = tb.TorchBackend("cpu")
+    backend = TorchBackend("cpu")
     kv = backend.alloc_kv(shape)
     first = 0
     for n_tokens in (5, 1, 3):  # a prompt, then decodes into the same cache
@@ -85,7 +87,7 @@ def test_attention_with_cache_matches_numpy(softcap: float, n_head: int, n_head_
         mask = _causal_mask(n_tokens, n_kv, first)
         oracle.write_kv(ref_kv, k, v, idx)
         expected = oracle.attention(q, ref_kv, n_kv, mask, 0.25, softcap)
-        got = tb.attention(*(torch.from_numpy(a) for a in (q, k, v, idx, mask)), {}, kv, 0.25, softcap)
+        got = attention(*(torch.from_numpy(a) for a in (q, k, v, idx, mask)), {}, kv, 0.25, softcap)
         np.testing.assert_allclose(got.numpy(), expected, atol=1e-5, rtol=1e-4)
         np.testing.assert_array_equal(kv.k.numpy(), ref_kv.k)
         first += n_tokens
@@ -96,13 +98,13 @@ def test_k_shift_matches_numpy() -> None:
     shape = KVLayerShape("kv", 0, 12, 2, 64, 64)
     ref_kv = oracle.NumpyBackend().alloc_kv(shape)
     ref_kv.k[:] = randn(2, 12, 64)
-    kv = tb.TorchBackend("cpu").alloc_kv(shape)
+    kv = TorchBackend("cpu").alloc_kv(shape)
     kv.k.copy_(torch.from_numpy(ref_kv.k))
     shift = np.array([0, -3, -3, 4, 0, 0, 2, 1], dtype=np.int32)
     cos, sin = oracle.rope_cos_sin(shift, **attrs)
     cached = ref_kv.k[:, :8].transpose(1, 0, 2)
     ref_kv.k[:, :8] = oracle.rope_apply(cached, cos, sin, 64, "neox").transpose(1, 0, 2)
-    tb.k_shift(torch.from_numpy(shift), None, kv, tb.RopeParams.from_attrs(attrs))
+    k_shift(torch.from_numpy(shift), None, kv, RopeParams.from_attrs(attrs))
     np.testing.assert_allclose(kv.k.numpy(), ref_kv.k, atol=2e-5)
 
 
@@ -119,12 +121,12 @@ def _relative_error(got: np.ndarray, expected: np.ndarray) -> float:
     return float(np.linalg.norm(got - expected) / np.linalg.norm(expected))
 
 
-@pytest.mark.skipif(not tb.has_dynamic_int8(), reason="this torch has no fbgemm dynamic quantized linear")
+@pytest.mark.skipif(not has_dynamic_int8(), reason="this torch has no fbgemm dynamic quantized linear")
 def test_int8_linear_error_on_real_weights(smollm2_path) -> None:
     """Per-row int8 of SmolLM2's Q4_1 / Q8_0 weights stays within ~1% of the f32 product, per token."""
     from llmfw.core.gguf import open_gguf
 
-    backend = tb.TorchBackend("cpu")
+    backend = TorchBackend("cpu")
     with open_gguf(smollm2_path) as gguf:
         tensors = {name: (gguf.tensor_info(name), gguf.tensor_bytes(name))
                    for name in ("blk.3.attn_q.weight", "blk.3.ffn_down.weight", "token_embd.weight")}
@@ -149,19 +151,17 @@ def _check_int8_rows(weight, dense: np.ndarray, name: str) -> None:
 
 @pytest.mark.parametrize("form", ["int8", "bf16", "f32"])
 def test_fused_linear_equals_separate(form: str, monkeypatch) -> None:
-    if form == "int8" and not tb.has_dynamic_int8():
+    if form == "int8" and not has_dynamic_int8():
         pytest.skip("no fbgemm dynamic quantized linear")
-    monkeypatch.setenv(tb.MATMUL_FORM_ENV, form)
-    backend = tb.TorchBackend("cpu")
+    monkeypatch.setenv(MATMUL_FORM_ENV, form)
+    backend = TorchBackend("cpu")
     assert backend.matmul_form == form
     weights = {"q": randn(32, 24), "k": randn(8, 24), "v": randn(8, 24)}
     for name, w in weights.items():
         backend.load_weight(_f32_source(name, w))
     x = torch.from_numpy(randn(4, 24))
     separate = [backend.linear(n)(x) for n in weights]
-    assert backend.fuse_weights("q+k+v", ("q", "k", "v"))  # what the core asks at load
-    fused = backend.linear("q+k+v")
-    assert backend.weights["q+k+v"].shape == (48, 24)
+    fused = backend.fused_linear(("q", "k", "v"))
     assert backend.weights["q"].linear is None  # the fused copy replaced the members'
     np.testing.assert_allclose(fused(x).numpy(), torch.cat(separate, dim=-1).numpy(), rtol=1e-5, atol=1e-5)
     again = backend.linear("k")(x)  # rebuilt from the fused weight when a graph needs it alone
@@ -170,9 +170,9 @@ def test_fused_linear_equals_separate(form: str, monkeypatch) -> None:
 
 
 def test_bad_matmul_form_env_is_clear(monkeypatch) -> None:
-    monkeypatch.setenv(tb.MATMUL_FORM_ENV, "int3")
+    monkeypatch.setenv(MATMUL_FORM_ENV, "int3")
     with pytest.raises(BackendUnavailable, match="int8, bf16, f32"):
-        tb.TorchBackend("cpu")
+        TorchBackend("cpu")
 
 
 # -- a whole split ---------------------------------------------------------------------------------------------
@@ -207,14 +207,17 @@ def _tiny_weights() -> dict[str, tuple[np.ndarray, str]]:
 def _tiny_graph(rope_mode: str, softcap: float) -> Graph:
     """A llama-shaped graph written with the raw IR (no architecture plugin): every op the models use."""
     g = Graph()
-    tokens, pos = g.leaf("input", "tokens", (DYNAMIC,), "i32"), g.leaf("input", "pos", (DYNAMIC,), "i32")
-    kv_idx, mask = g.leaf("input", "kv_idx:kv", (DYNAMIC,), "i64"), g.leaf("input", "kq_mask:kv", (DYNAMIC, 16))
+    tokens, pos = g.add("input", name="tokens"), g.add("input", name="pos")
+    kv_idx, mask = g.add("input", name="kv_idx:kv"), g.add("input", name="kq_mask:kv")
+    for node in (tokens, pos, kv_idx, mask):
+        node.attrs["name"] = node.name
+        g.inputs[node.name] = node
     weight = {}
-    shapes = {name: array.shape for name, (array, _) in _tiny_weights().items()}
 
     def w(name: str, layer: int):
         if name not in weight:
-            weight[name] = g.leaf("weight", name, shapes[name], layer=layer)
+            weight[name] = g.add("weight", layer=layer, name=name)
+            weight[name].attrs["name"] = name
         return weight[name]
 
     rope = dict(n_dims=HEAD_DIM, mode=rope_mode, freq_base=10000.0, freq_scale=1.0, ext_factor=0.0, attn_factor=1.0,
@@ -252,8 +255,6 @@ def _run_graph(backend, graph: Graph, steps: list[tuple[np.ndarray, np.ndarray]]
     weights = _tiny_weights()
     for name, (array, usage) in weights.items():
         backend.weights[name] = backend.load_weight(_f32_source(name, array, usage))
-    fused = {g.parts: g.name for g in matmul_groups(graph, lambda name: backend) if backend.fuse_weights(g.name, g.parts)}
-    optimize(graph, fused, lambda name: backend)  # the core passes, as the scheduler runs them
     kv = {("kv", il): backend.alloc_kv(KVLayerShape("kv", il, 16, N_HEAD_KV, HEAD_DIM, HEAD_DIM))
           for il in range(N_LAYER)}
     inputs = [n for n in graph.nodes if n.op == "input"]
@@ -272,29 +273,27 @@ def _run_graph(backend, graph: Graph, steps: list[tuple[np.ndarray, np.ndarray]]
 @pytest.mark.parametrize("form", ["f32", "fp16", "int8"])
 @pytest.mark.parametrize("rope_mode,softcap", [("norm", 0.0), ("neox", 20.0)])
 def test_split_matches_numpy_backend(form: str, rope_mode: str, softcap: float, monkeypatch) -> None:
-    if form == "int8" and not tb.has_dynamic_int8():
+    if form == "int8" and not has_dynamic_int8():
         pytest.skip("no fbgemm dynamic quantized linear")
-    monkeypatch.setenv(tb.MATMUL_FORM_ENV, form)
+    monkeypatch.setenv(MATMUL_FORM_ENV, form)
+    graph = _tiny_graph(rope_mode, softcap)
     steps = [(np.array([3, 14, 15, 9], dtype=np.int32), np.arange(4, dtype=np.int32)),
              (np.array([26], dtype=np.int32), np.array([4], dtype=np.int32))]
-    expected, _ = _run_graph(oracle.NumpyBackend(), _tiny_graph(rope_mode, softcap), steps)
-    backend = tb.TorchBackend("cpu")
-    graph = _tiny_graph(rope_mode, softcap)
+    expected, _ = _run_graph(oracle.NumpyBackend(), graph, steps)
+    backend = TorchBackend("cpu")
     got, run = _run_graph(backend, graph, steps)
     tolerance = {"f32": 2e-4, "fp16": 2e-3, "int8": 0.1}[form]  # int8: 8-bit activations, see the README
     for e, g in zip(expected, got):
         assert g.shape == e.shape
         assert np.max(np.abs(g - e)) <= tolerance * max(1.0, np.max(np.abs(e))), np.max(np.abs(g - e))
     source = run.source
-    fused = [n.attrs["name"] for n in graph.nodes if n.op == "weight" and "parts" in n.attrs]
-    assert len(fused) == 2 * N_LAYER and all(backend.weights[name].linear is not None for name in fused)  # QKV, gate/up
-    assert not any(n.op == "mul" and n.inputs[0].op in ("rms_norm", "norm") for n in graph.nodes)  # norms folded
+    assert source.count("# fused") == 2 * N_LAYER  # QKV and gate/up of every layer
     assert "F.rms_norm" in source and "F.layer_norm" in source
     assert source.count("rope_tables") == 1  # angles shared by q and k of every layer
 
 
 def test_import_does_not_import_torch() -> None:
-    code = "import sys, llmfw.plugins.backends.torch_backend; print('torch' in sys.modules)"
+    code = "import sys, llmfw.plugins.backends.torch, llmfw.plugins.backends; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -303,9 +302,9 @@ def test_cuda_device_unavailable_is_a_clear_error() -> None:
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present")
     with pytest.raises(BackendUnavailable, match="CUDA"):
-        tb.TorchBackend("cuda")
+        TorchBackend("cuda")
     with pytest.raises(BackendUnavailable, match="'cpu' or 'cuda"):
-        tb.TorchBackend("tpu")
+        TorchBackend("tpu")
 
 
 @pytest.mark.cuda
@@ -314,11 +313,11 @@ def test_split_on_cuda_matches_numpy() -> None:
     graph = _tiny_graph("neox", 0.0)
     steps = [(np.array([3, 14, 15], dtype=np.int32), np.arange(3, dtype=np.int32))]
     expected, _ = _run_graph(oracle.NumpyBackend(), graph, steps)
-    got, _ = _run_graph(tb.TorchBackend("cuda"), graph, steps)
+    got, _ = _run_graph(TorchBackend("cuda"), graph, steps)
     assert np.max(np.abs(got[0] - expected[0])) <= 0.05 * max(1.0, np.max(np.abs(expected[0])))
 
 
-SPIN_PROBE = ("import os; from llmfw.plugins.backends.torch_backend import import_torch; import_torch(); "
+SPIN_PROBE = ("import os; from llmfw.plugins.backends.torch.environment import import_torch; import_torch(); "
               "print(os.environ.get('OMP_WAIT_POLICY'))")
 
 
