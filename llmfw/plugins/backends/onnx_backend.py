@@ -36,7 +36,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from llmfw.core.backend import Backend, CompiledSplit, KVLayerShape, Split, WeightSource
+from llmfw.core.backend import Backend, BackendOptions, CompiledSplit, KVLayerShape, Split, WeightSource
 from llmfw.core.errors import BackendUnavailable, ModelError
 from llmfw.core.graph import OPS, Node
 from llmfw.core.quants import GGMLType, block_view, dequantize, k4_sub_block_params
@@ -961,8 +961,8 @@ class OnnxBackend(Backend):
     #: MatMulNBits accuracy level: 4 = int8 activations (llama.cpp's own quantized dot products)
     accuracy_level: int = 4
 
-    def __init__(self, device: str | None = None, n_threads: int | None = None):
-        super().__init__(device, n_threads)
+    def __init__(self, device: str | None = None, options: BackendOptions | None = None):
+        super().__init__(device, options)
         self.providers = execution_providers(device)
         self._ort, _ = import_onnxruntime()
         self._ort_values: dict[str, Any] = {}
