@@ -417,20 +417,20 @@ class Pipeline:
     def run(self, prompt: str | None = None, *, ctx: Any = None, sampler: SamplerChain | None = None,
             stats: Any = None, draft: Any = None) -> Iterator[str]:
         """Generate for ``prompt`` (or ``generation.prompt``) with everything the file configures."""
-        from .generate import context_int, generate
+        from .generate import generate
 
         text = prompt if prompt is not None else self.config.generation.prompt
         if text is None:
             raise ConfigError("no prompt: pass one or set generation.prompt in the pipeline file")
         model = self.load_model()
         ctx = ctx if ctx is not None else self.new_context(model)
-        sampler = sampler if sampler is not None else self.make_sampler(model, context_int(ctx, "n_ctx"))
+        sampler = sampler if sampler is not None else self.make_sampler(model, ctx.n_ctx)
         gen = self.config.generation
         tok = self.config.tokenizer
         return generate(ctx, self.render_prompt(text, model), sampler, max_tokens=gen.max_tokens, stop=gen.stop,
                         parse_special=tok.parse_special, add_special=tok.add_special, stats=stats,
                         special=tok.special,
-                        draft=draft if draft is not None else self.make_drafter(model, context_int(ctx, "n_ctx") or 0))
+                        draft=draft if draft is not None else self.make_drafter(model, ctx.n_ctx))
 
 
 def _with_constraint_files_read(data: Mapping[str, Any], source: str | Path | None) -> Mapping[str, Any]:
