@@ -321,7 +321,7 @@ def backend_class(name: str) -> type[Backend]:
     if name not in reg:
         raise UnknownBackend(f"unknown backend {name!r}; known: {', '.join(reg.names()) or '(none)'}")
     try:
-        return reg.get(name)
+        return reg.get_class(name, Backend)
     except Exception as exc:  # noqa: BLE001 - a backend whose module cannot import is unavailable
         from .errors import PluginError
 

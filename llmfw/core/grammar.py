@@ -497,7 +497,7 @@ def read_constraint_file(path: Any, what: str) -> str:
         size = path.stat().st_size
         if size > MAX_GRAMMAR_CHARS * 4:
             raise GrammarError(f"{what} file {path} is {size:,} bytes; the limit is {MAX_GRAMMAR_CHARS:,} characters")
-        return path.read_text(encoding="utf-8")
+        return str(path.read_text(encoding="utf-8"))
     except OSError as exc:
         raise GrammarError(f"cannot read the {what} file {path}: {exc.strerror or exc}") from None
     except UnicodeDecodeError:

@@ -275,14 +275,14 @@ def _problem_text(path: str, message: str) -> str:
 
 def validate_config(data: Mapping[str, Any], source: str = "<config>") -> PipelineConfig:
     """The validated configuration; every problem of the file in one :class:`ConfigError` naming ``source``."""
-    data = copy.deepcopy(dict(data))
-    problems = _canonical_sampling(data)
+    copied: dict[str, Any] = copy.deepcopy(dict(data))
+    problems = _canonical_sampling(copied)
+    config: PipelineConfig | None = None
     try:
-        config = PipelineConfig.model_validate(data)
+        config = PipelineConfig.model_validate(copied)
     except ValidationError as exc:
         problems += [_problem_text(path, message) for path, message in validation_problems(exc)]
-        config = None
-    if problems:
+    if problems or config is None:
         count = f"{len(problems)} problems: " if len(problems) > 1 else ""
         raise ConfigError(f"{source}: {count}{'; '.join(problems)}")
     return config
