@@ -183,6 +183,11 @@ class Backend(ABC):
         """Raise :class:`BackendUnavailable` (naming the pip extra) when this backend cannot run here."""
 
     @classmethod
+    def prepare_process(cls, options: BackendOptions) -> None:
+        """Apply the options a library reads once, when it loads (OpenMP's wait policy): called with the validated
+        options before :meth:`check_available`, which may import that library."""
+
+    @classmethod
     def devices(cls) -> list[str]:
         """The devices this backend can run on here (``["cpu"]``, ``["cpu", "cuda:0"]``, or ``[]``). The default
         asks :meth:`check_available` about the devices of :attr:`default_priority` (the CPU when none)."""
@@ -336,6 +341,7 @@ def create_backend(spec: str, options: BackendOptionsByName | None = None) -> Ba
     name, device = parse_backend_spec(spec)
     cls = backend_class(name)
     parsed = parse_backend_options(cls, (options or {}).get(name, {}))
+    cls.prepare_process(parsed)
     cls.check_available(device)
     return cls(device=device, options=parsed)
 
