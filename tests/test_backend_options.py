@@ -86,7 +86,14 @@ def test_backends_declare_host_priority_and_devices() -> None:
     numpy_cls, onnx_cls = backend_class("numpy"), backend_class("onnx")
     assert numpy_cls.is_host and not onnx_cls.is_host
     assert numpy_cls.devices() == ["cpu"]
+    assert onnx_cls.devices() == ["cpu"]
     assert onnx_cls.default_priority["cpu"] > numpy_cls.default_priority["cpu"]
+
+
+def test_torch_lists_the_cpu_and_each_cuda_device() -> None:
+    torch = pytest.importorskip("torch")
+    found = backend_class("torch").devices()
+    assert found == ["cpu", *(f"cuda:{i}" for i in range(torch.cuda.device_count()))]
 
 
 def test_a_device_backend_model_gets_the_best_host(smollm2_path) -> None:

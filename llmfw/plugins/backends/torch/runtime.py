@@ -102,6 +102,15 @@ class TorchBackend(Backend):
         check_device(device)
 
     @classmethod
+    def devices(cls) -> list[str]:
+        """The CPU when torch imports, and each CUDA device torch sees (asked only with an NVIDIA driver loaded)."""
+        if cls.default_unavailable_reason("cpu") is not None:
+            return []
+        if not nvidia_driver_present():
+            return ["cpu"]
+        return ["cpu", *(f"cuda:{i}" for i in range(import_torch().cuda.device_count()))]
+
+    @classmethod
     def prepare_process(cls, options: BackendOptions) -> None:
         if isinstance(options, TorchOptions):
             apply_spin_setting(options.spin)
