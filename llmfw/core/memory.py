@@ -14,6 +14,8 @@ needs in ``Architecture.memory``). :class:`KVCache` is one unified KV cache:
   number of cells attended, is padded to :data:`KV_PAD` so graphs are reused across decode steps;
 * **sequence operations** — ``seq_rm``, ``seq_cp``, ``seq_keep``, ``seq_add`` (positions shift; the cached K is
   re-roped lazily before the next decode: llama.cpp's K-shift), ``seq_div``, ``seq_pos_min/max``, ``clear``.
+  The public operations also keep the context's token records (:class:`SeqTokens`, ``Context.seq_tokens``) in
+  step; a memory module implements the ``_seq_*`` / ``_clear`` methods they call.
 
 A sliding-window cache is the same class with ``n_swa`` / ``swa_type`` set (cells that fell out of every
 sequence's window are reused, as in llama.cpp); an interleaved-SWA memory composes two KVCache instances with
