@@ -417,8 +417,11 @@ def last_uses(nodes: Sequence[Node], keep: Collection[int]) -> dict[int, tuple[i
 class GraphModel(Protocol):
     """What the graph builder needs of a model: hyperparameters, architecture, and its weights' types."""
 
-    hparams: "HParams"
-    arch: "Architecture"
+    @property
+    def known_hparams(self) -> "HParams": ...
+
+    @property
+    def known_arch(self) -> "Architecture": ...
 
     def has_weight(self, name: str) -> bool: ...
 
@@ -460,8 +463,8 @@ class GraphBuilder:
 
     def __init__(self, model: GraphModel, params: BuildParams, cache_of_layer: Callable[[int], str] | None = None):
         self.model = model
-        self.hp = model.hparams
-        self.arch = model.arch
+        self.hp = model.known_hparams
+        self.arch = model.known_arch
         self.params = params
         self.graph = Graph()
         self.layer = -1

@@ -14,6 +14,8 @@ needs in ``Architecture.memory``). :class:`KVCache` is one unified KV cache:
   number of cells attended, is padded to :data:`KV_PAD` so graphs are reused across decode steps;
 * **sequence operations** — ``seq_rm``, ``seq_cp``, ``seq_keep``, ``seq_add`` (positions shift; the cached K is
   re-roped lazily before the next decode: llama.cpp's K-shift), ``seq_div``, ``seq_pos_min/max``, ``clear``.
+  The public operations also keep the context's token records (:class:`SeqTokens`, ``Context.seq_tokens``) in
+  step; a memory module implements the ``_seq_*`` / ``_clear`` methods they call.
 
 A sliding-window cache is the same class with ``n_swa`` / ``swa_type`` set (cells that fell out of every
 sequence's window are reused, as in llama.cpp); an interleaved-SWA memory composes two KVCache instances with
@@ -32,6 +34,8 @@ from .backend import KVLayerShape
 from .errors import ContextError
 
 if TYPE_CHECKING:
+    from .context import Context
+    from .model import Model
     from .batch import AllocatedBatch, UBatch
     from .graph import Graph
 
@@ -74,7 +78,7 @@ class Memory(ABC):
 
     @classmethod
     @abstractmethod
-    def create(cls, model: Any, cparams: Any) -> "Memory":
+    def create(cls, model: Model, cparams: Context) -> "Memory":
         """Build the memory for ``model`` with the context parameters (n_ctx, n_seq_max, ...)."""
 
     #: names of the KV caches (inputs ``kv_idx:<name>`` / ``kq_mask:<name>``)
@@ -104,30 +108,118 @@ class Memory(ABC):
     def update(self, run_graph: GraphRunner) -> None:
         """Apply pending maintenance (the K-shift after ``seq_add``) before the next decode."""
 
-    # sequence operations
+    #: the context's token records (``Context.seq_tokens``), kept in step with every sequence operation below;
+    #: None for a memory no context decodes into directly (the parts of a composite)
+    records: "SeqTokens | None" = None
+
+    # sequence operations: the public ones keep ``records`` in step, subclasses implement the ``_seq_*`` ones
     @abstractmethod
     def seq_pos_min(self, seq_id: int) -> int: ...
 
     @abstractmethod
     def seq_pos_max(self, seq_id: int) -> int: ...
 
-    @abstractmethod
-    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool: ...
+    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
+        """Remove positions [p0, p1) of ``seq_id``; False (nothing changed) when this memory cannot."""
+        removed = self._seq_rm(seq_id, p0, p1)
+        if removed and self.records is not None:
+            self.records.cut(seq_id, p0)
+        return removed
+
+    def seq_cp(self, seq_id_src: int, seq_id_dst: int, p0: int = -1, p1: int = -1) -> None:
+        self._seq_cp(seq_id_src, seq_id_dst, p0, p1)
+        if self.records is not None:
+            self.records.copy(seq_id_src, seq_id_dst, p0, p1)
+
+    def seq_keep(self, seq_id: int) -> None:
+        self._seq_keep(seq_id)
+        if self.records is not None:
+            self.records.keep(seq_id)
+
+    def seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> None:
+        self._seq_add(seq_id, p0, p1, delta)
+        if self.records is not None and delta:
+            self.records.cut(seq_id, p0)  # the tokens from p0 on are at other positions now
+
+    def seq_div(self, seq_id: int, p0: int, p1: int, d: int) -> None:
+        self._seq_div(seq_id, p0, p1, d)
+        if self.records is not None and d != 1:
+            self.records.cut(seq_id, p0)
+
+    def clear(self, data: bool = True) -> None:
+        self._clear(data)
+        if self.records is not None:
+            self.records.cut(-1, 0)
 
     @abstractmethod
-    def seq_cp(self, seq_id_src: int, seq_id_dst: int, p0: int = -1, p1: int = -1) -> None: ...
+    def _seq_rm(self, seq_id: int, p0: int, p1: int) -> bool: ...
 
     @abstractmethod
-    def seq_keep(self, seq_id: int) -> None: ...
+    def _seq_cp(self, seq_id_src: int, seq_id_dst: int, p0: int, p1: int) -> None: ...
 
     @abstractmethod
-    def seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> None: ...
+    def _seq_keep(self, seq_id: int) -> None: ...
 
     @abstractmethod
-    def seq_div(self, seq_id: int, p0: int, p1: int, d: int) -> None: ...
+    def _seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> None: ...
 
     @abstractmethod
-    def clear(self, data: bool = True) -> None: ...
+    def _seq_div(self, seq_id: int, p0: int, p1: int, d: int) -> None: ...
+
+    @abstractmethod
+    def _clear(self, data: bool) -> None: ...
+
+
+class SeqTokens:
+    """Per sequence, the tokens at positions 0, 1, ... whose KV is in the cache: what a new prompt's shared
+    prefix is matched against (``generate``, the serving engine). The context updates it on every ``decode``
+    and the memory on every sequence operation; where it cannot tell what a position holds any more it cuts
+    the list there, so the list is always a true prefix (at worst a shorter one: a token decoded again)."""
+
+    def __init__(self, n_seq_max: int):
+        #: one list per sequence, changed in place (callers may hold them)
+        self.lists: list[list[int]] = [[] for _ in range(n_seq_max)]
+
+    def _seqs(self, seq_id: int) -> list[list[int]]:
+        if seq_id < 0:
+            return self.lists
+        return [self.lists[seq_id]] if seq_id < len(self.lists) else []
+
+    def cut(self, seq_id: int, p0: int) -> None:
+        """Positions from ``p0`` on (of every sequence for ``seq_id < 0``) are no longer known."""
+        for record in self._seqs(seq_id):
+            del record[max(p0, 0):]
+
+    def copy(self, src: int, dst: int, p0: int, p1: int) -> None:
+        """``seq_cp``: ``dst`` now holds ``src``'s positions [p0, p1) too."""
+        if not 0 <= src < len(self.lists):
+            return
+        start, source = max(p0, 0), self.lists[src]
+        stop = len(source) if p1 < 0 else min(p1, len(source))
+        for record in self._seqs(dst):
+            if record is source:
+                continue
+            if len(record) >= start and len(source) >= start:
+                record[start:] = source[start:stop]
+            else:
+                del record[start:]
+
+    def keep(self, seq_id: int) -> None:
+        for s, record in enumerate(self.lists):
+            if s != seq_id:
+                record.clear()
+
+    def decoded(self, tokens: np.ndarray | None, pos: np.ndarray, seq_ids: list[tuple[int, ...]]) -> None:
+        """A decode wrote ``tokens`` (None: embeddings, whose tokens are unknown) at ``pos`` of ``seq_ids``."""
+        for i, seqs in enumerate(seq_ids):
+            p = int(pos[i])
+            for s in seqs:
+                record = self.lists[s]
+                if p > len(record):  # a gap: the known prefix ends before it
+                    continue
+                del record[p:]
+                if tokens is not None:
+                    record.append(int(tokens[i]))
 
 
 def _range(p0: int, p1: int) -> tuple[int, int]:
@@ -150,7 +242,7 @@ class CellsState:
 class KVCache(Memory):
     """One KV cache over a set of layers (llama.cpp's ``llama_kv_cache``)."""
 
-    def __init__(self, model: Any, n_ctx: int, n_seq_max: int = 1, *, name: str = "kv",
+    def __init__(self, model: Model, n_ctx: int, n_seq_max: int = 1, *, name: str = "kv",
                  layers: Iterable[int] | None = None, n_swa: int = 0, swa_type: str = "none",
                  n_pad: int = KV_PAD):
         if not 1 <= n_seq_max <= MAX_SEQ:
@@ -158,7 +250,7 @@ class KVCache(Memory):
         if n_ctx <= 0:
             raise ContextError(f"the KV cache needs a positive size, got n_ctx = {n_ctx}")
         self.model = model
-        self.hp = model.hparams
+        self.hp = model.known_hparams
         self.name = name
         self.cache_names = [name]
         self.layers = list(range(self.hp.n_layer)) if layers is None else list(layers)
@@ -177,9 +269,9 @@ class KVCache(Memory):
         self._backends: dict[int, Any] = {}
 
     @classmethod
-    def create(cls, model: Any, cparams: Any) -> "KVCache":
-        return cls(model, cparams.n_ctx, cparams.n_seq_max, n_swa=model.hparams.n_swa if _all_swa(model) else 0,
-                   swa_type=model.hparams.swa_type)
+    def create(cls, model: Model, cparams: Context) -> "KVCache":
+        return cls(model, cparams.n_ctx, cparams.n_seq_max, n_swa=model.known_hparams.n_swa if _all_swa(model) else 0,
+                   swa_type=model.known_hparams.swa_type)
 
     # -- storage -------------------------------------------------------------------------------------------
     def cache_of_layer(self, il: int) -> str:
@@ -205,10 +297,10 @@ class KVCache(Memory):
     def _seq_bit(self, seq_id: int) -> np.uint64:
         if not 0 <= seq_id < self.n_seq_max:
             raise ContextError(f"sequence id {seq_id} is out of range 0..{self.n_seq_max - 1} (n_seq_max)")
-        return np.uint64(1) << np.uint64(seq_id)
+        return np.uint64(np.uint64(1) << np.uint64(seq_id))
 
     def _has_seq(self, state: CellsState, seq_id: int) -> np.ndarray:
-        return (state.seq & self._seq_bit(seq_id)) != 0
+        return np.asarray((state.seq & self._seq_bit(seq_id)) != 0)
 
     def seq_pos_min(self, seq_id: int) -> int:
         pos = self.cells.pos[self._has_seq(self.cells, seq_id)]
@@ -234,18 +326,18 @@ class KVCache(Memory):
         """Cells attended: the used prefix padded to n_pad (llama.cpp's get_n_kv)."""
         return min(self.n_cells, max(self.n_pad, pad_to(self.used_max_p1(state), self.n_pad)))
 
-    def is_masked_swa(self, cell_pos: np.ndarray, token_pos: np.ndarray) -> np.ndarray:
+    def is_masked_swa(self, cell_pos: np.ndarray, token_pos: np.ndarray | np.int64) -> np.ndarray:
         """llama.cpp's hparams.is_masked_swa, vectorised (cell_pos = p0, token_pos = p1)."""
         if self.swa_type == "none" or self.n_swa <= 0:
             return np.zeros(np.broadcast_shapes(np.shape(cell_pos), np.shape(token_pos)), dtype=bool)
         if self.swa_type == "standard":
-            return token_pos - cell_pos >= self.n_swa
+            return np.asarray(token_pos - cell_pos >= self.n_swa)
         if self.swa_type == "chunked":
             return cell_pos < (token_pos // self.n_swa) * self.n_swa
         if self.swa_type == "symmetric":
             half = self.n_swa // 2
             diff = token_pos - cell_pos
-            return (diff < -half) | (diff > half)
+            return np.asarray((diff < -half) | (diff > half))
         raise ContextError(f"unknown sliding-window type {self.swa_type!r}")
 
     # -- slots ----------------------------------------------------------------------------------------------
@@ -264,7 +356,7 @@ class KVCache(Memory):
         free = order[usable[order]]
         if free.size < n_tokens:
             return None
-        return free[:n_tokens].astype(np.int64)
+        return np.asarray(free[:n_tokens], dtype=np.int64)
 
     def _swa_reusable(self, state: CellsState) -> np.ndarray:
         """Cells owned by a single sequence and already outside its window (they can be overwritten)."""
@@ -344,8 +436,8 @@ class KVCache(Memory):
         lo, hi = _range(p0, p1)
         in_range = (state.pos >= lo) & (state.pos < hi)
         if seq_id < 0:
-            return in_range & (state.seq != 0)
-        return in_range & self._has_seq(state, seq_id)
+            return np.asarray(in_range & (state.seq != 0))
+        return np.asarray(in_range & self._has_seq(state, seq_id))
 
     def _seq_rm_state(self, state: CellsState, seq_id: int, p0: int, p1: int) -> None:
         hit = self._select(state, seq_id, p0, p1)
@@ -360,17 +452,17 @@ class KVCache(Memory):
         if first_free.size and first_free[0] < state.head:
             state.head = int(first_free[0])
 
-    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
+    def _seq_rm(self, seq_id: int, p0: int, p1: int) -> bool:
         self._seq_rm_state(self.cells, seq_id, p0, p1)
         return True
 
-    def seq_cp(self, seq_id_src: int, seq_id_dst: int, p0: int = -1, p1: int = -1) -> None:
+    def _seq_cp(self, seq_id_src: int, seq_id_dst: int, p0: int, p1: int) -> None:
         if seq_id_src == seq_id_dst:
             return
         hit = self._select(self.cells, seq_id_src, p0, p1)
         self.cells.seq[hit] |= self._seq_bit(seq_id_dst)
 
-    def seq_keep(self, seq_id: int) -> None:
+    def _seq_keep(self, seq_id: int) -> None:
         bit = self._seq_bit(seq_id)
         keep = (self.cells.seq & bit) != 0
         self.cells.seq[keep] = bit
@@ -379,7 +471,7 @@ class KVCache(Memory):
         self.cells.shift[~keep] = 0
         self.cells.head = 0
 
-    def seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> None:
+    def _seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> None:
         if delta == 0:
             return
         hit = self._select(self.cells, seq_id, p0, p1)
@@ -393,7 +485,7 @@ class KVCache(Memory):
         self.cells.pos[gone] = -1
         self.cells.shift[gone] = 0
 
-    def seq_div(self, seq_id: int, p0: int, p1: int, d: int) -> None:
+    def _seq_div(self, seq_id: int, p0: int, p1: int, d: int) -> None:
         if d == 1:
             return
         if d <= 0:
@@ -407,7 +499,7 @@ class KVCache(Memory):
         self.cells.shift[hit] += new - old
         self.has_shift = True
 
-    def clear(self, data: bool = True) -> None:
+    def _clear(self, data: bool) -> None:
         self.cells.pos[:] = -1
         self.cells.seq[:] = 0
         self.cells.shift[:] = 0
@@ -417,9 +509,9 @@ class KVCache(Memory):
         # written again, and written values are finite.
 
 
-def _all_swa(model: Any) -> bool:
+def _all_swa(model: Model) -> bool:
     """A single cache may only be windowed when every layer uses the window."""
-    hp = model.hparams
+    hp = model.known_hparams
     return hp.n_swa > 0 and hp.swa_type != "none" and bool(hp.swa_layers) and all(hp.swa_layers)
 
 
@@ -457,7 +549,7 @@ class CompositeMemory(Memory):
         self._layer_part = {il: p for p in parts for il in p.layers}
 
     @classmethod
-    def create(cls, model: Any, cparams: Any) -> "CompositeMemory":
+    def create(cls, model: Model, cparams: Context) -> Memory:
         raise NotImplementedError("subclasses decide how to split the layers into caches")
 
     def cache_of_layer(self, il: int) -> str:
@@ -470,7 +562,7 @@ class CompositeMemory(Memory):
         return storage
 
     def prepare(self, ubatches: list["UBatch"]) -> MemoryBatch | None:
-        batches = []
+        batches: list[MemoryBatch] = []
         for part in self.parts:
             mb = part.prepare(ubatches)
             if mb is None:
@@ -488,26 +580,26 @@ class CompositeMemory(Memory):
     def seq_pos_max(self, seq_id: int) -> int:
         return min(p.seq_pos_max(seq_id) for p in self.parts)
 
-    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
+    def _seq_rm(self, seq_id: int, p0: int, p1: int) -> bool:
         return all([p.seq_rm(seq_id, p0, p1) for p in self.parts])
 
-    def seq_cp(self, seq_id_src: int, seq_id_dst: int, p0: int = -1, p1: int = -1) -> None:
+    def _seq_cp(self, seq_id_src: int, seq_id_dst: int, p0: int, p1: int) -> None:
         for p in self.parts:
             p.seq_cp(seq_id_src, seq_id_dst, p0, p1)
 
-    def seq_keep(self, seq_id: int) -> None:
+    def _seq_keep(self, seq_id: int) -> None:
         for p in self.parts:
             p.seq_keep(seq_id)
 
-    def seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> None:
+    def _seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> None:
         for p in self.parts:
             p.seq_add(seq_id, p0, p1, delta)
 
-    def seq_div(self, seq_id: int, p0: int, p1: int, d: int) -> None:
+    def _seq_div(self, seq_id: int, p0: int, p1: int, d: int) -> None:
         for p in self.parts:
             p.seq_div(seq_id, p0, p1, d)
 
-    def clear(self, data: bool = True) -> None:
+    def _clear(self, data: bool) -> None:
         for p in self.parts:
             p.clear(data)
 
@@ -557,8 +649,8 @@ class KVCacheISWA(CompositeMemory):
     applies to both. ``swa_full=True`` gives the SWA cache the full context size (llama.cpp's ``--swa-full``).
     """
 
-    def __init__(self, model: Any, n_ctx: int, n_seq_max: int = 1, n_ubatch: int = 512, *, swa_full: bool = False):
-        hp = model.hparams
+    def __init__(self, model: Model, n_ctx: int, n_seq_max: int = 1, n_ubatch: int = 512, *, swa_full: bool = False):
+        hp = model.known_hparams
         if hp.n_swa <= 0 or hp.swa_type == "none" or not any(hp.swa_layers):
             raise ContextError(f"the interleaved sliding-window cache needs sliding-window layers; arch "
                                f"{hp.arch!r} has n_swa = {hp.n_swa}, swa_type = {hp.swa_type!r}")
@@ -576,10 +668,10 @@ class KVCacheISWA(CompositeMemory):
                  self.base.n_cells, len(self.base.layers), self.swa.n_cells, len(self.swa.layers), hp.n_swa)
 
     @classmethod
-    def create(cls, model: Any, cparams: Any) -> Memory:
+    def create(cls, model: Model, cparams: Context) -> Memory:
         """The iSWA cache, or one plain :class:`KVCache` when the model has no sliding-window layer (llama.cpp
         picks its memory the same way)."""
-        hp = model.hparams
+        hp = model.known_hparams
         if hp.n_swa <= 0 or hp.swa_type == "none" or not any(hp.swa_layers):
             return KVCache.create(model, cparams)
         return cls(model, cparams.n_ctx, cparams.n_seq_max, cparams.n_ubatch)

@@ -135,7 +135,7 @@ def representative_graph(model: GraphModel) -> Graph | None:
     None when the architecture cannot build it now (the error then surfaces at the first decode, as before)."""
     builder = GraphBuilder(model, BuildParams(n_tokens=1, n_outputs=1, n_kv=(("kv", 1),)), lambda il: "kv")
     try:
-        model.arch.build_graph(builder)
+        model.known_arch.build_graph(builder)
     except Exception as exc:  # noqa: BLE001 - detection must not fail a load: the first decode reports it
         log.debug("no representative graph to detect fusable matmuls: %s: %s", type(exc).__name__, exc)
         return None

@@ -20,11 +20,14 @@ Drafters:
 """
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 import numpy as np
 
 from .errors import ConfigError
+
+if TYPE_CHECKING:
+    from .model import Model
 
 #: llama.cpp's default --draft-max
 DEFAULT_DRAFT_MAX = 16
@@ -77,7 +80,7 @@ def _last_match(tokens: np.ndarray, pattern: np.ndarray, start: int) -> int:
     return int(hits[-1]) + 1 if hits.size else 0
 
 
-def check_same_vocab(target: Any, draft: Any) -> None:
+def check_same_vocab(target: Model, draft: Model) -> None:
     """llama.cpp's rule for a draft model: the same vocabulary (size, special tokens, every token's text)."""
     tv, dv = target.vocab, draft.vocab
     if target.n_vocab != draft.n_vocab:
@@ -95,7 +98,7 @@ def check_same_vocab(target: Any, draft: Any) -> None:
 class DraftModelDrafter:
     """Greedy drafts of ``n_max`` tokens from a second (small) model in its own context."""
 
-    def __init__(self, target: Any, draft_model: Any, n_max: int = DEFAULT_DRAFT_MAX, n_ctx: int = 0):
+    def __init__(self, target: Model, draft_model: Model, n_max: int = DEFAULT_DRAFT_MAX, n_ctx: int = 0):
         if not 1 <= n_max <= 1024:
             raise ConfigError(f"draft_max must be in 1..1024, got {n_max}")
         check_same_vocab(target, draft_model)
@@ -110,11 +113,11 @@ class DraftModelDrafter:
             return []
         n_keep, rest = _prepare_prompt(self.ctx, prefix, self.ctx.n_ctx)
         record = self.ctx.seq_tokens[0]
-        _decode(self.ctx, rest, n_keep, self.ctx.n_batch, record)
+        _decode(self.ctx, rest, n_keep, self.ctx.n_batch)
         drafted: list[int] = []
         while True:
             token = int(np.argmax(self.ctx.get_logits_ith(-1)))
             drafted.append(token)
             if len(drafted) >= self.n_max:
                 return drafted
-            _decode(self.ctx, [token], len(record), 1, record)
+            _decode(self.ctx, [token], len(record), 1)

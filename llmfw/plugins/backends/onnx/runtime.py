@@ -6,14 +6,13 @@ never serialized with its weights and all sessions share one copy of the packed 
 from __future__ import annotations
 
 import logging
-import os
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from llmfw.core.backend import Backend, CompiledSplit, KVLayerShape, Split, WeightSource
+from llmfw.core.backend import Backend, BackendOptions, CompiledSplit, KVLayerShape, Split, WeightSource
 from llmfw.core.errors import ModelError
 from llmfw.core.graph import OPS
 from llmfw.plugins.backends.onnx.emit import split_signature
@@ -40,6 +39,17 @@ class _Program:
     node_count: int = 0               # ONNX nodes before ORT's own fusions (diagnostics)
 
 
+class OnnxOptions(BackendOptions):
+    """``backend_options={"onnx": {...}}`` (the CLI maps ``LLMFW_ONNX_SPIN`` / ``_PROFILE`` / ``_DUMP`` onto them)."""
+
+    #: ONNX Runtime's intra-op threads busy-wait between ops (False: they sleep; kinder to a shared CPU)
+    spin: bool = True
+    #: write ONNX Runtime's per-node trace, one JSON file per session, with this path prefix
+    profile: str | None = None
+    #: write each session's graph after ORT's fusions to ``{dump}-{n}.onnx`` (to see what it made of a split)
+    dump: str | None = None
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # the backend
 # ---------------------------------------------------------------------------------------------------------------
@@ -53,12 +63,15 @@ class OnnxBackend(Backend):
     requires = ("onnxruntime", "onnx")
     #: the default on a CPU: it decodes about twice as fast as numpy or torch there (README, Benchmarks)
     default_priority = {"cpu": 200}
+    options_schema = OnnxOptions
+    environment_options = {"LLMFW_ONNX_SPIN": "spin", "LLMFW_ONNX_PROFILE": "profile", "LLMFW_ONNX_DUMP": "dump"}
 
     #: MatMulNBits accuracy level: 4 = int8 activations (llama.cpp's own quantized dot products)
     accuracy_level: int = 4
 
-    def __init__(self, device: str | None = None, n_threads: int | None = None):
-        super().__init__(device, n_threads)
+    def __init__(self, device: str | None = None, options: BackendOptions | None = None):
+        super().__init__(device, options)
+        self.onnx_options = self.options_as(OnnxOptions)
         self.providers = execution_providers(device)
         self._ort, _ = import_onnxruntime()
         self._ort_values: dict[str, Any] = {}
@@ -66,7 +79,7 @@ class OnnxBackend(Backend):
         self._programs: OrderedDict[tuple, _Program] = OrderedDict()
         #: sessions built (tests read it to check that one session serves many ubatches)
         self.sessions_built = 0
-        #: bumped when built sessions become stale (thread count changed); compiled splits then rebuild
+        #: bumped when the thread count changes; compiled splits then look up the session built for the new count
         self.generation = 0
 
     @classmethod
@@ -74,10 +87,10 @@ class OnnxBackend(Backend):
         execution_providers(device)
 
     def set_n_threads(self, n_threads: int | None) -> None:
-        """Sessions fix their thread count when built: a change drops them (rebuilt on the next run)."""
+        """Sessions fix their thread count when built, so sessions are cached per thread count: contexts with
+        different counts on one model each keep theirs instead of dropping everyone's."""
         if n_threads != self.n_threads:
             super().set_n_threads(n_threads)
-            self._programs.clear()
             self.generation += 1
 
     # -- weights ------------------------------------------------------------------------------------------
@@ -153,7 +166,7 @@ class OnnxBackend(Backend):
 
     def program(self, split: Split, inputs: Sequence[np.ndarray], kv: Mapping[tuple[str, int], Any]) -> _Program:
         """The session for a split structure, built on first use and cached (LRU)."""
-        key = split_signature(split, inputs)
+        key = (self.n_threads, split_signature(split, inputs))
         program = self._programs.get(key)
         if program is not None:
             self._programs.move_to_end(key)
@@ -191,14 +204,14 @@ class OnnxBackend(Backend):
         options.inter_op_num_threads = 1
         if self.n_threads:
             options.intra_op_num_threads = int(self.n_threads)
-        if os.environ.get("LLMFW_ONNX_SPIN") == "0":
+        if not self.onnx_options.spin:
             options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         options.log_severity_level = 3  # unused-initializer notes are expected (e.g. weights of fused matmuls)
-        profile_prefix = os.environ.get("LLMFW_ONNX_PROFILE")
+        profile_prefix = self.onnx_options.profile
         if profile_prefix:  # ORT's per-node timings, a JSON trace per session (see the README section)
             options.enable_profiling = True
             options.profile_file_prefix = profile_prefix
-        optimized_path = os.environ.get("LLMFW_ONNX_DUMP")
+        optimized_path = self.onnx_options.dump
         if optimized_path:  # the graph after ORT's fusions, to check what it made of a split
             options.optimized_model_filepath = f"{optimized_path}-{self.sessions_built}.onnx"
         return options
