@@ -10,14 +10,16 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from llmfw.core.backend import KVLayerShape, Split, WeightSource  # noqa: E402
-from llmfw.core.errors import BackendUnavailable, ModelError  # noqa: E402
+from llmfw.core.backend import (  # noqa: E402
+    KVLayerShape, Split, WeightSource, backend_options_from_environment, create_backend,
+)
+from llmfw.core.errors import BackendUnavailable, ConfigError, ModelError  # noqa: E402
 from llmfw.core.graph import Graph, last_uses  # noqa: E402
 from llmfw.core.passes import matmul_groups, optimize  # noqa: E402
 from llmfw.core.quants import GGMLType, dequantize  # noqa: E402
 from llmfw.plugins.backends import numpy_cpu as oracle  # noqa: E402
 from llmfw.core.architecture import RopeParams  # noqa: E402
-from llmfw.plugins.backends.torch import TorchBackend  # noqa: E402
+from llmfw.plugins.backends.torch import TorchBackend, TorchOptions  # noqa: E402
 from llmfw.plugins.backends.torch.kernels import (  # noqa: E402
     RopeTables,
     attention,
@@ -147,23 +149,21 @@ def test_int8_linear_error_on_real_weights(smollm2_path) -> None:
 
 
 def _check_int8_rows(weight, dense: np.ndarray, name: str) -> None:
-    if True:
-        x = randn(6, dense.shape[1])
-        x[2] *= 300.0  # an outlier token must not coarsen the others' quantization
-        got = weight.linear(torch.from_numpy(x)).numpy()
-        expected = x @ dense.T
-        for row in range(len(x)):
-            assert _relative_error(got[row], expected[row]) < 0.02, (name, row)
-        single = weight.linear(torch.from_numpy(x[:1])).numpy()
-        assert _relative_error(single[0], expected[0]) < 0.02
+    x = randn(6, dense.shape[1])
+    x[2] *= 300.0  # an outlier token must not coarsen the others' quantization
+    got = weight.linear(torch.from_numpy(x)).numpy()
+    expected = x @ dense.T
+    for row in range(len(x)):
+        assert _relative_error(got[row], expected[row]) < 0.02, (name, row)
+    single = weight.linear(torch.from_numpy(x[:1])).numpy()
+    assert _relative_error(single[0], expected[0]) < 0.02
 
 
 @pytest.mark.parametrize("form", ["int8", "bf16", "f32"])
-def test_fused_linear_equals_separate(form: str, monkeypatch) -> None:
+def test_fused_linear_equals_separate(form: str) -> None:
     if form == "int8" and not has_dynamic_int8():
         pytest.skip("no fbgemm dynamic quantized linear")
-    monkeypatch.setenv(MATMUL_FORM_ENV, form)
-    backend = TorchBackend("cpu")
+    backend = TorchBackend("cpu", options=TorchOptions(matmul=form))
     assert backend.matmul_form == form
     weights = {"q": randn(32, 24), "k": randn(8, 24), "v": randn(8, 24)}
     for name, w in weights.items():
@@ -179,6 +179,7 @@ def test_fused_linear_equals_separate(form: str, monkeypatch) -> None:
     np.testing.assert_allclose(fused(x).numpy(), torch.cat(separate, dim=-1).numpy(), rtol=1e-5, atol=1e-5)
     again = backend.linear("k")(x)  # rebuilt from the fused weight when a graph needs it alone
     np.testing.assert_allclose(again.numpy(), separate[1].numpy(), rtol=1e-5, atol=1e-5)
+    assert backend.weight_nbytes() == bytes_before + backend.weights["k"].nbytes  # the rebuilt k is extra
     assert not backend.fuse_weights("k+o", ("k", "o"))  # a part already fused, or a weight not loaded
 
 
@@ -190,10 +191,12 @@ def test_weights_of_different_widths_are_not_fused() -> None:
     assert "a+b" not in backend.weights and backend.weights["a"].linear is not None
 
 
-def test_bad_matmul_form_env_is_clear(monkeypatch) -> None:
-    monkeypatch.setenv(MATMUL_FORM_ENV, "int3")
-    with pytest.raises(BackendUnavailable, match="int8, bf16, f32"):
-        TorchBackend("cpu")
+def test_bad_matmul_form_env_is_clear() -> None:
+    options = backend_options_from_environment({MATMUL_FORM_ENV: "int3"})  # what the CLI does with the variable
+    assert options["torch"] == {"matmul": "int3"}
+    with pytest.raises(ConfigError, match="backend 'torch': matmul: Input should be 'fp16', 'int8', 'bf16' or 'f32'"):
+        create_backend("torch", options)
+    assert create_backend("torch", backend_options_from_environment({MATMUL_FORM_ENV: " F32 "})).matmul_form == "f32"
 
 
 # -- a whole split ---------------------------------------------------------------------------------------------
@@ -319,14 +322,13 @@ def _steps_reading(plan: list[str], label: str) -> list[str]:
 
 @pytest.mark.parametrize("form", ["f32", "fp16", "int8"])
 @pytest.mark.parametrize("rope_mode,softcap", [("norm", 0.0), ("neox", 20.0)])
-def test_split_matches_numpy_backend(form: str, rope_mode: str, softcap: float, monkeypatch) -> None:
+def test_split_matches_numpy_backend(form: str, rope_mode: str, softcap: float) -> None:
     if form == "int8" and not has_dynamic_int8():
         pytest.skip("no fbgemm dynamic quantized linear")
-    monkeypatch.setenv(MATMUL_FORM_ENV, form)
     steps = [(np.array([3, 14, 15, 9], dtype=np.int32), np.arange(4, dtype=np.int32)),
              (np.array([26], dtype=np.int32), np.array([4], dtype=np.int32))]
     expected, _ = _run_graph(oracle.NumpyBackend(), rope_mode, softcap, steps)
-    backend = TorchBackend("cpu")
+    backend = TorchBackend("cpu", options=TorchOptions(matmul=form))
     got, runs = _run_graph(backend, rope_mode, softcap, steps)
     tolerance = {"f32": 2e-4, "fp16": 2e-3, "int8": 0.1}[form]  # int8: 8-bit activations, see the README
     for e, g in zip(expected, got):
@@ -394,7 +396,8 @@ def test_split_on_cuda_matches_numpy() -> None:
     assert np.max(np.abs(got[0] - expected[0])) <= 0.05 * max(1.0, np.max(np.abs(expected[0])))
 
 
-SPIN_PROBE = ("import os; from llmfw.plugins.backends.torch.environment import import_torch; import_torch(); "
+SPIN_PROBE = ("import os; from llmfw.core.backend import backend_options_from_environment, create_backend; "
+              "create_backend('torch', backend_options_from_environment(os.environ)); "
               "print(os.environ.get('OMP_WAIT_POLICY'))")
 
 
@@ -402,8 +405,8 @@ SPIN_PROBE = ("import os; from llmfw.plugins.backends.torch.environment import i
                                                     ("0", "ACTIVE", "ACTIVE")])
 def test_spin_setting_reaches_openmp_before_torch_loads(spin: str | None, preset: str | None,
                                                         expected: str) -> None:
-    """LLMFW_TORCH_SPIN=0 sets OpenMP's passive wait policy in a fresh process before torch is imported; an
-    explicit OMP_WAIT_POLICY is left alone."""
+    """LLMFW_TORCH_SPIN=0, mapped by the CLI onto the spin option, sets OpenMP's passive wait policy in a fresh
+    process before torch is imported; an explicit OMP_WAIT_POLICY is left alone."""
     import os
 
     env = {k: v for k, v in os.environ.items() if k not in ("LLMFW_TORCH_SPIN", "OMP_WAIT_POLICY")}

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from enum import Enum
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Literal, Mapping
 
 import numpy as np
@@ -52,11 +51,6 @@ INPUT_LAYER = -1
 OUTPUT_LAYER = -2
 
 RopeType = Literal["norm", "neox", "none"]
-
-
-class TensorKind(str, Enum):
-    REQUIRED = "required"
-    OPTIONAL = "optional"
 
 
 @dataclass(frozen=True)
@@ -230,5 +224,4 @@ def get_architecture(name: str) -> Architecture:
     """An instance of the architecture registered as ``name`` (UnknownArchitecture lists the known ones)."""
     from .plugins import registry
 
-    cls = registry("architectures").get(name)
-    return cls()
+    return registry("architectures").get_class(name, Architecture)()

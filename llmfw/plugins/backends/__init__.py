@@ -5,7 +5,7 @@ BACKENDS = {
     "numpy": "llmfw.plugins.backends.numpy_cpu:NumpyBackend",
     "ggml": "llmfw.plugins.backends.ggml_cpu:GgmlBackend",
     "torch": "llmfw.plugins.backends.torch:TorchBackend",
-    "onnx": "llmfw.plugins.backends.onnx_backend:OnnxBackend",
+    "onnx": "llmfw.plugins.backends.onnx:OnnxBackend",
 }
 
 
