@@ -417,3 +417,31 @@ def test_spin_setting_reaches_openmp_before_torch_loads(spin: str | None, preset
     result = subprocess.run([sys.executable, "-c", SPIN_PROBE], capture_output=True, text=True, env=env)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1] == expected
+
+
+def _one_node_split(backend, op: str, attrs: dict, shape=(2, 4)):
+    """A split of one node over one input, built by hand (so its attributes can be anything a plugin emits)."""
+    from llmfw.core.graph import Node
+
+    x = Node(0, "input", (), {"name": "x"}, -1, "x", shape, "f32")
+    node = Node(1, op, (x,), attrs, 0, "", None, None)
+    return backend.compile(Split(backend, [node], [x.id], [node.id]), {}), x, node
+
+
+@pytest.mark.parametrize("op, attrs, message", [
+    ("swiglu", {}, "cannot compile op 'swiglu'"),
+    ("reshape", {"shape": "4x2"}, "tuple of integers"),
+    ("slice", {"axis": -1, "start": 0.5, "stop": 2}, "must be an integer"),
+    ("clamp", {"min": "low", "max": 1.0}, "must be a number"),
+    ("scale", {}, "lacks attribute 's'"),
+])
+def test_a_malformed_node_is_a_clear_error_at_compile(op: str, attrs: dict, message: str) -> None:
+    with pytest.raises(ModelError, match=message):
+        _one_node_split(TorchBackend("cpu"), op, attrs)
+
+
+def test_a_one_node_split_computes_its_op() -> None:
+    run, x, node = _one_node_split(TorchBackend("cpu"), "clamp", {"min": -0.5, "max": None})
+    values = randn(2, 4)
+    out = run({x.id: torch.from_numpy(values)})[node.id].numpy()
+    np.testing.assert_array_equal(out, np.maximum(values, -0.5))

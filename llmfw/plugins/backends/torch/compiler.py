@@ -155,7 +155,7 @@ class SplitCompiler:
 
     # -- weights -------------------------------------------------------------------------------------------
     def _loaded_weight(self, node: Node) -> None:
-        name = str(node.attrs["name"])
+        name = node.attr_str("name")
         if name not in self.backend.weights:
             raise ModelError(f"weight {name!r} is not loaded on backend {self.backend.spec}")
 
@@ -163,23 +163,24 @@ class SplitCompiler:
         """The slot of a node's value as a dense tensor: weights get their dense form put in the table."""
         slot = self.slot[node.id]
         if node.op == "weight" and self.table[slot] is None:
-            self.table[slot] = self.backend.dense_tensor(str(node.attrs["name"]))
+            self.table[slot] = self.backend.dense_tensor(node.attr_str("name"))
         return slot
 
     # -- ops ----------------------------------------------------------------------------------------------
     def _op_get_rows(self, node: Node) -> None:
         table, ids = node.inputs
-        weight = self.backend.weights.get(str(table.attrs["name"])) if table.op == "weight" else None
+        weight = self.backend.weights.get(table.attr_str("name")) if table.op == "weight" else None
         if weight is not None and weight.raw is not None:
             self.emit(node, f"get_rows_raw[{weight.name}]", lambda i: get_rows_raw(weight, i), [self.slot[ids.id]])
             return
         torch = import_torch()
-        self.emit(node, "index_select", lambda t, i: torch.index_select(t, 0, i), [self.dense(table), self.slot[ids.id]])
+        self.emit(node, "index_select", lambda t, i: torch.index_select(t, 0, i),
+                  [self.dense(table), self.slot[ids.id]])
 
     def _op_mul_mat(self, node: Node) -> None:
         w, x = node.inputs
         if w.op == "weight":
-            name = str(w.attrs["name"])
+            name = w.attr_str("name")
             self.emit(node, f"linear[{name}]", self.backend.linear(name), [self.slot[x.id]])
             return
         torch = import_torch()
@@ -202,15 +203,15 @@ class SplitCompiler:
         self.emit(node, label, fn, [self.dense(node.inputs[0])])
 
     def _op_scale(self, node: Node) -> None:
-        torch, s = import_torch(), float(node.attrs["s"])
+        torch, s = import_torch(), node.attr_float("s")
         self._unary(node, f"scale[{s!r}]", lambda x: torch.mul(x, s))
 
     def _op_rms_norm(self, node: Node) -> None:
-        functional, eps = import_torch().nn.functional, float(node.attrs["eps"])
+        functional, eps = import_torch().nn.functional, node.attr_float("eps")
         self._norm(node, lambda x, w=None: functional.rms_norm(x, (x.shape[-1],), w, eps))
 
     def _op_norm(self, node: Node) -> None:
-        functional, eps = import_torch().nn.functional, float(node.attrs["eps"])
+        functional, eps = import_torch().nn.functional, node.attr_float("eps")
         self._norm(node, lambda x, w=None: functional.layer_norm(x, (x.shape[-1],), w, None, eps))
 
     def _norm(self, node: Node, fn: Callable[..., Any]) -> None:
@@ -228,20 +229,20 @@ class SplitCompiler:
         self._unary(node, "gelu[tanh]", lambda x: gelu(x, approximate="tanh"))
 
     def _op_softcap(self, node: Node) -> None:
-        cap = float(node.attrs["cap"])
+        cap = node.attr_float("cap")
         self._unary(node, f"softcap[{cap!r}]", lambda x: softcap_op(x, cap))
 
     def _op_clamp(self, node: Node) -> None:
-        torch, lo, hi = import_torch(), node.attrs.get("min"), node.attrs.get("max")
+        torch, lo, hi = import_torch(), optional_float(node, "min"), optional_float(node, "max")
         self._unary(node, f"clamp[{lo!r}, {hi!r}]", lambda x: torch.clamp(x, lo, hi))
 
     def _op_reshape(self, node: Node) -> None:
-        shape = tuple(int(d) for d in node.attrs["shape"])
+        shape = reshape_target(node)
         self._unary(node, f"reshape{shape!r}", lambda x: x.reshape(shape))
 
     def _op_slice(self, node: Node) -> None:
-        axis = int(node.attrs.get("axis", -1))
-        start, stop = node.attrs.get("start"), node.attrs.get("stop")
+        axis = node.attr_int("axis", -1)
+        start, stop = optional_int(node, "start"), optional_int(node, "stop")
         self._unary(node, f"slice[{axis}, {start!r}:{stop!r}]", lambda x: slice_op(x, axis, start, stop))
 
     def _op_rope(self, node: Node) -> None:
@@ -250,13 +251,14 @@ class SplitCompiler:
         params = RopeParams.from_attrs(node.attrs)
         neox = params.mode == "neox"
         ins = [self.slot[pos.id]] + ([self.dense(ff)] if ff is not None else [])
-        tables = self.emit_shared(("rope", params, *ins), "rope_tables", lambda p, f=None: rope_tables(p, params, f), ins)
+        tables = self.emit_shared(("rope", params, *ins), "rope_tables",
+                                  lambda p, f=None: rope_tables(p, params, f), ins)
         self.emit(node, f"rope[{params.mode}]", lambda v, t: rope_apply(v, t, params.n_dims, neox),
                   [self.slot[x.id], tables])
 
     def _kv_storage(self, node: Node) -> KVStorage:
-        cache_key = (str(node.attrs.get("cache", "kv")), int(node.attrs.get("layer", node.layer)))
-        storage = self.kv.get(cache_key)
+        cache_key = (str(node.attrs.get("cache", "kv")), node.attr_int("layer", node.layer))
+        storage: KVStorage | None = self.kv.get(cache_key)
         if storage is None:
             raise ModelError(f"no KV storage for cache {cache_key[0]!r} layer {cache_key[1]} on {self.backend.spec}")
         return storage
@@ -270,11 +272,12 @@ class SplitCompiler:
         q, k, v, kv_idx, mask = node.inputs
         storage = self._kv_storage(node)
         group = query_heads_per_kv_head(node)
-        scale, softcap = float(node.attrs["scale"]), float(node.attrs.get("softcap", 0.0) or 0.0)
+        scale, softcap = node.attr_float("scale"), node.attr_float("softcap", 0.0)
         mask_slot = self.slot[mask.id]
         grouped = self.emit_shared(("mask", mask_slot, group), f"grouped_mask[{group}]",
                                    lambda m: grouped_mask(m, group), [mask_slot])
-        self.emit(node, "attention", lambda *a: attention(*a, storage, scale, softcap),
+        self.emit(node, "attention",
+                  lambda q_, k_, v_, idx, m: attention(q_, k_, v_, idx, m, storage, scale, softcap),
                   [self.slot[n.id] for n in (q, k, v, kv_idx)] + [grouped])
 
 
@@ -285,3 +288,28 @@ def query_heads_per_kv_head(node: Node) -> int:
         raise ModelError(f"attention node %{node.id} needs typed q [T, H, D] and k [T, Hkv, D] with Hkv | H, "
                          f"got {q} and {k}")
     return q[1] // k[1]
+
+
+def optional_int(node: Node, key: str) -> int | None:
+    """An integer attribute that may be absent (a slice bound); anything else is a ModelError naming the node."""
+    value = node.attrs.get(key)
+    if value is None or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    raise ModelError(f"graph node {node!r}: attribute {key!r} must be an integer, got {value!r}")
+
+
+def optional_float(node: Node, key: str) -> float | None:
+    """A number attribute that may be absent (a clamp bound)."""
+    value = node.attrs.get(key)
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    raise ModelError(f"graph node {node!r}: attribute {key!r} must be a number, got {value!r}")
+
+
+def reshape_target(node: Node) -> tuple[int, ...]:
+    shape = node.attrs.get("shape")
+    if not isinstance(shape, tuple) or not all(isinstance(d, int) for d in shape):
+        raise ModelError(f"graph node {node!r}: reshape needs a tuple of integers as 'shape', got {shape!r}")
+    return tuple(int(d) for d in shape)

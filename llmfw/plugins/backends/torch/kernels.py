@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmfw.core.architecture import RopeParams
+from llmfw.core.errors import ModelError
 from llmfw.core.quants import dequantize_rows
 from llmfw.core.rope import rope_cos_sin as host_rope_cos_sin
 from llmfw.plugins.backends.torch.environment import import_torch
@@ -24,8 +25,7 @@ def rope_cos_sin(pos: Any, p: RopeParams, freq_factors: Any = None) -> tuple[Any
     factors = None if freq_factors is None else freq_factors.detach().cpu().numpy()
     cos, sin = host_rope_cos_sin(pos.detach().cpu().numpy(), p.n_dims, p.freq_base, p.freq_scale, p.ext_factor,
                                  p.attn_factor, p.beta_fast, p.beta_slow, p.n_ctx_orig, factors)
-    cos, sin = torch.from_numpy(cos), torch.from_numpy(sin)
-    return cos.to(pos.device), sin.to(pos.device)
+    return torch.from_numpy(cos).to(pos.device), torch.from_numpy(sin).to(pos.device)
 
 
 @dataclass
@@ -131,6 +131,8 @@ def k_shift(shift: Any, freq_factors: Any, kv: KVStorage, p: RopeParams) -> Any:
 def get_rows_raw(weight: TorchWeight, ids: Any) -> Any:
     """Exact rows of a quantized table (an embedding lookup) straight from its GGUF blocks."""
     torch = import_torch()
+    if weight.raw is None:
+        raise ModelError(f"torch backend: weight {weight.name} has no quantized blocks to look rows up in")
     rows = dequantize_rows(weight.raw, weight.ggml_type, weight.ne, ids.cpu().numpy())
     return torch.from_numpy(rows).to(ids.device)
 

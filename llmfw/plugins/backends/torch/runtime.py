@@ -161,10 +161,10 @@ class TorchBackend(Backend):
             for start, rows in dequantized_row_chunks(source, 4096):
                 w16[start:start + len(rows)] = torch.from_numpy(rows)
             # prepack takes float32; one matrix at a time keeps the float32 copy transient
-            linear = Fp16Linear(w16.float())
+            fp16_linear = Fp16Linear(w16.float())
             del w16
             release_freed_memory()  # glibc keeps freed temporaries otherwise: RSS after load would count them
-            return linear
+            return fp16_linear
         dtype = torch.bfloat16 if self.matmul_form == "bf16" else torch.float32
         w = torch.empty((n_out, n_in), dtype=dtype, device=self.torch_device)
         for start, rows in dequantized_row_chunks(source, 4096):
@@ -181,7 +181,7 @@ class TorchBackend(Backend):
             log.info("torch backend: weight %s unfused again from %s", name, fused_name)
         if weight.linear is None:
             log.warning("torch backend: weight %s was not marked for mul_mat; converting its dense form", name)
-            weight.linear = make_linear(self.dense_tensor(name).cpu().numpy(), self.matmul_form, self.device)
+            weight.linear = make_linear(self.dense_tensor(name).cpu().numpy(), self.matmul_form, self.device or "cpu")
         return weight.linear
 
     def fuse_weights(self, name: str, parts: tuple[str, ...]) -> bool:
@@ -191,7 +191,7 @@ class TorchBackend(Backend):
         members = [w for w in weights if w is not None and len(w.shape) == 2 and w.fused_into is None]
         if len(members) != len(parts) or len({w.shape[1] for w in members}) != 1:
             return False
-        fused = concat_linears([self.linear(w.name) for w in members], self.matmul_form, self.device)
+        fused = concat_linears([self.linear(w.name) for w in members], self.matmul_form, self.device or "cpu")
         self.weights[name] = TorchWeight(name, (sum(w.shape[0] for w in members), members[0].shape[1]),
                                          linear=fused)
         row = 0
@@ -266,7 +266,8 @@ class TorchBackend(Backend):
         return tensor if self.torch_device.type == "cpu" else tensor.to(self.torch_device, non_blocking=True)
 
     def to_numpy(self, value: NativeValue) -> np.ndarray:
-        return value.detach().to("cpu").numpy()
+        array: np.ndarray = value.detach().to("cpu").numpy()
+        return array
 
     def synchronize(self) -> None:
         if self.torch_device.type == "cuda":

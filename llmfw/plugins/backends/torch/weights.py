@@ -191,7 +191,7 @@ class DenseLinear:
 
     @property
     def nbytes(self) -> int:
-        return self.weight.numel() * self.weight.element_size()
+        return int(self.weight.numel() * self.weight.element_size())
 
 
 Linear = Int8Linear | Fp16Linear | DenseLinear
@@ -213,8 +213,9 @@ def make_linear(w: np.ndarray, form: str, device: str = "cpu") -> Linear:
 def concat_linears(parts: list[Linear], form: str, device: str) -> Linear:
     """One linear whose output rows are ``parts``' output rows in order (a fused QKV or gate/up weight)."""
     torch = import_torch()
-    if all(isinstance(p, Int8Linear) for p in parts):
-        rows = [p.int8_rows() for p in parts]
+    int8_parts = [p for p in parts if isinstance(p, Int8Linear)]
+    if len(int8_parts) == len(parts):
+        rows = [p.int8_rows() for p in int8_parts]
         return Int8Linear(torch.cat([q for q, _ in rows]), torch.cat([s for _, s in rows]))
     if form == "fp16":
         return Fp16Linear(torch.cat([p.dense() for p in parts]))
