@@ -12,15 +12,16 @@ Weights are converted once, at load, into the fastest form for the device that s
 * CUDA: bf16 weights; activations are cast to bf16 for the matmul and back to float32 after it (unverified: no
   GPU was available when this was written).
 
-Everything else (norms, rope, attention, activations) runs in float32. A split is compiled once per graph build
-into straight-line Python source (one line per op, like ``torch.fx`` code generation), with these rewrites:
-matmuls sharing their input (Q/K/V, gate/up) become one matmul on a fused weight built once and cached; a norm
-followed by a multiplication with a weight becomes one ``rms_norm`` / ``layer_norm`` call; rope angles are
-computed once per graph run and shared by every layer. The KV cache is a static preallocated tensor per layer,
-written in place with ``index_copy_``. torch is imported only by this package, and only when the backend is used.
+Everything else (norms, rope, attention, activations) runs in float32. The backend receives the graph the core
+passes optimised (``llmfw.core.passes``) and maps its ops to kernels: ``fuse_weights`` builds the fused weights
+the core's matmul fusion asks for at load, a folded ``rms_norm(x, w)`` is one ``F.rms_norm`` call, and a split
+is compiled once per graph build into closures over a value table (``compiler``), freeing each value after its
+last reader as the core's liveness says. Rope angles and the grouped attention mask are computed once per run
+and shared by every layer. The KV cache is a static preallocated tensor per layer, written in place with
+``index_copy_``. torch is imported only by this package, and only when the backend is used.
 
 Modules: ``environment`` (importing torch, devices), ``weights`` (the weight forms), ``kernels`` (ops that are
-more than one torch call), ``compiler`` (a split -> one function), ``runtime`` (the Backend class).
+more than one torch call), ``compiler`` (a split -> closures over a value table), ``runtime`` (the Backend class).
 """
 from llmfw.plugins.backends.torch.runtime import TorchBackend, TorchOptions
 

@@ -191,7 +191,7 @@ class DenseLinear:
 
     @property
     def nbytes(self) -> int:
-        return self.weight.numel() * self.weight.element_size()
+        return int(self.weight.numel() * self.weight.element_size())
 
 
 Linear = Int8Linear | Fp16Linear | DenseLinear
@@ -213,14 +213,25 @@ def make_linear(w: np.ndarray, form: str, device: str = "cpu") -> Linear:
 def concat_linears(parts: list[Linear], form: str, device: str) -> Linear:
     """One linear whose output rows are ``parts``' output rows in order (a fused QKV or gate/up weight)."""
     torch = import_torch()
-    if all(isinstance(p, Int8Linear) for p in parts):
-        rows = [p.int8_rows() for p in parts]
+    int8_parts = [p for p in parts if isinstance(p, Int8Linear)]
+    if len(int8_parts) == len(parts):
+        rows = [p.int8_rows() for p in int8_parts]
         return Int8Linear(torch.cat([q for q, _ in rows]), torch.cat([s for _, s in rows]))
     if form == "fp16":
         return Fp16Linear(torch.cat([p.dense() for p in parts]))
     weights = [p.weight if isinstance(p, DenseLinear) else p.dense().to(device) for p in parts]
     dtype = torch.bfloat16 if form == "bf16" else torch.float32
     return DenseLinear(torch.cat([w.to(dtype) for w in weights]).contiguous())
+
+
+def slice_linear(fused: Linear, row: int, n_out: int) -> Linear:
+    """Output rows ``row .. row + n_out`` of a fused linear as a linear of their own, in the same form."""
+    if isinstance(fused, Int8Linear):
+        q, scale = fused.int8_rows()
+        return Int8Linear(q[row:row + n_out].contiguous(), scale[row:row + n_out].contiguous())
+    if isinstance(fused, Fp16Linear):
+        return Fp16Linear(fused.dense()[row:row + n_out])
+    return DenseLinear(fused.weight[row:row + n_out].contiguous())
 
 
 @dataclass
@@ -236,8 +247,8 @@ class TorchWeight:
     raw: np.ndarray | None = None
     ggml_type: int = 0
     ne: tuple[int, ...] = ()
-    #: set when this weight was folded into a fused linear: (that fused linear's key, first output row)
-    fused_into: tuple[tuple[str, ...], int] | None = None
+    #: set when this weight was folded into a fused weight (``Backend.fuse_weights``): (its name, first row)
+    fused_into: tuple[str, int] | None = None
 
     @property
     def nbytes(self) -> int:
