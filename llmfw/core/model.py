@@ -261,7 +261,7 @@ def _build_model(loader: ModelFileLoader, path: Path, params: ModelParams) -> Mo
     try:
         _place_layers(model, params)
         loads = plan_weights(model, loader, specs)
-        loader.load_all_data(loads, params.progress)
+        _load_weights(loader, loads, path, params)
         for load in loads:
             model._weights[load.name] = (load.backend, _spec_layer(hparams, load.layer))
             model.weight_sources[load.name] = (load.source_name, load.ne)
@@ -270,6 +270,16 @@ def _build_model(loader: ModelFileLoader, path: Path, params: ModelParams) -> Mo
         raise
     log.info("%s", model.describe())
     return model
+
+
+def _load_weights(loader: ModelFileLoader, loads: list[WeightLoad], path: Path, params: ModelParams) -> None:
+    """Every weight onto its backend, each backend told when the file's weights begin and end."""
+    backends = list({id(load.backend): load.backend for load in loads}.values())
+    for backend in backends:
+        backend.begin_loading(path)
+    loader.load_all_data(loads, params.progress)
+    for backend in backends:
+        backend.end_loading()
 
 
 def _architecture_if_described(loader: ModelFileLoader) -> tuple[Architecture | None, HParams | None]:

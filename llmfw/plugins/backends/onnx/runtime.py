@@ -9,6 +9,7 @@ import logging
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -16,6 +17,7 @@ import numpy as np
 from llmfw.core.backend import Backend, CompiledSplit, KVLayerShape, Split, WeightSource
 from llmfw.core.errors import ModelError
 from llmfw.core.graph import OPS
+from llmfw.plugins.backends.onnx.cache import CachedLoad, ConvertedCache, default_cache_root
 from llmfw.plugins.backends.onnx.emit import split_signature
 from llmfw.plugins.backends.onnx.ort import OnnxKV, execution_providers, import_onnxruntime
 from llmfw.plugins.backends.onnx.translate import SplitTranslator
@@ -65,6 +67,7 @@ class OnnxBackend(Backend):
         self._fused: dict[tuple[str, ...], BlockWeight] = {}
         self._derived: dict[tuple[str, str], np.ndarray] = {}
         self._programs: OrderedDict[tuple, _Program] = OrderedDict()
+        self._load: CachedLoad | None = None
         #: sessions built (tests read it to check that one session serves many ubatches)
         self.sessions_built = 0
         #: bumped when built sessions become stale (thread count changed); compiled splits then rebuild
@@ -82,11 +85,23 @@ class OnnxBackend(Backend):
             self.generation += 1
 
     # -- weights ------------------------------------------------------------------------------------------
+    def begin_loading(self, model_file: Path) -> None:
+        root = default_cache_root()
+        self._load = CachedLoad(None if root is None else ConvertedCache.for_file(root, model_file))
+
     def load_weight(self, source: WeightSource) -> Weight:
-        return convert_weight(source)
+        if self._load is None:  # a weight outside a file's load (tests build backends by hand)
+            return convert_weight(source)
+        return self._load.load(source, convert_weight)
+
+    def end_loading(self) -> None:
+        if self._load is not None:
+            self._load.finish(self.weights)
+        self._load = None
 
     def free_weights(self) -> None:
         super().free_weights()
+        self._load = None
         self._ort_values.clear()
         self._fused.clear()
         self._derived.clear()
