@@ -218,16 +218,29 @@ class OnnxBackend(Backend):
         return options
 
 
+@dataclass
+class _Bound:
+    """An IOBinding for one set of input shapes: the caches bound once (input and output, the same memory) and,
+    from the second run on, the split's outputs bound to preallocated arrays (their shapes follow from the input
+    shapes), so a decode step binds only its small inputs."""
+
+    binding: Any
+    outputs: list[np.ndarray] | None = None
+
+
 class _CompiledSplit:
     """The callable the scheduler runs: binds inputs and the KV buffers, runs the session."""
+
+    #: bindings kept per compiled split (decode, prefill chunks, a few KV lengths)
+    MAX_BINDINGS = 8
 
     def __init__(self, backend: OnnxBackend, split: Split, kv: Mapping[tuple[str, int], Any]):
         self.backend = backend
         self.split = split
         self.kv = kv
         self.program: _Program | None = None
-        self.binding: Any = None
         self._signature: tuple | None = None
+        self._bound: OrderedDict[tuple, _Bound] = OrderedDict()
 
     def _prepare(self, arrays: list[np.ndarray]) -> None:
         signature = (self.backend.generation, tuple((a.dtype.str, a.ndim) for a in arrays))
@@ -235,33 +248,55 @@ class _CompiledSplit:
             return
         self.program = self.backend.program(self.split, arrays, self.kv)
         self._signature = signature
-        self.binding = self.program.session.io_binding()
-        for input_name, _, key, which in self.program.kv_bindings:
-            self.binding.bind_ortvalue_input(input_name, self._kv_value(key, which))
+        self._bound.clear()
 
     def _kv_value(self, key: tuple[str, int], which: str) -> Any:
         storage: OnnxKV = self.kv[key]
         return storage.k_value if which == "k" else storage.v_value
 
-    def _bind_outputs(self) -> None:
-        """Bind the outputs afresh each run: a kept output buffer would pin its shape (the token count).
-        Binding order is output order: the split's outputs first, then the caches (bound to their own memory,
-        which is what makes ScatterND update them in place)."""
-        binding = self.binding
+    def _bound_for(self, arrays: list[np.ndarray]) -> _Bound:
+        shapes = tuple(a.shape for a in arrays)
+        bound = self._bound.get(shapes)
+        if bound is not None:
+            self._bound.move_to_end(shapes)
+            return bound
+        binding = self.program.session.io_binding()
+        for input_name, _, key, which in self.program.kv_bindings:
+            binding.bind_ortvalue_input(input_name, self._kv_value(key, which))
+        bound = self._bound[shapes] = _Bound(binding)
+        self._bind_outputs(bound)
+        while len(self._bound) > self.MAX_BINDINGS:
+            self._bound.popitem(last=False)
+        return bound
+
+    def _bind_outputs(self, bound: _Bound) -> None:
+        """Binding order is output order: the split's outputs first (ORT-allocated until their shapes are known,
+        then the preallocated arrays), then the caches (bound to their own memory, which is what makes
+        ScatterND update them in place)."""
+        binding = bound.binding
         binding.clear_binding_outputs()
-        for name in self.program.output_names:
-            binding.bind_output(name)
+        for k, name in enumerate(self.program.output_names):
+            if bound.outputs is None:
+                binding.bind_output(name)
+            else:
+                out = bound.outputs[k]
+                binding.bind_output(name, "cpu", 0, out.dtype, list(out.shape), out.ctypes.data)
         for _, output_name, key, which in self.program.kv_bindings:
             binding.bind_ortvalue_output(output_name, self._kv_value(key, which))
 
     def __call__(self, inputs: Mapping[int, Any]) -> dict[int, np.ndarray]:
         arrays = [np.ascontiguousarray(inputs[i]) for i in self.split.input_ids]
         self._prepare(arrays)
-        program, binding = self.program, self.binding
-        for name, array in zip(program.input_names, arrays):
-            binding.bind_cpu_input(name, array)  # zero-copy: ORT reads the array during the run
-        self._bind_outputs()
-        program.session.run_with_iobinding(binding)
-        outputs = binding.get_outputs()
-        # copies: the OrtValues behind these views belong to the binding, which the next run rebinds
-        return {node_id: np.array(outputs[k].numpy()) for k, node_id in enumerate(self.split.output_ids)}
+        bound = self._bound_for(arrays)
+        for name, array in zip(self.program.input_names, arrays):
+            bound.binding.bind_cpu_input(name, array)  # zero-copy: ORT reads the array during the run
+        self.program.session.run_with_iobinding(bound.binding)
+        if bound.outputs is None:  # first run with these shapes: keep arrays of the outputs' shapes from now on
+            ort_outputs = bound.binding.get_outputs()
+            bound.outputs = [np.empty_like(ort_outputs[k].numpy()) for k in range(len(self.split.output_ids))]
+            results = [ort_outputs[k].numpy() for k in range(len(self.split.output_ids))]
+            self._bind_outputs(bound)
+        else:
+            results = bound.outputs
+        # copies: the arrays behind the bound outputs are overwritten by the next run
+        return {node_id: np.array(results[k]) for k, node_id in enumerate(self.split.output_ids)}
