@@ -19,7 +19,7 @@ import regex
 import llmfw
 from llmfw.core.batch import Batch
 from llmfw.core.errors import GrammarError
-from llmfw.core.generate import GenerationStats, generate_text
+from llmfw.core.generate import GenerationStats, generate
 from llmfw.core.grammar import GrammarSpec, check_text_matches, grammar_tokenizer
 from llmfw.core.sampling import SamplerChain, SamplerParams
 
@@ -230,7 +230,7 @@ def test_generate_stops_when_the_grammar_is_complete(smollm2):
     chain = SamplerChain.from_params(SamplerParams(grammar='root ::= "yes" | "no"', temp=1.0, seed=7),
                                      model=smollm2)
     stats = GenerationStats()
-    text = generate_text(ctx, "Is the sky blue? Answer:", chain, max_tokens=20, stats=stats)
+    text = "".join(generate(ctx, "Is the sky blue? Answer:", chain, max_tokens=20, stats=stats))
     assert text in ("yes", "no")
     assert stats.stop_reason == "eog" and stats.n_generated <= 3
 
@@ -239,9 +239,9 @@ def test_each_chat_turn_starts_the_grammar_afresh(smollm2):
     ctx = smollm2.new_context(n_ctx=512)
     chain = SamplerChain.from_params(SamplerParams(regex="[0-9]{1,3}", temp=1.0, seed=3), model=smollm2)
     messages = [{"role": "user", "content": "Pick a number."}]
-    first = generate_text(ctx, smollm2.apply_chat_template(messages), chain, max_tokens=8)
+    first = "".join(generate(ctx, smollm2.apply_chat_template(messages), chain, max_tokens=8))
     messages += [{"role": "assistant", "content": first}, {"role": "user", "content": "Another one."}]
-    second = generate_text(ctx, smollm2.apply_chat_template(messages), chain, max_tokens=8)
+    second = "".join(generate(ctx, smollm2.apply_chat_template(messages), chain, max_tokens=8))
     assert re.fullmatch("[0-9]{1,3}", first) and re.fullmatch("[0-9]{1,3}", second), (first, second)
 
 
@@ -251,7 +251,7 @@ def test_any_json_object_with_generate_on_gemma3(gemma3):
         "answer": {"type": "string", "maxLength": 16}}, "required": ["answer"], "additionalProperties": False},
         temp=1.0, seed=5), model=gemma3)
     stats = GenerationStats()
-    text = generate_text(ctx, _prompt(gemma3), chain, max_tokens=MAX_TOKENS, stats=stats)
+    text = "".join(generate(ctx, _prompt(gemma3), chain, max_tokens=MAX_TOKENS, stats=stats))
     assert stats.stop_reason == "eog"
     assert isinstance(json.loads(text)["answer"], str)
 

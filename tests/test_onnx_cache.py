@@ -18,16 +18,15 @@ PROMPT = [1, 504, 3458, 282, 4098, 314, 253, 2734]
 
 
 @pytest.fixture
-def cache_root(tmp_path, monkeypatch):
-    root = tmp_path / "onnx-cache"
-    monkeypatch.setenv("LLMFW_ONNX_CACHE", str(root))
-    return root
+def cache_root(tmp_path):
+    return tmp_path / "onnx-cache"
 
 
-def load_and_score(path) -> tuple[np.ndarray, dict[str, bool]]:
+def load_and_score(path, root) -> tuple[np.ndarray, dict[str, bool]]:
     """The prompt's logits of one fresh load, and which of the onnx backend's weights were mapped from the cache
     (looked at right after the load: fusing matmuls at the first decode moves weights into fused copies)."""
-    model = llmfw.load_model(path, backend="onnx")
+    options = {"cache": False} if root is None else {"cache_dir": str(root)}
+    model = llmfw.load_model(path, backend="onnx", backend_options={"onnx": options})
     try:
         mapped = {name: mapped_from_cache(w) for name, w in model.backends["onnx"].weights.items()}
         ctx = model.new_context(n_ctx=64)
@@ -52,19 +51,17 @@ def mapped_from_cache(weight) -> bool:
 
 
 @pytest.fixture(scope="module")
-def fresh_logits(smollm2_path, tmp_path_factory):
+def fresh_logits(smollm2_path):
     """The logits of a load that converts every weight (no cache at all)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("LLMFW_ONNX_CACHE", "0")
-        return load_and_score(smollm2_path)[0]
+    return load_and_score(smollm2_path, None)[0]
 
 
 def test_second_load_maps_every_weight_and_computes_the_same_logits(smollm2_path, cache_root, fresh_logits):
-    first, first_weights = load_and_score(smollm2_path)
+    first, first_weights = load_and_score(smollm2_path, cache_root)
     assert not any(first_weights.values())  # converted, then written
     index = json.loads((entry_of(cache_root) / "index.json").read_text())
     assert set(index["weights"]) == set(first_weights)
-    second, second_weights = load_and_score(smollm2_path)
+    second, second_weights = load_and_score(smollm2_path, cache_root)
     assert all(second_weights.values())
     np.testing.assert_array_equal(first, fresh_logits)
     np.testing.assert_array_equal(second, fresh_logits)
@@ -72,7 +69,7 @@ def test_second_load_maps_every_weight_and_computes_the_same_logits(smollm2_path
 
 @pytest.mark.parametrize("damage", ["truncated blob", "garbage index", "foreign sha256", "object dtype"])
 def test_damaged_entry_is_rebuilt(smollm2_path, cache_root, fresh_logits, damage, caplog):
-    load_and_score(smollm2_path)
+    load_and_score(smollm2_path, cache_root)
     entry = entry_of(cache_root)
     blob, index_path = entry / "weights.bin", entry / "index.json"
     blob_bytes = blob.stat().st_size
@@ -90,12 +87,12 @@ def test_damaged_entry_is_rebuilt(smollm2_path, cache_root, fresh_logits, damage
             next(iter(first["arrays"].values()))[1] = "|O"
         index_path.write_text(json.dumps(index))
     with caplog.at_level(logging.WARNING, logger="llmfw.plugins.backends.onnx.cache"):
-        logits, weights = load_and_score(smollm2_path)
+        logits, weights = load_and_score(smollm2_path, cache_root)
     assert "corrupt" in caplog.text
     assert not any(weights.values())  # converted again from the model file
     np.testing.assert_array_equal(logits, fresh_logits)
     assert entry_of(cache_root).joinpath("weights.bin").stat().st_size == blob_bytes  # rewritten whole
-    _, restored = load_and_score(smollm2_path)
+    _, restored = load_and_score(smollm2_path, cache_root)
     assert all(restored.values())
 
 
@@ -104,18 +101,17 @@ def test_entry_of_another_converter_format_is_not_read(smollm2_path, cache_root,
     writes its own entry instead of reading an old one."""
     from llmfw.plugins.backends.onnx import cache
 
-    load_and_score(smollm2_path)
+    load_and_score(smollm2_path, cache_root)
     old = entry_of(cache_root)
     monkeypatch.setattr(cache, "CACHE_FORMAT", cache.CACHE_FORMAT + 1)
-    _, weights = load_and_score(smollm2_path)
+    _, weights = load_and_score(smollm2_path, cache_root)
     assert not any(weights.values())
     names = sorted(p.name for p in cache_root.iterdir() if not p.name.startswith("."))
     assert names == sorted([old.name, old.name.replace(f"-f{cache.CACHE_FORMAT - 1}", f"-f{cache.CACHE_FORMAT}")])
 
 
-def test_unwritable_cache_root_still_loads(smollm2_path, tmp_path, monkeypatch, fresh_logits):
+def test_unwritable_cache_root_still_loads(smollm2_path, tmp_path, fresh_logits):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
-    monkeypatch.setenv("LLMFW_ONNX_CACHE", str(blocker / "cache"))
-    logits, _ = load_and_score(smollm2_path)
+    logits, _ = load_and_score(smollm2_path, blocker / "cache")
     np.testing.assert_array_equal(logits, fresh_logits)

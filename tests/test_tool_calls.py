@@ -10,7 +10,7 @@ import pytest
 
 import llmfw
 from llmfw.core.errors import GrammarError
-from llmfw.core.generate import GenerationStats, generate_text
+from llmfw.core.generate import GenerationStats, generate
 from llmfw.core.grammar import GrammarSpec, check_text_matches
 from llmfw.core.sampling import SamplerChain, SamplerParams
 from llmfw.core.tool_calls import (ToolCallFormat, ToolCallStream, detect_tool_call_format, parse_tool_calls,
@@ -170,7 +170,7 @@ def test_forced_call_from_a_real_model_parses_and_validates(smollm2_path):
         prompt = model.apply_chat_template([{"role": "user", "content": "What's the weather in Paris?"}])
         stats = GenerationStats()
         chain = SamplerChain.from_params(SamplerParams(grammar=grammar, temp=1.0, seed=11), model=model)
-        text = generate_text(ctx, prompt, chain, max_tokens=64, stats=stats)
+        text = "".join(generate(ctx, prompt, chain, max_tokens=64, stats=stats))
     assert stats.stop_reason == "eog", text
     content, calls = parse_tool_calls(text, ToolCallFormat.HERMES)
     assert content == "" and len(calls) >= 1

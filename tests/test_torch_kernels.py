@@ -135,15 +135,14 @@ def test_int8_linear_error_on_real_weights(smollm2_path) -> None:
 
 
 def _check_int8_rows(weight, dense: np.ndarray, name: str) -> None:
-    if True:
-        x = randn(6, dense.shape[1])
-        x[2] *= 300.0  # an outlier token must not coarsen the others' quantization
-        got = weight.linear(torch.from_numpy(x)).numpy()
-        expected = x @ dense.T
-        for row in range(len(x)):
-            assert _relative_error(got[row], expected[row]) < 0.02, (name, row)
-        single = weight.linear(torch.from_numpy(x[:1])).numpy()
-        assert _relative_error(single[0], expected[0]) < 0.02
+    x = randn(6, dense.shape[1])
+    x[2] *= 300.0  # an outlier token must not coarsen the others' quantization
+    got = weight.linear(torch.from_numpy(x)).numpy()
+    expected = x @ dense.T
+    for row in range(len(x)):
+        assert _relative_error(got[row], expected[row]) < 0.02, (name, row)
+    single = weight.linear(torch.from_numpy(x[:1])).numpy()
+    assert _relative_error(single[0], expected[0]) < 0.02
 
 
 @pytest.mark.parametrize("form", ["int8", "bf16", "f32"])
@@ -158,12 +157,14 @@ def test_fused_linear_equals_separate(form: str, monkeypatch) -> None:
         backend.load_weight(_f32_source(name, w))
     x = torch.from_numpy(randn(4, 24))
     separate = [backend.linear(n)(x) for n in weights]
+    separate_nbytes = backend.weight_nbytes()
     fused = backend.fused_linear(("q", "k", "v"))
     assert backend.weights["q"].linear is None  # the fused copy replaced the members'
+    assert backend.weight_nbytes() == separate_nbytes  # ... so the bytes are counted once, not twice
     np.testing.assert_allclose(fused(x).numpy(), torch.cat(separate, dim=-1).numpy(), rtol=1e-5, atol=1e-5)
     again = backend.linear("k")(x)  # rebuilt from the fused weight when a graph needs it alone
     np.testing.assert_allclose(again.numpy(), separate[1].numpy(), rtol=1e-5, atol=1e-5)
-    assert backend.weight_nbytes() > 0
+    assert backend.weight_nbytes() == separate_nbytes + backend.weights["k"].nbytes  # the rebuilt k is extra
 
 
 def test_bad_matmul_form_env_is_clear(monkeypatch) -> None:

@@ -142,7 +142,9 @@ def bench_llmfw(params: BenchParams, backend: str) -> dict[str, Any]:
         import torch  # noqa: F401 - part of the baseline: RSS of ``import llmfw, torch``
     rss_base = current_rss()
     start = time.perf_counter()
-    model = llmfw.load_model(params.model, backend=backend)
+    from ..core.backend import backend_options_from_environment
+
+    model = llmfw.load_model(params.model, backend=backend, backend_options=backend_options_from_environment(os.environ))
     load_s = time.perf_counter() - start
     try:
         rss_loaded = current_rss()

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from enum import Enum
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Literal, Mapping
 
 import numpy as np
@@ -52,11 +51,6 @@ INPUT_LAYER = -1
 OUTPUT_LAYER = -2
 
 RopeType = Literal["norm", "neox", "none"]
-
-
-class TensorKind(str, Enum):
-    REQUIRED = "required"
-    OPTIONAL = "optional"
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,17 @@ Split execution contract (what :meth:`Backend.compile` returns)::
     outputs = run(inputs)        # inputs: {node_id: native value} for every id in split.input_ids
                                  # outputs: {node_id: native value} for every id in split.output_ids
 
+Backends declare themselves (the core reads these declarations and names no backend): :attr:`Backend.is_host`
+(may hold the token embedding and the ops other backends lack, like llama.cpp's CPU backend),
+:attr:`Backend.default_priority` (device → priority for the default choice), :meth:`Backend.devices` (the
+devices found here) and :attr:`Backend.options_schema` (a pydantic model of the options
+``ModelParams(backend_options={name: {...}})`` gives it, validated with a did-you-mean error;
+:attr:`Backend.environment_options` maps the CLI's environment variables onto them).
+
+Threads are a property of each compute call: the context hands its ``n_threads`` to :meth:`Backend.use_threads`
+before it computes (None: the ``n_threads`` option of the model's backend options, else the library default);
+creating a context changes nothing on the model's shared backends.
+
 ``input`` nodes never appear in a split: their values are handed in through ``inputs`` (already converted
 with :meth:`from_numpy`). ``weight`` nodes do appear; the backend resolves them to the handle it returned from
 :meth:`load_weight` for ``attrs["name"]``. ``attention`` and ``k_shift`` nodes read and write the KV storage in
@@ -30,16 +41,18 @@ with :meth:`from_numpy`). ``weight`` nodes do appear; the backend resolves them 
 """
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Mapping
+from typing import Any, Callable, ClassVar, Mapping, TypeVar
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .errors import BackendUnavailable, LLMFWError, UnknownBackend
+from .errors import BackendUnavailable, ConfigError, LLMFWError, UnknownBackend
 from .graph import Node
 
 log = logging.getLogger(__name__)
@@ -86,6 +99,22 @@ class KVLayerShape:
     head_dim_v: int
 
 
+class BackendOptions(BaseModel):
+    """Options every backend accepts; a backend with its own subclasses this and names the subclass in
+    :attr:`Backend.options_schema`. Unknown keys are errors (see :func:`parse_backend_options`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    #: CPU threads for this backend's kernels when the context does not name a count (None: the library's)
+    n_threads: int | None = Field(default=None, ge=1)
+
+
+OptionsT = TypeVar("OptionsT", bound=BackendOptions)
+
+#: backend registry name → that backend's raw options (``ModelParams.backend_options``)
+BackendOptionsByName = Mapping[str, Mapping[str, Any]]
+
+
 @dataclass
 class Split:
     """A run of graph nodes (topological order) that one backend executes in one go.
@@ -123,10 +152,23 @@ class Backend(ABC):
     #: the highest-priority device whose :meth:`default_unavailable_reason` is None; no entry = never chosen
     #: by default (only when asked for by name)
     default_priority: ClassVar[Mapping[str, int]] = {}
+    #: the pydantic model of this backend's options (``ModelParams(backend_options={name: {...}})``)
+    options_schema: ClassVar[type[BackendOptions]] = BackendOptions
+    #: environment variable → option field: what the CLI maps onto the options (conveniences for the command
+    #: line; ``load_model`` in Python reads only ``backend_options``)
+    environment_options: ClassVar[Mapping[str, str]] = {}
 
-    def __init__(self, device: str | None = None, n_threads: int | None = None):
+    def __init__(self, device: str | None = None, options: BackendOptions | None = None):
         self.device = device
-        self.n_threads = n_threads
+        self.options = options if options is not None else self.options_schema()
+        #: the thread count the kernels use now (None: the library default); changed by :meth:`use_threads`
+        self.n_threads: int | None = None
+
+    def options_as(self, schema: type[OptionsT]) -> OptionsT:
+        """:attr:`options` typed as this backend's schema (validated into it when built from another model)."""
+        if isinstance(self.options, schema):
+            return self.options
+        return schema.model_validate(self.options.model_dump(exclude_unset=True))
 
     # -- identity ---------------------------------------------------------------------------------------
     @property
@@ -140,6 +182,19 @@ class Backend(ABC):
     @classmethod
     def check_available(cls, device: str | None = None) -> None:
         """Raise :class:`BackendUnavailable` (naming the pip extra) when this backend cannot run here."""
+
+    @classmethod
+    def devices(cls) -> list[str]:
+        """The devices this backend can run on here (``["cpu"]``, ``["cpu", "cuda:0"]``, or ``[]``). The default
+        asks :meth:`check_available` about the devices of :attr:`default_priority` (the CPU when none)."""
+        found = []
+        for device in cls.default_priority or {"cpu": 0}:
+            try:
+                cls.check_available(None if device == "cpu" else device)
+            except LLMFWError:
+                continue
+            found.append(device)
+        return found
 
     @classmethod
     def install_hint(cls) -> str:
@@ -234,8 +289,15 @@ class Backend(ABC):
             return value
         return self.from_numpy(source.to_numpy(value))
 
+    def use_threads(self, n_threads: int | None) -> None:
+        """Run the next compute calls with ``n_threads`` CPU threads (None: the ``n_threads`` option, else the
+        library default). Called by the context before every compute; cheap when the count is unchanged."""
+        wanted = n_threads if n_threads is not None else self.options.n_threads
+        if wanted != self.n_threads:
+            self.set_n_threads(wanted)
+
     def set_n_threads(self, n_threads: int | None) -> None:
-        """Use ``n_threads`` CPU threads for this backend's kernels (None: the library default)."""
+        """Apply a changed thread count to this backend's kernels (override; call the base to record it)."""
         self.n_threads = n_threads
 
     def synchronize(self) -> None:
@@ -276,12 +338,81 @@ def backend_class(name: str) -> type[Backend]:
         raise
 
 
-def create_backend(spec: str, n_threads: int | None = None) -> Backend:
-    """Instantiate the backend for ``spec`` after checking it can run here."""
+def create_backend(spec: str, options: BackendOptionsByName | None = None) -> Backend:
+    """Instantiate the backend for ``spec`` after checking it can run here, with its entry of ``options``
+    (backend name → raw options) validated against its :attr:`Backend.options_schema`."""
     name, device = parse_backend_spec(spec)
     cls = backend_class(name)
+    parsed = parse_backend_options(cls, (options or {}).get(name, {}))
     cls.check_available(device)
-    return cls(device=device, n_threads=n_threads)
+    return cls(device=device, options=parsed)
+
+
+def parse_backend_options(cls: type[Backend], raw: Mapping[str, Any]) -> BackendOptions:
+    """``raw`` validated against ``cls.options_schema``; a ConfigError names every bad key (with the closest
+    valid one for a misspelt key) and what the schema expects."""
+    schema = cls.options_schema
+    try:
+        return schema.model_validate(dict(raw))
+    except ValidationError as exc:
+        problems = "; ".join(_describe_option_problem(schema, error) for error in exc.errors())
+        raise ConfigError(f"invalid options for backend {cls.name!r}: {problems}") from None
+
+
+def _describe_option_problem(schema: type[BackendOptions], error: Mapping[str, Any]) -> str:
+    key = ".".join(map(str, error["loc"])) or "(options)"
+    if error["type"] != "extra_forbidden":
+        return f"{key}: {error['msg']}"
+    known = sorted(schema.model_fields)
+    match = difflib.get_close_matches(str(error["loc"][-1]), known, n=1, cutoff=0.6)
+    hint = f"did you mean {match[0]!r}?" if match else f"known options: {', '.join(known) or '(none)'}"
+    return f"{key}: unknown option, {hint}"
+
+
+def check_backend_options(options: BackendOptionsByName) -> None:
+    """Validate every entry of ``options`` (backend name → raw options) against its backend's schema, also for
+    backends the placement does not use: a misspelt backend name or option is an error, not ignored."""
+    from .plugins import registry
+
+    known = registry("backends").names()
+    for name, raw in options.items():
+        if name not in known:
+            match = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+            hint = f"did you mean {match[0]!r}?" if match else f"known backends: {', '.join(known) or '(none)'}"
+            raise ConfigError(f"backend_options names backend {name!r}, which is not registered; {hint}")
+        if not isinstance(raw, Mapping):
+            raise ConfigError(f"backend_options[{name!r}] must be a mapping of option → value, got "
+                              f"{type(raw).__name__}")
+        try:
+            cls = backend_class(name)
+        except BackendUnavailable:  # not importable here: its options are checked if it is ever used
+            continue
+        parse_backend_options(cls, raw)
+
+
+def backend_options_from_environment(environ: Mapping[str, str]) -> dict[str, dict[str, str]]:
+    """The options the registered backends map from environment variables
+    (:attr:`Backend.environment_options`) — the CLI's conveniences, merged below the configured options."""
+    from .plugins import registry
+
+    options: dict[str, dict[str, str]] = {}
+    for name in registry("backends").names():
+        try:
+            cls = backend_class(name)
+        except LLMFWError:  # a backend that cannot import has no options to set
+            continue
+        found = {option: environ[var] for var, option in cls.environment_options.items() if var in environ}
+        if found:
+            options[name] = found
+    return options
+
+
+def merge_backend_options(below: BackendOptionsByName, above: BackendOptionsByName) -> dict[str, dict[str, Any]]:
+    """Per backend, ``above``'s options over ``below``'s."""
+    merged = {name: dict(raw) for name, raw in below.items()}
+    for name, raw in above.items():
+        merged[name] = {**merged.get(name, {}), **raw}
+    return merged
 
 
 def _module_installed(module: str) -> bool:
@@ -314,12 +445,15 @@ def _default_candidates() -> list[tuple[int, str, str]]:
     return sorted(candidates, key=lambda c: (-c[0], c[1], c[2]))
 
 
-def choose_default_backend() -> BackendChoice:
+def choose_default_backend(*, devices_only: bool = False) -> BackendChoice:
     """The backend ``backend=None`` means: among the registered backends' declarations
     (:attr:`Backend.default_priority`), the highest priority that can run here. Built in: ``torch:cuda`` (a
-    CUDA GPU and torch), then ``onnx`` on the CPU (onnxruntime importable), then ``numpy``."""
+    CUDA GPU and torch), then ``onnx`` on the CPU (onnxruntime importable), then ``numpy``. ``devices_only``:
+    only declarations for a device other than the CPU (where ``n_gpu_layers`` offloads)."""
     skipped: list[str] = []
     for priority, name, device in _default_candidates():
+        if devices_only and device == "cpu":
+            continue
         spec = name if device == "cpu" else f"{name}:{device}"
         try:
             why_not = backend_class(name).default_unavailable_reason(device)
@@ -331,8 +465,31 @@ def choose_default_backend() -> BackendChoice:
                 reason += "; skipped " + "; ".join(skipped)
             return BackendChoice(spec, reason)
         skipped.append(f"{spec}: {why_not}")
-    raise BackendUnavailable("no registered backend can run here as the default"
+    what = "a device (GPU) backend" if devices_only else "the default"
+    raise BackendUnavailable(f"no registered backend can run here as {what}"
                              + (f" ({'; '.join(skipped)})" if skipped else "") + "; name one with backend=...")
+
+
+def choose_host_backend(placed: Mapping[str, Backend]) -> str:
+    """The spec of the host backend (token embedding, ops a backend lacks): a placed backend that declares
+    :attr:`Backend.is_host`, else the highest-priority registered host backend that runs on the CPU."""
+    for spec, backend in placed.items():
+        if backend.is_host:
+            return spec
+    from .plugins import registry
+
+    hosts: list[tuple[int, str]] = []
+    for name in registry("backends").names():
+        try:
+            cls = backend_class(name)
+        except LLMFWError:
+            continue
+        if cls.is_host and cls.default_unavailable_reason("cpu") is None:
+            hosts.append((int(cls.default_priority.get("cpu", 0)), name))
+    if not hosts:
+        raise BackendUnavailable("no registered backend declares itself the host (is_host), so nothing can hold "
+                                 "the token embedding")
+    return min(hosts, key=lambda h: (-h[0], h[1]))[1]
 
 
 def default_backend_spec() -> str:

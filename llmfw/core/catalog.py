@@ -101,10 +101,6 @@ def is_cached(model: CatalogModel) -> bool:
     return path.is_file() and path.stat().st_size == model.size
 
 
-def list_cached() -> list[tuple[CatalogModel, Path]]:
-    return [(m, cached_path(m)) for m in CATALOG.values() if is_cached(m)]
-
-
 def resolve_model(name_or_path: str | os.PathLike[str] | None, *, progress: ProgressFn | None = None,
                   pull_missing: bool = True, verbose: bool = False) -> Path:
     """A path for a catalog name or an existing file; ``None`` means the default model."""

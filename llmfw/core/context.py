@@ -70,9 +70,6 @@ class Context:
         self.n_ubatch = min(self.params.n_ubatch, self.n_batch)
         self.n_seq_max = self.params.n_seq_max
         self.abort_callback = self.params.abort_callback
-        if self.params.n_threads:
-            for backend in model.backends.values():
-                backend.set_n_threads(self.params.n_threads)
         self.memory: Memory = self._create_memory()
         #: per sequence, the tokens whose KV is in the cache, kept by whoever decodes them (``generate``, the
         #: serving engine) to reuse a shared prefix; checked against the memory before use (generate.synced_record);
@@ -180,7 +177,7 @@ class Context:
         if ub.n_outputs != ub.n_tokens:
             inputs["out_ids"] = ub.out_ids
         reserved.set_inputs(i, ub, inputs)
-        outputs = self.scheduler.compute(plan, inputs)
+        outputs = self._compute(plan, inputs)
         return outputs[self._output_name].reshape(ub.n_outputs, self._output_width)
 
     @property
@@ -207,8 +204,14 @@ class Context:
         return self._plan
 
     def _run_maintenance(self, graph: Graph, inputs: dict[str, np.ndarray]) -> None:
-        plan = self.scheduler.plan(graph)
-        self.scheduler.compute(plan, inputs)
+        self._compute(self.scheduler.plan(graph), inputs)
+
+    def _compute(self, plan: Plan, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run a plan with this context's thread count: each compute call states it (the model's backends are
+        shared by its contexts, so a context's ``n_threads`` is not a setting it leaves behind)."""
+        for backend in self.model.backends.values():
+            backend.use_threads(self.params.n_threads)
+        return self.scheduler.compute(plan, inputs)
 
     def _forget_ubatch(self, ub: UBatch) -> None:
         """After a failed ubatch, drop its positions (and later ones) from the memory, as llama.cpp does."""

@@ -373,7 +373,3 @@ def _verify(loop: _Loop, token: int, draft: list[int]) -> tuple[list[str], int |
     ctx.memory.seq_rm(0, len(record), -1)
     return pieces, next_token
 
-
-def generate_text(ctx: Any, prompt: str | Sequence[int], sampler: Sampler | None = None, **kwargs: Any) -> str:
-    """The whole continuation as one string (``generate`` joined)."""
-    return "".join(generate(ctx, prompt, sampler, **kwargs))

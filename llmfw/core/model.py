@@ -18,7 +18,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .architecture import INPUT_LAYER, OUTPUT_LAYER, Architecture, TensorSpec, get_architecture
-from .backend import Backend, choose_default_backend, create_backend
+from .backend import Backend, check_backend_options, choose_default_backend, choose_host_backend, create_backend
 from .errors import MissingMetadataKey, ModelError
 from .hparams import HParams, make_hparams, read_common_hparams
 from .loader import ModelFileLoader, WeightLoad, open_loader
@@ -35,7 +35,8 @@ class ModelParams(BaseModel):
     #: choose_default_backend; built in: "torch:cuda" with a CUDA GPU and torch, else "onnx" when onnxruntime
     #: imports, else "numpy"); or a spec: "numpy", "torch", "torch:cuda", "onnx", ...
     backend: str | None = None
-    #: the last n layers go to "torch:cuda" (n > n_layer: the output head too; -1: everything), like llama.cpp
+    #: the last n layers go to the highest-priority device (GPU) backend that runs here (built in: "torch:cuda";
+    #: n > n_layer: the output head too; -1: everything), like llama.cpp
     n_gpu_layers: int = Field(default=0, ge=-1)
     #: explicit layer → backend spec; layer n_layer means the output head. Wins over n_gpu_layers.
     placement: dict[int, str] | None = None
@@ -44,14 +45,14 @@ class ModelParams(BaseModel):
     #: called with the fraction loaded; returning False cancels (LoadCancelled)
     progress: Callable[[float], bool | None] | None = None
     kv_overrides: dict[str, bool | int | float | str] = Field(default_factory=dict)
+    #: per backend registry name, that backend's options, validated against its ``options_schema``
+    #: (``{"torch": {"matmul": "int8"}, "numpy": {"n_threads": 2}}``); a misspelt key is a ConfigError
+    backend_options: dict[str, dict[str, Any]] = Field(default_factory=dict)
 
     @field_validator("backend")
     @classmethod
     def _strip_backend(cls, value: str | None) -> str | None:
         return value.strip() if isinstance(value, str) else value
-
-
-GPU_BACKEND = "torch:cuda"
 
 
 class Model:
@@ -321,17 +322,22 @@ def _place_layers(model: Model, params: ModelParams) -> None:
         choice = choose_default_backend()
         main, model.backend_choice = choice.spec, f"{choice.spec} (the default: {choice.reason})"
     specs = [main] * (n_layer + 1)
-    specs = [GPU_BACKEND if on_gpu else spec
-             for spec, on_gpu in zip(specs, gpu_layers(n_layer, params.n_gpu_layers))]
+    if params.n_gpu_layers:
+        offload = choose_default_backend(devices_only=True).spec
+        specs = [offload if on_gpu else spec for spec, on_gpu in zip(specs, gpu_layers(n_layer, params.n_gpu_layers))]
     for il, spec in (params.placement or {}).items():
         if not 0 <= il <= n_layer:
             raise ModelError(f"placement names layer {il}, but the model has layers 0..{n_layer - 1} "
                              f"(and {n_layer} for the output head)")
         specs[il] = spec
     model.layer_specs = specs
-    for spec in dict.fromkeys(["numpy", *specs]):
-        model.backends[spec] = create_backend(spec)
-    model.host_backend = model.backends["numpy"]
+    check_backend_options(params.backend_options)
+    for spec in dict.fromkeys(specs):
+        model.backends[spec] = create_backend(spec, params.backend_options)
+    host = choose_host_backend(model.backends)
+    if host not in model.backends:
+        model.backends[host] = create_backend(host, params.backend_options)
+    model.host_backend = model.backends[host]
 
 
 def gpu_layers(n_layer: int, n_gpu_layers: int) -> list[bool]:

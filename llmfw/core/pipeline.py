@@ -159,6 +159,8 @@ class PipelineConfig(_Section):
     placement: dict[int, str] | None = None
     n_gpu_layers: int = Field(0, ge=-1)
     load_mode: Literal["mmap", "read"] = "mmap"
+    #: per backend registry name, its options (``ModelParams.backend_options``): ``{torch: {matmul: int8}}``
+    backend_options: dict[str, dict[str, Any]] = Field(default_factory=dict)
     context: ContextConfig = Field(default_factory=ContextConfig)
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
     sampling: SamplerParams = Field(default_factory=SamplerParams)
@@ -353,12 +355,22 @@ class Pipeline:
             location = self.model_location()
             try:
                 self._model = load_model(location, backend=cfg.backend, placement=cfg.placement,
-                                         n_gpu_layers=cfg.n_gpu_layers, load_mode=cfg.load_mode, progress=progress)
+                                         n_gpu_layers=cfg.n_gpu_layers, load_mode=cfg.load_mode, progress=progress,
+                                         backend_options=self.backend_options())
             except (UnknownBackend, BackendUnavailable) as exc:
                 if cfg.backend is None or not self._from_file("backend"):
                     raise
                 raise type(exc)(f"{self._blame('backend')}{exc}") from exc  # the file asked for it: say which
         return self._model
+
+    def backend_options(self) -> dict[str, dict[str, Any]]:
+        """The file's ``backend_options`` over those the environment sets (``LLMFW_TORCH_MATMUL``, ...: every
+        CLI command runs a pipeline, so the variables stay command-line conveniences)."""
+        import os
+
+        from .backend import backend_options_from_environment, merge_backend_options
+
+        return merge_backend_options(backend_options_from_environment(os.environ), self.config.backend_options)
 
     def new_context(self, model: Any = None) -> Any:
         model = model or self.load_model()
@@ -373,7 +385,8 @@ class Pipeline:
         if spec.model_draft:
             from .model import load_model
 
-            draft_model = load_model(str(self._relative(spec.model_draft)), backend=self.config.backend)
+            draft_model = load_model(str(self._relative(spec.model_draft)), backend=self.config.backend,
+                                     backend_options=self.backend_options())
             return DraftModelDrafter(model or self.load_model(), draft_model, spec.draft_max or DEFAULT_DRAFT_MAX,
                                      n_ctx)
         return NgramDrafter(spec.draft_max, spec.ngram_n) if spec.draft_max else None

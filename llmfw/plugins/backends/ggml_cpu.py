@@ -35,7 +35,7 @@ to log-prob changes of ~0.1 on average — the same size as numpy-vs-llama.cpp, 
 builds. So its logits are no closer to llama.cpp's than the numpy backend's; it reproduces the *kind and size* of
 llama.cpp's rounding noise, not its bits. Use it to study that noise (e.g. how robust a greedy choice is to it),
 not as a more exact engine; the class attributes ``quantize_activations``, ``f16_kv_cache`` and
-``f16_attention`` switch each emulation off separately.
+``f16_attention`` (:class:`GgmlOptions`, ``backend_options={"ggml": {...}}``) switch each emulation off separately.
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from llmfw.core.backend import CompiledSplit, Split, WeightSource
+from llmfw.core.backend import BackendOptions, CompiledSplit, Split, WeightSource
 from llmfw.core.quants import GGMLType, dequantize
 from llmfw.plugins.backends.numpy_cpu import (
     F32,
@@ -260,6 +260,15 @@ def _ggml_attention_block(q: np.ndarray, kv: NumpyKV, n_cols: int, mask: np.ndar
 # the backend
 # ---------------------------------------------------------------------------------------------------------
 
+class GgmlOptions(BackendOptions):
+    """``backend_options={"ggml": {...}}``: each emulation can be switched off alone (to measure its
+    contribution; all on = llama.cpp)."""
+
+    quantize_activations: bool = True
+    f16_kv_cache: bool = True
+    f16_attention: bool = True
+
+
 class GgmlBackend(NumpyBackend):
     """The numpy backend with ggml-cpu's roundings: 8-bit activations in quantized matmuls, an f16 KV cache and
     f16 attention products (see the module docstring)."""
@@ -267,13 +276,14 @@ class GgmlBackend(NumpyBackend):
     name = "ggml"
     #: a fidelity study of ggml's kernels, not a default (see the module docstring)
     default_priority: dict[str, int] = {}
-    #: each emulation can be switched off alone (measurement of its contribution; all on = llama.cpp)
-    quantize_activations: bool = True
-    f16_kv_cache: bool = True
-    f16_attention: bool = True
+    options_schema = GgmlOptions
 
-    def __init__(self, device: str | None = None, n_threads: int | None = None):
-        super().__init__(device, n_threads)
+    def __init__(self, device: str | None = None, options: BackendOptions | None = None):
+        super().__init__(device, options)
+        ggml = self.options_as(GgmlOptions)
+        self.quantize_activations = ggml.quantize_activations
+        self.f16_kv_cache = ggml.f16_kv_cache
+        self.f16_attention = ggml.f16_attention
         self._matrix_by_source: dict[str, GgmlMatrix] = {}
 
     def load_weight(self, source: WeightSource) -> Any:

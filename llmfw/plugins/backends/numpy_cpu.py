@@ -31,7 +31,8 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from llmfw.core.backend import Backend, CompiledSplit, KVLayerShape, Split, WeightSource, release_freed_memory
+from llmfw.core.backend import (Backend, BackendOptions, CompiledSplit, KVLayerShape, Split, WeightSource,
+                                release_freed_memory)
 from llmfw.core.errors import ModelError
 from llmfw.core.graph import OPS, Node
 from llmfw.core.quants import GGMLType, dequantize, dequantize_rows
@@ -333,8 +334,8 @@ class NumpyBackend(Backend):
     #: the default when no faster backend can run (always installed)
     default_priority = {"cpu": 100}
 
-    def __init__(self, device: str | None = None, n_threads: int | None = None):
-        super().__init__(device, n_threads)
+    def __init__(self, device: str | None = None, options: BackendOptions | None = None):
+        super().__init__(device, options)
         #: float32 copies shared by tensors with the same file source (tied output head + embedding)
         self._dense_by_source: dict[str, np.ndarray] = {}
         #: weights concatenated for fused matmuls, by member names: [n_in, sum of n_out] C-contiguous

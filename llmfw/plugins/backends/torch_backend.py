@@ -32,7 +32,7 @@ import numpy as np
 
 from llmfw.core.architecture import RopeParams
 from llmfw.core.backend import (
-    Backend,
+    Backend, BackendOptions,
     CompiledSplit,
     KVLayerShape,
     NativeValue,
@@ -779,14 +779,14 @@ class TorchBackend(Backend):
     #: the default only on a CUDA GPU: on a CPU, importing torch alone costs seconds and onnx decodes faster
     default_priority: ClassVar[Mapping[str, int]] = {"cuda": 300}
 
-    def __init__(self, device: str | None = None, n_threads: int | None = None):
+    def __init__(self, device: str | None = None, options: BackendOptions | None = None):
         torch = import_torch()
-        super().__init__(device=check_device(device), n_threads=n_threads)
+        super().__init__(device=check_device(device), options=options)
         self.torch_device = torch.device(self.device)
         self.matmul_form = default_matmul_form(self.device)
         if self.matmul_form == "int8":
             torch.backends.quantized.engine = "fbgemm"
-        self.set_n_threads(n_threads)
+        self.use_threads(None)
         self._fused: dict[tuple[str, ...], Linear] = {}
         self._loading = True
         self.last_source: str = ""

@@ -150,14 +150,11 @@ class ConvertedCache:
             shutil.rmtree(stale, ignore_errors=True)
 
 
-def default_cache_root() -> Path | None:
-    """``$LLMFW_ONNX_CACHE`` (a folder, or ``0`` for no cache) or ``<models_dir>/.onnx``."""
+def default_cache_root() -> Path:
+    """``<models_dir>/.onnx``: next to the model cache."""
     from llmfw.core.catalog import models_dir
 
-    setting = os.environ.get("LLMFW_ONNX_CACHE", "").strip()
-    if setting.lower() in ("0", "off", "false", "no"):
-        return None
-    return Path(setting).expanduser() if setting else models_dir() / ".onnx"
+    return models_dir() / ".onnx"
 
 
 class CachedLoad:

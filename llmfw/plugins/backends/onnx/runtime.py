@@ -6,7 +6,6 @@ never serialized with its weights and all sessions share one copy of the packed 
 from __future__ import annotations
 
 import logging
-import os
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +13,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from llmfw.core.backend import Backend, CompiledSplit, KVLayerShape, Split, WeightSource
+from llmfw.core.backend import Backend, BackendOptions, CompiledSplit, KVLayerShape, Split, WeightSource
 from llmfw.core.errors import ModelError
 from llmfw.core.graph import OPS
 from llmfw.plugins.backends.onnx.cache import CachedLoad, ConvertedCache, default_cache_root
@@ -42,6 +41,21 @@ class _Program:
     node_count: int = 0               # ONNX nodes before ORT's own fusions (diagnostics)
 
 
+class OnnxOptions(BackendOptions):
+    """``backend_options={"onnx": {...}}``; the CLI maps ``OnnxBackend.environment_options`` onto them."""
+
+    #: ONNX Runtime's per-node trace, one JSON file per session, under this path prefix (README, Profiling)
+    profile: str | None = None
+    #: intra-op threads busy-wait between kernels (faster decode; False frees the cores between calls)
+    spin: bool = True
+    #: write each session's graph after ORT's own fusions to ``<dump>-<n>.onnx``
+    dump: str | None = None
+    #: keep converted weights next to the model cache and map them on later loads (cache.py)
+    cache: bool = True
+    #: the converted-weight cache's folder (default ``<models_dir>/.onnx``)
+    cache_dir: str | None = None
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # the backend
 # ---------------------------------------------------------------------------------------------------------------
@@ -56,11 +70,16 @@ class OnnxBackend(Backend):
     #: the default on a CPU: it decodes about twice as fast as numpy or torch there (README, Benchmarks)
     default_priority = {"cpu": 200}
 
+    options_schema = OnnxOptions
+    environment_options = {"LLMFW_ONNX_PROFILE": "profile", "LLMFW_ONNX_SPIN": "spin", "LLMFW_ONNX_DUMP": "dump",
+                           "LLMFW_ONNX_CACHE": "cache", "LLMFW_ONNX_CACHE_DIR": "cache_dir"}
+
     #: MatMulNBits accuracy level: 4 = int8 activations (llama.cpp's own quantized dot products)
     accuracy_level: int = 4
 
-    def __init__(self, device: str | None = None, n_threads: int | None = None):
-        super().__init__(device, n_threads)
+    def __init__(self, device: str | None = None, options: BackendOptions | None = None):
+        super().__init__(device, options)
+        self.onnx_options = self.options_as(OnnxOptions)
         self.providers = execution_providers(device)
         self._ort, _ = import_onnxruntime()
         self._ort_values: dict[str, Any] = {}
@@ -70,24 +89,21 @@ class OnnxBackend(Backend):
         self._load: CachedLoad | None = None
         #: sessions built (tests read it to check that one session serves many ubatches)
         self.sessions_built = 0
-        #: bumped when built sessions become stale (thread count changed); compiled splits then rebuild
-        self.generation = 0
 
     @classmethod
     def check_available(cls, device: str | None = None) -> None:
         execution_providers(device)
 
-    def set_n_threads(self, n_threads: int | None) -> None:
-        """Sessions fix their thread count when built: a change drops them (rebuilt on the next run)."""
-        if n_threads != self.n_threads:
-            super().set_n_threads(n_threads)
-            self._programs.clear()
-            self.generation += 1
-
     # -- weights ------------------------------------------------------------------------------------------
     def begin_loading(self, model_file: Path) -> None:
-        root = default_cache_root()
+        root = self._cache_root()
         self._load = CachedLoad(None if root is None else ConvertedCache.for_file(root, model_file))
+
+    def _cache_root(self) -> Path | None:
+        opts = self.onnx_options
+        if not opts.cache:
+            return None
+        return Path(opts.cache_dir).expanduser() if opts.cache_dir else default_cache_root()
 
     def load_weight(self, source: WeightSource) -> Weight:
         if self._load is None:  # a weight outside a file's load (tests build backends by hand)
@@ -166,8 +182,9 @@ class OnnxBackend(Backend):
         return _CompiledSplit(self, split, kv)
 
     def program(self, split: Split, inputs: Sequence[np.ndarray], kv: Mapping[tuple[str, int], Any]) -> _Program:
-        """The session for a split structure, built on first use and cached (LRU)."""
-        key = split_signature(split, inputs)
+        """The session for a split structure and thread count (fixed when a session is built), built on first
+        use and cached (LRU)."""
+        key = (self.n_threads, split_signature(split, inputs))
         program = self._programs.get(key)
         if program is not None:
             self._programs.move_to_end(key)
@@ -205,16 +222,15 @@ class OnnxBackend(Backend):
         options.inter_op_num_threads = 1
         if self.n_threads:
             options.intra_op_num_threads = int(self.n_threads)
-        if os.environ.get("LLMFW_ONNX_SPIN") == "0":
+        opts = self.onnx_options
+        if not opts.spin:
             options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         options.log_severity_level = 3  # unused-initializer notes are expected (e.g. weights of fused matmuls)
-        profile_prefix = os.environ.get("LLMFW_ONNX_PROFILE")
-        if profile_prefix:  # ORT's per-node timings, a JSON trace per session (see the README section)
+        if opts.profile:  # ORT's per-node timings, a JSON trace per session (see the README section)
             options.enable_profiling = True
-            options.profile_file_prefix = profile_prefix
-        optimized_path = os.environ.get("LLMFW_ONNX_DUMP")
-        if optimized_path:  # the graph after ORT's fusions, to check what it made of a split
-            options.optimized_model_filepath = f"{optimized_path}-{self.sessions_built}.onnx"
+            options.profile_file_prefix = opts.profile
+        if opts.dump:  # the graph after ORT's fusions, to check what it made of a split
+            options.optimized_model_filepath = f"{opts.dump}-{self.sessions_built}.onnx"
         return options
 
 
@@ -243,7 +259,7 @@ class _CompiledSplit:
         self._bound: OrderedDict[tuple, _Bound] = OrderedDict()
 
     def _prepare(self, arrays: list[np.ndarray]) -> None:
-        signature = (self.backend.generation, tuple((a.dtype.str, a.ndim) for a in arrays))
+        signature = (self.backend.n_threads, tuple((a.dtype.str, a.ndim) for a in arrays))
         if self.program is not None and signature == self._signature:
             return
         self.program = self.backend.program(self.split, arrays, self.kv)
