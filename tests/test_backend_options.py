@@ -86,7 +86,14 @@ def test_backends_declare_host_priority_and_devices() -> None:
     numpy_cls, onnx_cls = backend_class("numpy"), backend_class("onnx")
     assert numpy_cls.is_host and not onnx_cls.is_host
     assert numpy_cls.devices() == ["cpu"]
+    assert onnx_cls.devices() == ["cpu"]
     assert onnx_cls.default_priority["cpu"] > numpy_cls.default_priority["cpu"]
+
+
+def test_torch_lists_the_cpu_and_each_cuda_device() -> None:
+    torch = pytest.importorskip("torch")
+    found = backend_class("torch").devices()
+    assert found == ["cpu", *(f"cuda:{i}" for i in range(torch.cuda.device_count()))]
 
 
 def test_a_device_backend_model_gets_the_best_host(smollm2_path) -> None:
@@ -112,3 +119,31 @@ def test_the_core_names_no_backend() -> None:
     found = [f"{path.name}:{line}: {value!r}" for path in sorted((ROOT / "llmfw" / "core").glob("*.py"))
              for line, value in _string_literals_outside_docstrings(path) if value.strip().split(":")[0] in names]
     assert found == []
+
+
+def test_environment_variables_map_onto_the_declared_options() -> None:
+    from llmfw.core.backend import create_backend
+
+    options = backend_options_from_environment({"LLMFW_ONNX_SPIN": "0", "LLMFW_TORCH_MATMUL": "f32", "HOME": "/"})
+    assert options == {"onnx": {"spin": "0"}, "torch": {"matmul": "f32"}}
+    onnx = create_backend("onnx", options)
+    assert onnx.onnx_options.spin is False and onnx.onnx_options.profile is None
+    with pytest.raises(ConfigError, match="backend 'onnx': spin: Input should be a valid boolean"):
+        create_backend("onnx", {"onnx": {"spin": "sometimes"}})
+
+
+def test_onnx_keeps_one_session_per_thread_count(smollm2_path) -> None:
+    """Two contexts with different thread counts on one model take turns without rebuilding sessions."""
+    with llmfw.load_model(smollm2_path, backend="onnx") as model:
+        onnx = model.backends["onnx"]
+        contexts = [model.new_context(n_ctx=256, n_threads=1), model.new_context(n_ctx=256, n_threads=2)]
+        for ctx in contexts:
+            assert ctx.decode(Batch([1, 422])) == 0 and ctx.decode(Batch([1115])) == 0
+        built = onnx.sessions_built
+        logits = []
+        for token in (314, 4135):
+            for ctx in contexts:
+                assert ctx.decode(Batch([token])) == 0
+                logits.append(ctx.get_logits_ith(-1))
+        assert onnx.sessions_built == built
+        np.testing.assert_allclose(logits[0], logits[1], atol=1e-3)  # the thread count does not change the result

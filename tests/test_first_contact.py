@@ -116,14 +116,17 @@ def test_an_asked_for_backend_is_named_as_such(smollm2_path):
 
 
 def test_threads_reach_the_backend(smollm2_path, tmp_path):
+    from llmfw.core.batch import Batch
     from llmfw.core.pipeline import load_pipeline
 
     path = tmp_path / "t.yaml"
     path.write_text(f"model: {smollm2_path}\ncontext: {{n_threads: 1}}\n")
     pipeline = load_pipeline(path)
     model = pipeline.load_model()
-    pipeline.new_context(model)
-    assert {b.n_threads for b in model.backends.values()} == {1}
+    ctx = pipeline.new_context(model)
+    assert {b.n_threads for b in model.backends.values()} == {None}  # creating a context sets nothing shared
+    assert ctx.decode(Batch([1, 2])) == 0
+    assert {b.n_threads for b in model.backends.values()} == {1}  # its compute calls run with its threads
     bad = llmfw("run", "hi", "-t", "0", "--no-progress")
     assert bad.returncode == 2 and "-t" in bad.stderr
 

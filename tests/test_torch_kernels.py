@@ -10,13 +10,15 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from llmfw.core.backend import KVLayerShape, Split, WeightSource  # noqa: E402
-from llmfw.core.errors import BackendUnavailable  # noqa: E402
+from llmfw.core.backend import (  # noqa: E402
+    KVLayerShape, Split, WeightSource, backend_options_from_environment, create_backend,
+)
+from llmfw.core.errors import BackendUnavailable, ConfigError  # noqa: E402
 from llmfw.core.graph import Graph  # noqa: E402
 from llmfw.core.quants import GGMLType, dequantize  # noqa: E402
 from llmfw.plugins.backends import numpy_cpu as oracle  # noqa: E402
 from llmfw.core.architecture import RopeParams  # noqa: E402
-from llmfw.plugins.backends.torch import TorchBackend  # noqa: E402
+from llmfw.plugins.backends.torch import TorchBackend, TorchOptions  # noqa: E402
 from llmfw.plugins.backends.torch.kernels import RopeTables, attention, k_shift, rope_apply, rope_cos_sin  # noqa: E402
 from llmfw.plugins.backends.torch.weights import MATMUL_FORM_ENV, has_dynamic_int8  # noqa: E402
 
@@ -149,11 +151,10 @@ def _check_int8_rows(weight, dense: np.ndarray, name: str) -> None:
 
 
 @pytest.mark.parametrize("form", ["int8", "bf16", "f32"])
-def test_fused_linear_equals_separate(form: str, monkeypatch) -> None:
+def test_fused_linear_equals_separate(form: str) -> None:
     if form == "int8" and not has_dynamic_int8():
         pytest.skip("no fbgemm dynamic quantized linear")
-    monkeypatch.setenv(MATMUL_FORM_ENV, form)
-    backend = TorchBackend("cpu")
+    backend = TorchBackend("cpu", options=TorchOptions(matmul=form))
     assert backend.matmul_form == form
     weights = {"q": randn(32, 24), "k": randn(8, 24), "v": randn(8, 24)}
     for name, w in weights.items():
@@ -170,10 +171,12 @@ def test_fused_linear_equals_separate(form: str, monkeypatch) -> None:
     assert backend.weight_nbytes() == separate_nbytes + backend.weights["k"].nbytes  # the rebuilt k is extra
 
 
-def test_bad_matmul_form_env_is_clear(monkeypatch) -> None:
-    monkeypatch.setenv(MATMUL_FORM_ENV, "int3")
-    with pytest.raises(BackendUnavailable, match="int8, bf16, f32"):
-        TorchBackend("cpu")
+def test_bad_matmul_form_env_is_clear() -> None:
+    options = backend_options_from_environment({MATMUL_FORM_ENV: "int3"})  # what the CLI does with the variable
+    assert options["torch"] == {"matmul": "int3"}
+    with pytest.raises(ConfigError, match="backend 'torch': matmul: Input should be 'fp16', 'int8', 'bf16' or 'f32'"):
+        create_backend("torch", options)
+    assert create_backend("torch", backend_options_from_environment({MATMUL_FORM_ENV: " F32 "})).matmul_form == "f32"
 
 
 # -- a whole split ---------------------------------------------------------------------------------------------
@@ -273,15 +276,14 @@ def _run_graph(backend, graph: Graph, steps: list[tuple[np.ndarray, np.ndarray]]
 
 @pytest.mark.parametrize("form", ["f32", "fp16", "int8"])
 @pytest.mark.parametrize("rope_mode,softcap", [("norm", 0.0), ("neox", 20.0)])
-def test_split_matches_numpy_backend(form: str, rope_mode: str, softcap: float, monkeypatch) -> None:
+def test_split_matches_numpy_backend(form: str, rope_mode: str, softcap: float) -> None:
     if form == "int8" and not has_dynamic_int8():
         pytest.skip("no fbgemm dynamic quantized linear")
-    monkeypatch.setenv(MATMUL_FORM_ENV, form)
     graph = _tiny_graph(rope_mode, softcap)
     steps = [(np.array([3, 14, 15, 9], dtype=np.int32), np.arange(4, dtype=np.int32)),
              (np.array([26], dtype=np.int32), np.array([4], dtype=np.int32))]
     expected, _ = _run_graph(oracle.NumpyBackend(), graph, steps)
-    backend = TorchBackend("cpu")
+    backend = TorchBackend("cpu", options=TorchOptions(matmul=form))
     got, run = _run_graph(backend, graph, steps)
     tolerance = {"f32": 2e-4, "fp16": 2e-3, "int8": 0.1}[form]  # int8: 8-bit activations, see the README
     for e, g in zip(expected, got):
@@ -318,7 +320,8 @@ def test_split_on_cuda_matches_numpy() -> None:
     assert np.max(np.abs(got[0] - expected[0])) <= 0.05 * max(1.0, np.max(np.abs(expected[0])))
 
 
-SPIN_PROBE = ("import os; from llmfw.plugins.backends.torch.environment import import_torch; import_torch(); "
+SPIN_PROBE = ("import os; from llmfw.core.backend import backend_options_from_environment, create_backend; "
+              "create_backend('torch', backend_options_from_environment(os.environ)); "
               "print(os.environ.get('OMP_WAIT_POLICY'))")
 
 
@@ -326,8 +329,8 @@ SPIN_PROBE = ("import os; from llmfw.plugins.backends.torch.environment import i
                                                     ("0", "ACTIVE", "ACTIVE")])
 def test_spin_setting_reaches_openmp_before_torch_loads(spin: str | None, preset: str | None,
                                                         expected: str) -> None:
-    """LLMFW_TORCH_SPIN=0 sets OpenMP's passive wait policy in a fresh process before torch is imported; an
-    explicit OMP_WAIT_POLICY is left alone."""
+    """LLMFW_TORCH_SPIN=0, mapped by the CLI onto the spin option, sets OpenMP's passive wait policy in a fresh
+    process before torch is imported; an explicit OMP_WAIT_POLICY is left alone."""
     import os
 
     env = {k: v for k, v in os.environ.items() if k not in ("LLMFW_TORCH_SPIN", "OMP_WAIT_POLICY")}

@@ -19,6 +19,7 @@ from llmfw.core.architecture import INPUT_LAYER, OUTPUT_LAYER, Architecture, Ten
 from llmfw.core.errors import ModelError
 from llmfw.core.graph import GraphBuilder, Node
 from llmfw.core.hparams import HParams
+from llmfw.core.loader import MetadataView
 from llmfw.core.plugins import hookimpl
 
 __version__ = "0.1.0"
@@ -34,7 +35,7 @@ class OlmoArchitecture(Architecture):
     hparams_class = OlmoHParams
     rope_type = "norm"
 
-    def own_hparams(self, keys: Any, common: dict[str, Any]) -> dict[str, Any]:
+    def own_hparams(self, keys: MetadataView, common: dict[str, Any]) -> dict[str, Any]:
         keys.get_float("{arch}.attention.layer_norm_epsilon")  # required: ModelError names it when absent
         return {"f_clamp_kqv": keys.get_float("{arch}.attention.clamp_kqv", 0.0)}
 

@@ -36,11 +36,11 @@ class ChatSession:
     """The conversation, its context (KV cache) and sampler; :meth:`answer` streams one reply."""
 
     def __init__(self, pipeline: Any, model: Any, out: TextIO):
-        from ..core.generate import GenerationStats, context_int
+        from ..core.generate import GenerationStats
 
         self.pipeline, self.model, self.out = pipeline, model, out
         self.ctx = pipeline.new_context(model)
-        self.sampler = pipeline.make_sampler(model, context_int(self.ctx, "n_ctx"))
+        self.sampler = pipeline.make_sampler(model, self.ctx.n_ctx)
         self.messages: list[dict[str, str]] = []
         self.last_stats = GenerationStats()
         self.reset()

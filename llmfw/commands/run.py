@@ -233,7 +233,7 @@ def run(prompt: str | None, use_chat: bool, prompt_cache: str | None, draft_max:
     Greedy unless a sampling flag is given; the prompt is tokenized with special tokens parsed, not echoed.
     Ctrl-C stops the generation, prints the timing line and exits with status 130.
     """
-    from ..core.generate import GenerationStats, context_int
+    from ..core.generate import GenerationStats
 
     if prompt == "-":
         prompt = sys.stdin.read()
@@ -247,7 +247,7 @@ def run(prompt: str | None, use_chat: bool, prompt_cache: str | None, draft_max:
         raise click.UsageError("give a PROMPT (or set generation.prompt in --config)")
     model = load_model_with_progress(pipeline, not opts["no_progress"], verbose=opts["verbose"])
     ctx = pipeline.new_context(model)
-    sampler = pipeline.make_sampler(model, context_int(ctx, "n_ctx"))
+    sampler = pipeline.make_sampler(model, ctx.n_ctx)
     if opts["verbose"]:
         describe_setup(model, ctx, sampler, pipeline)
     if prompt_cache:

@@ -224,5 +224,4 @@ def get_architecture(name: str) -> Architecture:
     """An instance of the architecture registered as ``name`` (UnknownArchitecture lists the known ones)."""
     from .plugins import registry
 
-    cls = registry("architectures").get(name)
-    return cls()
+    return registry("architectures").get_class(name, Architecture)()

@@ -184,6 +184,11 @@ class Backend(ABC):
         """Raise :class:`BackendUnavailable` (naming the pip extra) when this backend cannot run here."""
 
     @classmethod
+    def prepare_process(cls, options: BackendOptions) -> None:
+        """Apply the options a library reads once, when it loads (OpenMP's wait policy): called with the validated
+        options before :meth:`check_available`, which may import that library."""
+
+    @classmethod
     def devices(cls) -> list[str]:
         """The devices this backend can run on here (``["cpu"]``, ``["cpu", "cuda:0"]``, or ``[]``). The default
         asks :meth:`check_available` about the devices of :attr:`default_priority` (the CPU when none)."""
@@ -329,7 +334,7 @@ def backend_class(name: str) -> type[Backend]:
     if name not in reg:
         raise UnknownBackend(f"unknown backend {name!r}; known: {', '.join(reg.names()) or '(none)'}")
     try:
-        return reg.get(name)
+        return reg.get_class(name, Backend)
     except Exception as exc:  # noqa: BLE001 - a backend whose module cannot import is unavailable
         from .errors import PluginError
 
@@ -344,6 +349,7 @@ def create_backend(spec: str, options: BackendOptionsByName | None = None) -> Ba
     name, device = parse_backend_spec(spec)
     cls = backend_class(name)
     parsed = parse_backend_options(cls, (options or {}).get(name, {}))
+    cls.prepare_process(parsed)
     cls.check_available(device)
     return cls(device=device, options=parsed)
 

@@ -10,11 +10,14 @@ sequence ids, lengths and position continuity. :func:`split_simple` cuts the res
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
 from .errors import LLMFWError
+
+if TYPE_CHECKING:
+    from .memory import Memory
 
 
 class BatchError(LLMFWError, ValueError):
@@ -102,6 +105,12 @@ class UBatch(_TokenRows):
         return np.flatnonzero(self.output).astype(np.int32)
 
 
+def _n_rows(values: np.ndarray | None) -> int:
+    if values is None:  # _tokens_or_embd returns exactly one of them
+        raise BatchError("a batch needs exactly one of tokens or embd")
+    return int(values.shape[0])
+
+
 class BatchAllocator:
     """Completes and validates batches for one context (llama.cpp's llama_batch_allocr)."""
 
@@ -110,11 +119,11 @@ class BatchAllocator:
         self.n_embd = n_embd
         self.n_seq_max = n_seq_max
 
-    def init(self, batch: Batch, memory: Any = None, *, output_all: bool = False) -> AllocatedBatch:
+    def init(self, batch: Batch, memory: Memory | None = None, *, output_all: bool = False) -> AllocatedBatch:
         if not isinstance(batch, Batch):
             raise BatchError(f"expected an llmfw.Batch, got {type(batch).__name__}")
         tokens, embd = self._tokens_or_embd(batch)
-        n = tokens.shape[0] if tokens is not None else embd.shape[0]
+        n = _n_rows(tokens if tokens is not None else embd)
         if n == 0:
             raise BatchError("the batch is empty (n_tokens == 0)")
         seq_ids = self._seq_ids(batch.seq_id, n)
@@ -151,6 +160,7 @@ class BatchAllocator:
         return None, np.ascontiguousarray(embd)
 
     def _seq_ids(self, seq_id: Any, n: int) -> list[tuple[int, ...]]:
+        ids: list[tuple[int, ...]]
         if seq_id is None:
             ids = [(0,)] * n
         elif isinstance(seq_id, (int, np.integer)):
@@ -175,7 +185,7 @@ class BatchAllocator:
                                      f"(n_seq_max = {self.n_seq_max})")
         return ids
 
-    def _positions(self, pos: Any, n: int, seq_ids: list[tuple[int, ...]], memory: Any) -> np.ndarray:
+    def _positions(self, pos: Any, n: int, seq_ids: list[tuple[int, ...]], memory: Memory | None) -> np.ndarray:
         if pos is not None:
             positions = np.asarray(pos)
             if positions.shape != (n,):
@@ -211,7 +221,7 @@ class BatchAllocator:
             raise BatchError(f"logits has shape {flags.shape}, expected ({n},) or a bool")
         return flags.astype(bool)
 
-    def _check_continuity(self, batch: AllocatedBatch, memory: Any) -> None:
+    def _check_continuity(self, batch: AllocatedBatch, memory: Memory | None) -> None:
         """llama.cpp's checks: a sequence continues right after its last cached position, without gaps."""
         for s in np.unique(batch.seq_first):
             s = int(s)

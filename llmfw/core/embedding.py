@@ -14,12 +14,16 @@ The server calls :func:`embed_texts` (vectors and token counts) through ``Model.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, Sequence
+from typing import TYPE_CHECKING, Literal, Sequence
 
 import numpy as np
 
 from .batch import Batch
 from .errors import ConfigError, ContextError
+
+if TYPE_CHECKING:
+    from .context import Context
+    from .model import Model
 
 Pooling = Literal["none", "mean", "cls", "last"]
 #: llama.cpp's enum llama_pooling_type (RANK = 4 needs a classifier head: not supported)
@@ -43,7 +47,7 @@ class Embeddings:
         return sum(self.n_tokens)
 
 
-def model_pooling(model: Any) -> str:
+def model_pooling(model: Model) -> str:
     """The GGUF's ``{arch}.pooling_type`` as a name; ``none`` when absent (llama.cpp's default)."""
     value = model.metadata.get(f"{model.arch_name}.pooling_type")
     if value is None:
@@ -55,7 +59,7 @@ def model_pooling(model: Any) -> str:
     return name
 
 
-def _resolve_pooling(model: Any, pooling: str | None) -> str:
+def _resolve_pooling(model: Model, pooling: str | None) -> str:
     if pooling is None:
         return model_pooling(model)
     if pooling not in POOLINGS:
@@ -63,7 +67,7 @@ def _resolve_pooling(model: Any, pooling: str | None) -> str:
     return pooling
 
 
-def _tokenize_all(model: Any, texts: Sequence[str | Sequence[int]], n_batch: int) -> list[list[int]]:
+def _tokenize_all(model: Model, texts: Sequence[str | Sequence[int]], n_batch: int) -> list[list[int]]:
     from .generate import tokenize_prompt
 
     all_tokens = []
@@ -95,12 +99,12 @@ def _pack(all_tokens: list[list[int]], n_batch: int, n_seq_max: int) -> list[lis
 
 def _pool(rows: np.ndarray, pooling: str) -> np.ndarray:
     if pooling == "mean":
-        return rows.astype(np.float64).mean(axis=0).astype(np.float32)
+        return np.asarray(rows.astype(np.float64).mean(axis=0), dtype=np.float32)
     if pooling == "cls":
-        return rows[0].copy()
+        return np.array(rows[0])
     if pooling == "last":
-        return rows[-1].copy()
-    return rows.copy()
+        return np.array(rows[-1])
+    return np.array(rows)
 
 
 def _normalized(x: np.ndarray) -> np.ndarray:
@@ -108,7 +112,7 @@ def _normalized(x: np.ndarray) -> np.ndarray:
     return (x / np.where(norm == 0, 1.0, norm)).astype(np.float32)
 
 
-def _decode_group(ctx: Any, group: list[list[int]]) -> list[np.ndarray]:
+def _decode_group(ctx: Context, group: list[list[int]]) -> list[np.ndarray]:
     """Decode the texts of one group as sequences 0..n-1 of one batch; each one's per-token hidden states."""
     ctx.memory.clear()
     tokens = [t for seq in group for t in seq]
@@ -122,7 +126,7 @@ def _decode_group(ctx: Any, group: list[list[int]]) -> list[np.ndarray]:
     return [rows[bounds[k]:bounds[k + 1]] for k in range(len(group))]
 
 
-def embed_texts(model: Any, texts: str | Sequence[str | Sequence[int]], pooling: str | None = None,
+def embed_texts(model: Model, texts: str | Sequence[str | Sequence[int]], pooling: str | None = None,
                 normalize: bool = True, n_batch: int | None = None,
                 n_seq_max: int = MAX_SEQ_PER_BATCH) -> Embeddings:
     """Embeddings of ``texts`` (strings or token id lists) with their token counts; see the module docstring."""

@@ -20,10 +20,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 from .errors import ContextError, LLMFWError
 from .sampling import Sampler, SamplerChain
+
+if TYPE_CHECKING:
+    from .context import Context
+    from .model import Model
+    from .speculative import Drafter
+    from .vocab import Vocab
 
 
 @dataclass
@@ -70,23 +76,23 @@ def plural(n: int, noun: str) -> str:
 
 
 # -- the record of what is in each context's cache -------------------------------------------------------------
-def _record(ctx: Any, seq: int = 0) -> list[int]:
+def _record(ctx: Context, seq: int = 0) -> list[int]:
     """The context's own list of the tokens whose KV is cached for ``seq`` (``Context.seq_tokens``)."""
     return ctx.seq_tokens[seq]
 
 
-def cached_tokens(ctx: Any, seq: int = 0) -> list[int]:
+def cached_tokens(ctx: Context, seq: int = 0) -> list[int]:
     """The tokens known to be in ``ctx``'s KV cache for sequence ``seq`` (a copy)."""
     return list(_record(ctx, seq))
 
 
-def forget_cache(ctx: Any, seq: int = 0) -> None:
+def forget_cache(ctx: Context, seq: int = 0) -> None:
     """Clear sequence ``seq`` of the cache and its record (the next call decodes its whole prompt)."""
     ctx.memory.seq_rm(seq, -1, -1)
     _record(ctx, seq).clear()
 
 
-def synced_record(ctx: Any, seq: int = 0) -> list[int]:
+def synced_record(ctx: Context, seq: int = 0) -> list[int]:
     """The record, trimmed to what the cache really holds (someone may have decoded or removed tokens)."""
     record = _record(ctx, seq)
     n_in_cache = int(ctx.memory.seq_pos_max(seq)) + 1  # -1 when empty
@@ -107,7 +113,7 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def reuse_cached_prefix(ctx: Any, tokens: list[int], seq: int = 0) -> int:
+def reuse_cached_prefix(ctx: Context, tokens: list[int], seq: int = 0) -> int:
     """Keep the longest cached prefix of ``tokens`` in sequence ``seq`` (at least the last prompt token is
     left to decode, for its logits), drop the rest of the sequence; return how many tokens are kept."""
     record = synced_record(ctx, seq)
@@ -131,24 +137,7 @@ def accept_prompt_tokens(chain: SamplerChain, tokens: Sequence[int]) -> None:
 
 
 # -- helpers ---------------------------------------------------------------------------------------------------
-def context_int(ctx: Any, name: str, default: int | None = None) -> int | None:
-    """An integer setting of a context (``ctx.n_ctx``, or ``ctx.params.n_ctx``; 0 / missing -> default)."""
-    value = getattr(ctx, name, None)
-    if value is None:
-        value = getattr(getattr(ctx, "params", None), name, None)
-    if callable(value):
-        value = value()
-    return int(value) if value else default
-
-
-def _model(ctx: Any) -> Any:
-    model = getattr(ctx, "model", None)
-    if model is None:
-        raise ContextError("generate needs a Context created from a model (ctx.model is missing)")
-    return model
-
-
-def tokenize_prompt(model: Any, prompt: str | Sequence[int], parse_special: bool = True,
+def tokenize_prompt(model: Model, prompt: str | Sequence[int], parse_special: bool = True,
                     add_special: bool = True) -> list[int]:
     if isinstance(prompt, str):
         return list(model.vocab.tokenize(prompt, add_special=add_special, parse_special=parse_special))
@@ -163,7 +152,7 @@ def tokenize_prompt(model: Any, prompt: str | Sequence[int], parse_special: bool
 class TextStream:
     """Token bytes → text, holding back incomplete UTF-8 and anything that may start a stop string."""
 
-    def __init__(self, vocab: Any, stop: Sequence[str], special: bool = False):
+    def __init__(self, vocab: Vocab, stop: Sequence[str], special: bool = False):
         from .vocab import StreamingDetokenizer
 
         self.detokenizer = StreamingDetokenizer(vocab, special)
@@ -196,7 +185,7 @@ class TextStream:
         return text
 
 
-def _decode(ctx: Any, tokens: list[int], start_pos: int, n_batch: int, record: list[int]) -> None:
+def _decode(ctx: Context, tokens: list[int], start_pos: int, n_batch: int, record: list[int]) -> None:
     """Decode ``tokens`` at positions ``start_pos...`` in chunks of ``n_batch``, extending the record."""
     from .batch import Batch
 
@@ -205,28 +194,29 @@ def _decode(ctx: Any, tokens: list[int], start_pos: int, n_batch: int, record: l
         pos0 = start_pos + begin
         code = ctx.decode(Batch(chunk, pos=list(range(pos0, pos0 + len(chunk))), seq_id=0))
         if code != 0:
-            reason = getattr(ctx, "last_error", "") or ""
+            reason = ctx.last_error or ""
             raise ContextError(f"decode failed with code {code} at position {pos0}"
                                + (f": {reason}" if reason else ""))
         record.extend(chunk)
 
 
-def _prepare_prompt(ctx: Any, tokens: list[int], n_ctx: int | None) -> tuple[int, list[int]]:
+def _prepare_prompt(ctx: Context, tokens: list[int], n_ctx: int) -> tuple[int, list[int]]:
     """Reuse the cache: return (tokens kept from the cache, tokens still to decode)."""
     if not tokens:
         raise ContextError("the prompt is empty: nothing to generate from (give at least one token)")
-    if n_ctx is not None and len(tokens) > n_ctx:
-        padding = getattr(ctx, "n_ctx_padding_note", lambda: "")()
+    if len(tokens) > n_ctx:
+        padding = ctx.n_ctx_padding_note()
         raise ContextError(f"the prompt has {len(tokens)} tokens but the context holds {n_ctx}"
                            + (f" ({padding})" if padding else "") + "; use a larger n_ctx or a shorter prompt")
     common = reuse_cached_prefix(ctx, tokens, 0)
     return common, tokens[common:]
 
 
-def generate(ctx: Any, prompt: str | Sequence[int], sampler: Sampler | None = None,
+def generate(ctx: Context, prompt: str | Sequence[int], sampler: Sampler | None = None,
              max_tokens: int | None = None, stop: str | Sequence[str] | None = None, *,
              parse_special: bool = True, add_special: bool = True, accept_prompt: bool = True,
-             stats: GenerationStats | None = None, special: bool = False, draft: Any = None) -> Iterator[str]:
+             stats: GenerationStats | None = None, special: bool = False,
+             draft: Drafter | None = None) -> Iterator[str]:
     """Stream the continuation of ``prompt`` as text pieces.
 
     ``sampler``: a :class:`SamplerChain` (or any Sampler that selects); None = greedy.
@@ -240,7 +230,7 @@ def generate(ctx: Any, prompt: str | Sequence[int], sampler: Sampler | None = No
     ``draft``: a drafter (:mod:`llmfw.core.speculative`) for speculative decoding; the drafted / accepted
     counts land in ``stats.n_drafted`` / ``stats.n_accepted``.
     """
-    model = _model(ctx)
+    model = ctx.model
     chain = sampler if sampler is not None else SamplerChain.greedy()
     if not isinstance(chain, SamplerChain):
         chain = SamplerChain([chain])
@@ -248,8 +238,7 @@ def generate(ctx: Any, prompt: str | Sequence[int], sampler: Sampler | None = No
     if max_tokens is not None and max_tokens < 0:
         raise LLMFWError(f"max_tokens must be >= 0 or None, got {max_tokens}")
     stats = stats if stats is not None else GenerationStats()
-    n_ctx = context_int(ctx, "n_ctx")
-    n_batch = context_int(ctx, "n_batch", 512) or 512
+    n_ctx, n_batch = ctx.n_ctx, ctx.n_batch
 
     tokens = tokenize_prompt(model, prompt, parse_special=parse_special, add_special=add_special)
     n_keep, new_tokens = _prepare_prompt(ctx, tokens, n_ctx)
@@ -262,14 +251,14 @@ def generate(ctx: Any, prompt: str | Sequence[int], sampler: Sampler | None = No
 class _Loop:
     """The state of one generation: what ``_stream`` and its speculative step share."""
 
-    ctx: Any
+    ctx: Context
     chain: SamplerChain
     record: list[int]
     text: TextStream
     stats: GenerationStats
     max_tokens: int | None
-    n_ctx: int | None
-    drafter: Any = None
+    n_ctx: int
+    drafter: Drafter | None = None
 
     def emit(self, token: int) -> tuple[str, bool]:
         """Count a sampled token; returns (text to yield, whether generation ends here)."""
@@ -286,7 +275,7 @@ class _Loop:
             stats.stop_reason = "eog"
         elif self.max_tokens is not None and stats.n_generated >= self.max_tokens:
             stats.stop_reason = "max_tokens"
-        elif self.n_ctx is not None and len(self.record) >= self.n_ctx:
+        elif len(self.record) >= self.n_ctx:
             stats.stop_reason = "context_full"
         return piece, bool(stats.stop_reason)
 
@@ -297,8 +286,7 @@ class _Loop:
         room = self.drafter.n_max
         if self.max_tokens is not None:
             room = min(room, self.max_tokens - self.stats.n_generated)
-        if self.n_ctx is not None:
-            room = min(room, self.n_ctx - len(self.record) - 1)
+        room = min(room, self.n_ctx - len(self.record) - 1)
         return list(self.drafter.draft(self.record, token))[:max(room, 0)]
 
 
@@ -327,11 +315,12 @@ def _stream(loop: _Loop, n_keep: int, new_tokens: list[int], n_batch: int, accep
                     _decode(ctx, [token], len(loop.record), 1, loop.record)
                     token = chain.sample(ctx, -1)
                     continue
-                pieces, token = _verify(loop, token, draft)
+                pieces, next_token = _verify(loop, token, draft)
                 for piece in pieces:
                     yield piece
-                if token is None:
+                if next_token is None:
                     break
+                token = next_token
         rest = "" if loop.text.stopped else loop.text.flush()
         if rest:
             yield rest
@@ -349,7 +338,7 @@ def _verify(loop: _Loop, token: int, draft: list[int]) -> tuple[list[str], int |
     batch = [token, *draft]
     code = ctx.decode(Batch(batch, pos=list(range(pos0, pos0 + len(batch))), seq_id=0, logits=True))
     if code != 0:
-        raise ContextError(f"decode failed with code {code} at position {pos0}: {getattr(ctx, 'last_error', '')}")
+        raise ContextError(f"decode failed with code {code} at position {pos0}: {ctx.last_error or ''}")
     record.append(token)
     stats.n_drafted += len(draft)
     stats.n_verify_batches += 1

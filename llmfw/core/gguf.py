@@ -24,6 +24,7 @@ is garbage collected. Metadata values are always copies, so they never pin a map
 from __future__ import annotations
 
 import codecs
+import io
 import mmap
 import os
 import re
@@ -149,7 +150,7 @@ def _decode_utf8(buf: Any, start: int, end: int) -> str:
     """UTF-8 text of ``buf[start:end]``. A long one is decoded through a memoryview, so a huge length in a damaged
     header costs one string of at most the file's size, not a copy of the bytes as well."""
     if end - start < _LARGE_STRING:
-        return buf[start:end].decode("utf-8")
+        return str(buf[start:end].decode("utf-8"))
     with memoryview(buf) as view, view[start:end] as part:  # released at once: a bytearray must stay resizable
         # validated chunk by chunk first: a UnicodeDecodeError keeps a copy of all the bytes it was given
         decoder = codecs.getincrementaldecoder("utf-8")()
@@ -196,6 +197,8 @@ class _Cursor:
 
     def _fill(self, end: int) -> None:
         """Read mode: extend the buffer to at least ``end`` (doubling, so the header is read in a few calls)."""
+        if self.fh is None:  # mmap mode: the whole file is available, so this is never reached
+            raise self.fail(f"read past the mapped file at offset {self.available}")
         target = min(self.size, max(end, 2 * self.available, 1 << 20))
         self.fh.seek(self.available)
         chunk = self.fh.read(target - self.available)
@@ -219,10 +222,10 @@ class _Cursor:
         return value
 
     def u32(self, what: str) -> int:
-        return self.scalar(GGUFValueType.UINT32, what)
+        return int(self.scalar(GGUFValueType.UINT32, what))
 
     def u64(self, what: str) -> int:
-        return self.scalar(GGUFValueType.UINT64, what)
+        return int(self.scalar(GGUFValueType.UINT64, what))
 
     def string(self, what: str) -> str:
         start = self.pos
@@ -496,7 +499,7 @@ def split_file_name(prefix: str, index: int, count: int) -> str:
     return f"{prefix}-{index + 1:05d}-of-{count:05d}.gguf"
 
 
-def _pread_into(handle: BinaryIO, view: memoryview, offset: int) -> int:
+def _pread_into(handle: io.BufferedReader, view: memoryview, offset: int) -> int:
     if hasattr(os, "preadv"):
         return os.preadv(handle.fileno(), [view], offset)
     handle.seek(offset)  # platforms without preadv: a plain seek + read (not thread-safe)
@@ -510,7 +513,7 @@ class _OpenFile:
         self.path = path
         self.size = _check_regular_file(path)
         self.mapping: mmap.mmap | None = None
-        self.handle: BinaryIO | None = None
+        self.handle: io.BufferedReader | None = None
         try:
             if mode == "mmap":
                 with path.open("rb") as fh:
@@ -528,10 +531,13 @@ class _OpenFile:
     def read(self, offset: int, nbytes: int) -> np.ndarray:
         if self.mapping is not None:
             return np.frombuffer(self.mapping, dtype=np.uint8, count=nbytes, offset=offset)
+        handle = self.handle
+        if handle is None:
+            raise GGUFError(f"{self.path}: the file is closed")
         out = np.empty(nbytes, dtype=np.uint8)
-        view, done = memoryview(out), 0
+        view, done = memoryview(out.data), 0
         while done < nbytes:  # pread has no shared file position, so concurrent readers do not interfere
-            got = _pread_into(self.handle, view[done:], offset + done)
+            got = _pread_into(handle, view[done:], offset + done)
             if got <= 0:
                 raise GGUFError(f"{self.path}: short read of {nbytes} bytes at offset {offset} (file changed?)")
             done += got
@@ -675,7 +681,7 @@ class GGUFFile:
                 f"{len(getattr(self, 'metadata', {}))} keys, {len(getattr(self, 'tensors', {}))} tensors)")
 
 
-_PLAIN_TENSOR_DTYPES = {
+_PLAIN_TENSOR_DTYPES: dict[GGMLType, np.dtype[Any]] = {
     GGMLType.F32: np.dtype("<f4"), GGMLType.F16: np.dtype("<f2"), GGMLType.F64: np.dtype("<f8"),
     GGMLType.I8: np.dtype("i1"), GGMLType.I16: np.dtype("<i2"), GGMLType.I32: np.dtype("<i4"),
     GGMLType.I64: np.dtype("<i8"),
@@ -690,7 +696,7 @@ def _int_key(header: _FileHeader, key: str) -> int | None:
     if header.metadata_types[key] not in _INT_RANGES:
         raise GGUFError(f"{header.path}: {key} must be an integer, found {header.metadata_types[key].name} "
                         f"value {value!r:.80}")
-    return value
+    return int(value)
 
 
 def _split_count(header: _FileHeader) -> int:

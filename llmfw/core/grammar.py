@@ -24,11 +24,14 @@ import json
 import re
 import time
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
 from .errors import GrammarError
+
+if TYPE_CHECKING:
+    from .vocab import Vocab
 
 #: the longest grammar / schema / regex source accepted, in characters
 MAX_GRAMMAR_CHARS = 256 * 1024
@@ -330,7 +333,7 @@ def _lark_name(gbnf_name: str) -> str:
 class _VocabTokenizer:
     """What llguidance's TokenizerWrapper reads: the token bytes, EOS / BOS and a tokenize callback."""
 
-    def __init__(self, vocab: Any):
+    def __init__(self, vocab: Vocab):
         self._vocab = vocab
         self.tokens = token_bytes(vocab)
         self.eos_token_id = _first_eog(vocab)
@@ -343,7 +346,7 @@ class _VocabTokenizer:
         return list(self._vocab.tokenize(text, add_special=False, parse_special=False))
 
 
-def _first_eog(vocab: Any) -> int:
+def _first_eog(vocab: Vocab) -> int:
     for candidate in (vocab.eot_id, vocab.eos_id):
         if candidate is not None:
             return int(candidate)
@@ -352,7 +355,7 @@ def _first_eog(vocab: Any) -> int:
     raise GrammarError("the model's vocabulary has no end-of-generation token, so a grammar could never end")
 
 
-def token_bytes(vocab: Any) -> list[bytes]:
+def token_bytes(vocab: Vocab) -> list[bytes]:
     """Every token as the bytes it produces; control and unknown tokens as ``0xFF`` + their text (special)."""
     from .vocab import TokenAttr
 
@@ -369,7 +372,7 @@ def _looks_like_control(piece: bytes) -> bool:
     return len(piece) > 2 and piece.startswith(b"<") and piece.endswith(b">")
 
 
-def grammar_tokenizer(vocab: Any) -> Any:
+def grammar_tokenizer(vocab: Vocab) -> Any:
     """The llguidance tokenizer for ``vocab``: built on first use (about 0.3 s for 49k tokens, 1.4 s for 262k),
     then kept in ``vocab.derived``."""
     cache = getattr(vocab, "derived", None)
@@ -390,7 +393,7 @@ def grammar_tokenizer(vocab: Any) -> Any:
 class GrammarMatcher:
     """One grammar's state over a generation: which tokens may come next, and the tokens consumed so far."""
 
-    def __init__(self, spec: GrammarSpec, vocab: Any, compiled: str | None = None):
+    def __init__(self, spec: GrammarSpec, vocab: Vocab, compiled: str | None = None):
         self.spec = spec
         self.vocab = vocab
         self.tokenizer = grammar_tokenizer(vocab)
@@ -451,7 +454,7 @@ class GrammarMatcher:
         return 1000.0 * self.mask_s / self.n_masks if self.n_masks else 0.0
 
 
-def check_text_matches(spec: GrammarSpec, vocab: Any, text: str) -> bool:
+def check_text_matches(spec: GrammarSpec, vocab: Vocab, text: str) -> bool:
     """True when ``text`` is a complete match of ``spec`` (a fresh matcher fed the text's tokens)."""
     matcher = _llguidance().LLMatcher(grammar_tokenizer(vocab), spec.compile(), log_level=0)
     tokens = grammar_tokenizer(vocab).tokenize_str(text)
@@ -497,7 +500,7 @@ def read_constraint_file(path: Any, what: str) -> str:
         size = path.stat().st_size
         if size > MAX_GRAMMAR_CHARS * 4:
             raise GrammarError(f"{what} file {path} is {size:,} bytes; the limit is {MAX_GRAMMAR_CHARS:,} characters")
-        return path.read_text(encoding="utf-8")
+        return str(path.read_text(encoding="utf-8"))
     except OSError as exc:
         raise GrammarError(f"cannot read the {what} file {path}: {exc.strerror or exc}") from None
     except UnicodeDecodeError:

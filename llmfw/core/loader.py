@@ -12,11 +12,14 @@ import logging
 import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
 from .errors import LoadCancelled, MissingMetadataKey, ModelError
+
+if TYPE_CHECKING:
+    from .backend import Backend
 
 log = logging.getLogger(__name__)
 
@@ -92,10 +95,17 @@ class WeightLoad:
     name: str
     source_name: str | None
     ne: tuple[int, ...]
-    backend: Any  # llmfw.core.backend.Backend
+    backend: Backend
     usage: str = "mul_mat"
     generated: np.ndarray | None = None  # float32 data computed from metadata (no file tensor)
     layer: int = -1  # owning layer (INPUT_LAYER / OUTPUT_LAYER markers allowed)
+
+    @property
+    def file_tensor(self) -> str:
+        """The file tensor the data come from (a generated weight has none)."""
+        if self.source_name is None:
+            raise ModelError(f"weight {self.name!r} is generated, not read from a file tensor")
+        return self.source_name
 
 
 class ModelFileLoader(ABC):
@@ -176,9 +186,9 @@ class ModelFileLoader(ABC):
                 source = WeightSource(load.name, load.name, int(GGMLType.F32), load.ne, raw,
                                       frozenset({load.usage}))
             else:
-                record = self.tensor_record(load.source_name)
-                source = WeightSource(load.name, load.source_name, record.ggml_type, record.ne,
-                                      self.tensor_bytes(load.source_name), frozenset({load.usage}))
+                record = self.tensor_record(load.file_tensor)
+                source = WeightSource(load.name, load.file_tensor, record.ggml_type, record.ne,
+                                      self.tensor_bytes(load.file_tensor), frozenset({load.usage}))
             handle = load.backend.load_weight(source)
             load.backend.weights[load.name] = handle
             handles[load.name] = handle
@@ -189,7 +199,7 @@ class ModelFileLoader(ABC):
     def _load_size(self, load: WeightLoad) -> int:
         if load.generated is not None:
             return int(load.generated.nbytes)
-        return self.tensor_record(load.source_name).nbytes
+        return self.tensor_record(load.file_tensor).nbytes
 
 
 def _report(progress: ProgressCallback | None, fraction: float) -> None:
@@ -211,7 +221,7 @@ class GGUFLoader(ModelFileLoader):
 
         if mode not in ("mmap", "read"):
             raise ModelError(f"load_mode must be 'mmap' or 'read', got {mode!r}")
-        self.file = open_gguf(path, mode=mode)
+        self.file = open_gguf(path, mode="mmap" if mode == "mmap" else "read")
         try:
             self.metadata = dict(self.file.metadata)
             self.apply_overrides()
@@ -244,5 +254,5 @@ def open_loader(path: str | os.PathLike[str], *, mode: str = "mmap",
     """The registered loader for ``format_name`` opened on ``path``."""
     from .plugins import registry
 
-    cls = registry("loaders").get(format_name)
+    cls = registry("loaders").get_class(format_name, ModelFileLoader)
     return cls(path, mode=mode, kv_overrides=kv_overrides)

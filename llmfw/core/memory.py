@@ -32,6 +32,8 @@ from .backend import KVLayerShape
 from .errors import ContextError
 
 if TYPE_CHECKING:
+    from .context import Context
+    from .model import Model
     from .batch import AllocatedBatch, UBatch
     from .graph import Graph
 
@@ -74,7 +76,7 @@ class Memory(ABC):
 
     @classmethod
     @abstractmethod
-    def create(cls, model: Any, cparams: Any) -> "Memory":
+    def create(cls, model: Model, cparams: Context) -> "Memory":
         """Build the memory for ``model`` with the context parameters (n_ctx, n_seq_max, ...)."""
 
     #: names of the KV caches (inputs ``kv_idx:<name>`` / ``kq_mask:<name>``)
@@ -150,7 +152,7 @@ class CellsState:
 class KVCache(Memory):
     """One KV cache over a set of layers (llama.cpp's ``llama_kv_cache``)."""
 
-    def __init__(self, model: Any, n_ctx: int, n_seq_max: int = 1, *, name: str = "kv",
+    def __init__(self, model: Model, n_ctx: int, n_seq_max: int = 1, *, name: str = "kv",
                  layers: Iterable[int] | None = None, n_swa: int = 0, swa_type: str = "none",
                  n_pad: int = KV_PAD):
         if not 1 <= n_seq_max <= MAX_SEQ:
@@ -158,7 +160,7 @@ class KVCache(Memory):
         if n_ctx <= 0:
             raise ContextError(f"the KV cache needs a positive size, got n_ctx = {n_ctx}")
         self.model = model
-        self.hp = model.hparams
+        self.hp = model.known_hparams
         self.name = name
         self.cache_names = [name]
         self.layers = list(range(self.hp.n_layer)) if layers is None else list(layers)
@@ -177,9 +179,9 @@ class KVCache(Memory):
         self._backends: dict[int, Any] = {}
 
     @classmethod
-    def create(cls, model: Any, cparams: Any) -> "KVCache":
-        return cls(model, cparams.n_ctx, cparams.n_seq_max, n_swa=model.hparams.n_swa if _all_swa(model) else 0,
-                   swa_type=model.hparams.swa_type)
+    def create(cls, model: Model, cparams: Context) -> "KVCache":
+        return cls(model, cparams.n_ctx, cparams.n_seq_max, n_swa=model.known_hparams.n_swa if _all_swa(model) else 0,
+                   swa_type=model.known_hparams.swa_type)
 
     # -- storage -------------------------------------------------------------------------------------------
     def cache_of_layer(self, il: int) -> str:
@@ -205,10 +207,10 @@ class KVCache(Memory):
     def _seq_bit(self, seq_id: int) -> np.uint64:
         if not 0 <= seq_id < self.n_seq_max:
             raise ContextError(f"sequence id {seq_id} is out of range 0..{self.n_seq_max - 1} (n_seq_max)")
-        return np.uint64(1) << np.uint64(seq_id)
+        return np.uint64(np.uint64(1) << np.uint64(seq_id))
 
     def _has_seq(self, state: CellsState, seq_id: int) -> np.ndarray:
-        return (state.seq & self._seq_bit(seq_id)) != 0
+        return np.asarray((state.seq & self._seq_bit(seq_id)) != 0)
 
     def seq_pos_min(self, seq_id: int) -> int:
         pos = self.cells.pos[self._has_seq(self.cells, seq_id)]
@@ -234,18 +236,18 @@ class KVCache(Memory):
         """Cells attended: the used prefix padded to n_pad (llama.cpp's get_n_kv)."""
         return min(self.n_cells, max(self.n_pad, pad_to(self.used_max_p1(state), self.n_pad)))
 
-    def is_masked_swa(self, cell_pos: np.ndarray, token_pos: np.ndarray) -> np.ndarray:
+    def is_masked_swa(self, cell_pos: np.ndarray, token_pos: np.ndarray | np.int64) -> np.ndarray:
         """llama.cpp's hparams.is_masked_swa, vectorised (cell_pos = p0, token_pos = p1)."""
         if self.swa_type == "none" or self.n_swa <= 0:
             return np.zeros(np.broadcast_shapes(np.shape(cell_pos), np.shape(token_pos)), dtype=bool)
         if self.swa_type == "standard":
-            return token_pos - cell_pos >= self.n_swa
+            return np.asarray(token_pos - cell_pos >= self.n_swa)
         if self.swa_type == "chunked":
             return cell_pos < (token_pos // self.n_swa) * self.n_swa
         if self.swa_type == "symmetric":
             half = self.n_swa // 2
             diff = token_pos - cell_pos
-            return (diff < -half) | (diff > half)
+            return np.asarray((diff < -half) | (diff > half))
         raise ContextError(f"unknown sliding-window type {self.swa_type!r}")
 
     # -- slots ----------------------------------------------------------------------------------------------
@@ -264,7 +266,7 @@ class KVCache(Memory):
         free = order[usable[order]]
         if free.size < n_tokens:
             return None
-        return free[:n_tokens].astype(np.int64)
+        return np.asarray(free[:n_tokens], dtype=np.int64)
 
     def _swa_reusable(self, state: CellsState) -> np.ndarray:
         """Cells owned by a single sequence and already outside its window (they can be overwritten)."""
@@ -344,8 +346,8 @@ class KVCache(Memory):
         lo, hi = _range(p0, p1)
         in_range = (state.pos >= lo) & (state.pos < hi)
         if seq_id < 0:
-            return in_range & (state.seq != 0)
-        return in_range & self._has_seq(state, seq_id)
+            return np.asarray(in_range & (state.seq != 0))
+        return np.asarray(in_range & self._has_seq(state, seq_id))
 
     def _seq_rm_state(self, state: CellsState, seq_id: int, p0: int, p1: int) -> None:
         hit = self._select(state, seq_id, p0, p1)
@@ -417,9 +419,9 @@ class KVCache(Memory):
         # written again, and written values are finite.
 
 
-def _all_swa(model: Any) -> bool:
+def _all_swa(model: Model) -> bool:
     """A single cache may only be windowed when every layer uses the window."""
-    hp = model.hparams
+    hp = model.known_hparams
     return hp.n_swa > 0 and hp.swa_type != "none" and bool(hp.swa_layers) and all(hp.swa_layers)
 
 
@@ -457,7 +459,7 @@ class CompositeMemory(Memory):
         self._layer_part = {il: p for p in parts for il in p.layers}
 
     @classmethod
-    def create(cls, model: Any, cparams: Any) -> "CompositeMemory":
+    def create(cls, model: Model, cparams: Context) -> Memory:
         raise NotImplementedError("subclasses decide how to split the layers into caches")
 
     def cache_of_layer(self, il: int) -> str:
@@ -470,7 +472,7 @@ class CompositeMemory(Memory):
         return storage
 
     def prepare(self, ubatches: list["UBatch"]) -> MemoryBatch | None:
-        batches = []
+        batches: list[MemoryBatch] = []
         for part in self.parts:
             mb = part.prepare(ubatches)
             if mb is None:
@@ -557,8 +559,8 @@ class KVCacheISWA(CompositeMemory):
     applies to both. ``swa_full=True`` gives the SWA cache the full context size (llama.cpp's ``--swa-full``).
     """
 
-    def __init__(self, model: Any, n_ctx: int, n_seq_max: int = 1, n_ubatch: int = 512, *, swa_full: bool = False):
-        hp = model.hparams
+    def __init__(self, model: Model, n_ctx: int, n_seq_max: int = 1, n_ubatch: int = 512, *, swa_full: bool = False):
+        hp = model.known_hparams
         if hp.n_swa <= 0 or hp.swa_type == "none" or not any(hp.swa_layers):
             raise ContextError(f"the interleaved sliding-window cache needs sliding-window layers; arch "
                                f"{hp.arch!r} has n_swa = {hp.n_swa}, swa_type = {hp.swa_type!r}")
@@ -576,10 +578,10 @@ class KVCacheISWA(CompositeMemory):
                  self.base.n_cells, len(self.base.layers), self.swa.n_cells, len(self.swa.layers), hp.n_swa)
 
     @classmethod
-    def create(cls, model: Any, cparams: Any) -> Memory:
+    def create(cls, model: Model, cparams: Context) -> Memory:
         """The iSWA cache, or one plain :class:`KVCache` when the model has no sliding-window layer (llama.cpp
         picks its memory the same way)."""
-        hp = model.hparams
+        hp = model.known_hparams
         if hp.n_swa <= 0 or hp.swa_type == "none" or not any(hp.swa_layers):
             return KVCache.create(model, cparams)
         return cls(model, cparams.n_ctx, cparams.n_seq_max, cparams.n_ubatch)

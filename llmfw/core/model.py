@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -22,6 +22,10 @@ from .backend import Backend, check_backend_options, choose_default_backend, cho
 from .errors import MissingMetadataKey, ModelError
 from .hparams import HParams, make_hparams, read_common_hparams
 from .loader import ModelFileLoader, WeightLoad, open_loader
+from .vocab import Vocab
+
+if TYPE_CHECKING:
+    from .context import Context, ContextParams
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +63,7 @@ class Model:
     """A loaded model: architecture, hyperparameters, vocabulary, weights on their backends."""
 
     def __init__(self, *, path: Path, params: ModelParams, metadata: dict[str, Any], arch: Architecture | None,
-                 hparams: HParams | None, vocab: Any, tensor_specs: list[TensorSpec] | None = None):
+                 hparams: HParams | None, vocab: Vocab, tensor_specs: list[TensorSpec] | None = None):
         self.path = path
         self.params = params
         self.metadata = metadata
@@ -112,16 +116,37 @@ class Model:
         return self.hparams
 
     @property
+    def known_hparams(self) -> HParams:
+        """The hyperparameters (a ModelError for a vocab-only model whose architecture is unknown)."""
+        return self._known_hparams()
+
+    @property
+    def known_arch(self) -> Architecture:
+        """The architecture (a ModelError for a vocab-only model without one)."""
+        if self.arch is None:
+            raise ModelError(f"{self.path.name}: architecture {self.arch_name or '(none)'!r} is not known to any "
+                             "plugin (the model was loaded with vocab_only=True)")
+        return self.arch
+
+    @property
+    def host(self) -> Backend:
+        """The host backend (token embedding, ops other backends lack); a vocab-only model has none."""
+        if self.host_backend is None:
+            raise ModelError(f"{self.path.name} has no backends (loaded with vocab_only=True)")
+        return self.host_backend
+
+    @property
     def vocab_only(self) -> bool:
         return self.params.vocab_only
 
-    def new_context(self, params: Any = None, **kw: Any) -> Any:
+    def new_context(self, params: ContextParams | None = None, **kw: Any) -> Context:
         """A fresh :class:`llmfw.Context` (its own KV cache) on this model."""
         from .context import Context
 
         return Context(self, params, **kw)
 
-    def embed(self, texts: Any, pooling: str | None = None, normalize: bool = True, **kw: Any) -> Any:
+    def embed(self, texts: str | Sequence[str | Sequence[int]], pooling: str | None = None, normalize: bool = True,
+              **kw: Any) -> np.ndarray | list[np.ndarray]:
         """Embeddings of ``texts`` (a string or a list of strings / token id lists), llama.cpp's way.
 
         Returns float32 ``[n_texts, n_embd]`` (``[n_embd]`` for one string); with ``pooling="none"`` a list of
@@ -136,7 +161,7 @@ class Model:
         stacked = np.stack(result.vectors)
         return stacked[0] if isinstance(texts, str) else stacked
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         """Render chat messages with the model's template (``tokenizer.chat_template``)."""
         from .chat import apply_chat_template
 
@@ -160,7 +185,7 @@ class Model:
     def describe(self) -> str:
         n_params = self.n_params
         placement = ", ".join(sorted(set(self.layer_specs))) or "-"
-        return (f"{self.path.name}: arch {self.arch_name}, {self.hparams.n_layer} layers, n_embd {self.n_embd}, "
+        return (f"{self.path.name}: arch {self.arch_name}, {self.n_layer} layers, n_embd {self.n_embd}, "
                 f"n_vocab {self.n_vocab}, {n_params / 1e6:.1f}M params, backends {placement}")
 
     def close(self) -> None:
@@ -196,7 +221,7 @@ class Model:
     def layer_backend(self, il: int) -> Backend:
         """Backend of layer ``il``; -1 (input side) is the host, n_layer the output head."""
         if il < 0:
-            return self.host_backend
+            return self.host
         il = min(il, len(self.layer_specs) - 1)
         return self.backends[self.layer_specs[il]]
 
@@ -247,8 +272,6 @@ def _model_params(params: ModelParams | None, kw: dict[str, Any]) -> ModelParams
 
 
 def _build_model(loader: ModelFileLoader, path: Path, params: ModelParams) -> Model:
-    from .vocab import Vocab
-
     if params.vocab_only:
         vocab = Vocab.from_metadata(loader.metadata)
         arch, hparams = _architecture_if_described(loader)
@@ -315,7 +338,7 @@ def _spec_layer(hp: HParams, layer: int) -> int:
 
 def _place_layers(model: Model, params: ModelParams) -> None:
     """Decide the backend spec of every layer and the output head, and instantiate the backends."""
-    n_layer = model.hparams.n_layer
+    n_layer = model.n_layer
     if params.backend:
         main, model.backend_choice = params.backend, f"{params.backend} (asked for)"
     else:
@@ -351,14 +374,14 @@ def gpu_layers(n_layer: int, n_gpu_layers: int) -> list[bool]:
 
 def plan_weights(model: Model, loader: ModelFileLoader, specs: list[TensorSpec]) -> list[WeightLoad]:
     """Check every declared tensor against the file and decide what to load where."""
-    hp = model.hparams
+    hp = model.known_hparams
     loads: list[WeightLoad] = []
     seen: set[str] = set()
     for spec in specs:
         if spec.name in seen:
             raise ModelError(f"architecture {hp.arch!r} declares tensor {spec.name!r} twice")
         seen.add(spec.name)
-        backend = model.host_backend if spec.layer == INPUT_LAYER else model.layer_backend(_spec_layer(hp, spec.layer))
+        backend = model.host if spec.layer == INPUT_LAYER else model.layer_backend(_spec_layer(hp, spec.layer))
         load = _plan_one(model, loader, spec, backend)
         if load is not None:
             load.layer = spec.layer
@@ -374,7 +397,7 @@ def _plan_one(model: Model, loader: ModelFileLoader, spec: TensorSpec, backend: 
         _check_shape(loader, spec.duplicate_of, spec)
         return WeightLoad(spec.name, spec.duplicate_of, spec.ne, backend, spec.usage)
     if spec.generate is not None:
-        data = np.asarray(spec.generate(model.hparams), dtype=np.float32)
+        data = np.asarray(spec.generate(model.known_hparams), dtype=np.float32)
         if data.shape != tuple(reversed(spec.ne)):
             raise ModelError(f"generated tensor {spec.name!r} has shape {data.shape}, expected {tuple(reversed(spec.ne))}")
         return WeightLoad(spec.name, None, spec.ne, backend, spec.usage, generated=data)
@@ -383,7 +406,7 @@ def _plan_one(model: Model, loader: ModelFileLoader, spec: TensorSpec, backend: 
     alternative = spec.duplicate_of or spec.unless
     extra = f" (nor {alternative!r})" if alternative else ""
     raise ModelError(f"{model.path.name}: missing tensor {spec.name!r}{extra} required by architecture "
-                     f"{model.hparams.arch!r}")
+                     f"{model.known_hparams.arch!r}")
 
 
 def _check_shape(loader: ModelFileLoader, file_name: str, spec: TensorSpec) -> None:

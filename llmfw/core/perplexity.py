@@ -13,12 +13,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
 from .batch import Batch
 from .errors import ContextError, LLMFWError
+
+if TYPE_CHECKING:
+    from .context import Context
+    from .model import Model
 
 #: called after every chunk with (chunks done, chunks in all, running PPL)
 ChunkCallback = Callable[[int, int, float], None]
@@ -67,15 +71,15 @@ def token_nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
     rows = logits.astype(np.float64)
     peak = rows.max(axis=1, keepdims=True)
     log_sum = np.log(np.exp(rows - peak).sum(axis=1)) + peak[:, 0]
-    return log_sum - rows[np.arange(rows.shape[0]), targets]
+    return np.asarray(log_sum - rows[np.arange(rows.shape[0]), targets])
 
 
-def perplexity_tokens(model: Any, text: str) -> list[int]:
+def perplexity_tokens(model: Model, text: str) -> list[int]:
     """The text tokenized as llama-perplexity does: with the vocabulary's BOS, special tokens not parsed."""
     return list(model.vocab.tokenize(text, add_special=True, parse_special=False))
 
 
-def perplexity_of_tokens(ctx: Any, tokens: list[int], n_ctx: int, n_batch: int | None = None,
+def perplexity_of_tokens(ctx: Context, tokens: list[int], n_ctx: int, n_batch: int | None = None,
                          n_chunks: int | None = None, on_chunk: ChunkCallback | None = None) -> PerplexityResult:
     """Perplexity of ``tokens`` on ``ctx`` (which must hold at least ``n_ctx`` cells; its cache is cleared)."""
     n_ctx, n_batch = _check_sizes(ctx, tokens, n_ctx, n_batch)
@@ -97,7 +101,7 @@ def perplexity_of_tokens(ctx: Any, tokens: list[int], n_ctx: int, n_batch: int |
     return PerplexityResult(sums.ppl(), sums.stderr(), n_chunk, n_ctx, sums.count, running)
 
 
-def _check_sizes(ctx: Any, tokens: list[int], n_ctx: int, n_batch: int | None) -> tuple[int, int]:
+def _check_sizes(ctx: Context, tokens: list[int], n_ctx: int, n_batch: int | None) -> tuple[int, int]:
     if n_ctx < 4:
         raise ContextError(f"n_ctx must be at least 4 for a perplexity, got {n_ctx}")
     if n_ctx > ctx.n_ctx:
@@ -105,18 +109,18 @@ def _check_sizes(ctx: Any, tokens: list[int], n_ctx: int, n_batch: int | None) -
     if len(tokens) < 2 * n_ctx:
         raise ContextError(f"you need at least 2*n_ctx = {2 * n_ctx} tokens to calculate a perplexity; the "
                            f"text has {len(tokens)} (llama-perplexity's rule)")
-    n_batch = min(n_batch or ctx.n_batch, n_ctx, ctx.n_batch)
-    if n_batch < 1:
-        raise ContextError(f"n_batch must be positive, got {n_batch}")
-    return n_ctx, n_batch
+    batch = min(n_batch or ctx.n_batch, n_ctx, ctx.n_batch)
+    if batch < 1:
+        raise ContextError(f"n_batch must be positive, got {batch}")
+    return n_ctx, batch
 
 
-def _bos_to_insert(model: Any) -> int | None:
+def _bos_to_insert(model: Model) -> int | None:
     vocab = model.vocab
     return int(vocab.bos_id) if getattr(vocab, "add_bos", False) and vocab.bos_id is not None else None
 
 
-def _chunk_logits(ctx: Any, chunk: list[int], first: int, n_batch: int) -> np.ndarray:
+def _chunk_logits(ctx: Context, chunk: list[int], first: int, n_batch: int) -> np.ndarray:
     """Decode one chunk on an empty cache; logits of positions ``first..`` (llama.cpp outputs only those)."""
     ctx.memory.clear()
     rows: list[np.ndarray] = []
@@ -134,7 +138,7 @@ def _chunk_logits(ctx: Any, chunk: list[int], first: int, n_batch: int) -> np.nd
     return np.concatenate(rows, axis=0)
 
 
-def perplexity(model: Any, text: str, n_ctx: int = 512, n_batch: int | None = None, n_chunks: int | None = None,
+def perplexity(model: Model, text: str, n_ctx: int = 512, n_batch: int | None = None, n_chunks: int | None = None,
                on_chunk: ChunkCallback | None = None) -> tuple[float, float]:
     """``llmfw.perplexity(model, text, n_ctx=512) -> (ppl, stderr)``: llama-perplexity's estimate of ``text``."""
     tokens = perplexity_tokens(model, text)

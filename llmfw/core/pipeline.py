@@ -26,7 +26,7 @@ from __future__ import annotations
 import copy
 import difflib
 from pathlib import Path
-from typing import Any, Iterator, Literal, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, Mapping, Sequence
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -34,6 +34,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from .catalog import DEFAULT_MODEL, lookup
 from .errors import BackendUnavailable, ConfigError, UnknownBackend
 from .sampling import SamplerChain, SamplerParams, validation_problems
+
+if TYPE_CHECKING:
+    from .context import Context
+    from .generate import GenerationStats
+    from .model import Model
+    from .speculative import Drafter
 
 #: YAML ``sampling`` keys named after the CLI flags (``--repeat-penalty`` -> ``repeat_penalty``) -> the
 #: SamplerParams field (llama.cpp's ``common_params_sampling`` name), which stays accepted as an alias
@@ -275,14 +281,14 @@ def _problem_text(path: str, message: str) -> str:
 
 def validate_config(data: Mapping[str, Any], source: str = "<config>") -> PipelineConfig:
     """The validated configuration; every problem of the file in one :class:`ConfigError` naming ``source``."""
-    data = copy.deepcopy(dict(data))
-    problems = _canonical_sampling(data)
+    copied: dict[str, Any] = copy.deepcopy(dict(data))
+    problems = _canonical_sampling(copied)
+    config: PipelineConfig | None = None
     try:
-        config = PipelineConfig.model_validate(data)
+        config = PipelineConfig.model_validate(copied)
     except ValidationError as exc:
         problems += [_problem_text(path, message) for path, message in validation_problems(exc)]
-        config = None
-    if problems:
+    if problems or config is None:
         count = f"{len(problems)} problems: " if len(problems) > 1 else ""
         raise ConfigError(f"{source}: {count}{'; '.join(problems)}")
     return config
@@ -298,7 +304,7 @@ class Pipeline:
         self.source = Path(source) if source is not None and not str(source).startswith("<") else None
         #: dotted keys set from outside the file (command-line flags): errors about them do not blame the file
         self.overridden = overridden
-        self._model: Any = None
+        self._model: Model | None = None
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], source: str | Path | None = None, *,
@@ -346,7 +352,7 @@ class Pipeline:
         return chat.template
 
     # -- building ------------------------------------------------------------------------------------------
-    def load_model(self, progress: Any = None) -> Any:
+    def load_model(self, progress: Callable[[float], bool | None] | None = None) -> Model:
         """The model (loaded once)."""
         if self._model is None:
             from .model import load_model
@@ -372,12 +378,12 @@ class Pipeline:
 
         return merge_backend_options(backend_options_from_environment(os.environ), self.config.backend_options)
 
-    def new_context(self, model: Any = None) -> Any:
+    def new_context(self, model: Model | None = None) -> Context:
         model = model or self.load_model()
         params = self.config.context.model_dump(exclude_none=True)
         return model.new_context(**params)
 
-    def make_drafter(self, model: Any = None, n_ctx: int = 0) -> Any:
+    def make_drafter(self, model: Model | None = None, n_ctx: int = 0) -> Drafter | None:
         """The speculative drafter ``speculative`` configures, or None when it is off."""
         from .speculative import DEFAULT_DRAFT_MAX, DraftModelDrafter, NgramDrafter
 
@@ -391,10 +397,10 @@ class Pipeline:
                                      n_ctx)
         return NgramDrafter(spec.draft_max, spec.ngram_n) if spec.draft_max else None
 
-    def make_sampler(self, model: Any = None, n_ctx: int | None = None) -> SamplerChain:
+    def make_sampler(self, model: Model | None = None, n_ctx: int | None = None) -> SamplerChain:
         return SamplerChain.from_params(self.config.sampling, model=model or self.load_model(), n_ctx=n_ctx)
 
-    def render_prompt(self, prompt: str, model: Any = None) -> str:
+    def render_prompt(self, prompt: str, model: Model | None = None) -> str:
         """The prompt as the model sees it: wrapped in the chat template when ``chat.enabled``."""
         if not self.config.chat.enabled:
             return prompt
@@ -407,30 +413,30 @@ class Pipeline:
         messages.append({"role": "user", "content": prompt})
         return messages
 
-    def render_messages(self, messages: Sequence[Mapping[str, Any]], model: Any = None,
+    def render_messages(self, messages: Sequence[Mapping[str, Any]], model: Model | None = None,
                         add_generation_prompt: bool = True) -> str:
         from .chat import apply_chat_template
 
         return apply_chat_template(model or self.load_model(), messages, add_generation_prompt,
                                    template=self.chat_template())
 
-    def run(self, prompt: str | None = None, *, ctx: Any = None, sampler: SamplerChain | None = None,
-            stats: Any = None, draft: Any = None) -> Iterator[str]:
+    def run(self, prompt: str | None = None, *, ctx: Context | None = None, sampler: SamplerChain | None = None,
+            stats: GenerationStats | None = None, draft: Drafter | None = None) -> Iterator[str]:
         """Generate for ``prompt`` (or ``generation.prompt``) with everything the file configures."""
-        from .generate import context_int, generate
+        from .generate import generate
 
         text = prompt if prompt is not None else self.config.generation.prompt
         if text is None:
             raise ConfigError("no prompt: pass one or set generation.prompt in the pipeline file")
         model = self.load_model()
         ctx = ctx if ctx is not None else self.new_context(model)
-        sampler = sampler if sampler is not None else self.make_sampler(model, context_int(ctx, "n_ctx"))
+        sampler = sampler if sampler is not None else self.make_sampler(model, ctx.n_ctx)
         gen = self.config.generation
         tok = self.config.tokenizer
         return generate(ctx, self.render_prompt(text, model), sampler, max_tokens=gen.max_tokens, stop=gen.stop,
                         parse_special=tok.parse_special, add_special=tok.add_special, stats=stats,
                         special=tok.special,
-                        draft=draft if draft is not None else self.make_drafter(model, context_int(ctx, "n_ctx") or 0))
+                        draft=draft if draft is not None else self.make_drafter(model, ctx.n_ctx))
 
 
 def _with_constraint_files_read(data: Mapping[str, Any], source: str | Path | None) -> Mapping[str, Any]:

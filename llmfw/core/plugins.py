@@ -17,13 +17,14 @@ A plugin that fails to import or to register is reported (``PluginManager.failur
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata
 import os
 import threading
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 import pluggy
 
@@ -133,6 +134,9 @@ def resolve_ref(ref: Any) -> Any:
     return obj
 
 
+PluginT = TypeVar("PluginT")
+
+
 class Registry:
     """Name → lazy reference for one kind of plugin."""
 
@@ -183,6 +187,14 @@ class Registry:
             self._resolved[name] = resolve_ref(entry.ref)
         return self._resolved[name]
 
+    def get_class(self, name: str, base: type[PluginT]) -> type[PluginT]:
+        """The registered class ``name``, checked to be a subclass of ``base`` (a PluginError otherwise)."""
+        obj = self.get(name)
+        if not (isinstance(obj, type) and issubclass(obj, base)):
+            raise PluginError(f"{self.kind} {name!r} is registered as {obj!r}, which is not a "
+                              f"{base.__module__}.{base.__qualname__} subclass")
+        return obj
+
 
 @dataclass
 class PluginFailure:
@@ -212,7 +224,7 @@ class PluginManager:
         self.failures: list[PluginFailure] = []
         self.sources: dict[str, str] = {}  # pluggy plugin name -> distribution text
         for module_name in BUILTIN_PLUGINS:
-            self._add_plugin(module_name, lambda m=module_name: importlib.import_module(m), BUILTIN_SOURCE)
+            self._add_plugin(module_name, functools.partial(importlib.import_module, module_name), BUILTIN_SOURCE)
         if load_external:
             self._load_entry_points()
         for hook_name, kind in REGISTRY_HOOKS.items():

@@ -349,7 +349,8 @@ def _supported_type(t: int | GGMLType, supported: frozenset[GGMLType], action: s
     return qtype
 
 
-def _checked_tensor(raw, t, shape, supported: frozenset[GGMLType], action: str
+def _checked_tensor(raw: RawBytes, t: int | GGMLType, shape: tuple[int, ...] | list[int], supported: frozenset[GGMLType],
+                    action: str
                     ) -> tuple[np.ndarray, GGMLType, tuple[int, ...]]:
     """Validate type, shape and byte length; return (flat uint8 bytes, type, ne)."""
     qtype = _supported_type(t, supported, action)
@@ -469,7 +470,7 @@ def _c_float_to_int8(values: np.ndarray) -> np.ndarray:
 
 def _truncate_clamped(values: np.ndarray, top: int) -> np.ndarray:
     """ggml's ``(uint8_t)MIN(top, (int8_t)v)``."""
-    return np.minimum(_c_float_to_int8(values), np.int8(top)).view(np.uint8)
+    return np.asarray(np.minimum(_c_float_to_int8(values), np.int8(top))).view(np.uint8)
 
 
 def _pack_nibbles(q: np.ndarray) -> np.ndarray:
@@ -522,7 +523,7 @@ def _round_half_away(values: np.ndarray) -> np.ndarray:
     """C's roundf (halves away from zero); exact, unlike floor(|v| + 0.5) which misrounds 0.49999997."""
     magnitude = np.abs(values)
     whole = np.floor(magnitude)
-    return np.copysign(whole + (magnitude - whole >= np.float32(0.5)), values)
+    return np.asarray(np.copysign(whole + (magnitude - whole >= np.float32(0.5)), values))
 
 
 def _encode_q8_0(blocks: np.ndarray) -> np.ndarray:

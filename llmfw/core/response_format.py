@@ -46,7 +46,7 @@ def constraint_from_request(body: Mapping[str, Any]) -> dict[str, Any]:
     spec = grammar_spec(**constraint)
     if spec is not None:
         spec.compile()  # raises GrammarError with the place of the problem
-    return constraint
+    return dict(constraint)
 
 
 def schema_from_response_format(response_format: Any) -> dict[str, Any] | str | bool | None:

@@ -29,12 +29,17 @@ import os
 from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, ClassVar, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Mapping, Sequence
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from .errors import GrammarError, SamplerError
+
+if TYPE_CHECKING:
+    from .context import Context
+    from .model import Model
+    from .vocab import Vocab
 
 #: llama.cpp's LLAMA_DEFAULT_SEED: "pick a random seed".
 DEFAULT_SEED = 0xFFFFFFFF
@@ -240,22 +245,19 @@ def keep_top_k(cur: Candidates, k: int) -> None:
 class SamplerEnv:
     """What a sampler may need from the model when a chain builds it from parameters."""
 
-    vocab: Any = None
+    vocab: Vocab | None = None
     n_vocab: int | None = None
     n_ctx_train: int | None = None
     n_ctx: int | None = None
 
     @classmethod
-    def from_model(cls, model: Any = None, vocab: Any = None, n_ctx: int | None = None) -> "SamplerEnv":
-        vocab = vocab if vocab is not None else getattr(model, "vocab", None)
-        n_vocab = getattr(model, "n_vocab", None)
-        if n_vocab is None and vocab is not None:
-            n_vocab = getattr(vocab, "n_vocab", None) or getattr(vocab, "n_tokens", None)
-            if callable(n_vocab):
-                n_vocab = n_vocab()
-        hparams = getattr(model, "hparams", None)
-        n_ctx_train = getattr(hparams, "n_ctx_train", None) or getattr(model, "n_ctx_train", None)
-        return cls(vocab=vocab, n_vocab=n_vocab, n_ctx_train=n_ctx_train, n_ctx=n_ctx)
+    def from_model(cls, model: Model | None = None, vocab: Vocab | None = None,
+                   n_ctx: int | None = None) -> "SamplerEnv":
+        if model is None:
+            return cls(vocab=vocab, n_vocab=vocab.n_vocab if vocab is not None else None, n_ctx=n_ctx)
+        n_ctx_train = model.hparams.n_ctx_train if model.hparams is not None else None
+        return cls(vocab=vocab if vocab is not None else model.vocab, n_vocab=model.n_vocab,
+                   n_ctx_train=n_ctx_train, n_ctx=n_ctx)
 
 
 class Sampler(ABC):
@@ -278,6 +280,8 @@ class Sampler(ABC):
 
     #: the registry name (set by subclasses)
     name: ClassVar[str] = "sampler"
+    #: a sampler that draws random numbers keeps its generator here (saved states carry its state)
+    rng: MT19937Rng | None = None
 
     @abstractmethod
     def apply(self, cur: Candidates) -> None:
@@ -563,9 +567,10 @@ class SamplerChain(Sampler):
 
     # -- construction --------------------------------------------------------------------------------------
     @classmethod
-    def from_params(cls, params: SamplerParams | None = None, vocab: Any = None, *, model: Any = None,
-                    n_ctx: int | None = None, env: SamplerEnv | None = None,
-                    options: dict[str, Any] | None = None) -> "SamplerChain":  # type: ignore[override]
+    def from_params(  # type: ignore[override]  # a chain is built from the whole params, not one sampler's
+            cls, params: SamplerParams | None = None, vocab: Vocab | None = None, *, model: Model | None = None,
+            n_ctx: int | None = None, env: SamplerEnv | None = None,
+            options: dict[str, Any] | None = None) -> "SamplerChain":
         """llama.cpp's ``common_sampler_init`` chain for ``params``."""
         params = params or SamplerParams()
         env = env or SamplerEnv.from_model(model, vocab, n_ctx)
@@ -587,8 +592,8 @@ class SamplerChain(Sampler):
         return cls([build_sampler("greedy")])
 
     @classmethod
-    def from_names(cls, names: Sequence[str], params: SamplerParams | None = None, vocab: Any = None, *,
-                   model: Any = None, n_ctx: int | None = None) -> "SamplerChain":
+    def from_names(cls, names: Sequence[str], params: SamplerParams | None = None, vocab: Vocab | None = None, *,
+                   model: Model | None = None, n_ctx: int | None = None) -> "SamplerChain":
         """Exactly the named samplers, in order (add a selecting one such as ``dist`` yourself)."""
         env = SamplerEnv.from_model(model, vocab, n_ctx)
         return cls([build_sampler(n, params, env) for n in names])
@@ -617,12 +622,12 @@ class SamplerChain(Sampler):
         return any(sampler.done() for sampler in self.samplers)
 
     # -- use -----------------------------------------------------------------------------------------------
-    def sample(self, ctx_or_logits: Any, idx: int = -1) -> int:
+    def sample(self, ctx_or_logits: Context | np.ndarray, idx: int = -1) -> int:
         """Pick a token from a context's output row ``idx`` (or a logits vector) and accept it."""
-        if hasattr(ctx_or_logits, "get_logits_ith"):
-            logits = ctx_or_logits.get_logits_ith(idx)
-        else:
+        if isinstance(ctx_or_logits, np.ndarray):
             logits = ctx_or_logits
+        else:
+            logits = ctx_or_logits.get_logits_ith(idx)
         cur = Candidates.from_logits(logits)
         self.apply(cur)
         token = cur.selected_token

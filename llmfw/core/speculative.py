@@ -20,11 +20,14 @@ Drafters:
 """
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 import numpy as np
 
 from .errors import ConfigError
+
+if TYPE_CHECKING:
+    from .model import Model
 
 #: llama.cpp's default --draft-max
 DEFAULT_DRAFT_MAX = 16
@@ -77,7 +80,7 @@ def _last_match(tokens: np.ndarray, pattern: np.ndarray, start: int) -> int:
     return int(hits[-1]) + 1 if hits.size else 0
 
 
-def check_same_vocab(target: Any, draft: Any) -> None:
+def check_same_vocab(target: Model, draft: Model) -> None:
     """llama.cpp's rule for a draft model: the same vocabulary (size, special tokens, every token's text)."""
     tv, dv = target.vocab, draft.vocab
     if target.n_vocab != draft.n_vocab:
@@ -95,7 +98,7 @@ def check_same_vocab(target: Any, draft: Any) -> None:
 class DraftModelDrafter:
     """Greedy drafts of ``n_max`` tokens from a second (small) model in its own context."""
 
-    def __init__(self, target: Any, draft_model: Any, n_max: int = DEFAULT_DRAFT_MAX, n_ctx: int = 0):
+    def __init__(self, target: Model, draft_model: Model, n_max: int = DEFAULT_DRAFT_MAX, n_ctx: int = 0):
         if not 1 <= n_max <= 1024:
             raise ConfigError(f"draft_max must be in 1..1024, got {n_max}")
         check_same_vocab(target, draft_model)

@@ -26,11 +26,17 @@ import hashlib
 import json
 import struct
 from pathlib import Path
-from typing import Any, Sequence
+import os
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
 from .errors import ContextError
+from .memory import CompositeMemory, KVCache
+
+if TYPE_CHECKING:
+    from .context import Context
+    from .sampling import SamplerChain
 
 MAGIC = b"LLMFWKV\0"
 FORMAT_VERSION = 1
@@ -41,30 +47,29 @@ _DIGEST_BYTES = 32
 
 
 # -- what is saved -------------------------------------------------------------------------------------------
-def _caches(ctx: Any) -> list[Any]:
+def _caches(ctx: Context) -> list[KVCache]:
     """The context's KV caches (one, or the parts of a composite memory such as iSWA)."""
     memory = ctx.memory
-    parts = getattr(memory, "parts", None)
-    caches = list(parts) if parts is not None else [memory]
-    for cache in caches:
-        if not hasattr(cache, "cells") or not hasattr(cache, "storage"):
-            raise ContextError(f"saving the state of a {type(cache).__name__} memory is not supported")
-    return caches
+    if isinstance(memory, CompositeMemory):
+        return list(memory.parts)
+    if isinstance(memory, KVCache):
+        return [memory]
+    raise ContextError(f"saving the state of a {type(memory).__name__} memory is not supported")
 
 
-def _shape(ctx: Any) -> dict[str, Any]:
+def _shape(ctx: Context) -> dict[str, Any]:
     """The context shape a state file must match to be loaded."""
     return {"n_ctx": int(ctx.n_ctx), "n_seq_max": int(ctx.n_seq_max),
             "caches": [{"name": c.name, "n_cells": int(c.n_cells), "layers": [int(il) for il in c.layers]}
                        for c in _caches(ctx)]}
 
 
-def _rng_states(sampler: Any) -> list[dict[str, Any] | None]:
-    samplers = getattr(sampler, "samplers", [sampler]) if sampler is not None else []
-    return [s.rng.get_state() if hasattr(getattr(s, "rng", None), "get_state") else None for s in samplers]
+def _rng_states(sampler: SamplerChain | None) -> list[dict[str, Any] | None]:
+    samplers = sampler.samplers if sampler is not None else []
+    return [s.rng.get_state() if s.rng is not None else None for s in samplers]
 
 
-def _arrays(ctx: Any) -> list[tuple[str, np.ndarray]]:
+def _arrays(ctx: Context) -> list[tuple[str, np.ndarray]]:
     arrays: list[tuple[str, np.ndarray]] = []
     for cache in _caches(ctx):
         used = np.flatnonzero(cache.cells.seq).astype(np.int64)
@@ -77,7 +82,8 @@ def _arrays(ctx: Any) -> list[tuple[str, np.ndarray]]:
     return arrays
 
 
-def save_state_file(ctx: Any, path: str | Path, tokens: Sequence[int] | None = None, sampler: Any = None) -> int:
+def save_state_file(ctx: Context, path: str | os.PathLike[str], tokens: Sequence[int] | None = None,
+                    sampler: SamplerChain | None = None) -> int:
     """Write ``ctx``'s state to ``path``; ``tokens`` (default: the record of sequence 0) is what
     :func:`load_state_file` returns. Returns the bytes written."""
     records = {seq: [int(t) for t in r] for seq, r in enumerate(ctx.seq_tokens) if r}
@@ -127,7 +133,7 @@ def _read_header(path: Path, fh: Any, file_size: int) -> dict[str, Any]:
     return header
 
 
-def _check_matches(path: Path, header: dict[str, Any], ctx: Any) -> None:
+def _check_matches(path: Path, header: dict[str, Any], ctx: Context) -> None:
     if header.get("model_sha256") != ctx.model.sha256:
         raise ContextError(f"{path}: the state was saved with another model (sha256 {header.get('model_sha256')}, "
                            f"this model is {ctx.model.sha256})")
@@ -136,7 +142,7 @@ def _check_matches(path: Path, header: dict[str, Any], ctx: Any) -> None:
                            f"is {_shape(ctx)}")
 
 
-def _expected_arrays(path: Path, header: dict[str, Any], ctx: Any) -> list[tuple[str, np.dtype, tuple[int, ...]]]:
+def _expected_arrays(path: Path, header: dict[str, Any], ctx: Context) -> list[tuple[str, np.dtype, tuple[int, ...]]]:
     """The arrays this context expects, with the counts the header declares — checked against the context
     before a byte is allocated for them."""
     declared = {a.get("name"): a for a in header.get("arrays", []) if isinstance(a, dict)}
@@ -176,7 +182,7 @@ def _read_arrays(path: Path, fh: Any, expected: list[tuple[str, np.dtype, tuple[
     return arrays
 
 
-def _check_cells(path: Path, ctx: Any, arrays: dict[str, np.ndarray]) -> None:
+def _check_cells(path: Path, ctx: Context, arrays: dict[str, np.ndarray]) -> None:
     for cache in _caches(ctx):
         cells = arrays[f"{cache.name}.cells"]
         seq = arrays[f"{cache.name}.seq"]
@@ -198,7 +204,7 @@ def _records(path: Path, header: dict[str, Any], n_seq_max: int) -> dict[int, li
     return records
 
 
-def _apply(ctx: Any, header: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
+def _apply(ctx: Context, header: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
     for i, cache in enumerate(_caches(ctx)):
         cache.clear()
         cells = arrays[f"{cache.name}.cells"]
@@ -212,20 +218,20 @@ def _apply(ctx: Any, header: dict[str, Any], arrays: dict[str, np.ndarray]) -> N
                                                arrays[f"{cache.name}.{il}.k"], arrays[f"{cache.name}.{il}.v"])
 
 
-def _restore_rng(path: Path, header: dict[str, Any], sampler: Any) -> None:
+def _restore_rng(path: Path, header: dict[str, Any], sampler: SamplerChain | None) -> None:
     if sampler is None:
         return
-    samplers = getattr(sampler, "samplers", [sampler])
+    samplers = sampler.samplers
     states = header.get("rng", [])
     if not isinstance(states, list) or len(states) != len(samplers):
         raise ContextError(f"{path}: the state holds {len(states) if isinstance(states, list) else '?'} sampler "
                            f"RNG entries; this sampler chain has {len(samplers)} samplers")
     for s, state in zip(samplers, states):
-        if state is not None and hasattr(getattr(s, "rng", None), "set_state"):
+        if state is not None and s.rng is not None:
             s.rng.set_state(state)
 
 
-def load_state_file(ctx: Any, path: str | Path, sampler: Any = None) -> list[int]:
+def load_state_file(ctx: Context, path: str | os.PathLike[str], sampler: SamplerChain | None = None) -> list[int]:
     """Replace ``ctx``'s KV cells and token records with those in ``path`` (and ``sampler``'s RNG state when
     given); returns the saved tokens. Everything is checked before the context changes."""
     path = Path(path)

@@ -6,9 +6,10 @@ A :class:`Vocab` is built from a GGUF metadata dict (keys ``tokenizer.ggml.*``) 
 
 What the core does, exactly as llama.cpp's ``src/llama-vocab.cpp``:
 
-* loading: per-family defaults (from the plugin's :meth:`Tokenizer.defaults`), then the GGUF keys; special ids
-  out of range are ignored with a warning; EOT / EOM / FIM ids and the end-of-generation set are completed from
-  well-known token texts; control tokens whose text contains ``unused`` are marked unused;
+* loading (:mod:`llmfw.core.vocab_loader`, :class:`~llmfw.core.vocab_loader.VocabLoader`): per-family defaults
+  (from the plugin's :meth:`Tokenizer.defaults`), then the GGUF keys; special ids out of range are ignored with a
+  warning; EOT / EOM / FIM ids and the end-of-generation set are completed from well-known token texts; control
+  tokens whose text contains ``unused`` are marked unused;
 * :meth:`Vocab.tokenize`: special-token partitioning first (longest special text first; control tokens only with
   ``parse_special``, user-defined tokens always; ``lstrip`` / ``rstrip`` attributes honoured), then every plain
   text fragment goes to the plugin; BOS / EOS added by the ``add_bos`` / ``add_eos`` flags (a prompt that already
@@ -27,13 +28,16 @@ import logging
 import os
 import re
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from enum import IntEnum, IntFlag
-from typing import Any, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 import numpy as np
 
-from .errors import PluginError, TokenizerError, VocabError
+from .errors import TokenizerError
+
+if TYPE_CHECKING:
+    from .vocab_loader import VocabContents
 
 log = logging.getLogger(__name__)
 
@@ -85,39 +89,9 @@ _LSTRIP, _RSTRIP = int(TokenAttr.LSTRIP), int(TokenAttr.RSTRIP)
 _SPECIAL_SPLIT_ATTRS = _CONTROL | _USER | _UNKNOWN  # what tokenizer_st_partition may split out
 _HIDDEN_ATTRS = _UNKNOWN | _CONTROL  # rendered only with special=True
 
-# Well-known texts llama.cpp uses to find ids the converter did not write (in llama.cpp's order; the first text
-# present wins — llama.cpp walks a hash map, whose order is unspecified).
-_EOT_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>", "<EOT>",
-              "_<EOT>", "[EOT]", "<｜end▁of▁sentence｜>", "<end_of_utterance>")
-_EOM_TEXTS = ("<|eom_id|>",)
-_FIM_TEXTS = {
-    "fim_pre_id": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>",
-                   "<|code_prefix|>", "<|prefix|>"),
-    "fim_suf_id": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>", "▁<SUF>",
-                   "<|code_suffix|>", "<|suffix|>"),
-    "fim_mid_id": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>", "▁<MID>",
-                   "<|code_middle|>", "<|middle|>"),
-    "fim_pad_id": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
-    "fim_rep_id": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
-    "fim_sep_id": ("<|file_sep|>",),
-}
-_EOG_TEXTS = frozenset((
-    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>", "<end_of_turn>",
-    "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>",
-    "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>", "<｜end▁of▁sentence｜>", "[e~[",
-))
-_ALWAYS_RENDERED = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")  # gpt-oss: user-defined
-
-# GGUF key (without the prefix) -> Vocab attribute; later keys of the same attribute are the deprecated aliases
-_SPECIAL_ID_KEYS = (
-    ("bos_token_id", "bos_id"), ("eos_token_id", "eos_id"), ("eot_token_id", "eot_id"),
-    ("eom_token_id", "eom_id"), ("unknown_token_id", "unk_id"), ("seperator_token_id", "sep_id"),
-    ("padding_token_id", "pad_id"), ("mask_token_id", "mask_id"),
-    ("fim_pre_token_id", "fim_pre_id"), ("fim_suf_token_id", "fim_suf_id"), ("fim_mid_token_id", "fim_mid_id"),
-    ("fim_pad_token_id", "fim_pad_id"), ("fim_rep_token_id", "fim_rep_id"), ("fim_sep_token_id", "fim_sep_id"),
-    ("prefix_token_id", "fim_pre_id"), ("suffix_token_id", "fim_suf_id"), ("middle_token_id", "fim_mid_id"),
-)
-SPECIAL_ID_NAMES = tuple(dict.fromkeys(attr for _, attr in _SPECIAL_ID_KEYS))
+#: the special-id attributes of a :class:`Vocab` (``bos_id`` ...), each an id or None
+SPECIAL_ID_NAMES = ("bos_id", "eos_id", "eot_id", "eom_id", "unk_id", "sep_id", "pad_id", "mask_id", "fim_pre_id",
+                    "fim_suf_id", "fim_mid_id", "fim_pad_id", "fim_rep_id", "fim_sep_id")
 
 _CLEAN_SPACE_BEFORE = frozenset(b"?!.,")
 
@@ -219,44 +193,57 @@ class Tokenizer(ABC):
         return ids[0] if ids else None
 
 
-def _as_list(value: Any, key: str, kind: str) -> Sequence[Any]:
-    if isinstance(value, np.ndarray):
-        if value.ndim != 1:
-            raise VocabError(f"{key}: expected a one-dimensional array of {kind}, found shape {value.shape}")
-        return value
-    if isinstance(value, (list, tuple)):
-        return value
-    raise VocabError(f"{key}: expected an array of {kind}, found {type(value).__name__}")
-
-
-def _as_bool(value: Any, key: str) -> bool:
-    if isinstance(value, (bool, np.bool_)):
-        return bool(value)
-    raise VocabError(f"{key}: expected a bool, found {type(value).__name__} {value!r}")
-
-
-def _as_index(value: Any, key: str) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise VocabError(f"{key}: expected an integer token id, found {type(value).__name__} {value!r}")
-    return int(value)
-
-
 class Vocab:
     """A model's vocabulary and the llama.cpp-exact tokenize / detokenize built on it. See the module docstring.
 
-    Attributes: ``n_vocab``, ``tokens`` (list[str]), ``scores`` (float32 array), ``token_types`` (int32 array),
-    ``token_attrs`` (list[int] of :class:`TokenAttr` bits), ``token_to_id``, ``merges`` (list[str] or None),
-    ``model`` and ``pre`` (``tokenizer.ggml.model`` / ``.pre``), the flags ``add_bos``, ``add_eos``, ``add_sep``,
-    ``add_space_prefix``, ``clean_spaces``, the special ids ``bos_id``, ``eos_id``, ``eot_id``, ``eom_id``,
-    ``unk_id``, ``sep_id``, ``pad_id``, ``mask_id``, ``nl_id``, ``fim_pre_id``, ``fim_suf_id``, ``fim_mid_id``,
-    ``fim_pad_id``, ``fim_rep_id``, ``fim_sep_id`` (each ``int`` or ``None``), ``eog_ids`` and ``tokenizer``.
+    Built by :class:`llmfw.core.vocab_loader.VocabLoader` (``Vocab.from_metadata`` / ``Vocab.from_file``), which
+    parses and checks the GGUF keys; the vocab holds the result and tokenizes / detokenizes with it.
     """
+
+    n_vocab: int
+    tokens: list[str]
+    token_to_id: dict[str, int]
+    scores: np.ndarray  # float32 [n_vocab]
+    token_types: np.ndarray  # int32 [n_vocab]
+    #: :class:`TokenAttr` bits per token
+    token_attrs: list[int]
+    merges: list[str] | None
+    #: ``tokenizer.ggml.model`` / ``.pre``
+    model: str
+    pre: str
+    add_bos: bool
+    add_eos: bool
+    add_sep: bool
+    add_space_prefix: bool
+    clean_spaces: bool
+    normalizer_lowercase: bool
+    normalizer_strip_accents: bool
+    # the special ids (SPECIAL_ID_NAMES): an id, or None when the vocabulary has none
+    bos_id: int | None
+    eos_id: int | None
+    eot_id: int | None
+    eom_id: int | None
+    unk_id: int | None
+    sep_id: int | None
+    pad_id: int | None
+    mask_id: int | None
+    fim_pre_id: int | None
+    fim_suf_id: int | None
+    fim_mid_id: int | None
+    fim_pad_id: int | None
+    fim_rep_id: int | None
+    fim_sep_id: int | None
+    nl_id: int | None
+    eog_ids: frozenset[int]
+    tokenizer: "Tokenizer"
 
     # ------------------------------------------------------------------------------------------- loading
     @classmethod
     def from_metadata(cls, metadata: Mapping[str, Any]) -> "Vocab":
         """Build the vocab from GGUF metadata (string arrays as ``list[str]``, numeric arrays as arrays/lists)."""
-        return cls(metadata)
+        from .vocab_loader import VocabLoader
+
+        return VocabLoader(metadata).load()
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> "Vocab":
@@ -264,230 +251,29 @@ class Vocab:
         from .gguf import open_gguf
 
         with open_gguf(path) as gguf:
-            return cls(gguf.metadata)
+            return cls.from_metadata(gguf.metadata)
 
-    def __init__(self, metadata: Mapping[str, Any]):
-        self.model = self._read_model_name(metadata)
-        tokenizer_class = self._tokenizer_class(self.model)
-        pre = metadata.get(KEY_PREFIX + "pre", "")
-        if not isinstance(pre, str):
-            raise VocabError(f"{KEY_PREFIX}pre: expected a string, found {type(pre).__name__} {pre!r}")
-        self.pre: str = pre
-        #: every tokenizer.ggml.* key, for plugins with keys of their own (UGM's precompiled_charsmap ...)
-        self.tokenizer_metadata: dict[str, Any] = {k: v for k, v in metadata.items() if k.startswith(KEY_PREFIX)}
-        defaults = tokenizer_class.defaults(pre)
-        self._read_tokens(metadata)
-        self.merges: list[str] | None = self._read_merges(metadata)
-        self._read_flags(metadata, defaults)
-        self._read_special_ids(metadata, defaults)
-        self._detect_special_tokens_by_text()
-        self._apply_model_specific_attrs(metadata)
+    def __init__(self, contents: "VocabContents"):
+        self.model, self.pre = contents.model, contents.pre
+        self.tokenizer_metadata: dict[str, Any] = contents.tokenizer_metadata
+        self.tokens, self.token_to_id, self.n_vocab = contents.tokens, contents.token_to_id, len(contents.tokens)
+        self.scores, self.token_types, self.token_attrs = contents.scores, contents.token_types, contents.token_attrs
+        self.merges = contents.merges
+        flags = contents.flags
+        self.add_space_prefix, self.add_bos, self.add_eos = flags.add_space_prefix, flags.add_bos, flags.add_eos
+        self.add_sep, self.clean_spaces = flags.add_sep, flags.clean_spaces
+        self.normalizer_lowercase = flags.normalizer_lowercase
+        self.normalizer_strip_accents = flags.normalizer_strip_accents
+        for name in SPECIAL_ID_NAMES:  # each declared above as ``int | None``
+            setattr(self, name, contents.special_ids.get(name))
+        self.eog_ids = contents.eog_ids
         self._special_split_order = self._special_tokens_longest_first()
         self._piece_cache: list[bytes | None] = [None] * self.n_vocab
         self._special_matchers: dict[bool, _SpecialMatcher | None] = {}
         self.derived: dict[str, Any] = {}  # things built once from this vocab (the grammar engine's tokenizer)
-        self.tokenizer: Tokenizer = tokenizer_class(self)
-        self.nl_id: int | None = self.tokenizer.newline_id()
+        self.tokenizer = contents.tokenizer_class(self)
+        self.nl_id = self.tokenizer.newline_id()
 
-    @staticmethod
-    def _read_model_name(metadata: Mapping[str, Any]) -> str:
-        model = metadata.get(KEY_PREFIX + "model")
-        if model is None:
-            raise VocabError(f"{KEY_PREFIX}model is missing: the file has no tokenizer")
-        if not isinstance(model, str):
-            raise VocabError(f"{KEY_PREFIX}model: expected a string, found {type(model).__name__} {model!r}")
-        return model
-
-    @staticmethod
-    def _tokenizer_class(model: str) -> type[Tokenizer]:
-        from .plugins import registry  # the registry imports plugin modules lazily, by name
-
-        tokenizers = registry("tokenizers")
-        if model not in tokenizers:
-            known = ", ".join(tokenizers.names()) or "(none)"
-            raise VocabError(f"unknown {KEY_PREFIX}model {model!r}; known tokenizers: {known}")
-        try:
-            cls = tokenizers.get(model)
-        except PluginError as exc:
-            raise VocabError(f"tokenizer plugin for {model!r} failed to load: {exc}") from exc
-        if not (isinstance(cls, type) and issubclass(cls, Tokenizer)):
-            raise VocabError(f"tokenizer plugin for {model!r} is {cls!r}, not a llmfw.core.vocab.Tokenizer subclass")
-        return cls
-
-    def _read_tokens(self, metadata: Mapping[str, Any]) -> None:
-        key = KEY_PREFIX + "tokens"
-        if key not in metadata:
-            raise VocabError(f"{key} is missing: cannot find the tokenizer vocabulary")
-        raw = _as_list(metadata[key], key, "strings")
-        n = len(raw)
-        if n == 0:
-            raise VocabError(f"{key} is empty")
-        tokens = list(raw)
-        if set(map(type, tokens)) != {str}:
-            bad = next(i for i, word in enumerate(tokens) if not isinstance(word, str))
-            raise VocabError(f"{key}[{bad}]: expected a string, found {type(tokens[bad]).__name__}")
-        token_to_id = dict(zip(tokens, range(n)))
-        if len(token_to_id) != n or "" in token_to_id:  # rare: rebuild one by one to name the culprit
-            token_to_id = self._checked_token_index(tokens)
-        self.tokens: list[str] = tokens
-        self.token_to_id: dict[str, int] = token_to_id
-        self.n_vocab: int = n
-        self.scores: np.ndarray = self._read_numeric(metadata, "scores", n, np.float32, 0.0)
-        self.token_types: np.ndarray = self._read_numeric(metadata, "token_type", n, np.int32, TokenType.NORMAL)
-        in_range = (self.token_types >= 0) & (self.token_types < len(_ATTR_BY_TYPE))
-        self.token_attrs: list[int] = np.where(in_range, _ATTR_BY_TYPE[np.where(in_range, self.token_types, 0)],
-                                               0).tolist()
-
-    @staticmethod
-    def _checked_token_index(tokens: list[str]) -> dict[str, int]:
-        token_to_id: dict[str, int] = {}
-        for i, word in enumerate(tokens):
-            if not word:  # llama.cpp renames empty tokens so that they can never match text
-                log.warning("vocab: empty token at index %d", i)
-                word = tokens[i] = f"[EMPTY_{i}]"
-            if word in token_to_id:
-                raise VocabError(f"duplicate token in vocabulary: {word!r} has ids {token_to_id[word]} and {i}")
-            token_to_id[word] = i
-        return token_to_id
-
-    @staticmethod
-    def _read_numeric(metadata: Mapping[str, Any], name: str, n: int, dtype: type, default: Any) -> np.ndarray:
-        key = KEY_PREFIX + name
-        if key not in metadata:
-            return np.full(n, default, dtype=dtype)
-        values = _as_list(metadata[key], key, "numbers")
-        if len(values) < n:
-            raise VocabError(f"{key}: expected at least {n} values (one per token), found {len(values)}")
-        try:
-            array = np.asarray(values[:n])
-        except (TypeError, ValueError) as exc:
-            raise VocabError(f"{key}: expected numbers: {exc}") from None
-        if array.dtype.kind not in "iuf" or (np.dtype(dtype).kind in "iu" and array.dtype.kind == "f"):
-            raise VocabError(f"{key}: expected {np.dtype(dtype).name} values, found {array.dtype}")
-        return array.astype(dtype, copy=True)
-
-    @staticmethod
-    def _read_merges(metadata: Mapping[str, Any]) -> list[str] | None:
-        key = KEY_PREFIX + "merges"
-        if key not in metadata:
-            return None
-        merges = list(_as_list(metadata[key], key, "strings"))
-        if merges and set(map(type, merges)) != {str}:
-            bad = next(i for i, item in enumerate(merges) if not isinstance(item, str))
-            raise VocabError(f"{key}[{bad}]: expected a string, found {type(merges[bad]).__name__}")
-        return merges
-
-    def _read_flags(self, metadata: Mapping[str, Any], defaults: TokenizerDefaults) -> None:
-        def flag(name: str, default: bool) -> bool:
-            key = KEY_PREFIX + name
-            return _as_bool(metadata[key], key) if key in metadata else default
-
-        self.add_space_prefix: bool = flag("add_space_prefix", defaults.add_space_prefix)
-        self.add_bos: bool = flag("add_bos_token", defaults.add_bos)
-        self.add_eos: bool = flag("add_eos_token", defaults.add_eos)
-        self.add_sep: bool = flag("add_sep_token", defaults.add_sep)
-        self.clean_spaces: bool = defaults.clean_spaces
-        # BertNormalizer options (llama.cpp reads them for every vocab type; WPM uses them)
-        self.normalizer_lowercase: bool = flag("normalizer.lowercase", True)
-        self.normalizer_strip_accents: bool = flag("normalizer.strip_accents", self.normalizer_lowercase)
-
-    def _read_special_ids(self, metadata: Mapping[str, Any], defaults: TokenizerDefaults) -> None:
-        default_ids = {f.name: getattr(defaults, f.name) for f in fields(defaults) if f.name.endswith("_id")}
-        for name in SPECIAL_ID_NAMES:
-            value = default_ids.get(name)
-            if value is not None and not 0 <= value < self.n_vocab:
-                log.warning("vocab: default special token %s = %d out of vocab range, disabling", name, value)
-                value = None
-            setattr(self, name, value)
-        for key_name, attr in _SPECIAL_ID_KEYS:
-            key = KEY_PREFIX + key_name
-            if key not in metadata:
-                continue
-            new_id = _as_index(metadata[key], key)
-            if 0 <= new_id < self.n_vocab:
-                setattr(self, attr, new_id)
-            else:
-                log.warning("vocab: bad special token %s = %d (vocab has %d tokens), keeping %s",
-                            key, new_id, self.n_vocab, getattr(self, attr))
-        for flag_name, id_name in (("add_bos", "bos_id"), ("add_eos", "eos_id"), ("add_sep", "sep_id")):
-            if getattr(self, flag_name) and getattr(self, id_name) is None:
-                raise VocabError(f"{flag_name} is true, but the vocab has no {id_name} "
-                                 f"({KEY_PREFIX}{flag_name}_token / the matching *_token_id key)")
-
-    def _force_control(self, token: int) -> None:
-        if not self.token_attrs[token] & _CONTROL:
-            # llama.cpp warns; it is a converter quirk of many models (Gemma-3's "</s>"), so only log it
-            log.info("vocab: control-looking token %d %r was not control-type; overriding its type",
-                        token, self.tokens[token])
-            self.token_attrs[token] |= _CONTROL
-
-    def _detect_special_tokens_by_text(self) -> None:
-        """llama.cpp's text-based detection of EOT / EOM / FIM ids, unused tokens and the end-of-generation set."""
-        token_to_id = self.token_to_id
-        for name, texts in (("eot_id", _EOT_TEXTS), ("eom_id", _EOM_TEXTS), *_FIM_TEXTS.items()):
-            if getattr(self, name) is not None:
-                continue
-            for text in texts:
-                token = token_to_id.get(text)
-                if token is not None:
-                    setattr(self, name, token)
-                    self._force_control(token)
-                    break
-        for token in np.flatnonzero(np.asarray(self.token_attrs) & _CONTROL).tolist():
-            if "unused" in self.tokens[token]:
-                self.token_attrs[token] |= _UNUSED
-        eog = {t for t in (self.fim_pad_id, self.fim_rep_id, self.fim_sep_id) if t is not None}
-        for text in _EOG_TEXTS:
-            token = token_to_id.get(text)
-            if token is not None:
-                eog.add(token)
-                self._force_control(token)
-        for text in _ALWAYS_RENDERED:
-            token = token_to_id.get(text)
-            if token is not None:
-                self.token_attrs[token] = _USER
-        for token in (self.eos_id, self.eot_id, self.eom_id):
-            if token is not None:
-                eog.add(token)
-        self._apply_eog_workarounds(eog)
-        self.eog_ids: frozenset[int] = frozenset(eog)
-
-    def _apply_eog_workarounds(self, eog: set[int]) -> None:
-        texts = {self.tokens[t]: t for t in eog}
-        # o200k_harmony / solar-open: "<|end|>" ends a message, not the generation
-        if "<|end|>" in texts and (("<|return|>" in texts and ("<|call|>" in texts or "<|calls|>" in texts))
-                                   or (("<|call|>" in texts or "<|calls|>" in texts) and "<|flush|>" in texts)):
-            eog.discard(texts["<|end|>"])
-            self.token_attrs[texts["<|end|>"]] = _USER
-        # gemma4 / paddleocr: "</s>" is text there
-        if "<|tool_response>" in texts and "</s>" in texts:
-            eog.discard(texts["</s>"])
-            self.token_attrs[texts["</s>"]] = _NORMAL
-
-    def _apply_model_specific_attrs(self, metadata: Mapping[str, Any]) -> None:
-        """llama.cpp sets lstrip / rstrip for a few model families, recognised by name (GGUF has no such keys)."""
-        name = str(metadata.get("general.name", "")).lower()
-        arch = str(metadata.get("general.architecture", ""))
-
-        def set_attr(text: str, bit: int, value: bool) -> None:
-            token = self.token_to_id.get(text)
-            if token is None:
-                raise VocabError(f"vocab: {name or arch}: expected token {text!r} is missing")
-            self.token_attrs[token] = self.token_attrs[token] | bit if value else self.token_attrs[token] & ~bit
-
-        if any(s in self.pre for s in ("jina-v2-de", "jina-v2-es", "jina-v2-code")) or \
-                any(s in arch for s in ("nomic-bert-moe", "jina-bert-v3")):
-            if "<mask>" in self.token_to_id:
-                set_attr("<mask>", _LSTRIP, True)
-        elif "phi-3" in name or "phi3" in name:
-            for token, attr in enumerate(self.token_attrs):
-                if attr & _SPECIAL_SPLIT_ATTRS:
-                    self.token_attrs[token] = attr | _RSTRIP
-            set_attr("</s>", _RSTRIP, True)
-            for text in ("<unk>", "<s>", "<|endoftext|>"):
-                set_attr(text, _RSTRIP, False)
-        elif "modern-bert" in name and "[MASK]" in self.token_to_id:
-            set_attr("[MASK]", _LSTRIP, True)
 
     def _special_tokens_longest_first(self) -> list[int]:
         # llama.cpp sorts by byte length only (std::sort, unstable); ties here go by id, which is deterministic.
@@ -670,12 +456,14 @@ class Vocab:
     def all_pieces(self, special: bool = True) -> list[bytes]:
         """``token_to_piece(t, special)`` for every id, in one call (for samplers that scan the whole vocab)."""
         cache = self._piece_cache
+        pieces: list[bytes] = []
         for token, piece in enumerate(cache):
             if piece is None:
-                cache[token] = self._render_piece(token)
+                piece = cache[token] = self._render_piece(token)
+            pieces.append(piece)
         if special:
-            return list(cache)
-        return [b"" if attr & _HIDDEN_ATTRS else piece for attr, piece in zip(self.token_attrs, cache)]
+            return pieces
+        return [b"" if attr & _HIDDEN_ATTRS else piece for attr, piece in zip(self.token_attrs, pieces)]
 
     def _piece(self, token: int, special: bool) -> bytes:
         if not special and self.token_attrs[token] & _HIDDEN_ATTRS:
@@ -751,14 +539,14 @@ class _SpecialMatcher:
 
 def _trie_regex(texts: list[str]) -> str:
     """A regex matching any of ``texts`` (sorted), preferring the longest at each position."""
-    trie: dict = {}
+    trie: dict[str, Any] = {}
     for text in texts:
         node = trie
         for char in text:
             node = node.setdefault(char, {})
         node[""] = True  # end of a text
 
-    def emit(node: dict) -> str:
+    def emit(node: dict[str, Any]) -> str:
         branches = []
         for char in sorted(k for k in node if k):
             chain, child = re.escape(char), node[char]
@@ -802,7 +590,7 @@ def _clean_spaces(text: bytes) -> bytes:
         out.append(x)
         i += 1
     # 3: contractions " 's", " 'm", " 're", " 've" -> drop the space
-    src, out = bytes(out), bytearray(out[:1])
+    src, out = bytearray(out), bytearray(out[:1])  # (read only from here on)
     n = len(src)
     for i in range(1, n):
         x = src[i]

@@ -27,6 +27,7 @@ from llmfw.core.architecture import Architecture, TensorSpec
 from llmfw.core.errors import ModelError
 from llmfw.core.graph import GraphBuilder
 from llmfw.core.hparams import HParams
+from llmfw.core.loader import MetadataView
 from llmfw.plugins.architectures.gemma3 import gemma_layer_tensors, gemma_post_attention, swa_layer_pattern
 
 #: llama.cpp's defaults for Gemma 2
@@ -35,7 +36,7 @@ DEFAULT_SWA_PATTERN = 2
 N_LAYER_27B = 46
 
 
-def _swa_layers(keys: Any, n_layer: int) -> list[bool]:
+def _swa_layers(keys: MetadataView, n_layer: int) -> list[bool]:
     """``sliding_window_pattern`` as an array of per-layer flags, a period, or llama.cpp's default period 2."""
     pattern = keys.get("{arch}.attention.sliding_window_pattern", default=None)
     if pattern is None:
@@ -54,7 +55,7 @@ class Gemma2Architecture(Architecture):
     rope_type = "neox"
     memory = "kv_cache_iswa"
 
-    def own_hparams(self, keys: Any, common: dict[str, Any]) -> dict[str, Any]:
+    def own_hparams(self, keys: MetadataView, common: dict[str, Any]) -> dict[str, Any]:
         keys.get_float("{arch}.attention.layer_norm_rms_epsilon")  # required: ModelError names it when absent
         n_layer = common["n_layer"]
         if n_layer == N_LAYER_27B:

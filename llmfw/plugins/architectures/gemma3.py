@@ -28,6 +28,7 @@ from llmfw.core.architecture import Architecture, TensorSpec, attention_qkv_tens
 from llmfw.core.errors import ModelError
 from llmfw.core.graph import GraphBuilder, Node
 from llmfw.core.hparams import HParams
+from llmfw.core.loader import MetadataView
 
 #: every SWA_PATTERN-th layer is global (llama.cpp's ``hparams.set_swa_pattern(6)``)
 SWA_PATTERN = 6
@@ -47,7 +48,7 @@ class Gemma3Architecture(Architecture):
     rope_type = "neox"
     memory = "kv_cache_iswa"
 
-    def own_hparams(self, keys: Any, common: dict[str, Any]) -> dict[str, Any]:
+    def own_hparams(self, keys: MetadataView, common: dict[str, Any]) -> dict[str, Any]:
         keys.get_float("{arch}.attention.layer_norm_rms_epsilon")  # required (ModelError names it when absent)
         n_layer = common["n_layer"]
         extra: dict[str, Any] = {}

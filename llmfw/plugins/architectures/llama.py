@@ -21,6 +21,7 @@ from llmfw.core.architecture import Architecture, TensorSpec, attention_qkv_tens
 from llmfw.core.errors import ModelError
 from llmfw.core.graph import GraphBuilder
 from llmfw.core.hparams import HParams
+from llmfw.core.loader import MetadataView
 
 
 def llama3_rope_factors(hp: HParams) -> np.ndarray:
@@ -53,7 +54,7 @@ class LlamaArchitecture(Architecture):
     name = "llama"
     rope_type = "norm"
 
-    def own_hparams(self, keys: Any, common: dict[str, Any]) -> dict[str, Any]:
+    def own_hparams(self, keys: MetadataView, common: dict[str, Any]) -> dict[str, Any]:
         if keys.get_int("{arch}.expert_count", 0) > 0:
             raise ModelError(f"{keys.arch}: mixture-of-experts llama models (expert_count > 0) are not supported")
         extra: dict[str, Any] = {}

@@ -22,6 +22,7 @@ from typing import Any
 from llmfw.core.architecture import Architecture, TensorSpec, attention_qkv_tensors
 from llmfw.core.graph import GraphBuilder
 from llmfw.core.hparams import HParams
+from llmfw.core.loader import MetadataView
 
 ROPE_FACTORS = ("rope_factors_long", "rope_factors_short")
 
@@ -30,7 +31,7 @@ class Phi3Architecture(Architecture):
     name = "phi3"
     rope_type = "neox"
 
-    def own_hparams(self, keys: Any, common: dict[str, Any]) -> dict[str, Any]:
+    def own_hparams(self, keys: MetadataView, common: dict[str, Any]) -> dict[str, Any]:
         keys.get_float("{arch}.attention.layer_norm_rms_epsilon")  # required: ModelError names it when absent
         return {"n_swa": 0, "swa_type": "none", "swa_layers": []}  # llama.cpp disables Phi's window
 

@@ -1,7 +1,8 @@
 """The torch backend: the graph IR executed with PyTorch on the CPU or on a CUDA device.
 
 Weights are converted once, at load, into the fastest form for the device that still clears the reference bar
-(``LLMFW_TORCH_MATMUL`` = fp16 | int8 | bf16 | f32 overrides it):
+(the ``matmul`` option, ``backend_options={"torch": {"matmul": "fp16" | "int8" | "bf16" | "f32"}}`` — on the CLI
+``LLMFW_TORCH_MATMUL`` — overrides it):
 
 * CPU: fp16 matmul weights for fbgemm's fp16 linear (``quantized::linear_dynamic_fp16``: float32 activations
   and accumulation, weights widened inside the kernel). Per-row int8 for fbgemm's dynamic quantized linear
@@ -21,6 +22,6 @@ written in place with ``index_copy_``. torch is imported only by this package, a
 Modules: ``environment`` (importing torch, devices), ``weights`` (the weight forms), ``kernels`` (ops that are
 more than one torch call), ``compiler`` (a split -> one function), ``runtime`` (the Backend class).
 """
-from llmfw.plugins.backends.torch.runtime import TorchBackend
+from llmfw.plugins.backends.torch.runtime import TorchBackend, TorchOptions
 
-__all__ = ["TorchBackend"]
+__all__ = ["TorchBackend", "TorchOptions"]

@@ -14,27 +14,26 @@ log = logging.getLogger(__name__)
 PIP_EXTRA = "torch"
 INSTALL_HINT = f"pip install 'llmfw[{PIP_EXTRA}]'"
 
-#: ``LLMFW_TORCH_SPIN=0``: torch's OpenMP threads sleep at once when idle instead of spinning. Measured on the
-#: 2-core VM (SmolLM2 one-token decodes): quiet machine 40 → 45 ms/token, next to one busy process 122 → 53 ms.
+#: what the CLI maps onto the ``spin`` option (``LLMFW_TORCH_SPIN=0``: torch's OpenMP threads sleep at once when
+#: idle instead of spinning). Measured on the 2-core VM (SmolLM2 one-token decodes): quiet machine 40 → 45
+#: ms/token, next to one busy process 122 → 53 ms.
 SPIN_ENV = "LLMFW_TORCH_SPIN"
 
 
-def _apply_spin_setting() -> None:
-    """Set OpenMP's wait policy from ``LLMFW_TORCH_SPIN`` before torch loads its OpenMP runtime (which reads it
-    once); an explicit ``OMP_WAIT_POLICY`` wins."""
-    if os.environ.get(SPIN_ENV, "").strip() != "0" or "OMP_WAIT_POLICY" in os.environ:
+def apply_spin_setting(spin: bool) -> None:
+    """``spin=False``: set OpenMP's wait policy to PASSIVE before torch loads its OpenMP runtime (which reads it
+    once); an explicit ``OMP_WAIT_POLICY`` wins, and once torch is loaded it is too late (a warning says so)."""
+    if spin or "OMP_WAIT_POLICY" in os.environ:
         return
     if "torch" in sys.modules:
-        log.warning("%s=0 has no effect: torch was imported before llmfw's torch backend", SPIN_ENV)
+        log.warning("torch option spin=False has no effect: torch was imported before llmfw's torch backend")
         return
     os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-
 
 
 @functools.cache
 def import_torch() -> Any:
     """torch, imported on first use; BackendUnavailable naming the extra when it is not installed."""
-    _apply_spin_setting()
     try:
         import torch
     except ImportError as exc:  # pragma: no cover - depends on the environment

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar, Literal, Mapping
 
 import numpy as np
+
+from pydantic import field_validator
 
 from llmfw.core.backend import (
     Backend,
@@ -19,12 +21,15 @@ from llmfw.core.backend import (
 from llmfw.core.graph import OPS
 from llmfw.core.quants import dequantize_rows
 from llmfw.plugins.backends.torch.compiler import SplitCompiler
-from llmfw.plugins.backends.torch.environment import PIP_EXTRA, check_device, import_torch, nvidia_driver_present
+from llmfw.plugins.backends.torch.environment import (
+    PIP_EXTRA, SPIN_ENV, apply_spin_setting, check_device, import_torch, nvidia_driver_present,
+)
 from llmfw.plugins.backends.torch.kernels import KVStorage
 from llmfw.plugins.backends.torch.weights import (
     DenseLinear,
     Fp16Linear,
     Int8Linear,
+    MATMUL_FORM_ENV,
     Linear,
     TorchWeight,
     concat_linears,
@@ -38,6 +43,20 @@ from llmfw.plugins.backends.torch.weights import (
 log = logging.getLogger(__name__)
 
 
+class TorchOptions(BackendOptions):
+    """``backend_options={"torch": {...}}`` (the CLI maps ``LLMFW_TORCH_MATMUL`` / ``LLMFW_TORCH_SPIN`` onto them)."""
+
+    #: the matmul weight form instead of the device's default (fp16 on a CPU with fbgemm, else f32; bf16 on CUDA)
+    matmul: Literal["fp16", "int8", "bf16", "f32"] | None = None
+    #: False: torch's OpenMP threads sleep when idle (OMP_WAIT_POLICY=PASSIVE, set before torch loads)
+    spin: bool = True
+
+    @field_validator("matmul", mode="before")
+    @classmethod
+    def _normalise_form(cls, value: object) -> object:
+        return value.strip().lower() or None if isinstance(value, str) else value
+
+
 class TorchBackend(Backend):
     """PyTorch on ``cpu`` (default) or ``cuda[:N]``; see the module docstring."""
 
@@ -48,12 +67,17 @@ class TorchBackend(Backend):
     requires: ClassVar[tuple[str, ...]] = ("torch",)
     #: the default only on a CUDA GPU: on a CPU, importing torch alone costs seconds and onnx decodes faster
     default_priority: ClassVar[Mapping[str, int]] = {"cuda": 300}
+    options_schema = TorchOptions
+    environment_options: ClassVar[Mapping[str, str]] = {MATMUL_FORM_ENV: "matmul", SPIN_ENV: "spin"}
 
     def __init__(self, device: str | None = None, options: BackendOptions | None = None):
+        super().__init__(device=None, options=options)
+        torch_options = self.options_as(TorchOptions)
+        apply_spin_setting(torch_options.spin)  # before torch loads (create_backend did so already)
         torch = import_torch()
-        super().__init__(device=check_device(device), options=options)
+        self.device = check_device(device)
         self.torch_device = torch.device(self.device)
-        self.matmul_form = default_matmul_form(self.device)
+        self.matmul_form = default_matmul_form(self.device, torch_options.matmul)
         if self.matmul_form == "int8":
             torch.backends.quantized.engine = "fbgemm"
         self.use_threads(None)
@@ -76,6 +100,20 @@ class TorchBackend(Backend):
     @classmethod
     def check_available(cls, device: str | None = None) -> None:
         check_device(device)
+
+    @classmethod
+    def devices(cls) -> list[str]:
+        """The CPU when torch imports, and each CUDA device torch sees (asked only with an NVIDIA driver loaded)."""
+        if cls.default_unavailable_reason("cpu") is not None:
+            return []
+        if not nvidia_driver_present():
+            return ["cpu"]
+        return ["cpu", *(f"cuda:{i}" for i in range(import_torch().cuda.device_count()))]
+
+    @classmethod
+    def prepare_process(cls, options: BackendOptions) -> None:
+        if isinstance(options, TorchOptions):
+            apply_spin_setting(options.spin)
 
     @classmethod
     def default_unavailable_reason(cls, device: str) -> str | None:

@@ -2,7 +2,6 @@
 dense float32 tensors for elementwise use and the raw GGUF blocks for exact ``get_rows`` lookups."""
 from __future__ import annotations
 
-import os
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -14,7 +13,8 @@ from llmfw.core.errors import BackendUnavailable
 from llmfw.core.quants import dequantize_rows
 from llmfw.plugins.backends.torch.environment import import_torch
 
-#: matmul weight forms; ``LLMFW_TORCH_MATMUL`` picks one instead of the device default
+#: matmul weight forms; the ``matmul`` option (the CLI maps ``LLMFW_TORCH_MATMUL`` onto it) picks one instead of
+#: the device default
 MATMUL_FORMS = ("fp16", "int8", "bf16", "f32")
 MATMUL_FORM_ENV = "LLMFW_TORCH_MATMUL"
 
@@ -41,15 +41,15 @@ def has_fbgemm_fp16() -> bool:
 _FORM_AVAILABLE: dict[str, Callable[[], bool]] = {"fp16": has_fbgemm_fp16, "int8": has_dynamic_int8}
 
 
-def default_matmul_form(device: str) -> str:
-    """The weight form for ``device``: the env override, else int8 (CPU, when available) or bf16."""
-    forced = os.environ.get(MATMUL_FORM_ENV, "").strip().lower()
+def default_matmul_form(device: str, forced: str | None = None) -> str:
+    """The weight form for ``device``: ``forced`` (the ``matmul`` option) when given, else fp16 (CPU, when
+    fbgemm has it) or bf16."""
     if forced:
         if forced not in MATMUL_FORMS:
-            raise BackendUnavailable(f"{MATMUL_FORM_ENV} must be one of {', '.join(MATMUL_FORMS)}, got {forced!r}")
+            raise BackendUnavailable(f"the torch matmul form must be one of {', '.join(MATMUL_FORMS)}, got {forced!r}")
         available = _FORM_AVAILABLE.get(forced)
         if available is not None and (device != "cpu" or not available()):
-            raise BackendUnavailable(f"{MATMUL_FORM_ENV}={forced} needs fbgemm's kernels on the CPU; device "
+            raise BackendUnavailable(f"torch matmul form {forced} needs fbgemm's kernels on the CPU; device "
                                      f"{device!r}, kernels present: {available()}")
         return forced
     if device == "cpu":
