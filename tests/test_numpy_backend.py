@@ -1,7 +1,8 @@
 """The numpy backend's fast paths keep the op semantics of ``llmfw.core.graph``.
 
-Weights are stored in the layout their one-token product streams fastest, matmuls sharing an input are fused into
-one GEMM over concatenated weights, ``rms_norm`` × weight is one kernel, rope uses precomputed full-width factors
+Weights are stored in the layout their one-token product streams fastest, matmuls sharing an input run as one GEMM
+over the weight ``fuse_weights`` concatenated once (the core's fusion pass rewrites the graph), ``rms_norm`` with
+its folded weight is one kernel, rope uses precomputed full-width factors
 and attention skips cells no query of a block can see. Each rewrite is checked here against the plain definition
 (bit for bit where the arithmetic is the same, to float32 rounding where only the summation order changes).
 The end-to-end check on the real model is ``tests/test_llama_reference.py``.
@@ -14,6 +15,7 @@ import pytest
 from llmfw.core.backend import KVLayerShape, Split, WeightSource
 from llmfw.core.errors import ModelError
 from llmfw.core.graph import Graph
+from llmfw.core.passes import optimize
 from llmfw.core.quants import GGMLType
 from llmfw.plugins.backends import numpy_cpu as nb
 
@@ -82,47 +84,65 @@ def test_tied_table_shares_one_copy_and_rows_still_look_up() -> None:
 
 # -- compiled splits ------------------------------------------------------------------------------------------
 
+def typed_leaf(graph: Graph, op: str, name: str, array: np.ndarray | None = None, shape=None):
+    """A typed ``input`` / ``weight`` leaf (what the graph builder makes), so the core passes can read it."""
+    return graph.leaf(op, name, array.shape if array is not None else shape)
+
+
 def test_matmuls_sharing_an_input_are_fused_into_one_gemm() -> None:
+    """The core fuses the group on a weight this backend concatenated once; results are the separate products."""
     backend = nb.NumpyBackend()
     weights = {"q": randn(32, 16), "k": randn(8, 16), "v": randn(8, 16), "o": randn(16, 32)}
     for name, w in weights.items():
         load(backend, name, w)
     g = Graph()
-    x = named(g, "input", "embd")
-    nodes = {n: named(g, "weight", n) for n in weights}
+    x = typed_leaf(g, "input", "embd", shape=(5, 16))
+    nodes = {n: typed_leaf(g, "weight", n, w) for n, w in weights.items()}
     q, k, v = (g.add("mul_mat", nodes[n], x) for n in ("q", "k", "v"))
     o = g.add("mul_mat", nodes["o"], q)  # another input: not fused
-    for n_tokens in (1, 5):
-        xv = randn(n_tokens, 16)
-        run = compile_graph(backend, g, [q, k, v, o])
-        out = run({x.id: xv})
-        for node, name in ((q, "q"), (k, "k"), (v, "v")):
-            np.testing.assert_allclose(out[node.id], xv @ weights[name].T, rtol=1e-5, atol=1e-5)
-        np.testing.assert_allclose(out[o.id], (xv @ weights["q"].T) @ weights["o"].T, rtol=1e-4, atol=1e-4)
-        np.testing.assert_array_equal(run({x.id: xv})[k.id], out[k.id])  # a second run: same values
-    assert list(backend._fused) == [("q", "k", "v")]  # built once, reused by the second compile
-    fused = backend._fused[("q", "k", "v")]
+    assert backend.fuse_weights("q+k+v", ("q", "k", "v"))  # at load, once
+    report = optimize(g, {("q", "k", "v"): "q+k+v"}, lambda name: backend)
+    assert report.fused_matmuls == 1 and [n.op for n in (q, k, v)] == ["slice"] * 3
+    xv = randn(5, 16)
+    run = compile_graph(backend, g, [q, k, v, o])
+    out = run({x.id: xv})
+    for node, name in ((q, "q"), (k, "k"), (v, "v")):
+        np.testing.assert_allclose(out[node.id], xv @ weights[name].T, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out[o.id], (xv @ weights["q"].T) @ weights["o"].T, rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(run({x.id: xv})[k.id], out[k.id])  # a second run: same values
+    fused = backend.weights["q+k+v"]
+    assert fused.shape == (48, 16)
     assert all(np.shares_memory(backend.weights[n], fused) for n in "qkv")  # members are views: no second copy
     for name, w in weights.items():
         np.testing.assert_array_equal(backend.weights[name], w)
+
+
+def test_quantized_tables_are_not_fused() -> None:
+    backend = nb.NumpyBackend()
+    load(backend, "dense", randn(8, 32))
+    backend.weights["table"] = nb.QuantizedTable(np.zeros(4 * 18, np.uint8), int(GGMLType.Q4_0), (32, 4))
+    assert not backend.fuse_weights("dense+table", ("dense", "table"))
+    assert "dense+table" not in backend.weights
 
 
 def test_rms_norm_times_weight_is_one_kernel_with_the_same_rounding() -> None:
     backend = nb.NumpyBackend()
     w = load(backend, "norm", randn(24), usage="mul")
     g = Graph()
-    x = named(g, "input", "embd")
+    x = typed_leaf(g, "input", "embd", shape=(6, 24))
     normed = g.add("rms_norm", x, eps=1e-6)
-    scaled = g.add("mul", normed, named(g, "weight", "norm"))
-    plain = g.add("rms_norm", x, eps=1e-6)  # a norm that is a split output is not folded
+    scaled = g.add("mul", normed, typed_leaf(g, "weight", "norm", w))
+    plain = g.add("rms_norm", x, eps=1e-6)  # a norm that is a graph output is not folded
+    g.outputs.update(scaled=scaled, plain=plain)
+    assert optimize(g, {}, lambda name: backend).folded_norms == 1
+    assert scaled.op == "rms_norm" and len(scaled.inputs) == 2 and normed not in g.nodes
     run = compile_graph(backend, g, [scaled, plain])
-    for n_tokens in (1, 6):
-        xv = randn(n_tokens, 24) * 30
-        out = run({x.id: xv})
-        mean_sq = (xv.astype(np.float64) ** 2).mean(-1, keepdims=True)
-        expected = xv * (1.0 / np.sqrt(mean_sq + 1e-6)).astype(np.float32)
-        np.testing.assert_array_equal(out[plain.id], expected)
-        np.testing.assert_array_equal(out[scaled.id], expected * w)
+    xv = randn(6, 24) * 30
+    out = run({x.id: xv})
+    mean_sq = (xv.astype(np.float64) ** 2).mean(-1, keepdims=True)
+    expected = xv * (1.0 / np.sqrt(mean_sq + 1e-6)).astype(np.float32)
+    np.testing.assert_array_equal(out[plain.id], expected)
+    np.testing.assert_array_equal(out[scaled.id], expected * w)
 
 
 def test_a_missing_graph_input_is_a_clear_error() -> None:

@@ -13,13 +13,21 @@ torch = pytest.importorskip("torch")
 from llmfw.core.backend import (  # noqa: E402
     KVLayerShape, Split, WeightSource, backend_options_from_environment, create_backend,
 )
-from llmfw.core.errors import BackendUnavailable, ConfigError  # noqa: E402
-from llmfw.core.graph import Graph  # noqa: E402
+from llmfw.core.errors import BackendUnavailable, ConfigError, ModelError  # noqa: E402
+from llmfw.core.graph import Graph, last_uses  # noqa: E402
+from llmfw.core.passes import matmul_groups, optimize  # noqa: E402
 from llmfw.core.quants import GGMLType, dequantize  # noqa: E402
 from llmfw.plugins.backends import numpy_cpu as oracle  # noqa: E402
 from llmfw.core.architecture import RopeParams  # noqa: E402
 from llmfw.plugins.backends.torch import TorchBackend, TorchOptions  # noqa: E402
-from llmfw.plugins.backends.torch.kernels import RopeTables, attention, k_shift, rope_apply, rope_cos_sin  # noqa: E402
+from llmfw.plugins.backends.torch.kernels import (  # noqa: E402
+    RopeTables,
+    attention,
+    grouped_mask,
+    k_shift,
+    rope_apply,
+    rope_cos_sin,
+)
 from llmfw.plugins.backends.torch.weights import MATMUL_FORM_ENV, has_dynamic_int8  # noqa: E402
 
 RNG = np.random.default_rng(7)
@@ -89,7 +97,8 @@ def test_attention_with_cache_matches_numpy(softcap: float, n_head: int, n_head_
         mask = _causal_mask(n_tokens, n_kv, first)
         oracle.write_kv(ref_kv, k, v, idx)
         expected = oracle.attention(q, ref_kv, n_kv, mask, 0.25, softcap)
-        got = attention(*(torch.from_numpy(a) for a in (q, k, v, idx, mask)), {}, kv, 0.25, softcap)
+        q_t, k_t, v_t, idx_t, mask_t = (torch.from_numpy(a) for a in (q, k, v, idx, mask))
+        got = attention(q_t, k_t, v_t, idx_t, grouped_mask(mask_t, n_head // n_head_kv), kv, 0.25, softcap)
         np.testing.assert_allclose(got.numpy(), expected, atol=1e-5, rtol=1e-4)
         np.testing.assert_array_equal(kv.k.numpy(), ref_kv.k)
         first += n_tokens
@@ -161,14 +170,25 @@ def test_fused_linear_equals_separate(form: str) -> None:
         backend.load_weight(_f32_source(name, w))
     x = torch.from_numpy(randn(4, 24))
     separate = [backend.linear(n)(x) for n in weights]
-    separate_nbytes = backend.weight_nbytes()
-    fused = backend.fused_linear(("q", "k", "v"))
+    bytes_before = backend.weight_nbytes()
+    assert backend.fuse_weights("q+k+v", ("q", "k", "v"))
     assert backend.weights["q"].linear is None  # the fused copy replaced the members'
-    assert backend.weight_nbytes() == separate_nbytes  # ... so the bytes are counted once, not twice
+    assert backend.weight_nbytes() == bytes_before  # ... so the weights take no more room than before
+    assert backend.weights["q+k+v"].shape == (48, 24)
+    fused = backend.linear("q+k+v")
     np.testing.assert_allclose(fused(x).numpy(), torch.cat(separate, dim=-1).numpy(), rtol=1e-5, atol=1e-5)
     again = backend.linear("k")(x)  # rebuilt from the fused weight when a graph needs it alone
     np.testing.assert_allclose(again.numpy(), separate[1].numpy(), rtol=1e-5, atol=1e-5)
-    assert backend.weight_nbytes() == separate_nbytes + backend.weights["k"].nbytes  # the rebuilt k is extra
+    assert backend.weight_nbytes() == bytes_before + backend.weights["k"].nbytes  # the rebuilt k is extra
+    assert not backend.fuse_weights("k+o", ("k", "o"))  # a part already fused, or a weight not loaded
+
+
+def test_weights_of_different_widths_are_not_fused() -> None:
+    backend = TorchBackend("cpu")
+    backend.load_weight(_f32_source("a", randn(8, 24)))
+    backend.load_weight(_f32_source("b", randn(8, 16)))
+    assert not backend.fuse_weights("a+b", ("a", "b"))
+    assert "a+b" not in backend.weights and backend.weights["a"].linear is not None
 
 
 def test_bad_matmul_form_env_is_clear() -> None:
@@ -208,20 +228,22 @@ def _tiny_weights() -> dict[str, tuple[np.ndarray, str]]:
     return w
 
 
-def _tiny_graph(rope_mode: str, softcap: float) -> Graph:
-    """A llama-shaped graph written with the raw IR (no architecture plugin): every op the models use."""
+N_CELLS = 16
+
+
+def _tiny_graph(rope_mode: str, softcap: float, n_tokens: int) -> Graph:
+    """A llama-shaped graph of one ``n_tokens`` ubatch written with the raw IR (no architecture plugin): every
+    op the models use."""
     g = Graph()
-    tokens, pos = g.add("input", name="tokens"), g.add("input", name="pos")
-    kv_idx, mask = g.add("input", name="kv_idx:kv"), g.add("input", name="kq_mask:kv")
-    for node in (tokens, pos, kv_idx, mask):
-        node.attrs["name"] = node.name
-        g.inputs[node.name] = node
+    tokens, pos = g.leaf("input", "tokens", (n_tokens,), "i32"), g.leaf("input", "pos", (n_tokens,), "i32")
+    kv_idx = g.leaf("input", "kv_idx:kv", (n_tokens,), "i64")
+    mask = g.leaf("input", "kq_mask:kv", (n_tokens, N_CELLS))
+    shapes = {name: array.shape for name, (array, _) in _tiny_weights().items()}
     weight = {}
 
     def w(name: str, layer: int):
         if name not in weight:
-            weight[name] = g.add("weight", layer=layer, name=name)
-            weight[name].attrs["name"] = name
+            weight[name] = g.leaf("weight", name, shapes[name], layer=layer)
         return weight[name]
 
     rope = dict(n_dims=HEAD_DIM, mode=rope_mode, freq_base=10000.0, freq_scale=1.0, ext_factor=0.0, attn_factor=1.0,
@@ -238,8 +260,9 @@ def _tiny_graph(rope_mode: str, softcap: float) -> Graph:
         v = g.add("reshape", g.add("mul_mat", w(f"{p}.attn_v.weight", il), h, layer=il), layer=il,
                   shape=(-1, N_HEAD_KV, HEAD_DIM))
         q, k = g.add("rope", q, pos, layer=il, **rope), g.add("rope", k, pos, layer=il, **rope)
-        a = g.add("attention", q, k, v, kv_idx, mask, layer=il, cache="kv", scale=HEAD_DIM ** -0.5, softcap=softcap)
-        a.attrs["layer"] = il  # the KV cache's layer (Graph.add takes ``layer`` as the node's owner)
+        # attrs["layer"] is the KV cache's layer (Graph.add's ``layer`` is the node's owner)
+        a = g.add_node("attention", (q, k, v, kv_idx, mask),
+                       dict(layer=il, cache="kv", scale=HEAD_DIM ** -0.5, softcap=softcap), layer=il)
         a = g.add("mul_mat", w(f"{p}.attn_output.weight", il), a, layer=il)
         x = g.add("add", x, a, layer=il)
         h = g.add("mul", g.add("norm", x, layer=il, eps=1e-5), w(f"{p}.ffn_norm.weight", il), layer=il)
@@ -255,23 +278,46 @@ def _tiny_graph(rope_mode: str, softcap: float) -> Graph:
     return g
 
 
-def _run_graph(backend, graph: Graph, steps: list[tuple[np.ndarray, np.ndarray]]) -> list[np.ndarray]:
-    weights = _tiny_weights()
-    for name, (array, usage) in weights.items():
+def _load_tiny_model(backend) -> tuple[dict[tuple[str, ...], str], dict]:
+    """The tiny weights on ``backend`` with the fused weights the core's load-time detection asks it for, and
+    its KV cache."""
+    for name, (array, usage) in _tiny_weights().items():
         backend.weights[name] = backend.load_weight(_f32_source(name, array, usage))
-    kv = {("kv", il): backend.alloc_kv(KVLayerShape("kv", il, 16, N_HEAD_KV, HEAD_DIM, HEAD_DIM))
+    fused = {}
+    for group in matmul_groups(_tiny_graph("norm", 0.0, 1), lambda name: backend):
+        if backend.fuse_weights(group.name, group.parts):
+            fused[group.parts] = group.name
+    kv = {("kv", il): backend.alloc_kv(KVLayerShape("kv", il, N_CELLS, N_HEAD_KV, HEAD_DIM, HEAD_DIM))
           for il in range(N_LAYER)}
+    return fused, kv
+
+
+def _compile_tiny_graph(backend, fused, kv, rope_mode: str, softcap: float, n_tokens: int):
+    """The graph through the core passes, as one split (what the scheduler makes of a single-backend graph)."""
+    graph = _tiny_graph(rope_mode, softcap, n_tokens)
+    optimize(graph, fused, lambda name: backend)
     inputs = [n for n in graph.nodes if n.op == "input"]
-    split = Split(backend, [n for n in graph.nodes if n.op != "input"], [n.id for n in inputs],
-                  [graph.outputs["logits"].id])
-    run = backend.compile(split, kv)
-    results = []
+    nodes = [n for n in graph.nodes if n.op != "input"]
+    logits = graph.outputs["logits"].id
+    split = Split(backend, nodes, [n.id for n in inputs], [logits], last_uses(nodes, {logits}))
+    return backend.compile(split, kv), inputs, logits
+
+
+def _run_graph(backend, rope_mode: str, softcap: float, steps: list[tuple[np.ndarray, np.ndarray]]):
+    fused, kv = _load_tiny_model(backend)
+    results, runs = [], []
     for tokens, pos in steps:
+        run, inputs, logits = _compile_tiny_graph(backend, fused, kv, rope_mode, softcap, len(tokens))
         values = {"tokens": tokens, "pos": pos, "kv_idx:kv": pos.astype(np.int64),
-                  "kq_mask:kv": _causal_mask(len(tokens), 16, int(pos[0]))}
+                  "kq_mask:kv": _causal_mask(len(tokens), N_CELLS, int(pos[0]))}
         out = run({n.id: backend.from_numpy(values[n.name]) for n in inputs})
-        results.append(np.array(backend.to_numpy(out[graph.outputs["logits"].id])))
-    return results, run
+        results.append(np.array(backend.to_numpy(out[logits])))
+        runs.append(run)
+    return results, runs
+
+
+def _steps_reading(plan: list[str], label: str) -> list[str]:
+    return [line for line in plan if f" = {label}" in line]
 
 
 @pytest.mark.parametrize("form", ["f32", "fp16", "int8"])
@@ -279,20 +325,51 @@ def _run_graph(backend, graph: Graph, steps: list[tuple[np.ndarray, np.ndarray]]
 def test_split_matches_numpy_backend(form: str, rope_mode: str, softcap: float) -> None:
     if form == "int8" and not has_dynamic_int8():
         pytest.skip("no fbgemm dynamic quantized linear")
-    graph = _tiny_graph(rope_mode, softcap)
     steps = [(np.array([3, 14, 15, 9], dtype=np.int32), np.arange(4, dtype=np.int32)),
              (np.array([26], dtype=np.int32), np.array([4], dtype=np.int32))]
-    expected, _ = _run_graph(oracle.NumpyBackend(), graph, steps)
+    expected, _ = _run_graph(oracle.NumpyBackend(), rope_mode, softcap, steps)
     backend = TorchBackend("cpu", options=TorchOptions(matmul=form))
-    got, run = _run_graph(backend, graph, steps)
+    got, runs = _run_graph(backend, rope_mode, softcap, steps)
     tolerance = {"f32": 2e-4, "fp16": 2e-3, "int8": 0.1}[form]  # int8: 8-bit activations, see the README
     for e, g in zip(expected, got):
         assert g.shape == e.shape
         assert np.max(np.abs(g - e)) <= tolerance * max(1.0, np.max(np.abs(e))), np.max(np.abs(g - e))
-    source = run.source
-    assert source.count("# fused") == 2 * N_LAYER  # QKV and gate/up of every layer
-    assert "F.rms_norm" in source and "F.layer_norm" in source
-    assert source.count("rope_tables") == 1  # angles shared by q and k of every layer
+    plan = runs[0].plan
+    fused = [line for line in _steps_reading(plan, "linear[") if "+" in line.split("]")[0]]
+    assert len(fused) == 2 * N_LAYER  # QKV and gate/up of every layer, on the weights fused at load
+    norms = _steps_reading(plan, "rms_norm(") + _steps_reading(plan, "norm(")
+    assert len(norms) == 2 * N_LAYER + 1 and all(", %" in line for line in norms)  # each with its weight
+    assert len(_steps_reading(plan, "mul(")) == N_LAYER  # act * up: the norms' muls were folded
+    assert len(_steps_reading(plan, "rope_tables(")) == 1  # angles shared by q and k of every layer
+    assert len(_steps_reading(plan, "grouped_mask[")) == 1  # one grouped mask for every layer's attention
+
+
+def test_every_activation_is_dropped_after_its_last_reader() -> None:
+    """The core's liveness reaches the steps: each intermediate value is dropped once, after its last reader,
+    and the split's output never is (a long prefill holds one layer's temporaries at a time)."""
+    backend = TorchBackend("cpu")
+    fused, kv = _load_tiny_model(backend)
+    run, inputs, _ = _compile_tiny_graph(backend, fused, kv, "neox", 0.0, 3)
+    steps = [line for line in run.plan if " = " in line and "shared by this run" not in line]
+    assert "# softcap" in steps[-1]  # the logits: computed last, never dropped
+    computed = [line.split(" = ")[0] for line in steps]
+    dropped = [slot for line in run.plan if line.startswith("drop ") for slot in line[5:].split(", ")]
+    handed_in = [f"%{slot}" for slot in range(len(inputs))]  # the inputs take the first slots
+    assert sorted(dropped) == sorted(handed_in + computed[:-1])  # every value but the logits, each exactly once
+    for index, line in enumerate(run.plan):
+        if line.startswith("drop "):
+            for slot in line[5:].split(", "):
+                readers = [later for later in run.plan[index + 1:] if " = " in later
+                           and slot in later.split("(", 1)[1].split(")")[0].split(", ")]
+                assert not readers, (slot, readers)
+
+
+def test_a_missing_split_input_is_a_clear_error() -> None:
+    backend = TorchBackend("cpu")
+    fused, kv = _load_tiny_model(backend)
+    run, inputs, _ = _compile_tiny_graph(backend, fused, kv, "norm", 0.0, 1)
+    with pytest.raises(ModelError, match="was not set"):
+        run({inputs[0].id: backend.from_numpy(np.array([1], dtype=np.int32))})
 
 
 def test_import_does_not_import_torch() -> None:
@@ -313,10 +390,9 @@ def test_cuda_device_unavailable_is_a_clear_error() -> None:
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_split_on_cuda_matches_numpy() -> None:
-    graph = _tiny_graph("neox", 0.0)
     steps = [(np.array([3, 14, 15], dtype=np.int32), np.arange(3, dtype=np.int32))]
-    expected, _ = _run_graph(oracle.NumpyBackend(), graph, steps)
-    got, _ = _run_graph(TorchBackend("cuda"), graph, steps)
+    expected, _ = _run_graph(oracle.NumpyBackend(), "neox", 0.0, steps)
+    got, _ = _run_graph(TorchBackend("cuda"), "neox", 0.0, steps)
     assert np.max(np.abs(got[0] - expected[0])) <= 0.05 * max(1.0, np.max(np.abs(expected[0])))
 
 

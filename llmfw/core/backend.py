@@ -54,6 +54,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .errors import BackendUnavailable, ConfigError, LLMFWError, UnknownBackend
 from .graph import Node
+from .passes import RewriteRule
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +128,9 @@ class Split:
     nodes: list[Node] = field(default_factory=list)
     input_ids: list[int] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
+    #: liveness (core ``last_uses``): index in ``nodes`` → ids of the values no later node of the split reads
+    #: (never an output or a weight), which the backend may free once that node ran
+    release_after: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
 
 class Backend(ABC):
@@ -152,6 +156,9 @@ class Backend(ABC):
     #: the highest-priority device whose :meth:`default_unavailable_reason` is None; no entry = never chosen
     #: by default (only when asked for by name)
     default_priority: ClassVar[Mapping[str, int]] = {}
+    #: fusions this backend implements as ops of its own: the core's pass manager applies them to the nodes
+    #: placed here (core/passes.py), and :meth:`compile` then sees the rule's ``op``
+    rewrite_rules: ClassVar[tuple[RewriteRule, ...]] = ()
     #: the pydantic model of this backend's options (``ModelParams(backend_options={name: {...}})``)
     options_schema: ClassVar[type[BackendOptions]] = BackendOptions
     #: environment variable → option field: what the CLI maps onto the options (conveniences for the command
@@ -255,6 +262,13 @@ class Backend(ABC):
     def free_weights(self) -> None:
         """Drop every weight (model closed or load cancelled)."""
         self.weights.clear()
+
+    def fuse_weights(self, name: str, parts: tuple[str, ...]) -> bool:
+        """Build, once at load, the weight ``name``: the matrices ``parts`` (loaded here) stacked by output rows,
+        ``[Σ n_out, n_in]``, multiplied with one input in one ``mul_mat`` (core/passes.py). Keep it in
+        :attr:`weights` under ``name`` and return True; False when this backend cannot (e.g. mixed quant types),
+        and the graph then keeps the separate matmuls. The parts may still be used alone afterwards."""
+        return False
 
     # -- KV storage -------------------------------------------------------------------------------------
     @abstractmethod

@@ -1,11 +1,32 @@
-"""The graph IR: a small DAG of ops that an architecture emits and backends execute.
+"""The graph IR: a small typed DAG of ops that an architecture emits, the core optimises and backends execute.
+
+The compiler, in the core (one for every backend)::
+
+    Architecture.build_graph(GraphBuilder)        one graph per ubatch shape (BuildParams), reused while equal
+      → typed nodes: every Node gets shape + dtype from OP_TABLE when built; a misfit is a ModelError naming it
+    core passes (core/passes.py, once per built graph, before placement)
+      → fuse_shared_input_matmuls: mul_mats of one input (Q/K/V, gate/up) → one mul_mat on a fused weight
+        (attrs name="a+b+c", parts=(a, b, c)) + one slice per part. The fused weight was made once at load
+        (prepare_fused_weights: the same detection on a representative graph, Backend.fuse_weights per group)
+      → fold_norm_weights: norm(x) × 1-D weight → rms_norm(x, w) / norm(x, w)
+    placement and splits (core/scheduler.py)
+      → apply_rewrite_rules: each backend's declared fusions (a pattern of core ops → one op of its own, e.g.
+        numpy's swiglu) on the nodes placed on it, per split
+      → last_uses (liveness, below): per split, the values dead after each node (Split.release_after)
+    Backend.compile(split)                         maps ops to kernels: weights + kernels, no compiler of its own
+
+:func:`consumers_of` is the one consumer map and :func:`last_uses` the one liveness analysis: passes, scheduler
+and backends all use them.
 
 Conventions (every backend implements exactly these semantics; the numpy backend is the oracle):
 
 * Arrays are row-major. Activations are float32 ``[n_tokens, n_embd]``; attention tensors are
   ``[n_tokens, n_head, head_dim]``. A weight whose GGUF shape is ``ne = [ne0, ne1]`` is seen as the numpy
   shape ``(ne1, ne0)`` — rows of ``ne0`` contiguous elements, like ggml.
-* Nodes are created in topological order; ``Graph.nodes`` keeps that order.
+* Nodes are created in topological order; ``Graph.nodes`` keeps that order (passes renumber ids to indices).
+* Types: ``Node.shape`` is concrete (graphs are built per ubatch shape) except ``DYNAMIC`` (-1) dimensions the
+  builder cannot see (the K-shift's ``n_kv``); ``Node.dtype`` is ``f32`` for activations and weights (whatever
+  form a backend stores them in), ``i32`` / ``i64`` for ids, positions and KV cell indices.
 
 Ops (inputs in order; attributes in ``Node.attrs``):
 
@@ -14,14 +35,16 @@ Ops (inputs in order; attributes in ``Node.attrs``):
                     ``embd`` f32 [T, n_embd], ``pos`` int32 [T], ``out_ids`` int32 [n_outputs],
                     ``kv_idx:<cache>`` int64 [T] (KV cells written by this ubatch), ``kq_mask:<cache>``
                     f32 [T, n_kv] (0 = visible, -inf = hidden) for each KV cache ``<cache>``.
-``weight``          a model tensor. attrs: ``name`` (GGUF tensor name). ``layer`` says who owns it.
+``weight``          a model tensor. attrs: ``name`` (GGUF tensor name). ``layer`` says who owns it. A fused
+                    weight (core pass) also has ``parts`` (its members' names, stacked by output rows).
 ``get_rows``        (table, ids) → ``table[ids]`` as float32 (table may be a quantized weight).
 ``mul_mat``         (w, x) → ``x @ w.T`` ; w is a weight [n_out, n_in], x [..., n_in] → [..., n_out].
 ``add`` ``sub``     (a, b) elementwise with numpy broadcasting.
 ``mul``             (a, b) elementwise with numpy broadcasting.
 ``scale``           (x) → ``x * attrs["s"]``.
-``rms_norm``        (x) → ``x / sqrt(mean(x², -1) + eps)``; attrs: ``eps``.
-``norm``            (x) → ``(x - mean) / sqrt(var + eps)`` over the last axis; attrs: ``eps``.
+``rms_norm``        (x [, w]) → ``x / sqrt(mean(x², -1) + eps)`` (× w: a weight of x's last size, folded in
+                    by the core pass); attrs: ``eps``.
+``norm``            (x [, w]) → ``(x - mean) / sqrt(var + eps)`` over the last axis (× w); attrs: ``eps``.
 ``silu`` ``relu``   (x) → activation.
 ``gelu``            (x) → ggml's tanh approximation ``0.5x(1 + tanh(√(2/π)(x + 0.044715x³)))``.
 ``softcap``         (x) → ``cap * tanh(x / cap)``; attrs: ``cap``.
@@ -52,31 +75,276 @@ Graph outputs are named: ``logits`` f32 [n_outputs, n_vocab], or in embeddings m
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Callable, Collection, Iterator, Literal, Mapping, Protocol, Sequence
 
-#: every op of the IR; a backend lists the subset it implements in ``Backend.supported_ops``
-OPS = frozenset({
-    "input", "weight", "get_rows", "mul_mat", "add", "sub", "mul", "scale", "rms_norm", "norm", "silu",
-    "relu", "gelu", "softcap", "clamp", "reshape", "slice", "rope", "attention", "k_shift",
-})
+from .errors import ModelError
+
+if TYPE_CHECKING:
+    from .architecture import Architecture
+    from .hparams import HParams
+
+#: a dimension: a concrete size, or ``DYNAMIC`` when only the running graph knows it (a graph input whose length
+#: the builder cannot see, e.g. the K-shift's ``n_kv``)
+DYNAMIC = -1
+Shape = tuple[int, ...]
+#: element types of graph values: activations and weights are float32 to every op (whatever a backend stores),
+#: token ids and positions int32, KV cell indices int64
+DType = Literal["f32", "i32", "i64"]
+#: what an attribute may hold (numbers, names, shapes, the part names of a fused weight)
+AttrValue = int | float | str | bool | None | tuple[int, ...] | tuple[str, ...]
+Attrs = dict[str, AttrValue]
 
 
 @dataclass(eq=False)
 class Node:
-    """One op application. Identity is by object: two equal-looking nodes are still two nodes."""
+    """One op application. Identity is by object: two equal-looking nodes are still two nodes.
+
+    ``shape`` / ``dtype`` are computed from the op table when the node is built (:meth:`Graph.add`) and are
+    None only in hand-built graphs whose leaves were given none (tests of one backend kernel)."""
 
     id: int
     op: str
     inputs: tuple["Node", ...] = ()
-    attrs: dict[str, Any] = field(default_factory=dict)
+    attrs: Attrs = field(default_factory=dict)
     #: layer index that owns this node (-1: input side before layer 0, n_layer: output side), for placement
     layer: int = -1
     name: str = ""
+    shape: Shape | None = None
+    dtype: DType | None = None
 
     def __repr__(self) -> str:
         args = ", ".join(f"%{i.id}" for i in self.inputs)
         label = f" {self.name}" if self.name else ""
-        return f"%{self.id} = {self.op}({args}){label} L{self.layer} {self.attrs or ''}"
+        typed = f" {self.dtype}{list(self.shape)}" if self.shape is not None else ""
+        return f"%{self.id} = {self.op}({args}){label} L{self.layer}{typed} {self.attrs or ''}"
+
+    def attr_int(self, key: str, default: int | None = None) -> int:
+        return int(self._attr(key, default))  # type: ignore[arg-type]
+
+    def attr_float(self, key: str, default: float | None = None) -> float:
+        return float(self._attr(key, default))  # type: ignore[arg-type]
+
+    def attr_str(self, key: str) -> str:
+        return str(self._attr(key, None))
+
+    def _attr(self, key: str, default: AttrValue) -> AttrValue:
+        value = self.attrs.get(key, default)
+        if value is None:
+            raise ModelError(f"graph node {self!r} lacks attribute {key!r}")
+        return value
+
+
+class ShapeError(ValueError):
+    """Raised by an op's inference rule; :meth:`Graph.add` turns it into a ModelError naming the node."""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the op table: arity and shape / dtype inference of every op
+# ---------------------------------------------------------------------------------------------------------
+
+Inference = Callable[[Sequence["Node"], Mapping[str, AttrValue]], tuple[Shape, DType]]
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """An op's arity (``min_inputs`` .. ``max_inputs``) and its output shape / dtype rule (None for leaves)."""
+
+    min_inputs: int
+    max_inputs: int
+    infer: Inference | None
+
+
+def _typed(node: Node) -> tuple[Shape, DType]:
+    assert node.shape is not None and node.dtype is not None
+    return node.shape, node.dtype
+
+
+def _dims_match(a: int, b: int) -> bool:
+    return a == b or DYNAMIC in (a, b)
+
+
+def _require_float(node: Node, role: str) -> Shape:
+    shape, dtype = _typed(node)
+    if dtype != "f32":
+        raise ShapeError(f"{role} must be f32, got {dtype} (%{node.id})")
+    return shape
+
+
+def _require_int(node: Node, role: str, ndim: int) -> Shape:
+    shape, dtype = _typed(node)
+    if dtype == "f32" or len(shape) != ndim:
+        raise ShapeError(f"{role} must be a {ndim}-D integer tensor, got {dtype}{list(shape)} (%{node.id})")
+    return shape
+
+
+def broadcast(a: Shape, b: Shape) -> Shape:
+    """numpy's broadcasting of two shapes (a DYNAMIC dimension matches anything)."""
+    out: list[int] = []
+    for i in range(1, max(len(a), len(b)) + 1):
+        da = a[-i] if i <= len(a) else 1
+        db = b[-i] if i <= len(b) else 1
+        if da == db or db == 1:
+            out.append(da)
+        elif da == 1:
+            out.append(db)
+        elif DYNAMIC in (da, db):
+            out.append(DYNAMIC)
+        else:
+            raise ShapeError(f"shapes {list(a)} and {list(b)} do not broadcast")
+    return tuple(reversed(out))
+
+
+def _elementwise(inputs: Sequence[Node], attrs: Mapping[str, AttrValue]) -> tuple[Shape, DType]:
+    shape = _require_float(inputs[0], "the input")
+    for other in inputs[1:]:
+        shape = broadcast(shape, _require_float(other, "an operand"))
+    return shape, "f32"
+
+
+def _normalised(inputs: Sequence[Node], attrs: Mapping[str, AttrValue]) -> tuple[Shape, DType]:
+    """A norm of x, optionally × weight (and + bias): the weight broadcasts into x's shape, never beyond it."""
+    shape = _require_float(inputs[0], "the normalised input")
+    for operand in inputs[1:]:
+        if broadcast(shape, _require_float(operand, "the norm weight")) != shape:
+            raise ShapeError(f"norm weight {list(_typed(operand)[0])} does not fit the input {list(shape)}")
+    return shape, "f32"
+
+
+def _mul_mat(inputs: Sequence[Node], attrs: Mapping[str, AttrValue]) -> tuple[Shape, DType]:
+    w = _require_float(inputs[0], "the matrix")
+    x = _require_float(inputs[1], "the activations")
+    if len(w) != 2 or not x or not _dims_match(w[1], x[-1]):
+        raise ShapeError(f"cannot multiply activations {list(x)} by a matrix {list(w)} (needs [n_out, {x[-1:]}])")
+    return x[:-1] + (w[0],), "f32"
+
+
+def _get_rows(inputs: Sequence[Node], attrs: Mapping[str, AttrValue]) -> tuple[Shape, DType]:
+    table = _require_float(inputs[0], "the table")
+    (n_ids,) = _require_int(inputs[1], "the row ids", 1)
+    if not table:
+        raise ShapeError("cannot take rows of a scalar")
+    return (n_ids,) + table[1:], "f32"
+
+
+def _reshape(inputs: Sequence[Node], attrs: Mapping[str, AttrValue]) -> tuple[Shape, DType]:
+    shape, dtype = _typed(inputs[0])
+    target = attrs.get("shape")
+    if not isinstance(target, tuple) or not all(isinstance(d, int) and d >= -1 for d in target) \
+            or list(target).count(-1) > 1:
+        raise ShapeError(f"reshape needs a shape attribute of sizes with at most one -1, got {target!r}")
+    dims = tuple(int(d) for d in target)
+    known = [d for d in dims if d != -1]
+    size = _n_elements(shape)
+    if size == DYNAMIC:
+        return dims, dtype  # the -1 stays dynamic
+    if -1 in dims:
+        rest = _n_elements(tuple(known))
+        if rest == 0 or size % rest:
+            raise ShapeError(f"cannot reshape {list(shape)} to {list(dims)}")
+        return tuple(size // rest if d == -1 else d for d in dims), dtype
+    if _n_elements(dims) != size:
+        raise ShapeError(f"cannot reshape {list(shape)} ({size} elements) to {list(dims)}")
+    return dims, dtype
+
+
+def _n_elements(shape: Shape) -> int:
+    """Product of the sizes, or DYNAMIC when one is."""
+    if DYNAMIC in shape:
+        return DYNAMIC
+    total = 1
+    for d in shape:
+        total *= d
+    return total
+
+
+def _slice(inputs: Sequence[Node], attrs: Mapping[str, AttrValue]) -> tuple[Shape, DType]:
+    shape, dtype = _typed(inputs[0])
+    axis, start, stop = attrs.get("axis", -1), attrs.get("start"), attrs.get("stop")
+    if not isinstance(axis, int) or not -len(shape) <= axis < len(shape):
+        raise ShapeError(f"slice axis {axis!r} is outside a {len(shape)}-D input")
+    if not all(v is None or isinstance(v, int) for v in (start, stop)):
+        raise ShapeError(f"slice bounds must be integers, got {start!r}:{stop!r}")
+    out = list(shape)
+    size = shape[axis]
+    if size != DYNAMIC:
+        out[axis] = len(range(*slice(start, stop).indices(size)))
+    return tuple(out), dtype
+
+
+def _rope(inputs: Sequence[Node], attrs: Mapping[str, AttrValue]) -> tuple[Shape, DType]:
+    x = _require_float(inputs[0], "the rotated input")
+    (n_pos,) = _require_int(inputs[1], "the positions", 1)
+    n_dims = attrs.get("n_dims")
+    if len(x) != 3 or not _dims_match(x[0], n_pos):
+        raise ShapeError(f"rope needs x [T, H, D] and positions [T], got {list(x)} and [{n_pos}]")
+    if not isinstance(n_dims, int) or not 0 < n_dims <= x[2] or n_dims % 2:
+        raise ShapeError(f"rope n_dims {n_dims!r} must be even and within the head size {x[2]}")
+    return x, "f32"
+
+
+def _attention(inputs: Sequence[Node], attrs: Mapping[str, AttrValue]) -> tuple[Shape, DType]:
+    q = _require_float(inputs[0], "q")
+    k = _require_float(inputs[1], "k")
+    v = _require_float(inputs[2], "v")
+    (n_idx,) = _require_int(inputs[3], "kv_idx", 1)
+    mask = _require_float(inputs[4], "the mask")
+    if len(q) != 3 or len(k) != 3 or len(v) != 3 or len(mask) != 2:
+        raise ShapeError(f"attention needs q/k/v [T, H, D] and a mask [T, n_kv], got {q}, {k}, {v}, {mask}")
+    n_tokens = q[0]
+    if not all(_dims_match(n_tokens, d) for d in (k[0], v[0], n_idx, mask[0])):
+        raise ShapeError(f"attention inputs disagree on the token count: {q}, {k}, {v}, [{n_idx}], {mask}")
+    if not (_dims_match(q[2], k[2]) and _dims_match(k[1], v[1])) or k[1] <= 0 or q[1] % k[1]:
+        raise ShapeError(f"attention heads do not match: q {list(q)}, k {list(k)}, v {list(v)}")
+    return (n_tokens, q[1] * v[2]), "f32"
+
+
+def _k_shift(inputs: Sequence[Node], attrs: Mapping[str, AttrValue]) -> tuple[Shape, DType]:
+    _require_int(inputs[0], "the shift", 1)
+    return (0,), "f32"
+
+
+#: every op of the IR: arity and shape rule. A backend lists the subset it implements in
+#: ``Backend.supported_ops``; ops a backend adds through its rewrite rules are not here (see core/passes.py)
+OP_TABLE: Mapping[str, OpSpec] = {
+    "input": OpSpec(0, 0, None),
+    "weight": OpSpec(0, 0, None),
+    "get_rows": OpSpec(2, 2, _get_rows),
+    "mul_mat": OpSpec(2, 2, _mul_mat),
+    "add": OpSpec(2, 2, _elementwise),
+    "sub": OpSpec(2, 2, _elementwise),
+    "mul": OpSpec(2, 2, _elementwise),
+    "scale": OpSpec(1, 1, _elementwise),
+    "rms_norm": OpSpec(1, 2, _normalised),
+    "norm": OpSpec(1, 2, _normalised),
+    "silu": OpSpec(1, 1, _elementwise),
+    "relu": OpSpec(1, 1, _elementwise),
+    "gelu": OpSpec(1, 1, _elementwise),
+    "softcap": OpSpec(1, 1, _elementwise),
+    "clamp": OpSpec(1, 1, _elementwise),
+    "reshape": OpSpec(1, 1, _reshape),
+    "slice": OpSpec(1, 1, _slice),
+    "rope": OpSpec(2, 3, _rope),
+    "attention": OpSpec(5, 5, _attention),
+    "k_shift": OpSpec(1, 2, _k_shift),
+}
+OPS = frozenset(OP_TABLE)
+
+
+def infer_type(node: Node) -> None:
+    """Set ``node.shape`` / ``node.dtype`` from the op table (left None when an input is untyped); a
+    malformed node (wrong arity, shapes that do not fit) is a ModelError naming it."""
+    spec = OP_TABLE.get(node.op)
+    if spec is None:
+        raise ModelError(f"unknown graph op {node.op!r}; known: {', '.join(sorted(OPS))}")
+    if not spec.min_inputs <= len(node.inputs) <= spec.max_inputs:
+        raise ModelError(f"graph node {node!r}: op {node.op!r} takes {spec.min_inputs}..{spec.max_inputs} "
+                         f"inputs, got {len(node.inputs)}")
+    if spec.infer is None or any(i.shape is None or i.dtype is None for i in node.inputs):
+        return
+    try:
+        node.shape, node.dtype = spec.infer(node.inputs, node.attrs)
+    except ShapeError as exc:
+        raise ModelError(f"graph node {node!r}: {exc}") from None
 
 
 @dataclass(eq=False)
@@ -87,15 +355,76 @@ class Graph:
     inputs: dict[str, Node] = field(default_factory=dict)
     outputs: dict[str, Node] = field(default_factory=dict)
 
-    def add(self, op: str, *inputs: Node, layer: int = -1, name: str = "", **attrs: Any) -> Node:
+    def add(self, op: str, *inputs: Node, layer: int = -1, name: str = "", **attrs: AttrValue) -> Node:
+        """A new node, typed and checked by the op table (``input`` / ``weight`` leaves: see :meth:`leaf`)."""
+        return self.add_node(op, inputs, attrs, layer, name)
+
+    def add_node(self, op: str, inputs: Sequence[Node], attrs: Mapping[str, AttrValue], layer: int = -1,
+                 name: str = "") -> Node:
+        """:meth:`add` with the attributes as a mapping (they may then include ``layer``, as attention's do)."""
         if op not in OPS:
             raise ValueError(f"unknown graph op {op!r}; known: {', '.join(sorted(OPS))}")
-        node = Node(len(self.nodes), op, tuple(inputs), attrs, layer, name)
+        node = Node(len(self.nodes), op, tuple(inputs), dict(attrs), layer, name)
+        infer_type(node)
         self.nodes.append(node)
         return node
 
+    def leaf(self, op: Literal["input", "weight"], name: str, shape: Shape, dtype: DType = "f32",
+             layer: int = -1) -> Node:
+        """An ``input`` (registered in :attr:`inputs`) or ``weight`` node named ``name`` with its type."""
+        node = Node(len(self.nodes), op, (), {"name": name}, layer, name, tuple(int(d) for d in shape), dtype)
+        self.nodes.append(node)
+        if op == "input":
+            self.inputs[name] = node
+        return node
+
+    def renumber(self) -> None:
+        """Make every node's id its index again (after a pass inserted or removed nodes)."""
+        for index, node in enumerate(self.nodes):
+            node.id = index
+
+    def consumers(self) -> dict[int, list[Node]]:
+        return consumers_of(self.nodes)
+
     def __str__(self) -> str:
         return "\n".join(map(repr, self.nodes))
+
+
+def consumers_of(nodes: Sequence[Node]) -> dict[int, list[Node]]:
+    """The consumer map: node id → the nodes (in order) that read it. The one every pass and backend uses."""
+    users: dict[int, list[Node]] = {}
+    for node in nodes:
+        for inp in node.inputs:
+            users.setdefault(inp.id, []).append(node)
+    return users
+
+
+def last_uses(nodes: Sequence[Node], keep: Collection[int]) -> dict[int, tuple[int, ...]]:
+    """Liveness: index ``i`` in ``nodes`` → ids of the values nothing after node ``i`` reads, so a backend may
+    free them once node ``i`` ran. Weights (they live on) and the ids in ``keep`` (outputs) are never listed."""
+    last: dict[int, int] = {}
+    for index, node in enumerate(nodes):
+        for inp in node.inputs:
+            if inp.op != "weight":
+                last[inp.id] = index
+    dead: dict[int, list[int]] = {}
+    for value_id, index in last.items():
+        if value_id not in keep:
+            dead.setdefault(index, []).append(value_id)
+    return {index: tuple(ids) for index, ids in dead.items()}
+
+
+class GraphModel(Protocol):
+    """What the graph builder needs of a model: hyperparameters, architecture, and its weights' types."""
+
+    hparams: "HParams"
+    arch: "Architecture"
+
+    def has_weight(self, name: str) -> bool: ...
+
+    def weight_layer(self, name: str) -> int: ...
+
+    def weight_shape(self, name: str) -> Shape: ...
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -129,7 +458,7 @@ class GraphBuilder:
     ``build_output`` to the output side (``n_layer``).
     """
 
-    def __init__(self, model: Any, params: BuildParams, cache_of_layer: Any = None):
+    def __init__(self, model: GraphModel, params: BuildParams, cache_of_layer: Callable[[int], str] | None = None):
         self.model = model
         self.hp = model.hparams
         self.arch = model.arch
@@ -141,20 +470,32 @@ class GraphBuilder:
         self._out_ids: Node | None = None
 
     # -- primitives --------------------------------------------------------------------------------------
-    def op(self, op: str, *inputs: Node, name: str = "", **attrs: Any) -> Node:
+    def op(self, op: str, *inputs: Node, name: str = "", **attrs: AttrValue) -> Node:
         """Add a node owned by the current layer (``attrs`` may include ``layer``, e.g. for attention)."""
-        node = self.graph.add(op, *inputs, layer=self.layer, name=name)
-        node.attrs.update(attrs)
-        return node
+        return self.graph.add_node(op, inputs, attrs, self.layer, name)
 
     def input(self, name: str) -> Node:
-        """The graph input ``name`` (created once; see the op table for standard names)."""
+        """The graph input ``name`` (created once; see the op table for standard names and types)."""
         node = self.graph.inputs.get(name)
         if node is None:
-            node = self.graph.add("input", layer=-1, name=name)
-            node.attrs["name"] = name
-            self.graph.inputs[name] = node
+            shape, dtype = self._input_type(name)
+            node = self.graph.leaf("input", name, shape, dtype)
         return node
+
+    def _input_type(self, name: str) -> tuple[Shape, DType]:
+        """Shape and dtype of a standard graph input under this ubatch's build parameters."""
+        p = self.params
+        kind, _, cache = name.partition(":")
+        n_kv = dict(p.n_kv).get(cache, DYNAMIC)
+        types: dict[str, tuple[Shape, DType]] = {
+            "tokens": ((p.n_tokens,), "i32"), "pos": ((p.n_tokens,), "i32"), "out_ids": ((p.n_outputs,), "i32"),
+            "embd": ((p.n_tokens, self.hp.n_embd), "f32"), "kv_idx": ((p.n_tokens,), "i64"),
+            "kq_mask": ((p.n_tokens, n_kv), "f32"), "k_shift": ((DYNAMIC,), "i32"),
+        }
+        if kind not in types:
+            raise ModelError(f"unknown graph input {name!r}; known: {', '.join(sorted(types))} (<kind>:<cache> "
+                             f"for kv_idx, kq_mask, k_shift)")
+        return types[kind]
 
     def has_weight(self, name: str) -> bool:
         return self.model.has_weight(name)
@@ -164,18 +505,16 @@ class GraphBuilder:
         node = self._weights.get(name)
         if node is None:
             if not self.model.has_weight(name):
-                from .errors import ModelError
-
                 raise ModelError(f"the graph of {self.hp.arch!r} needs tensor {name!r}, which the model lacks")
-            node = self.graph.add("weight", layer=self.model.weight_layer(name), name=name)
-            node.attrs["name"] = name
+            node = self.graph.leaf("weight", name, self.model.weight_shape(name),
+                                   layer=self.model.weight_layer(name))
             self._weights[name] = node
         return node
 
     def opt_weight(self, name: str) -> Node | None:
         return self.weight(name) if self.model.has_weight(name) else None
 
-    def layers(self):
+    def layers(self) -> Iterator[int]:
         """Iterate layer indices, making each the owner of the nodes created in its iteration."""
         for il in range(self.hp.n_layer):
             self.layer = il
@@ -339,7 +678,7 @@ class GraphBuilder:
         """Whether ``x`` already depends on the out_ids selection."""
         if self._out_ids is None:
             return False
-        stack, seen = [x], set()
+        stack, seen = [x], set[int]()
         while stack:
             n = stack.pop()
             if n is self._out_ids:

@@ -22,6 +22,7 @@ from .backend import Backend, check_backend_options, choose_default_backend, cho
 from .errors import MissingMetadataKey, ModelError
 from .hparams import HParams, make_hparams, read_common_hparams
 from .loader import ModelFileLoader, WeightLoad, open_loader
+from .passes import prepare_fused_weights
 from .vocab import Vocab
 
 if TYPE_CHECKING:
@@ -77,6 +78,10 @@ class Model:
         self._weights: dict[str, tuple[Backend, int]] = {}
         #: graph weight name → (file tensor it was loaded from or None when generated, ggml shape)
         self.weight_sources: dict[str, tuple[str | None, tuple[int, ...]]] = {}
+        #: weights fused at load (core/passes.py): part names → the fused weight's name (a weight of its own,
+        #: on the parts' backend, shape [Σ n_out, n_in])
+        self.fused_weights: dict[tuple[str, ...], str] = {}
+        self._fused_shapes: dict[str, tuple[int, ...]] = {}
         #: backend spec per layer index (0..n_layer-1) and for the output side (n_layer)
         self.layer_specs: list[str] = []
         self.host_backend: Backend | None = None
@@ -193,6 +198,7 @@ class Model:
         for backend in self.backends.values():
             backend.free_weights()
         self._weights.clear()
+        self.fused_weights.clear()
         self.closed = True
 
     def __enter__(self) -> "Model":
@@ -211,6 +217,19 @@ class Model:
 
     def weight_layer(self, name: str) -> int:
         return self._weights[name][1]
+
+    def weight_shape(self, name: str) -> tuple[int, ...]:
+        """The numpy shape of weight ``name`` (the tensor info's ``ne`` reversed; fused: [Σ n_out, n_in])."""
+        if name in self._fused_shapes:
+            return self._fused_shapes[name]
+        return tuple(reversed(self.weight_sources[name][1]))
+
+    def add_fused_weight(self, name: str, parts: tuple[str, ...]) -> None:
+        """Record a weight a backend fused from ``parts`` at load: graphs refer to it by ``name``."""
+        shapes = [self.weight_shape(p) for p in parts]
+        self._fused_shapes[name] = (sum(s[0] for s in shapes), shapes[0][1])
+        self._weights[name] = self._weights[parts[0]]
+        self.fused_weights[parts] = name
 
     def weight_backend(self, name: str) -> Backend:
         try:
@@ -289,6 +308,8 @@ def _build_model(loader: ModelFileLoader, path: Path, params: ModelParams) -> Mo
         for load in loads:
             model._weights[load.name] = (load.backend, _spec_layer(hparams, load.layer))
             model.weight_sources[load.name] = (load.source_name, load.ne)
+        for parts, name in prepare_fused_weights(model).items():
+            model.add_fused_weight(name, parts)
     except BaseException:
         model.close()
         raise

@@ -18,18 +18,39 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Protocol
 
 import numpy as np
 
-from .backend import Backend, Split
+from .backend import Backend, CompiledSplit, NativeValue, Split
 from .errors import ModelError
-from .graph import Graph, Node
+from .graph import Graph, Node, consumers_of, last_uses
+from .passes import apply_rewrite_rules, optimize
 
 log = logging.getLogger(__name__)
 
 #: ops that must run on the backend owning their layer's KV storage
 _KV_OPS = frozenset({"attention", "k_shift"})
+
+
+class PlacedModel(Protocol):
+    """What the scheduler needs of a model: where its weights and layers live, and the weights fused at load."""
+
+    @property
+    def host_backend(self) -> Backend | None: ...
+
+    @property
+    def fused_weights(self) -> Mapping[tuple[str, ...], str]: ...
+
+    def weight_backend(self, name: str) -> Backend: ...
+
+    def layer_backend(self, il: int) -> Backend: ...
+
+
+#: KV storage of a context: (cache, layer) → the handle its backend's ``alloc_kv`` returned
+KVStorage = Mapping[tuple[str, int], Any]
+#: node id → backend (graph inputs are absent: their values come from numpy)
+Placement = dict[int, Backend]
 
 
 @dataclass
@@ -38,11 +59,11 @@ class Plan:
 
     graph: Graph
     splits: list[Split]
-    runners: list[Any]
+    runners: list[CompiledSplit]
     #: graph input name → node id
     input_ids: dict[str, int] = field(default_factory=dict)
-    #: graph output name → (node id, backend)
-    output_ids: dict[str, tuple[int, Backend]] = field(default_factory=dict)
+    #: graph output name → (node id, backend; None for a graph input)
+    output_ids: dict[str, tuple[int, Backend | None]] = field(default_factory=dict)
 
     def describe(self) -> str:
         return " | ".join(f"{s.backend.spec}:{len(s.nodes)}" for s in self.splits)
@@ -51,27 +72,31 @@ class Plan:
 class Scheduler:
     """Assigns nodes of a model's graphs to its backends and runs them (one per context)."""
 
-    def __init__(self, model: Any, kv_storage: Mapping[tuple[str, int], Any]):
+    def __init__(self, model: PlacedModel, kv_storage: KVStorage):
+        if model.host_backend is None:
+            raise ModelError("the model has no host backend (it was loaded with vocab_only=True)")
         self.model = model
         self.kv_storage = kv_storage
         self.host: Backend = model.host_backend
         self._warned: set[tuple[str, str]] = set()
 
     # -- placement --------------------------------------------------------------------------------------
-    def assign(self, graph: Graph) -> dict[int, Backend | None]:
-        """node id → backend (None for graph inputs, whose values come from numpy)."""
-        placed: dict[int, Backend | None] = {}
+    def assign(self, graph: Graph) -> Placement:
+        """node id → backend for every node but the graph inputs."""
+        placed: Placement = {}
         for node in graph.nodes:
-            placed[node.id] = self._place(node, placed)
+            backend = self._place(node, placed)
+            if backend is not None:
+                placed[node.id] = backend
         return placed
 
-    def _place(self, node: Node, placed: dict[int, Backend | None]) -> Backend | None:
+    def _place(self, node: Node, placed: Placement) -> Backend | None:
         if node.op == "input":
             return None
         if node.op == "weight":
-            return self.model.weight_backend(node.attrs["name"])
+            return self.model.weight_backend(node.attr_str("name"))
         if node.op in _KV_OPS:
-            backend = self.model.layer_backend(node.attrs["layer"])
+            backend = self.model.layer_backend(node.attr_int("layer"))
             self._require_op(backend, node)
             return backend
         weight_inputs = [i for i in node.inputs if i.op == "weight"]
@@ -79,7 +104,7 @@ class Scheduler:
             backend = placed[weight_inputs[0].id]
             self._require_op(backend, node)
             return backend
-        computed = [placed[i.id] for i in node.inputs if placed.get(i.id) is not None]
+        computed = [placed[i.id] for i in node.inputs if i.id in placed]
         backend = computed[0] if computed else self.model.layer_backend(node.layer)
         if node.op not in backend.supported_ops:
             self._warn_fallback(backend, node)
@@ -99,10 +124,15 @@ class Scheduler:
 
     # -- splitting ----------------------------------------------------------------------------------------
     def plan(self, graph: Graph) -> Plan:
+        """Optimise ``graph`` (the core passes, in place), place and cut it, apply each backend's rewrite rules
+        to its splits, mark liveness and compile every split: once per built graph."""
+        optimize(graph, self.model.fused_weights, self.model.weight_backend)
         placed = self.assign(graph)
         splits = self._cut(graph, placed)
-        consumers = self._consumers(graph)
-        output_nodes = {node.id for node in graph.outputs.values()}
+        graph_outputs = {node.id for node in graph.outputs.values()}
+        for split in splits:
+            split.nodes = apply_rewrite_rules(split.nodes, split.backend.rewrite_rules, graph_outputs)
+        consumers = consumers_of([n for split in splits for n in split.nodes])
         split_of: dict[int, int] = {}
         for si, split in enumerate(splits):
             for node in split.nodes:
@@ -118,25 +148,18 @@ class Scheduler:
             split.input_ids = needed
             split.output_ids = [
                 n.id for n in split.nodes if n.op != "weight" and (
-                    n.id in output_nodes or any(split_of.get(c, si) != si for c in consumers.get(n.id, ())))
+                    n.id in graph_outputs or any(split_of.get(c.id, si) != si for c in consumers.get(n.id, ())))
             ]
+            split.release_after = last_uses(split.nodes, set(split.output_ids))
         runners = [split.backend.compile(split, self.kv_storage) for split in splits]
         return Plan(
             graph=graph, splits=splits, runners=runners,
             input_ids={name: node.id for name, node in graph.inputs.items()},
-            output_ids={name: (node.id, placed[node.id]) for name, node in graph.outputs.items()},
+            output_ids={name: (node.id, placed.get(node.id)) for name, node in graph.outputs.items()},
         )
 
     @staticmethod
-    def _consumers(graph: Graph) -> dict[int, list[int]]:
-        consumers: dict[int, list[int]] = {}
-        for node in graph.nodes:
-            for inp in node.inputs:
-                consumers.setdefault(inp.id, []).append(node.id)
-        return consumers
-
-    @staticmethod
-    def _cut(graph: Graph, placed: dict[int, Backend | None]) -> list[Split]:
+    def _cut(graph: Graph, placed: Placement) -> list[Split]:
         """Consecutive compute nodes on one backend form a split; each split carries the weights it uses."""
         splits: list[Split] = []
         in_split: set[int] = set()  # ids of the nodes of the last split (a linear scan made this quadratic)
@@ -162,12 +185,12 @@ class Scheduler:
     # -- running --------------------------------------------------------------------------------------------
     def compute(self, plan: Plan, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run every split with the graph input values; returns the graph outputs as numpy arrays."""
-        values: dict[int, tuple[Any, Backend | None]] = {}
+        values: dict[int, tuple[NativeValue, Backend | None]] = {}
         for name, node_id in plan.input_ids.items():
             if name not in inputs:
                 raise ModelError(f"graph input {name!r} was not provided")
             values[node_id] = (inputs[name], None)
-        converted: dict[tuple[int, int], Any] = {}
+        converted: dict[tuple[int, int], NativeValue] = {}
         for split, run in zip(plan.splits, plan.runners):
             backend = split.backend
             args = {}
@@ -180,7 +203,7 @@ class Scheduler:
             for node_id, value in run(args).items():
                 values[node_id] = (value, backend)
         outputs = {}
-        for name, (node_id, backend) in plan.output_ids.items():
+        for name, (node_id, _) in plan.output_ids.items():
             value, source = values[node_id]
             if source is not None:
                 source.synchronize()

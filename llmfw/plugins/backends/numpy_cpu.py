@@ -12,10 +12,12 @@ Speed (measured on a 2-core AVX2 machine with OpenBLAS, see ``benchmarks/numpy_d
   so it still has the contract's shape ``[n_out, n_in]``. For one token ``x @ Wt`` (OpenBLAS ``gemv_n``)
   streams such a matrix up to 1.7x faster than ``x @ W.T`` (``gemv_t``), which in turn is ~1.4x faster for
   the narrow ``ffn_down`` (n_in > n_out), kept as in the file. Both are equally fast for a prefill.
-* :meth:`NumpyBackend.compile` turns a split into a flat list of closures over a slot list (no dict look-ups
-  per op), fuses the matmuls that share an input (Q/K/V, gate/up) into one GEMM over weights concatenated once,
-  frees every value after its last use (a prefill's activations are no longer all alive at once), computes the
-  rope tables once per run for all layers, and folds ``rms_norm`` followed by a multiply into one kernel.
+* :meth:`NumpyBackend.compile` maps the core's optimised graph to kernels: a flat list of closures over a slot
+  list (no dict look-ups per op). The core passes (``llmfw.core.passes``) already fused the matmuls that share an
+  input (Q/K/V, gate/up) into one GEMM over a weight this backend concatenated once at load
+  (:meth:`NumpyBackend.fuse_weights`), folded each norm's weight into it, applied this backend's rewrite rule
+  ``swiglu`` and marked each value's last use, after which its slot is freed (a prefill's activations are not
+  all alive at once). Rope tables are computed once per run for all layers.
 * attention skips the KV cells that no query of a block of rows can see (the causal half of a prefill, the
   padding of ``n_kv``): their probabilities are exactly zero, so the result is the same.
 
@@ -35,6 +37,7 @@ from llmfw.core.backend import (Backend, BackendOptions, CompiledSplit, KVLayerS
                                 release_freed_memory)
 from llmfw.core.errors import ModelError
 from llmfw.core.graph import OPS, Node
+from llmfw.core.passes import ANY, Pattern, RewriteRule
 from llmfw.core.quants import GGMLType, dequantize, dequantize_rows
 from llmfw.core.rope import rope_cos_sin, yarn_corr_dims  # noqa: F401 - re-exported for tests
 
@@ -95,11 +98,13 @@ def rms_norm(x: np.ndarray, eps: float, weight: np.ndarray | None = None) -> np.
     return out
 
 
-def layer_norm(x: np.ndarray, eps: float) -> np.ndarray:
+def layer_norm(x: np.ndarray, eps: float, weight: np.ndarray | None = None) -> np.ndarray:
+    """``(x - mean) / sqrt(var + eps)`` over the last axis (then ``* weight`` when given)."""
     mean = np.mean(x, axis=-1, keepdims=True, dtype=np.float64).astype(F32)
     centered = x - mean
     var = np.mean(np.square(centered), axis=-1, keepdims=True, dtype=np.float64)
-    return (centered * (1.0 / np.sqrt(var + eps)).astype(F32)).astype(F32, copy=False)
+    out = (centered * (1.0 / np.sqrt(var + eps)).astype(F32)).astype(F32, copy=False)
+    return out if weight is None else out * weight
 
 
 def silu(x: np.ndarray) -> np.ndarray:
@@ -325,11 +330,16 @@ def set_blas_threads(n_threads: int) -> bool:
 # the backend
 # ---------------------------------------------------------------------------------------------------------
 
+#: the rewrite rule this backend declares: the gated FFN's ``silu(gate) * up`` as one ``swiglu`` step
+SWIGLU = RewriteRule("swiglu", Pattern("mul", (Pattern("silu", (ANY,)), ANY)), "swiglu")
+
+
 class NumpyBackend(Backend):
-    """Float32 numpy implementation of every op (see :mod:`llmfw.core.graph`)."""
+    """Float32 numpy implementation of every op (see :mod:`llmfw.core.graph`), plus ``swiglu`` (:data:`SWIGLU`)."""
 
     name = "numpy"
     supported_ops = OPS
+    rewrite_rules = (SWIGLU,)
     is_host = True
     #: the default when no faster backend can run (always installed)
     default_priority = {"cpu": 100}
@@ -338,8 +348,6 @@ class NumpyBackend(Backend):
         super().__init__(device, options)
         #: float32 copies shared by tensors with the same file source (tied output head + embedding)
         self._dense_by_source: dict[str, np.ndarray] = {}
-        #: weights concatenated for fused matmuls, by member names: [n_in, sum of n_out] C-contiguous
-        self._fused: dict[tuple[str, ...], np.ndarray] = {}
 
     @classmethod
     def check_available(cls, device: str | None = None) -> None:
@@ -384,21 +392,36 @@ class NumpyBackend(Backend):
     def free_weights(self) -> None:
         super().free_weights()
         self._dense_by_source.clear()
-        self._fused.clear()
 
-    def fused_weight(self, names: tuple[str, ...]) -> np.ndarray:
-        """``[n_in, Σ n_out]``: the transposed weights ``names`` side by side, built once. The members' handles
-        become views into it, so the separate copies are freed and the memory stays the same."""
-        fused = self._fused.get(names)
-        if fused is None:
-            members = [self.weight(n) for n in names]
-            fused = np.concatenate([m.T for m in members], axis=1)
-            self._fused[names] = fused
-            start = 0
-            for member in members:
-                self._rebind(member, fused[:, start:start + member.shape[0]].T)
-                start += member.shape[0]
-        return fused
+    def fuse_weights(self, name: str, parts: tuple[str, ...]) -> bool:
+        """The dense parts stored transposed side by side, ``[n_in, Σ n_out]`` C-contiguous (one GEMM for all);
+        the handle is its transpose, of the contract's shape. The parts' handles become views into it, so their
+        separate copies are freed and the memory stays the same. Quantized tables cannot be fused."""
+        members = [self.weights.get(n) for n in parts]
+        if not all(isinstance(m, np.ndarray) and m.ndim == 2 and m.dtype == F32 for m in members):
+            return False
+        dense = [m for m in members if isinstance(m, np.ndarray)]
+        if len({m.shape[1] for m in dense}) != 1:
+            return False
+        fused = np.concatenate([m.T for m in dense], axis=1)
+        start = 0
+        for member in dense:
+            self._rebind(member, fused[:, start:start + member.shape[0]].T)
+            start += member.shape[0]
+        self.weights[name] = fused.T
+        release_freed_memory()  # the members' separate copies were freed
+        return True
+
+    def weight_nbytes(self) -> int:
+        """Bytes of distinct weight storage (a fused weight and its parts' views are counted once)."""
+        bases: dict[int, int] = {}
+        for handle in self.weights.values():
+            arrays = [handle] if isinstance(handle, np.ndarray) else [
+                v for v in vars(handle).values() if isinstance(v, np.ndarray)]  # QuantizedTable, GgmlMatrix
+            for array in arrays:
+                base = array if array.base is None else array.base
+                bases[id(base)] = int(base.nbytes)
+        return sum(bases.values())
 
     def set_n_threads(self, n_threads: int | None) -> None:
         super().set_n_threads(n_threads)
@@ -421,11 +444,7 @@ class NumpyBackend(Backend):
 
     # -- compile -----------------------------------------------------------------------------------------
     def compile(self, split: Split, kv: Mapping[tuple[str, int], Any]) -> CompiledSplit:
-        n_fused = len(self._fused)
-        run = _SplitCompiler(self, split, kv).compile()
-        if len(self._fused) != n_fused:
-            release_freed_memory()  # the members' separate copies were freed
-        return run
+        return _SplitCompiler(self, split, kv).compile()
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -436,12 +455,13 @@ class NumpyBackend(Backend):
 Step = Callable[[], None]
 
 class _SplitCompiler:
-    """Turns a split into ``run(inputs) -> outputs``: a flat list of closures over a list of value slots.
+    """Maps a split's nodes to kernels: ``run(inputs) -> outputs`` is a flat list of closures over a list of
+    value slots (no dict look-ups per op).
 
-    Each node gets a slot; ``weight`` slots are filled once, at compile time. After the last step that reads a
-    value its slot is cleared, so a prefill holds only the live activations. Rewrites (all keep the op
-    semantics of :mod:`llmfw.core.graph`): mul_mats of one input are fused into one GEMM, ``rms_norm`` → ``mul``
-    by a weight becomes one kernel, and rope angles are computed once per run and shared.
+    Each node gets a slot; ``weight`` slots are filled once, at compile time. The graph arrives optimised by the
+    core passes (fused matmuls on fused weights, norms with their weight, this backend's rewrite rules); after
+    each node the values the core's liveness (``split.release_after``) marks dead are cleared, so a prefill holds
+    only the live activations. Rope angles are computed once per run and shared.
     """
 
     def __init__(self, backend: NumpyBackend, split: Split, kv: Mapping[tuple[str, int], Any]):
@@ -455,13 +475,6 @@ class _SplitCompiler:
         for node in self.nodes:
             self.slot.setdefault(node.id, len(self.slot))
         self.env: list[Any] = [None] * len(self.slot)
-        self.consumers: dict[int, list[Node]] = {}
-        for node in self.nodes:
-            for inp in node.inputs:
-                self.consumers.setdefault(inp.id, []).append(node)
-        self.outputs = set(split.output_ids)
-        #: node id → the step that computes it elsewhere (fused into another node's step)
-        self.done_by: dict[int, int] = {}
         #: per-run tables shared by several steps (rope angles, attention limits), cleared by ``run``
         self.memo: dict[Any, Any] = {}
 
@@ -476,29 +489,17 @@ class _SplitCompiler:
         handle = self.backend.weight(node.attrs["name"])
         return handle if isinstance(handle, np.ndarray) else None
 
-    def only_consumer(self, node: Node) -> Node | None:
-        users = self.consumers.get(node.id, [])
-        if len(users) == 1 and node.id not in self.outputs:
-            return users[0]
-        return None
-
     # -- compile ------------------------------------------------------------------------------------------
     def compile(self) -> CompiledSplit:
-        fused_groups = self._matmul_groups()
         steps: list[Step] = []
-        order: list[Node] = []
-        for node in self.nodes:
-            if node.id in self.done_by:
-                continue
+        for index, node in enumerate(self.nodes):
             if node.op == "weight":
                 self.env[self.s(node)] = self.backend.weight(node.attrs["name"])
-                continue
-            if node.op == "input":
-                continue
-            group = fused_groups.get(node.id)
-            steps.append(self._fused_mul_mat(group) if group else self._step(node))
-            order.append(node)
-        steps = self._with_releases(steps, order)
+            elif node.op != "input":
+                steps.append(self._step(node))
+            dead = self.split.release_after.get(index)
+            if dead:
+                steps.append(self._release([self.slot[i] for i in dead]))
         env, memo = self.env, self.memo
         # values handed in: the split's inputs, and graph inputs that appear as nodes (must be set)
         input_slots = [(node_id, self.slot[node_id]) for node_id in self.split.input_ids]
@@ -524,90 +525,21 @@ class _SplitCompiler:
 
         return run
 
-    def _with_releases(self, steps: list[Step], order: list[Node]) -> list[Step]:
-        """Insert, after each step, the clearing of the values it was the last to read (never split outputs)."""
-        by_id = {n.id: n for n in self.nodes}
-        absorbed: dict[int, list[Node]] = {}
-        for member_id, owner_id in self.done_by.items():
-            absorbed.setdefault(owner_id, []).append(by_id[member_id])
-        last_read: dict[int, int] = {}
-        for i, node in enumerate(order):
-            for inp in self._reads(node, absorbed):
-                last_read[inp] = i
-        release: dict[int, list[int]] = {}
-        for node_id, i in last_read.items():
-            node_slot = self.slot[node_id]
-            if node_id in self.outputs or self.env[node_slot] is not None:  # outputs and weights stay
-                continue
-            release.setdefault(i, []).append(node_slot)
+    def _release(self, slots: list[int]) -> Step:
         env = self.env
-        out: list[Step] = []
-        for i, step in enumerate(steps):
-            out.append(step)
-            if i in release:
-                slots = tuple(release[i])
+        dead = tuple(slots)
 
-                def clear(slots=slots):
-                    for slot in slots:
-                        env[slot] = None
+        def clear() -> None:
+            for slot in dead:
+                env[slot] = None
 
-                out.append(clear)
-        return out
-
-    def _reads(self, node: Node, absorbed: Mapping[int, list[Node]]) -> list[int]:
-        """Ids of the values the step of ``node`` reads (with the inputs of the nodes it absorbed)."""
-        ids = [i.id for i in node.inputs]
-        for member in absorbed.get(node.id, ()):
-            ids.extend(i.id for i in member.inputs)
-        return ids
+        return clear
 
     def _step(self, node: Node) -> Step:
         builder = getattr(self, f"_op_{node.op}", None)
         if builder is None:
             raise ModelError(f"numpy backend: op {node.op!r} is not implemented")
         return builder(node, [self.s(i) for i in node.inputs], self.s(node))
-
-    # -- fusion of matmuls sharing an input ---------------------------------------------------------------
-    def _matmul_groups(self) -> dict[int, list[Node]]:
-        """First member id → the mul_mat nodes (≥ 2) of this split that multiply the same input by dense
-        weights; the other members are marked as computed by the first one's step."""
-        by_input: dict[int, list[Node]] = {}
-        for node in self.nodes:
-            if node.op == "mul_mat" and self.weight_array(node.inputs[0]) is not None:
-                by_input.setdefault(node.inputs[1].id, []).append(node)
-        groups: dict[int, list[Node]] = {}
-        for members in by_input.values():
-            names = [m.inputs[0].attrs["name"] for m in members]
-            if len(members) < 2 or len(set(names)) != len(names):
-                continue
-            if len({self.weight_array(m.inputs[0]).shape[1] for m in members}) != 1:
-                continue
-            groups[members[0].id] = members
-            for m in members[1:]:
-                self.done_by[m.id] = members[0].id
-        return groups
-
-    def _fused_mul_mat(self, members: list[Node]) -> Step:
-        env = self.env
-        names = tuple(m.inputs[0].attrs["name"] for m in members)
-        fused_t = self.backend.fused_weight(names)
-        for m in members:  # the weight slots now hold views into the fused array
-            self.env[self.s(m.inputs[0])] = self.backend.weight(m.inputs[0].attrs["name"])
-        x_slot = self.s(members[0].inputs[1])
-        parts = []
-        start = 0
-        for m in members:
-            n_out = self.backend.weight(m.inputs[0].attrs["name"]).shape[0]
-            parts.append((self.s(m), slice(start, start + n_out)))
-            start += n_out
-        parts_t = tuple(parts)
-
-        def step():
-            y = np.matmul(env[x_slot], fused_t)
-            for slot, cols in parts_t:
-                env[slot] = y[..., cols]
-
-        return step
 
     # -- ops (each returns the Step of one node) -----------------------------------------------------------
     def _unary(self, fn: Callable[[np.ndarray], np.ndarray], ins: list[int], out: int) -> Step:
@@ -659,27 +591,36 @@ class _SplitCompiler:
 
     def _op_rms_norm(self, node, ins, out) -> Step:
         eps = float(node.attrs["eps"])
-        follower = self.only_consumer(node)
-        weight_node = None
-        if follower is not None and follower.op == "mul" and follower.inputs[0] is node:
-            candidate = follower.inputs[1]
-            if self.weight_array(candidate) is not None and candidate is not node:
-                weight_node = candidate
-        if weight_node is None:
-            return self._unary(lambda x: rms_norm(x, eps), ins, out)
-        # rms_norm then × weight in one kernel; the mul's slot gets the result
-        weight = self.weight_array(weight_node)
-        self.done_by[follower.id] = node.id
-        env, x_slot, mul_slot = self.env, ins[0], self.s(follower)
-
-        def step():
-            env[mul_slot] = rms_norm(env[x_slot], eps, weight)
-
-        return step
+        return self._norm_step(lambda x, w: rms_norm(x, eps, w), ins, out)
 
     def _op_norm(self, node, ins, out) -> Step:
         eps = float(node.attrs["eps"])
-        return self._unary(lambda x: layer_norm(x, eps), ins, out)
+        return self._norm_step(lambda x, w: layer_norm(x, eps, w), ins, out)
+
+    def _norm_step(self, kernel: Callable[[np.ndarray, np.ndarray | None], np.ndarray], ins: list[int],
+                   out: int) -> Step:
+        """A norm with its optional weight (the core folded ``norm → mul`` by a weight into its 2nd input)."""
+        env, x_slot = self.env, ins[0]
+        w_slot = ins[1] if len(ins) > 1 else None
+
+        def step():
+            env[out] = kernel(env[x_slot], None if w_slot is None else env[w_slot])
+
+        return step
+
+    def _op_swiglu(self, node, ins, out) -> Step:
+        """The rewrite rule :data:`SWIGLU`: ``silu(gate) * up`` in one step, the product in place."""
+        env, gate_slot, up_slot = self.env, ins[0], ins[1]
+
+        def step():
+            h, up = silu(env[gate_slot]), env[up_slot]
+            if h.shape == up.shape:
+                h *= up  # silu's result is a fresh array: multiply in place
+            else:
+                h = h * up
+            env[out] = h
+
+        return step
 
     def _op_silu(self, node, ins, out) -> Step:
         return self._unary(silu, ins, out)

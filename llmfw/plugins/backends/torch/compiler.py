@@ -1,287 +1,287 @@
-"""Split compilation: graph nodes -> generated Python source -> a function."""
+"""Split compilation: the nodes of one split (optimised by the core passes) → a list of closures over a value table.
+
+Each node gets a slot in a value table; ``weight`` slots are filled once, at compile time, with the form the
+op reading them needs (a linear for ``mul_mat``, raw blocks for ``get_rows``, a dense tensor otherwise). A run
+copies that table, sets the inputs, calls every step (``step(env)`` reads its inputs' slots and writes its
+own), and returns the outputs. The graph arrives with the core's rewrites done (fused matmuls on fused
+weights, ``rms_norm(x, w)``) and its liveness (``Split.release_after``): after each node the values it was
+the last to read are dropped, so a long prefill holds one layer's temporaries at a time. Per-run tables that
+several layers share (rope angles, the grouped attention mask) are steps of their own, placed once before
+their first reader. No source text is generated.
+"""
 from __future__ import annotations
 
-import re
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from llmfw.core.architecture import RopeParams
-from llmfw.core.backend import CompiledSplit, Split
+from llmfw.core.backend import Split
 from llmfw.core.errors import ModelError
 from llmfw.core.graph import Node
 from llmfw.plugins.backends.torch.environment import import_torch
-from llmfw.plugins.backends.torch.kernels import KERNELS, KVStorage
-from llmfw.plugins.backends.torch.weights import Linear, TorchWeight
+from llmfw.plugins.backends.torch.kernels import (
+    KVStorage,
+    attention,
+    get_rows_raw,
+    grouped_mask,
+    k_shift,
+    rope_apply,
+    rope_tables,
+    slice_op,
+    softcap_op,
+)
 
 if TYPE_CHECKING:
     from llmfw.plugins.backends.torch.runtime import TorchBackend
 
+#: the value table of one run: one slot per node (and per shared table), weights filled in at compile time
+Env = list[Any]
+#: one compiled node: reads its inputs' slots of the table, writes its own
+Step = Callable[[Env], None]
+#: a split's compiled form: inputs by node id → outputs by node id
+RunSplit = Callable[[Mapping[int, Any]], dict[int, Any]]
+
+
+def value_step(fn: Callable[..., Any], ins: Sequence[int], out: int) -> Step:
+    """``env[out] = fn(env[ins[0]], ...)``; one- and two-input steps avoid building an argument list."""
+    if len(ins) == 1:
+        (a,) = ins
+
+        def unary(env: Env) -> None:
+            env[out] = fn(env[a])
+
+        return unary
+    if len(ins) == 2:
+        a, b = ins
+
+        def binary(env: Env) -> None:
+            env[out] = fn(env[a], env[b])
+
+        return binary
+    slots = tuple(ins)
+
+    def nary(env: Env) -> None:
+        env[out] = fn(*[env[i] for i in slots])
+
+    return nary
+
+
+def release_step(slots: Sequence[int]) -> Step:
+    """Drop the values in ``slots`` (their last reader ran)."""
+    dead = tuple(slots)
+
+    def release(env: Env) -> None:
+        for slot in dead:
+            env[slot] = None
+
+    return release
+
 
 class SplitCompiler:
-    """Turns one split into straight-line code. ``lines`` is kept for ``--verbose`` dumps and debugging."""
+    """Maps a split's nodes to torch kernels; :attr:`plan` describes the steps (``-v`` dumps, tests)."""
 
     def __init__(self, backend: "TorchBackend", split: Split, kv: Mapping[tuple[str, int], Any]):
         self.backend = backend
         self.split = split
         self.kv = kv
-        self.nodes = split.nodes
-        self.by_id = {n.id: n for n in self.nodes}
-        self.consts: dict[str, Any] = {}
-        self.lines: list[str] = []
-        self.uses = self._count_uses()
-        self.skip: set[int] = set()
-        self.memo: dict[tuple, str] = {}
+        self.slot: dict[int, int] = {}
+        for node_id in split.input_ids:
+            self.slot.setdefault(node_id, len(self.slot))
+        for node in split.nodes:
+            self.slot.setdefault(node.id, len(self.slot))
+        self.table: Env = [None] * len(self.slot)
+        self.steps: list[Step] = []
+        #: one line per step: what it computes, from which slots
+        self.plan: list[str] = []
+        #: per-run tables shared by several nodes (rope angles, grouped masks): key → their slot
+        self.shared: dict[tuple[Any, ...], int] = {}
 
-    # -- analysis ---------------------------------------------------------------------------------------
-    def _count_uses(self) -> dict[int, int]:
-        uses: dict[int, int] = {}
-        for node in self.nodes:
-            for src in node.inputs:
-                uses[src.id] = uses.get(src.id, 0) + 1
-        for out_id in self.split.output_ids:
-            uses[out_id] = uses.get(out_id, 0) + 1
-        return uses
+    # -- compile ------------------------------------------------------------------------------------------
+    def compile(self) -> RunSplit:
+        for index, node in enumerate(self.split.nodes):
+            if node.op == "weight":
+                self._loaded_weight(node)
+            elif node.op != "input":
+                self._compile_node(node)
+            dead = [self.slot[i] for i in self.split.release_after.get(index, ()) if self.table[self.slot[i]] is None]
+            if dead:
+                self.steps.append(release_step(dead))
+                self.plan.append(f"drop {', '.join(f'%{i}' for i in dead)}")
+        return self._runner()
 
-    def _sole_consumer(self, node: Node, op: str) -> Node | None:
-        """The next node if it is the only consumer of ``node`` and has op ``op``."""
-        if self.uses.get(node.id, 0) != 1:
-            return None
-        for later in self.nodes[self.nodes.index(node) + 1:]:
-            if any(src is node for src in later.inputs):
-                return later if later.op == op else None
-        return None
+    def _compile_node(self, node: Node) -> None:
+        handler = getattr(self, f"_op_{node.op}", None)
+        if handler is None:
+            raise ModelError(f"torch backend cannot compile op {node.op!r} (node %{node.id})")
+        handler(node)
 
-    def _weight_of(self, node: Node) -> TorchWeight | None:
-        if node.op != "weight" or node.id not in self.by_id:
-            return None
-        return self.backend.weights.get(node.attrs["name"])
+    def _runner(self) -> RunSplit:
+        table, steps = tuple(self.table), tuple(self.steps)
+        # every graph input the split reads must be handed in: split inputs and input nodes placed here
+        inputs_needed = list(self.split.input_ids) + [
+            n.id for n in self.split.nodes if n.op == "input" and n.id not in self.split.input_ids]
+        input_slots = [(node_id, self.slot[node_id]) for node_id in inputs_needed]
+        output_slots = [(node_id, self.slot[node_id]) for node_id in self.split.output_ids]
 
-    # -- naming -----------------------------------------------------------------------------------------
-    def const(self, value: Any, hint: str = "c") -> str:
-        name = f"{hint}{len(self.consts)}"
-        self.consts[name] = value
-        return name
+        def run(inputs: Mapping[int, Any]) -> dict[int, Any]:
+            env = list(table)
+            for node_id, slot in input_slots:
+                value = inputs.get(node_id)
+                if value is None:
+                    raise ModelError(f"torch split input %{node_id} was not set")
+                env[slot] = value
+            for step in steps:
+                step(env)
+            return {node_id: env[slot] for node_id, slot in output_slots}
 
-    @staticmethod
-    def var(node: Node) -> str:
-        return f"v{node.id}"
+        return run
 
-    def emit(self, node: Node, expr: str) -> None:
-        self.lines.append(f"    {self.var(node)} = {expr}  # {node.op} L{node.layer} {node.name}")
+    # -- emitting -----------------------------------------------------------------------------------------
+    def emit(self, node: Node, label: str, fn: Callable[..., Any], ins: Sequence[int]) -> None:
+        """The step computing ``node`` as ``fn`` of the values in slots ``ins``."""
+        out = self.slot[node.id]
+        self.steps.append(value_step(fn, ins, out))
+        self.plan.append(f"%{out} = {label}({', '.join(f'%{i}' for i in ins)})  # {node.op} L{node.layer} {node.name}")
 
-    # -- code generation --------------------------------------------------------------------------------
-    def compile(self) -> CompiledSplit:
-        body = [f"    v{i} = inputs[{i}]" for i in self.split.input_ids]
-        self._plan_fused_matmuls()
-        for node in self.nodes:
-            if node.id in self.skip:
-                continue
-            handler = getattr(self, f"_op_{node.op}", None)
-            if handler is None:
-                raise ModelError(f"torch backend cannot compile op {node.op!r} (node %{node.id})")
-            handler(node)
-        outputs = ", ".join(f"{i}: v{i}" for i in self.split.output_ids)
-        lines = free_dead_values(body + self.lines, {f"v{i}" for i in self.split.output_ids})
-        source = "def run(inputs):\n" + "\n".join(lines) + f"\n    return {{{outputs}}}\n"
-        namespace: dict[str, Any] = {"torch": import_torch(), "F": import_torch().nn.functional, **self.consts,
-                                     **KERNELS}
-        exec(compile(source, f"<torch split {id(self.split):x}>", "exec"), namespace)  # noqa: S102 - our codegen
-        self.source = source
-        return namespace["run"]
+    def emit_shared(self, key: tuple[Any, ...], label: str, fn: Callable[..., Any], ins: Sequence[int]) -> int:
+        """The slot of a per-run table computed once (first request) and read by every later node asking for
+        the same ``key``."""
+        slot = self.shared.get(key)
+        if slot is None:
+            slot = self.shared[key] = len(self.table)
+            self.table.append(None)
+            self.steps.append(value_step(fn, ins, slot))
+            self.plan.append(f"%{slot} = {label}({', '.join(f'%{i}' for i in ins)})  # shared by this run")
+        return slot
 
-    def _plan_fused_matmuls(self) -> None:
-        """Group mul_mats whose weights live here and that read the same input: one fused matmul each."""
-        groups: dict[int, list[Node]] = {}
-        for node in self.nodes:
-            if node.op == "mul_mat" and self._weight_of(node.inputs[0]) is not None:
-                groups.setdefault(node.inputs[1].id, []).append(node)
-        self.fused: dict[int, tuple[list[Node], Linear]] = {}
-        for members in groups.values():
-            if len(members) < 2:
-                continue
-            names = tuple(m.inputs[0].attrs["name"] for m in members)
-            fused = self.backend.fused_linear(names)
-            if fused is None:
-                continue
-            for m in members:
-                self.fused[m.id] = (members, fused)
+    # -- weights -------------------------------------------------------------------------------------------
+    def _loaded_weight(self, node: Node) -> None:
+        name = str(node.attrs["name"])
+        if name not in self.backend.weights:
+            raise ModelError(f"weight {name!r} is not loaded on backend {self.backend.spec}")
 
-    def _op_weight(self, node: Node) -> None:
-        weight = self.backend.weights.get(node.attrs["name"])
-        if weight is None:
-            raise ModelError(f"weight {node.attrs['name']!r} is not loaded on backend {self.backend.spec}")
-        # weights are resolved where they are used (linear, dense tensor or raw rows)
+    def dense(self, node: Node) -> int:
+        """The slot of a node's value as a dense tensor: weights get their dense form put in the table."""
+        slot = self.slot[node.id]
+        if node.op == "weight" and self.table[slot] is None:
+            self.table[slot] = self.backend.dense_tensor(str(node.attrs["name"]))
+        return slot
 
-    def _dense(self, node: Node) -> str:
-        """The expression for a node's value as a dense tensor (weights: their dense form)."""
-        weight = self._weight_of(node)
-        if weight is None:
-            return self.var(node)
-        key = ("dense", weight.name)
-        if key not in self.memo:
-            self.memo[key] = self.const(self.backend.dense_tensor(weight.name), "w")
-        return self.memo[key]
-
+    # -- ops ----------------------------------------------------------------------------------------------
     def _op_get_rows(self, node: Node) -> None:
         table, ids = node.inputs
-        weight = self._weight_of(table)
+        weight = self.backend.weights.get(str(table.attrs["name"])) if table.op == "weight" else None
         if weight is not None and weight.raw is not None:
-            self.emit(node, f"get_rows_raw({self.const(weight, 'w')}, {self.var(ids)})")
-        else:
-            self.emit(node, f"torch.index_select({self._dense(table)}, 0, {self.var(ids)})")
+            self.emit(node, f"get_rows_raw[{weight.name}]", lambda i: get_rows_raw(weight, i), [self.slot[ids.id]])
+            return
+        torch = import_torch()
+        self.emit(node, "index_select", lambda t, i: torch.index_select(t, 0, i), [self.dense(table), self.slot[ids.id]])
 
     def _op_mul_mat(self, node: Node) -> None:
         w, x = node.inputs
-        if node.id in self.fused:
-            members, fused = self.fused[node.id]
-            first = members[0]
-            if node is first:
-                out = f"f{node.id}"
-                self.lines.append(f"    {out} = {self.const(fused, 'lin')}({self.var(x)})  # fused "
-                                  f"{'+'.join(m.inputs[0].attrs['name'] for m in members)}")
-                self.memo[("fused", first.id)] = out
-            offset = 0
-            for m in members:
-                if m is node:
-                    break
-                offset += self.backend.weights[m.inputs[0].attrs["name"]].shape[0]
-            n_out = self.backend.weights[w.attrs["name"]].shape[0]
-            self.emit(node, f"{self.memo[('fused', first.id)]}.narrow(-1, {offset}, {n_out})")
+        if w.op == "weight":
+            name = str(w.attrs["name"])
+            self.emit(node, f"linear[{name}]", self.backend.linear(name), [self.slot[x.id]])
             return
-        weight = self._weight_of(w)
-        if weight is not None:
-            self.emit(node, f"{self.const(self.backend.linear(weight.name), 'lin')}({self.var(x)})")
-        else:
-            self.emit(node, f"torch.matmul({self.var(x)}, {self.var(w)}.transpose(-1, -2))")
+        torch = import_torch()
+        self.emit(node, "matmul", lambda a, b: torch.matmul(b, a.transpose(-1, -2)), [self.slot[w.id], self.slot[x.id]])
 
-    def _binary(self, node: Node, fn: str) -> None:
+    def _elementwise(self, node: Node, fn: Callable[[Any, Any], Any]) -> None:
         a, b = node.inputs
-        self.emit(node, f"torch.{fn}({self._dense(a)}, {self._dense(b)})")
+        self.emit(node, node.op, fn, [self.dense(a), self.dense(b)])
 
     def _op_add(self, node: Node) -> None:
-        self._binary(node, "add")
+        self._elementwise(node, import_torch().add)
 
     def _op_sub(self, node: Node) -> None:
-        self._binary(node, "sub")
+        self._elementwise(node, import_torch().sub)
 
     def _op_mul(self, node: Node) -> None:
-        self._binary(node, "mul")
+        self._elementwise(node, import_torch().mul)
+
+    def _unary(self, node: Node, label: str, fn: Callable[[Any], Any]) -> None:
+        self.emit(node, label, fn, [self.dense(node.inputs[0])])
 
     def _op_scale(self, node: Node) -> None:
-        self.emit(node, f"torch.mul({self.var(node.inputs[0])}, {float(node.attrs['s'])!r})")
-
-    def _norm_with_weight(self, node: Node) -> tuple[str, Node]:
-        """A norm's following ``mul`` by a 1-D weight of the normalised size, folded into the norm call."""
-        mul = self._sole_consumer(node, "mul")
-        if mul is not None:
-            other = mul.inputs[1] if mul.inputs[0] is node else mul.inputs[0]
-            weight = self._weight_of(other)
-            if weight is not None and len(weight.shape) == 1:
-                self.skip.add(mul.id)
-                return self._dense(other), mul
-        return "None", node
+        torch, s = import_torch(), float(node.attrs["s"])
+        self._unary(node, f"scale[{s!r}]", lambda x: torch.mul(x, s))
 
     def _op_rms_norm(self, node: Node) -> None:
-        x = node.inputs[0]
-        weight, target = self._norm_with_weight(node)
-        expr = f"F.rms_norm({self.var(x)}, ({self.var(x)}.shape[-1],), {weight}, {float(node.attrs['eps'])!r})"
-        self.emit(node, expr)
-        if target is not node:
-            self.emit(target, self.var(node))
+        functional, eps = import_torch().nn.functional, float(node.attrs["eps"])
+        self._norm(node, lambda x, w=None: functional.rms_norm(x, (x.shape[-1],), w, eps))
 
     def _op_norm(self, node: Node) -> None:
-        x = node.inputs[0]
-        weight, target = self._norm_with_weight(node)
-        expr = (f"F.layer_norm({self.var(x)}, ({self.var(x)}.shape[-1],), {weight}, None, "
-                f"{float(node.attrs['eps'])!r})")
-        self.emit(node, expr)
-        if target is not node:
-            self.emit(target, self.var(node))
+        functional, eps = import_torch().nn.functional, float(node.attrs["eps"])
+        self._norm(node, lambda x, w=None: functional.layer_norm(x, (x.shape[-1],), w, None, eps))
+
+    def _norm(self, node: Node, fn: Callable[..., Any]) -> None:
+        """A norm with or without the weight the core folded into it (``rms_norm(x, w)``): one torch call."""
+        self.emit(node, node.op, fn, [self.dense(i) for i in node.inputs])
 
     def _op_silu(self, node: Node) -> None:
-        self.emit(node, f"F.silu({self.var(node.inputs[0])})")
+        self._unary(node, "silu", import_torch().nn.functional.silu)
 
     def _op_relu(self, node: Node) -> None:
-        self.emit(node, f"torch.relu({self.var(node.inputs[0])})")
+        self._unary(node, "relu", import_torch().relu)
 
     def _op_gelu(self, node: Node) -> None:
-        self.emit(node, f"F.gelu({self.var(node.inputs[0])}, approximate='tanh')")
+        gelu = import_torch().nn.functional.gelu
+        self._unary(node, "gelu[tanh]", lambda x: gelu(x, approximate="tanh"))
 
     def _op_softcap(self, node: Node) -> None:
-        self.emit(node, f"softcap_op({self.var(node.inputs[0])}, {float(node.attrs['cap'])!r})")
+        cap = float(node.attrs["cap"])
+        self._unary(node, f"softcap[{cap!r}]", lambda x: softcap_op(x, cap))
 
     def _op_clamp(self, node: Node) -> None:
-        lo, hi = node.attrs.get("min"), node.attrs.get("max")
-        self.emit(node, f"torch.clamp({self.var(node.inputs[0])}, {lo!r}, {hi!r})")
+        torch, lo, hi = import_torch(), node.attrs.get("min"), node.attrs.get("max")
+        self._unary(node, f"clamp[{lo!r}, {hi!r}]", lambda x: torch.clamp(x, lo, hi))
 
     def _op_reshape(self, node: Node) -> None:
         shape = tuple(int(d) for d in node.attrs["shape"])
-        self.emit(node, f"{self._dense(node.inputs[0])}.reshape({shape!r})")
+        self._unary(node, f"reshape{shape!r}", lambda x: x.reshape(shape))
 
     def _op_slice(self, node: Node) -> None:
         axis = int(node.attrs.get("axis", -1))
         start, stop = node.attrs.get("start"), node.attrs.get("stop")
-        self.emit(node, f"slice_op({self._dense(node.inputs[0])}, {axis}, {start!r}, {stop!r})")
+        self._unary(node, f"slice[{axis}, {start!r}:{stop!r}]", lambda x: slice_op(x, axis, start, stop))
 
     def _op_rope(self, node: Node) -> None:
         x, pos = node.inputs[0], node.inputs[1]
         ff = node.inputs[2] if len(node.inputs) > 2 else None
         params = RopeParams.from_attrs(node.attrs)
-        key = ("rope", pos.id, params, ff.id if ff is not None else None)
-        if key not in self.memo:
-            cs = f"cs{node.id}"
-            ff_expr = self._dense(ff) if ff is not None else "None"
-            self.lines.append(f"    {cs} = rope_tables({self.var(pos)}, {self.const(params, 'rp')}, {ff_expr})")
-            self.memo[key] = cs
-        cs = self.memo[key]
-        self.emit(node, f"rope_apply({self.var(x)}, {cs}, {params.n_dims}, {params.mode == 'neox'})")
+        neox = params.mode == "neox"
+        ins = [self.slot[pos.id]] + ([self.dense(ff)] if ff is not None else [])
+        tables = self.emit_shared(("rope", params, *ins), "rope_tables", lambda p, f=None: rope_tables(p, params, f), ins)
+        self.emit(node, f"rope[{params.mode}]", lambda v, t: rope_apply(v, t, params.n_dims, neox),
+                  [self.slot[x.id], tables])
 
     def _kv_storage(self, node: Node) -> KVStorage:
-        cache_key = (node.attrs.get("cache", "kv"), int(node.attrs.get("layer", node.layer)))
+        cache_key = (str(node.attrs.get("cache", "kv")), int(node.attrs.get("layer", node.layer)))
         storage = self.kv.get(cache_key)
         if storage is None:
             raise ModelError(f"no KV storage for cache {cache_key[0]!r} layer {cache_key[1]} on {self.backend.spec}")
         return storage
 
     def _op_k_shift(self, node: Node) -> None:
-        shift = node.inputs[0]
-        ff = self._dense(node.inputs[1]) if len(node.inputs) > 1 else "None"
-        params = RopeParams.from_attrs(node.attrs)
-        self.emit(node, f"k_shift({self.var(shift)}, {ff}, {self.const(self._kv_storage(node), 'kv')}, "
-                        f"{self.const(params, 'rp')})")
+        storage, params = self._kv_storage(node), RopeParams.from_attrs(node.attrs)
+        ins = [self.slot[node.inputs[0].id]] + ([self.dense(node.inputs[1])] if len(node.inputs) > 1 else [])
+        self.emit(node, "k_shift", lambda shift, f=None: k_shift(shift, f, storage, params), ins)
 
     def _op_attention(self, node: Node) -> None:
         q, k, v, kv_idx, mask = node.inputs
         storage = self._kv_storage(node)
-        mkey = ("mask", mask.id)
-        if mkey not in self.memo:
-            self.memo[mkey] = f"masks{mask.id}"
-            self.lines.append(f"    {self.memo[mkey]} = {{}}  # grouped masks of %{mask.id}, made once per run")
-        args = ", ".join(self.var(n) for n in (q, k, v, kv_idx, mask))
-        self.emit(node, f"attention({args}, {self.memo[mkey]}, {self.const(storage, 'kv')}, "
-                        f"{float(node.attrs['scale'])!r}, {float(node.attrs.get('softcap', 0.0) or 0.0)!r})")
+        group = query_heads_per_kv_head(node)
+        scale, softcap = float(node.attrs["scale"]), float(node.attrs.get("softcap", 0.0) or 0.0)
+        mask_slot = self.slot[mask.id]
+        grouped = self.emit_shared(("mask", mask_slot, group), f"grouped_mask[{group}]",
+                                   lambda m: grouped_mask(m, group), [mask_slot])
+        self.emit(node, "attention", lambda *a: attention(*a, storage, scale, softcap),
+                  [self.slot[n.id] for n in (q, k, v, kv_idx)] + [grouped])
 
 
-_LOCAL_NAME = re.compile(r"\b(?:v|f|cs|masks)\d+\b")
-
-
-def free_dead_values(lines: list[str], keep: set[str]) -> list[str]:
-    """Insert ``del`` after the last use of every local, so that a long prefill holds one layer's temporaries at
-    a time instead of all of them until the split returns (measured: +700 MB peak for SmolLM2's pp512)."""
-    last_use: dict[str, int] = {}
-    for index, line in enumerate(lines):
-        code = line.split("#", 1)[0]
-        target, _, expr = code.partition("=")
-        for name in _LOCAL_NAME.findall(expr):
-            last_use[name] = index
-        for name in _LOCAL_NAME.findall(target):
-            last_use.setdefault(name, index)
-    dead_after: dict[int, list[str]] = {}
-    for name, index in last_use.items():
-        if name not in keep:
-            dead_after.setdefault(index, []).append(name)
-    out = []
-    for index, line in enumerate(lines):
-        out.append(line)
-        if index in dead_after:
-            out.append(f"    del {', '.join(sorted(dead_after[index]))}")
-    return out
+def query_heads_per_kv_head(node: Node) -> int:
+    """GQA's group size of an attention node, from its typed q [T, H, D] and k [T, Hkv, D]."""
+    q, k = node.inputs[0].shape, node.inputs[1].shape
+    if q is None or k is None or len(q) != 3 or len(k) != 3 or k[1] <= 0 or q[1] % k[1]:
+        raise ModelError(f"attention node %{node.id} needs typed q [T, H, D] and k [T, Hkv, D] with Hkv | H, "
+                         f"got {q} and {k}")
+    return q[1] // k[1]

@@ -3,7 +3,7 @@ over the static KV cache, K shift, exact quantized row lookups."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from llmfw.core.architecture import RopeParams
 from llmfw.core.quants import dequantize_rows
@@ -83,22 +83,18 @@ class KVStorage:
     v: Any
 
 
-def grouped_mask(cache: dict[int, Any], mask: Any, group: int) -> Any:
-    """The [T, n_kv] mask repeated for ``group`` query heads per KV head: [group*T, n_kv] (see attention);
-    ``cache`` keeps it for the other layers of the same graph run."""
-    grouped = cache.get(group)
-    if grouped is None:
-        grouped = cache[group] = mask if group == 1 else mask.repeat(group, 1)
-    return grouped
+def grouped_mask(mask: Any, group: int) -> Any:
+    """The [T, n_kv] mask repeated for ``group`` query heads per KV head: [group*T, n_kv] (see attention); made
+    once per graph run and read by every layer of that run."""
+    return mask if group == 1 else mask.repeat(group, 1)
 
 
-def attention(q: Any, k: Any, v: Any, kv_idx: Any, mask: Any, masks: dict[int, Any], kv: KVStorage,
-              scale: float, softcap: float) -> Any:
+def attention(q: Any, k: Any, v: Any, kv_idx: Any, mask_g: Any, kv: KVStorage, scale: float, softcap: float) -> Any:
     """The IR's attention: write k/v into cache rows ``kv_idx``, attend over cells ``0 .. n_kv-1``.
 
     GQA without repeating K/V: query heads are ordered ``h = g * group + j`` (KV head ``h // group``), so
-    ``q.transpose(0, 1)`` [H, T, D] viewed as [H_kv, group*T, D] attends its KV head as one batch entry; the
-    mask is repeated ``group`` times along its rows (once per graph run, kept in ``masks``).
+    ``q.transpose(0, 1)`` [H, T, D] viewed as [H_kv, group*T, D] attends its KV head as one batch entry;
+    ``mask_g`` is the [T, n_kv] mask repeated ``group`` times along its rows (:func:`grouped_mask`).
     """
     torch = import_torch()
     n_tokens, n_head, head_dim = q.shape
@@ -106,8 +102,7 @@ def attention(q: Any, k: Any, v: Any, kv_idx: Any, mask: Any, masks: dict[int, A
     group = n_head // n_head_kv
     kv.k.index_copy_(1, kv_idx, k.transpose(0, 1))
     kv.v.index_copy_(1, kv_idx, v.transpose(0, 1))
-    n_kv = mask.shape[-1]
-    mask_g = grouped_mask(masks, mask, group)
+    n_kv = mask_g.shape[-1]
     keys = kv.k[:, :n_kv]
     values = kv.v[:, :n_kv]
     queries = q.transpose(0, 1).reshape(n_head_kv, group * n_tokens, head_dim)
@@ -150,8 +145,3 @@ def softcap_op(x: Any, cap: float) -> Any:
     torch = import_torch()
     return torch.tanh(x * (1.0 / cap)).mul_(cap)
 
-
-KERNELS: dict[str, Callable[..., Any]] = {
-    "rope_tables": rope_tables, "rope_apply": rope_apply, "attention": attention, "grouped_mask": grouped_mask,
-    "get_rows_raw": get_rows_raw, "k_shift": k_shift, "softcap_op": softcap_op, "slice_op": slice_op,
-}

@@ -37,6 +37,7 @@ from llmfw.plugins.backends.torch.weights import (
     dequantize_source,
     dequantized_row_chunks,
     make_linear,
+    slice_linear,
     quantize_rows_int8,
 )
 
@@ -81,9 +82,7 @@ class TorchBackend(Backend):
         if self.matmul_form == "int8":
             torch.backends.quantized.engine = "fbgemm"
         self.use_threads(None)
-        self._fused: dict[tuple[str, ...], Linear] = {}
         self._loading = True
-        self.last_source: str = ""
         log.info("torch backend on %s: matmul weights as %s, %d threads", self.device, self.matmul_form,
                  torch.get_num_threads())
 
@@ -174,44 +173,35 @@ class TorchBackend(Backend):
 
 
     def linear(self, name: str) -> Linear:
-        """The linear form of weight ``name``, rebuilt from a fused weight if it was folded into one."""
+        """The linear form of weight ``name``, rebuilt from the fused weight it was folded into if need be."""
         weight = self.weights[name]
         if weight.linear is None and weight.fused_into is not None:
-            key, row = weight.fused_into
-            fused = self._fused[key]
-            n_out = weight.shape[0]
-            if isinstance(fused, Int8Linear):
-                q, scale = fused.int8_rows()
-                weight.linear = Int8Linear(q[row:row + n_out].contiguous(), scale[row:row + n_out].contiguous())
-            elif isinstance(fused, Fp16Linear):
-                weight.linear = Fp16Linear(fused.dense()[row:row + n_out])
-            else:
-                weight.linear = DenseLinear(fused.weight[row:row + n_out].contiguous())
-            log.info("torch backend: weight %s unfused again from %s", name, "+".join(key))
+            fused_name, row = weight.fused_into
+            weight.linear = slice_linear(self.linear(fused_name), row, weight.shape[0])
+            log.info("torch backend: weight %s unfused again from %s", name, fused_name)
         if weight.linear is None:
             log.warning("torch backend: weight %s was not marked for mul_mat; converting its dense form", name)
             weight.linear = make_linear(self.dense_tensor(name).cpu().numpy(), self.matmul_form, self.device)
         return weight.linear
 
-    def fused_linear(self, names: tuple[str, ...]) -> Linear | None:
-        """One linear for weights ``names`` stacked by output rows; built once, members' own forms released."""
-        if names in self._fused:
-            return self._fused[names]
-        weights = [self.weights[n] for n in names]
-        if len({w.shape[1] for w in weights}) != 1 or any(len(w.shape) != 2 for w in weights):
-            return None
-        if any(w.fused_into is not None and w.linear is None for w in weights):
-            return None  # already folded into another group: keep the graph's own structure
-        fused = concat_linears([self.linear(n) for n in names], self.matmul_form, self.device)
-        self._fused[names] = fused
+    def fuse_weights(self, name: str, parts: tuple[str, ...]) -> bool:
+        """One linear for the matrices ``parts`` stacked by output rows, kept as weight ``name``; the parts'
+        own linears are released (:meth:`linear` slices one back out if a graph needs a part alone)."""
+        weights = [self.weights.get(p) for p in parts]
+        members = [w for w in weights if w is not None and len(w.shape) == 2 and w.fused_into is None]
+        if len(members) != len(parts) or len({w.shape[1] for w in members}) != 1:
+            return False
+        fused = concat_linears([self.linear(w.name) for w in members], self.matmul_form, self.device)
+        self.weights[name] = TorchWeight(name, (sum(w.shape[0] for w in members), members[0].shape[1]),
+                                         linear=fused)
         row = 0
-        for w in weights:
-            w.fused_into = (names, row)
-            row += w.shape[0]
-            w.linear = None  # the fused copy replaces it; linear() rebuilds it if a graph needs it alone
+        for member in members:
+            member.fused_into = (name, row)
+            member.linear = None
+            row += member.shape[0]
         release_freed_memory()
-        log.debug("torch backend: fused %s into one %s matmul", "+".join(names), fused.form)
-        return fused
+        log.debug("torch backend: fused %s into one %s matmul", name, fused.form)
+        return True
 
     def dense_tensor(self, name: str) -> Any:
         """Weight ``name`` as a float32 tensor (derived from its linear or raw form once, if needed)."""
@@ -229,11 +219,7 @@ class TorchBackend(Backend):
 
     def weight_nbytes(self) -> int:
         """Bytes of weight data this backend keeps (fused weights included)."""
-        return sum(w.nbytes for w in self.weights.values()) + sum(f.nbytes for f in self._fused.values())
-
-    def free_weights(self) -> None:
-        super().free_weights()
-        self._fused.clear()
+        return sum(w.nbytes for w in self.weights.values())
 
     # -- KV storage -------------------------------------------------------------------------------------
     def alloc_kv(self, shape: KVLayerShape) -> KVStorage:
@@ -263,18 +249,15 @@ class TorchBackend(Backend):
             release_freed_memory()
         compiler = SplitCompiler(self, split, kv)
         run = compiler.compile()
-        self.last_source = compiler.source
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("torch split source:\n%s", compiler.source)
+            log.debug("torch split steps:\n%s", "\n".join(compiler.plan))
         inference_mode = torch.inference_mode
-        cuda = self.torch_device.type == "cuda"
 
         def run_split(inputs: Mapping[int, NativeValue]) -> dict[int, NativeValue]:
             with inference_mode():
                 return run(inputs)
 
-        run_split.source = compiler.source  # type: ignore[attr-defined]
-        run_split.on_cuda = cuda  # type: ignore[attr-defined]
+        run_split.plan = compiler.plan  # type: ignore[attr-defined]
         return run_split
 
     def from_numpy(self, array: np.ndarray) -> NativeValue:

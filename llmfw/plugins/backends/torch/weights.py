@@ -223,6 +223,16 @@ def concat_linears(parts: list[Linear], form: str, device: str) -> Linear:
     return DenseLinear(torch.cat([w.to(dtype) for w in weights]).contiguous())
 
 
+def slice_linear(fused: Linear, row: int, n_out: int) -> Linear:
+    """Output rows ``row .. row + n_out`` of a fused linear as a linear of their own, in the same form."""
+    if isinstance(fused, Int8Linear):
+        q, scale = fused.int8_rows()
+        return Int8Linear(q[row:row + n_out].contiguous(), scale[row:row + n_out].contiguous())
+    if isinstance(fused, Fp16Linear):
+        return Fp16Linear(fused.dense()[row:row + n_out])
+    return DenseLinear(fused.weight[row:row + n_out].contiguous())
+
+
 @dataclass
 class TorchWeight:
     """A model weight in the backend's forms: a linear for ``mul_mat``, a dense tensor for elementwise use,
@@ -236,8 +246,8 @@ class TorchWeight:
     raw: np.ndarray | None = None
     ggml_type: int = 0
     ne: tuple[int, ...] = ()
-    #: set when this weight was folded into a fused linear: (that fused linear's key, first output row)
-    fused_into: tuple[tuple[str, ...], int] | None = None
+    #: set when this weight was folded into a fused weight (``Backend.fuse_weights``): (its name, first row)
+    fused_into: tuple[str, int] | None = None
 
     @property
     def nbytes(self) -> int:
