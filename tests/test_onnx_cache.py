@@ -61,6 +61,12 @@ def test_second_load_maps_every_weight_and_computes_the_same_logits(smollm2_path
     assert not any(first_weights.values())  # converted, then written
     index = json.loads((entry_of(cache_root) / "index.json").read_text())
     assert set(index["weights"]) == set(first_weights)
+    # a fused weight's parts are stored as its rows, not twice
+    fused = next(name for name in index["weights"] if name.startswith("blk.0.attn_q.weight+"))
+    start, _, _ = index["weights"][fused]["arrays"]["packed"]
+    offset, _, shape = index["weights"]["blk.0.attn_k.weight"]["arrays"]["packed"]
+    q_rows = index["weights"]["blk.0.attn_q.weight"]["arrays"]["packed"][2][0]
+    assert offset == start + q_rows * shape[1] * shape[2]
     second, second_weights = load_and_score(smollm2_path, cache_root)
     assert all(second_weights.values())
     np.testing.assert_array_equal(first, fresh_logits)

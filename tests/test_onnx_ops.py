@@ -14,6 +14,7 @@ pytest.importorskip("onnx")
 from llmfw.core.backend import KVLayerShape, Split, WeightSource  # noqa: E402
 from llmfw.core.errors import BackendUnavailable  # noqa: E402
 from llmfw.core.graph import Graph  # noqa: E402
+from llmfw.core.passes import optimize  # noqa: E402
 from llmfw.core.quants import GGMLType, dequantize, quantize  # noqa: E402
 from llmfw.core.rope import rope_angle_slopes, rope_cos_sin  # noqa: E402
 from llmfw.plugins.backends.numpy_cpu import NumpyBackend  # noqa: E402
@@ -175,20 +176,27 @@ def test_k_quant_mul_mat_and_get_rows_run_exactly(qtype):
 
 
 def test_fused_matmuls_match_separate_ones():
-    """Q/K/V-style matmuls sharing an input become one MatMulNBits; results equal the separate products."""
+    """Q/K/V-style matmuls sharing an input, fused by the core pass on the weight ``fuse_weights`` stacked at load,
+    run as one MatMulNBits; results equal the separate products (numpy's own fused GEMM)."""
     x = RNG.normal(size=(3, 64)).astype(np.float32)
+    sizes = (32, 16, 16)
     sources = [weight_source(f"w{i}", RNG.normal(size=(n, 64)).astype(np.float32), GGMLType.Q4_1, {"mul_mat"})
-               for i, n in enumerate((32, 16, 16))]
+               for i, n in enumerate(sizes)]
     g = Graph()
-    xi = g.inputs["x"] = g.add("input", name="x")
-    for i in range(3):
-        w = g.add("weight", name=f"w{i}")
-        w.attrs["name"] = f"w{i}"
-        g.outputs[f"y{i}"] = g.add("mul_mat", w, xi)
+    xi = g.leaf("input", "x", (3, 64))
+    for i, n in enumerate(sizes):
+        g.outputs[f"y{i}"] = g.add("mul_mat", g.leaf("weight", f"w{i}", (n, 64)), xi)
     h = Harness(sources, [])
+    separate, _ = h.run(g, {"x": x})
+    parts = ("w0", "w1", "w2")
+    assert h.onnx.fuse_weights("w0+w1+w2", parts) and h.numpy.fuse_weights("w0+w1+w2", parts)
+    assert h.onnx.weights["w0+w1+w2"].shape == (64, 64)
+    assert optimize(g, {parts: "w0+w1+w2"}, lambda name: None).fused_matmuls == 1
+    h.compiled.clear()  # the graph changed: compile it again
     got, want = h.run(g, {"x": x})
     for name in want:
         np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(got[name], separate[name], rtol=1e-5, atol=1e-5)
     # a member alone afterwards (its arrays are now rows of the fused copy)
     single = Graph()
     xs = single.inputs["x"] = single.add("input", name="x")
@@ -197,6 +205,13 @@ def test_fused_matmuls_match_separate_ones():
     single.outputs["y1"] = single.add("mul_mat", w1, xs)
     got_single, _ = h.run(single, {"x": x})
     np.testing.assert_allclose(got_single["y1"], want["y1"], rtol=1e-4, atol=1e-4)
+
+
+def test_mixed_block_types_are_not_fused():
+    sources = [weight_source("a", RNG.normal(size=(16, 64)).astype(np.float32), GGMLType.Q4_0, {"mul_mat"}),
+               weight_source("b", RNG.normal(size=(16, 64)).astype(np.float32), GGMLType.Q8_0, {"mul_mat"})]
+    h = Harness(sources, [])
+    assert not h.onnx.fuse_weights("a+b", ("a", "b")) and "a+b" not in h.onnx.weights
 
 
 def _layer_graph(n_head: int, n_head_kv: int, head_dim: int, rope_attrs: dict, softcap: float,

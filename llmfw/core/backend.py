@@ -263,6 +263,19 @@ class Backend(ABC):
         """Drop every weight (model closed or load cancelled)."""
         self.weights.clear()
 
+    def weight_nbytes(self) -> int:
+        """Bytes of distinct weight storage: the numpy arrays of every handle (a handle itself, or the array
+        fields of a handle object), counted once per underlying buffer, so a fused weight and its parts' views
+        count once. A backend keeping device tensors overrides it."""
+        buffers: dict[int, int] = {}
+        for handle in self.weights.values():
+            fields = vars(handle).values() if hasattr(handle, "__dict__") else ()
+            for array in [handle] if isinstance(handle, np.ndarray) else fields:
+                if isinstance(array, np.ndarray):
+                    base = array if array.base is None else array.base
+                    buffers[id(base)] = int(getattr(base, "nbytes", array.nbytes))
+        return sum(buffers.values())
+
     def fuse_weights(self, name: str, parts: tuple[str, ...]) -> bool:
         """Build, once at load, the weight ``name``: the matrices ``parts`` (loaded here) stacked by output rows,
         ``[Σ n_out, n_in]``, multiplied with one input in one ``mul_mat`` (core/passes.py). Keep it in

@@ -412,17 +412,6 @@ class NumpyBackend(Backend):
         release_freed_memory()  # the members' separate copies were freed
         return True
 
-    def weight_nbytes(self) -> int:
-        """Bytes of distinct weight storage (a fused weight and its parts' views are counted once)."""
-        bases: dict[int, int] = {}
-        for handle in self.weights.values():
-            arrays = [handle] if isinstance(handle, np.ndarray) else [
-                v for v in vars(handle).values() if isinstance(v, np.ndarray)]  # QuantizedTable, GgmlMatrix
-            for array in arrays:
-                base = array if array.base is None else array.base
-                bases[id(base)] = int(base.nbytes)
-        return sum(bases.values())
-
     def set_n_threads(self, n_threads: int | None) -> None:
         super().set_n_threads(n_threads)
         if n_threads:

@@ -30,7 +30,7 @@ from llmfw.plugins.backends.onnx.weights import BlockWeight, DenseWeight, Weight
 log = logging.getLogger(__name__)
 
 #: bumped whenever the converted forms change, so that entries written by older code are rebuilt
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2
 #: entries kept; the oldest (by last use) go first
 MAX_ENTRIES = 4
 #: files smaller than this convert about as fast as their cache entry is read: not cached
@@ -121,20 +121,25 @@ class ConvertedCache:
         self._evict()
 
     def _write(self, folder: Path, weights: Mapping[str, CachedWeight]) -> None:
-        entries: dict[str, Any] = {}
+        """Every array once: a part of a fused weight, whose arrays are rows of the fused ones, is stored as
+        offsets into them (so restoring keeps the parts as views, as fusing made them)."""
+        fields = {name: _arrays_of(cached.weight) for name, cached in weights.items()}
+        stored: dict[int, tuple[int, np.ndarray]] = {}  # id(array) → (offset, array) of arrays written whole
         offset = 0
+        every = {id(array): array for arrays in fields.values() for array in arrays.values()}
         with (folder / _BLOB).open("wb") as blob:
-            for name, cached in weights.items():
-                arrays: dict[str, Any] = {}
-                for field_name, array in _arrays_of(cached.weight).items():
+            for array in every.values():
+                if _stored_ancestor(array, every) is None:  # fused arrays first, their parts' rows refer to them
+                    contiguous = np.ascontiguousarray(array)
                     pad = -offset % _ALIGN
                     blob.write(b"\0" * pad)
                     offset += pad
-                    contiguous = np.ascontiguousarray(array)
                     blob.write(memoryview(contiguous).cast("B"))
-                    arrays[field_name] = [offset, contiguous.dtype.str, list(contiguous.shape)]
+                    stored[id(array)] = (offset, contiguous)
                     offset += contiguous.nbytes
-                entries[name] = {"key": cached.key, "meta": _meta_of(cached.weight), "arrays": arrays}
+        entries = {name: {"key": weights[name].key, "meta": _meta_of(weights[name].weight),
+                          "arrays": {field: _place(array, stored) for field, array in arrays.items()}}
+                   for name, arrays in fields.items()}
         index = {"format": CACHE_FORMAT, "sha256": self.sha256, "version": self.version, "blob_bytes": offset,
                  "weights": entries}
         (folder / _INDEX).write_text(json.dumps(index), encoding="utf-8")
@@ -175,12 +180,44 @@ class CachedLoad:
         self.converted += 1
         return convert(source)
 
+    def fused(self, name: str, parts: tuple[str, ...], fuse: Callable[[], Weight]) -> Weight:
+        """A fused weight (core/passes.py) of ``parts``: restored when stored for these very parts, else built."""
+        key = self.keys[name] = ["fused", [self.keys.get(part) for part in parts]]
+        cached = self.restored.pop(name, None)
+        if cached is not None and cached.key == key:
+            return cached.weight
+        self.converted += 1
+        return fuse()
+
     def finish(self, weights: Mapping[str, Weight]) -> None:
         """Rewrite the entry when any weight had to be converted or a stored one was not asked for."""
         if self.cache is None or not (self.converted or self.restored):
             return
         self.cache.store({name: CachedWeight(key, weights[name]) for name, key in self.keys.items()
                           if name in weights})
+
+
+def _stored_ancestor(array: np.ndarray, arrays: Mapping[int, Any]) -> np.ndarray | None:
+    """The array among ``arrays`` (keyed by id) that ``array`` is a contiguous view of (a fused weight's rows)."""
+    if not array.flags.c_contiguous:
+        return None
+    base = array.base
+    while isinstance(base, np.ndarray):
+        if id(base) in arrays and base.flags.c_contiguous:
+            return base
+        base = base.base
+    return None
+
+
+def _place(array: np.ndarray, stored: Mapping[int, tuple[int, np.ndarray]]) -> list[Any]:
+    """``[offset, dtype, shape]`` of an array in the blob: its own bytes, or its bytes inside a stored array."""
+    if id(array) in stored:
+        offset = stored[id(array)][0]
+    else:
+        ancestor = _stored_ancestor(array, stored)
+        assert ancestor is not None
+        offset = stored[id(ancestor)][0] + (array.ctypes.data - ancestor.ctypes.data)
+    return [offset, array.dtype.str, list(array.shape)]
 
 
 def _arrays_of(weight: Weight) -> dict[str, np.ndarray]:
@@ -213,6 +250,6 @@ def _view(blob: np.ndarray, offset: int, dtype: str, shape: list[int]) -> np.nda
         raise ValueError(f"array of element type {dtype!r}")
     dt = np.dtype(dtype)
     count = int(np.prod(shape, dtype=np.int64))
-    if offset < 0 or offset % _ALIGN or offset + count * dt.itemsize > blob.size:
+    if offset < 0 or offset % dt.itemsize or offset + count * dt.itemsize > blob.size:
         raise ValueError(f"array at {offset} ({dtype} {shape}) lies outside the {blob.size}-byte blob")
     return np.asarray(blob[offset:offset + count * dt.itemsize]).view(dt).reshape(shape)

@@ -83,7 +83,6 @@ class OnnxBackend(Backend):
         self.providers = execution_providers(device)
         self._ort, _ = import_onnxruntime()
         self._ort_values: dict[str, Any] = {}
-        self._fused: dict[tuple[str, ...], BlockWeight] = {}
         self._derived: dict[tuple[str, str], np.ndarray] = {}
         self._programs: OrderedDict[tuple, _Program] = OrderedDict()
         self._load: CachedLoad | None = None
@@ -119,7 +118,6 @@ class OnnxBackend(Backend):
         super().free_weights()
         self._load = None
         self._ort_values.clear()
-        self._fused.clear()
         self._derived.clear()
         self._programs.clear()
 
@@ -129,13 +127,19 @@ class OnnxBackend(Backend):
         except KeyError:
             raise ModelError(f"onnx backend holds no weight named {name!r}") from None
 
-    def fused_weight(self, names: tuple[str, ...]) -> BlockWeight:
-        fused = self._fused.get(names)
-        if fused is None:
-            parts = [self.weight(n) for n in names]
-            fused = self._fused[names] = fuse_block_weights(parts)
-            share_rows(fused, parts)
-        return fused
+    def fuse_weights(self, name: str, parts: tuple[str, ...]) -> bool:
+        """Block-quantized parts of one bit width, block size and ``n_in`` stacked into one MatMulNBits weight
+        (their arrays become rows of it: no extra memory); dense or mixed parts are not fused."""
+        weights = [self.weights.get(n) for n in parts]
+        blocks = [w for w in weights if isinstance(w, BlockWeight) and w.packed is not None]
+        if len(blocks) != len(parts) or len({(w.bits, w.block, w.shape[1]) for w in blocks}) != 1:
+            return False
+        def fuse() -> Weight:
+            return fuse_block_weights(blocks)
+
+        fused = self.weights[name] = fuse() if self._load is None else self._load.fused(name, parts, fuse)
+        share_rows(fused, blocks)
+        return True
 
     def _derive(self, name: str, kind: str, make: Callable[[], np.ndarray]) -> np.ndarray:
         array = self._derived.get((name, kind))

@@ -53,8 +53,6 @@ class SplitTranslator:
         self._shared: dict[tuple, Any] = {}
         self._last_kv_writer: dict[tuple[tuple[str, int], str], int] = {}
         self._kv_declared: set[str] = set()
-        self._fused: dict[int, str] = {}  # mul_mat node id → its part of a fused matmul's output
-        self._fused_parts: dict[int, list[Node]] = {}
         for node_id, array in zip(split.input_ids, inputs):
             name = f"in_{node_id}"
             self.names[node_id] = name
@@ -66,7 +64,6 @@ class SplitTranslator:
     # -- driving -----------------------------------------------------------------------------------------
     def translate(self) -> tuple[Any, list[str]]:
         """The ONNX model of the split and the names of its outputs (split.output_ids order)."""
-        self._plan_fusion()
         self._mark_last_kv_writers()
         for node in self.split.nodes:
             self._translate_node(node)
@@ -135,26 +132,9 @@ class SplitTranslator:
         # a quantized table used elementwise (unusual): hand over its float values once
         return self.e.external(f"w:{name}", self.backend.dense_copy(name))
 
-    # -- fusion of matmuls sharing their input ------------------------------------------------------------
-    def _plan_fusion(self) -> None:
-        """Group block-quantized mul_mats with the same input (Q/K/V, gate/up) into one MatMulNBits."""
-        groups: dict[tuple[int, int, int, int], list[Node]] = {}
-        for node in self.split.nodes:
-            if node.op != "mul_mat" or node.inputs[0].op != "weight":
-                continue
-            weight = self.backend.weight(node.inputs[0].attrs["name"])
-            if isinstance(weight, BlockWeight) and weight.packed is not None:
-                groups.setdefault((node.inputs[1].id, weight.bits, weight.block, weight.shape[1]), []).append(node)
-        for members in groups.values():
-            if len(members) > 1:
-                self._fused_parts[members[0].id] = members
-
     # -- ops ---------------------------------------------------------------------------------------------
     def _op_mul_mat(self, node: Node) -> str:
         w_node, x_node = node.inputs
-        fused = self._fused.get(node.id)
-        if fused is not None:  # a later member of a fused group: its part was split off already
-            return fused
         x, x_shape = self.value(x_node), self.shape(x_node)
         if w_node.op != "weight":
             # activation × activation (no current architecture emits it): x @ w.T
@@ -168,18 +148,8 @@ class SplitTranslator:
                 return self.e.op("Gemm", [x, self.e.external(f"w:{name}", weight.array)], transB=1, hint="mm")
             wt = self.e.external(f"wt:{name}", self.backend.transposed(name))
             return self.e.op("MatMul", [x, wt], hint="mm")
-        members = self._fused_parts.get(node.id)
-        if members is None:
-            self.shapes[node.id] = x_shape[:-1] + (weight.shape[0],)
-            return self._matmul_nbits(x, x_shape, name, weight)
-        names = tuple(m.inputs[0].attrs["name"] for m in members)
-        out = self._matmul_nbits(x, x_shape, "+".join(names), self.backend.fused_weight(names))
-        sizes = [self.backend.weight(n).shape[0] for n in names]
-        parts = self.e.op("Split", [out, self.e.const(sizes)], n_outputs=len(sizes), axis=-1, hint="part")
-        for member, part, size in zip(members, parts, sizes):
-            self._fused[member.id] = part
-            self.shapes[member.id] = x_shape[:-1] + (size,)
-        return parts[0]
+        self.shapes[node.id] = x_shape[:-1] + (weight.shape[0],)
+        return self._matmul_nbits(x, x_shape, name, weight)
 
     def _matmul_nbits(self, x: str, x_shape: tuple[int, ...], key: str, weight: BlockWeight) -> str:
         n_out, n_in = weight.shape
@@ -278,21 +248,25 @@ class SplitTranslator:
 
     def _op_rms_norm(self, node: Node) -> str:
         # the canonical pattern (Pow, ReduceMean, Add, Sqrt, Div) that ORT fuses into SimplifiedLayerNormalization
-        (x,) = node.inputs
+        x = node.inputs[0]
         self.shapes[node.id] = self.shape(x)
         xv = self.value(x)
         mean_sq = self.e.op("ReduceMean", [self.e.op("Pow", [xv, self.e.const(2.0, F32)])], axes=[-1], keepdims=1)
         rms = self.e.op("Sqrt", [self.e.op("Add", [mean_sq, self.e.const(node.attrs["eps"], F32)])])
-        return self.e.op("Div", [xv, rms], hint="rms_norm")
+        return self._times_norm_weight(node, self.e.op("Div", [xv, rms], hint="rms_norm"))
+
+    def _times_norm_weight(self, node: Node, normed: str) -> str:
+        """× the norm's weight, the optional 2nd input the core pass folded in (ORT fuses the whole pattern)."""
+        return self.e.op("Mul", [normed, self.value(node.inputs[1])]) if len(node.inputs) > 1 else normed
 
     def _op_norm(self, node: Node) -> str:
-        (x,) = node.inputs
+        x = node.inputs[0]
         self.shapes[node.id] = self.shape(x)
         xv = self.value(x)
         centred = self.e.op("Sub", [xv, self.e.op("ReduceMean", [xv], axes=[-1], keepdims=1)])
         var = self.e.op("ReduceMean", [self.e.op("Pow", [centred, self.e.const(2.0, F32)])], axes=[-1], keepdims=1)
         std = self.e.op("Sqrt", [self.e.op("Add", [var, self.e.const(node.attrs["eps"], F32)])])
-        return self.e.op("Div", [centred, std], hint="norm")
+        return self._times_norm_weight(node, self.e.op("Div", [centred, std], hint="norm"))
 
     def _op_reshape(self, node: Node) -> str:
         (x,) = node.inputs
