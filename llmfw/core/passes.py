@@ -21,7 +21,6 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Collection, Mapping, Protocol, Sequence
 
-from .errors import ModelError
 from .graph import BuildParams, Graph, GraphBuilder, GraphModel, Node, consumers_of, infer_type
 
 if TYPE_CHECKING:
@@ -137,8 +136,8 @@ def representative_graph(model: GraphModel) -> Graph | None:
     builder = GraphBuilder(model, BuildParams(n_tokens=1, n_outputs=1, n_kv=(("kv", 1),)), lambda il: "kv")
     try:
         model.arch.build_graph(builder)
-    except ModelError as exc:
-        log.debug("no representative graph to detect fusable matmuls: %s", exc)
+    except Exception as exc:  # noqa: BLE001 - detection must not fail a load: the first decode reports it
+        log.debug("no representative graph to detect fusable matmuls: %s: %s", type(exc).__name__, exc)
         return None
     return builder.graph
 
