@@ -145,13 +145,15 @@ class ConvertedCache:
         (folder / _INDEX).write_text(json.dumps(index), encoding="utf-8")
 
     def _evict(self) -> None:
-        """Keep the MAX_ENTRIES entries used last."""
+        """Drop this file's entries of other llmfw versions or formats, then keep the MAX_ENTRIES used last."""
         try:
             entries = sorted((p for p in self.root.iterdir() if p.is_dir() and not p.name.startswith(".")),
                              key=lambda p: p.stat().st_mtime, reverse=True)
         except OSError:
             return
-        for stale in entries[MAX_ENTRIES:]:
+        outdated = [p for p in entries if p.name.startswith(f"{self.sha256}-") and p != self.entry]
+        current = [p for p in entries if p not in outdated]
+        for stale in outdated + current[MAX_ENTRIES:]:
             shutil.rmtree(stale, ignore_errors=True)
 
 
