@@ -16,6 +16,7 @@ from llmfw.core.errors import BackendUnavailable  # noqa: E402
 from llmfw.core.graph import Graph  # noqa: E402
 from llmfw.core.passes import optimize  # noqa: E402
 from llmfw.core.quants import GGMLType, dequantize, quantize  # noqa: E402
+from llmfw.core.rope import rope_angle_slopes, rope_cos_sin  # noqa: E402
 from llmfw.plugins.backends.numpy_cpu import NumpyBackend  # noqa: E402
 from llmfw.plugins.backends.onnx import OnnxBackend  # noqa: E402
 from llmfw.plugins.backends.onnx.weights import (  # noqa: E402
@@ -285,6 +286,24 @@ ROPE_CASES = {
     "norm-partial": dict(n_dims=24, mode="norm", freq_base=1e6, freq_scale=0.5, ext_factor=0.0, attn_factor=0.9,
                          beta_fast=32.0, beta_slow=1.0, n_ctx_orig=2048),
 }
+
+
+@pytest.mark.parametrize("case", sorted(ROPE_CASES))
+@pytest.mark.parametrize("use_factors", [False, True])
+def test_onnx_rope_angles_are_the_core_rope_tables(case, use_factors):
+    """One RoPE derivation: the per-pair slopes the ONNX graph multiplies positions by (core.rope's
+    rope_angle_slopes, YaRN ramp included) give ggml's cos/sin tables (core.rope's rope_cos_sin) up to 8k."""
+    attrs = ROPE_CASES[case]
+    factors = (1 + np.arange(attrs["n_dims"] // 2) / 8).astype(np.float32) if use_factors else None
+    pos = np.array([0, 1, 7, 100, 2047, 8191], dtype=np.int32)
+    slope, mscale = rope_angle_slopes(freq_factors=factors, **attrs)
+    theta = pos[:, None].astype(np.float32) * slope
+    want_cos, want_sin = rope_cos_sin(pos, freq_factors=factors, **attrs)
+    np.testing.assert_allclose(np.cos(theta) * np.float32(mscale), want_cos, atol=2e-3)
+    np.testing.assert_allclose(np.sin(theta) * np.float32(mscale), want_sin, atol=2e-3)
+    plain_cos, _ = rope_cos_sin(pos, freq_factors=factors, **{**attrs, "ext_factor": 0.0, "freq_scale": 1.0})
+    if attrs["ext_factor"] or attrs["freq_scale"] != 1.0:  # the scaling is visible, so agreeing means something
+        assert np.abs(plain_cos - want_cos).max() > 0.1
 
 
 @pytest.mark.parametrize("case", sorted(ROPE_CASES))

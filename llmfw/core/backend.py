@@ -46,6 +46,7 @@ import importlib.util
 import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, ClassVar, Mapping, TypeVar
 
 import numpy as np
@@ -240,6 +241,13 @@ class Backend(ABC):
         The handle is stored by the model under ``source.name`` and handed back to the backend through
         ``weight`` nodes in compiled splits (see :meth:`weight`).
         """
+
+    def begin_loading(self, model_file: Path) -> None:
+        """Called once before the weights of ``model_file`` go through :meth:`load_weight` (a backend may restore
+        its converted forms from a cache of its own instead of converting)."""
+
+    def end_loading(self) -> None:
+        """Called once after every weight of the file was loaded (a backend may persist its converted forms)."""
 
     def weight(self, name: str) -> Any:
         """The handle :meth:`load_weight` returned for ``name`` (kept by the backend in ``self.weights``)."""

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import logging
 import os
+from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, Sequence
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -305,17 +306,30 @@ def _build_model(loader: ModelFileLoader, path: Path, params: ModelParams) -> Mo
     try:
         _place_layers(model, params)
         loads = plan_weights(model, loader, specs)
-        loader.load_all_data(loads, params.progress)
-        for load in loads:
-            model._weights[load.name] = (load.backend, _spec_layer(hparams, load.layer))
-            model.weight_sources[load.name] = (load.source_name, load.ne)
-        for parts, name in prepare_fused_weights(model).items():
-            model.add_fused_weight(name, parts)
+        with _loading(loads, path):
+            loader.load_all_data(loads, params.progress)
+            for load in loads:
+                model._weights[load.name] = (load.backend, _spec_layer(hparams, load.layer))
+                model.weight_sources[load.name] = (load.source_name, load.ne)
+            for parts, name in prepare_fused_weights(model).items():
+                model.add_fused_weight(name, parts)
     except BaseException:
         model.close()
         raise
     log.info("%s", model.describe())
     return model
+
+
+@contextmanager
+def _loading(loads: list[WeightLoad], path: Path) -> Iterator[None]:
+    """Each backend told when the weights of ``path`` begin and, once they and the fused weights built from them
+    are all in place, end (not after a failed load)."""
+    backends = list({id(load.backend): load.backend for load in loads}.values())
+    for backend in backends:
+        backend.begin_loading(path)
+    yield
+    for backend in backends:
+        backend.end_loading()
 
 
 def _architecture_if_described(loader: ModelFileLoader) -> tuple[Architecture | None, HParams | None]:

@@ -26,6 +26,44 @@ def yarn_corr_dims(n_dims: int, n_ctx_orig: int, freq_base: float, beta_fast: fl
     return max(0.0, start), min(n_dims - 1.0, end)
 
 
+def yarn_ramp_mix(n_dims: int, n_ctx_orig: int, freq_base: float, beta_fast: float, beta_slow: float,
+                  ext_factor: float) -> np.ndarray:
+    """Per rotated pair, float32 [n_dims/2]: how much of the extrapolated (unscaled) angle YaRN keeps — 1 below
+    the ramp's low dimension, 0 above its high one (times ext_factor), as ggml's rope_yarn_ramp."""
+    low, high = yarn_corr_dims(n_dims, n_ctx_orig, freq_base, beta_fast, beta_slow)
+    y = (np.arange(n_dims // 2, dtype=F32) - F32(low)) / F32(max(0.001, high - low))
+    return (F32(1.0) - np.clip(y, 0.0, 1.0)) * F32(ext_factor)
+
+
+def rope_magnitude(attn_factor: float, freq_scale: float, ext_factor: float) -> float:
+    """The factor on cos and sin: attn_factor, times YaRN's 1 + 0.1 ln(1/freq_scale) when YaRN is on."""
+    if ext_factor != 0.0:
+        return attn_factor * (1.0 + 0.1 * math.log(1.0 / freq_scale))
+    return attn_factor
+
+
+def rope_angle_slopes(n_dims: int, freq_base: float, freq_scale: float, ext_factor: float, attn_factor: float,
+                      beta_fast: float, beta_slow: float, n_ctx_orig: int, freq_factors: np.ndarray | None = None,
+                      **_: Any) -> tuple[np.ndarray, float]:
+    """The same angles as :func:`rope_cos_sin` for a backend that computes them in its own graph.
+
+    ggml's angle is linear in the position for every pair (``theta = pos * slope_i``): ``freq_scale``
+    interpolation, the YaRN ramp and the frequency factors only change the slope. Returns the float32 slopes
+    [n_dims/2] and the magnitude factor. The slopes use an exact power where ggml repeats float32 products:
+    the angles differ from :func:`rope_cos_sin`'s by float32 rounding only (``tests/test_llama_rope.py``).
+    """
+    half = n_dims // 2
+    extrap = float(freq_base) ** (-2.0 * np.arange(half, dtype=np.float64) / n_dims)
+    if freq_factors is not None:
+        extrap = extrap / np.asarray(freq_factors, dtype=np.float64).reshape(-1)[:half]
+    if ext_factor != 0.0:
+        mix = yarn_ramp_mix(n_dims, n_ctx_orig, freq_base, beta_fast, beta_slow, ext_factor).astype(np.float64)
+        slope = extrap * (freq_scale * (1.0 - mix) + mix)
+    else:
+        slope = extrap * freq_scale
+    return slope.astype(F32), rope_magnitude(attn_factor, freq_scale, ext_factor)
+
+
 def rope_cos_sin(pos: np.ndarray, n_dims: int, freq_base: float, freq_scale: float, ext_factor: float,
                  attn_factor: float, beta_fast: float, beta_slow: float, n_ctx_orig: int,
                  freq_factors: np.ndarray | None = None, **_: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -42,13 +80,10 @@ def rope_cos_sin(pos: np.ndarray, n_dims: int, freq_base: float, freq_scale: flo
     else:
         theta_extrap = theta
     theta_interp = F32(freq_scale) * theta_extrap
-    mscale = F32(attn_factor)
     if ext_factor != 0.0:
-        low, high = yarn_corr_dims(n_dims, n_ctx_orig, freq_base, beta_fast, beta_slow)
-        y = (np.arange(half, dtype=F32) - F32(low)) / F32(max(0.001, high - low))
-        ramp_mix = (F32(1.0) - np.clip(y, 0.0, 1.0)) * F32(ext_factor)
+        ramp_mix = yarn_ramp_mix(n_dims, n_ctx_orig, freq_base, beta_fast, beta_slow, ext_factor)
         theta = theta_interp * (F32(1.0) - ramp_mix) + theta_extrap * ramp_mix
-        mscale = F32(mscale * (1.0 + 0.1 * math.log(1.0 / freq_scale)))
     else:
         theta = theta_interp
+    mscale = F32(rope_magnitude(F32(attn_factor), freq_scale, ext_factor))
     return (np.cos(theta) * mscale).astype(F32), (np.sin(theta) * mscale).astype(F32)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -15,6 +16,7 @@ import numpy as np
 from llmfw.core.backend import Backend, BackendOptions, CompiledSplit, KVLayerShape, Split, WeightSource
 from llmfw.core.errors import ModelError
 from llmfw.core.graph import OPS
+from llmfw.plugins.backends.onnx.cache import CachedLoad, ConvertedCache, default_cache_root
 from llmfw.plugins.backends.onnx.emit import split_signature
 from llmfw.plugins.backends.onnx.ort import OnnxKV, execution_providers, import_onnxruntime
 from llmfw.plugins.backends.onnx.translate import SplitTranslator
@@ -40,14 +42,18 @@ class _Program:
 
 
 class OnnxOptions(BackendOptions):
-    """``backend_options={"onnx": {...}}`` (the CLI maps ``LLMFW_ONNX_SPIN`` / ``_PROFILE`` / ``_DUMP`` onto them)."""
+    """``backend_options={"onnx": {...}}``; the CLI maps ``OnnxBackend.environment_options`` onto them."""
 
-    #: ONNX Runtime's intra-op threads busy-wait between ops (False: they sleep; kinder to a shared CPU)
-    spin: bool = True
-    #: write ONNX Runtime's per-node trace, one JSON file per session, with this path prefix
+    #: ONNX Runtime's per-node trace, one JSON file per session, under this path prefix (README, Profiling)
     profile: str | None = None
-    #: write each session's graph after ORT's fusions to ``{dump}-{n}.onnx`` (to see what it made of a split)
+    #: intra-op threads busy-wait between kernels (faster decode; False frees the cores between calls)
+    spin: bool = True
+    #: write each session's graph after ORT's own fusions to ``<dump>-<n>.onnx``
     dump: str | None = None
+    #: keep converted weights next to the model cache and map them on later loads (cache.py)
+    cache: bool = True
+    #: the converted-weight cache's folder (default ``<models_dir>/.onnx``)
+    cache_dir: str | None = None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -63,8 +69,10 @@ class OnnxBackend(Backend):
     requires = ("onnxruntime", "onnx")
     #: the default on a CPU: it decodes about twice as fast as numpy or torch there (README, Benchmarks)
     default_priority = {"cpu": 200}
+
     options_schema = OnnxOptions
-    environment_options = {"LLMFW_ONNX_SPIN": "spin", "LLMFW_ONNX_PROFILE": "profile", "LLMFW_ONNX_DUMP": "dump"}
+    environment_options = {"LLMFW_ONNX_PROFILE": "profile", "LLMFW_ONNX_SPIN": "spin", "LLMFW_ONNX_DUMP": "dump",
+                           "LLMFW_ONNX_CACHE": "cache", "LLMFW_ONNX_CACHE_DIR": "cache_dir"}
 
     #: MatMulNBits accuracy level: 4 = int8 activations (llama.cpp's own quantized dot products)
     accuracy_level: int = 4
@@ -77,28 +85,38 @@ class OnnxBackend(Backend):
         self._ort_values: dict[str, Any] = {}
         self._derived: dict[tuple[str, str], np.ndarray] = {}
         self._programs: OrderedDict[tuple, _Program] = OrderedDict()
+        self._load: CachedLoad | None = None
         #: sessions built (tests read it to check that one session serves many ubatches)
         self.sessions_built = 0
-        #: bumped when the thread count changes; compiled splits then look up the session built for the new count
-        self.generation = 0
 
     @classmethod
     def check_available(cls, device: str | None = None) -> None:
         execution_providers(device)
 
-    def set_n_threads(self, n_threads: int | None) -> None:
-        """Sessions fix their thread count when built, so sessions are cached per thread count: contexts with
-        different counts on one model each keep theirs instead of dropping everyone's."""
-        if n_threads != self.n_threads:
-            super().set_n_threads(n_threads)
-            self.generation += 1
-
     # -- weights ------------------------------------------------------------------------------------------
+    def begin_loading(self, model_file: Path) -> None:
+        root = self._cache_root()
+        self._load = CachedLoad(None if root is None else ConvertedCache.for_file(root, model_file))
+
+    def _cache_root(self) -> Path | None:
+        opts = self.onnx_options
+        if not opts.cache:
+            return None
+        return Path(opts.cache_dir).expanduser() if opts.cache_dir else default_cache_root()
+
     def load_weight(self, source: WeightSource) -> Weight:
-        return convert_weight(source)
+        if self._load is None:  # a weight outside a file's load (tests build backends by hand)
+            return convert_weight(source)
+        return self._load.load(source, convert_weight)
+
+    def end_loading(self) -> None:
+        if self._load is not None:
+            self._load.finish(self.weights)
+        self._load = None
 
     def free_weights(self) -> None:
         super().free_weights()
+        self._load = None
         self._ort_values.clear()
         self._derived.clear()
         self._programs.clear()
@@ -116,7 +134,10 @@ class OnnxBackend(Backend):
         blocks = [w for w in weights if isinstance(w, BlockWeight) and w.packed is not None]
         if len(blocks) != len(parts) or len({(w.bits, w.block, w.shape[1]) for w in blocks}) != 1:
             return False
-        fused = self.weights[name] = fuse_block_weights(blocks)
+        def fuse() -> Weight:
+            return fuse_block_weights(blocks)
+
+        fused = self.weights[name] = fuse() if self._load is None else self._load.fused(name, parts, fuse)
         share_rows(fused, blocks)
         return True
 
@@ -165,7 +186,8 @@ class OnnxBackend(Backend):
         return _CompiledSplit(self, split, kv)
 
     def program(self, split: Split, inputs: Sequence[np.ndarray], kv: Mapping[tuple[str, int], Any]) -> _Program:
-        """The session for a split structure, built on first use and cached (LRU)."""
+        """The session for a split structure and thread count (fixed when a session is built), built on first
+        use and cached (LRU)."""
         key = (self.n_threads, split_signature(split, inputs))
         program = self._programs.get(key)
         if program is not None:
@@ -204,63 +226,97 @@ class OnnxBackend(Backend):
         options.inter_op_num_threads = 1
         if self.n_threads:
             options.intra_op_num_threads = int(self.n_threads)
-        if not self.onnx_options.spin:
+        opts = self.onnx_options
+        if not opts.spin:
             options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         options.log_severity_level = 3  # unused-initializer notes are expected (e.g. weights of fused matmuls)
-        profile_prefix = self.onnx_options.profile
-        if profile_prefix:  # ORT's per-node timings, a JSON trace per session (see the README section)
+        if opts.profile:  # ORT's per-node timings, a JSON trace per session (see the README section)
             options.enable_profiling = True
-            options.profile_file_prefix = profile_prefix
-        optimized_path = self.onnx_options.dump
-        if optimized_path:  # the graph after ORT's fusions, to check what it made of a split
-            options.optimized_model_filepath = f"{optimized_path}-{self.sessions_built}.onnx"
+            options.profile_file_prefix = opts.profile
+        if opts.dump:  # the graph after ORT's fusions, to check what it made of a split
+            options.optimized_model_filepath = f"{opts.dump}-{self.sessions_built}.onnx"
         return options
+
+
+@dataclass
+class _Bound:
+    """An IOBinding for one set of input shapes: the caches bound once (input and output, the same memory) and,
+    from the second run on, the split's outputs bound to preallocated arrays (their shapes follow from the input
+    shapes), so a decode step binds only its small inputs."""
+
+    binding: Any
+    outputs: list[np.ndarray] | None = None
 
 
 class _CompiledSplit:
     """The callable the scheduler runs: binds inputs and the KV buffers, runs the session."""
+
+    #: bindings kept per compiled split (decode, prefill chunks, a few KV lengths)
+    MAX_BINDINGS = 8
 
     def __init__(self, backend: OnnxBackend, split: Split, kv: Mapping[tuple[str, int], Any]):
         self.backend = backend
         self.split = split
         self.kv = kv
         self.program: _Program | None = None
-        self.binding: Any = None
         self._signature: tuple | None = None
+        self._bound: OrderedDict[tuple, _Bound] = OrderedDict()
 
     def _prepare(self, arrays: list[np.ndarray]) -> None:
-        signature = (self.backend.generation, tuple((a.dtype.str, a.ndim) for a in arrays))
+        signature = (self.backend.n_threads, tuple((a.dtype.str, a.ndim) for a in arrays))
         if self.program is not None and signature == self._signature:
             return
         self.program = self.backend.program(self.split, arrays, self.kv)
         self._signature = signature
-        self.binding = self.program.session.io_binding()
-        for input_name, _, key, which in self.program.kv_bindings:
-            self.binding.bind_ortvalue_input(input_name, self._kv_value(key, which))
+        self._bound.clear()
 
     def _kv_value(self, key: tuple[str, int], which: str) -> Any:
         storage: OnnxKV = self.kv[key]
         return storage.k_value if which == "k" else storage.v_value
 
-    def _bind_outputs(self) -> None:
-        """Bind the outputs afresh each run: a kept output buffer would pin its shape (the token count).
-        Binding order is output order: the split's outputs first, then the caches (bound to their own memory,
-        which is what makes ScatterND update them in place)."""
-        binding = self.binding
+    def _bound_for(self, arrays: list[np.ndarray]) -> _Bound:
+        shapes = tuple(a.shape for a in arrays)
+        bound = self._bound.get(shapes)
+        if bound is not None:
+            self._bound.move_to_end(shapes)
+            return bound
+        binding = self.program.session.io_binding()
+        for input_name, _, key, which in self.program.kv_bindings:
+            binding.bind_ortvalue_input(input_name, self._kv_value(key, which))
+        bound = self._bound[shapes] = _Bound(binding)
+        self._bind_outputs(bound)
+        while len(self._bound) > self.MAX_BINDINGS:
+            self._bound.popitem(last=False)
+        return bound
+
+    def _bind_outputs(self, bound: _Bound) -> None:
+        """Binding order is output order: the split's outputs first (ORT-allocated until their shapes are known,
+        then the preallocated arrays), then the caches (bound to their own memory, which is what makes
+        ScatterND update them in place)."""
+        binding = bound.binding
         binding.clear_binding_outputs()
-        for name in self.program.output_names:
-            binding.bind_output(name)
+        for k, name in enumerate(self.program.output_names):
+            if bound.outputs is None:
+                binding.bind_output(name)
+            else:
+                out = bound.outputs[k]
+                binding.bind_output(name, "cpu", 0, out.dtype, list(out.shape), out.ctypes.data)
         for _, output_name, key, which in self.program.kv_bindings:
             binding.bind_ortvalue_output(output_name, self._kv_value(key, which))
 
     def __call__(self, inputs: Mapping[int, Any]) -> dict[int, np.ndarray]:
         arrays = [np.ascontiguousarray(inputs[i]) for i in self.split.input_ids]
         self._prepare(arrays)
-        program, binding = self.program, self.binding
-        for name, array in zip(program.input_names, arrays):
-            binding.bind_cpu_input(name, array)  # zero-copy: ORT reads the array during the run
-        self._bind_outputs()
-        program.session.run_with_iobinding(binding)
-        outputs = binding.get_outputs()
-        # copies: the OrtValues behind these views belong to the binding, which the next run rebinds
-        return {node_id: np.array(outputs[k].numpy()) for k, node_id in enumerate(self.split.output_ids)}
+        bound = self._bound_for(arrays)
+        for name, array in zip(self.program.input_names, arrays):
+            bound.binding.bind_cpu_input(name, array)  # zero-copy: ORT reads the array during the run
+        self.program.session.run_with_iobinding(bound.binding)
+        if bound.outputs is None:  # first run with these shapes: keep arrays of the outputs' shapes from now on
+            ort_outputs = bound.binding.get_outputs()
+            bound.outputs = [np.empty_like(ort_outputs[k].numpy()) for k in range(len(self.split.output_ids))]
+            results = [ort_outputs[k].numpy() for k in range(len(self.split.output_ids))]
+            self._bind_outputs(bound)
+        else:
+            results = bound.outputs
+        # copies: the arrays behind the bound outputs are overwritten by the next run
+        return {node_id: np.array(results[k]) for k, node_id in enumerate(self.split.output_ids)}

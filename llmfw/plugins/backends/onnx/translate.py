@@ -9,7 +9,6 @@ dynamic axes (the graph's reshapes use ``-1`` for the token axis).
 """
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -17,7 +16,7 @@ import numpy as np
 from llmfw.core.backend import Split
 from llmfw.core.errors import ModelError
 from llmfw.core.graph import Node
-from llmfw.core.rope import yarn_corr_dims
+from llmfw.core.rope import rope_angle_slopes
 from llmfw.plugins.backends.onnx.emit import (
     ONNX_FLOAT, ONNX_INT64, OPSET, Emitter, external_tensor_proto, freeze, kv_name, reshaped,
 )
@@ -26,36 +25,6 @@ from llmfw.plugins.backends.onnx.weights import F32, BlockWeight, DenseWeight
 
 if TYPE_CHECKING:
     from llmfw.plugins.backends.onnx.runtime import OnnxBackend
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# rope tables (ggml_rope_ext semantics: NORM/NEOX, YaRN, freq_factors)
-# ---------------------------------------------------------------------------------------------------------------
-
-def rope_frequencies(attrs: Mapping[str, Any], freq_factors: np.ndarray | None) -> tuple[np.ndarray, float]:
-    """Per rotated pair i: the angle per position ``theta_i`` (theta = pos * theta_i) and the magnitude scale.
-
-    ggml's angle is linear in the position for every pair — ``freq_scale`` interpolation, the YaRN ramp and the
-    frequency factors only change its slope — so one float32 vector folds all of them.
-    """
-    n_dims = int(attrs["n_dims"])
-    half = n_dims // 2
-    freq_base, freq_scale = float(attrs["freq_base"]), float(attrs.get("freq_scale", 1.0))
-    ext_factor = float(attrs.get("ext_factor", 0.0) or 0.0)
-    extrap = float(freq_base) ** (-2.0 * np.arange(half, dtype=np.float64) / n_dims)
-    if freq_factors is not None:
-        extrap = extrap / np.asarray(freq_factors, dtype=np.float64).reshape(-1)[:half]
-    mscale = float(attrs.get("attn_factor", 1.0))
-    if ext_factor != 0.0:
-        low, high = yarn_corr_dims(n_dims, int(attrs["n_ctx_orig"]), freq_base, float(attrs["beta_fast"]),
-                                   float(attrs["beta_slow"]))
-        y = (np.arange(half, dtype=np.float64) - low) / max(0.001, high - low)
-        ramp_mix = (1.0 - np.clip(y, 0.0, 1.0)) * ext_factor
-        slope = freq_scale * extrap * (1.0 - ramp_mix) + extrap * ramp_mix
-        mscale *= 1.0 + 0.1 * math.log(1.0 / freq_scale)
-    else:
-        slope = freq_scale * extrap
-    return slope.astype(F32), mscale
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -163,6 +132,7 @@ class SplitTranslator:
         # a quantized table used elementwise (unusual): hand over its float values once
         return self.e.external(f"w:{name}", self.backend.dense_copy(name))
 
+    # -- ops ---------------------------------------------------------------------------------------------
     def _op_mul_mat(self, node: Node) -> str:
         w_node, x_node = node.inputs
         x, x_shape = self.value(x_node), self.shape(x_node)
@@ -333,7 +303,7 @@ class SplitTranslator:
 
     def _make_rope_table(self, pos: str, attrs: Mapping[str, Any], factors: Node | None) -> tuple[str, str, str]:
         ff = None if factors is None else self.backend.dense_copy(factors.attrs["name"])
-        slope, mscale = rope_frequencies(attrs, ff)
+        slope, mscale = rope_angle_slopes(freq_factors=ff, **attrs)
         positions = self.e.op("Unsqueeze", [self.e.op("Cast", [pos], to=ONNX_FLOAT), self.e.const([-1])])
         theta = self.e.op("Mul", [positions, self.e.const(slope, F32)], hint="theta")
         cos, sin = self.e.op("Cos", [theta], hint="cos"), self.e.op("Sin", [theta], hint="sin")
