@@ -21,7 +21,7 @@ from llmfw.core.backend import WeightSource  # noqa: E402
 from llmfw.core.catalog import resolve_model  # noqa: E402
 from llmfw.core.gguf import open_gguf  # noqa: E402
 from llmfw.core.quants import GGMLType, dequantize  # noqa: E402
-from llmfw.plugins.backends.onnx_backend import BlockWeight, convert_weight, dequantize_block_weight  # noqa: E402
+from llmfw.plugins.backends.onnx.weights import BlockWeight, convert_weight, dequantize_block_weight  # noqa: E402
 
 DEFAULT_MODELS = ("smollm2", "gemma-3-270m")
 

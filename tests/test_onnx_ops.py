@@ -16,8 +16,9 @@ from llmfw.core.errors import BackendUnavailable  # noqa: E402
 from llmfw.core.graph import Graph  # noqa: E402
 from llmfw.core.quants import GGMLType, dequantize, quantize  # noqa: E402
 from llmfw.plugins.backends.numpy_cpu import NumpyBackend  # noqa: E402
-from llmfw.plugins.backends.onnx_backend import (  # noqa: E402
-    BlockWeight, OnnxBackend, convert_weight, dequantize_block_weight, pack_nbits, requantize_8bit,
+from llmfw.plugins.backends.onnx import OnnxBackend  # noqa: E402
+from llmfw.plugins.backends.onnx.weights import (  # noqa: E402
+    BlockWeight, convert_weight, dequantize_block_weight, pack_nbits, requantize_8bit,
 )
 
 RNG = np.random.default_rng(1234)

@@ -16,7 +16,7 @@ pytest.importorskip("torch")
 import llmfw  # noqa: E402
 from llmfw.core.errors import BackendUnavailable  # noqa: E402
 from llmfw.core.plugins import registry  # noqa: E402
-from llmfw.plugins.backends.torch_backend import TorchBackend  # noqa: E402
+from llmfw.plugins.backends.torch import TorchBackend  # noqa: E402
 
 BAR = {"top1": 0.93, "top5": 0.98, "mean_lp_err": 0.25}
 HALF = 15

@@ -15,7 +15,10 @@ from llmfw.core.errors import BackendUnavailable  # noqa: E402
 from llmfw.core.graph import Graph  # noqa: E402
 from llmfw.core.quants import GGMLType, dequantize  # noqa: E402
 from llmfw.plugins.backends import numpy_cpu as oracle  # noqa: E402
-from llmfw.plugins.backends import torch_backend as tb  # noqa: E402
+from llmfw.core.architecture import RopeParams  # noqa: E402
+from llmfw.plugins.backends.torch import TorchBackend  # noqa: E402
+from llmfw.plugins.backends.torch.kernels import RopeTables, attention, k_shift, rope_apply, rope_cos_sin  # noqa: E402
+from llmfw.plugins.backends.torch.weights import MATMUL_FORM_ENV, has_dynamic_int8  # noqa: E402
 
 RNG = np.random.default_rng(7)
 
@@ -42,13 +45,13 @@ def test_rope_matches_ggml_semantics(case: str, with_factors: bool) -> None:
     cos, sin = oracle.rope_cos_sin(pos, freq_factors=factors, **attrs)
     expected = oracle.rope_apply(x, cos, sin, attrs["n_dims"], attrs["mode"])
 
-    params = tb.RopeParams.from_attrs(attrs)
-    tcos, tsin = tb.rope_cos_sin(torch.from_numpy(pos), params, None if factors is None else torch.from_numpy(factors))
-    tables = tb.RopeTables.make(tcos, tsin, params.mode == "neox")
-    got = tb.rope_apply(torch.from_numpy(x), tables, params.n_dims, params.mode == "neox").numpy()
+    params = RopeParams.from_attrs(attrs)
+    tcos, tsin = rope_cos_sin(torch.from_numpy(pos), params, None if factors is None else torch.from_numpy(factors))
+    tables = RopeTables.make(tcos, tsin, params.mode == "neox")
+    got = rope_apply(torch.from_numpy(x), tables, params.n_dims, params.mode == "neox").numpy()
     # the same rotation on a strided view (how q and k arrive: slices of a fused QKV output)
     wide = torch.from_numpy(np.concatenate([x, x[:, :1]], axis=1))[:, :3]
-    np.testing.assert_allclose(tb.rope_apply(wide, tables, params.n_dims, params.mode == "neox").numpy(), got)
+    np.testing.assert_allclose(rope_apply(wide, tables, params.n_dims, params.mode == "neox").numpy(), got)
     np.testing.assert_allclose(tcos.numpy(), cos, atol=2e-6)
     np.testing.assert_allclose(got, expected, atol=2e-5, rtol=1e-5)
     if attrs["n_dims"] < 64:
@@ -57,7 +60,7 @@ def test_rope_matches_ggml_semantics(case: str, with_factors: bool) -> None:
 
 def test_rope_rejects_unknown_mode() -> None:
     with pytest.raises(Exception, match="rope mode"):
-        tb.RopeParams.from_attrs(dict(n_dims=8, mode="sideways"))
+        RopeParams.from_attrs(dict(n_dims=8, mode="sideways"))
 
 
 def _causal_mask(n_tokens: int, n_kv: int, first_pos: int) -> np.ndarray:
@@ -73,7 +76,7 @@ def test_attention_with_cache_matches_numpy(softcap: float, n_head: int, n_head_
     head_dim, n_cells = 16, 32
     shape = KVLayerShape("kv", 0, n_cells, n_head_kv, head_dim, head_dim)
     ref_kv = oracle.NumpyBackend().alloc_kv(shape)
-    backend = tb.TorchBackend("cpu")
+    backend = TorchBackend("cpu")
     kv = backend.alloc_kv(shape)
     first = 0
     for n_tokens in (5, 1, 3):  # a prompt, then decodes into the same cache
@@ -84,7 +87,7 @@ def test_attention_with_cache_matches_numpy(softcap: float, n_head: int, n_head_
         mask = _causal_mask(n_tokens, n_kv, first)
         oracle.write_kv(ref_kv, k, v, idx)
         expected = oracle.attention(q, ref_kv, n_kv, mask, 0.25, softcap)
-        got = tb.attention(*(torch.from_numpy(a) for a in (q, k, v, idx, mask)), {}, kv, 0.25, softcap)
+        got = attention(*(torch.from_numpy(a) for a in (q, k, v, idx, mask)), {}, kv, 0.25, softcap)
         np.testing.assert_allclose(got.numpy(), expected, atol=1e-5, rtol=1e-4)
         np.testing.assert_array_equal(kv.k.numpy(), ref_kv.k)
         first += n_tokens
@@ -95,13 +98,13 @@ def test_k_shift_matches_numpy() -> None:
     shape = KVLayerShape("kv", 0, 12, 2, 64, 64)
     ref_kv = oracle.NumpyBackend().alloc_kv(shape)
     ref_kv.k[:] = randn(2, 12, 64)
-    kv = tb.TorchBackend("cpu").alloc_kv(shape)
+    kv = TorchBackend("cpu").alloc_kv(shape)
     kv.k.copy_(torch.from_numpy(ref_kv.k))
     shift = np.array([0, -3, -3, 4, 0, 0, 2, 1], dtype=np.int32)
     cos, sin = oracle.rope_cos_sin(shift, **attrs)
     cached = ref_kv.k[:, :8].transpose(1, 0, 2)
     ref_kv.k[:, :8] = oracle.rope_apply(cached, cos, sin, 64, "neox").transpose(1, 0, 2)
-    tb.k_shift(torch.from_numpy(shift), None, kv, tb.RopeParams.from_attrs(attrs))
+    k_shift(torch.from_numpy(shift), None, kv, RopeParams.from_attrs(attrs))
     np.testing.assert_allclose(kv.k.numpy(), ref_kv.k, atol=2e-5)
 
 
@@ -118,12 +121,12 @@ def _relative_error(got: np.ndarray, expected: np.ndarray) -> float:
     return float(np.linalg.norm(got - expected) / np.linalg.norm(expected))
 
 
-@pytest.mark.skipif(not tb.has_dynamic_int8(), reason="this torch has no fbgemm dynamic quantized linear")
+@pytest.mark.skipif(not has_dynamic_int8(), reason="this torch has no fbgemm dynamic quantized linear")
 def test_int8_linear_error_on_real_weights(smollm2_path) -> None:
     """Per-row int8 of SmolLM2's Q4_1 / Q8_0 weights stays within ~1% of the f32 product, per token."""
     from llmfw.core.gguf import open_gguf
 
-    backend = tb.TorchBackend("cpu")
+    backend = TorchBackend("cpu")
     with open_gguf(smollm2_path) as gguf:
         tensors = {name: (gguf.tensor_info(name), gguf.tensor_bytes(name))
                    for name in ("blk.3.attn_q.weight", "blk.3.ffn_down.weight", "token_embd.weight")}
@@ -148,10 +151,10 @@ def _check_int8_rows(weight, dense: np.ndarray, name: str) -> None:
 
 @pytest.mark.parametrize("form", ["int8", "bf16", "f32"])
 def test_fused_linear_equals_separate(form: str, monkeypatch) -> None:
-    if form == "int8" and not tb.has_dynamic_int8():
+    if form == "int8" and not has_dynamic_int8():
         pytest.skip("no fbgemm dynamic quantized linear")
-    monkeypatch.setenv(tb.MATMUL_FORM_ENV, form)
-    backend = tb.TorchBackend("cpu")
+    monkeypatch.setenv(MATMUL_FORM_ENV, form)
+    backend = TorchBackend("cpu")
     assert backend.matmul_form == form
     weights = {"q": randn(32, 24), "k": randn(8, 24), "v": randn(8, 24)}
     for name, w in weights.items():
@@ -167,9 +170,9 @@ def test_fused_linear_equals_separate(form: str, monkeypatch) -> None:
 
 
 def test_bad_matmul_form_env_is_clear(monkeypatch) -> None:
-    monkeypatch.setenv(tb.MATMUL_FORM_ENV, "int3")
+    monkeypatch.setenv(MATMUL_FORM_ENV, "int3")
     with pytest.raises(BackendUnavailable, match="int8, bf16, f32"):
-        tb.TorchBackend("cpu")
+        TorchBackend("cpu")
 
 
 # -- a whole split ---------------------------------------------------------------------------------------------
@@ -270,14 +273,14 @@ def _run_graph(backend, graph: Graph, steps: list[tuple[np.ndarray, np.ndarray]]
 @pytest.mark.parametrize("form", ["f32", "fp16", "int8"])
 @pytest.mark.parametrize("rope_mode,softcap", [("norm", 0.0), ("neox", 20.0)])
 def test_split_matches_numpy_backend(form: str, rope_mode: str, softcap: float, monkeypatch) -> None:
-    if form == "int8" and not tb.has_dynamic_int8():
+    if form == "int8" and not has_dynamic_int8():
         pytest.skip("no fbgemm dynamic quantized linear")
-    monkeypatch.setenv(tb.MATMUL_FORM_ENV, form)
+    monkeypatch.setenv(MATMUL_FORM_ENV, form)
     graph = _tiny_graph(rope_mode, softcap)
     steps = [(np.array([3, 14, 15, 9], dtype=np.int32), np.arange(4, dtype=np.int32)),
              (np.array([26], dtype=np.int32), np.array([4], dtype=np.int32))]
     expected, _ = _run_graph(oracle.NumpyBackend(), graph, steps)
-    backend = tb.TorchBackend("cpu")
+    backend = TorchBackend("cpu")
     got, run = _run_graph(backend, graph, steps)
     tolerance = {"f32": 2e-4, "fp16": 2e-3, "int8": 0.1}[form]  # int8: 8-bit activations, see the README
     for e, g in zip(expected, got):
@@ -290,7 +293,7 @@ def test_split_matches_numpy_backend(form: str, rope_mode: str, softcap: float, 
 
 
 def test_import_does_not_import_torch() -> None:
-    code = "import sys, llmfw.plugins.backends.torch_backend; print('torch' in sys.modules)"
+    code = "import sys, llmfw.plugins.backends.torch, llmfw.plugins.backends; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -299,9 +302,9 @@ def test_cuda_device_unavailable_is_a_clear_error() -> None:
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present")
     with pytest.raises(BackendUnavailable, match="CUDA"):
-        tb.TorchBackend("cuda")
+        TorchBackend("cuda")
     with pytest.raises(BackendUnavailable, match="'cpu' or 'cuda"):
-        tb.TorchBackend("tpu")
+        TorchBackend("tpu")
 
 
 @pytest.mark.cuda
@@ -310,11 +313,11 @@ def test_split_on_cuda_matches_numpy() -> None:
     graph = _tiny_graph("neox", 0.0)
     steps = [(np.array([3, 14, 15], dtype=np.int32), np.arange(3, dtype=np.int32))]
     expected, _ = _run_graph(oracle.NumpyBackend(), graph, steps)
-    got, _ = _run_graph(tb.TorchBackend("cuda"), graph, steps)
+    got, _ = _run_graph(TorchBackend("cuda"), graph, steps)
     assert np.max(np.abs(got[0] - expected[0])) <= 0.05 * max(1.0, np.max(np.abs(expected[0])))
 
 
-SPIN_PROBE = ("import os; from llmfw.plugins.backends.torch_backend import import_torch; import_torch(); "
+SPIN_PROBE = ("import os; from llmfw.plugins.backends.torch.environment import import_torch; import_torch(); "
               "print(os.environ.get('OMP_WAIT_POLICY'))")
 
 

@@ -4,8 +4,8 @@ from llmfw.core.plugins import hookimpl
 BACKENDS = {
     "numpy": "llmfw.plugins.backends.numpy_cpu:NumpyBackend",
     "ggml": "llmfw.plugins.backends.ggml_cpu:GgmlBackend",
-    "torch": "llmfw.plugins.backends.torch_backend:TorchBackend",
-    "onnx": "llmfw.plugins.backends.onnx_backend:OnnxBackend",
+    "torch": "llmfw.plugins.backends.torch:TorchBackend",
+    "onnx": "llmfw.plugins.backends.onnx:OnnxBackend",
 }
 
 

@@ -1,0 +1,496 @@
+"""Graph IR → ONNX: one split becomes one ONNX model (ops in the default and com.microsoft domains).
+
+The KV cache of a layer is a pair of float32 arrays ``[n_head_kv, n_cells, head_dim]``. The ``attention`` node
+writes the ubatch's K/V rows with ``ScatterND`` whose input and output are bound (IOBinding) to the *same*
+buffer, so ONNX Runtime updates the cache in place — no cache-sized copy per token.
+
+One model serves a split structure for every ubatch size and every KV length: token counts and ``n_kv`` are
+dynamic axes (the graph's reshapes use ``-1`` for the token axis).
+"""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from llmfw.core.backend import Split
+from llmfw.core.errors import ModelError
+from llmfw.core.graph import Node
+from llmfw.core.rope import yarn_corr_dims
+from llmfw.plugins.backends.onnx.emit import (
+    ONNX_FLOAT, ONNX_INT64, OPSET, Emitter, external_tensor_proto, freeze, kv_name, reshaped,
+)
+from llmfw.plugins.backends.onnx.ort import OnnxKV, import_onnxruntime
+from llmfw.plugins.backends.onnx.weights import F32, BlockWeight, DenseWeight
+
+if TYPE_CHECKING:
+    from llmfw.plugins.backends.onnx.runtime import OnnxBackend
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# rope tables (ggml_rope_ext semantics: NORM/NEOX, YaRN, freq_factors)
+# ---------------------------------------------------------------------------------------------------------------
+
+def rope_frequencies(attrs: Mapping[str, Any], freq_factors: np.ndarray | None) -> tuple[np.ndarray, float]:
+    """Per rotated pair i: the angle per position ``theta_i`` (theta = pos * theta_i) and the magnitude scale.
+
+    ggml's angle is linear in the position for every pair — ``freq_scale`` interpolation, the YaRN ramp and the
+    frequency factors only change its slope — so one float32 vector folds all of them.
+    """
+    n_dims = int(attrs["n_dims"])
+    half = n_dims // 2
+    freq_base, freq_scale = float(attrs["freq_base"]), float(attrs.get("freq_scale", 1.0))
+    ext_factor = float(attrs.get("ext_factor", 0.0) or 0.0)
+    extrap = float(freq_base) ** (-2.0 * np.arange(half, dtype=np.float64) / n_dims)
+    if freq_factors is not None:
+        extrap = extrap / np.asarray(freq_factors, dtype=np.float64).reshape(-1)[:half]
+    mscale = float(attrs.get("attn_factor", 1.0))
+    if ext_factor != 0.0:
+        low, high = yarn_corr_dims(n_dims, int(attrs["n_ctx_orig"]), freq_base, float(attrs["beta_fast"]),
+                                   float(attrs["beta_slow"]))
+        y = (np.arange(half, dtype=np.float64) - low) / max(0.001, high - low)
+        ramp_mix = (1.0 - np.clip(y, 0.0, 1.0)) * ext_factor
+        slope = freq_scale * extrap * (1.0 - ramp_mix) + extrap * ramp_mix
+        mscale *= 1.0 + 0.1 * math.log(1.0 / freq_scale)
+    else:
+        slope = freq_scale * extrap
+    return slope.astype(F32), mscale
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# split → ONNX model
+# ---------------------------------------------------------------------------------------------------------------
+
+class SplitTranslator:
+    """Translates one split into ONNX nodes. Shapes seen on the first run guide choices that do not depend on
+    the token count or the KV length (head sizes, rotated dims); the model itself keeps those axes dynamic."""
+
+    def __init__(self, backend: "OnnxBackend", split: Split, inputs: Sequence[np.ndarray],
+                 kv: Mapping[tuple[str, int], Any]):
+        import_onnxruntime()
+        from onnx import helper, numpy_helper
+
+        self.backend = backend
+        self.split = split
+        self.kv = kv
+        self.e = Emitter(helper, numpy_helper)
+        self.names: dict[int, str] = {}
+        self.shapes: dict[int, tuple[int, ...]] = {}
+        self.graph_inputs: list[Any] = []
+        self.graph_outputs: list[Any] = []
+        self.kv_bindings: list[tuple[str, str, tuple[str, int], str]] = []
+        self._kv_current: dict[tuple[tuple[str, int], str], str] = {}
+        self._shared: dict[tuple, Any] = {}
+        self._last_kv_writer: dict[tuple[tuple[str, int], str], int] = {}
+        self._kv_declared: set[str] = set()
+        self._fused: dict[int, str] = {}  # mul_mat node id → its part of a fused matmul's output
+        self._fused_parts: dict[int, list[Node]] = {}
+        for node_id, array in zip(split.input_ids, inputs):
+            name = f"in_{node_id}"
+            self.names[node_id] = name
+            self.shapes[node_id] = array.shape
+            dims = [f"{name}_d{i}" for i in range(array.ndim)]
+            self.graph_inputs.append(helper.make_tensor_value_info(
+                name, helper.np_dtype_to_tensor_dtype(array.dtype), dims))
+
+    # -- driving -----------------------------------------------------------------------------------------
+    def translate(self) -> tuple[Any, list[str]]:
+        """The ONNX model of the split and the names of its outputs (split.output_ids order)."""
+        self._plan_fusion()
+        self._mark_last_kv_writers()
+        for node in self.split.nodes:
+            self._translate_node(node)
+        output_names = self._declare_outputs()
+        return self._assemble(), output_names
+
+    def _mark_last_kv_writers(self) -> None:
+        """The last node writing each cache tensor names its ScatterND output as the bound graph output."""
+        for node in self.split.nodes:
+            if node.op in ("attention", "k_shift"):
+                key = (node.attrs["cache"], int(node.attrs["layer"]))
+                for which in ("k", "v") if node.op == "attention" else ("k",):
+                    self._last_kv_writer[(key, which)] = node.id
+
+    def _translate_node(self, node: Node) -> None:
+        if node.op == "weight":  # emitted by its consumers, in the form each one needs
+            self.shapes[node.id] = tuple(self.backend.weight(node.attrs["name"]).shape)
+            return
+        handler = getattr(self, f"_op_{node.op}", None)
+        if handler is None:
+            raise ModelError(f"onnx backend: op {node.op!r} is not implemented")
+        self.names[node.id] = handler(node)
+
+    def _declare_outputs(self) -> list[str]:
+        helper = self.e.helper
+        output_names = []
+        for node_id in self.split.output_ids:
+            name = f"out_{node_id}"
+            self.e.nodes.append(helper.make_node("Identity", [self.names[node_id]], [name]))
+            output_names.append(name)
+            self.graph_outputs.append(helper.make_tensor_value_info(name, ONNX_FLOAT, None))
+        for (key, which), current in self._kv_current.items():
+            # the last update's own output is the graph output: bound to the input's buffer, ScatterND skips
+            # its copy (an Identity here would copy the whole cache)
+            self.graph_outputs.append(helper.make_tensor_value_info(current, ONNX_FLOAT, None))
+            self.kv_bindings.append((kv_name(key, which), current, key, which))
+        return output_names
+
+    def _assemble(self) -> Any:
+        helper = self.e.helper
+        initializers = list(self.e.constants)
+        initializers += [external_tensor_proto(name, array) for name, array in self.e.externals.items()]
+        graph = helper.make_graph(self.e.nodes, "llmfw_split", self.graph_inputs, self.graph_outputs,
+                                  initializer=initializers)
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET),
+                                                        helper.make_opsetid("com.microsoft", 1)],
+                                  producer_name="llmfw")
+        model.ir_version = min(model.ir_version, 10)  # what ORT ≥ 1.17 reads
+        return model
+
+    def value(self, node: Node) -> str:
+        if node.id in self.names:
+            return self.names[node.id]
+        if node.op == "weight":
+            return self.dense(node.attrs["name"])
+        raise ModelError(f"onnx backend: value of node {node!r} is not available to its split")
+
+    def shape(self, node: Node) -> tuple[int, ...]:
+        return self.shapes[node.id]
+
+    # -- weights -----------------------------------------------------------------------------------------
+    def dense(self, name: str) -> str:
+        weight = self.backend.weight(name)
+        if isinstance(weight, DenseWeight):
+            return self.e.external(f"w:{name}", weight.array)
+        # a quantized table used elementwise (unusual): hand over its float values once
+        return self.e.external(f"w:{name}", self.backend.dense_copy(name))
+
+    # -- fusion of matmuls sharing their input ------------------------------------------------------------
+    def _plan_fusion(self) -> None:
+        """Group block-quantized mul_mats with the same input (Q/K/V, gate/up) into one MatMulNBits."""
+        groups: dict[tuple[int, int, int, int], list[Node]] = {}
+        for node in self.split.nodes:
+            if node.op != "mul_mat" or node.inputs[0].op != "weight":
+                continue
+            weight = self.backend.weight(node.inputs[0].attrs["name"])
+            if isinstance(weight, BlockWeight) and weight.packed is not None:
+                groups.setdefault((node.inputs[1].id, weight.bits, weight.block, weight.shape[1]), []).append(node)
+        for members in groups.values():
+            if len(members) > 1:
+                self._fused_parts[members[0].id] = members
+
+    # -- ops ---------------------------------------------------------------------------------------------
+    def _op_mul_mat(self, node: Node) -> str:
+        w_node, x_node = node.inputs
+        fused = self._fused.get(node.id)
+        if fused is not None:  # a later member of a fused group: its part was split off already
+            return fused
+        x, x_shape = self.value(x_node), self.shape(x_node)
+        if w_node.op != "weight":
+            # activation × activation (no current architecture emits it): x @ w.T
+            self.shapes[node.id] = x_shape[:-1] + (self.shape(w_node)[0],)
+            return self.e.op("MatMul", [x, self.e.op("Transpose", [self.value(w_node)], perm=[1, 0])])
+        name = w_node.attrs["name"]
+        weight = self.backend.weight(name)
+        if isinstance(weight, DenseWeight):
+            self.shapes[node.id] = x_shape[:-1] + (weight.shape[0],)
+            if len(x_shape) == 2:  # Gemm reads W [n_out, n_in] as it is: no transposed copy
+                return self.e.op("Gemm", [x, self.e.external(f"w:{name}", weight.array)], transB=1, hint="mm")
+            wt = self.e.external(f"wt:{name}", self.backend.transposed(name))
+            return self.e.op("MatMul", [x, wt], hint="mm")
+        members = self._fused_parts.get(node.id)
+        if members is None:
+            self.shapes[node.id] = x_shape[:-1] + (weight.shape[0],)
+            return self._matmul_nbits(x, x_shape, name, weight)
+        names = tuple(m.inputs[0].attrs["name"] for m in members)
+        out = self._matmul_nbits(x, x_shape, "+".join(names), self.backend.fused_weight(names))
+        sizes = [self.backend.weight(n).shape[0] for n in names]
+        parts = self.e.op("Split", [out, self.e.const(sizes)], n_outputs=len(sizes), axis=-1, hint="part")
+        for member, part, size in zip(members, parts, sizes):
+            self._fused[member.id] = part
+            self.shapes[member.id] = x_shape[:-1] + (size,)
+        return parts[0]
+
+    def _matmul_nbits(self, x: str, x_shape: tuple[int, ...], key: str, weight: BlockWeight) -> str:
+        n_out, n_in = weight.shape
+        if x_shape[-1] != n_in:
+            raise ModelError(f"onnx backend: mul_mat of {key} expects inputs with {n_in} columns, got {x_shape}")
+        b = self.e.external(f"q:{key}", weight.packed)
+        s = self.e.external(f"s:{key}", weight.scales)
+        out = self.e.op("MatMulNBits", [x, b, s], domain="com.microsoft", hint="mmq", K=n_in, N=n_out,
+                        bits=weight.bits, block_size=weight.block, accuracy_level=self.backend.accuracy_level)
+        if weight.offsets is None:
+            return out
+        # per-block offsets: W = codes*scales + offsets ⇒ x @ W.T += blocksum(x) @ offsets.T
+        n_blocks = weight.n_blocks
+        lead = self.e.op("Shape", [x], end=-1)
+        blocked = self.e.op("Reshape", [x, self.e.op("Concat", [lead, self.e.const([n_blocks, weight.block])],
+                                                       axis=0)])
+        sums = self.e.op("ReduceSum", [blocked, self.e.const([-1])], keepdims=0, hint="blocksum")
+        offsets_t = self.e.external(f"oT:{key}", self.backend.offsets_transposed(key, weight))
+        if len(x_shape) == 2:  # one Gemm: sums @ offsets.T + out
+            return self.e.op("Gemm", [sums, offsets_t, out], hint="mmq")
+        return self.e.op("Add", [out, self.e.op("MatMul", [sums, offsets_t])], hint="mmq")
+
+    def _op_get_rows(self, node: Node) -> str:
+        table, ids = node.inputs
+        ids_name = self.value(ids)
+        ids_shape = self.shape(ids)
+        if table.op != "weight":
+            self.shapes[node.id] = ids_shape + self.shape(table)[1:]
+            return self.e.op("Gather", [self.value(table), ids_name], axis=0)
+        name = table.attrs["name"]
+        weight = self.backend.weight(name)
+        self.shapes[node.id] = ids_shape + tuple(weight.shape[1:])
+        if isinstance(weight, DenseWeight):
+            return self.e.op("Gather", [self.e.external(f"w:{name}", weight.array), ids_name], axis=0)
+        if weight.codes is None:
+            raise ModelError(f"onnx backend: {name} was loaded for mul_mat only, but the graph looks up its rows")
+        n_in = weight.shape[1]
+        codes = self.e.op("Cast", [self.e.op("Gather", [self.e.external(f"c:{name}", weight.codes), ids_name],
+                                              axis=0)], to=ONNX_FLOAT)
+        blocked = self.e.op("Reshape", [codes, self.e.const([-1, weight.n_blocks, weight.block])])
+        scales = self.e.op("Gather", [self.e.external(f"s:{name}", weight.scales), ids_name], axis=0)
+        scales = self.e.op("Reshape", [scales, self.e.const([-1, weight.n_blocks, 1])])
+        rows = self.e.op("Mul", [blocked, scales])
+        if weight.offsets is not None:
+            offsets = self.e.op("Gather", [self.e.external(f"o:{name}", weight.offsets), ids_name], axis=0)
+            rows = self.e.op("Add", [rows, self.e.op("Reshape", [offsets, self.e.const([-1, weight.n_blocks, 1])])])
+        out_shape = self.e.op("Concat", [self.e.op("Shape", [ids_name]), self.e.const([n_in])], axis=0)
+        return self.e.op("Reshape", [rows, out_shape], hint="rows")
+
+    def _binary(self, node: Node, op_type: str) -> str:
+        a, b = node.inputs
+        self.shapes[node.id] = tuple(np.broadcast_shapes(self.shape(a), self.shape(b)))
+        return self.e.op(op_type, [self.value(a), self.value(b)])
+
+    def _op_add(self, node: Node) -> str:
+        return self._binary(node, "Add")
+
+    def _op_sub(self, node: Node) -> str:
+        return self._binary(node, "Sub")
+
+    def _op_mul(self, node: Node) -> str:
+        return self._binary(node, "Mul")
+
+    def _unary(self, node: Node, op_type: str, *extra: str, **attrs: Any) -> str:
+        (x,) = node.inputs
+        self.shapes[node.id] = self.shape(x)
+        return self.e.op(op_type, [self.value(x), *extra], **attrs)
+
+    def _op_scale(self, node: Node) -> str:
+        return self._unary(node, "Mul", self.e.const(node.attrs["s"], F32))
+
+    def _op_silu(self, node: Node) -> str:
+        (x,) = node.inputs
+        self.shapes[node.id] = self.shape(x)
+        xv = self.value(x)
+        return self.e.op("Mul", [xv, self.e.op("Sigmoid", [xv])], hint="silu")
+
+    def _op_relu(self, node: Node) -> str:
+        return self._unary(node, "Relu")
+
+    def _op_gelu(self, node: Node) -> str:
+        # com.microsoft FastGelu is exactly ggml's tanh approximation 0.5x(1 + tanh(√(2/π)(x + 0.044715x³)))
+        return self._unary(node, "FastGelu", domain="com.microsoft")
+
+    def _op_softcap(self, node: Node) -> str:
+        (x,) = node.inputs
+        self.shapes[node.id] = self.shape(x)
+        return self._softcap(self.value(x), float(node.attrs["cap"]))
+
+    def _softcap(self, x: str, cap: float) -> str:
+        squashed = self.e.op("Tanh", [self.e.op("Mul", [x, self.e.const(1.0 / cap, F32)])])
+        return self.e.op("Mul", [squashed, self.e.const(cap, F32)], hint="softcap")
+
+    def _op_clamp(self, node: Node) -> str:
+        return self._unary(node, "Clip", self.e.const(node.attrs["min"], F32), self.e.const(node.attrs["max"], F32))
+
+    def _op_rms_norm(self, node: Node) -> str:
+        # the canonical pattern (Pow, ReduceMean, Add, Sqrt, Div) that ORT fuses into SimplifiedLayerNormalization
+        (x,) = node.inputs
+        self.shapes[node.id] = self.shape(x)
+        xv = self.value(x)
+        mean_sq = self.e.op("ReduceMean", [self.e.op("Pow", [xv, self.e.const(2.0, F32)])], axes=[-1], keepdims=1)
+        rms = self.e.op("Sqrt", [self.e.op("Add", [mean_sq, self.e.const(node.attrs["eps"], F32)])])
+        return self.e.op("Div", [xv, rms], hint="rms_norm")
+
+    def _op_norm(self, node: Node) -> str:
+        (x,) = node.inputs
+        self.shapes[node.id] = self.shape(x)
+        xv = self.value(x)
+        centred = self.e.op("Sub", [xv, self.e.op("ReduceMean", [xv], axes=[-1], keepdims=1)])
+        var = self.e.op("ReduceMean", [self.e.op("Pow", [centred, self.e.const(2.0, F32)])], axes=[-1], keepdims=1)
+        std = self.e.op("Sqrt", [self.e.op("Add", [var, self.e.const(node.attrs["eps"], F32)])])
+        return self.e.op("Div", [centred, std], hint="norm")
+
+    def _op_reshape(self, node: Node) -> str:
+        (x,) = node.inputs
+        shape = tuple(int(d) for d in node.attrs["shape"])
+        self.shapes[node.id] = reshaped(self.shape(x), shape)
+        return self.e.op("Reshape", [self.value(x), self.e.const(shape)])
+
+    def _op_slice(self, node: Node) -> str:
+        (x,) = node.inputs
+        axis = int(node.attrs.get("axis", -1))
+        start, stop = node.attrs.get("start"), node.attrs.get("stop")
+        x_shape = self.shape(x)
+        shape = list(x_shape)
+        shape[axis] = len(range(*slice(start, stop).indices(x_shape[axis])))
+        self.shapes[node.id] = tuple(shape)
+        big = np.iinfo(np.int64).max
+        return self.e.op("Slice", [self.value(x), self.e.const([0 if start is None else start]),
+                                   self.e.const([big if stop is None else stop]), self.e.const([axis])])
+
+    # -- values shared by every layer of a split (computed once per run) -----------------------------------
+    def shared(self, key: tuple, make: Callable[[], Any]) -> Any:
+        value = self._shared.get(key)
+        if value is None:
+            value = self._shared[key] = make()
+        return value
+
+    # -- rope --------------------------------------------------------------------------------------------
+    def _rope_table(self, pos: str, attrs: Mapping[str, Any], factors: Node | None) -> tuple[str, str, str]:
+        """cos/sin [T, n_dims/2] for a position input and ``arange(T)`` as RotaryEmbedding's position ids:
+        the table holds exactly this ubatch's rows (row t = position pos[t])."""
+        rope_attrs = {k: v for k, v in attrs.items() if k not in ("layer", "cache")}
+        key = ("rope", pos, freeze(rope_attrs), None if factors is None else factors.attrs.get("name"))
+        return self.shared(key, lambda: self._make_rope_table(pos, rope_attrs, factors))
+
+    def _make_rope_table(self, pos: str, attrs: Mapping[str, Any], factors: Node | None) -> tuple[str, str, str]:
+        ff = None if factors is None else self.backend.dense_copy(factors.attrs["name"])
+        slope, mscale = rope_frequencies(attrs, ff)
+        positions = self.e.op("Unsqueeze", [self.e.op("Cast", [pos], to=ONNX_FLOAT), self.e.const([-1])])
+        theta = self.e.op("Mul", [positions, self.e.const(slope, F32)], hint="theta")
+        cos, sin = self.e.op("Cos", [theta], hint="cos"), self.e.op("Sin", [theta], hint="sin")
+        if mscale != 1.0:
+            cos = self.e.op("Mul", [cos, self.e.const(mscale, F32)], hint="cos")
+            sin = self.e.op("Mul", [sin, self.e.const(mscale, F32)], hint="sin")
+        n = self.e.op("Squeeze", [self.e.op("Shape", [pos], start=0, end=1)])
+        row_ids = self.e.op("Unsqueeze", [self.e.op("Range", [self.e.const(0), n, self.e.const(1)]),
+                                          self.e.const([0])], hint="rope_rows")
+        return cos, sin, row_ids
+
+    def _rotate(self, x: str, n_head: int, head_dim: int, table: tuple[str, str, str], attrs: Mapping[str, Any]
+                ) -> str:
+        """x [T, H, D] rotated on its first n_dims by com.microsoft RotaryEmbedding (interleaved = NORM mode's
+        adjacent pairs, else NEOX halves; dims past n_dims pass through)."""
+        cos, sin, row_ids = table
+        n_dims = int(attrs["n_dims"])
+        extra = {"rotary_embedding_dim": n_dims} if n_dims < head_dim else {}
+        flat = self.e.op("Reshape", [x, self.e.const([1, -1, n_head * head_dim])])
+        rotated = self.e.op("RotaryEmbedding", [flat, row_ids, cos, sin], domain="com.microsoft", hint="rope",
+                            interleaved=int(attrs["mode"] != "neox"), num_heads=n_head, **extra)
+        return self.e.op("Reshape", [rotated, self.e.const([-1, n_head, head_dim])])
+
+    def _op_rope(self, node: Node) -> str:
+        x, pos = node.inputs[0], node.inputs[1]
+        factors = node.inputs[2] if len(node.inputs) > 2 else None
+        x_shape = self.shape(x)
+        if len(x_shape) != 3:
+            raise ModelError(f"onnx backend: rope expects x [T, H, D], got shape {x_shape}")
+        self.shapes[node.id] = x_shape
+        table = self._rope_table(self.value(pos), node.attrs, factors)
+        return self._rotate(self.value(x), x_shape[1], x_shape[2], table, node.attrs)
+
+    # -- KV cache: [n_head_kv, n_cells, head_dim] per layer, updated in place ---------------------------------
+    def _kv_input(self, key: tuple[str, int], which: str) -> str:
+        """The current value of a cache tensor: the bound graph input, or the last in-place update of it."""
+        current = self._kv_current.get((key, which))
+        if current is not None:
+            return current
+        name = kv_name(key, which)
+        if name not in self._kv_declared:
+            storage: OnnxKV = self.kv[key]
+            array = storage.k if which == "k" else storage.v
+            dims = [array.shape[0], f"{name}_cells", array.shape[2]]
+            self.graph_inputs.append(self.e.helper.make_tensor_value_info(name, ONNX_FLOAT, dims))
+            self._kv_declared.add(name)
+        return name
+
+    def _kv_write(self, node: Node, key: tuple[str, int], which: str, index: str, rows: str) -> str:
+        """ScatterND of ``rows`` [Hkv, T, D] at ``index`` [Hkv, T, 2] (head, cell) — in place: the last update
+        of a cache is a graph output bound to the input's own buffer, so ORT skips ScatterND's copy."""
+        current = self._kv_input(key, which)
+        if self._last_kv_writer.get((key, which)) == node.id:
+            updated = kv_name(key, which) + "_out"
+            self.e.nodes.append(self.e.helper.make_node("ScatterND", [current, index, rows], [updated]))
+        else:
+            updated = self.e.op("ScatterND", [current, index, rows], hint=f"kv_{which}")
+        self._kv_current[(key, which)] = updated
+        return updated
+
+    def _kv_storage(self, node: Node) -> tuple[tuple[str, int], OnnxKV]:
+        key = (node.attrs["cache"], int(node.attrs["layer"]))
+        storage = self.kv.get(key)
+        if not isinstance(storage, OnnxKV):
+            raise ModelError(f"onnx backend: no KV storage of this backend for cache {key[0]!r} layer {key[1]}")
+        return key, storage
+
+    def _scatter_index(self, cells: str, n_head_kv: int) -> str:
+        """[Hkv, T, 2] pairs (head, cell) for cells [T] (int), shared by the layers with n_head_kv heads."""
+        def make() -> str:
+            cells64 = self.e.op("Cast", [cells], to=ONNX_INT64)
+            n = self.e.op("Shape", [cells64])
+            grid = self.e.op("Concat", [self.e.const([n_head_kv]), n, self.e.const([1])], axis=0)
+            heads = self.e.op("Expand", [self.e.const(np.arange(n_head_kv).reshape(-1, 1, 1)), grid])
+            cols = self.e.op("Expand", [self.e.op("Unsqueeze", [cells64, self.e.const([0, 2])]), grid])
+            return self.e.op("Concat", [heads, cols], axis=-1, hint="kv_index")
+        return self.shared(("kv_index", cells, n_head_kv), make)
+
+    def _cached_prefix(self, cache: str, n_kv: str) -> str:
+        """Cells 0 .. n_kv-1 of a cache tensor [Hkv, n_kv, D]."""
+        return self.e.op("Slice", [cache, self.e.const([0]), n_kv, self.e.const([1])])
+
+    def _op_attention(self, node: Node) -> str:
+        q, k, v, kv_idx, mask = node.inputs
+        key, storage = self._kv_storage(node)
+        n_head_kv, _, head_dim_k = storage.k.shape
+        head_dim_v = storage.v.shape[2]
+        n_head = self.shape(q)[1]
+        if n_head % n_head_kv:
+            raise ModelError(f"onnx backend: {n_head} query heads are not a multiple of {n_head_kv} KV heads")
+        group = n_head // n_head_kv
+        self.shapes[node.id] = (self.shape(q)[0], n_head * head_dim_v)
+        index = self._scatter_index(self.value(kv_idx), n_head_kv)
+        heads_first = dict(perm=[1, 0, 2])  # [T, Hkv, D] → [Hkv, T, D]
+        keys = self._kv_write(node, key, "k", index, self.e.op("Transpose", [self.value(k)], **heads_first))
+        values = self._kv_write(node, key, "v", index, self.e.op("Transpose", [self.value(v)], **heads_first))
+        mask_name = self.value(mask)
+        n_kv = self.shared(("n_kv", mask_name), lambda: self.e.op("Shape", [mask_name], start=1, end=2))
+        keys, values = self._cached_prefix(keys, n_kv), self._cached_prefix(values, n_kv)
+        # query head h uses KV head h // G: [T, H, Dk] → [Hkv, G*T, Dk], row g*T + t
+        qg = self.e.op("Reshape", [self.value(q), self.e.const([-1, n_head_kv, group, head_dim_k])])
+        qg = self.e.op("Transpose", [qg], perm=[1, 2, 0, 3])
+        qg = self.e.op("Reshape", [qg, self.e.const([n_head_kv, -1, head_dim_k])])
+        scale = float(node.attrs["scale"])
+        scores = self.e.op("FusedMatMul", [qg, keys], domain="com.microsoft", alpha=scale, transB=1, hint="kq")
+        softcap = float(node.attrs.get("softcap", 0.0) or 0.0)
+        if softcap:
+            scores = self._softcap(scores, softcap)
+        # the mask [T, n_kv] repeated for the G query heads of each KV head: rows g*T + t
+        mask_rows = self.shared(("mask", mask_name, group),
+                                lambda: self.e.op("Tile", [mask_name, self.e.const([group, 1])], hint="mask"))
+        probs = self.e.op("Softmax", [self.e.op("Add", [scores, mask_rows])], axis=-1)
+        out = self.e.op("MatMul", [probs, values], hint="kqv")                 # [Hkv, G*T, Dv]
+        out = self.e.op("Reshape", [out, self.e.const([n_head_kv, group, -1, head_dim_v])])
+        out = self.e.op("Transpose", [out], perm=[2, 0, 1, 3])                  # [T, Hkv, G, Dv]
+        return self.e.op("Reshape", [out, self.e.const([-1, n_head * head_dim_v])], hint="attn")
+
+    def _op_k_shift(self, node: Node) -> str:
+        shift = node.inputs[0]
+        factors = node.inputs[1] if len(node.inputs) > 1 else None
+        key, storage = self._kv_storage(node)
+        n_head_kv, _, head_dim = storage.k.shape
+        shift_name = self.value(shift)
+        n_kv = self.e.op("Shape", [shift_name])
+        cached = self._cached_prefix(self._kv_input(key, "k"), n_kv)              # [Hkv, n_kv, D]
+        table = self._rope_table(shift_name, node.attrs, factors)
+        rotated = self._rotate(self.e.op("Transpose", [cached], perm=[1, 0, 2]), n_head_kv, head_dim, table,
+                               node.attrs)
+        cells = self.e.op("Range", [self.e.const(0), self.e.op("Squeeze", [n_kv]), self.e.const(1)])
+        self._kv_write(node, key, "k", self._scatter_index(cells, n_head_kv),
+                       self.e.op("Transpose", [rotated], perm=[1, 0, 2]))
+        self.shapes[node.id] = (0,)
+        return self.e.const(np.zeros(0, F32), F32)
