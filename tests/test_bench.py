@@ -113,3 +113,21 @@ def test_compare_with_transformers(smollm2_path) -> None:
                     "--compare-transformers", os.environ["LLMFW_TRANSFORMERS_PYTHON"])
     assert result.exit_code == 0, result.output
     assert "| transformers | transformers " in result.stdout and " f32 | 2 | tg4 |" in result.stdout
+
+
+def test_batch_seqs_adds_an_aggregate_batched_decode_test(smollm2_path) -> None:
+    result = invoke(str(smollm2_path), *TINY, "--backend", "numpy", "--batch-seqs", "3", "--json", "-t", "1")
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.stdout)["llmfw"][0]
+    batched = record["tests"]["tg4x3"]
+    assert batched["n_tokens"] == 12  # every sequence's tokens count towards the aggregate rate
+    # one graph shape (three one-token rows) built in the warm-up, reused by each timed step
+    assert batched["graph_builds"] == 0 and batched["graph_reuses"] == 4
+    assert record["n_ctx"] >= 12
+    table = format_table([record], None)
+    assert "| llmfw | numpy | 1 | tg4x3 |" in table and "tg4x3: aggregate" in table
+
+
+def test_batch_seqs_out_of_range_is_a_usage_error(smollm2_path) -> None:
+    result = CliRunner().invoke(cli, ["bench", str(smollm2_path), "--batch-seqs", "0"])
+    assert result.exit_code == 2 and "--batch-seqs" in result.output

@@ -45,10 +45,12 @@ class BenchParams(BaseModel):
     n_threads: int = Field(2, ge=1)
     n_ubatch: int = Field(512, ge=1)
     json_schema: str | None = None  # with a schema: tg also with sampling, and with sampling under the schema
+    #: with N > 1, also ``tg{n}x{N}``: N sequences decoding together, one token each per batch (the server's case)
+    batch_seqs: int = Field(1, ge=1, le=64)
 
     @property
     def n_ctx(self) -> int:
-        return max(self.n_prompt + self.n_gen, 1)
+        return max(self.n_prompt + self.n_gen, self.batch_seqs * self.n_gen, 1)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -148,7 +150,8 @@ def bench_llmfw(params: BenchParams, backend: str) -> dict[str, Any]:
     load_s = time.perf_counter() - start
     try:
         rss_loaded = current_rss()
-        ctx = model.new_context(n_ctx=params.n_ctx, n_batch=max(params.n_prompt, 1),
+        ctx = model.new_context(n_ctx=params.n_ctx, n_batch=max(params.n_prompt, params.batch_seqs, 1),
+                                n_seq_max=params.batch_seqs,
                                 n_ubatch=min(params.n_ubatch, max(params.n_prompt, 1)), n_threads=params.n_threads)
         tokens = random_tokens(model.n_vocab, max(params.n_prompt, params.n_gen))
         tests: dict[str, Any] = {}
@@ -163,6 +166,8 @@ def bench_llmfw(params: BenchParams, backend: str) -> dict[str, Any]:
 
             seconds, graphs = _timed_runs(ctx, params, generate)
             tests[f"tg{params.n_gen}"] = {**summarize(params.n_gen, seconds), **graphs}
+            if params.batch_seqs > 1:
+                tests.update(batched_decode_test(ctx, params, tokens))
             if params.json_schema is not None:
                 tests.update(constrained_tests(model, ctx, params, tokens[0]))
         weights = {spec: backend_weight_bytes(b) for spec, b in model.backends.items()}
@@ -174,6 +179,23 @@ def bench_llmfw(params: BenchParams, backend: str) -> dict[str, Any]:
         }
     finally:
         model.close()
+
+
+def batched_decode_test(ctx: Any, params: BenchParams, tokens: list[int]) -> dict[str, Any]:
+    """``tg{n}x{N}``: N sequences from an empty cache, each step one batch with one new token per sequence; the
+    rate counts every sequence's tokens (aggregate t/s)."""
+    import llmfw
+
+    n_seqs = params.batch_seqs
+    seq_ids = list(range(n_seqs))
+
+    def generate() -> None:
+        for step in range(params.n_gen):
+            batch = [tokens[(step + s * 7) % len(tokens)] for s in seq_ids]
+            _check(ctx.decode(llmfw.Batch(batch, pos=[step] * n_seqs, seq_id=seq_ids, logits=True)), ctx)
+
+    seconds, graphs = _timed_runs(ctx, params, generate)
+    return {f"tg{params.n_gen}x{n_seqs}": {**summarize(params.n_gen * n_seqs, seconds), **graphs}}
 
 
 def constrained_tests(model: Any, ctx: Any, params: BenchParams, first_token: int) -> dict[str, Any]:
@@ -405,6 +427,10 @@ def format_table(records: list[dict[str, Any]], reference: dict[str, Any] | None
             rows.append(row)
             if "mask_ms_per_token" in result:
                 notes.append(_constraint_note(record, test, result))
+            if "x" in test and test.split("x")[0] in record["tests"]:
+                single = record["tests"][test.split("x")[0]]["tps_median"]
+                notes.append(f"{record['engine']} {record['backend']} {test}: aggregate {result['tps_median']:.2f} t/s "
+                             f"= {result['tps_median'] / single:.2f}x one sequence's {test.split('x')[0]}")
     lines = ["| " + " | ".join(r) + " |" for r in rows]
     lines += [""] + notes
     for record in records + ([reference] if reference else []):
@@ -456,6 +482,8 @@ def _split_backends(values: tuple[str, ...]) -> list[str]:
                    "(default: torch when installed, else numpy).")
 @click.option("-t", "--threads", "n_threads", type=click.IntRange(min=1), default=2, show_default=True,
               help="CPU threads (llmfw and the peers alike).")
+@click.option("--batch-seqs", "batch_seqs", type=click.IntRange(1, 64), default=1, show_default=True,
+              help="Also run tg with this many sequences decoding together (test tg<n>x<N>, aggregate t/s).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
 @click.option("--compare-llama-cpp", "llama_python", default=None, metavar="PYTHON",
               help="Also run the tests on llama.cpp through llama-cpp-python in this interpreter; the table shows "
@@ -468,7 +496,7 @@ def _split_backends(values: tuple[str, ...]) -> list[str]:
               help="Also measure tg with sampling, and with sampling constrained by this JSON schema file "
                    "(mask time per token, grammar compile time).")
 def bench(model: str, n_prompt: int, n_gen: int, repetitions: int, n_ubatch: int, backends: tuple[str, ...],
-          n_threads: int, as_json: bool, llama_python: str | None, transformers_python: str | None,
+          n_threads: int, batch_seqs: int, as_json: bool, llama_python: str | None, transformers_python: str | None,
           verbose: bool, json_schema_file: str | None) -> None:
     """Benchmark prompt processing (pp) and generation (tg) like llama-bench."""
     from llmfw.core.model import resolve_model_path
@@ -481,7 +509,7 @@ def bench(model: str, n_prompt: int, n_gen: int, repetitions: int, n_ubatch: int
         schema = read_constraint_file(json_schema_file, "JSON schema")
         GrammarSpec.from_json_schema(schema).compile()  # a bad schema fails before any model is loaded
     params = BenchParams(model=path, n_prompt=n_prompt, n_gen=n_gen, repetitions=repetitions, n_threads=n_threads,
-                         n_ubatch=n_ubatch, json_schema=schema)
+                         n_ubatch=n_ubatch, json_schema=schema, batch_seqs=batch_seqs)
     peers = {key: python for key, python in (("transformers", transformers_python), ("llama_cpp", llama_python))
              if python}
     for key, python in peers.items():

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Iterator, Sequence
 
 from .errors import ContextError, LLMFWError
 from .sampling import Sampler, SamplerChain
+from .speculative import DraftBudget
 
 if TYPE_CHECKING:
     from .context import Context
@@ -259,6 +260,11 @@ class _Loop:
     max_tokens: int | None
     n_ctx: int
     drafter: Drafter | None = None
+    budget: DraftBudget | None = None
+
+    def __post_init__(self) -> None:
+        if self.drafter is not None:
+            self.budget = DraftBudget(self.drafter.n_max)
 
     def emit(self, token: int, n_cached: int | None = None) -> tuple[str, bool]:
         """Count a sampled token; returns (text to yield, whether generation ends here). ``n_cached``: the
@@ -284,11 +290,11 @@ class _Loop:
         """The drafter's guess after ``token``, cut to what the limits and the context leave room for."""
         if self.drafter is None:
             return []
-        room = self.drafter.n_max
+        room = self.budget.size if self.budget is not None else self.drafter.n_max
         if self.max_tokens is not None:
             room = min(room, self.max_tokens - self.stats.n_generated)
-        room = min(room, self.n_ctx - len(self.record) - 1)
-        return list(self.drafter.draft(self.record, token))[:max(room, 0)]
+        room = max(min(room, self.n_ctx - len(self.record) - 1), 0)
+        return list(self.drafter.draft(self.record, token, room))[:room] if room else []
 
 
 def _stream(loop: _Loop, n_keep: int, new_tokens: list[int], n_batch: int, accept_prompt: bool) -> Iterator[str]:
@@ -359,6 +365,8 @@ def _verify(loop: _Loop, token: int, draft: list[int]) -> tuple[list[str], int |
             break
     else:
         next_token = loop.chain.sample(ctx, len(draft))
+    if loop.budget is not None:
+        loop.budget.update(len(draft), n_kept - pos0 - 1)
     if stats.stop_reason:
         next_token = None
     ctx.memory.seq_rm(0, n_kept, -1)

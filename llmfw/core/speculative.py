@@ -17,6 +17,11 @@ Drafters:
   quote).
 * :class:`DraftModelDrafter` — a small model with the same vocabulary drafts ``n_max`` tokens greedily in its
   own context (llama.cpp's ``--model-draft``).
+
+How many drafted tokens a verify batch carries adapts (:class:`DraftBudget`); llama.cpp always verifies the whole
+draft. A verify batch costs more than a one-token decode, so a long draft pays only while it is accepted: with a
+fixed ``--draft-max`` a model that copies its input only loosely ran slower than without drafts
+(``benchmarks/speculative_bench.py``).
 """
 from __future__ import annotations
 
@@ -41,7 +46,23 @@ class Drafter(Protocol):
 
     n_max: int
 
-    def draft(self, history: Sequence[int], sampled: int) -> list[int]: ...
+    def draft(self, history: Sequence[int], sampled: int, limit: int | None = None) -> list[int]: ...
+
+
+class DraftBudget:
+    """The number of drafted tokens the next verify batch may carry, between 1 and ``n_max``: doubled after a
+    draft accepted whole, cut to one more than the accepted prefix after a rejection (a model that keeps
+    rejecting after a few tokens is verified a few tokens at a time)."""
+
+    def __init__(self, n_max: int):
+        self.n_max = n_max
+        self.size = n_max
+
+    def update(self, n_drafted: int, n_accepted: int) -> None:
+        if n_accepted >= n_drafted:
+            self.size = min(self.n_max, 2 * self.size)
+        else:
+            self.size = max(1, min(self.size - 1, n_accepted + 1))
 
 
 class NgramDrafter:
@@ -53,7 +74,7 @@ class NgramDrafter:
         self.n_max = n_max
         self.size_n = size_n
 
-    def draft(self, history: Sequence[int], sampled: int) -> list[int]:
+    def draft(self, history: Sequence[int], sampled: int, limit: int | None = None) -> list[int]:
         n, m = self.size_n, self.n_max
         cur_len = len(history)
         if cur_len <= n + m + 1:
@@ -66,6 +87,8 @@ class NgramDrafter:
         copy = min(m, cur_len - (match + n))
         if copy < n:
             return []
+        if limit is not None:
+            copy = min(copy, limit)
         return [int(t) for t in tokens[match + n:match + n + copy]]
 
 
@@ -105,11 +128,11 @@ class DraftModelDrafter:
         self.n_max = n_max
         self.ctx = draft_model.new_context(n_ctx=n_ctx)
 
-    def draft(self, history: Sequence[int], sampled: int) -> list[int]:
+    def draft(self, history: Sequence[int], sampled: int, limit: int | None = None) -> list[int]:
         from .generate import _decode, _prepare_prompt
 
         prefix = [*history, sampled]
-        if len(prefix) + self.n_max > self.ctx.n_ctx:
+        if len(prefix) + self.n_max > self.ctx.n_ctx or limit == 0:
             return []
         n_keep, rest = _prepare_prompt(self.ctx, prefix, self.ctx.n_ctx)
         record = self.ctx.seq_tokens[0]
@@ -118,6 +141,6 @@ class DraftModelDrafter:
         while True:
             token = int(np.argmax(self.ctx.get_logits_ith(-1)))
             drafted.append(token)
-            if len(drafted) >= self.n_max:
+            if len(drafted) >= (self.n_max if limit is None else min(self.n_max, limit)):
                 return drafted
             _decode(self.ctx, [token], len(record), 1)
