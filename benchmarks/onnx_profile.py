@@ -4,7 +4,9 @@ of each token spent outside the session (Python: batch, memory, scheduler, bindi
     python3 benchmarks/onnx_profile.py [-m MODEL] [--tg 128] [--threads 2]
 
 The trace comes from the backend's ``profile`` option (ORT's ``enable_profiling``); only the decode session's
-runs are counted (the prompt's session is built and profiled separately and skipped here).
+runs are counted (the prompt's session is built and profiled separately and skipped here). Profiling slows every
+node down by a roughly constant cost, so absolute times are inflated and cheap, frequent ops (Reshape, Slice)
+look dearer than they are: read the table for its ranking, and a plain ``llmfw bench`` for the speed.
 """
 from __future__ import annotations
 

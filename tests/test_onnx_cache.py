@@ -121,3 +121,18 @@ def test_unwritable_cache_root_still_loads(smollm2_path, tmp_path, fresh_logits)
     blocker.write_text("not a folder")
     logits, _ = load_and_score(smollm2_path, blocker / "cache")
     np.testing.assert_array_equal(logits, fresh_logits)
+
+
+def test_cancelled_load_writes_no_entry(smollm2_path, cache_root, fresh_logits):
+    """A load cancelled halfway (progress callback returning False) leaves no cache entry behind; the next load
+    converts, writes a whole entry and computes the same logits."""
+    from llmfw.core.errors import LoadCancelled
+
+    with pytest.raises(LoadCancelled):
+        llmfw.load_model(smollm2_path, backend="onnx", backend_options={"onnx": {"cache_dir": str(cache_root)}},
+                         progress=lambda fraction: fraction < 0.5)
+    assert not cache_root.exists() or not [p for p in cache_root.iterdir() if not p.name.startswith(".")]
+    logits, mapped = load_and_score(smollm2_path, cache_root)
+    assert not any(mapped.values())
+    np.testing.assert_array_equal(logits, fresh_logits)
+    assert all(load_and_score(smollm2_path, cache_root)[1].values())

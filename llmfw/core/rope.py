@@ -32,14 +32,14 @@ def yarn_ramp_mix(n_dims: int, n_ctx_orig: int, freq_base: float, beta_fast: flo
     the ramp's low dimension, 0 above its high one (times ext_factor), as ggml's rope_yarn_ramp."""
     low, high = yarn_corr_dims(n_dims, n_ctx_orig, freq_base, beta_fast, beta_slow)
     y = (np.arange(n_dims // 2, dtype=F32) - F32(low)) / F32(max(0.001, high - low))
-    return (F32(1.0) - np.clip(y, 0.0, 1.0)) * F32(ext_factor)
+    return np.asarray((F32(1.0) - np.clip(y, 0.0, 1.0)) * F32(ext_factor), dtype=F32)
 
 
-def rope_magnitude(attn_factor: float, freq_scale: float, ext_factor: float) -> float:
-    """The factor on cos and sin: attn_factor, times YaRN's 1 + 0.1 ln(1/freq_scale) when YaRN is on."""
+def yarn_magnitude(freq_scale: float, ext_factor: float) -> float:
+    """YaRN's factor on cos and sin besides attn_factor: 1 + 0.1 ln(1/freq_scale) when YaRN is on, else 1."""
     if ext_factor != 0.0:
-        return attn_factor * (1.0 + 0.1 * math.log(1.0 / freq_scale))
-    return attn_factor
+        return 1.0 + 0.1 * math.log(1.0 / freq_scale)
+    return 1.0
 
 
 def rope_angle_slopes(n_dims: int, freq_base: float, freq_scale: float, ext_factor: float, attn_factor: float,
@@ -61,7 +61,7 @@ def rope_angle_slopes(n_dims: int, freq_base: float, freq_scale: float, ext_fact
         slope = extrap * (freq_scale * (1.0 - mix) + mix)
     else:
         slope = extrap * freq_scale
-    return slope.astype(F32), rope_magnitude(attn_factor, freq_scale, ext_factor)
+    return slope.astype(F32), attn_factor * yarn_magnitude(freq_scale, ext_factor)
 
 
 def rope_cos_sin(pos: np.ndarray, n_dims: int, freq_base: float, freq_scale: float, ext_factor: float,
@@ -85,5 +85,5 @@ def rope_cos_sin(pos: np.ndarray, n_dims: int, freq_base: float, freq_scale: flo
         theta = theta_interp * (F32(1.0) - ramp_mix) + theta_extrap * ramp_mix
     else:
         theta = theta_interp
-    mscale = F32(rope_magnitude(F32(attn_factor), freq_scale, ext_factor))
+    mscale = F32(F32(attn_factor) * yarn_magnitude(freq_scale, ext_factor))  # a float32 product, as ggml's
     return (np.cos(theta) * mscale).astype(F32), (np.sin(theta) * mscale).astype(F32)
