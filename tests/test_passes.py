@@ -231,3 +231,18 @@ def test_dynamic_dimensions_pass_the_check_and_stay_dynamic() -> None:
     assert g.add("reshape", x, shape=(-1, 2, 4)).shape == (-1, 2, 4)
     assert g.add("mul_mat", g.leaf("weight", "w", (3, 8)), x).shape == (DYNAMIC, 3)
     assert g.add("slice", x, axis=-1, start=2, stop=5).shape == (DYNAMIC, 3)
+
+
+def test_a_norm_placed_apart_from_its_weight_keeps_running_where_it_was(smollm2_path) -> None:
+    """With the layers on onnx, the first attention norm follows the host's embedding lookup: it stays a plain
+    norm there (numpy's float64 sum of squares, as before the passes) and its weight multiplies on onnx."""
+    pytest.importorskip("onnxruntime")
+    with llmfw.load_model(smollm2_path, backend="onnx") as model:
+        _, plan = decode_plan(model, 3)
+        host, rest = plan.splits[0], plan.splits[1:]
+        assert host.backend.name == "numpy" and [n.op for n in host.nodes][-1] == "rms_norm"
+        assert len(host.nodes[-1].inputs) == 1
+        first_mul = next(n for n in rest[0].nodes if n.op == "mul")
+        assert host.nodes[-1] in first_mul.inputs
+        norms = [n for split in rest for n in split.nodes if n.op == "rms_norm"]
+        assert len(norms) == 2 * model.n_layer and all(len(n.inputs) == 2 for n in norms)

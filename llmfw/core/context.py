@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from .batch import AllocatedBatch, Batch, BatchAllocator, BatchError, UBatch
 from .errors import ConfigError, ContextError, LogitsIndexError
 from .graph import BuildParams, Graph, GraphBuilder
-from .memory import KV_PAD, Memory, MemoryBatch, pad_to
+from .memory import KV_PAD, Memory, MemoryBatch, SeqTokens, pad_to
 from .scheduler import Plan, Scheduler
 
 if TYPE_CHECKING:
@@ -77,10 +77,12 @@ class Context:
         self.n_seq_max: int = self.params.n_seq_max
         self.abort_callback = self.params.abort_callback
         self.memory: Memory = self._create_memory()
-        #: per sequence, the tokens whose KV is in the cache, kept by whoever decodes them (``generate``, the
-        #: serving engine) to reuse a shared prefix; checked against the memory before use (generate.synced_record);
-        #: a saved state (``state_save_file``) carries them
-        self.seq_tokens: list[list[int]] = [[] for _ in range(self.n_seq_max)]
+        #: per sequence, the tokens whose KV is in the cache (positions 0, 1, ...), updated by every decode and
+        #: every sequence operation of the memory; ``generate`` and the serving engine match new prompts against
+        #: them to reuse a shared prefix, and a saved state (``state_save_file``) carries them
+        self.seq_records = SeqTokens(self.n_seq_max)
+        self.memory.records = self.seq_records
+        self.seq_tokens: list[list[int]] = self.seq_records.lists
         self.kv_storage = self.memory.allocate(model.layer_backend)
         self.scheduler = Scheduler(model, self.kv_storage)
         self.allocator = BatchAllocator(model.n_vocab, hp.n_embd, self.n_seq_max)
@@ -135,7 +137,22 @@ class Context:
             return self._fail(DECODE_NO_SLOT, f"no KV cache slot for {allocated.n_tokens} tokens "
                                               f"({self.describe_n_ctx()}); free space with memory.seq_rm or use "
                                               "a larger n_ctx")
-        return self._run_ubatches(allocated, ubatches, reserved)
+        code = self._run_ubatches(allocated, ubatches, reserved)
+        self._record_tokens(allocated, code == DECODE_OK)
+        return code
+
+    def _record_tokens(self, allocated: AllocatedBatch, complete: bool) -> None:
+        """Keep :attr:`seq_tokens` in step with the cache: the batch's tokens when it all ran, else each of its
+        sequences cut where the batch began writing (some of its ubatches may have run)."""
+        if complete:
+            self.seq_records.decoded(allocated.tokens, allocated.pos, allocated.seq_ids)
+            return
+        first: dict[int, int] = {}
+        for p, seqs in zip(allocated.pos.tolist(), allocated.seq_ids):
+            for s in seqs:
+                first[s] = min(first.get(s, p), p)
+        for s, p in first.items():
+            self.seq_records.cut(s, p)
 
     def n_ctx_padding_note(self) -> str:
         """``"64 requested, padded to a multiple of 256 like llama.cpp"`` when the KV padding changed the size

@@ -185,8 +185,9 @@ class TextStream:
         return text
 
 
-def _decode(ctx: Context, tokens: list[int], start_pos: int, n_batch: int, record: list[int]) -> None:
-    """Decode ``tokens`` at positions ``start_pos...`` in chunks of ``n_batch``, extending the record."""
+def _decode(ctx: Context, tokens: list[int], start_pos: int, n_batch: int) -> None:
+    """Decode ``tokens`` at positions ``start_pos...`` of sequence 0 in chunks of ``n_batch`` (the context's
+    record of the sequence grows with each decode)."""
     from .batch import Batch
 
     for begin in range(0, len(tokens), n_batch):
@@ -197,7 +198,6 @@ def _decode(ctx: Context, tokens: list[int], start_pos: int, n_batch: int, recor
             reason = ctx.last_error or ""
             raise ContextError(f"decode failed with code {code} at position {pos0}"
                                + (f": {reason}" if reason else ""))
-        record.extend(chunk)
 
 
 def _prepare_prompt(ctx: Context, tokens: list[int], n_ctx: int) -> tuple[int, list[int]]:
@@ -260,8 +260,9 @@ class _Loop:
     n_ctx: int
     drafter: Drafter | None = None
 
-    def emit(self, token: int) -> tuple[str, bool]:
-        """Count a sampled token; returns (text to yield, whether generation ends here)."""
+    def emit(self, token: int, n_cached: int | None = None) -> tuple[str, bool]:
+        """Count a sampled token; returns (text to yield, whether generation ends here). ``n_cached``: the
+        tokens in the cache that count against n_ctx (default: the record's length)."""
         stats = self.stats
         stats.n_generated += 1
         stats.tokens.append(token)
@@ -275,7 +276,7 @@ class _Loop:
             stats.stop_reason = "eog"
         elif self.max_tokens is not None and stats.n_generated >= self.max_tokens:
             stats.stop_reason = "max_tokens"
-        elif len(self.record) >= self.n_ctx:
+        elif (len(self.record) if n_cached is None else n_cached) >= self.n_ctx:
             stats.stop_reason = "context_full"
         return piece, bool(stats.stop_reason)
 
@@ -293,7 +294,7 @@ class _Loop:
 def _stream(loop: _Loop, n_keep: int, new_tokens: list[int], n_batch: int, accept_prompt: bool) -> Iterator[str]:
     ctx, chain, stats = loop.ctx, loop.chain, loop.stats
     t0 = time.perf_counter()
-    _decode(ctx, new_tokens, n_keep, n_batch, loop.record)
+    _decode(ctx, new_tokens, n_keep, n_batch)
     stats.t_prompt, stats.n_prompt_decoded = time.perf_counter() - t0, len(new_tokens)
     if accept_prompt:
         accept_prompt_tokens(chain, new_tokens)
@@ -312,7 +313,7 @@ def _stream(loop: _Loop, n_keep: int, new_tokens: list[int], n_batch: int, accep
                     break
                 draft = loop.draft_for(token)
                 if not draft:
-                    _decode(ctx, [token], len(loop.record), 1, loop.record)
+                    _decode(ctx, [token], len(loop.record), 1)
                     token = chain.sample(ctx, -1)
                     continue
                 pieces, next_token = _verify(loop, token, draft)
@@ -330,16 +331,17 @@ def _stream(loop: _Loop, n_keep: int, new_tokens: list[int], n_batch: int, accep
 
 def _verify(loop: _Loop, token: int, draft: list[int]) -> tuple[list[str], int | None]:
     """Decode ``token`` + ``draft`` in one batch, emit the accepted draft; returns the text and the next token
-    (None when generation ended inside the draft). The cells after the kept tokens are removed."""
+    (None when generation ended inside the draft). The cells after the kept tokens are removed (and with them
+    the rejected guesses from the context's record)."""
     from .batch import Batch
 
-    ctx, record, stats = loop.ctx, loop.record, loop.stats
-    pos0 = len(record)
+    ctx, stats = loop.ctx, loop.stats
+    pos0 = len(loop.record)
     batch = [token, *draft]
     code = ctx.decode(Batch(batch, pos=list(range(pos0, pos0 + len(batch))), seq_id=0, logits=True))
     if code != 0:
         raise ContextError(f"decode failed with code {code} at position {pos0}: {ctx.last_error or ''}")
-    record.append(token)
+    n_kept = pos0 + 1  # the token; each accepted guess adds one
     stats.n_drafted += len(draft)
     stats.n_verify_batches += 1
     pieces: list[str] = []
@@ -350,8 +352,8 @@ def _verify(loop: _Loop, token: int, draft: list[int]) -> tuple[list[str], int |
             next_token = sampled
             break
         stats.n_accepted += 1
-        record.append(guess)
-        piece, done = loop.emit(guess)
+        n_kept += 1
+        piece, done = loop.emit(guess, n_kept)
         pieces.append(piece)
         if done:
             break
@@ -359,6 +361,6 @@ def _verify(loop: _Loop, token: int, draft: list[int]) -> tuple[list[str], int |
         next_token = loop.chain.sample(ctx, len(draft))
     if stats.stop_reason:
         next_token = None
-    ctx.memory.seq_rm(0, len(record), -1)
+    ctx.memory.seq_rm(0, n_kept, -1)
     return pieces, next_token
 

@@ -4,12 +4,12 @@ The compiler, in the core (one for every backend)::
 
     Architecture.build_graph(GraphBuilder)        one graph per ubatch shape (BuildParams), reused while equal
       → typed nodes: every Node gets shape + dtype from OP_TABLE when built; a misfit is a ModelError naming it
-    core passes (core/passes.py, once per built graph, before placement)
+    core passes (core/passes.py, run by core/scheduler.py once per built graph)
       → fuse_shared_input_matmuls: mul_mats of one input (Q/K/V, gate/up) → one mul_mat on a fused weight
         (attrs name="a+b+c", parts=(a, b, c)) + one slice per part. The fused weight was made once at load
         (prepare_fused_weights: the same detection on a representative graph, Backend.fuse_weights per group)
-      → fold_norm_weights: norm(x) × 1-D weight → rms_norm(x, w) / norm(x, w)
     placement and splits (core/scheduler.py)
+      → fold_norm_weights: norm(x) × 1-D weight on the same backend → rms_norm(x, w) / norm(x, w)
       → apply_rewrite_rules: each backend's declared fusions (a pattern of core ops → one op of its own, e.g.
         numpy's swiglu) on the nodes placed on it, per split
       → last_uses (liveness, below): per split, the values dead after each node (Split.release_after)
@@ -23,7 +23,7 @@ Conventions (every backend implements exactly these semantics; the numpy backend
 * Arrays are row-major. Activations are float32 ``[n_tokens, n_embd]``; attention tensors are
   ``[n_tokens, n_head, head_dim]``. A weight whose GGUF shape is ``ne = [ne0, ne1]`` is seen as the numpy
   shape ``(ne1, ne0)`` — rows of ``ne0`` contiguous elements, like ggml.
-* Nodes are created in topological order; ``Graph.nodes`` keeps that order (passes renumber ids to indices).
+* Nodes are created in topological order; ``Graph.nodes`` keeps that order (the fusion pass renumbers ids to indices; ids stay unique).
 * Types: ``Node.shape`` is concrete (graphs are built per ubatch shape) except ``DYNAMIC`` (-1) dimensions the
   builder cannot see (the K-shift's ``n_kv``); ``Node.dtype`` is ``f32`` for activations and weights (whatever
   form a backend stores them in), ``i32`` / ``i64`` for ids, positions and KV cell indices.
@@ -417,8 +417,11 @@ def last_uses(nodes: Sequence[Node], keep: Collection[int]) -> dict[int, tuple[i
 class GraphModel(Protocol):
     """What the graph builder needs of a model: hyperparameters, architecture, and its weights' types."""
 
-    hparams: "HParams"
-    arch: "Architecture"
+    @property
+    def known_hparams(self) -> "HParams": ...
+
+    @property
+    def known_arch(self) -> "Architecture": ...
 
     def has_weight(self, name: str) -> bool: ...
 
@@ -460,8 +463,8 @@ class GraphBuilder:
 
     def __init__(self, model: GraphModel, params: BuildParams, cache_of_layer: Callable[[int], str] | None = None):
         self.model = model
-        self.hp = model.hparams
-        self.arch = model.arch
+        self.hp = model.known_hparams
+        self.arch = model.known_arch
         self.params = params
         self.graph = Graph()
         self.layer = -1

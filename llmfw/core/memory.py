@@ -14,6 +14,8 @@ needs in ``Architecture.memory``). :class:`KVCache` is one unified KV cache:
   number of cells attended, is padded to :data:`KV_PAD` so graphs are reused across decode steps;
 * **sequence operations** — ``seq_rm``, ``seq_cp``, ``seq_keep``, ``seq_add`` (positions shift; the cached K is
   re-roped lazily before the next decode: llama.cpp's K-shift), ``seq_div``, ``seq_pos_min/max``, ``clear``.
+  The public operations also keep the context's token records (:class:`SeqTokens`, ``Context.seq_tokens``) in
+  step; a memory module implements the ``_seq_*`` / ``_clear`` methods they call.
 
 A sliding-window cache is the same class with ``n_swa`` / ``swa_type`` set (cells that fell out of every
 sequence's window are reused, as in llama.cpp); an interleaved-SWA memory composes two KVCache instances with
@@ -106,30 +108,118 @@ class Memory(ABC):
     def update(self, run_graph: GraphRunner) -> None:
         """Apply pending maintenance (the K-shift after ``seq_add``) before the next decode."""
 
-    # sequence operations
+    #: the context's token records (``Context.seq_tokens``), kept in step with every sequence operation below;
+    #: None for a memory no context decodes into directly (the parts of a composite)
+    records: "SeqTokens | None" = None
+
+    # sequence operations: the public ones keep ``records`` in step, subclasses implement the ``_seq_*`` ones
     @abstractmethod
     def seq_pos_min(self, seq_id: int) -> int: ...
 
     @abstractmethod
     def seq_pos_max(self, seq_id: int) -> int: ...
 
-    @abstractmethod
-    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool: ...
+    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
+        """Remove positions [p0, p1) of ``seq_id``; False (nothing changed) when this memory cannot."""
+        removed = self._seq_rm(seq_id, p0, p1)
+        if removed and self.records is not None:
+            self.records.cut(seq_id, p0)
+        return removed
+
+    def seq_cp(self, seq_id_src: int, seq_id_dst: int, p0: int = -1, p1: int = -1) -> None:
+        self._seq_cp(seq_id_src, seq_id_dst, p0, p1)
+        if self.records is not None:
+            self.records.copy(seq_id_src, seq_id_dst, p0, p1)
+
+    def seq_keep(self, seq_id: int) -> None:
+        self._seq_keep(seq_id)
+        if self.records is not None:
+            self.records.keep(seq_id)
+
+    def seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> None:
+        self._seq_add(seq_id, p0, p1, delta)
+        if self.records is not None and delta:
+            self.records.cut(seq_id, p0)  # the tokens from p0 on are at other positions now
+
+    def seq_div(self, seq_id: int, p0: int, p1: int, d: int) -> None:
+        self._seq_div(seq_id, p0, p1, d)
+        if self.records is not None and d != 1:
+            self.records.cut(seq_id, p0)
+
+    def clear(self, data: bool = True) -> None:
+        self._clear(data)
+        if self.records is not None:
+            self.records.cut(-1, 0)
 
     @abstractmethod
-    def seq_cp(self, seq_id_src: int, seq_id_dst: int, p0: int = -1, p1: int = -1) -> None: ...
+    def _seq_rm(self, seq_id: int, p0: int, p1: int) -> bool: ...
 
     @abstractmethod
-    def seq_keep(self, seq_id: int) -> None: ...
+    def _seq_cp(self, seq_id_src: int, seq_id_dst: int, p0: int, p1: int) -> None: ...
 
     @abstractmethod
-    def seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> None: ...
+    def _seq_keep(self, seq_id: int) -> None: ...
 
     @abstractmethod
-    def seq_div(self, seq_id: int, p0: int, p1: int, d: int) -> None: ...
+    def _seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> None: ...
 
     @abstractmethod
-    def clear(self, data: bool = True) -> None: ...
+    def _seq_div(self, seq_id: int, p0: int, p1: int, d: int) -> None: ...
+
+    @abstractmethod
+    def _clear(self, data: bool) -> None: ...
+
+
+class SeqTokens:
+    """Per sequence, the tokens at positions 0, 1, ... whose KV is in the cache: what a new prompt's shared
+    prefix is matched against (``generate``, the serving engine). The context updates it on every ``decode``
+    and the memory on every sequence operation; where it cannot tell what a position holds any more it cuts
+    the list there, so the list is always a true prefix (at worst a shorter one: a token decoded again)."""
+
+    def __init__(self, n_seq_max: int):
+        #: one list per sequence, changed in place (callers may hold them)
+        self.lists: list[list[int]] = [[] for _ in range(n_seq_max)]
+
+    def _seqs(self, seq_id: int) -> list[list[int]]:
+        if seq_id < 0:
+            return self.lists
+        return [self.lists[seq_id]] if seq_id < len(self.lists) else []
+
+    def cut(self, seq_id: int, p0: int) -> None:
+        """Positions from ``p0`` on (of every sequence for ``seq_id < 0``) are no longer known."""
+        for record in self._seqs(seq_id):
+            del record[max(p0, 0):]
+
+    def copy(self, src: int, dst: int, p0: int, p1: int) -> None:
+        """``seq_cp``: ``dst`` now holds ``src``'s positions [p0, p1) too."""
+        if not 0 <= src < len(self.lists):
+            return
+        start, source = max(p0, 0), self.lists[src]
+        stop = len(source) if p1 < 0 else min(p1, len(source))
+        for record in self._seqs(dst):
+            if record is source:
+                continue
+            if len(record) >= start and len(source) >= start:
+                record[start:] = source[start:stop]
+            else:
+                del record[start:]
+
+    def keep(self, seq_id: int) -> None:
+        for s, record in enumerate(self.lists):
+            if s != seq_id:
+                record.clear()
+
+    def decoded(self, tokens: np.ndarray | None, pos: np.ndarray, seq_ids: list[tuple[int, ...]]) -> None:
+        """A decode wrote ``tokens`` (None: embeddings, whose tokens are unknown) at ``pos`` of ``seq_ids``."""
+        for i, seqs in enumerate(seq_ids):
+            p = int(pos[i])
+            for s in seqs:
+                record = self.lists[s]
+                if p > len(record):  # a gap: the known prefix ends before it
+                    continue
+                del record[p:]
+                if tokens is not None:
+                    record.append(int(tokens[i]))
 
 
 def _range(p0: int, p1: int) -> tuple[int, int]:
@@ -362,17 +452,17 @@ class KVCache(Memory):
         if first_free.size and first_free[0] < state.head:
             state.head = int(first_free[0])
 
-    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
+    def _seq_rm(self, seq_id: int, p0: int, p1: int) -> bool:
         self._seq_rm_state(self.cells, seq_id, p0, p1)
         return True
 
-    def seq_cp(self, seq_id_src: int, seq_id_dst: int, p0: int = -1, p1: int = -1) -> None:
+    def _seq_cp(self, seq_id_src: int, seq_id_dst: int, p0: int, p1: int) -> None:
         if seq_id_src == seq_id_dst:
             return
         hit = self._select(self.cells, seq_id_src, p0, p1)
         self.cells.seq[hit] |= self._seq_bit(seq_id_dst)
 
-    def seq_keep(self, seq_id: int) -> None:
+    def _seq_keep(self, seq_id: int) -> None:
         bit = self._seq_bit(seq_id)
         keep = (self.cells.seq & bit) != 0
         self.cells.seq[keep] = bit
@@ -381,7 +471,7 @@ class KVCache(Memory):
         self.cells.shift[~keep] = 0
         self.cells.head = 0
 
-    def seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> None:
+    def _seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> None:
         if delta == 0:
             return
         hit = self._select(self.cells, seq_id, p0, p1)
@@ -395,7 +485,7 @@ class KVCache(Memory):
         self.cells.pos[gone] = -1
         self.cells.shift[gone] = 0
 
-    def seq_div(self, seq_id: int, p0: int, p1: int, d: int) -> None:
+    def _seq_div(self, seq_id: int, p0: int, p1: int, d: int) -> None:
         if d == 1:
             return
         if d <= 0:
@@ -409,7 +499,7 @@ class KVCache(Memory):
         self.cells.shift[hit] += new - old
         self.has_shift = True
 
-    def clear(self, data: bool = True) -> None:
+    def _clear(self, data: bool) -> None:
         self.cells.pos[:] = -1
         self.cells.seq[:] = 0
         self.cells.shift[:] = 0
@@ -490,26 +580,26 @@ class CompositeMemory(Memory):
     def seq_pos_max(self, seq_id: int) -> int:
         return min(p.seq_pos_max(seq_id) for p in self.parts)
 
-    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
+    def _seq_rm(self, seq_id: int, p0: int, p1: int) -> bool:
         return all([p.seq_rm(seq_id, p0, p1) for p in self.parts])
 
-    def seq_cp(self, seq_id_src: int, seq_id_dst: int, p0: int = -1, p1: int = -1) -> None:
+    def _seq_cp(self, seq_id_src: int, seq_id_dst: int, p0: int, p1: int) -> None:
         for p in self.parts:
             p.seq_cp(seq_id_src, seq_id_dst, p0, p1)
 
-    def seq_keep(self, seq_id: int) -> None:
+    def _seq_keep(self, seq_id: int) -> None:
         for p in self.parts:
             p.seq_keep(seq_id)
 
-    def seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> None:
+    def _seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> None:
         for p in self.parts:
             p.seq_add(seq_id, p0, p1, delta)
 
-    def seq_div(self, seq_id: int, p0: int, p1: int, d: int) -> None:
+    def _seq_div(self, seq_id: int, p0: int, p1: int, d: int) -> None:
         for p in self.parts:
             p.seq_div(seq_id, p0, p1, d)
 
-    def clear(self, data: bool = True) -> None:
+    def _clear(self, data: bool) -> None:
         for p in self.parts:
             p.clear(data)
 

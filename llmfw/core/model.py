@@ -199,6 +199,7 @@ class Model:
             backend.free_weights()
         self._weights.clear()
         self.fused_weights.clear()
+        self._fused_shapes.clear()
         self.closed = True
 
     def __enter__(self) -> "Model":

@@ -1,14 +1,15 @@
 """The core passes: one compiler, shared by every backend (see the top of :mod:`llmfw.core.graph`).
 
-Run once per built graph, before placement (:func:`optimize`):
+Run once per built graph (:meth:`llmfw.core.scheduler.Scheduler.plan`; :func:`optimize` runs both on a graph
+for one backend):
 
 * :func:`fuse_shared_input_matmuls` — ``mul_mat``s that multiply one input by weights prepared as one fused
   weight become one ``mul_mat`` on that ``weight`` (attrs ``name="a+b+c"``, ``parts=(a, b, c)``), followed by
   one ``slice`` per part. Which groups are fused is decided once, at load (:func:`prepare_fused_weights`): the
   same detection runs on a representative graph and asks each group's backend to build the fused weight
   (:meth:`llmfw.core.backend.Backend.fuse_weights`, False = it cannot, e.g. mixed quant types);
-* :func:`fold_norm_weights` — a norm whose only consumer multiplies it by a 1-D weight becomes
-  ``rms_norm(x, w)`` / ``norm(x, w)``.
+* :func:`fold_norm_weights` — after placement: a norm whose only consumer multiplies it by a 1-D weight on the
+  same backend becomes ``rms_norm(x, w)`` / ``norm(x, w)`` (a norm placed elsewhere keeps running there).
 
 After placement, per split (:func:`apply_rewrite_rules`): the rewrite rules the split's backend declares
 (:class:`RewriteRule`, a pattern of core ops → one op the backend implements). Liveness
@@ -135,7 +136,7 @@ def representative_graph(model: GraphModel) -> Graph | None:
     None when the architecture cannot build it now (the error then surfaces at the first decode, as before)."""
     builder = GraphBuilder(model, BuildParams(n_tokens=1, n_outputs=1, n_kv=(("kv", 1),)), lambda il: "kv")
     try:
-        model.arch.build_graph(builder)
+        model.known_arch.build_graph(builder)
     except Exception as exc:  # noqa: BLE001 - detection must not fail a load: the first decode reports it
         log.debug("no representative graph to detect fusable matmuls: %s: %s", type(exc).__name__, exc)
         return None
@@ -152,9 +153,12 @@ class FusingModel(GraphModel, Protocol):
 # norm × weight
 # ---------------------------------------------------------------------------------------------------------
 
-def fold_norm_weights(graph: Graph) -> int:
+def fold_norm_weights(graph: Graph, together: Callable[[Node, Node], bool] = lambda norm, mul: True) -> int:
     """``mul(norm(x), w)`` (either operand order) with ``w`` a 1-D weight of x's last size, the norm read by
-    that ``mul`` alone and no graph output → ``norm(x, w)`` in the ``mul``'s place. Returns the folds made."""
+    that ``mul`` alone and no graph output → ``norm(x, w)`` in the ``mul``'s place. ``together(norm, mul)``:
+    whether both were placed on one backend (the scheduler folds after placement, so a norm that runs where its
+    input is, e.g. on the host after the embedding lookup, stays there). Node ids are kept (placement is keyed
+    by them). Returns the folds made."""
     users = consumers_of(graph.nodes)
     outputs = {id(n) for n in graph.outputs.values()}
     folded: set[int] = set()
@@ -166,14 +170,13 @@ def fold_norm_weights(graph: Graph) -> int:
             continue
         mul = readers[0]
         weight = mul.inputs[1] if mul.inputs[0] is node else mul.inputs[0]
-        if weight is node or not _is_channel_weight(weight, node):
+        if weight is node or not _is_channel_weight(weight, node) or not together(node, mul):
             continue
         mul.op, mul.inputs, mul.attrs = node.op, (node.inputs[0], weight), dict(node.attrs)
         infer_type(mul)
         folded.add(node.id)
     if folded:
         graph.nodes = [n for n in graph.nodes if n.id not in folded]
-        graph.renumber()
     return len(folded)
 
 
@@ -197,7 +200,8 @@ class PassReport:
 
 
 def optimize(graph: Graph, fused: FusedWeights, backend_of: Callable[[str], object]) -> PassReport:
-    """The core passes over one built graph, before placement (in place)."""
+    """Both core passes over a graph that runs on one backend (in place). The scheduler runs them itself, the
+    fold after placement (see :meth:`llmfw.core.scheduler.Scheduler.plan`)."""
     report = PassReport(fuse_shared_input_matmuls(graph, fused, backend_of), fold_norm_weights(graph))
     log.debug("core passes: %s", report)
     return report

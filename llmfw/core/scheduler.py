@@ -25,7 +25,7 @@ import numpy as np
 from .backend import Backend, CompiledSplit, NativeValue, Split
 from .errors import ModelError
 from .graph import Graph, Node, consumers_of, last_uses
-from .passes import apply_rewrite_rules, optimize
+from .passes import apply_rewrite_rules, fold_norm_weights, fuse_shared_input_matmuls
 
 log = logging.getLogger(__name__)
 
@@ -124,10 +124,12 @@ class Scheduler:
 
     # -- splitting ----------------------------------------------------------------------------------------
     def plan(self, graph: Graph) -> Plan:
-        """Optimise ``graph`` (the core passes, in place), place and cut it, apply each backend's rewrite rules
-        to its splits, mark liveness and compile every split: once per built graph."""
-        optimize(graph, self.model.fused_weights, self.model.weight_backend)
+        """Fuse ``graph``'s shared-input matmuls, place it, fold norms into their weight where both run on one
+        backend, cut it, apply each backend's rewrite rules to its splits, mark liveness and compile every split
+        (the core passes, in place): once per built graph."""
+        fuse_shared_input_matmuls(graph, self.model.fused_weights, self.model.weight_backend)
         placed = self.assign(graph)
+        fold_norm_weights(graph, lambda norm, mul: placed.get(norm.id) is placed.get(mul.id))
         splits = self._cut(graph, placed)
         graph_outputs = {node.id for node in graph.outputs.values()}
         for split in splits:

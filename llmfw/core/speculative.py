@@ -113,11 +113,11 @@ class DraftModelDrafter:
             return []
         n_keep, rest = _prepare_prompt(self.ctx, prefix, self.ctx.n_ctx)
         record = self.ctx.seq_tokens[0]
-        _decode(self.ctx, rest, n_keep, self.ctx.n_batch, record)
+        _decode(self.ctx, rest, n_keep, self.ctx.n_batch)
         drafted: list[int] = []
         while True:
             token = int(np.argmax(self.ctx.get_logits_ith(-1)))
             drafted.append(token)
             if len(drafted) >= self.n_max:
                 return drafted
-            _decode(self.ctx, [token], len(record), 1, record)
+            _decode(self.ctx, [token], len(record), 1)

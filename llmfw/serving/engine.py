@@ -281,7 +281,6 @@ class Engine:
         row = 0
         for job, chunk in plan:
             finished_prompt = len(chunk) == len(job.pending)
-            self.ctx.seq_tokens[job.seq].extend(chunk)
             job.n_past += len(chunk)
             job.pending = job.pending[len(chunk):]
             row += len(chunk)
