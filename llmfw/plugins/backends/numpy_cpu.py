@@ -413,6 +413,8 @@ class NumpyBackend(Backend):
         return True
 
     def set_n_threads(self, n_threads: int | None) -> None:
+        """BLAS's thread count is process-wide; None leaves it where the last count put it (OpenBLAS keeps no
+        default to go back to)."""
         super().set_n_threads(n_threads)
         if n_threads:
             set_blas_threads(n_threads)
