@@ -273,7 +273,7 @@ def test_seq_add_negative_drops_cells(model):
 def test_embeddings_input_matches_tokens(model):
     _, by_tokens = decode_alone(model, PROMPT_A)
     table = model.host_backend.weight("token_embd.weight")
-    from llmfw.plugins.backends.numpy_cpu import get_rows
+    from llmfw.plugins.backends.numpy import get_rows
 
     embd = get_rows(table, np.array(PROMPT_A))
     ctx = new_ctx(model)

@@ -264,7 +264,7 @@ def test_the_default_follows_the_backends_declarations():
     cannot is skipped with its reason."""
     from llmfw.core.backend import choose_default_backend
     from llmfw.core.plugins import registry, reset_plugin_manager
-    from llmfw.plugins.backends.numpy_cpu import NumpyBackend
+    from llmfw.plugins.backends.numpy import NumpyBackend
 
     class Unavailable(NumpyBackend):
         name = "unavailable"

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import llmfw
-from llmfw.plugins.backends.numpy_cpu import rope_apply, rope_cos_sin, yarn_corr_dims
+from llmfw.core.rope import rope_cos_sin, yarn_corr_dims
+from llmfw.plugins.backends.numpy import rope_apply
 
 BASE = dict(n_dims=64, freq_base=10000.0, freq_scale=1.0, ext_factor=0.0, attn_factor=1.0, beta_fast=32.0,
             beta_slow=1.0, n_ctx_orig=2048)

@@ -17,7 +17,7 @@ from llmfw.core.errors import ModelError
 from llmfw.core.graph import Graph
 from llmfw.core.passes import optimize
 from llmfw.core.quants import GGMLType
-from llmfw.plugins.backends import numpy_cpu as nb
+from llmfw.plugins.backends import numpy as nb
 
 RNG = np.random.default_rng(7)
 

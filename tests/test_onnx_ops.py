@@ -17,7 +17,7 @@ from llmfw.core.graph import Graph  # noqa: E402
 from llmfw.core.passes import optimize  # noqa: E402
 from llmfw.core.quants import GGMLType, dequantize, quantize  # noqa: E402
 from llmfw.core.rope import rope_angle_slopes, rope_cos_sin  # noqa: E402
-from llmfw.plugins.backends.numpy_cpu import NumpyBackend  # noqa: E402
+from llmfw.plugins.backends.numpy import NumpyBackend  # noqa: E402
 from llmfw.plugins.backends.onnx import OnnxBackend  # noqa: E402
 from llmfw.plugins.backends.onnx.weights import (  # noqa: E402
     BlockWeight, convert_weight, dequantize_block_weight, pack_nbits, requantize_8bit,

@@ -17,7 +17,7 @@ from llmfw.core.backend import Split
 from llmfw.core.errors import ModelError
 from llmfw.core.graph import DYNAMIC, Graph, last_uses
 from llmfw.core.passes import ANY, Pattern, RewriteRule, apply_rewrite_rules, matmul_groups, optimize
-from llmfw.plugins.backends import numpy_cpu as nb
+from llmfw.plugins.backends import numpy as nb
 
 RNG = np.random.default_rng(11)
 

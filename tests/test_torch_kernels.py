@@ -17,7 +17,7 @@ from llmfw.core.errors import BackendUnavailable, ConfigError, ModelError  # noq
 from llmfw.core.graph import Graph, last_uses  # noqa: E402
 from llmfw.core.passes import matmul_groups, optimize  # noqa: E402
 from llmfw.core.quants import GGMLType, dequantize  # noqa: E402
-from llmfw.plugins.backends import numpy_cpu as oracle  # noqa: E402
+from llmfw.plugins.backends import numpy as oracle  # noqa: E402
 from llmfw.core.architecture import RopeParams  # noqa: E402
 from llmfw.plugins.backends.torch import TorchBackend, TorchOptions  # noqa: E402
 from llmfw.plugins.backends.torch.kernels import (  # noqa: E402

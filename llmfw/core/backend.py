@@ -15,7 +15,7 @@ Backend *instances* are created per backend spec: ``"numpy"``, ``"torch"`` (= ``
 device, handed to the constructor. :func:`parse_backend_spec` / :func:`create_backend` do that.
 
 Op semantics are those documented at the top of :mod:`llmfw.core.graph`; the numpy backend
-(``llmfw.plugins.backends.numpy_cpu``) is the reference implementation.
+(``llmfw.plugins.backends.numpy``) is the reference implementation.
 
 Split execution contract (what :meth:`Backend.compile` returns)::
 

@@ -2,7 +2,7 @@
 from llmfw.core.plugins import hookimpl
 
 BACKENDS = {
-    "numpy": "llmfw.plugins.backends.numpy_cpu:NumpyBackend",
+    "numpy": "llmfw.plugins.backends.numpy:NumpyBackend",
     "ggml": "llmfw.plugins.backends.ggml_cpu:GgmlBackend",
     "torch": "llmfw.plugins.backends.torch:TorchBackend",
     "onnx": "llmfw.plugins.backends.onnx:OnnxBackend",

@@ -46,12 +46,12 @@ import numpy as np
 
 from llmfw.core.backend import BackendOptions, CompiledSplit, Split, WeightSource
 from llmfw.core.quants import GGMLType, dequantize
-from llmfw.plugins.backends.numpy_cpu import (
+from llmfw.plugins.backends.numpy import (
     F32,
     NumpyBackend,
     NumpyKV,
+    SplitCompiler,
     Step,
-    _SplitCompiler,
     group_queries,
     masked_exp,
     ungroup_heads,
@@ -308,7 +308,7 @@ class GgmlBackend(NumpyBackend):
         return _GgmlSplitCompiler(self, split, kv).compile()
 
 
-class _GgmlSplitCompiler(_SplitCompiler):
+class _GgmlSplitCompiler(SplitCompiler):
     """The numpy split compiler with ggml's mul_mat, KV writes and attention."""
 
     backend: GgmlBackend
