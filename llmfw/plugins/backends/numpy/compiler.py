@@ -109,7 +109,7 @@ class SplitCompiler:
         env = self.env
         (a,) = ins
 
-        def step():
+        def step() -> None:
             env[out] = fn(env[a])
 
         return step
@@ -118,15 +118,15 @@ class SplitCompiler:
         env = self.env
         a, b = ins
 
-        def step():
+        def step() -> None:
             env[out] = fn(env[a], env[b])
 
         return step
 
-    def _op_get_rows(self, node, ins, out) -> Step:
+    def _op_get_rows(self, node: Node, ins: list[int], out: int) -> Step:
         return self._binary(get_rows, ins, out)
 
-    def _op_mul_mat(self, node, ins, out) -> Step:
+    def _op_mul_mat(self, node: Node, ins: list[int], out: int) -> Step:
         weight = self.weight_array(node.inputs[0])
         env = self.env
         if weight is not None:
@@ -139,24 +139,24 @@ class SplitCompiler:
             return step
         return self._binary(lambda w, x: np.matmul(x, w.T), ins, out)
 
-    def _op_add(self, node, ins, out) -> Step:
+    def _op_add(self, node: Node, ins: list[int], out: int) -> Step:
         return self._binary(np.add, ins, out)
 
-    def _op_sub(self, node, ins, out) -> Step:
+    def _op_sub(self, node: Node, ins: list[int], out: int) -> Step:
         return self._binary(np.subtract, ins, out)
 
-    def _op_mul(self, node, ins, out) -> Step:
+    def _op_mul(self, node: Node, ins: list[int], out: int) -> Step:
         return self._binary(np.multiply, ins, out)
 
-    def _op_scale(self, node, ins, out) -> Step:
+    def _op_scale(self, node: Node, ins: list[int], out: int) -> Step:
         s = F32(node.attrs["s"])
         return self._unary(lambda x: x * s, ins, out)
 
-    def _op_rms_norm(self, node, ins, out) -> Step:
+    def _op_rms_norm(self, node: Node, ins: list[int], out: int) -> Step:
         eps = float(node.attrs["eps"])
         return self._norm_step(lambda x, w: rms_norm(x, eps, w), ins, out)
 
-    def _op_norm(self, node, ins, out) -> Step:
+    def _op_norm(self, node: Node, ins: list[int], out: int) -> Step:
         eps = float(node.attrs["eps"])
         return self._norm_step(lambda x, w: layer_norm(x, eps, w), ins, out)
 
@@ -166,16 +166,16 @@ class SplitCompiler:
         env, x_slot = self.env, ins[0]
         w_slot = ins[1] if len(ins) > 1 else None
 
-        def step():
+        def step() -> None:
             env[out] = kernel(env[x_slot], None if w_slot is None else env[w_slot])
 
         return step
 
-    def _op_swiglu(self, node, ins, out) -> Step:
+    def _op_swiglu(self, node: Node, ins: list[int], out: int) -> Step:
         """The rewrite rule :data:`SWIGLU`: ``silu(gate) * up`` in one step, the product in place."""
         env, gate_slot, up_slot = self.env, ins[0], ins[1]
 
-        def step():
+        def step() -> None:
             h, up = silu(env[gate_slot]), env[up_slot]
             if h.shape == up.shape:
                 h *= up  # silu's result is a fresh array: multiply in place
@@ -185,28 +185,28 @@ class SplitCompiler:
 
         return step
 
-    def _op_silu(self, node, ins, out) -> Step:
+    def _op_silu(self, node: Node, ins: list[int], out: int) -> Step:
         return self._unary(silu, ins, out)
 
-    def _op_relu(self, node, ins, out) -> Step:
+    def _op_relu(self, node: Node, ins: list[int], out: int) -> Step:
         return self._unary(lambda x: np.maximum(x, F32(0.0)), ins, out)
 
-    def _op_gelu(self, node, ins, out) -> Step:
+    def _op_gelu(self, node: Node, ins: list[int], out: int) -> Step:
         return self._unary(gelu, ins, out)
 
-    def _op_softcap(self, node, ins, out) -> Step:
+    def _op_softcap(self, node: Node, ins: list[int], out: int) -> Step:
         cap = F32(node.attrs["cap"])
         return self._unary(lambda x: np.tanh(x / cap) * cap, ins, out)
 
-    def _op_clamp(self, node, ins, out) -> Step:
+    def _op_clamp(self, node: Node, ins: list[int], out: int) -> Step:
         lo, hi = F32(node.attrs["min"]), F32(node.attrs["max"])
         return self._unary(lambda x: np.clip(x, lo, hi), ins, out)
 
-    def _op_reshape(self, node, ins, out) -> Step:
+    def _op_reshape(self, node: Node, ins: list[int], out: int) -> Step:
         shape = tuple(node.attrs["shape"])
         return self._unary(lambda x: x.reshape(shape), ins, out)
 
-    def _op_slice(self, node, ins, out) -> Step:
+    def _op_slice(self, node: Node, ins: list[int], out: int) -> Step:
         axis, start, stop = node.attrs.get("axis", -1), node.attrs.get("start"), node.attrs.get("stop")
 
         def take(x):
@@ -216,7 +216,7 @@ class SplitCompiler:
 
         return self._unary(take, ins, out)
 
-    def _op_rope(self, node, ins, out) -> Step:
+    def _op_rope(self, node: Node, ins: list[int], out: int) -> Step:
         attrs = dict(node.attrs)
         n_dims, mode = int(attrs["n_dims"]), attrs["mode"]
         x_slot, pos_slot = ins[0], ins[1]
@@ -224,7 +224,7 @@ class SplitCompiler:
         key = ("rope", pos_slot, ff_slot, tuple(sorted(attrs.items())))
         env, memo = self.env, self.memo
 
-        def step():
+        def step() -> None:
             table = memo.get(key)
             if table is None:
                 ff = env[ff_slot] if ff_slot is not None else None
@@ -246,14 +246,14 @@ class SplitCompiler:
         """Attention of ``q`` over the cache (a subclass may use its own arithmetic)."""
         return attention(q, storage, mask.shape[1], mask, scale, softcap, limits)
 
-    def _op_attention(self, node, ins, out) -> Step:
+    def _op_attention(self, node: Node, ins: list[int], out: int) -> Step:
         q_slot, k_slot, v_slot, idx_slot, mask_slot = ins
         storage = self._kv_storage(node)
         scale, softcap = float(node.attrs["scale"]), float(node.attrs.get("softcap", 0.0) or 0.0)
         env, memo, write, attend = self.env, self.memo, self._write_kv, self._attend
         key = ("attn_limits", mask_slot)
 
-        def step():
+        def step() -> None:
             write(storage, env[k_slot], env[v_slot], env[idx_slot])
             mask = env[mask_slot]
             limits = memo.get(key)
@@ -263,7 +263,7 @@ class SplitCompiler:
 
         return step
 
-    def _op_k_shift(self, node, ins, out) -> Step:
+    def _op_k_shift(self, node: Node, ins: list[int], out: int) -> Step:
         attrs = {k: v for k, v in node.attrs.items() if k not in ("layer", "cache")}
         storage = self._kv_storage(node)
         n_dims, mode = int(attrs["n_dims"]), attrs["mode"]
@@ -271,7 +271,7 @@ class SplitCompiler:
         ff_slot = ins[1] if len(ins) > 1 else None
         env = self.env
 
-        def step():
+        def step() -> None:
             shift = np.asarray(env[shift_slot])
             n_kv = shift.shape[0]
             ff = env[ff_slot] if ff_slot is not None else None
