@@ -12,8 +12,8 @@ pytest.importorskip("onnxruntime")
 pytest.importorskip("onnx")
 
 from llmfw.core.backend import KVLayerShape, Split, WeightSource  # noqa: E402
-from llmfw.core.errors import BackendUnavailable  # noqa: E402
-from llmfw.core.graph import Graph  # noqa: E402
+from llmfw.core.errors import BackendUnavailable, ModelError  # noqa: E402
+from llmfw.core.graph import DYNAMIC, Graph  # noqa: E402
 from llmfw.core.passes import optimize  # noqa: E402
 from llmfw.core.quants import GGMLType, dequantize, quantize  # noqa: E402
 from llmfw.core.rope import rope_angle_slopes, rope_cos_sin  # noqa: E402
@@ -146,10 +146,8 @@ def test_mul_mat_packing_exact_and_int8_activations_close():
     x = RNG.normal(size=(5, 64)).astype(np.float32)
     for qtype in (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.Q5_0):
         g = Graph()
-        xi = g.add("input", name="x")
-        g.inputs["x"] = xi
-        g.outputs["y"] = g.add("mul_mat", g.add("weight", name="w"), xi)
-        g.nodes[-2].attrs["name"] = "w"
+        xi = g.leaf("input", "x", x.shape)
+        g.outputs["y"] = g.add("mul_mat", g.leaf("weight", "w", w.shape), xi)
         for level, tol in ((0, 1e-5), (4, 3e-2)):
             h = Harness([weight_source("w", w, qtype, {"mul_mat"})], [], accuracy_level=level)
             got, want = h.run(g, {"x": x})
@@ -162,10 +160,9 @@ def test_k_quant_mul_mat_and_get_rows_run_exactly(qtype):
     """MatMulNBits with 16-element blocks (Q6_K) and offsets (Q4_K, Q5_K); rows looked up in the same form."""
     source = k_quant_source("w", qtype, 24, 256, {"mul_mat", "get_rows"})
     g = Graph()
-    xi = g.inputs["x"] = g.add("input", name="x")
-    ids = g.inputs["ids"] = g.add("input", name="ids")
-    w = g.add("weight", name="w")
-    w.attrs["name"] = "w"
+    xi = g.leaf("input", "x", (3, 256))
+    ids = g.leaf("input", "ids", (4,), "i32")
+    w = g.leaf("weight", "w", (24, 256))
     g.outputs["y"] = g.add("mul_mat", w, xi)
     g.outputs["rows"] = g.add("get_rows", w, ids)
     h = Harness([source], [])
@@ -199,10 +196,8 @@ def test_fused_matmuls_match_separate_ones():
         np.testing.assert_allclose(got[name], separate[name], rtol=1e-5, atol=1e-5)
     # a member alone afterwards (its arrays are now rows of the fused copy)
     single = Graph()
-    xs = single.inputs["x"] = single.add("input", name="x")
-    w1 = single.add("weight", name="w1")
-    w1.attrs["name"] = "w1"
-    single.outputs["y1"] = single.add("mul_mat", w1, xs)
+    xs = single.leaf("input", "x", x.shape)
+    single.outputs["y1"] = single.add("mul_mat", single.leaf("weight", "w1", (sizes[1], 64)), xs)
     got_single, _ = h.run(single, {"x": x})
     np.testing.assert_allclose(got_single["y1"], want["y1"], rtol=1e-4, atol=1e-4)
 
@@ -214,23 +209,18 @@ def test_mixed_block_types_are_not_fused():
     assert not h.onnx.fuse_weights("a+b", ("a", "b")) and "a+b" not in h.onnx.weights
 
 
-def _layer_graph(n_head: int, n_head_kv: int, head_dim: int, rope_attrs: dict, softcap: float,
-                 use_factors: bool) -> Graph:
-    """One transformer layer using every op of the IR."""
+def _layer_graph(sources: list[WeightSource], n_head: int, n_head_kv: int, head_dim: int, rope_attrs: dict,
+                 softcap: float, use_factors: bool) -> Graph:
+    """One transformer layer using every op of the IR, typed for any token count and KV length (DYNAMIC)."""
     g = Graph()
-
-    def inp(name):
-        node = g.add("input", name=name)
-        node.attrs["name"] = name
-        g.inputs[name] = node
-        return node
+    weight_shapes = {source.name: tuple(reversed(source.ne)) for source in sources}
 
     def weight(name):
-        node = g.add("weight", name=name, layer=0)
-        node.attrs["name"] = name
-        return node
+        return g.leaf("weight", name, weight_shapes[name], layer=0)
 
-    tokens, pos, kv_idx, mask = inp("tokens"), inp("pos"), inp("kv_idx:kv"), inp("kq_mask:kv")
+    tokens, pos = g.leaf("input", "tokens", (DYNAMIC,), "i32"), g.leaf("input", "pos", (DYNAMIC,), "i32")
+    kv_idx = g.leaf("input", "kv_idx:kv", (DYNAMIC,), "i64")
+    mask = g.leaf("input", "kq_mask:kv", (DYNAMIC, DYNAMIC))
     x = g.add("get_rows", weight("token_embd.weight"), tokens)
     h = g.add("mul", g.add("rms_norm", x, eps=1e-5), weight("attn_norm.weight"))
     q = g.add("reshape", g.add("mul_mat", weight("attn_q.weight"), h), shape=(-1, n_head, head_dim))
@@ -313,9 +303,9 @@ def test_layer_graph_matches_numpy_over_decode_steps(case, softcap, use_factors)
     prefill and the decode graphs share nothing but the ONNX sessions are built once per structure."""
     n_embd, n_head, n_head_kv, head_dim, n_ff, n_vocab, n_cells = 64, 4, 2, 32, 96, 50, 16
     rope = ROPE_CASES[case]
-    h = Harness(_layer_sources(n_embd, n_head, n_head_kv, head_dim, n_ff, n_vocab, rope["n_dims"]),
-                [KVLayerShape("kv", 0, n_cells, n_head_kv, head_dim, head_dim)])
-    g = _layer_graph(n_head, n_head_kv, head_dim, rope, softcap, use_factors)
+    sources = _layer_sources(n_embd, n_head, n_head_kv, head_dim, n_ff, n_vocab, rope["n_dims"])
+    h = Harness(sources, [KVLayerShape("kv", 0, n_cells, n_head_kv, head_dim, head_dim)])
+    g = _layer_graph(sources, n_head, n_head_kv, head_dim, rope, softcap, use_factors)
     steps = [np.arange(5), np.array([5]), np.array([6])]
     for step, pos in enumerate(steps):
         n_kv = 8 if step < 2 else 16  # padded like llama.cpp; the same session serves both lengths
@@ -333,6 +323,36 @@ def test_layer_graph_matches_numpy_over_decode_steps(case, softcap, use_factors)
     assert h.onnx.sessions_built == 1
 
 
+def test_dynamic_token_axis_takes_the_input_arrays_size():
+    """The translator reads shapes from the IR; a DYNAMIC dimension of a split input is the array's own size,
+    so one typed graph serves several token counts."""
+    w = RNG.normal(size=(24, 256)).astype(np.float32)
+    g = Graph()
+    xi = g.leaf("input", "x", (DYNAMIC, 256))
+    g.outputs["y"] = g.add("mul_mat", g.leaf("weight", "w", w.shape), xi)
+    assert g.outputs["y"].shape == (DYNAMIC, 24)
+    h = Harness([weight_source("w", w, GGMLType.Q4_1, {"mul_mat"})], [])
+    for n_tokens in (3, 1):
+        got, want = h.run(g, {"x": RNG.normal(size=(n_tokens, 256)).astype(np.float32)})
+        assert got["y"].shape == (n_tokens, 24)
+        np.testing.assert_allclose(got["y"], want["y"], rtol=1e-4, atol=1e-4 * np.abs(want["y"]).max())
+
+
+def test_untyped_or_misfit_inputs_are_model_errors():
+    w = RNG.normal(size=(8, 32)).astype(np.float32)
+    h = Harness([weight_source("w", w, GGMLType.Q8_0, {"mul_mat"})], [])
+    untyped = Graph()
+    x = untyped.inputs["x"] = untyped.add_node("input", (), {"name": "x"})  # a leaf given no type
+    untyped.outputs["y"] = untyped.add("mul_mat", untyped.leaf("weight", "w", w.shape), x)
+    with pytest.raises(ModelError, match="untyped"):
+        h.run(untyped, {"x": np.ones((2, 32), np.float32)})
+    typed = Graph()
+    typed.outputs["y"] = typed.add("mul_mat", typed.leaf("weight", "w", w.shape),
+                                   typed.leaf("input", "x", (DYNAMIC, 32)))
+    with pytest.raises(ModelError, match="got an array of shape"):
+        h.run(typed, {"x": np.ones(32, np.float32)})
+
+
 def test_k_shift_rotates_cache_in_place():
     n_head_kv, head_dim, n_cells = 2, 16, 8
     shape = KVLayerShape("kv", 3, n_cells, n_head_kv, head_dim, head_dim)
@@ -341,7 +361,7 @@ def test_k_shift_rotates_cache_in_place():
     for backend in (h.onnx, h.numpy):
         h.kv[backend][("kv", 3)].k[:] = k
     g = Graph()
-    shift = g.inputs["k_shift:kv"] = g.add("input", name="k_shift:kv")
+    shift = g.leaf("input", "k_shift:kv", (DYNAMIC,), "i32")
     g.add("k_shift", shift, layer=3, cache="kv", **ROPE_CASES["neox-partial-yarn"]).attrs["layer"] = 3
     h.run(g, {"k_shift:kv": np.array([0, -1, 2, 3, 0, 5], np.int32)})
     onnx_k, numpy_k = h.kv[h.onnx][("kv", 3)].k, h.kv[h.numpy][("kv", 3)].k
@@ -381,10 +401,8 @@ def test_without_onnxruntime_choosing_it_names_the_extra():
 def test_thread_count_change_rebuilds_sessions_with_same_results():
     w = RNG.normal(size=(16, 64)).astype(np.float32)
     g = Graph()
-    xi = g.inputs["x"] = g.add("input", name="x")
-    weight = g.add("weight", name="w")
-    weight.attrs["name"] = "w"
-    g.outputs["y"] = g.add("silu", g.add("mul_mat", weight, xi))
+    xi = g.leaf("input", "x", (2, 64))
+    g.outputs["y"] = g.add("silu", g.add("mul_mat", g.leaf("weight", "w", w.shape), xi))
     h = Harness([weight_source("w", w, GGMLType.Q8_0, {"mul_mat"})], [])
     x = RNG.normal(size=(2, 64)).astype(np.float32)
     first, _ = h.run(g, {"x": x})

@@ -80,12 +80,6 @@ def kv_name(key: tuple[str, int], which: str) -> str:
     return f"kv_{which}_{key[0]}_{key[1]}"
 
 
-def reshaped(shape: tuple[int, ...], target: tuple[int, ...]) -> tuple[int, ...]:
-    size = int(np.prod(shape))
-    known = int(np.prod([d for d in target if d != -1])) if target else 1
-    return tuple(size // known if d == -1 else d for d in target)
-
-
 def external_tensor_proto(name: str, array: np.ndarray) -> Any:
     """An initializer declared with EXTERNAL data; its bytes come from add_external_initializers."""
     from onnx import TensorProto, helper

@@ -15,10 +15,10 @@ import numpy as np
 
 from llmfw.core.backend import Split
 from llmfw.core.errors import ModelError
-from llmfw.core.graph import Node
+from llmfw.core.graph import DYNAMIC, Node, Shape
 from llmfw.core.rope import rope_angle_slopes
 from llmfw.plugins.backends.onnx.emit import (
-    ONNX_FLOAT, ONNX_INT64, OPSET, Emitter, external_tensor_proto, freeze, kv_name, reshaped,
+    ONNX_FLOAT, ONNX_INT64, OPSET, Emitter, external_tensor_proto, freeze, kv_name,
 )
 from llmfw.plugins.backends.onnx.ort import OnnxKV, import_onnxruntime
 from llmfw.plugins.backends.onnx.weights import F32, BlockWeight, DenseWeight
@@ -32,8 +32,9 @@ if TYPE_CHECKING:
 # ---------------------------------------------------------------------------------------------------------------
 
 class SplitTranslator:
-    """Translates one split into ONNX nodes. Shapes seen on the first run guide choices that do not depend on
-    the token count or the KV length (head sizes, rotated dims); the model itself keeps those axes dynamic."""
+    """Translates one split into ONNX nodes. The IR's node shapes (those of the first run's graph) guide choices
+    that do not depend on the token count or the KV length (head sizes, rotated dims); the model itself keeps
+    those axes dynamic."""
 
     def __init__(self, backend: "OnnxBackend", split: Split, inputs: Sequence[np.ndarray],
                  kv: Mapping[tuple[str, int], Any]):
@@ -45,7 +46,8 @@ class SplitTranslator:
         self.kv = kv
         self.e = Emitter(helper, numpy_helper)
         self.names: dict[int, str] = {}
-        self.shapes: dict[int, tuple[int, ...]] = {}
+        #: the arrays' shapes of the split's inputs: they fill in the IR's DYNAMIC dimensions (see :meth:`shape`)
+        self.input_shapes: dict[int, Shape] = {}
         self.graph_inputs: list[Any] = []
         self.graph_outputs: list[Any] = []
         self.kv_bindings: list[tuple[str, str, tuple[str, int], str]] = []
@@ -56,7 +58,7 @@ class SplitTranslator:
         for node_id, array in zip(split.input_ids, inputs):
             name = f"in_{node_id}"
             self.names[node_id] = name
-            self.shapes[node_id] = array.shape
+            self.input_shapes[node_id] = array.shape
             dims = [f"{name}_d{i}" for i in range(array.ndim)]
             self.graph_inputs.append(helper.make_tensor_value_info(
                 name, helper.np_dtype_to_tensor_dtype(array.dtype), dims))
@@ -80,7 +82,6 @@ class SplitTranslator:
 
     def _translate_node(self, node: Node) -> None:
         if node.op == "weight":  # emitted by its consumers, in the form each one needs
-            self.shapes[node.id] = tuple(self.backend.weight(node.attrs["name"]).shape)
             return
         handler = getattr(self, f"_op_{node.op}", None)
         if handler is None:
@@ -121,8 +122,23 @@ class SplitTranslator:
             return self.dense(node.attrs["name"])
         raise ModelError(f"onnx backend: value of node {node!r} is not available to its split")
 
-    def shape(self, node: Node) -> tuple[int, ...]:
-        return self.shapes[node.id]
+    def shape(self, node: Node) -> Shape:
+        """The IR's shape of a value; a DYNAMIC dimension of a split input is the size its array has now."""
+        if node.shape is None:
+            raise ModelError(f"onnx backend: node {node!r} is untyped (build graphs with Graph.leaf / Graph.add)")
+        actual = self.input_shapes.get(node.id)
+        if actual is None:
+            return node.shape
+        if len(actual) != len(node.shape):
+            raise ModelError(f"onnx backend: input {node!r} got an array of shape {list(actual)}")
+        return tuple(got if dim == DYNAMIC else dim for dim, got in zip(node.shape, actual))
+
+    def known_dim(self, node: Node, axis: int) -> int:
+        """A dimension an emitted op depends on (head count, head size): the IR must know it."""
+        dim = self.shape(node)[axis]
+        if dim == DYNAMIC:
+            raise ModelError(f"onnx backend: node {node!r} needs a known size on axis {axis}")
+        return dim
 
     # -- weights -----------------------------------------------------------------------------------------
     def dense(self, name: str) -> str:
@@ -138,22 +154,19 @@ class SplitTranslator:
         x, x_shape = self.value(x_node), self.shape(x_node)
         if w_node.op != "weight":
             # activation × activation (no current architecture emits it): x @ w.T
-            self.shapes[node.id] = x_shape[:-1] + (self.shape(w_node)[0],)
             return self.e.op("MatMul", [x, self.e.op("Transpose", [self.value(w_node)], perm=[1, 0])])
         name = w_node.attrs["name"]
         weight = self.backend.weight(name)
         if isinstance(weight, DenseWeight):
-            self.shapes[node.id] = x_shape[:-1] + (weight.shape[0],)
             if len(x_shape) == 2:  # Gemm reads W [n_out, n_in] as it is: no transposed copy
                 return self.e.op("Gemm", [x, self.e.external(f"w:{name}", weight.array)], transB=1, hint="mm")
             wt = self.e.external(f"wt:{name}", self.backend.transposed(name))
             return self.e.op("MatMul", [x, wt], hint="mm")
-        self.shapes[node.id] = x_shape[:-1] + (weight.shape[0],)
         return self._matmul_nbits(x, x_shape, name, weight)
 
-    def _matmul_nbits(self, x: str, x_shape: tuple[int, ...], key: str, weight: BlockWeight) -> str:
+    def _matmul_nbits(self, x: str, x_shape: Shape, key: str, weight: BlockWeight) -> str:
         n_out, n_in = weight.shape
-        if x_shape[-1] != n_in:
+        if x_shape[-1] not in (n_in, DYNAMIC):
             raise ModelError(f"onnx backend: mul_mat of {key} expects inputs with {n_in} columns, got {x_shape}")
         b = self.e.external(f"q:{key}", weight.packed)
         s = self.e.external(f"s:{key}", weight.scales)
@@ -175,13 +188,10 @@ class SplitTranslator:
     def _op_get_rows(self, node: Node) -> str:
         table, ids = node.inputs
         ids_name = self.value(ids)
-        ids_shape = self.shape(ids)
         if table.op != "weight":
-            self.shapes[node.id] = ids_shape + self.shape(table)[1:]
             return self.e.op("Gather", [self.value(table), ids_name], axis=0)
         name = table.attrs["name"]
         weight = self.backend.weight(name)
-        self.shapes[node.id] = ids_shape + tuple(weight.shape[1:])
         if isinstance(weight, DenseWeight):
             return self.e.op("Gather", [self.e.external(f"w:{name}", weight.array), ids_name], axis=0)
         if weight.codes is None:
@@ -201,7 +211,6 @@ class SplitTranslator:
 
     def _binary(self, node: Node, op_type: str) -> str:
         a, b = node.inputs
-        self.shapes[node.id] = tuple(np.broadcast_shapes(self.shape(a), self.shape(b)))
         return self.e.op(op_type, [self.value(a), self.value(b)])
 
     def _op_add(self, node: Node) -> str:
@@ -215,7 +224,6 @@ class SplitTranslator:
 
     def _unary(self, node: Node, op_type: str, *extra: str, **attrs: Any) -> str:
         (x,) = node.inputs
-        self.shapes[node.id] = self.shape(x)
         return self.e.op(op_type, [self.value(x), *extra], **attrs)
 
     def _op_scale(self, node: Node) -> str:
@@ -223,7 +231,6 @@ class SplitTranslator:
 
     def _op_silu(self, node: Node) -> str:
         (x,) = node.inputs
-        self.shapes[node.id] = self.shape(x)
         xv = self.value(x)
         return self.e.op("Mul", [xv, self.e.op("Sigmoid", [xv])], hint="silu")
 
@@ -236,7 +243,6 @@ class SplitTranslator:
 
     def _op_softcap(self, node: Node) -> str:
         (x,) = node.inputs
-        self.shapes[node.id] = self.shape(x)
         return self._softcap(self.value(x), float(node.attrs["cap"]))
 
     def _softcap(self, x: str, cap: float) -> str:
@@ -249,7 +255,6 @@ class SplitTranslator:
     def _op_rms_norm(self, node: Node) -> str:
         # the canonical pattern (Pow, ReduceMean, Add, Sqrt, Div) that ORT fuses into SimplifiedLayerNormalization
         x = node.inputs[0]
-        self.shapes[node.id] = self.shape(x)
         xv = self.value(x)
         mean_sq = self.e.op("ReduceMean", [self.e.op("Pow", [xv, self.e.const(2.0, F32)])], axes=[-1], keepdims=1)
         rms = self.e.op("Sqrt", [self.e.op("Add", [mean_sq, self.e.const(node.attrs["eps"], F32)])])
@@ -261,7 +266,6 @@ class SplitTranslator:
 
     def _op_norm(self, node: Node) -> str:
         x = node.inputs[0]
-        self.shapes[node.id] = self.shape(x)
         xv = self.value(x)
         centred = self.e.op("Sub", [xv, self.e.op("ReduceMean", [xv], axes=[-1], keepdims=1)])
         var = self.e.op("ReduceMean", [self.e.op("Pow", [centred, self.e.const(2.0, F32)])], axes=[-1], keepdims=1)
@@ -271,17 +275,12 @@ class SplitTranslator:
     def _op_reshape(self, node: Node) -> str:
         (x,) = node.inputs
         shape = tuple(int(d) for d in node.attrs["shape"])
-        self.shapes[node.id] = reshaped(self.shape(x), shape)
         return self.e.op("Reshape", [self.value(x), self.e.const(shape)])
 
     def _op_slice(self, node: Node) -> str:
         (x,) = node.inputs
         axis = int(node.attrs.get("axis", -1))
         start, stop = node.attrs.get("start"), node.attrs.get("stop")
-        x_shape = self.shape(x)
-        shape = list(x_shape)
-        shape[axis] = len(range(*slice(start, stop).indices(x_shape[axis])))
-        self.shapes[node.id] = tuple(shape)
         big = np.iinfo(np.int64).max
         return self.e.op("Slice", [self.value(x), self.e.const([0 if start is None else start]),
                                    self.e.const([big if stop is None else stop]), self.e.const([axis])])
@@ -330,12 +329,10 @@ class SplitTranslator:
     def _op_rope(self, node: Node) -> str:
         x, pos = node.inputs[0], node.inputs[1]
         factors = node.inputs[2] if len(node.inputs) > 2 else None
-        x_shape = self.shape(x)
-        if len(x_shape) != 3:
-            raise ModelError(f"onnx backend: rope expects x [T, H, D], got shape {x_shape}")
-        self.shapes[node.id] = x_shape
+        if len(self.shape(x)) != 3:
+            raise ModelError(f"onnx backend: rope expects x [T, H, D], got shape {self.shape(x)}")
         table = self._rope_table(self.value(pos), node.attrs, factors)
-        return self._rotate(self.value(x), x_shape[1], x_shape[2], table, node.attrs)
+        return self._rotate(self.value(x), self.known_dim(x, 1), self.known_dim(x, 2), table, node.attrs)
 
     # -- KV cache: [n_head_kv, n_cells, head_dim] per layer, updated in place ---------------------------------
     def _kv_input(self, key: tuple[str, int], which: str) -> str:
@@ -391,11 +388,10 @@ class SplitTranslator:
         key, storage = self._kv_storage(node)
         n_head_kv, _, head_dim_k = storage.k.shape
         head_dim_v = storage.v.shape[2]
-        n_head = self.shape(q)[1]
+        n_head = self.known_dim(q, 1)
         if n_head % n_head_kv:
             raise ModelError(f"onnx backend: {n_head} query heads are not a multiple of {n_head_kv} KV heads")
         group = n_head // n_head_kv
-        self.shapes[node.id] = (self.shape(q)[0], n_head * head_dim_v)
         index = self._scatter_index(self.value(kv_idx), n_head_kv)
         heads_first = dict(perm=[1, 0, 2])  # [T, Hkv, D] → [Hkv, T, D]
         keys = self._kv_write(node, key, "k", index, self.e.op("Transpose", [self.value(k)], **heads_first))
@@ -435,5 +431,4 @@ class SplitTranslator:
         cells = self.e.op("Range", [self.e.const(0), self.e.op("Squeeze", [n_kv]), self.e.const(1)])
         self._kv_write(node, key, "k", self._scatter_index(cells, n_head_kv),
                        self.e.op("Transpose", [rotated], perm=[1, 0, 2]))
-        self.shapes[node.id] = (0,)
         return self.e.const(np.zeros(0, F32), F32)
