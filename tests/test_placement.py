@@ -15,7 +15,7 @@ pytest.importorskip("torch")
 
 import llmfw  # noqa: E402
 from llmfw.core.errors import BackendUnavailable  # noqa: E402
-from llmfw.core.plugins import registry  # noqa: E402
+from llmfw.core.plugins import registry, reset_plugin_manager  # noqa: E402
 from llmfw.plugins.backends.torch import TorchBackend  # noqa: E402
 
 BAR = {"top1": 0.93, "top5": 0.98, "mean_lp_err": 0.25}
@@ -93,11 +93,13 @@ class TorchWithoutSilu(TorchBackend):
 
 def test_missing_op_falls_back_to_the_cpu_backend(smollm2_path, smollm2_ref, score, single_backend_logits,
                                                    caplog) -> None:
-    if TorchWithoutSilu.name not in registry("backends"):
-        registry("backends").register(TorchWithoutSilu.name, TorchWithoutSilu, source="tests/test_placement.py")
+    registry("backends").register(TorchWithoutSilu.name, TorchWithoutSilu, source="tests/test_placement.py")
     record = smollm2_ref["prompts"][PROMPT]
-    with caplog.at_level(logging.WARNING, logger="llmfw.core.scheduler"):
-        logits, plan = run(smollm2_path, record, backend=TorchWithoutSilu.name)
+    try:
+        with caplog.at_level(logging.WARNING, logger="llmfw.core.scheduler"):
+            logits, plan = run(smollm2_path, record, backend=TorchWithoutSilu.name)
+    finally:  # the next test sees only the installed backends again
+        reset_plugin_manager()
     assert any("lacks op 'silu'" in r.getMessage() and "numpy" in r.getMessage() for r in caplog.records), \
         [r.getMessage() for r in caplog.records]
     assert "numpy" in plan and TorchWithoutSilu.name in plan, plan
