@@ -320,6 +320,37 @@ def test_a_group_of_singletons_by_key_is_left_alone() -> None:
                                                                                                     ("k", "o")]
 
 
+def two_input_graph() -> tuple[Graph, dict[str, np.ndarray]]:
+    """``a`` multiplies both inputs: it is a part of two groups."""
+    g = Graph()
+    xs = {name: g.leaf("input", name, (3, 8)) for name in ("x1", "x2")}
+    g.inputs.update(xs)
+    for out, (w, x) in {"a1": ("a", "x1"), "b1": ("b", "x1"), "a2": ("a", "x2"), "c2": ("c", "x2")}.items():
+        g.outputs[out] = g.add("mul_mat", g.leaf("weight", w, (16, 8)), xs[x])
+    return g, {"x1": randn(3, 8), "x2": randn(3, 8)}
+
+
+def run_two_inputs(backend, graph: Graph, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    split = Split(backend, [n for n in graph.nodes if n.op != "input"], [graph.inputs[k].id for k in inputs],
+                  [n.id for n in graph.outputs.values()])
+    values = backend.compile(split, {})({graph.inputs[k].id: v for k, v in inputs.items()})
+    return {name: values[n.id] for name, n in graph.outputs.items()}
+
+
+def test_only_prepared_subsets_in_graph_order_are_fused_and_a_shared_part_joins_both() -> None:
+    backend = nb.NumpyBackend()
+    backend.weights.update(a=randn(16, 8), b=randn(16, 8), c=randn(16, 8))
+    graph, inputs = two_input_graph()
+    separate = run_two_inputs(backend, graph, inputs)
+    assert optimize(two_input_graph()[0], {("b", "a"): "b+a", ("a", "b"): "a-b"}, lambda n: backend).fused_matmuls == 0
+    prepared = fuse_weight_groups(graph, lambda name: backend)
+    assert prepared == {("a", "b"): "a+b", ("a", "c"): "a+c"}
+    assert optimize(graph, prepared, lambda name: backend).fused_matmuls == 2
+    got = run_two_inputs(backend, graph, inputs)
+    for name in separate:
+        np.testing.assert_allclose(got[name], separate[name], rtol=1e-6, atol=1e-6)
+
+
 def test_gemma3_onnx_fuses_every_same_layout_subset(gemma3_path) -> None:
     """Gemma-3's Q4_K_M file mixes quant types within groups (V in Q8_0 beside Q/K in Q5_0): the onnx backend
     fuses every subset of one block layout, and each fused weight is of one layout. (It holds Q5_0 and Q8_0 alike,

@@ -85,9 +85,11 @@ def matmul_groups(graph: Graph, backend_of: Callable[[str], object],
 
 def fuse_shared_input_matmuls(graph: Graph, fused: FusedWeights, backend_of: Callable[[str], object]) -> int:
     """Rewrite every group whose parts were prepared as a fused weight; returns how many were fused."""
-    prepared_with = {part: name for parts, name in fused.items() for part in parts}
-    # the load-time sub-groups again: a weight's key is the fused weight it was prepared in
-    groups = [g for g in matmul_groups(graph, backend_of, prepared_with.get) if fused.get(g.parts) == g.name]
+    by_first_part: dict[str, list[tuple[str, ...]]] = {}
+    for parts, name in fused.items():
+        if parts and name == fused_weight_name(parts):
+            by_first_part.setdefault(parts[0], []).append(parts)
+    groups = [sub for g in matmul_groups(graph, backend_of) for sub in _prepared_subgroups(g, by_first_part)]
     if not groups:
         return 0
     inserted: dict[int, list[Node]] = {}  # first member id → the fused weight and mul_mat placed before it
@@ -104,6 +106,22 @@ def fuse_shared_input_matmuls(graph: Graph, fused: FusedWeights, backend_of: Cal
     graph.nodes = nodes
     graph.renumber()
     return len(groups)
+
+
+def _prepared_subgroups(group: MatmulGroup, by_first_part: Mapping[str, list[tuple[str, ...]]]) -> list[MatmulGroup]:
+    """The sub-groups of ``group`` (by fusion key, at load) whose fused weight was prepared: each prepared part
+    list, indexed by its first part, whose members all multiply this group's input, in graph order, each member
+    in one sub-group at most."""
+    position = {part: i for i, part in enumerate(group.parts)}
+    taken: set[str] = set()
+    subgroups = []
+    for part in group.parts:
+        for parts in by_first_part.get(part, ()):
+            order = [position.get(p, -1) for p in parts]
+            if order == sorted(set(order)) and order[0] >= 0 and taken.isdisjoint(parts):
+                subgroups.append(MatmulGroup(tuple(group.members[i] for i in order)))
+                taken.update(parts)
+    return subgroups
 
 
 def _fuse_group(group: MatmulGroup) -> list[Node]:
