@@ -13,10 +13,13 @@ import numpy as np
 import pytest
 
 import llmfw
-from llmfw.core.backend import Split
+from llmfw.core.backend import Split, WeightSource
 from llmfw.core.errors import ModelError
 from llmfw.core.graph import DYNAMIC, Graph, last_uses
-from llmfw.core.passes import ANY, Pattern, RewriteRule, apply_rewrite_rules, matmul_groups, optimize
+from llmfw.core.passes import (
+    ANY, Pattern, RewriteRule, apply_rewrite_rules, fuse_weight_groups, matmul_groups, optimize, representative_graph,
+)
+from llmfw.core.quants import GGMLType, quantize
 from llmfw.plugins.backends import numpy as nb
 
 RNG = np.random.default_rng(11)
@@ -246,3 +249,123 @@ def test_a_norm_placed_apart_from_its_weight_keeps_running_where_it_was(smollm2_
         assert host.nodes[-1] in first_mul.inputs
         norms = [n for split in rest for n in split.nodes if n.op == "rms_norm"]
         assert len(norms) == 2 * model.n_layer and all(len(n.inputs) == 2 for n in norms)
+
+
+# -- fusion keys: a group of mixed quant layouts fuses its same-layout subsets ---------------------------------
+
+def quantized_source(name: str, values: np.ndarray, qtype: GGMLType) -> WeightSource:
+    raw = quantize(values, qtype).reshape(-1).view(np.uint8)
+    return WeightSource(name=name, source_name=name, ggml_type=int(qtype), ne=tuple(reversed(values.shape)),
+                        raw=raw, usage=frozenset({"mul_mat"}))
+
+
+#: one input times five weights: Q4_0 and Q4_1 share the onnx block layout (4 bits, blocks of 32), Q8_0 another,
+#: and the float one is never fused
+MIXED = (("q", GGMLType.Q4_0, 32), ("k", GGMLType.Q8_0, 16), ("v", GGMLType.Q4_1, 16), ("o", GGMLType.Q8_0, 24),
+         ("f", GGMLType.F32, 8))
+
+
+def mixed_group_graph() -> Graph:
+    g = Graph()
+    x = g.leaf("input", "x", (3, 64))
+    g.inputs["x"] = x
+    for name, _, n_out in MIXED:
+        g.outputs[name] = g.add("mul_mat", g.leaf("weight", name, (n_out, 64)), x)
+    return g
+
+
+def run_graph(backend, graph: Graph, x: np.ndarray) -> dict[str, np.ndarray]:
+    split = Split(backend, [n for n in graph.nodes if n.op != "input"], [graph.inputs["x"].id],
+                  [n.id for n in graph.outputs.values()])
+    values = backend.compile(split, {})({graph.inputs["x"].id: backend.from_numpy(x)})
+    return {name: backend.to_numpy(values[n.id]) for name, n in graph.outputs.items()}
+
+
+def test_a_mixed_group_is_fused_into_its_same_key_subsets() -> None:
+    pytest.importorskip("onnxruntime")
+    from llmfw.plugins.backends.onnx import OnnxBackend
+
+    backend = OnnxBackend()
+    for name, qtype, n_out in MIXED:
+        backend.weights[name] = backend.load_weight(quantized_source(name, randn(n_out, 64), qtype))
+    assert backend.fusion_key("q") == backend.fusion_key("v") != backend.fusion_key("k") == backend.fusion_key("o")
+    assert backend.fusion_key("f") is None and backend.fusion_key("absent") is None
+    x = randn(3, 64)
+    separate = run_graph(backend, mixed_group_graph(), x)
+
+    graph = mixed_group_graph()
+    prepared = fuse_weight_groups(graph, lambda name: backend)
+    assert prepared == {("q", "v"): "q+v", ("k", "o"): "k+o"}  # members in graph order, "f" left alone
+    assert backend.weights["q+v"].shape == (48, 64) and backend.weights["k+o"].shape == (40, 64)
+    assert optimize(graph, prepared, lambda name: backend).fused_matmuls == 2
+    fused = {n.attrs["name"] for n in graph.nodes if n.op == "weight" and "parts" in n.attrs}
+    assert fused == {"q+v", "k+o"}
+    assert sum(n.op == "mul_mat" for n in graph.nodes) == 3  # two fused products and the float matmul
+    got = run_graph(backend, graph, x)
+    for name in separate:
+        np.testing.assert_allclose(got[name], separate[name], rtol=1e-5, atol=1e-5)
+    # numpy keys every weight alike (it dequantizes them all): the same group there is fused whole
+    numpy_backend = nb.NumpyBackend()
+    for name, qtype, n_out in MIXED:
+        numpy_backend.weights[name] = numpy_backend.load_weight(quantized_source(name, randn(n_out, 64), qtype))
+    assert list(fuse_weight_groups(mixed_group_graph(), lambda name: numpy_backend)) == [("q", "k", "v", "o", "f")]
+
+
+def test_a_group_of_singletons_by_key_is_left_alone() -> None:
+    """Every weight keyed differently (or None): no sub-group of two, nothing asked of fuse_weights."""
+    graph = mixed_group_graph()
+    keys = {"q": 1, "k": 2, "v": 3, "o": None, "f": None}
+    assert matmul_groups(graph, lambda name: None, keys.get) == []
+    assert [g.parts for g in matmul_groups(graph, lambda name: None, lambda name: name in "qvf")] == [("q", "v", "f"),
+                                                                                                    ("k", "o")]
+
+
+def two_input_graph() -> tuple[Graph, dict[str, np.ndarray]]:
+    """``a`` multiplies both inputs: it is a part of two groups."""
+    g = Graph()
+    xs = {name: g.leaf("input", name, (3, 8)) for name in ("x1", "x2")}
+    g.inputs.update(xs)
+    for out, (w, x) in {"a1": ("a", "x1"), "b1": ("b", "x1"), "a2": ("a", "x2"), "c2": ("c", "x2")}.items():
+        g.outputs[out] = g.add("mul_mat", g.leaf("weight", w, (16, 8)), xs[x])
+    return g, {"x1": randn(3, 8), "x2": randn(3, 8)}
+
+
+def run_two_inputs(backend, graph: Graph, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    split = Split(backend, [n for n in graph.nodes if n.op != "input"], [graph.inputs[k].id for k in inputs],
+                  [n.id for n in graph.outputs.values()])
+    values = backend.compile(split, {})({graph.inputs[k].id: v for k, v in inputs.items()})
+    return {name: values[n.id] for name, n in graph.outputs.items()}
+
+
+def test_only_prepared_subsets_in_graph_order_are_fused_and_a_shared_part_joins_both() -> None:
+    backend = nb.NumpyBackend()
+    backend.weights.update(a=randn(16, 8), b=randn(16, 8), c=randn(16, 8))
+    graph, inputs = two_input_graph()
+    separate = run_two_inputs(backend, graph, inputs)
+    assert optimize(two_input_graph()[0], {("b", "a"): "b+a", ("a", "b"): "a-b"}, lambda n: backend).fused_matmuls == 0
+    prepared = fuse_weight_groups(graph, lambda name: backend)
+    assert prepared == {("a", "b"): "a+b", ("a", "c"): "a+c"}
+    assert optimize(graph, prepared, lambda name: backend).fused_matmuls == 2
+    got = run_two_inputs(backend, graph, inputs)
+    for name in separate:
+        np.testing.assert_allclose(got[name], separate[name], rtol=1e-6, atol=1e-6)
+
+
+def test_gemma3_onnx_fuses_every_same_layout_subset(gemma3_path) -> None:
+    """Gemma-3's Q4_K_M file mixes quant types within groups (V in Q8_0 beside Q/K in Q5_0): the onnx backend
+    fuses every subset of one block layout, and each fused weight is of one layout. (It holds Q5_0 and Q8_0 alike,
+    as 8-bit codes in blocks of 32, so here every whole group is one such subset.)"""
+    pytest.importorskip("onnxruntime")
+    with llmfw.load_model(gemma3_path, backend="onnx") as model:
+        graph = representative_graph(model)
+        assert graph is not None
+        backend = model.weight_backend("blk.0.attn_q.weight")
+        whole = matmul_groups(graph, model.weight_backend)
+        subsets = matmul_groups(graph, model.weight_backend, backend.fusion_key)
+        assert len(whole) == 2 * model.n_layer  # Q/K/V and gate/up of each layer
+        assert sorted(model.fused_weights) == sorted(g.parts for g in subsets)
+        for parts, name in model.fused_weights.items():
+            assert len({backend.fusion_key(p) for p in parts}) == 1
+            assert backend.weights[name].shape[0] == sum(backend.weights[p].shape[0] for p in parts)
+        qkv = model.fused_weights[("blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.attn_v.weight")]
+        assert backend.weights[qkv].source_type == "Q5_0+Q8_0"  # mixed types, one layout: fused

@@ -47,7 +47,7 @@ import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Mapping, TypeVar
+from typing import Any, Callable, ClassVar, Hashable, Mapping, TypeVar
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -275,6 +275,14 @@ class Backend(ABC):
                     base = array if array.base is None else array.base
                     buffers[id(base)] = int(getattr(base, "nbytes", array.nbytes))
         return sum(buffers.values())
+
+    def fusion_key(self, weight_name: str) -> Hashable | None:
+        """Which weights :meth:`fuse_weights` can stack with the loaded weight ``weight_name``: those of an equal
+        key. The core splits each group of matmuls sharing an input by this key and asks :meth:`fuse_weights`
+        for every sub-group of two or more (e.g. a block-quantized backend keys by its block layout, so a group
+        of mixed quant types still fuses its same-type subsets); None = never fuse this weight. The default:
+        one key for every weight."""
+        return ()
 
     def fuse_weights(self, name: str, parts: tuple[str, ...]) -> bool:
         """Build, once at load, the weight ``name``: the matrices ``parts`` (loaded here) stacked by output rows,

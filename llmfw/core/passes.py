@@ -6,8 +6,10 @@ for one backend):
 * :func:`fuse_shared_input_matmuls` — ``mul_mat``s that multiply one input by weights prepared as one fused
   weight become one ``mul_mat`` on that ``weight`` (attrs ``name="a+b+c"``, ``parts=(a, b, c)``), followed by
   one ``slice`` per part. Which groups are fused is decided once, at load (:func:`prepare_fused_weights`): the
-  same detection runs on a representative graph and asks each group's backend to build the fused weight
-  (:meth:`llmfw.core.backend.Backend.fuse_weights`, False = it cannot, e.g. mixed quant types);
+  same detection runs on a representative graph, splits each group into the sub-groups whose weights its
+  backend can stack together (:meth:`llmfw.core.backend.Backend.fusion_key`, e.g. one quant layout each) and
+  asks the backend to build each sub-group's fused weight (:meth:`llmfw.core.backend.Backend.fuse_weights`,
+  False = it cannot);
 * :func:`fold_norm_weights` — after placement: a norm whose only consumer multiplies it by a 1-D weight on the
   same backend becomes ``rms_norm(x, w)`` / ``norm(x, w)`` (a norm placed elsewhere keeps running there).
 
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Collection, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Collection, Hashable, Mapping, Protocol, Sequence
 
 from .graph import BuildParams, Graph, GraphBuilder, GraphModel, Node, consumers_of, infer_type
 
@@ -31,6 +33,8 @@ log = logging.getLogger(__name__)
 
 #: fused weights a model prepared at load: part names (graph order) → the fused weight's name
 FusedWeights = Mapping[tuple[str, ...], str]
+#: a weight name → the key of the weights it may be fused with (None: never fused; see Backend.fusion_key)
+FusionKeyOf = Callable[[str], Hashable | None]
 
 
 def fused_weight_name(parts: Sequence[str]) -> str:
@@ -56,14 +60,20 @@ class MatmulGroup:
         return fused_weight_name(self.parts)
 
 
-def matmul_groups(graph: Graph, backend_of: Callable[[str], object]) -> list[MatmulGroup]:
-    """Groups of ≥ 2 ``mul_mat``s on typed 2-D weights with one input, one ``n_in`` and one backend."""
-    by_input: dict[tuple[int, int, int], list[Node]] = {}
+def matmul_groups(graph: Graph, backend_of: Callable[[str], object],
+                  key_of: FusionKeyOf = lambda name: ()) -> list[MatmulGroup]:
+    """Groups of ≥ 2 ``mul_mat``s (graph order) on typed 2-D weights with one input, one ``n_in``, one backend
+    and one fusion key (``key_of`` of the weight's name; weights keyed None belong to no group)."""
+    by_input: dict[tuple[int, int, int, Hashable], list[Node]] = {}
     for node in graph.nodes:
         weight = node.inputs[0] if node.op == "mul_mat" else None
         if weight is None or weight.op != "weight" or weight.shape is None or len(weight.shape) != 2:
             continue
-        key = (node.inputs[1].id, weight.shape[1], id(backend_of(str(weight.attrs["name"]))))
+        name = str(weight.attrs["name"])
+        fusion_key = key_of(name)
+        if fusion_key is None:
+            continue
+        key = (node.inputs[1].id, weight.shape[1], id(backend_of(name)), fusion_key)
         by_input.setdefault(key, []).append(node)
     groups = []
     for members in by_input.values():
@@ -75,7 +85,11 @@ def matmul_groups(graph: Graph, backend_of: Callable[[str], object]) -> list[Mat
 
 def fuse_shared_input_matmuls(graph: Graph, fused: FusedWeights, backend_of: Callable[[str], object]) -> int:
     """Rewrite every group whose parts were prepared as a fused weight; returns how many were fused."""
-    groups = [g for g in matmul_groups(graph, backend_of) if fused.get(g.parts) == g.name]
+    by_first_part: dict[str, list[tuple[str, ...]]] = {}
+    for parts, name in fused.items():
+        if parts and name == fused_weight_name(parts):
+            by_first_part.setdefault(parts[0], []).append(parts)
+    groups = [sub for g in matmul_groups(graph, backend_of) for sub in _prepared_subgroups(g, by_first_part)]
     if not groups:
         return 0
     inserted: dict[int, list[Node]] = {}  # first member id → the fused weight and mul_mat placed before it
@@ -92,6 +106,22 @@ def fuse_shared_input_matmuls(graph: Graph, fused: FusedWeights, backend_of: Cal
     graph.nodes = nodes
     graph.renumber()
     return len(groups)
+
+
+def _prepared_subgroups(group: MatmulGroup, by_first_part: Mapping[str, list[tuple[str, ...]]]) -> list[MatmulGroup]:
+    """The sub-groups of ``group`` (by fusion key, at load) whose fused weight was prepared: each prepared part
+    list, indexed by its first part, whose members all multiply this group's input, in graph order, each member
+    in one sub-group at most."""
+    position = {part: i for i, part in enumerate(group.parts)}
+    taken: set[str] = set()
+    subgroups = []
+    for part in group.parts:
+        for parts in by_first_part.get(part, ()):
+            order = [position.get(p, -1) for p in parts]
+            if order == sorted(set(order)) and order[0] >= 0 and taken.isdisjoint(parts):
+                subgroups.append(MatmulGroup(tuple(group.members[i] for i in order)))
+                taken.update(parts)
+    return subgroups
 
 
 def _fuse_group(group: MatmulGroup) -> list[Node]:
@@ -119,11 +149,16 @@ def prepare_fused_weights(model: "FusingModel") -> dict[tuple[str, ...], str]:
     """At load: find the matmul groups of a representative graph (the detection :func:`optimize` uses) and
     have each group's backend build its fused weight once. Returns the groups it built (parts → name)."""
     graph = representative_graph(model)
+    return {} if graph is None else fuse_weight_groups(graph, model.weight_backend)
+
+
+def fuse_weight_groups(graph: Graph, backend_of: Callable[[str], "Backend"]) -> dict[tuple[str, ...], str]:
+    """Ask each backend to build the fused weight of every group of ``graph``'s matmuls sharing an input whose
+    weights it keys alike (:meth:`~llmfw.core.backend.Backend.fusion_key`: a group of mixed quant layouts fuses
+    its same-layout subsets). Returns the groups it built (parts → name)."""
     prepared: dict[tuple[str, ...], str] = {}
-    if graph is None:
-        return prepared
-    for group in matmul_groups(graph, model.weight_backend):
-        backend = model.weight_backend(group.parts[0])
+    for group in matmul_groups(graph, backend_of, lambda name: backend_of(name).fusion_key(name)):
+        backend = backend_of(group.parts[0])
         if backend.fuse_weights(group.name, group.parts):
             prepared[group.parts] = group.name
         else:

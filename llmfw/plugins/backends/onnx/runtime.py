@@ -9,7 +9,7 @@ import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Hashable, Mapping, Sequence
 
 import numpy as np
 
@@ -127,13 +127,23 @@ class OnnxBackend(Backend):
         except KeyError:
             raise ModelError(f"onnx backend holds no weight named {name!r}") from None
 
+    def fusion_key(self, weight_name: str) -> Hashable | None:
+        """What :func:`fuse_block_weights` needs alike to stack matrices into one MatMulNBits weight: the bit
+        width, block size and ``n_in`` of a packed block weight (with or without offsets: it zero-fills the
+        missing ones). Dense weights and ``get_rows``-only tables are never fused."""
+        weight = self.weights.get(weight_name)
+        if not isinstance(weight, BlockWeight) or weight.packed is None:
+            return None
+        return weight.bits, weight.block, weight.shape[1]
+
     def fuse_weights(self, name: str, parts: tuple[str, ...]) -> bool:
-        """Block-quantized parts of one bit width, block size and ``n_in`` stacked into one MatMulNBits weight
-        (their arrays become rows of it: no extra memory); dense or mixed parts are not fused."""
-        weights = [self.weights.get(n) for n in parts]
-        blocks = [w for w in weights if isinstance(w, BlockWeight) and w.packed is not None]
-        if len(blocks) != len(parts) or len({(w.bits, w.block, w.shape[1]) for w in blocks}) != 1:
+        """Block-quantized parts of one :meth:`fusion_key` stacked into one MatMulNBits weight (their arrays
+        become rows of it: no extra memory); dense or mixed parts are not fused."""
+        keys = {self.fusion_key(n) for n in parts}
+        if None in keys or len(keys) != 1:
             return False
+        blocks = [w for w in (self.weights[n] for n in parts) if isinstance(w, BlockWeight)]
+
         def fuse() -> Weight:
             return fuse_block_weights(blocks)
 
