@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from llmfw.core.errors import ConfigError
 from llmfw.core.generate import GenerationStats, generate
 from llmfw.core.pipeline import Pipeline
-from llmfw.core.speculative import DraftBudget, DraftModelDrafter, NgramDrafter
+from llmfw.core.speculative import DraftModelDrafter, NgramDrafter
 
 
 def llama_cpp_ngram_simple(tokens: list[int], sampled: int, n: int, m: int) -> list[int]:
@@ -52,21 +52,6 @@ def test_ngram_draft_copies_what_followed_the_last_occurrence():
 def test_ngram_draft_is_cut_to_the_limit():
     history = [1, 2, 3, 4, 5, 6, 7, 9, 9, 1, 2, 3, 4, 8, 8, 8, 8, 1, 2]
     assert NgramDrafter(4, 3).draft(history, 3, limit=2) == [4, 8]
-
-
-def test_draft_budget_grows_on_full_acceptance_and_shrinks_to_the_accepted_prefix():
-    budget = DraftBudget(16)
-    assert budget.size == 16
-    budget.update(16, 3)          # rejected after 3: the next draft carries 4
-    assert budget.size == 4
-    budget.update(4, 4)           # accepted whole: doubled
-    assert budget.size == 8
-    budget.update(8, 8)
-    budget.update(16, 16)
-    assert budget.size == 16      # never above --draft-max
-    for _ in range(20):
-        budget.update(budget.size, 0)
-    assert budget.size == 1       # never below one
 
 
 @pytest.mark.parametrize("kw", [{"n_max": 0}, {"size_n": 0}, {"n_max": 5000}])

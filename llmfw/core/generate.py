@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Iterator, Sequence
 
 from .errors import ContextError, LLMFWError
 from .sampling import Sampler, SamplerChain
-from .speculative import DraftBudget
 
 if TYPE_CHECKING:
     from .context import Context
@@ -260,11 +259,6 @@ class _Loop:
     max_tokens: int | None
     n_ctx: int
     drafter: Drafter | None = None
-    budget: DraftBudget | None = None
-
-    def __post_init__(self) -> None:
-        if self.drafter is not None:
-            self.budget = DraftBudget(self.drafter.n_max)
 
     def emit(self, token: int, n_cached: int | None = None) -> tuple[str, bool]:
         """Count a sampled token; returns (text to yield, whether generation ends here). ``n_cached``: the
@@ -290,7 +284,7 @@ class _Loop:
         """The drafter's guess after ``token``, cut to what the limits and the context leave room for."""
         if self.drafter is None:
             return []
-        room = self.budget.size if self.budget is not None else self.drafter.n_max
+        room = self.drafter.n_max
         if self.max_tokens is not None:
             room = min(room, self.max_tokens - self.stats.n_generated)
         room = max(min(room, self.n_ctx - len(self.record) - 1), 0)
@@ -365,8 +359,6 @@ def _verify(loop: _Loop, token: int, draft: list[int]) -> tuple[list[str], int |
             break
     else:
         next_token = loop.chain.sample(ctx, len(draft))
-    if loop.budget is not None:
-        loop.budget.update(len(draft), n_kept - pos0 - 1)
     if stats.stop_reason:
         next_token = None
     ctx.memory.seq_rm(0, n_kept, -1)

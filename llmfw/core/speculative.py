@@ -17,11 +17,6 @@ Drafters:
   quote).
 * :class:`DraftModelDrafter` — a small model with the same vocabulary drafts ``n_max`` tokens greedily in its
   own context (llama.cpp's ``--model-draft``).
-
-How many drafted tokens a verify batch carries adapts (:class:`DraftBudget`); llama.cpp always verifies the whole
-draft. A verify batch costs more than a one-token decode, so a long draft pays only while it is accepted: with a
-fixed ``--draft-max`` a model that copies its input only loosely ran slower than without drafts
-(``benchmarks/speculative_bench.py``).
 """
 from __future__ import annotations
 
@@ -47,22 +42,6 @@ class Drafter(Protocol):
     n_max: int
 
     def draft(self, history: Sequence[int], sampled: int, limit: int | None = None) -> list[int]: ...
-
-
-class DraftBudget:
-    """The number of drafted tokens the next verify batch may carry, between 1 and ``n_max``: doubled after a
-    draft accepted whole, cut to one more than the accepted prefix after a rejection (a model that keeps
-    rejecting after a few tokens is verified a few tokens at a time)."""
-
-    def __init__(self, n_max: int):
-        self.n_max = n_max
-        self.size = n_max
-
-    def update(self, n_drafted: int, n_accepted: int) -> None:
-        if n_accepted >= n_drafted:
-            self.size = min(self.n_max, 2 * self.size)
-        else:
-            self.size = max(1, min(self.size - 1, n_accepted + 1))
 
 
 class NgramDrafter:
