@@ -96,16 +96,8 @@ def _nbytes(value: Any) -> int:
 
 
 def backend_weight_bytes(backend: Any) -> int:
-    """Weight bytes a backend keeps: its own count when it has one, else the distinct arrays it holds."""
-    if hasattr(backend, "weight_nbytes"):
-        return int(backend.weight_nbytes())
-    seen: set[int] = set()
-    total = 0
-    for handle in backend.weights.values():
-        if id(handle) not in seen:
-            seen.add(id(handle))
-            total += _nbytes(handle)
-    return total
+    """Weight bytes a backend keeps (``Backend.weight_nbytes`` counts each buffer once)."""
+    return int(backend.weight_nbytes())
 
 
 def kv_cache_bytes(ctx: Any) -> int:

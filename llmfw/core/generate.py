@@ -185,15 +185,15 @@ class TextStream:
         return text
 
 
-def _decode(ctx: Context, tokens: list[int], start_pos: int, n_batch: int) -> None:
+def _decode(ctx: Context, tokens: list[int], start_pos: int, n_batch: int, logits: bool | None = None) -> None:
     """Decode ``tokens`` at positions ``start_pos...`` of sequence 0 in chunks of ``n_batch`` (the context's
-    record of the sequence grows with each decode)."""
+    record of the sequence grows with each decode); ``logits`` as in :class:`Batch` (None: the last token's)."""
     from .batch import Batch
 
     for begin in range(0, len(tokens), n_batch):
         chunk = tokens[begin:begin + n_batch]
         pos0 = start_pos + begin
-        code = ctx.decode(Batch(chunk, pos=list(range(pos0, pos0 + len(chunk))), seq_id=0))
+        code = ctx.decode(Batch(chunk, pos=list(range(pos0, pos0 + len(chunk))), seq_id=0, logits=logits))
         if code != 0:
             reason = ctx.last_error or ""
             raise ContextError(f"decode failed with code {code} at position {pos0}"
@@ -333,14 +333,10 @@ def _verify(loop: _Loop, token: int, draft: list[int]) -> tuple[list[str], int |
     """Decode ``token`` + ``draft`` in one batch, emit the accepted draft; returns the text and the next token
     (None when generation ended inside the draft). The cells after the kept tokens are removed (and with them
     the rejected guesses from the context's record)."""
-    from .batch import Batch
-
     ctx, stats = loop.ctx, loop.stats
     pos0 = len(loop.record)
     batch = [token, *draft]
-    code = ctx.decode(Batch(batch, pos=list(range(pos0, pos0 + len(batch))), seq_id=0, logits=True))
-    if code != 0:
-        raise ContextError(f"decode failed with code {code} at position {pos0}: {ctx.last_error or ''}")
+    _decode(ctx, batch, pos0, len(batch), logits=True)
     n_kept = pos0 + 1  # the token; each accepted guess adds one
     stats.n_drafted += len(draft)
     stats.n_verify_batches += 1

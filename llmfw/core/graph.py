@@ -383,9 +383,6 @@ class Graph:
         for index, node in enumerate(self.nodes):
             node.id = index
 
-    def consumers(self) -> dict[int, list[Node]]:
-        return consumers_of(self.nodes)
-
     def __str__(self) -> str:
         return "\n".join(map(repr, self.nodes))
 

@@ -98,15 +98,15 @@ class Model:
 
     @property
     def n_layer(self) -> int:
-        return self._known_hparams().n_layer
+        return self.known_hparams.n_layer
 
     @property
     def n_embd(self) -> int:
-        return self._known_hparams().n_embd
+        return self.known_hparams.n_embd
 
     @property
     def n_ctx_train(self) -> int:
-        return self._known_hparams().n_ctx_train
+        return self.known_hparams.n_ctx_train
 
     @property
     def arch_name(self) -> str:
@@ -115,16 +115,13 @@ class Model:
         name = self.metadata.get("general.architecture")
         return name if isinstance(name, str) else ""
 
-    def _known_hparams(self) -> HParams:
+    @property
+    def known_hparams(self) -> HParams:
+        """The hyperparameters (a ModelError for a vocab-only model whose architecture is unknown)."""
         if self.hparams is None:
             raise ModelError(f"{self.path.name} was loaded with vocab_only=True and has no hyperparameters "
                              f"(architecture {self.arch_name or '(none)'!r} unknown or its keys absent)")
         return self.hparams
-
-    @property
-    def known_hparams(self) -> HParams:
-        """The hyperparameters (a ModelError for a vocab-only model whose architecture is unknown)."""
-        return self._known_hparams()
 
     @property
     def known_arch(self) -> Architecture:

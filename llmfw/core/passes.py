@@ -85,6 +85,8 @@ def matmul_groups(graph: Graph, backend_of: Callable[[str], object],
 
 def fuse_shared_input_matmuls(graph: Graph, fused: FusedWeights, backend_of: Callable[[str], object]) -> int:
     """Rewrite every group whose parts were prepared as a fused weight; returns how many were fused."""
+    if not fused:  # nothing was prepared at load (or a maintenance graph of such a model): skip the scan
+        return 0
     by_first_part: dict[str, list[tuple[str, ...]]] = {}
     for parts, name in fused.items():
         if parts and name == fused_weight_name(parts):

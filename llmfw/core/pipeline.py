@@ -305,6 +305,7 @@ class Pipeline:
         #: dotted keys set from outside the file (command-line flags): errors about them do not blame the file
         self.overridden = overridden
         self._model: Model | None = None
+        self._draft_model: Model | None = None  # speculative.model_draft, loaded once like the model
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], source: str | Path | None = None, *,
@@ -391,10 +392,11 @@ class Pipeline:
         if spec.model_draft:
             from .model import load_model
 
-            draft_model = load_model(str(self._relative(spec.model_draft)), backend=self.config.backend,
-                                     backend_options=self.backend_options())
-            return DraftModelDrafter(model or self.load_model(), draft_model, spec.draft_max or DEFAULT_DRAFT_MAX,
-                                     n_ctx)
+            if self._draft_model is None:
+                self._draft_model = load_model(str(self._relative(spec.model_draft)), backend=self.config.backend,
+                                               backend_options=self.backend_options())
+            return DraftModelDrafter(model or self.load_model(), self._draft_model,
+                                     spec.draft_max or DEFAULT_DRAFT_MAX, n_ctx)
         return NgramDrafter(spec.draft_max, spec.ngram_n) if spec.draft_max else None
 
     def make_sampler(self, model: Model | None = None, n_ctx: int | None = None) -> SamplerChain:

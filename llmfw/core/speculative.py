@@ -91,6 +91,8 @@ def check_same_vocab(target: Model, draft: Model) -> None:
     for name in ("bos_id", "eos_id"):
         if getattr(tv, name, None) != getattr(dv, name, None):
             raise ConfigError(f"the draft model's {name} differs from the target's: not the same vocabulary")
+    if tv.model == dv.model and tv.tokens == dv.tokens and tv.token_attrs == dv.token_attrs:
+        return  # the same tokenizer, token texts and attributes give the same pieces: skip the per-token walk
     for token in range(target.n_vocab):
         if tv.token_to_piece(token, special=True) != dv.token_to_piece(token, special=True):
             raise ConfigError(f"token {token} differs between the draft and the target model: not the same "
@@ -116,10 +118,11 @@ class DraftModelDrafter:
         n_keep, rest = _prepare_prompt(self.ctx, prefix, self.ctx.n_ctx)
         record = self.ctx.seq_tokens[0]
         _decode(self.ctx, rest, n_keep, self.ctx.n_batch)
+        wanted = self.n_max if limit is None else min(self.n_max, limit)
         drafted: list[int] = []
         while True:
             token = int(np.argmax(self.ctx.get_logits_ith(-1)))
             drafted.append(token)
-            if len(drafted) >= (self.n_max if limit is None else min(self.n_max, limit)):
+            if len(drafted) >= wanted:
                 return drafted
             _decode(self.ctx, [token], len(record), 1)
