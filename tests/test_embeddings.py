@@ -23,9 +23,12 @@ def llama_cpp_embeddings(which: str) -> dict:
     return json.loads((DATA / "llama_cpp_tools.json").read_text())["models"][which]["embeddings"]
 
 
-#: the cosine bar per model. SmolLM2 meets the issue's 0.999 with every pooling. Gemma-3's hidden states do not,
-#: on any backend (llama.cpp-rounding ggml included): its worst last-token vector is at 0.9973-0.9979, and
-#: llama.cpp's own batched and one-by-one vectors of the same text differ by up to 0.9986 (README, Embeddings)
+#: the cosine bar per model for the float32 backends. SmolLM2 meets the issue's 0.999 with every pooling. Gemma-3's
+#: do not (cls 0.9990, mean >= 0.9989, last >= 0.9973): llama.cpp quantizes every matmul's activations to 8 bits
+#: and rounds GELU through an f16 table, and Gemma-3's hidden states amplify those roundings. The "ggml" backend,
+#: which makes the same roundings, meets 0.999 on Gemma-3's mean and cls vectors (tests below); no engine meets it
+#: on the last token, llama.cpp included: its two attention paths (flash attention off / on) disagree there down
+#: to 0.9956 (``flash_attn`` in the data; README, Embeddings)
 BAR = {"smollm2": 0.999, "gemma3": 0.997}
 
 
@@ -64,6 +67,54 @@ def test_per_token_embeddings_match_llama_cpp(which_model):
         # one token's state carries the rounding of every layer with nothing averaged out: SmolLM2's worst token
         # is at 0.9986 on every backend, llama.cpp-rounding ggml included (README, Embeddings)
         assert np.mean(similarities) >= BAR[which] and min(similarities) >= BAR[which] - 0.001
+
+
+def _worst(ours, theirs) -> float:
+    return min(cosine(a, b) for a, b in zip(ours, theirs))
+
+
+def test_last_token_vectors_are_as_close_as_llama_cpps_own_two_attention_paths(which_model):
+    """The last-token state is where the roundings of every layer pile up; llama.cpp with flash attention on (its
+    tools' default on a CPU) is as far from llama.cpp without it (llama-cpp-python's default) as we may be."""
+    which, model = which_model
+    ref = llama_cpp_embeddings(which)["last"]
+    floor = _worst(ref["flash_attn"]["one_by_one"], ref["one_by_one"])
+    assert floor < 0.9995  # llama.cpp's two paths really differ: this test measures something
+    assert _worst([model.embed(t, pooling="last") for t in ref["texts"]], ref["one_by_one"]) >= floor
+    assert _worst(model.embed(ref["texts"], pooling="last"), ref["batched"]) >= floor
+
+
+@pytest.fixture(scope="module")
+def gemma3_ggml(gemma3_path):
+    import llmfw
+
+    return llmfw.load_model(gemma3_path, backend="ggml")
+
+
+@pytest.mark.parametrize("pooling, bar", [("mean", 0.999), ("cls", 0.99999)])
+def test_ggml_backend_meets_the_bar_on_gemma3(gemma3_ggml, pooling, bar):
+    """With llama.cpp's roundings (8-bit activations, f16 GELU table, f16 KV and attention) Gemma-3's vectors meet
+    the issue's bar; the first token's state (cls: no attention mixing yet) is reproduced to float32 noise."""
+    ref = llama_cpp_embeddings("gemma3")[pooling]
+    batched = gemma3_ggml.embed(ref["texts"], pooling=pooling)
+    assert _worst(batched, ref["batched"]) >= bar
+    assert _worst([gemma3_ggml.embed(t, pooling=pooling) for t in ref["texts"]], ref["one_by_one"]) >= bar
+
+
+def test_the_f16_gelu_table_is_part_of_llama_cpps_answer(gemma3_path):
+    import llmfw
+
+    ref = llama_cpp_embeddings("gemma3")["cls"]
+    model = llmfw.load_model(gemma3_path, backend="ggml", backend_options={"ggml": {"f16_gelu": False}})
+    assert model.backends["ggml"].f16_gelu is False
+    similarity = cosine(model.embed(ref["texts"][0], pooling="cls"), ref["one_by_one"][0])
+    assert 0.999 < similarity < 0.99999  # a float32 GELU alone moves the first token's state off llama.cpp's
+
+
+def test_ggml_backend_last_token_is_within_llama_cpps_own_paths_on_gemma3(gemma3_ggml):
+    ref = llama_cpp_embeddings("gemma3")["last"]
+    floor = _worst(ref["flash_attn"]["one_by_one"], ref["one_by_one"])
+    assert _worst([gemma3_ggml.embed(t, pooling="last") for t in ref["texts"]], ref["one_by_one"]) >= floor
 
 
 def test_pooling_is_computed_from_the_per_token_states(which_model):

@@ -14,6 +14,7 @@ from llmfw.core.quants import GGMLType
 from llmfw.plugins.backends.ggml_cpu import (
     GgmlMatrix,
     _scaled_part,
+    ggml_gelu,
     q8_1_block_sums,
     quantize_q8,
     quantize_q8_k,
@@ -81,6 +82,35 @@ def test_round_f16_equals_numpy_half_conversion():
         with np.errstate(over="ignore"):
             expected = x.astype(np.float16).astype(np.float32)
         np.testing.assert_array_equal(round_f16(x), expected)
+
+
+def _ggml_gelu_table() -> np.ndarray:
+    """ggml_cpu_init's ``ggml_table_gelu_f16``: for each of the 65536 f16 bit patterns, f16(tanh-GELU(value))."""
+    values = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        gelu = 0.5 * values * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * values * (1.0 + 0.044715 * values * values)))
+    return gelu.astype(np.float16)
+
+
+def test_gelu_is_ggml_f16_table_lookup():
+    table = _ggml_gelu_table()
+    rng = np.random.default_rng(5)
+    x = np.concatenate([(rng.standard_normal(20000) * 4).astype(np.float32),
+                        np.array([-10.0, -9.999, 0.0, 9.999, 10.0, 12.5, -30.0], np.float32)])
+    inside = (x > -10) & (x < 10)
+    expected = np.where(x >= 10, x, 0.0).astype(np.float32)
+    expected[inside] = table[x[inside].astype(np.float16).view(np.uint16)].astype(np.float32)
+    got = ggml_gelu(x)
+    # ggml fills its table in float32 (tanhf), this test in float64: for x < -3 ``1 + tanh(..)`` cancels and the
+    # float32 value keeps few correct bits (absolute error < 1e-6); elsewhere both give the same f16 but where the
+    # float32 value lands next to an f16 rounding tie (one f16 ulp apart, ~0.1 % of the samples)
+    clean = np.abs(expected) > 1e-3
+    ulp = np.spacing(expected[clean].astype(np.float16)).astype(np.float32)
+    apart = np.abs(got[clean] - expected[clean])
+    assert np.all(apart <= ulp) and np.mean(apart > 0) < 0.005
+    np.testing.assert_allclose(got[~clean], expected[~clean], rtol=0, atol=1e-6)
+    assert not np.array_equal(got[clean], x[clean])  # not the identity: the table was applied
+    assert list(got[-7:][[0, 4, 5, 6]]) == [0.0, 10.0, 12.5, 0.0]  # outside (-10, 10): 0 below, x above
 
 
 def _q4_1_blocks(raw: np.ndarray, n_rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -4,7 +4,8 @@
 
 (run with llmfw's interpreter: it resolves the catalog models; llama-cpp-python runs in the other one through
 make_tools_reference.py). Embedding vectors are stored rounded to 6 decimals (unit vectors: the rounding moves
-a cosine by < 1e-9).
+a cosine by < 1e-9). Each pooling also keeps llama.cpp's vectors with flash attention on (``flash_attn``): the
+tests measure our distance to llama.cpp against the distance between llama.cpp's two attention paths.
 """
 from __future__ import annotations
 
@@ -57,6 +58,8 @@ def main() -> None:
             result = _call(args.llama_python, "embed", path, pooling, *texts)
             result["one_by_one"] = _round(result["one_by_one"])
             result["batched"] = _round(result["batched"])
+            flash = _call(args.llama_python, "embed-flash-attn", path, pooling, *texts)
+            result["flash_attn"] = {"one_by_one": _round(flash["one_by_one"]), "batched": _round(flash["batched"])}
             entry["embeddings"][pooling] = result
         out["models"][key] = entry
         print(key, [p["ppl"] for p in entry["perplexity"]], flush=True)

@@ -4,6 +4,7 @@ Runs in an interpreter that has llama-cpp-python 0.3.36 (a throw-away venv; neve
 
     /tmp/lcpp/bin/python tests/reference_gen/make_tools_reference.py perplexity MODEL.gguf TEXT N_CTX [N_CHUNKS]
     /tmp/lcpp/bin/python tests/reference_gen/make_tools_reference.py embed MODEL.gguf POOLING TEXT...
+    /tmp/lcpp/bin/python tests/reference_gen/make_tools_reference.py embed-flash-attn MODEL.gguf POOLING TEXT...
 
 and prints one JSON object. ``perplexity`` follows llama-perplexity's ``perplexity()`` (tools/perplexity/
 perplexity.cpp): tokenize with add_special=True, parse_special=False; chunks of n_ctx; each chunk on an empty
@@ -11,7 +12,9 @@ cache with its first token replaced by BOS when the vocabulary adds one; score p
 running PPL per chunk; final PPL and llama.cpp's stderr. (llama-perplexity packs n_batch/n_ctx chunks into one
 decode as separate sequences; here one chunk is decoded at a time, which differs only in rounding.)
 ``embed`` calls ``Llama.embed`` (embedding=True, the given pooling) for all texts at once (batched) and one by
-one, normalized (Euclidean). tests/reference_gen/make_tools_data.py (run with llmfw's interpreter) calls this
+one, normalized (Euclidean), with llama-cpp-python's default ``flash_attn=False``; ``embed-flash-attn`` does the same
+with ``flash_attn=True`` (llama.cpp's other attention path, which its own tools pick by default on a CPU: it
+measures how far llama.cpp's two paths disagree, the noise floor of an embedding comparison). tests/reference_gen/make_tools_data.py (run with llmfw's interpreter) calls this
 and writes tests/data/tools/*.json.
 """
 from __future__ import annotations
@@ -64,11 +67,11 @@ def perplexity(model_path: str, text_path: str, n_ctx: int, n_chunks: int = -1) 
 POOLING = {"none": 0, "mean": 1, "cls": 2, "last": 3}
 
 
-def embed(model_path: str, pooling: str, texts: list[str]) -> dict:
+def embed(model_path: str, pooling: str, texts: list[str], flash_attn: bool = False) -> dict:
     import llama_cpp
 
     llm = llama_cpp.Llama(model_path, embedding=True, pooling_type=POOLING[pooling], n_ctx=2048, n_batch=2048,
-                          n_ubatch=2048, n_threads=2, verbose=False)
+                          n_ubatch=2048, n_threads=2, flash_attn=flash_attn, verbose=False)
     one_by_one = [llm.embed(t, normalize=True) for t in texts]
     # llama-cpp-python 0.3.36 reads pooling=none rows of the 2nd and later texts of a batch from the wrong
     # offset (pos advances by tokens, not tokens * n_embd), so for none only one-by-one vectors are measured
@@ -82,6 +85,8 @@ def main(argv: list[str]) -> None:
         out = perplexity(argv[1], argv[2], int(argv[3]), int(argv[4]) if len(argv) > 4 else -1)
     elif argv[0] == "embed":
         out = embed(argv[1], argv[2], argv[3:])
+    elif argv[0] == "embed-flash-attn":
+        out = embed(argv[1], argv[2], argv[3:], flash_attn=True)
     else:
         raise SystemExit(__doc__)
     import llama_cpp

@@ -23,7 +23,11 @@ This backend reproduces them; every other op is the numpy backend's:
    ggml's value up to the order of the float32 sums (~1e-7 relative) — fast, and without integer kernels.
 2. **The KV cache is F16** (llama.cpp's default ``type_k = type_v = f16``): K and V are rounded to f16 when
    written (stored as float32 holding f16 values, so nothing is converted per step).
-3. **Attention without flash attention** (llama-cpp-python 0.3.36 passes ``flash_attn=False``, i.e.
+3. **GELU through an f16 table** (``GGML_GELU_FP16``, on in every CPU build: ``ggml_vec_gelu_f32`` and the
+   ``geglu`` of a gated FFN): ``gelu(x) = f16(gelu(f16(x)))`` for ``-10 < x < 10``, ``0`` below, ``x`` above.
+   For a GELU model (Gemma) this is the largest of the roundings: without it even the first token's state differs
+   from llama.cpp's (cosine 0.9997 on Gemma-3-270M), with it the first tokens agree to float32 noise.
+4. **Attention without flash attention** (llama-cpp-python 0.3.36 passes ``flash_attn=False``, i.e.
    ``LLAMA_FLASH_ATTN_TYPE_DISABLED``): ``KQ = mul_mat(K_f16, q)`` rounds q to f16 (the scale is applied later, in
    ``soft_max_ext``, in float32), the soft-max is normalised in float32 (sum in double), and the probabilities are
    rounded to f16 for ``KQV = mul_mat(Vᵀ_f16, KQ)``.
@@ -34,8 +38,8 @@ under 8-bit activations: a ±1-ulp difference anywhere flips a few roundings, an
 to log-prob changes of ~0.1 on average — the same size as numpy-vs-llama.cpp, and as llama.cpp-vs-llama.cpp on two
 builds. So its logits are no closer to llama.cpp's than the numpy backend's; it reproduces the *kind and size* of
 llama.cpp's rounding noise, not its bits. Use it to study that noise (e.g. how robust a greedy choice is to it),
-not as a more exact engine; the class attributes ``quantize_activations``, ``f16_kv_cache`` and
-``f16_attention`` (:class:`GgmlOptions`, ``backend_options={"ggml": {...}}``) switch each emulation off separately.
+not as a more exact engine; the class attributes ``quantize_activations``, ``f16_kv_cache``,
+``f16_attention`` and ``f16_gelu`` (:class:`GgmlOptions`, ``backend_options={"ggml": {...}}``) switch each emulation off separately.
 """
 from __future__ import annotations
 
@@ -53,6 +57,7 @@ from llmfw.plugins.backends.numpy import (
     SplitCompiler,
     Step,
     group_queries,
+    gelu,
     masked_exp,
     ungroup_heads,
     write_kv,
@@ -256,6 +261,16 @@ def _ggml_attention_block(q: np.ndarray, kv: NumpyKV, n_cols: int, mask: np.ndar
     return ungroup_heads(np.matmul(probs, kv.v[:, :n_cols]), n_tokens)  # [Hkv, G*t, Dv] -> [t, H*Dv]
 
 
+#: ggml's GELU table covers (-10, 10); outside it GELU is 0 or the identity
+_GELU_TABLE_LIMIT = F32(10.0)
+
+
+def ggml_gelu(x: np.ndarray) -> np.ndarray:
+    """``ggml_vec_gelu_f32`` with ``GGML_GELU_FP16``: the tanh GELU of ``f16(x)`` looked up as an f16 value."""
+    table = round_f16(gelu(round_f16(x)))
+    return np.where(x <= -_GELU_TABLE_LIMIT, F32(0.0), np.where(x >= _GELU_TABLE_LIMIT, x, table)).astype(F32)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # the backend
 # ---------------------------------------------------------------------------------------------------------
@@ -267,6 +282,7 @@ class GgmlOptions(BackendOptions):
     quantize_activations: bool = True
     f16_kv_cache: bool = True
     f16_attention: bool = True
+    f16_gelu: bool = True
 
 
 class GgmlBackend(NumpyBackend):
@@ -284,6 +300,7 @@ class GgmlBackend(NumpyBackend):
         self.quantize_activations = ggml.quantize_activations
         self.f16_kv_cache = ggml.f16_kv_cache
         self.f16_attention = ggml.f16_attention
+        self.f16_gelu = ggml.f16_gelu
         self._matrix_by_source: dict[str, GgmlMatrix] = {}
 
     def load_weight(self, source: WeightSource) -> Any:
@@ -334,6 +351,9 @@ class _GgmlSplitCompiler(SplitCompiler):
             env[out] = table.rows(env[ids_slot])
 
         return step
+
+    def _op_gelu(self, node, ins, out) -> Step:
+        return self._unary(ggml_gelu if self.backend.f16_gelu else gelu, ins, out)
 
     def _write_kv(self, storage: NumpyKV, k: np.ndarray, v: np.ndarray, idx: np.ndarray) -> None:
         if self.backend.f16_kv_cache:
