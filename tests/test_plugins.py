@@ -97,6 +97,17 @@ def test_entry_point_plugin_is_listed_with_its_distribution(tmp_path):
     assert samplers["shout"]["source"] == "llmfw-shout 0.1"
 
 
+def test_plugins_lists_what_each_backend_declares():
+    out = run_llmfw(["plugins", "--json"])
+    assert out.returncode == 0, out.stderr
+    backends = {e["name"]: e["declaration"] for e in json.loads(out.stdout)["plugins"]["backends"]}
+    assert backends["onnx"]["default_priority"] == {"cpu": 200} and backends["onnx"]["is_host"] is False
+    assert backends["numpy"]["is_host"] is True and backends["ggml"]["default_priority"] == {}
+    assert backends["ggml"]["options"]["f16_gelu"] == "True" and "spin" in backends["onnx"]["options"]
+    text = run_llmfw(["plugins"]).stdout
+    assert "default priority: cpu 200" in text and "never default" in text
+
+
 def test_allow_and_block_lists(tmp_path):
     make_plugin_dist(tmp_path, "llmfw-shout", "llmfw_shout", GOOD_PLUGIN)
     for env in ({"LLMFW_LOAD_PLUGINS": ""}, {"LLMFW_LOAD_PLUGINS": "other"}, {"LLMFW_DISABLE_PLUGINS": "llmfw-shout"}):

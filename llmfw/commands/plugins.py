@@ -24,11 +24,35 @@ def missing_install(manager: PluginManager, kind: str, name: str) -> str | None:
     return cls.install_hint()
 
 
+def backend_declaration(manager: PluginManager, kind: str, name: str) -> dict | None:
+    """What a backend declares to the core (host role, default priority per device, its options), read from
+    the class alone: nothing is loaded and no device is probed."""
+    if kind != "backends":
+        return None
+    try:
+        cls = manager.get(kind, name)
+    except LLMFWError:
+        return None
+    schema = getattr(cls, "options_schema", None)
+    fields = getattr(schema, "model_fields", {})
+    return {"is_host": bool(getattr(cls, "is_host", False)),
+            "default_priority": dict(getattr(cls, "default_priority", {}) or {}),
+            "options": {key: repr(field.default) for key, field in fields.items()}}
+
+
+def _declaration_line(declaration: dict) -> str:
+    priority = ", ".join(f"{device} {value}" for device, value in declaration["default_priority"].items())
+    options = ", ".join(f"{key}={default}" for key, default in declaration["options"].items())
+    return (f"      host: {'yes' if declaration['is_host'] else 'no'}; default priority: {priority or 'never default'}"
+            f"; options: {options or 'none'}")
+
+
 @click.command("plugins")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def plugins_cmd(as_json: bool) -> None:
     """List registered architectures, backends, tokenizers, samplers, loaders and memory modules; a backend
-    whose libraries are missing is marked ``(not installed: pip install ...)``."""
+    whose libraries are missing is marked ``(not installed: pip install ...)``, and each backend's declaration
+    (host role, default priority per device, options with their defaults) is shown under it."""
     manager = get_plugin_manager()
     listing = manager.listing()
     for kind, entries in listing.items():
@@ -36,6 +60,9 @@ def plugins_cmd(as_json: bool) -> None:
             install = missing_install(manager, kind, e["name"])
             if install:
                 e["not_installed"] = install
+            declaration = backend_declaration(manager, kind, e["name"])
+            if declaration is not None:
+                e["declaration"] = declaration
     failures = [{"name": f.name, "reason": f.reason} for f in manager.failures]
     if as_json:
         click.echo(json.dumps({"plugins": listing, "failures": failures}, indent=2))
@@ -45,5 +72,7 @@ def plugins_cmd(as_json: bool) -> None:
         for e in entries:
             mark = f"  (not installed: {e['not_installed']})" if "not_installed" in e else ""
             click.echo(f"  {e['name']:20} {e['source']:28} {e['ref']}{mark}")
+            if "declaration" in e:
+                click.echo(_declaration_line(e["declaration"]))
     for f in failures:
         click.echo(f"failed: {f['name']}: {f['reason']}", err=True)
