@@ -87,9 +87,8 @@ def cached_tokens(ctx: Context, seq: int = 0) -> list[int]:
 
 
 def forget_cache(ctx: Context, seq: int = 0) -> None:
-    """Clear sequence ``seq`` of the cache and its record (the next call decodes its whole prompt)."""
+    """Clear sequence ``seq`` of the cache and so its record (the next call decodes its whole prompt)."""
     ctx.memory.seq_rm(seq, -1, -1)
-    _record(ctx, seq).clear()
 
 
 def synced_record(ctx: Context, seq: int = 0) -> list[int]:
@@ -120,12 +119,11 @@ def reuse_cached_prefix(ctx: Context, tokens: list[int], seq: int = 0) -> int:
     common = common_prefix_length(record, tokens)
     if common == len(tokens):
         common -= 1  # the last prompt token must be decoded again to get its logits
-    if common < len(record):
-        if ctx.memory.seq_rm(seq, common, -1) is False:
-            # this memory cannot drop a tail (llama.cpp: recurrent state); start the sequence over
-            ctx.memory.seq_rm(seq, -1, -1)
-            common = 0
-        del record[common:]
+    # the memory's sequence operations cut the record too (``Memory.records``)
+    if common < len(record) and ctx.memory.seq_rm(seq, common, -1) is False:
+        # this memory cannot drop a tail (llama.cpp: recurrent state); start the sequence over
+        ctx.memory.seq_rm(seq, -1, -1)
+        common = 0
     return common
 
 
