@@ -32,7 +32,8 @@ def check_record(record: dict, backend: str) -> None:
     assert record["tests"]["tg4"]["graph_builds"] == 0 and record["tests"]["tg4"]["graph_reuses"] == 4
     assert record["n_ctx"] >= 20 and record["kv_bytes"] > 0 and record["weight_bytes"] > 0
     assert 0 < record["rss_base"] <= record["rss_after_load"] <= record["rss_peak"]
-    assert record["load_s"] > 0
+    # load counts the context and the first one-token decode (what a backend builds lazily) on top of the model
+    assert 0 < record["load_model_s"] < record["load_s"]
 
 
 @pytest.mark.parametrize("backends", [["numpy", "torch"]])

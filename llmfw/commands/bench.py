@@ -4,8 +4,10 @@ transformers.
 * ``pp`` (prompt processing): one batch of ``-p`` random tokens decoded from an empty cache, logits for the last
   token only; ``tg`` (text generation): ``-n`` one-token decodes from an empty cache. Both after a warm-up run,
   repeated ``-r`` times; the table shows the median tokens/s and the spread (sample standard deviation).
-* Per backend: load time, RSS before loading (after ``import llmfw`` and the backend's library), RSS after
-  loading, peak RSS, the weight bytes the backends keep, the KV cache bytes (n_ctx = p + n, like llama-bench),
+* Per backend: load time — everything before the first decode can start: the model, a context and one
+  one-token decode with the cache cleared after it, so sessions or graphs built lazily at the first decode count
+  as load (llama.cpp's side gets the same one-token decode; ``load_model_s`` is the model alone) —, RSS before
+  loading (after ``import llmfw`` and the backend's library), RSS after loading, peak RSS, the weight bytes the backends keep, the KV cache bytes (n_ctx = p + n, like llama-bench),
   and the graph builds / reuses of each test.
 * Each backend runs in a fresh worker process (``python -m llmfw.commands.bench --worker``), so its memory and
   thread settings are its own; ``--compare-llama-cpp PYTHON`` runs the same tests through llama-cpp-python in
@@ -139,13 +141,16 @@ def bench_llmfw(params: BenchParams, backend: str) -> dict[str, Any]:
     from ..core.backend import backend_options_from_environment
 
     model = llmfw.load_model(params.model, backend=backend, backend_options=backend_options_from_environment(os.environ))
-    load_s = time.perf_counter() - start
+    load_model_s = time.perf_counter() - start
     try:
-        rss_loaded = current_rss()
         ctx = model.new_context(n_ctx=params.n_ctx, n_batch=max(params.n_prompt, params.batch_seqs, 1),
                                 n_seq_max=params.batch_seqs,
                                 n_ubatch=min(params.n_ubatch, max(params.n_prompt, 1)), n_threads=params.n_threads)
-        tokens = random_tokens(model.n_vocab, max(params.n_prompt, params.n_gen))
+        tokens = random_tokens(model.n_vocab, max(params.n_prompt, params.n_gen, 1))
+        _check(ctx.decode(llmfw.Batch(tokens[:1])), ctx)  # what a backend builds at its first decode is load
+        ctx.memory.clear()
+        load_s = time.perf_counter() - start
+        rss_loaded = current_rss()
         tests: dict[str, Any] = {}
         if params.n_prompt:
             prompt = tokens[:params.n_prompt]
@@ -165,8 +170,8 @@ def bench_llmfw(params: BenchParams, backend: str) -> dict[str, Any]:
         weights = {spec: backend_weight_bytes(b) for spec, b in model.backends.items()}
         return {
             "engine": "llmfw", "backend": backend, "model": str(model.path), "n_threads": params.n_threads,
-            "n_ctx": ctx.n_ctx, "load_s": load_s, "rss_base": rss_base, "rss_after_load": rss_loaded,
-            "rss_peak": peak_rss(), "weight_bytes": sum(weights.values()), "weight_bytes_by_backend": weights,
+            "n_ctx": ctx.n_ctx, "load_s": load_s, "load_model_s": load_model_s, "rss_base": rss_base,
+            "rss_after_load": rss_loaded, "rss_peak": peak_rss(), "weight_bytes": sum(weights.values()), "weight_bytes_by_backend": weights,
             "kv_bytes": kv_cache_bytes(ctx), "tests": tests,
         }
     finally:
@@ -280,9 +285,11 @@ start = time.perf_counter()
 llm = Llama(model_path=p["model"], n_ctx=max(p["n_prompt"] + p["n_gen"], 1), n_batch=max(p["n_prompt"], 1),
             n_ubatch=min(p["n_ubatch"], max(p["n_prompt"], 1)), n_threads=p["n_threads"],
             n_threads_batch=p["n_threads"], verbose=False)
+load_model_s = time.perf_counter() - start
+tokens = random_tokens(llm.n_vocab(), max(p["n_prompt"], p["n_gen"], 1))
+llm.eval(tokens[:1]); llm.reset()  # the same one-token decode as the other side's counts as load
 load_s = time.perf_counter() - start
 rss_loaded = current_rss()
-tokens = random_tokens(llm.n_vocab(), max(p["n_prompt"], p["n_gen"]))
 def timed(run_once):
     llm.reset(); run_once()
     seconds = []
@@ -299,7 +306,8 @@ if p["n_gen"]:
             llm.eval([t])
     tests["tg%d" % p["n_gen"]] = summarize(p["n_gen"], timed(generate))
 print(json.dumps({{"engine": "llama.cpp", "backend": "llama-cpp-python " + __version__, "model": p["model"],
-                  "n_threads": p["n_threads"], "load_s": load_s, "rss_base": rss_base, "rss_after_load": rss_loaded,
+                  "n_threads": p["n_threads"], "load_s": load_s, "load_model_s": load_model_s, "rss_base": rss_base,
+                  "rss_after_load": rss_loaded,
                   "rss_peak": peak_rss(), "tests": tests}}))
 '''
 
@@ -433,7 +441,8 @@ def format_table(records: list[dict[str, Any]], reference: dict[str, Any] | None
         if "weight_bytes" in record:
             extra = (f", weights kept {_mib(record['weight_bytes'])} MiB, KV cache {_mib(record['kv_bytes'])} MiB "
                      f"(n_ctx {record['n_ctx']})")
-        lines.append(f"{record['engine']} {record['backend']}: load {record['load_s']:.2f} s, RSS before load "
+        model_alone = f" (model alone {record['load_model_s']:.2f} s)" if "load_model_s" in record else ""
+        lines.append(f"{record['engine']} {record['backend']}: load {record['load_s']:.2f} s{model_alone}, RSS before load "
                      f"{_mib(record['rss_base'])} MiB, after load {_mib(record['rss_after_load'])} MiB, peak "
                      f"{_mib(record['rss_peak'])} MiB{extra}")
     return "\n".join(lines)
