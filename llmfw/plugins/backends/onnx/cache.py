@@ -30,14 +30,15 @@ from llmfw.plugins.backends.onnx.weights import BlockWeight, DenseWeight, Weight
 log = logging.getLogger(__name__)
 
 #: bumped whenever the converted forms change, so that entries written by older code are rebuilt
-CACHE_FORMAT = 2
+#: (3: block weights with offsets also store them transposed, ``offsets_t``)
+CACHE_FORMAT = 3
 #: entries kept; the oldest (by last use) go first
 MAX_ENTRIES = 4
 #: files smaller than this convert about as fast as their cache entry is read: not cached
 MIN_FILE_BYTES = 8 << 20
 _ALIGN = 64
 _INDEX, _BLOB = "index.json", "weights.bin"
-_BLOCK_ARRAYS = ("packed", "scales", "offsets", "codes")
+_BLOCK_ARRAYS = ("packed", "scales", "offsets", "offsets_t", "codes")
 #: the element types converted weights use; anything else in an index is corruption
 _DTYPES = {np.dtype(np.float32).str, np.dtype(np.int8).str, np.dtype(np.uint8).str}
 
@@ -296,8 +297,8 @@ def _weight_of(entry: Mapping[str, Any], blob: np.ndarray) -> Weight:
         return DenseWeight(arrays["array"])
     shape = (int(meta["shape"][0]), int(meta["shape"][1]))
     return BlockWeight(shape, int(meta["bits"]), arrays["scales"], arrays.get("offsets"), packed=arrays.get("packed"),
-                       codes=arrays.get("codes"), exact=bool(meta["exact"]), source_type=str(meta["source_type"]),
-                       block=int(meta["block"]))
+                       codes=arrays.get("codes"), offsets_t=arrays.get("offsets_t"), exact=bool(meta["exact"]),
+                       source_type=str(meta["source_type"]), block=int(meta["block"]))
 
 
 def _view(blob: np.ndarray, offset: int, dtype: str, shape: list[int]) -> np.ndarray:

@@ -96,6 +96,10 @@ class OnnxBackend(Backend):
         self._blob: MappedBlob | None = None
         #: sessions built (tests read it to check that one session serves many ubatches)
         self.sessions_built = 0
+        #: weights the last load converted from the model file rather than mapped from the cache
+        self.weights_converted = 0
+        #: initializers the last session built read from the cache file itself (the others were copied)
+        self.initializers_from_file = 0
 
     @classmethod
     def check_available(cls, device: str | None = None) -> None:
@@ -119,6 +123,7 @@ class OnnxBackend(Backend):
 
     def end_loading(self) -> None:
         if self._load is not None:
+            self.weights_converted = self._load.converted
             self.weights.update(self._load.finish(self.weights))
             self._blob = self._load.blob
         self._load = None
@@ -171,6 +176,8 @@ class OnnxBackend(Backend):
         return self._derive(name, "T", lambda: self.weight(name).array.T)
 
     def offsets_transposed(self, key: str, weight: BlockWeight) -> np.ndarray:
+        if weight.offsets_t is not None:  # made at load (and mapped from the cache)
+            return weight.offsets_t
         return self._derive(key, "offsets.T", lambda: weight.offsets.T)
 
     def dense_copy(self, name: str) -> np.ndarray:
@@ -266,6 +273,7 @@ class OnnxBackend(Backend):
         if mapped and blob is not None and not blob.still_at_path():
             log.info("onnx: %s was replaced while in use; this session gets the weights from memory", blob.path)
             return self._new_session(model, externals, {}, n_nodes)
+        self.initializers_from_file = len(mapped)
         return session
 
     def _session_options(self) -> Any:
