@@ -116,20 +116,26 @@ def test_transposed_offsets_are_stored_and_mapped(smollm2_path, cache_root):
         model.close()
 
 
-def test_entry_replaced_while_loaded_is_not_read_by_later_sessions(smollm2_path, cache_root, fresh_logits):
-    """Another process may rewrite the entry of a model this one has mapped: a session built afterwards must not
-    read the new file at the old offsets (here it holds other bytes), but the weights this process mapped."""
+def replace_blob(root):
+    blob = entry_of(root) / "weights.bin"
+    replacement = blob.with_name("replacement")
+    shutil.copyfile(blob, replacement)
+    with replacement.open("r+b") as fh:  # same size, other bytes: read at our offsets it gives garbage
+        fh.write(b"\x5a" * blob.stat().st_size)
+    replacement.replace(blob)
+
+
+def remove_entry(root):
+    shutil.rmtree(entry_of(root))
+
+
+@pytest.mark.parametrize("change", [replace_blob, remove_entry], ids=["replaced", "removed"])
+def test_entry_changed_while_loaded_is_not_read_by_later_sessions(smollm2_path, cache_root, fresh_logits, change):
+    """Another process may rewrite or evict the entry of a model this one has mapped: a session built afterwards
+    must not read the new file at the old offsets (here it holds other bytes), nor fail for want of the file,
+    but use the weights this process mapped."""
     load_and_score(smollm2_path, cache_root)
-
-    def replace_blob(root):
-        blob = entry_of(root) / "weights.bin"
-        replacement = blob.with_name("replacement")
-        shutil.copyfile(blob, replacement)
-        with replacement.open("r+b") as fh:  # same size, other bytes: read at our offsets it gives garbage
-            fh.write(b"\x5a" * blob.stat().st_size)
-        replacement.replace(blob)
-
-    scored = load_and_score(smollm2_path, cache_root, before_decode=replace_blob)
+    scored = load_and_score(smollm2_path, cache_root, before_decode=change)
     assert scored.converted == 0 and scored.from_file == 0
     np.testing.assert_array_equal(scored.logits, fresh_logits)
 

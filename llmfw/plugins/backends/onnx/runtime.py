@@ -249,31 +249,34 @@ class OnnxBackend(Backend):
     def _new_session(self, model: Any, externals: Mapping[str, np.ndarray], mapped: Mapping[str, int],
                      n_nodes: int) -> Any:
         """An InferenceSession whose ``mapped`` initializers ONNX Runtime reads from the cache file itself and
-        whose others it gets as OrtValues. Built again without the file when the file at the cache path is no
-        longer the one mapped (another process rewrote the entry meanwhile)."""
+        whose others it gets as OrtValues. Without the file when the file at the cache path is not the one mapped
+        (another process rewrote or removed the entry), before or while the session was built."""
         blob = self._blob
+        from_file = blob is not None and bool(mapped) and blob.still_at_path()
         options = self._session_options()
         for proto in model.graph.initializer:
             if proto.name in externals:
-                offset = mapped.get(proto.name)
-                if offset is None or blob is None:
+                offset = mapped.get(proto.name) if from_file and blob is not None else None
+                if offset is None:
                     proto.CopyFrom(external_tensor_proto(proto.name, externals[proto.name]))
                 else:
                     _point_at_file(proto, blob.path.name, offset, int(externals[proto.name].nbytes))
-        in_memory = [name for name in externals if name not in mapped]
+        in_memory = [name for name in externals if not from_file or name not in mapped]
         if in_memory:
             options.add_external_initializers(in_memory, [self.ort_value(n, externals[n]) for n in in_memory])
-        if mapped and blob is not None:
+        if from_file and blob is not None:
             options.add_session_config_entry(EXTERNAL_FOLDER_KEY, str(blob.path.parent))
         try:
             session = self._ort.InferenceSession(model.SerializeToString(), options, providers=self.providers)
         except Exception as exc:  # noqa: BLE001 - ORT raises its own exception types
+            if from_file:  # the file may have gone meanwhile: the weights are in this process's memory too
+                return self._new_session(model, externals, {}, n_nodes)
             raise ModelError(f"onnx backend: onnxruntime rejected the model of a {n_nodes}-node split: "
                              f"{exc}") from exc
-        if mapped and blob is not None and not blob.still_at_path():
+        if from_file and blob is not None and not blob.still_at_path():
             log.info("onnx: %s was replaced while in use; this session gets the weights from memory", blob.path)
             return self._new_session(model, externals, {}, n_nodes)
-        self.initializers_from_file = len(mapped)
+        self.initializers_from_file = len(mapped) if from_file else 0
         return session
 
     def _session_options(self) -> Any:
