@@ -3,8 +3,8 @@ of each token spent outside the session (Python: batch, memory, scheduler, bindi
 
     python3 benchmarks/onnx_profile.py [-m MODEL] [--tg 128] [--threads 2]
 
-The trace comes from the backend's ``profile`` option (ORT's ``enable_profiling``); only the decode session's
-runs are counted (the prompt's session is built and profiled separately and skipped here). Profiling slows every
+The trace comes from the backend's ``profile`` option (ORT's ``enable_profiling``); the prompt and the decode
+steps run in one session, so its first run (the prompt) is skipped and only the decode runs are counted. Profiling slows every
 node down by a roughly constant cost, so absolute times are inflated and cheap, frequent ops (Reshape, Slice)
 look dearer than they are: read the table for its ranking, and a plain ``llmfw bench`` for the speed.
 """
@@ -21,17 +21,19 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 
-def op_times(trace: list[dict]) -> tuple[dict[str, float], int, float]:
-    """µs per op type over the trace's node events, the number of session runs and their total µs."""
+def op_times(trace: list[dict], skip_runs: int = 0) -> tuple[dict[str, float], int, float]:
+    """µs per op type over the trace's node events, the number of session runs and their total µs, leaving out
+    the first ``skip_runs`` runs (and their nodes)."""
+    model_runs = sorted((e for e in trace if e.get("cat") == "Session" and e.get("name") == "model_run"),
+                        key=lambda e: float(e["ts"]))
+    counted = model_runs[skip_runs:]
+    since = float(counted[0]["ts"]) if counted else float("inf")
     per_op: dict[str, float] = defaultdict(float)
-    runs, run_us = 0, 0.0
     for event in trace:
-        if event.get("cat") == "Node" and event.get("name", "").endswith("_kernel_time"):
+        if event.get("cat") == "Node" and event.get("name", "").endswith("_kernel_time") and \
+                float(event["ts"]) >= since:
             per_op[event["args"].get("op_name", "?")] += float(event["dur"])
-        elif event.get("cat") == "Session" and event.get("name") == "model_run":
-            runs += 1
-            run_us += float(event["dur"])
-    return per_op, runs, run_us
+    return per_op, len(counted), sum(float(e["dur"]) for e in counted)
 
 
 def main() -> None:
@@ -58,7 +60,7 @@ def main() -> None:
         model.close()  # sessions end their profiles when released
         traces = sorted(Path(folder).glob("ort*.json"), key=lambda p: p.stat().st_size)
         decode = max((json.loads(p.read_text()) for p in traces), key=lambda t: op_times(t)[1])
-    per_op, runs, run_us = op_times(decode)
+    per_op, runs, run_us = op_times(decode, skip_runs=1)  # the prompt's run
     node_us = sum(per_op.values())
     print(f"{args.model}: tg{args.tg} {args.tg / wall:.1f} t/s, {1e3 * wall / args.tg:.2f} ms/token; "
           f"{runs} session runs: {run_us / 1e3 / max(runs, 1):.2f} ms/run in ORT "

@@ -178,6 +178,23 @@ def test_graph_reuse_during_one_token_decodes(model):
     assert (ctx.n_graph_builds, ctx.n_graph_reuses) == (2, 4)
 
 
+def test_prompt_and_decode_graphs_have_one_structure(model):
+    """Every graph selects its output rows through the ``out_ids`` input, also when every token is an output:
+    a prompt wanting the last logits only and a one-token decode then differ in sizes only, so a backend that
+    compiles a program per graph structure (onnx) keeps one. All-outputs logits equal the last-only ones."""
+    ctx = new_ctx(model)
+    assert ctx.decode(llmfw.Batch(PROMPT_A)) == 0
+    last_only = ctx.get_logits_ith(-1)
+    prompt_ops = [node.op for node in ctx._plan.graph.nodes]
+    assert "out_ids" in ctx._plan.graph.inputs
+    assert ctx.decode(llmfw.Batch([int(last_only.argmax())])) == 0
+    assert "out_ids" in ctx._plan.graph.inputs
+    assert [node.op for node in ctx._plan.graph.nodes] == prompt_ops
+    ctx.memory.clear()
+    assert ctx.decode(llmfw.Batch(PROMPT_A, logits=True)) == 0
+    np.testing.assert_allclose(ctx.get_logits_ith(-1), last_only, atol=TOL)
+
+
 def test_ubatch_split_matches_one_ubatch(model):
     tokens = list(range(300, 340))
     _, whole = decode_alone(model, tokens)

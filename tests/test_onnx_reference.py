@@ -76,6 +76,26 @@ def test_smollm2_token_by_token_decode_within_bar(smollm2_onnx, smollm2_ref, sco
     assert backend.sessions_built == built_after_first_decode, "a decode step rebuilt its ONNX session"
 
 
+def test_smollm2_prompt_and_decode_share_one_session(smollm2_path, smollm2_ref, score):
+    """A prompt decoded for its last logits only, the reference sequence teacher-forced with every logit, then
+    its continuation one token per decode beside a second sequence: one ONNX session serves them all (ONNX
+    Runtime prepacks every weight per session, so a second one would hold the weights twice), within the bar."""
+    record = smollm2_ref["prompts"][0]
+    prompt, sequence = record["prompt_ids"], record["sequence"]
+    with llmfw.load_model(smollm2_path, backend="onnx") as model:
+        backend = model.backends["onnx"]
+        ctx = model.new_context(n_ctx=512, n_seq_max=2)
+        assert ctx.decode(llmfw.Batch(tokens=prompt, seq_id=1)) == 0, ctx.last_error  # logits of the last only
+        assert ctx.decode(llmfw.Batch(tokens=sequence[:len(prompt)], seq_id=0, logits=True)) == 0
+        rows = [ctx.get_logits()]
+        for step, token in enumerate(sequence[len(prompt):]):
+            batch = llmfw.Batch(tokens=[token, prompt[step % len(prompt)]], seq_id=[0, 1], logits=True)
+            assert ctx.decode(batch) == 0, ctx.last_error
+            rows.append(ctx.get_logits_ith(0)[None, :])
+        assert backend.sessions_built == 1
+    assert_within_bar(score(record, np.concatenate(rows)), "prompt, then decode beside another sequence")
+
+
 def test_smollm2_mixed_placement_numpy_and_onnx(smollm2_path, smollm2_ref, score):
     """Layers 0-2 and 27-29 on numpy, the rest and the output head on ONNX Runtime: values cross backends
     at four cuts per token, each layer's KV cache lives on its own backend."""

@@ -197,8 +197,7 @@ class Context:
             inputs["embd"] = ub.embd
         elif ub.tokens is not None:
             inputs["tokens"] = ub.tokens
-        if ub.n_outputs != ub.n_tokens:
-            inputs["out_ids"] = ub.out_ids
+        inputs["out_ids"] = ub.out_ids
         reserved.set_inputs(i, ub, inputs)
         outputs = self._compute(plan, inputs)
         return outputs[self._output_name].reshape(ub.n_outputs, self._output_width)

@@ -639,10 +639,10 @@ class GraphBuilder:
             h = self.op(act, h)
         return self.mul_mat(down, h, _bias_of(down))
 
-    def build_inp_out_ids(self) -> Node | None:
-        """The ``out_ids`` input (rows to output), or None when every token is an output."""
-        if self.params.n_outputs == self.params.n_tokens:
-            return None
+    def build_inp_out_ids(self) -> Node:
+        """The ``out_ids`` input (rows to output). Unlike llama.cpp it is there even when every token is an
+        output: the prompt and decode graphs then have one structure, so a backend that compiles (and prepacks
+        weights) per structure — onnx — keeps one program, not two."""
         if self._out_ids is None:
             self._out_ids = self.input("out_ids")
         return self._out_ids
@@ -650,8 +650,6 @@ class GraphBuilder:
     def select_outputs(self, *nodes: Node) -> tuple[Node, ...]:
         """Keep only the output rows of each node (llama.cpp does it in the last layer, before the FFN)."""
         out_ids = self.build_inp_out_ids()
-        if out_ids is None:
-            return nodes
         return tuple(self.op("get_rows", n, out_ids) for n in nodes)
 
     def build_output(self, x: Node, *, norm: str | None = "output_norm.weight", norm_kind: str = "rms",
@@ -660,7 +658,7 @@ class GraphBuilder:
         Rows not yet reduced to the outputs are selected here. In embeddings mode the graph stops after the
         norm (llama.cpp's ``t_embd``, "result_norm") and sets ``graph.outputs["embd"]`` instead."""
         self.layer = self.hp.n_layer
-        if self.params.n_outputs != self.params.n_tokens and not self._selected(x):
+        if not self._selected(x):
             (x,) = self.select_outputs(x)
         if norm:
             x = self.build_norm(x, norm, norm_kind, bias=norm.replace(".weight", ".bias"))

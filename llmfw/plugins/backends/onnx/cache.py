@@ -30,14 +30,15 @@ from llmfw.plugins.backends.onnx.weights import BlockWeight, DenseWeight, Weight
 log = logging.getLogger(__name__)
 
 #: bumped whenever the converted forms change, so that entries written by older code are rebuilt
-CACHE_FORMAT = 2
+#: (3: block weights with offsets also store them transposed, ``offsets_t``)
+CACHE_FORMAT = 3
 #: entries kept; the oldest (by last use) go first
 MAX_ENTRIES = 4
 #: files smaller than this convert about as fast as their cache entry is read: not cached
 MIN_FILE_BYTES = 8 << 20
 _ALIGN = 64
 _INDEX, _BLOB = "index.json", "weights.bin"
-_BLOCK_ARRAYS = ("packed", "scales", "offsets", "codes")
+_BLOCK_ARRAYS = ("packed", "scales", "offsets", "offsets_t", "codes")
 #: the element types converted weights use; anything else in an index is corruption
 _DTYPES = {np.dtype(np.float32).str, np.dtype(np.int8).str, np.dtype(np.uint8).str}
 
@@ -53,6 +54,48 @@ class CachedWeight:
     weight: Weight
 
 
+@dataclass
+class MappedBlob:
+    """An entry's ``weights.bin`` as this process mapped it. The restored arrays are views of ``array``; ONNX
+    Runtime may map the same bytes itself, by path (external data: it maps, prepacks and unmaps them, so the
+    originals leave memory), as long as the path still names the very file mapped here — an entry rewritten by
+    another process is a new file (see :meth:`still_at_path`)."""
+
+    path: Path
+    array: np.ndarray
+    #: (st_dev, st_ino) of the file mapped
+    identity: tuple[int, int]
+
+    @classmethod
+    def open(cls, path: Path, expected_bytes: int) -> "MappedBlob | None":
+        """The file mapped read-only (None when empty); ValueError when its size is not ``expected_bytes``."""
+        with path.open("rb") as fh:
+            stat = os.fstat(fh.fileno())
+            if stat.st_size != expected_bytes:
+                raise ValueError(f"{path.name} has {stat.st_size} bytes, the index says {expected_bytes}")
+            if not expected_bytes:
+                return None
+            array = np.memmap(fh, dtype=np.uint8, mode="r")  # the mapping outlives the file object
+        return cls(path, array, (stat.st_dev, stat.st_ino))
+
+    def offset_of(self, array: np.ndarray) -> int | None:
+        """The file offset of a C-contiguous array whose bytes lie inside this mapping, else None."""
+        if not array.flags.c_contiguous or not array.nbytes:
+            return None
+        start = array.ctypes.data - self.array.ctypes.data
+        return start if 0 <= start and start + array.nbytes <= self.array.nbytes else None
+
+    def still_at_path(self) -> bool:
+        """Whether :attr:`path` still names the file mapped here. Once the entry is replaced, the mapped file is
+        never at that path again (the mapping keeps its inode alive), so a True after a session was built means
+        the session read this very file."""
+        try:
+            stat = self.path.stat()
+        except OSError:
+            return False
+        return (stat.st_dev, stat.st_ino) == self.identity
+
+
 class ConvertedCache:
     """One model file's entry under ``root``; ``restore`` maps it, ``store`` writes it (atomically)."""
 
@@ -60,6 +103,8 @@ class ConvertedCache:
         self.root = root
         self.entry = root / f"{sha256}-{version}-f{CACHE_FORMAT}"
         self.sha256, self.version = sha256, version
+        #: the entry's weights.bin as last restored (None before, or when it holds no bytes)
+        self.blob: MappedBlob | None = None
 
     @classmethod
     def for_file(cls, root: Path, model_file: Path) -> "ConvertedCache | None":
@@ -78,6 +123,7 @@ class ConvertedCache:
     # -- reading ---------------------------------------------------------------------------------------------
     def restore(self) -> dict[str, CachedWeight]:
         """The stored weights, mapped read-only; empty (and the entry deleted) when it is missing or corrupt."""
+        self.blob = None
         if not self.entry.is_dir():
             return {}
         try:
@@ -85,6 +131,7 @@ class ConvertedCache:
         except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
             log.warning("onnx: converted-weight cache %s is corrupt (%s); rebuilding it", self.entry, exc)
             shutil.rmtree(self.entry, ignore_errors=True)
+            self.blob = None
             return {}
         os.utime(self.entry)  # last use, for eviction
         log.info("onnx: %d converted weights mapped from %s", len(weights), self.entry)
@@ -94,10 +141,8 @@ class ConvertedCache:
         index = json.loads((self.entry / _INDEX).read_text(encoding="utf-8"))
         if index.get("format") != CACHE_FORMAT or index.get("sha256") != self.sha256:
             raise ValueError("index of another file or format")
-        blob_path = self.entry / _BLOB
-        if blob_path.stat().st_size != int(index["blob_bytes"]):
-            raise ValueError(f"{_BLOB} has {blob_path.stat().st_size} bytes, the index says {index['blob_bytes']}")
-        blob = np.memmap(blob_path, dtype=np.uint8, mode="r") if index["blob_bytes"] else np.zeros(0, np.uint8)
+        self.blob = MappedBlob.open(self.entry / _BLOB, int(index["blob_bytes"]))
+        blob = self.blob.array if self.blob is not None else np.zeros(0, np.uint8)
         return {name: CachedWeight(entry["key"], _weight_of(entry, blob)) for name, entry in index["weights"].items()}
 
     # -- writing ---------------------------------------------------------------------------------------------
@@ -191,12 +236,22 @@ class CachedLoad:
         self.converted += 1
         return fuse()
 
-    def finish(self, weights: Mapping[str, Weight]) -> None:
-        """Rewrite the entry when any weight had to be converted or a stored one was not asked for."""
+    @property
+    def blob(self) -> MappedBlob | None:
+        """The mapped entry the loaded weights are views of (None without an entry)."""
+        return None if self.cache is None else self.cache.blob
+
+    def finish(self, weights: Mapping[str, Weight]) -> dict[str, Weight]:
+        """Rewrite the entry when any weight had to be converted or a stored one was not asked for, and return
+        the weights mapped back from it: they replace the converted arrays, so a first load ends with what a
+        cached load has (file pages ONNX Runtime can map itself, no conversion buffers). Empty when nothing
+        was written or the entry cannot be read back."""
         if self.cache is None or not (self.converted or self.restored):
-            return
+            return {}
         self.cache.store({name: CachedWeight(key, weights[name]) for name, key in self.keys.items()
                           if name in weights})
+        return {name: cached.weight for name, cached in self.cache.restore().items()
+                if name in weights and cached.key == self.keys.get(name)}
 
 
 def _stored_ancestor(array: np.ndarray, arrays: Mapping[int, Any]) -> np.ndarray | None:
@@ -242,8 +297,8 @@ def _weight_of(entry: Mapping[str, Any], blob: np.ndarray) -> Weight:
         return DenseWeight(arrays["array"])
     shape = (int(meta["shape"][0]), int(meta["shape"][1]))
     return BlockWeight(shape, int(meta["bits"]), arrays["scales"], arrays.get("offsets"), packed=arrays.get("packed"),
-                       codes=arrays.get("codes"), exact=bool(meta["exact"]), source_type=str(meta["source_type"]),
-                       block=int(meta["block"]))
+                       codes=arrays.get("codes"), offsets_t=arrays.get("offsets_t"), exact=bool(meta["exact"]),
+                       source_type=str(meta["source_type"]), block=int(meta["block"]))
 
 
 def _view(blob: np.ndarray, offset: int, dtype: str, shape: list[int]) -> np.ndarray:

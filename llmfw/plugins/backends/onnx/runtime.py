@@ -1,7 +1,11 @@
 """The onnx backend: sessions (one per split structure, cached), OrtValues shared by every session, IOBinding.
 
-Weights reach sessions as external initializers (``SessionOptions.add_external_initializers``), so a model is
-never serialized with its weights and all sessions share one copy of the packed bytes.
+A model is never serialized with its weights: each weight is an initializer with external data. Weights mapped
+from the converted-weight cache point at its file (offset and length in ``weights.bin``): ONNX Runtime maps
+those bytes, prepacks them into its own MatMulNBits / Gemm forms and unmaps them, so only the prepacked copy
+stays resident, and lookup tables (``get_rows``) keep only the rows touched. Other arrays (a model too small to
+cache, ``cache: false``, transposed copies) are handed over as OrtValues (``add_external_initializers``), which
+ONNX Runtime copies.
 """
 from __future__ import annotations
 
@@ -16,8 +20,8 @@ import numpy as np
 from llmfw.core.backend import Backend, BackendOptions, CompiledSplit, KVLayerShape, Split, WeightSource
 from llmfw.core.errors import ModelError
 from llmfw.core.graph import OPS
-from llmfw.plugins.backends.onnx.cache import CachedLoad, ConvertedCache, default_cache_root
-from llmfw.plugins.backends.onnx.emit import split_signature
+from llmfw.plugins.backends.onnx.cache import CachedLoad, ConvertedCache, MappedBlob, default_cache_root
+from llmfw.plugins.backends.onnx.emit import external_tensor_proto, split_signature
 from llmfw.plugins.backends.onnx.ort import OnnxKV, execution_providers, import_onnxruntime
 from llmfw.plugins.backends.onnx.translate import SplitTranslator
 from llmfw.plugins.backends.onnx.weights import (
@@ -28,6 +32,8 @@ log = logging.getLogger(__name__)
 
 #: sessions kept per backend (one per split structure: decode, prefill, mixed placements...)
 MAX_SESSIONS = 16
+#: the session option naming the folder an external data ``location`` is relative to (a model read from bytes)
+EXTERNAL_FOLDER_KEY = "session.model_external_initializers_file_folder_path"
 
 
 @dataclass
@@ -86,8 +92,14 @@ class OnnxBackend(Backend):
         self._derived: dict[tuple[str, str], np.ndarray] = {}
         self._programs: OrderedDict[tuple, _Program] = OrderedDict()
         self._load: CachedLoad | None = None
+        #: the cache file the loaded weights were mapped from (sessions point their initializers at it)
+        self._blob: MappedBlob | None = None
         #: sessions built (tests read it to check that one session serves many ubatches)
         self.sessions_built = 0
+        #: weights the last load converted from the model file rather than mapped from the cache
+        self.weights_converted = 0
+        #: initializers the last session built read from the cache file itself (the others were copied)
+        self.initializers_from_file = 0
 
     @classmethod
     def check_available(cls, device: str | None = None) -> None:
@@ -111,12 +123,15 @@ class OnnxBackend(Backend):
 
     def end_loading(self) -> None:
         if self._load is not None:
-            self._load.finish(self.weights)
+            self.weights_converted = self._load.converted
+            self.weights.update(self._load.finish(self.weights))
+            self._blob = self._load.blob
         self._load = None
 
     def free_weights(self) -> None:
         super().free_weights()
         self._load = None
+        self._blob = None
         self._ort_values.clear()
         self._derived.clear()
         self._programs.clear()
@@ -161,6 +176,8 @@ class OnnxBackend(Backend):
         return self._derive(name, "T", lambda: self.weight(name).array.T)
 
     def offsets_transposed(self, key: str, weight: BlockWeight) -> np.ndarray:
+        if weight.offsets_t is not None:  # made at load (and mapped from the cache)
+            return weight.offsets_t
         return self._derive(key, "offsets.T", lambda: weight.offsets.T)
 
     def dense_copy(self, name: str) -> np.ndarray:
@@ -214,20 +231,53 @@ class OnnxBackend(Backend):
         translator = SplitTranslator(self, split, inputs, kv)
         model, output_names = translator.translate()
         externals = translator.e.externals
-        options = self._session_options()
-        if externals:
-            options.add_external_initializers(list(externals),
-                                              [self.ort_value(n, a) for n, a in externals.items()])
-        try:
-            session = self._ort.InferenceSession(model.SerializeToString(), options, providers=self.providers)
-        except Exception as exc:  # noqa: BLE001 - ORT raises its own exception types
-            raise ModelError(f"onnx backend: onnxruntime rejected the model of a {len(split.nodes)}-node split: "
-                             f"{exc}") from exc
+        session = self._new_session(model, externals, self._mapped_offsets(externals), len(split.nodes))
         self.sessions_built += 1
         log.debug("onnx: session %d for a split of %d nodes (%d ONNX nodes)", self.sessions_built,
                   len(split.nodes), len(model.graph.node))
         return _Program(session, [f"in_{i}" for i in split.input_ids], output_names, translator.kv_bindings,
                         len(model.graph.node))
+
+    def _mapped_offsets(self, externals: Mapping[str, np.ndarray]) -> dict[str, int]:
+        """External initializer → its offset in the mapped cache file, for the arrays that lie in it."""
+        blob = self._blob
+        if blob is None:
+            return {}
+        offsets = {name: blob.offset_of(array) for name, array in externals.items()}
+        return {name: offset for name, offset in offsets.items() if offset is not None}
+
+    def _new_session(self, model: Any, externals: Mapping[str, np.ndarray], mapped: Mapping[str, int],
+                     n_nodes: int) -> Any:
+        """An InferenceSession whose ``mapped`` initializers ONNX Runtime reads from the cache file itself and
+        whose others it gets as OrtValues. Without the file when the file at the cache path is not the one mapped
+        (another process rewrote or removed the entry), before or while the session was built."""
+        blob = self._blob
+        from_file = blob is not None and bool(mapped) and blob.still_at_path()
+        options = self._session_options()
+        for proto in model.graph.initializer:
+            if proto.name in externals:
+                offset = mapped.get(proto.name) if from_file and blob is not None else None
+                if offset is None:
+                    proto.CopyFrom(external_tensor_proto(proto.name, externals[proto.name]))
+                else:
+                    _point_at_file(proto, blob.path.name, offset, int(externals[proto.name].nbytes))
+        in_memory = [name for name in externals if not from_file or name not in mapped]
+        if in_memory:
+            options.add_external_initializers(in_memory, [self.ort_value(n, externals[n]) for n in in_memory])
+        if from_file and blob is not None:
+            options.add_session_config_entry(EXTERNAL_FOLDER_KEY, str(blob.path.parent))
+        try:
+            session = self._ort.InferenceSession(model.SerializeToString(), options, providers=self.providers)
+        except Exception as exc:  # noqa: BLE001 - ORT raises its own exception types
+            if from_file:  # the file may have gone meanwhile: the weights are in this process's memory too
+                return self._new_session(model, externals, {}, n_nodes)
+            raise ModelError(f"onnx backend: onnxruntime rejected the model of a {n_nodes}-node split: "
+                             f"{exc}") from exc
+        if from_file and blob is not None and not blob.still_at_path():
+            log.info("onnx: %s was replaced while in use; this session gets the weights from memory", blob.path)
+            return self._new_session(model, externals, {}, n_nodes)
+        self.initializers_from_file = len(mapped) if from_file else 0
+        return session
 
     def _session_options(self) -> Any:
         options = self._ort.SessionOptions()
@@ -246,6 +296,15 @@ class OnnxBackend(Backend):
         if opts.dump:  # the graph after ORT's fusions, to check what it made of a split
             options.optimized_model_filepath = f"{opts.dump}-{self.sessions_built}.onnx"
         return options
+
+
+def _point_at_file(proto: Any, file_name: str, offset: int, length: int) -> None:
+    """An external initializer read from ``length`` bytes at ``offset`` of ``file_name`` in the session's
+    external-data folder."""
+    del proto.external_data[:]
+    for key, value in (("location", file_name), ("offset", str(offset)), ("length", str(length))):
+        entry = proto.external_data.add()
+        entry.key, entry.value = key, value
 
 
 @dataclass

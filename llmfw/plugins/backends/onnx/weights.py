@@ -43,6 +43,9 @@ class BlockWeight:
     offsets: np.ndarray | None
     packed: np.ndarray | None = None
     codes: np.ndarray | None = None
+    #: ``offsets.T`` C-contiguous [n_blocks, n_out]: the B of the block-sum Gemm that adds the offsets to a
+    #: MatMulNBits product, made at load so the cache stores (and ORT maps) it like the other arrays
+    offsets_t: np.ndarray | None = None
     #: True when ``W`` reproduces ggml's dequantized values (up to float rounding); False when requantized
     exact: bool = True
     source_type: str = ""
@@ -268,12 +271,19 @@ def convert_weight(source: WeightSource) -> Weight:
     lookups = not usage or "get_rows" in usage
     packed = None if lookups else packed_from_blocks(source)
     if packed is not None:  # a matmul-only Q4_0 / Q4_1 / Q8_0 matrix: no codes needed at all
-        return block_weight_of_packed(source, packed)
+        return with_offsets_transposed(block_weight_of_packed(source, packed))
     weight = block_codes(source)
     if "mul_mat" in usage or not usage:
         weight.packed = pack_nbits(weight.codes, weight.bits, weight.block)
     if not lookups:
         weight.codes = None  # only the packed form is needed; halves the memory of 4-bit matrices
+    return with_offsets_transposed(weight)
+
+
+def with_offsets_transposed(weight: BlockWeight) -> BlockWeight:
+    """``weight`` with :attr:`BlockWeight.offsets_t` set when it is multiplied (packed) and has offsets."""
+    if weight.packed is not None and weight.offsets is not None:
+        weight.offsets_t = np.ascontiguousarray(weight.offsets.T)
     return weight
 
 
@@ -283,20 +293,22 @@ def fuse_block_weights(parts: Sequence[BlockWeight]) -> BlockWeight:
     offsets = None
     if any(p.offsets is not None for p in parts):
         offsets = np.concatenate([p.offsets if p.offsets is not None else np.zeros_like(p.scales) for p in parts])
-    return BlockWeight(
+    return with_offsets_transposed(BlockWeight(
         shape=(sum(p.shape[0] for p in parts), parts[0].shape[1]), bits=bits,
         scales=np.concatenate([p.scales for p in parts]), offsets=offsets,
         packed=np.concatenate([p.packed for p in parts]), exact=all(p.exact for p in parts),
-        source_type="+".join(sorted({p.source_type for p in parts})), block=parts[0].block)
+        source_type="+".join(sorted({p.source_type for p in parts})), block=parts[0].block))
 
 
 def share_rows(fused: BlockWeight, parts: Sequence[BlockWeight]) -> None:
     """Point each part's arrays at its rows of the fused copy, so the fusion costs no memory (sessions built
-    earlier keep the old arrays alive through their OrtValues)."""
+    earlier keep the old arrays alive through their OrtValues). A part's transposed offsets would be columns of
+    the fused ones, not a contiguous view: dropped (the backend transposes a part's offsets when a graph
+    multiplies the part alone)."""
     start = 0
     for part in parts:
         rows = slice(start, start + part.shape[0])
-        part.packed, part.scales = fused.packed[rows], fused.scales[rows]
+        part.packed, part.scales, part.offsets_t = fused.packed[rows], fused.scales[rows], None
         if part.offsets is not None:
             part.offsets = fused.offsets[rows]
         start = rows.stop
