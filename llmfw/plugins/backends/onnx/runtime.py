@@ -18,6 +18,7 @@ from llmfw.core.errors import ModelError
 from llmfw.core.graph import OPS
 from llmfw.plugins.backends.onnx.cache import CachedLoad, ConvertedCache, default_cache_root
 from llmfw.plugins.backends.onnx.emit import split_signature
+from llmfw.plugins.backends.onnx.fused import FusedAttentionPlan, fused_attention_plan
 from llmfw.plugins.backends.onnx.ort import OnnxKV, execution_providers, import_onnxruntime
 from llmfw.plugins.backends.onnx.translate import SplitTranslator
 from llmfw.plugins.backends.onnx.weights import (
@@ -39,6 +40,7 @@ class _Program:
     output_names: list[str]           # split.output_ids order
     kv_bindings: list[tuple[str, str, tuple[str, int], str]]  # (input, output, kv key, "k"|"v")
     node_count: int = 0               # ONNX nodes before ORT's own fusions (diagnostics)
+    kv_rank: int = 3                  # 4: the caches are bound as [1, Hkv, n_cells, D] (GroupQueryAttention)
 
 
 class OnnxOptions(BackendOptions):
@@ -54,6 +56,8 @@ class OnnxOptions(BackendOptions):
     cache: bool = True
     #: the converted-weight cache's folder (default ``<models_dir>/.onnx``)
     cache_dir: str | None = None
+    #: GroupQueryAttention for batches whose KV cells are one causal run (fused.py); False: always op by op
+    fused_attention: bool = True
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -72,7 +76,8 @@ class OnnxBackend(Backend):
 
     options_schema = OnnxOptions
     environment_options = {"LLMFW_ONNX_PROFILE": "profile", "LLMFW_ONNX_SPIN": "spin", "LLMFW_ONNX_DUMP": "dump",
-                           "LLMFW_ONNX_CACHE": "cache", "LLMFW_ONNX_CACHE_DIR": "cache_dir"}
+                           "LLMFW_ONNX_CACHE": "cache", "LLMFW_ONNX_CACHE_DIR": "cache_dir",
+                           "LLMFW_ONNX_FUSED_ATTENTION": "fused_attention"}
 
     #: MatMulNBits accuracy level: 4 = int8 activations (llama.cpp's own quantized dot products)
     accuracy_level: int = 4
@@ -195,23 +200,24 @@ class OnnxBackend(Backend):
     def compile(self, split: Split, kv: Mapping[tuple[str, int], Any]) -> CompiledSplit:
         return _CompiledSplit(self, split, kv)
 
-    def program(self, split: Split, inputs: Sequence[np.ndarray], kv: Mapping[tuple[str, int], Any]) -> _Program:
-        """The session for a split structure and thread count (fixed when a session is built), built on first
-        use and cached (LRU)."""
-        key = (self.n_threads, split_signature(split, inputs))
+    def program(self, split: Split, inputs: Sequence[np.ndarray], kv: Mapping[tuple[str, int], Any],
+                fused_attention: bool = False) -> _Program:
+        """The session for a split structure, thread count (fixed when a session is built) and attention form
+        (GroupQueryAttention or op by op), built on first use and cached (LRU)."""
+        key = (self.n_threads, fused_attention, split_signature(split, inputs))
         program = self._programs.get(key)
         if program is not None:
             self._programs.move_to_end(key)
             return program
-        program = self._build_program(split, inputs, kv)
+        program = self._build_program(split, inputs, kv, fused_attention)
         self._programs[key] = program
         while len(self._programs) > MAX_SESSIONS:
             self._programs.popitem(last=False)
         return program
 
     def _build_program(self, split: Split, inputs: Sequence[np.ndarray],
-                       kv: Mapping[tuple[str, int], Any]) -> _Program:
-        translator = SplitTranslator(self, split, inputs, kv)
+                       kv: Mapping[tuple[str, int], Any], fused_attention: bool = False) -> _Program:
+        translator = SplitTranslator(self, split, inputs, kv, fused_attention)
         model, output_names = translator.translate()
         externals = translator.e.externals
         options = self._session_options()
@@ -227,7 +233,7 @@ class OnnxBackend(Backend):
         log.debug("onnx: session %d for a split of %d nodes (%d ONNX nodes)", self.sessions_built,
                   len(split.nodes), len(model.graph.node))
         return _Program(session, [f"in_{i}" for i in split.input_ids], output_names, translator.kv_bindings,
-                        len(model.graph.node))
+                        len(model.graph.node), translator.kv_rank)
 
     def _session_options(self) -> Any:
         options = self._ort.SessionOptions()
@@ -270,22 +276,51 @@ class _CompiledSplit:
         self.kv = kv
         self.program: _Program | None = None
         self._signature: tuple | None = None
+        #: the programs of this split by attention form (True: GroupQueryAttention), for self._signature
+        self._programs: dict[bool, _Program] = {}
         self._bound: OrderedDict[tuple, _Bound] = OrderedDict()
+        self._fused_plan: FusedAttentionPlan | None = (
+            fused_attention_plan(split) if backend.onnx_options.fused_attention else None)
+        self._told_fallback = False
+        #: the caches as [1, Hkv, n_cells, D] OrtValues over the same memory (GroupQueryAttention's BNSH)
+        self._kv_bnsh: dict[tuple[tuple[str, int], str], tuple[np.ndarray, Any]] = {}
 
-    def _prepare(self, arrays: list[np.ndarray]) -> None:
+    def _fused(self, inputs: Mapping[int, Any]) -> bool:
+        """Whether this call's batch runs GroupQueryAttention (one causal run of cells, see fused.py)."""
+        if self._fused_plan is None:
+            return False
+        if self._fused_plan.fits(inputs):
+            return True
+        if not self._told_fallback:
+            log.info("onnx: a batch whose KV cells are not one causal run (several sequences, reused cells): "
+                     "its attention runs op by op")
+            self._told_fallback = True
+        return False
+
+    def _prepare(self, arrays: list[np.ndarray], fused: bool) -> None:
         signature = (self.backend.n_threads, tuple((a.dtype.str, a.ndim) for a in arrays))
-        if self.program is not None and signature == self._signature:
-            return
-        self.program = self.backend.program(self.split, arrays, self.kv)
-        self._signature = signature
-        self._bound.clear()
+        if signature != self._signature:
+            self._programs.clear()
+            self._bound.clear()
+            self._signature = signature
+        program = self._programs.get(fused)
+        if program is None:
+            program = self._programs[fused] = self.backend.program(self.split, arrays, self.kv, fused)
+        self.program = program
 
     def _kv_value(self, key: tuple[str, int], which: str) -> Any:
         storage: OnnxKV = self.kv[key]
-        return storage.k_value if which == "k" else storage.v_value
+        array, value = (storage.k, storage.k_value) if which == "k" else (storage.v, storage.v_value)
+        if self.program.kv_rank == 3:
+            return value
+        cached = self._kv_bnsh.get((key, which))
+        if cached is None or cached[0] is not array:  # a view: GroupQueryAttention updates the cache's memory
+            cached = self._kv_bnsh[(key, which)] = (array, self.backend._ort.OrtValue.ortvalue_from_numpy(
+                array[np.newaxis]))
+        return cached[1]
 
     def _bound_for(self, arrays: list[np.ndarray]) -> _Bound:
-        shapes = tuple(a.shape for a in arrays)
+        shapes = (self.program.kv_rank, tuple(a.shape for a in arrays))
         bound = self._bound.get(shapes)
         if bound is not None:
             self._bound.move_to_end(shapes)
@@ -316,7 +351,7 @@ class _CompiledSplit:
 
     def __call__(self, inputs: Mapping[int, Any]) -> dict[int, np.ndarray]:
         arrays = [np.ascontiguousarray(inputs[i]) for i in self.split.input_ids]
-        self._prepare(arrays)
+        self._prepare(arrays, self._fused(inputs))
         bound = self._bound_for(arrays)
         for name, array in zip(self.program.input_names, arrays):
             bound.binding.bind_cpu_input(name, array)  # zero-copy: ORT reads the array during the run

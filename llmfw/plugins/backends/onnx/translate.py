@@ -6,6 +6,11 @@ buffer, so ONNX Runtime updates the cache in place — no cache-sized copy per t
 
 One model serves a split structure for every ubatch size and every KV length: token counts and ``n_kv`` are
 dynamic axes (the graph's reshapes use ``-1`` for the token axis).
+
+With ``fused_attention`` (see :mod:`.fused`: a batch whose cells are one causal run) each ``attention`` is one
+``GroupQueryAttention`` whose past and present K/V are the cache's own memory, seen as ``[1, Hkv, n_cells, D]``.
+A residual ``add`` read by an RMS norm becomes ``SkipSimplifiedLayerNormalization`` (sum and norm in one kernel;
+the sum is its 4th output for the later residual).
 """
 from __future__ import annotations
 
@@ -18,7 +23,7 @@ from llmfw.core.errors import ModelError
 from llmfw.core.graph import DYNAMIC, Node, Shape
 from llmfw.core.rope import rope_angle_slopes
 from llmfw.plugins.backends.onnx.emit import (
-    ONNX_FLOAT, ONNX_INT64, OPSET, Emitter, external_tensor_proto, freeze, kv_name,
+    ONNX_FLOAT, ONNX_INT32, ONNX_INT64, OPSET, Emitter, external_tensor_proto, freeze, kv_name, live_nodes,
 )
 from llmfw.plugins.backends.onnx.ort import OnnxKV, import_onnxruntime
 from llmfw.plugins.backends.onnx.weights import F32, BlockWeight, DenseWeight
@@ -37,13 +42,19 @@ class SplitTranslator:
     those axes dynamic."""
 
     def __init__(self, backend: "OnnxBackend", split: Split, inputs: Sequence[np.ndarray],
-                 kv: Mapping[tuple[str, int], Any]):
+                 kv: Mapping[tuple[str, int], Any], fused_attention: bool = False):
         import_onnxruntime()
         from onnx import helper, numpy_helper
 
         self.backend = backend
         self.split = split
         self.kv = kv
+        self.fused_attention = fused_attention
+        #: rank of the cache tensors the model binds: GroupQueryAttention reads them as [1, Hkv, n_cells, D]
+        self.kv_rank = 4 if fused_attention else 3
+        #: rms_norm node id → the add it is fused with (SkipSimplifiedLayerNormalization), and its output name
+        self._skip_norms: dict[int, Node] = {}
+        self._fused_outputs: dict[int, str] = {}
         self.e = Emitter(helper, numpy_helper)
         self.names: dict[int, str] = {}
         #: the arrays' shapes of the split's inputs: they fill in the IR's DYNAMIC dimensions (see :meth:`shape`)
@@ -67,6 +78,7 @@ class SplitTranslator:
     def translate(self) -> tuple[Any, list[str]]:
         """The ONNX model of the split and the names of its outputs (split.output_ids order)."""
         self._mark_last_kv_writers()
+        self._find_skip_norms()
         for node in self.split.nodes:
             self._translate_node(node)
         output_names = self._declare_outputs()
@@ -80,8 +92,28 @@ class SplitTranslator:
                 for which in ("k", "v") if node.op == "attention" else ("k",):
                     self._last_kv_writer[(key, which)] = node.id
 
+    def _find_skip_norms(self) -> None:
+        """``rms_norm(add(a, b), w)`` with a, b and the sum of one shape: the add emits both (see
+        :meth:`_skip_norm`). The first such norm of an add is fused; the add's sum stays a value of its own."""
+        inside = {n.id for n in self.split.nodes}
+        taken: set[int] = set()
+        for node in self.split.nodes:
+            if node.op != "rms_norm" or len(node.inputs) != 2:
+                continue
+            x, w = node.inputs
+            if x.op != "add" or x.id not in inside or x.id in taken or w.op != "weight" or x.shape is None:
+                continue
+            if len(x.shape) != 2 or any(i.shape != x.shape for i in x.inputs) or w.shape != x.shape[-1:]:
+                continue
+            self._skip_norms[x.id] = node
+            taken.add(x.id)
+
     def _translate_node(self, node: Node) -> None:
         if node.op == "weight":  # emitted by its consumers, in the form each one needs
+            return
+        fused = self._fused_outputs.pop(node.id, None)
+        if fused is not None:  # computed by an earlier fused node
+            self.names[node.id] = fused
             return
         handler = getattr(self, f"_op_{node.op}", None)
         if handler is None:
@@ -107,7 +139,8 @@ class SplitTranslator:
         helper = self.e.helper
         initializers = list(self.e.constants)
         initializers += [external_tensor_proto(name, array) for name, array in self.e.externals.items()]
-        graph = helper.make_graph(self.e.nodes, "llmfw_split", self.graph_inputs, self.graph_outputs,
+        nodes = live_nodes(self.e.nodes, [output.name for output in self.graph_outputs])
+        graph = helper.make_graph(nodes, "llmfw_split", self.graph_inputs, self.graph_outputs,
                                   initializer=initializers)
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET),
                                                         helper.make_opsetid("com.microsoft", 1)],
@@ -174,12 +207,11 @@ class SplitTranslator:
                         bits=weight.bits, block_size=weight.block, accuracy_level=self.backend.accuracy_level)
         if weight.offsets is None:
             return out
-        # per-block offsets: W = codes*scales + offsets ⇒ x @ W.T += blocksum(x) @ offsets.T
-        n_blocks = weight.n_blocks
-        lead = self.e.op("Shape", [x], end=-1)
-        blocked = self.e.op("Reshape", [x, self.e.op("Concat", [lead, self.e.const([n_blocks, weight.block])],
-                                                       axis=0)])
-        sums = self.e.op("ReduceSum", [blocked, self.e.const([-1])], keepdims=0, hint="blocksum")
+        # per-block offsets: W = codes*scales + offsets ⇒ x @ W.T += blocksum(x) @ offsets.T, the block sums
+        # one small MatMul by a 0/1 matrix [n_in, n_blocks] (fewer nodes than Reshape + ReduceSum)
+        block_of_column = np.arange(n_in) // weight.block
+        ones = (block_of_column[:, None] == np.arange(weight.n_blocks)[None, :]).astype(F32)
+        sums = self.e.op("MatMul", [x, self.e.const(ones, F32)], hint="blocksum")
         offsets_t = self.e.external(f"oT:{key}", self.backend.offsets_transposed(key, weight))
         if len(x_shape) == 2:  # one Gemm: sums @ offsets.T + out
             return self.e.op("Gemm", [sums, offsets_t, out], hint="mmq")
@@ -214,7 +246,21 @@ class SplitTranslator:
         return self.e.op(op_type, [self.value(a), self.value(b)])
 
     def _op_add(self, node: Node) -> str:
+        norm = self._skip_norms.get(node.id)
+        if norm is not None:
+            return self._skip_norm(node, norm)
         return self._binary(node, "Add")
+
+    def _skip_norm(self, add: Node, norm: Node) -> str:
+        """SkipSimplifiedLayerNormalization: outputs 0 (the norm's value, kept for the norm node) and 3 (the sum,
+        this add's value)."""
+        a, b = add.inputs
+        normed, total = self.e.fresh("skip_norm"), self.e.fresh("residual")
+        self.e.nodes.append(self.e.helper.make_node(
+            "SkipSimplifiedLayerNormalization", [self.value(a), self.value(b), self.value(norm.inputs[1])],
+            [normed, "", "", total], domain="com.microsoft", epsilon=float(norm.attrs["eps"])))
+        self._fused_outputs[norm.id] = normed
+        return total
 
     def _op_sub(self, node: Node) -> str:
         return self._binary(node, "Sub")
@@ -324,6 +370,7 @@ class SplitTranslator:
         flat = self.e.op("Reshape", [x, self.e.const([1, -1, n_head * head_dim])])
         rotated = self.e.op("RotaryEmbedding", [flat, row_ids, cos, sin], domain="com.microsoft", hint="rope",
                             interleaved=int(attrs["mode"] != "neox"), num_heads=n_head, **extra)
+        self.e.keeps_shape(rotated, flat)
         return self.e.op("Reshape", [rotated, self.e.const([-1, n_head, head_dim])])
 
     def _op_rope(self, node: Node) -> str:
@@ -345,6 +392,8 @@ class SplitTranslator:
             storage: OnnxKV = self.kv[key]
             array = storage.k if which == "k" else storage.v
             dims = [array.shape[0], f"{name}_cells", array.shape[2]]
+            if self.kv_rank == 4:
+                dims = [1, *dims]
             self.graph_inputs.append(self.e.helper.make_tensor_value_info(name, ONNX_FLOAT, dims))
             self._kv_declared.add(name)
         return name
@@ -384,6 +433,8 @@ class SplitTranslator:
         return self.e.op("Slice", [cache, self.e.const([0]), n_kv, self.e.const([1])])
 
     def _op_attention(self, node: Node) -> str:
+        if self.fused_attention:
+            return self._group_query_attention(node)
         q, k, v, kv_idx, mask = node.inputs
         key, storage = self._kv_storage(node)
         n_head_kv, _, head_dim_k = storage.k.shape
@@ -432,3 +483,38 @@ class SplitTranslator:
         self._kv_write(node, key, "k", self._scatter_index(cells, n_head_kv),
                        self.e.op("Transpose", [rotated], perm=[1, 0, 2]))
         return self.e.const(np.zeros(0, F32), F32)
+
+    # -- GroupQueryAttention (fused_attention: the batch is one causal run of cells, see fused.py) --------------
+    def _group_query_attention(self, node: Node) -> str:
+        """One GQA over the layer's cache, past and present bound to the same memory: it writes the ubatch's K/V
+        at cells c0 .. c0+T-1 and attends to cells 0 .. c0+t (the mask's pattern, checked before the call)."""
+        q, k, v, kv_idx, _ = node.inputs
+        key, storage = self._kv_storage(node)
+        n_head_kv, _, head_dim = storage.k.shape
+        n_head = self.known_dim(q, 1)
+        if n_head % n_head_kv:
+            raise ModelError(f"onnx backend: {n_head} query heads are not a multiple of {n_head_kv} KV heads")
+        rows = [self.e.op("Reshape", [self.value(x), self.e.const([1, -1, heads * head_dim])])
+                for x, heads in ((q, n_head), (k, n_head_kv), (v, n_head_kv))]
+        seqlens, total = self._gqa_lengths(self.value(kv_idx))
+        past = [self._kv_input(key, which) for which in ("k", "v")]
+        present = [kv_name(key, which) + "_out" for which in ("k", "v")]
+        out = self.e.fresh("gqa")
+        window = int(node.attrs.get("window", 0) or 0)
+        self.e.nodes.append(self.e.helper.make_node(
+            "GroupQueryAttention", [*rows, *past, seqlens, total], [out, *present], domain="com.microsoft",
+            num_heads=n_head, kv_num_heads=n_head_kv, scale=float(node.attrs["scale"]),
+            softcap=float(node.attrs.get("softcap", 0.0) or 0.0), local_window_size=window if window > 0 else -1))
+        for which, name in zip(("k", "v"), present):
+            self._kv_current[(key, which)] = name
+        return self.e.op("Reshape", [out, self.e.const([-1, n_head * head_dim])], hint="attn")
+
+    def _gqa_lengths(self, kv_idx: str) -> tuple[str, str]:
+        """``seqlens_k`` [1] = the last cell written (c0 + T - 1) and ``total_sequence_length`` (a scalar, + 1),
+        int32, from the ubatch's cells — shared by the layers of one cache."""
+        def make() -> tuple[str, str]:
+            last = self.e.op("Slice", [kv_idx, self.e.const([-1]), self.e.const([np.iinfo(np.int64).max])])
+            seqlens = self.e.op("Cast", [last], to=ONNX_INT32, hint="seqlens_k")
+            total = self.e.op("Squeeze", [self.e.op("Add", [seqlens, self.e.const([1], np.int32)])], hint="total_len")
+            return seqlens, total
+        return self.shared(("gqa_lengths", kv_idx), make)
