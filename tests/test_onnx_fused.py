@@ -99,3 +99,23 @@ def test_fused_attention_matches_op_by_op(tmp_path, name):
     for step, (got, want) in enumerate(zip(fused, plain)):
         assert got.shape == want.shape
         assert np.abs(got - want).max() <= 1e-3 * max(1.0, float(np.abs(want).max())), step
+
+
+def _two_contexts(path, fused: bool) -> np.ndarray:
+    """Logits of a 300-token prompt in a second context of 512 cells after one of 256 on the same model."""
+    with llmfw.load_model(path, backend="onnx", backend_options={"onnx": {"fused_attention": fused}}) as model:
+        model.backends["onnx"].accuracy_level = 0
+        small = model.new_context(n_ctx=32, n_ubatch=16)
+        assert small.decode(llmfw.Batch(list(range(3, 23)), logits=True)) == 0, small.last_error
+        small.close()
+        large = model.new_context(n_ctx=512, n_ubatch=128, n_batch=512)
+        assert large.decode(llmfw.Batch(list(range(3, 303)), logits=True)) == 0, large.last_error
+        logits = large.get_logits().copy()
+        large.close()
+    return logits
+
+
+def test_a_larger_context_gets_rotary_tables_of_its_own_size(tmp_path):
+    path = build_model_file("llama-rope-yarn", tmp_path)
+    got, want = _two_contexts(path, True), _two_contexts(path, False)
+    assert np.abs(got - want).max() <= 1e-3 * max(1.0, float(np.abs(want).max()))

@@ -6,6 +6,11 @@ query at position ``P + t`` seeing cells ``0 .. P + t`` (only the last ``local_w
 window). One kernel per layer replaces the op-by-op translation's ~15 nodes (ScatterND, the cached prefix's
 Slice copies, transposes, FusedMatMul, mask, Softmax, MatMul).
 
+When q and k are rotated by one rope over the whole head at the ubatch positions, GQA applies it itself
+(``do_rotary``, cos/sin tables over the cache's cells), and when q, k, v are also slices of one fused QKV
+matmul, that matmul's output is GQA's packed query: one kernel from the projection to the attention output.
+GQA's rotary position of a token is its cell, so this also needs positions equal to cells (checked per call).
+
 Our cache is a unified multi-sequence cell buffer with a mask, so GQA computes the same values only for a batch
 whose cells are one contiguous run ``c0 .. c0 + T - 1`` and whose mask is exactly that causal pattern: a single
 sequence laid out in cell order — every plain prompt and decode. :meth:`FusedAttentionPlan.fits` checks it on
@@ -36,6 +41,8 @@ class CausalRun:
     kv_idx: int
     mask: int
     window: int
+    #: the ``pos`` input when an attention of this cache rotates inside GQA (positions must equal cells)
+    positions: int | None = None
 
 
 @dataclass(frozen=True)
@@ -45,11 +52,14 @@ class FusedAttentionPlan:
     runs: tuple[CausalRun, ...]
 
     def fits(self, inputs: Mapping[int, np.ndarray]) -> bool:
-        return all(is_causal_run(inputs[run.kv_idx], inputs[run.mask], run.window) for run in self.runs)
+        return all(is_causal_run(inputs[run.kv_idx], inputs[run.mask], run.window)
+                   and (run.positions is None or np.array_equal(inputs[run.positions], inputs[run.kv_idx]))
+                   for run in self.runs)
 
 
-def fused_attention_plan(split: Split) -> FusedAttentionPlan | None:
-    """The plan of a split whose every attention GQA can express, else None (and why, at INFO: ``-v``)."""
+def fused_attention_plan(split: Split, n_cells: Mapping[tuple[str, int], int]) -> FusedAttentionPlan | None:
+    """The plan of a split whose every attention GQA can express, else None (and why, at INFO: ``-v``).
+    ``n_cells``: the cells of each (cache, layer) KV storage (they bound the rotary tables)."""
     attentions = [n for n in split.nodes if n.op == "attention"]
     if not attentions:
         return None
@@ -57,8 +67,60 @@ def fused_attention_plan(split: Split) -> FusedAttentionPlan | None:
     if reason:
         log.info("onnx: attention runs op by op (no GroupQueryAttention): %s", reason)
         return None
-    runs = {CausalRun(n.inputs[3].id, n.inputs[4].id, _window(n)) for n in attentions}
-    return FusedAttentionPlan(tuple(sorted(runs, key=lambda r: (r.kv_idx, r.mask))))
+    runs: dict[tuple[int, int], CausalRun] = {}
+    for node in attentions:
+        rope = fusable_rope(node, n_cells.get((str(node.attrs["cache"]), int(node.attrs["layer"])), 0))
+        run = runs.get((node.inputs[3].id, node.inputs[4].id))
+        positions = rope.inputs[1].id if rope is not None else (run.positions if run else None)
+        runs[(node.inputs[3].id, node.inputs[4].id)] = CausalRun(node.inputs[3].id, node.inputs[4].id,
+                                                                 _window(node), positions)
+    return FusedAttentionPlan(tuple(runs[key] for key in sorted(runs)))
+
+
+def kv_cells(storage: object) -> int:
+    """The cells of a layer's KV storage (0 for storage of another backend)."""
+    k = getattr(storage, "k", None)
+    return int(k.shape[1]) if isinstance(k, np.ndarray) and k.ndim == 3 else 0
+
+
+#: the most cos/sin values of one rotary table GQA may read (rows = cells): 4 M floats, 16 MiB each
+MAX_ROTARY_TABLE = 1 << 22
+
+
+def fusable_rope(attention: Node, n_cells: int) -> Node | None:
+    """The rope node of q when GQA can rotate q and k itself: both are one rope over the whole head with the
+    same attrs, the positions input and factors, and the table over the cache's cells stays small."""
+    q, k = attention.inputs[0], attention.inputs[1]
+    if q.op != "rope" or k.op != "rope" or q.attrs != k.attrs or q.shape is None or k.shape is None:
+        return None
+    if [i.id for i in q.inputs[1:]] != [i.id for i in k.inputs[1:]] or q.inputs[1].op != "input":
+        return None
+    n_dims = q.attrs.get("n_dims")
+    if n_dims != q.shape[2] or n_dims != k.shape[2] or not 0 < n_cells * int(n_dims) // 2 <= MAX_ROTARY_TABLE:
+        return None
+    return q
+
+
+def packed_qkv(q: Node, k: Node, v: Node) -> Node | None:
+    """The fused QKV matmul whose output q, k, v are consecutive slices of (reshaped to heads): GQA then reads
+    it as its packed query. None when they are not."""
+    parts = []
+    for node in (q, k, v):
+        if node.op != "reshape" or node.inputs[0].op != "slice":
+            return None
+        parts.append(node.inputs[0])
+    source = parts[0].inputs[0]
+    if source.shape is None or len(source.shape) != 2:
+        return None
+    stop = 0
+    for part in parts:
+        if part.inputs[0] is not source or part.attrs.get("axis", -1) not in (-1, 1):
+            return None
+        start, end = part.attrs.get("start"), part.attrs.get("stop")
+        if (start or 0) != stop or not isinstance(end, int):
+            return None
+        stop = end
+    return source if stop == source.shape[1] else None
 
 
 def _window(node: Node) -> int:

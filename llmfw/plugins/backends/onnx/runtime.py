@@ -18,7 +18,7 @@ from llmfw.core.errors import ModelError
 from llmfw.core.graph import OPS
 from llmfw.plugins.backends.onnx.cache import CachedLoad, ConvertedCache, default_cache_root
 from llmfw.plugins.backends.onnx.emit import split_signature
-from llmfw.plugins.backends.onnx.fused import FusedAttentionPlan, fused_attention_plan
+from llmfw.plugins.backends.onnx.fused import FusedAttentionPlan, fused_attention_plan, kv_cells
 from llmfw.plugins.backends.onnx.ort import OnnxKV, execution_providers, import_onnxruntime
 from llmfw.plugins.backends.onnx.translate import SplitTranslator
 from llmfw.plugins.backends.onnx.weights import (
@@ -156,6 +156,10 @@ class OnnxBackend(Backend):
         share_rows(fused, blocks)
         return True
 
+    def derived(self, name: str, kind: str, make: Callable[[], np.ndarray]) -> np.ndarray:
+        """An array derived from the weights (a transposed copy, a rotary table...), made once per backend."""
+        return self._derive(name, kind, make)
+
     def _derive(self, name: str, kind: str, make: Callable[[], np.ndarray]) -> np.ndarray:
         array = self._derived.get((name, kind))
         if array is None:
@@ -204,7 +208,9 @@ class OnnxBackend(Backend):
                 fused_attention: bool = False) -> _Program:
         """The session for a split structure, thread count (fixed when a session is built) and attention form
         (GroupQueryAttention or op by op), built on first use and cached (LRU)."""
-        key = (self.n_threads, fused_attention, split_signature(split, inputs))
+        # GroupQueryAttention's rotary tables span the caches' cells: a fused program fits one cache size only
+        cells = tuple(sorted((key, kv_cells(storage)) for key, storage in kv.items())) if fused_attention else ()
+        key = (self.n_threads, fused_attention, cells, split_signature(split, inputs))
         program = self._programs.get(key)
         if program is not None:
             self._programs.move_to_end(key)
@@ -280,7 +286,8 @@ class _CompiledSplit:
         self._programs: dict[bool, _Program] = {}
         self._bound: OrderedDict[tuple, _Bound] = OrderedDict()
         self._fused_plan: FusedAttentionPlan | None = (
-            fused_attention_plan(split) if backend.onnx_options.fused_attention else None)
+            fused_attention_plan(split, {key: kv_cells(storage) for key, storage in kv.items()})
+            if backend.onnx_options.fused_attention else None)
         self._told_fallback = False
         #: the caches as [1, Hkv, n_cells, D] OrtValues over the same memory (GroupQueryAttention's BNSH)
         self._kv_bnsh: dict[tuple[tuple[str, int], str], tuple[np.ndarray, Any]] = {}

@@ -25,6 +25,7 @@ from llmfw.core.rope import rope_angle_slopes
 from llmfw.plugins.backends.onnx.emit import (
     ONNX_FLOAT, ONNX_INT32, ONNX_INT64, OPSET, Emitter, external_tensor_proto, freeze, kv_name, live_nodes,
 )
+from llmfw.plugins.backends.onnx.fused import fusable_rope, packed_qkv
 from llmfw.plugins.backends.onnx.ort import OnnxKV, import_onnxruntime
 from llmfw.plugins.backends.onnx.weights import F32, BlockWeight, DenseWeight
 
@@ -490,24 +491,55 @@ class SplitTranslator:
         at cells c0 .. c0+T-1 and attends to cells 0 .. c0+t (the mask's pattern, checked before the call)."""
         q, k, v, kv_idx, _ = node.inputs
         key, storage = self._kv_storage(node)
-        n_head_kv, _, head_dim = storage.k.shape
+        n_head_kv, n_cells, head_dim = storage.k.shape
         n_head = self.known_dim(q, 1)
         if n_head % n_head_kv:
             raise ModelError(f"onnx backend: {n_head} query heads are not a multiple of {n_head_kv} KV heads")
-        rows = [self.e.op("Reshape", [self.value(x), self.e.const([1, -1, heads * head_dim])])
-                for x, heads in ((q, n_head), (k, n_head_kv), (v, n_head_kv))]
+        rope = fusable_rope(node, n_cells)
+        rotary: list[str] = []
+        rotary_attrs: dict[str, int] = {}
+        if rope is not None:  # GQA rotates q and k itself, at position = cell (checked per call)
+            q, k = q.inputs[0], k.inputs[0]
+            rotary = list(self._rotary_tables(rope, n_cells))
+            rotary_attrs = {"do_rotary": 1, "rotary_interleaved": int(rope.attrs["mode"] != "neox")}
+        qkv = packed_qkv(q, k, v) if rope is not None else None
+        if qkv is not None:  # the fused QKV projection's output as it is: GQA splits it
+            width = (n_head + 2 * n_head_kv) * head_dim
+            rows = [self.e.op("Reshape", [self.value(qkv), self.e.const([1, -1, width])]), "", ""]
+        else:
+            rows = [self.e.op("Reshape", [self.value(x), self.e.const([1, -1, heads * head_dim])])
+                    for x, heads in ((q, n_head), (k, n_head_kv), (v, n_head_kv))]
         seqlens, total = self._gqa_lengths(self.value(kv_idx))
         past = [self._kv_input(key, which) for which in ("k", "v")]
         present = [kv_name(key, which) + "_out" for which in ("k", "v")]
         out = self.e.fresh("gqa")
         window = int(node.attrs.get("window", 0) or 0)
         self.e.nodes.append(self.e.helper.make_node(
-            "GroupQueryAttention", [*rows, *past, seqlens, total], [out, *present], domain="com.microsoft",
+            "GroupQueryAttention", [*rows, *past, seqlens, total, *rotary], [out, *present], domain="com.microsoft",
             num_heads=n_head, kv_num_heads=n_head_kv, scale=float(node.attrs["scale"]),
-            softcap=float(node.attrs.get("softcap", 0.0) or 0.0), local_window_size=window if window > 0 else -1))
+            softcap=float(node.attrs.get("softcap", 0.0) or 0.0), local_window_size=window if window > 0 else -1,
+            **rotary_attrs))
         for which, name in zip(("k", "v"), present):
             self._kv_current[(key, which)] = name
         return self.e.op("Reshape", [out, self.e.const([-1, n_head * head_dim])], hint="attn")
+
+    def _rotary_tables(self, rope: Node, n_cells: int) -> tuple[str, str]:
+        """GQA's cos/sin caches [n_cells, n_dims/2] (row = position = cell), the angles of :meth:`_rope_table`
+        computed once per rope parameters and cache size (external initializers shared by the sessions)."""
+        factors = rope.inputs[2] if len(rope.inputs) > 2 else None
+        attrs = {k: v for k, v in rope.attrs.items() if k not in ("layer", "cache")}
+        key = (freeze(attrs), None if factors is None else factors.attrs.get("name"), n_cells)
+        name = f"rotary:{abs(hash(key)):x}"
+
+        def table(which: str) -> np.ndarray:
+            def make() -> np.ndarray:
+                ff = None if factors is None else self.backend.dense_copy(factors.attrs["name"])
+                slope, mscale = rope_angle_slopes(freq_factors=ff, **attrs)
+                theta = np.arange(n_cells, dtype=F32)[:, None] * slope[None, :]
+                return ((np.cos(theta) if which == "cos" else np.sin(theta)) * F32(mscale)).astype(F32)
+            return self.backend.derived(name, which, make)
+
+        return self.e.external(f"{name}:cos", table("cos")), self.e.external(f"{name}:sin", table("sin"))
 
     def _gqa_lengths(self, kv_idx: str) -> tuple[str, str]:
         """``seqlens_k`` [1] = the last cell written (c0 + T - 1) and ``total_sequence_length`` (a scalar, + 1),
