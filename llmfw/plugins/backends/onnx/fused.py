@@ -69,7 +69,7 @@ def fused_attention_plan(split: Split, n_cells: Mapping[tuple[str, int], int]) -
         return None
     runs: dict[tuple[int, int], CausalRun] = {}
     for node in attentions:
-        rope = fusable_rope(node, n_cells.get((str(node.attrs["cache"]), int(node.attrs["layer"])), 0))
+        rope = fusable_rope(node, n_cells.get((node.attr_str("cache"), node.attr_int("layer")), 0))
         run = runs.get((node.inputs[3].id, node.inputs[4].id))
         positions = rope.inputs[1].id if rope is not None else (run.positions if run else None)
         runs[(node.inputs[3].id, node.inputs[4].id)] = CausalRun(node.inputs[3].id, node.inputs[4].id,
@@ -95,8 +95,8 @@ def fusable_rope(attention: Node, n_cells: int) -> Node | None:
         return None
     if [i.id for i in q.inputs[1:]] != [i.id for i in k.inputs[1:]] or q.inputs[1].op != "input":
         return None
-    n_dims = q.attrs.get("n_dims")
-    if n_dims != q.shape[2] or n_dims != k.shape[2] or not 0 < n_cells * int(n_dims) // 2 <= MAX_ROTARY_TABLE:
+    n_dims = q.attr_int("n_dims", 0)
+    if n_dims != q.shape[2] or n_dims != k.shape[2] or not 0 < n_cells * n_dims // 2 <= MAX_ROTARY_TABLE:
         return None
     return q
 
