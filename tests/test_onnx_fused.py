@@ -40,7 +40,7 @@ def test_a_windowed_mask_fits_only_its_window():
 
 
 @pytest.mark.parametrize("case", ["gap", "reordered", "other_sequence_visible", "own_cell_hidden", "past_n_kv",
-                                  "empty", "rows_mismatch"])
+                                  "empty", "rows_mismatch", "finite_bias", "row_hidden"])
 def test_other_batches_do_not_fit(case):
     kv_idx, mask = np.arange(4, 7), causal_mask(4, 3, 16, 0)
     if case == "gap":
@@ -53,6 +53,11 @@ def test_other_batches_do_not_fit(case):
     elif case == "own_cell_hidden":
         mask = mask.copy()
         mask[2, 0] = NEG
+    elif case in ("finite_bias", "row_hidden"):
+        mask = mask.copy()
+        mask[1, 2] = -1.0 if case == "finite_bias" else NEG
+        if case == "row_hidden":
+            mask[1, :] = NEG
     elif case == "past_n_kv":
         kv_idx, mask = np.arange(14, 17), causal_mask(14, 3, 16, 0)[:, :16]
     elif case == "empty":

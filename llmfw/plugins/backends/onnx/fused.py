@@ -149,16 +149,26 @@ def _not_fusable(split: Split, attentions: list[Node]) -> str:
 
 def is_causal_run(kv_idx: np.ndarray, mask: np.ndarray, window: int) -> bool:
     """Whether a ubatch writes cells ``c0 .. c0+T-1`` and token t sees exactly cells ``0 .. c0+t`` (the last
-    ``window`` of them when windowed): what GroupQueryAttention computes with ``seqlens_k = c0 + T - 1``."""
+    ``window`` of them when windowed), every other cell at -inf: what GroupQueryAttention computes with
+    ``seqlens_k = c0 + T - 1``. Reads the mask row by row as booleans (no second mask-sized float array)."""
     n_tokens = kv_idx.shape[0]
     if n_tokens == 0 or mask.ndim != 2 or mask.shape[0] != n_tokens:
         return False
-    c0 = int(kv_idx[0])
-    if c0 < 0 or c0 + n_tokens > mask.shape[1]:
+    c0, n_kv = int(kv_idx[0]), mask.shape[1]
+    if c0 < 0 or c0 + n_tokens > n_kv:
         return False
     if n_tokens > 1 and not np.array_equal(kv_idx, np.arange(c0, c0 + n_tokens)):
         return False
-    return np.array_equal(mask, causal_mask(c0, n_tokens, mask.shape[1], window))
+    visible = mask == 0
+    if not (visible | np.isneginf(mask)).all():
+        return False
+    last = c0 + np.arange(n_tokens)
+    first = np.maximum(last - window + 1, 0) if window > 0 else np.zeros(n_tokens, dtype=np.int64)
+    # each row's visible cells: exactly last - first + 1 of them, the first and the last where they must be,
+    # none before the first or after the last (argmax finds the first True of a row)
+    return bool((visible.sum(axis=1) == last - first + 1).all()
+                and (visible.argmax(axis=1) == first).all()
+                and (n_kv - 1 - visible[:, ::-1].argmax(axis=1) == last).all())
 
 
 def causal_mask(c0: int, n_tokens: int, n_kv: int, window: int) -> np.ndarray:

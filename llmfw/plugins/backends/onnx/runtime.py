@@ -299,7 +299,8 @@ class _CompiledSplit:
         if self._fused_plan.fits(inputs):
             return True
         if not self._told_fallback:
-            log.info("onnx: a batch whose KV cells are not one causal run (several sequences, reused cells): "
+            log.info("onnx: a batch whose KV cells are not one causal run (several sequences, reused cells, "
+                     "positions other than cells): "
                      "its attention runs op by op")
             self._told_fallback = True
         return False
