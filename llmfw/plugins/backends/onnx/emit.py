@@ -12,7 +12,7 @@ from llmfw.core.backend import Split
 #: ONNX opset of the default domain; com.microsoft ops are version 1
 OPSET = 17
 #: ONNX element types used in the graphs (constants here: the module must import without onnx)
-ONNX_FLOAT, ONNX_INT32, ONNX_INT64 = 1, 6, 7  # onnx.TensorProto.FLOAT, INT32, INT64
+ONNX_FLOAT, ONNX_INT32, ONNX_INT64, ONNX_BOOL = 1, 6, 7, 9  # onnx.TensorProto.FLOAT, INT32, INT64, BOOL
 
 
 @dataclass
@@ -95,7 +95,19 @@ def live_nodes(nodes: Sequence[Any], outputs: Sequence[str]) -> list[Any]:
         if any(name in needed for name in node.output):
             live.append(node)
             needed.update(node.input)
+            needed.update(_branch_reads(node))
     return live[::-1]
+
+
+def _branch_reads(node: Any) -> set[str]:
+    """Every name the subgraphs of a control-flow node (If) read: outer values they use (a superset)."""
+    names: set[str] = set()
+    for attribute in node.attribute:
+        if attribute.HasField("g"):
+            for inner in attribute.g.node:
+                names.update(inner.input)
+                names.update(_branch_reads(inner))
+    return names
 
 
 def freeze(value: Any) -> Any:

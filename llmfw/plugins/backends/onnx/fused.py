@@ -31,6 +31,8 @@ from llmfw.core.graph import Node
 log = logging.getLogger(__name__)
 
 F32 = np.float32
+#: the bool graph input of a fused-attention model: True runs GroupQueryAttention, False the op-by-op branch
+USE_GQA = "use_gqa"
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from llmfw.core.errors import ModelError
 from llmfw.core.graph import OPS
 from llmfw.plugins.backends.onnx.cache import CachedLoad, ConvertedCache, default_cache_root
 from llmfw.plugins.backends.onnx.emit import split_signature
-from llmfw.plugins.backends.onnx.fused import FusedAttentionPlan, fused_attention_plan, kv_cells
+from llmfw.plugins.backends.onnx.fused import USE_GQA, FusedAttentionPlan, fused_attention_plan, kv_cells
 from llmfw.plugins.backends.onnx.ort import OnnxKV, execution_providers, import_onnxruntime
 from llmfw.plugins.backends.onnx.translate import SplitTranslator
 from llmfw.plugins.backends.onnx.weights import (
@@ -93,6 +93,9 @@ class OnnxBackend(Backend):
         self._load: CachedLoad | None = None
         #: sessions built (tests read it to check that one session serves many ubatches)
         self.sessions_built = 0
+        #: runs of fused-attention models by branch: GroupQueryAttention / op by op (tests, diagnostics)
+        self.gqa_runs = 0
+        self.op_by_op_runs = 0
 
     @classmethod
     def check_available(cls, device: str | None = None) -> None:
@@ -207,7 +210,8 @@ class OnnxBackend(Backend):
     def program(self, split: Split, inputs: Sequence[np.ndarray], kv: Mapping[tuple[str, int], Any],
                 fused_attention: bool = False) -> _Program:
         """The session for a split structure, thread count (fixed when a session is built) and attention form
-        (GroupQueryAttention or op by op), built on first use and cached (LRU)."""
+        (``fused_attention``: GroupQueryAttention or op by op per call, else op by op), built on first use and
+        cached (LRU)."""
         # GroupQueryAttention's rotary tables span the caches' cells: a fused program fits one cache size only
         cells = tuple(sorted((key, kv_cells(storage)) for key, storage in kv.items())) if fused_attention else ()
         key = (self.n_threads, fused_attention, cells, split_signature(split, inputs))
@@ -282,8 +286,6 @@ class _CompiledSplit:
         self.kv = kv
         self.program: _Program | None = None
         self._signature: tuple | None = None
-        #: the programs of this split by attention form (True: GroupQueryAttention), for self._signature
-        self._programs: dict[bool, _Program] = {}
         self._bound: OrderedDict[tuple, _Bound] = OrderedDict()
         self._fused_plan: FusedAttentionPlan | None = (
             fused_attention_plan(split, {key: kv_cells(storage) for key, storage in kv.items()})
@@ -293,11 +295,14 @@ class _CompiledSplit:
         self._kv_bnsh: dict[tuple[tuple[str, int], str], tuple[np.ndarray, Any]] = {}
 
     def _fused(self, inputs: Mapping[int, Any]) -> bool:
-        """Whether this call's batch runs GroupQueryAttention (one causal run of cells, see fused.py)."""
+        """Whether this call's batch runs GroupQueryAttention (one causal run of cells, see fused.py): the
+        model's ``use_gqa`` input."""
         if self._fused_plan is None:
             return False
         if self._fused_plan.fits(inputs):
+            self.backend.gqa_runs += 1
             return True
+        self.backend.op_by_op_runs += 1
         if not self._told_fallback:
             log.info("onnx: a batch whose KV cells are not one causal run (several sequences, reused cells, "
                      "positions other than cells): "
@@ -305,16 +310,13 @@ class _CompiledSplit:
             self._told_fallback = True
         return False
 
-    def _prepare(self, arrays: list[np.ndarray], fused: bool) -> None:
+    def _prepare(self, arrays: list[np.ndarray]) -> None:
         signature = (self.backend.n_threads, tuple((a.dtype.str, a.ndim) for a in arrays))
-        if signature != self._signature:
-            self._programs.clear()
-            self._bound.clear()
-            self._signature = signature
-        program = self._programs.get(fused)
-        if program is None:
-            program = self._programs[fused] = self.backend.program(self.split, arrays, self.kv, fused)
-        self.program = program
+        if self.program is not None and signature == self._signature:
+            return
+        self.program = self.backend.program(self.split, arrays, self.kv, self._fused_plan is not None)
+        self._signature = signature
+        self._bound.clear()
 
     def _kv_value(self, key: tuple[str, int], which: str) -> Any:
         storage: OnnxKV = self.kv[key]
@@ -328,7 +330,7 @@ class _CompiledSplit:
         return cached[1]
 
     def _bound_for(self, arrays: list[np.ndarray]) -> _Bound:
-        shapes = (self.program.kv_rank, tuple(a.shape for a in arrays))
+        shapes = tuple(a.shape for a in arrays)
         bound = self._bound.get(shapes)
         if bound is not None:
             self._bound.move_to_end(shapes)
@@ -359,10 +361,13 @@ class _CompiledSplit:
 
     def __call__(self, inputs: Mapping[int, Any]) -> dict[int, np.ndarray]:
         arrays = [np.ascontiguousarray(inputs[i]) for i in self.split.input_ids]
-        self._prepare(arrays, self._fused(inputs))
+        self._prepare(arrays)
         bound = self._bound_for(arrays)
         for name, array in zip(self.program.input_names, arrays):
             bound.binding.bind_cpu_input(name, array)  # zero-copy: ORT reads the array during the run
+        if self._fused_plan is not None:  # kept in `arrays` while the run reads it
+            arrays.append(np.array(self._fused(inputs)))
+            bound.binding.bind_cpu_input(USE_GQA, arrays[-1])
         self.program.session.run_with_iobinding(bound.binding)
         if bound.outputs is None:  # first run with these shapes: keep arrays of the outputs' shapes from now on
             ort_outputs = bound.binding.get_outputs()

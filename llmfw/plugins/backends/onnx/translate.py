@@ -7,8 +7,11 @@ buffer, so ONNX Runtime updates the cache in place — no cache-sized copy per t
 One model serves a split structure for every ubatch size and every KV length: token counts and ``n_kv`` are
 dynamic axes (the graph's reshapes use ``-1`` for the token axis).
 
-With ``fused_attention`` (see :mod:`.fused`: a batch whose cells are one causal run) each ``attention`` is one
-``GroupQueryAttention`` whose past and present K/V are the cache's own memory, seen as ``[1, Hkv, n_cells, D]``.
+With ``fused_attention`` (see :mod:`.fused`) each ``attention`` is an ``If`` on the graph input ``use_gqa``:
+one ``GroupQueryAttention`` whose past and present K/V are the cache's own memory, seen as
+``[1, Hkv, n_cells, D]``, for a batch whose cells are one causal run, else the op-by-op attention over the same
+memory — one model (one session: ORT prepacks the weights per session) for every batch. Both branches write the
+cache in place: the If's cache outputs are bound to the caches' buffers, and ORT hands them to the branch.
 A residual ``add`` read by an RMS norm becomes ``SkipSimplifiedLayerNormalization`` (sum and norm in one kernel;
 the sum is its 4th output for the later residual).
 """
@@ -23,9 +26,9 @@ from llmfw.core.errors import ModelError
 from llmfw.core.graph import DYNAMIC, Node, Shape
 from llmfw.core.rope import rope_angle_slopes
 from llmfw.plugins.backends.onnx.emit import (
-    ONNX_FLOAT, ONNX_INT32, ONNX_INT64, OPSET, Emitter, external_tensor_proto, freeze, kv_name, live_nodes,
+    ONNX_BOOL, ONNX_FLOAT, ONNX_INT32, ONNX_INT64, OPSET, Emitter, external_tensor_proto, freeze, kv_name, live_nodes,
 )
-from llmfw.plugins.backends.onnx.fused import fusable_rope, packed_qkv
+from llmfw.plugins.backends.onnx.fused import USE_GQA, fusable_rope, kv_cells, packed_qkv
 from llmfw.plugins.backends.onnx.ort import OnnxKV, import_onnxruntime
 from llmfw.plugins.backends.onnx.weights import F32, BlockWeight, DenseWeight
 
@@ -53,6 +56,8 @@ class SplitTranslator:
         self.fused_attention = fused_attention
         #: rank of the cache tensors the model binds: GroupQueryAttention reads them as [1, Hkv, n_cells, D]
         self.kv_rank = 4 if fused_attention else 3
+        #: rope nodes only the op-by-op branch of a fused attention reads (GQA rotates their inputs itself)
+        self._deferred_ropes: set[int] = set()
         #: rms_norm node id → the add it is fused with (SkipSimplifiedLayerNormalization), and its output name
         self._skip_norms: dict[int, Node] = {}
         self._fused_outputs: dict[int, str] = {}
@@ -64,6 +69,7 @@ class SplitTranslator:
         self.graph_outputs: list[Any] = []
         self.kv_bindings: list[tuple[str, str, tuple[str, int], str]] = []
         self._kv_current: dict[tuple[tuple[str, int], str], str] = {}
+        self._in_branch = False
         self._shared: dict[tuple, Any] = {}
         self._last_kv_writer: dict[tuple[tuple[str, int], str], int] = {}
         self._kv_declared: set[str] = set()
@@ -74,12 +80,15 @@ class SplitTranslator:
             dims = [f"{name}_d{i}" for i in range(array.ndim)]
             self.graph_inputs.append(helper.make_tensor_value_info(
                 name, helper.np_dtype_to_tensor_dtype(array.dtype), dims))
+        if fused_attention:
+            self.graph_inputs.append(helper.make_tensor_value_info(USE_GQA, ONNX_BOOL, []))
 
     # -- driving -----------------------------------------------------------------------------------------
     def translate(self) -> tuple[Any, list[str]]:
         """The ONNX model of the split and the names of its outputs (split.output_ids order)."""
         self._mark_last_kv_writers()
         self._find_skip_norms()
+        self._find_deferred_ropes()
         for node in self.split.nodes:
             self._translate_node(node)
         output_names = self._declare_outputs()
@@ -109,8 +118,28 @@ class SplitTranslator:
             self._skip_norms[x.id] = node
             taken.add(x.id)
 
+    def _find_deferred_ropes(self) -> None:
+        """The q/k ropes of the fused attentions that GQA applies itself: emitted inside the op-by-op branch only,
+        so a GQA batch does not compute them."""
+        if not self.fused_attention:
+            return
+        readers: dict[int, int] = {}
+        for node in self.split.nodes:
+            for i in node.inputs:
+                readers[i.id] = readers.get(i.id, 0) + 1
+        outputs = set(self.split.output_ids)
+        for node in self.split.nodes:
+            if node.op == "attention" and fusable_rope(node, self._n_cells(node)) is not None:
+                for rope in node.inputs[:2]:
+                    if readers.get(rope.id) == 1 and rope.id not in outputs:
+                        self._deferred_ropes.add(rope.id)
+
+    def _n_cells(self, node: Node) -> int:
+        storage = self.kv.get((node.attrs["cache"], int(node.attrs["layer"])))
+        return kv_cells(storage)
+
     def _translate_node(self, node: Node) -> None:
-        if node.op == "weight":  # emitted by its consumers, in the form each one needs
+        if node.op == "weight" or node.id in self._deferred_ropes:  # emitted by their consumers
             return
         fused = self._fused_outputs.pop(node.id, None)
         if fused is not None:  # computed by an earlier fused node
@@ -154,6 +183,8 @@ class SplitTranslator:
             return self.names[node.id]
         if node.op == "weight":
             return self.dense(node.attrs["name"])
+        if node.id in self._deferred_ropes:  # inside the op-by-op branch of its attention (its only reader)
+            return self._op_rope(node)
         raise ModelError(f"onnx backend: value of node {node!r} is not available to its split")
 
     def shape(self, node: Node) -> Shape:
@@ -403,7 +434,7 @@ class SplitTranslator:
         """ScatterND of ``rows`` [Hkv, T, D] at ``index`` [Hkv, T, 2] (head, cell) — in place: the last update
         of a cache is a graph output bound to the input's own buffer, so ORT skips ScatterND's copy."""
         current = self._kv_input(key, which)
-        if self._last_kv_writer.get((key, which)) == node.id:
+        if self._last_kv_writer.get((key, which)) == node.id and not self._in_branch:
             updated = kv_name(key, which) + "_out"
             self.e.nodes.append(self.e.helper.make_node("ScatterND", [current, index, rows], [updated]))
         else:
@@ -426,16 +457,24 @@ class SplitTranslator:
             grid = self.e.op("Concat", [self.e.const([n_head_kv]), n, self.e.const([1])], axis=0)
             heads = self.e.op("Expand", [self.e.const(np.arange(n_head_kv).reshape(-1, 1, 1)), grid])
             cols = self.e.op("Expand", [self.e.op("Unsqueeze", [cells64, self.e.const([0, 2])]), grid])
+            if self.kv_rank == 4:  # (0, head, cell) into [1, Hkv, n_cells, D]
+                zeros = self.e.op("Expand", [self.e.const(np.zeros((1, 1, 1), np.int64)), grid])
+                return self.e.op("Concat", [zeros, heads, cols], axis=-1, hint="kv_index")
             return self.e.op("Concat", [heads, cols], axis=-1, hint="kv_index")
         return self.shared(("kv_index", cells, n_head_kv), make)
 
-    def _cached_prefix(self, cache: str, n_kv: str) -> str:
-        """Cells 0 .. n_kv-1 of a cache tensor [Hkv, n_kv, D]."""
-        return self.e.op("Slice", [cache, self.e.const([0]), n_kv, self.e.const([1])])
+    def _cached_prefix(self, cache: str, n_kv: str, n_head_kv: int, head_dim: int) -> str:
+        """Cells 0 .. n_kv-1 of a cache tensor, as [Hkv, n_kv, D]."""
+        axis = self.kv_rank - 2
+        prefix = self.e.op("Slice", [cache, self.e.const([0]), n_kv, self.e.const([axis])])
+        return prefix if self.kv_rank == 3 else self.e.op("Reshape", [prefix, self.e.const([n_head_kv, -1, head_dim])])
 
     def _op_attention(self, node: Node) -> str:
         if self.fused_attention:
-            return self._group_query_attention(node)
+            return self._switched_attention(node)
+        return self._attention_op_by_op(node)
+
+    def _attention_op_by_op(self, node: Node) -> str:
         q, k, v, kv_idx, mask = node.inputs
         key, storage = self._kv_storage(node)
         n_head_kv, _, head_dim_k = storage.k.shape
@@ -450,7 +489,8 @@ class SplitTranslator:
         values = self._kv_write(node, key, "v", index, self.e.op("Transpose", [self.value(v)], **heads_first))
         mask_name = self.value(mask)
         n_kv = self.shared(("n_kv", mask_name), lambda: self.e.op("Shape", [mask_name], start=1, end=2))
-        keys, values = self._cached_prefix(keys, n_kv), self._cached_prefix(values, n_kv)
+        keys = self._cached_prefix(keys, n_kv, n_head_kv, head_dim_k)
+        values = self._cached_prefix(values, n_kv, n_head_kv, head_dim_v)
         # query head h uses KV head h // G: [T, H, Dk] → [Hkv, G*T, Dk], row g*T + t
         qg = self.e.op("Reshape", [self.value(q), self.e.const([-1, n_head_kv, group, head_dim_k])])
         qg = self.e.op("Transpose", [qg], perm=[1, 2, 0, 3])
@@ -476,7 +516,7 @@ class SplitTranslator:
         n_head_kv, _, head_dim = storage.k.shape
         shift_name = self.value(shift)
         n_kv = self.e.op("Shape", [shift_name])
-        cached = self._cached_prefix(self._kv_input(key, "k"), n_kv)              # [Hkv, n_kv, D]
+        cached = self._cached_prefix(self._kv_input(key, "k"), n_kv, n_head_kv, head_dim)  # [Hkv, n_kv, D]
         table = self._rope_table(shift_name, node.attrs, factors)
         rotated = self._rotate(self.e.op("Transpose", [cached], perm=[1, 0, 2]), n_head_kv, head_dim, table,
                                node.attrs)
@@ -511,7 +551,7 @@ class SplitTranslator:
                     for x, heads in ((q, n_head), (k, n_head_kv), (v, n_head_kv))]
         seqlens, total = self._gqa_lengths(self.value(kv_idx))
         past = [self._kv_input(key, which) for which in ("k", "v")]
-        present = [kv_name(key, which) + "_out" for which in ("k", "v")]
+        present = [self.e.fresh(f"present_{which}") for which in ("k", "v")]
         out = self.e.fresh("gqa")
         window = int(node.attrs.get("window", 0) or 0)
         self.e.nodes.append(self.e.helper.make_node(
@@ -522,6 +562,54 @@ class SplitTranslator:
         for which, name in zip(("k", "v"), present):
             self._kv_current[(key, which)] = name
         return self.e.op("Reshape", [out, self.e.const([-1, n_head * head_dim])], hint="attn")
+
+    def _switched_attention(self, node: Node) -> str:
+        """``If(use_gqa)``: GroupQueryAttention, else the op-by-op attention; each branch returns the attention
+        output and both caches, and the If's cache outputs are the bound graph outputs (written in place)."""
+        key, storage = self._kv_storage(node)
+        self._warm_shared(node, storage)
+        then_branch = self._branch(node, key, self._group_query_attention)
+        else_branch = self._branch(node, key, self._attention_op_by_op)
+        out = self.e.fresh("attn")
+        present = [kv_name(key, which) + "_out" for which in ("k", "v")]
+        self.e.nodes.append(self.e.helper.make_node("If", [USE_GQA], [out, *present], then_branch=then_branch,
+                                                    else_branch=else_branch))
+        for which, name in zip(("k", "v"), present):
+            self._kv_current[(key, which)] = name
+        return out
+
+    def _warm_shared(self, node: Node, storage: OnnxKV) -> None:
+        """The values every layer's branches share, made in the outer graph (a value made inside a branch is not
+        visible to the other layers' branches)."""
+        q, _, _, kv_idx, mask = node.inputs
+        n_head_kv = storage.k.shape[0]
+        self._gqa_lengths(self.value(kv_idx))
+        self._scatter_index(self.value(kv_idx), n_head_kv)
+        mask_name = self.value(mask)
+        self.shared(("n_kv", mask_name), lambda: self.e.op("Shape", [mask_name], start=1, end=2))
+        group = self.known_dim(q, 1) // n_head_kv
+        self.shared(("mask", mask_name, group),
+                    lambda: self.e.op("Tile", [mask_name, self.e.const([group, 1])], hint="mask"))
+        for rope in node.inputs[:2]:
+            if rope.id in self._deferred_ropes:
+                factors = rope.inputs[2] if len(rope.inputs) > 2 else None
+                self._rope_table(self.value(rope.inputs[1]), rope.attrs, factors)
+
+    def _branch(self, node: Node, key: tuple[str, int], emit: Callable[[Node], str]) -> Any:
+        """A subgraph of the nodes ``emit`` makes for ``node``: outputs (attention, K cache, V cache)."""
+        outer_nodes, outer_shared, outer_current = self.e.nodes, self._shared, dict(self._kv_current)
+        self.e.nodes, self._shared, self._in_branch = [], dict(outer_shared), True
+        try:
+            out = emit(node)
+            caches = [self._kv_current[(key, which)] for which in ("k", "v")]
+            outputs = [self.e.op("Identity", [out], hint="branch_out")] + caches
+            nodes = self.e.nodes
+        finally:
+            self.e.nodes, self._shared, self._kv_current, self._in_branch = (outer_nodes, outer_shared,
+                                                                             outer_current, False)
+        helper = self.e.helper
+        return helper.make_graph(nodes, self.e.fresh("branch"), [],
+                                 [helper.make_tensor_value_info(name, ONNX_FLOAT, None) for name in outputs])
 
     def _rotary_tables(self, rope: Node, n_cells: int) -> tuple[str, str]:
         """GQA's cos/sin caches [n_cells, n_dims/2] (row = position = cell), the angles of :meth:`_rope_table`
