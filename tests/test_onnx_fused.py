@@ -69,9 +69,10 @@ def test_other_batches_do_not_fit(case):
 
 # -- fused vs op by op on random-weight models ----------------------------------------------------------------
 
-def _session_logits(path, fused: bool) -> tuple[list[np.ndarray], tuple[int, int, int]]:
+def _session_logits(path, fused: bool, gqa_session: bool = False) -> tuple[list[np.ndarray], tuple[int, int, int]]:
     """Logit rows of one scripted session, and the sessions built and runs of each attention branch."""
-    with llmfw.load_model(path, backend="onnx", backend_options={"onnx": {"fused_attention": fused}}) as model:
+    options = {"fused_attention": fused, "gqa_session": gqa_session}
+    with llmfw.load_model(path, backend="onnx", backend_options={"onnx": options}) as model:
         backend = model.backends["onnx"]
         backend.accuracy_level = 0
         ctx = model.new_context(n_ctx=256, n_seq_max=2, n_ubatch=16, n_batch=64)
@@ -95,13 +96,15 @@ def _session_logits(path, fused: bool) -> tuple[list[np.ndarray], tuple[int, int
     return rows, forms
 
 
+@pytest.mark.parametrize("gqa_session", [False, True], ids=["if_per_layer", "gqa_session"])
 @pytest.mark.parametrize("name", ["gemma2", "llama-rope-yarn"])
-def test_fused_attention_matches_op_by_op(tmp_path, name):
+def test_fused_attention_matches_op_by_op(tmp_path, name, gqa_session):
     path = build_model_file(name, tmp_path)
-    fused, (sessions, gqa_runs, op_by_op_runs) = _session_logits(path, True)
+    fused, (sessions, gqa_runs, op_by_op_runs) = _session_logits(path, True, gqa_session)
     plain, plain_forms = _session_logits(path, False)
-    # one session serves both branches: the single-sequence batches run GQA, the two-sequence one does not
-    assert sessions == 1 and gqa_runs >= 10 and op_by_op_runs >= 1
+    # the single-sequence batches run GQA, the two-sequence one does not: in one session (an If per layer), or
+    # in a session of each form
+    assert sessions == (2 if gqa_session else 1) and gqa_runs >= 10 and op_by_op_runs >= 1
     assert plain_forms == (1, 0, 0)
     for step, (got, want) in enumerate(zip(fused, plain)):
         assert got.shape == want.shape

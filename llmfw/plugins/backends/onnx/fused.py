@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Literal, Mapping
 
 import numpy as np
 
@@ -31,8 +31,10 @@ from llmfw.core.graph import Node
 log = logging.getLogger(__name__)
 
 F32 = np.float32
-#: the bool graph input of a fused-attention model: True runs GroupQueryAttention, False the op-by-op branch
+#: the bool graph input of a "switch" model: True runs GroupQueryAttention, False the op-by-op branch
 USE_GQA = "use_gqa"
+#: how a model computes attention: op by op, GroupQueryAttention only, or an If between the two per layer
+AttentionForm = Literal["op", "gqa", "switch"]
 
 
 @dataclass(frozen=True)

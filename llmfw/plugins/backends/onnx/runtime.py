@@ -18,7 +18,9 @@ from llmfw.core.errors import ModelError
 from llmfw.core.graph import OPS
 from llmfw.plugins.backends.onnx.cache import CachedLoad, ConvertedCache, default_cache_root
 from llmfw.plugins.backends.onnx.emit import split_signature
-from llmfw.plugins.backends.onnx.fused import USE_GQA, FusedAttentionPlan, fused_attention_plan, kv_cells
+from llmfw.plugins.backends.onnx.fused import (
+    USE_GQA, AttentionForm, FusedAttentionPlan, fused_attention_plan, kv_cells,
+)
 from llmfw.plugins.backends.onnx.ort import OnnxKV, execution_providers, import_onnxruntime
 from llmfw.plugins.backends.onnx.translate import SplitTranslator
 from llmfw.plugins.backends.onnx.weights import (
@@ -58,6 +60,9 @@ class OnnxOptions(BackendOptions):
     cache_dir: str | None = None
     #: GroupQueryAttention for batches whose KV cells are one causal run (fused.py); False: always op by op
     fused_attention: bool = True
+    #: those batches get a session of their own (GQA only) instead of an If per layer in the one session:
+    #: faster decode, but a second session, with its own prepacked weights, once other batches come
+    gqa_session: bool = False
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -77,7 +82,7 @@ class OnnxBackend(Backend):
     options_schema = OnnxOptions
     environment_options = {"LLMFW_ONNX_PROFILE": "profile", "LLMFW_ONNX_SPIN": "spin", "LLMFW_ONNX_DUMP": "dump",
                            "LLMFW_ONNX_CACHE": "cache", "LLMFW_ONNX_CACHE_DIR": "cache_dir",
-                           "LLMFW_ONNX_FUSED_ATTENTION": "fused_attention"}
+                           "LLMFW_ONNX_FUSED_ATTENTION": "fused_attention", "LLMFW_ONNX_GQA_SESSION": "gqa_session"}
 
     #: MatMulNBits accuracy level: 4 = int8 activations (llama.cpp's own quantized dot products)
     accuracy_level: int = 4
@@ -208,26 +213,26 @@ class OnnxBackend(Backend):
         return _CompiledSplit(self, split, kv)
 
     def program(self, split: Split, inputs: Sequence[np.ndarray], kv: Mapping[tuple[str, int], Any],
-                fused_attention: bool = False) -> _Program:
+                attention: AttentionForm = "op") -> _Program:
         """The session for a split structure, thread count (fixed when a session is built) and attention form
-        (``fused_attention``: GroupQueryAttention or op by op per call, else op by op), built on first use and
+        (``attention``: op by op, GroupQueryAttention, or an If between them per call), built on first use and
         cached (LRU)."""
         # GroupQueryAttention's rotary tables span the caches' cells: a fused program fits one cache size only
-        cells = tuple(sorted((key, kv_cells(storage)) for key, storage in kv.items())) if fused_attention else ()
-        key = (self.n_threads, fused_attention, cells, split_signature(split, inputs))
+        cells = tuple(sorted((key, kv_cells(storage)) for key, storage in kv.items())) if attention != "op" else ()
+        key = (self.n_threads, attention, cells, split_signature(split, inputs))
         program = self._programs.get(key)
         if program is not None:
             self._programs.move_to_end(key)
             return program
-        program = self._build_program(split, inputs, kv, fused_attention)
+        program = self._build_program(split, inputs, kv, attention)
         self._programs[key] = program
         while len(self._programs) > MAX_SESSIONS:
             self._programs.popitem(last=False)
         return program
 
     def _build_program(self, split: Split, inputs: Sequence[np.ndarray],
-                       kv: Mapping[tuple[str, int], Any], fused_attention: bool = False) -> _Program:
-        translator = SplitTranslator(self, split, inputs, kv, fused_attention)
+                       kv: Mapping[tuple[str, int], Any], attention: AttentionForm = "op") -> _Program:
+        translator = SplitTranslator(self, split, inputs, kv, attention)
         model, output_names = translator.translate()
         externals = translator.e.externals
         options = self._session_options()
@@ -286,6 +291,8 @@ class _CompiledSplit:
         self.kv = kv
         self.program: _Program | None = None
         self._signature: tuple | None = None
+        #: this split's programs by attention form, for self._signature (two with gqa_session)
+        self._programs: dict[str, _Program] = {}
         self._bound: OrderedDict[tuple, _Bound] = OrderedDict()
         self._fused_plan: FusedAttentionPlan | None = (
             fused_attention_plan(split, {key: kv_cells(storage) for key, storage in kv.items()})
@@ -310,13 +317,23 @@ class _CompiledSplit:
             self._told_fallback = True
         return False
 
-    def _prepare(self, arrays: list[np.ndarray]) -> None:
+    def _attention_form(self, gqa: bool) -> AttentionForm:
+        if self._fused_plan is None:
+            return "op"
+        if self.backend.onnx_options.gqa_session:
+            return "gqa" if gqa else "op"
+        return "switch"
+
+    def _prepare(self, arrays: list[np.ndarray], form: AttentionForm) -> None:
         signature = (self.backend.n_threads, tuple((a.dtype.str, a.ndim) for a in arrays))
-        if self.program is not None and signature == self._signature:
-            return
-        self.program = self.backend.program(self.split, arrays, self.kv, self._fused_plan is not None)
-        self._signature = signature
-        self._bound.clear()
+        if signature != self._signature:
+            self._programs.clear()
+            self._bound.clear()
+            self._signature = signature
+        program = self._programs.get(form)
+        if program is None:
+            program = self._programs[form] = self.backend.program(self.split, arrays, self.kv, form)
+        self.program = program
 
     def _kv_value(self, key: tuple[str, int], which: str) -> Any:
         storage: OnnxKV = self.kv[key]
@@ -330,7 +347,7 @@ class _CompiledSplit:
         return cached[1]
 
     def _bound_for(self, arrays: list[np.ndarray]) -> _Bound:
-        shapes = tuple(a.shape for a in arrays)
+        shapes = (self.program.kv_rank, tuple(a.shape for a in arrays))
         bound = self._bound.get(shapes)
         if bound is not None:
             self._bound.move_to_end(shapes)
@@ -361,12 +378,14 @@ class _CompiledSplit:
 
     def __call__(self, inputs: Mapping[int, Any]) -> dict[int, np.ndarray]:
         arrays = [np.ascontiguousarray(inputs[i]) for i in self.split.input_ids]
-        self._prepare(arrays)
+        gqa = self._fused(inputs)
+        form = self._attention_form(gqa)
+        self._prepare(arrays, form)
         bound = self._bound_for(arrays)
         for name, array in zip(self.program.input_names, arrays):
             bound.binding.bind_cpu_input(name, array)  # zero-copy: ORT reads the array during the run
-        if self._fused_plan is not None:  # kept in `arrays` while the run reads it
-            arrays.append(np.array(self._fused(inputs)))
+        if form == "switch":  # kept in `arrays` while the run reads it
+            arrays.append(np.array(gqa))
             bound.binding.bind_cpu_input(USE_GQA, arrays[-1])
         self.program.session.run_with_iobinding(bound.binding)
         if bound.outputs is None:  # first run with these shapes: keep arrays of the outputs' shapes from now on

@@ -7,7 +7,9 @@ buffer, so ONNX Runtime updates the cache in place — no cache-sized copy per t
 One model serves a split structure for every ubatch size and every KV length: token counts and ``n_kv`` are
 dynamic axes (the graph's reshapes use ``-1`` for the token axis).
 
-With ``fused_attention`` (see :mod:`.fused`) each ``attention`` is an ``If`` on the graph input ``use_gqa``:
+The attention form (``attention``, see :mod:`.fused`): ``"op"`` translates it op by op; ``"gqa"`` makes each
+``attention`` one ``GroupQueryAttention`` (a model for the batches whose cells are one causal run); with
+``"switch"`` each ``attention`` is an ``If`` on the graph input ``use_gqa``:
 one ``GroupQueryAttention`` whose past and present K/V are the cache's own memory, seen as
 ``[1, Hkv, n_cells, D]``, for a batch whose cells are one causal run, else the op-by-op attention over the same
 memory — one model (one session: ORT prepacks the weights per session) for every batch. Both branches write the
@@ -28,7 +30,7 @@ from llmfw.core.rope import rope_angle_slopes
 from llmfw.plugins.backends.onnx.emit import (
     ONNX_BOOL, ONNX_FLOAT, ONNX_INT32, ONNX_INT64, OPSET, Emitter, external_tensor_proto, freeze, kv_name, live_nodes,
 )
-from llmfw.plugins.backends.onnx.fused import USE_GQA, fusable_rope, kv_cells, packed_qkv
+from llmfw.plugins.backends.onnx.fused import USE_GQA, AttentionForm, fusable_rope, kv_cells, packed_qkv
 from llmfw.plugins.backends.onnx.ort import OnnxKV, import_onnxruntime
 from llmfw.plugins.backends.onnx.weights import F32, BlockWeight, DenseWeight
 
@@ -46,16 +48,16 @@ class SplitTranslator:
     those axes dynamic."""
 
     def __init__(self, backend: "OnnxBackend", split: Split, inputs: Sequence[np.ndarray],
-                 kv: Mapping[tuple[str, int], Any], fused_attention: bool = False):
+                 kv: Mapping[tuple[str, int], Any], attention: AttentionForm = "op"):
         import_onnxruntime()
         from onnx import helper, numpy_helper
 
         self.backend = backend
         self.split = split
         self.kv = kv
-        self.fused_attention = fused_attention
+        self.attention = attention
         #: rank of the cache tensors the model binds: GroupQueryAttention reads them as [1, Hkv, n_cells, D]
-        self.kv_rank = 4 if fused_attention else 3
+        self.kv_rank = 3 if attention == "op" else 4
         #: rope nodes only the op-by-op branch of a fused attention reads (GQA rotates their inputs itself)
         self._deferred_ropes: set[int] = set()
         #: rms_norm node id → the add it is fused with (SkipSimplifiedLayerNormalization), and its output name
@@ -80,7 +82,7 @@ class SplitTranslator:
             dims = [f"{name}_d{i}" for i in range(array.ndim)]
             self.graph_inputs.append(helper.make_tensor_value_info(
                 name, helper.np_dtype_to_tensor_dtype(array.dtype), dims))
-        if fused_attention:
+        if attention == "switch":
             self.graph_inputs.append(helper.make_tensor_value_info(USE_GQA, ONNX_BOOL, []))
 
     # -- driving -----------------------------------------------------------------------------------------
@@ -121,7 +123,7 @@ class SplitTranslator:
     def _find_deferred_ropes(self) -> None:
         """The q/k ropes of the fused attentions that GQA applies itself: emitted inside the op-by-op branch only,
         so a GQA batch does not compute them."""
-        if not self.fused_attention:
+        if self.attention == "op":
             return
         readers: dict[int, int] = {}
         for node in self.split.nodes:
@@ -470,8 +472,10 @@ class SplitTranslator:
         return prefix if self.kv_rank == 3 else self.e.op("Reshape", [prefix, self.e.const([n_head_kv, -1, head_dim])])
 
     def _op_attention(self, node: Node) -> str:
-        if self.fused_attention:
+        if self.attention == "switch":
             return self._switched_attention(node)
+        if self.attention == "gqa":
+            return self._group_query_attention(node)
         return self._attention_op_by_op(node)
 
     def _attention_op_by_op(self, node: Node) -> str:
@@ -525,7 +529,7 @@ class SplitTranslator:
                        self.e.op("Transpose", [rotated], perm=[1, 0, 2]))
         return self.e.const(np.zeros(0, F32), F32)
 
-    # -- GroupQueryAttention (fused_attention: the batch is one causal run of cells, see fused.py) --------------
+    # -- GroupQueryAttention (the batch is one causal run of cells, see fused.py) -------------------------------
     def _group_query_attention(self, node: Node) -> str:
         """One GQA over the layer's cache, past and present bound to the same memory: it writes the ubatch's K/V
         at cells c0 .. c0+T-1 and attends to cells 0 .. c0+t (the mask's pattern, checked before the call)."""
