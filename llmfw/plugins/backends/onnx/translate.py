@@ -72,6 +72,8 @@ class SplitTranslator:
         self.kv_bindings: list[tuple[str, str, tuple[str, int], str]] = []
         self._kv_current: dict[tuple[tuple[str, int], str], str] = {}
         self._in_branch = False
+        #: the node lists of the graphs around the If branch being built
+        self._outer_nodes: list[list[Any]] = []
         self._shared: dict[tuple, Any] = {}
         self._last_kv_writer: dict[tuple[tuple[str, int], str], int] = {}
         self._kv_declared: set[str] = set()
@@ -547,11 +549,14 @@ class SplitTranslator:
             rotary = list(self._rotary_tables(rope, n_cells))
             rotary_attrs = {"do_rotary": 1, "rotary_interleaved": int(rope.attrs["mode"] != "neox")}
         qkv = packed_qkv(q, k, v) if rope is not None else None
+        # the inputs as [1, T, heads * D], made in the outer graph when this is an If branch (a branch of one
+        # node costs ONNX Runtime least)
+        reshape = self._outer_op if self._in_branch else self.e.op
         if qkv is not None:  # the fused QKV projection's output as it is: GQA splits it
             width = (n_head + 2 * n_head_kv) * head_dim
-            rows = [self.e.op("Reshape", [self.value(qkv), self.e.const([1, -1, width])]), "", ""]
+            rows = [reshape("Reshape", [self.value(qkv), self.e.const([1, -1, width])]), "", ""]
         else:
-            rows = [self.e.op("Reshape", [self.value(x), self.e.const([1, -1, heads * head_dim])])
+            rows = [reshape("Reshape", [self.value(x), self.e.const([1, -1, heads * head_dim])])
                     for x, heads in ((q, n_head), (k, n_head_kv), (v, n_head_kv))]
         seqlens, total = self._gqa_lengths(self.value(kv_idx))
         past = [self._kv_input(key, which) for which in ("k", "v")]
@@ -565,7 +570,17 @@ class SplitTranslator:
             **rotary_attrs))
         for which, name in zip(("k", "v"), present):
             self._kv_current[(key, which)] = name
+        if self._in_branch:  # [1, T, H*D]: the If's output is reshaped after it
+            return out
         return self.e.op("Reshape", [out, self.e.const([-1, n_head * head_dim])], hint="attn")
+
+    def _outer_op(self, op_type: str, inputs: list[str]) -> str:
+        """A node of the graph around the If being built (its branches read the value)."""
+        branch_nodes, self.e.nodes = self.e.nodes, self._outer_nodes[-1]
+        try:
+            return self.e.op(op_type, inputs)
+        finally:
+            self.e.nodes = branch_nodes
 
     def _switched_attention(self, node: Node) -> str:
         """``If(use_gqa)``: GroupQueryAttention, else the op-by-op attention; each branch returns the attention
@@ -580,7 +595,8 @@ class SplitTranslator:
                                                     else_branch=else_branch))
         for which, name in zip(("k", "v"), present):
             self._kv_current[(key, which)] = name
-        return out
+        width = self.known_dim(node.inputs[0], 1) * storage.v.shape[2]
+        return self.e.op("Reshape", [out, self.e.const([-1, width])], hint="attn")  # GQA's [1, T, H*D]
 
     def _warm_shared(self, node: Node, storage: OnnxKV) -> None:
         """The values every layer's branches share, made in the outer graph (a value made inside a branch is not
@@ -602,13 +618,17 @@ class SplitTranslator:
     def _branch(self, node: Node, key: tuple[str, int], emit: Callable[[Node], str]) -> Any:
         """A subgraph of the nodes ``emit`` makes for ``node``: outputs (attention, K cache, V cache)."""
         outer_nodes, outer_shared, outer_current = self.e.nodes, self._shared, dict(self._kv_current)
+        self._outer_nodes.append(outer_nodes)
         self.e.nodes, self._shared, self._in_branch = [], dict(outer_shared), True
         try:
             out = emit(node)
-            caches = [self._kv_current[(key, which)] for which in ("k", "v")]
-            outputs = [self.e.op("Identity", [out], hint="branch_out")] + caches
+            made_here = {name for n in self.e.nodes for name in n.output}
+            if out not in made_here:  # a branch output must be made in the branch
+                out = self.e.op("Identity", [out], hint="branch_out")
+            outputs = [out] + [self._kv_current[(key, which)] for which in ("k", "v")]
             nodes = self.e.nodes
         finally:
+            self._outer_nodes.pop()
             self.e.nodes, self._shared, self._kv_current, self._in_branch = (outer_nodes, outer_shared,
                                                                              outer_current, False)
         helper = self.e.helper
