@@ -59,7 +59,9 @@ Ops (inputs in order; attributes in ``Node.attrs``):
                     First writes k and v into rows ``kv_idx`` of the layer's KV cache (attrs ``layer``,
                     ``cache``), then for each query head h (KV head ``h // (H // Hkv)``):
                     ``softmax(softcap(scale * q·Kᵀ) + mask) @ V`` over cache cells ``0 .. n_kv-1``
-                    (n_kv = mask.shape[1]). attrs: ``layer``, ``cache``, ``scale``, ``softcap`` (0 = off).
+                    (n_kv = mask.shape[1]). attrs: ``layer``, ``cache``, ``scale``, ``softcap`` (0 = off),
+                    ``window``: the standard sliding window the mask applies (llama.cpp's n_swa; 0 = none).
+                    The mask decides what is seen; ``window`` lets a fused kernel know it in advance.
 ``k_shift``         (shift int32 [n_kv] [, freq_factors]) → empty f32 [0]. Side effect only: rotates rows
                     ``0 .. n_kv-1`` of the K cache of (``cache``, ``layer``) in place by the positions
                     ``shift`` (llama.cpp's K-shift after ``seq_add``); same rope attrs as ``rope``.
@@ -608,7 +610,7 @@ class GraphBuilder:
         out = self.op(
             "attention", q, k, v, self.input(f"kv_idx:{cache}"), self.input(f"kq_mask:{cache}"),
             layer=il, cache=cache, scale=self.hp.kq_scale if kq_scale is None else kq_scale,
-            softcap=self.hp.f_attn_logit_softcapping if softcap is None else softcap,
+            softcap=self.hp.f_attn_logit_softcapping if softcap is None else softcap, window=self._window(il),
         )
         if out_weight is None:
             out_weight = f"blk.{il}.attn_output.weight"
@@ -616,6 +618,11 @@ class GraphBuilder:
         if out_weight:
             out = self.mul_mat(out_weight, out, out_bias)
         return out
+
+    def _window(self, il: int) -> int:
+        """The standard sliding window of layer ``il``'s mask (0: none, or a chunked / symmetric window)."""
+        hp = self.hp
+        return hp.n_swa if hp.is_swa(il) and hp.swa_type == "standard" and hp.n_swa > 0 else 0
 
     def build_ffn(self, x: Node, il: int | None = None, *, act: str = "silu", gated: bool = True,
                   up: str | None = None, gate: str | None = None, down: str | None = None,

@@ -22,6 +22,9 @@ from llmfw.core.errors import ModelError
 from llmfw.core.graph import OPS
 from llmfw.plugins.backends.onnx.cache import CachedLoad, ConvertedCache, MappedBlob, default_cache_root
 from llmfw.plugins.backends.onnx.emit import external_tensor_proto, split_signature
+from llmfw.plugins.backends.onnx.fused import (
+    USE_GQA, AttentionForm, FusedAttentionPlan, fused_attention_plan, kv_cells,
+)
 from llmfw.plugins.backends.onnx.ort import OnnxKV, execution_providers, import_onnxruntime
 from llmfw.plugins.backends.onnx.translate import SplitTranslator
 from llmfw.plugins.backends.onnx.weights import (
@@ -45,6 +48,7 @@ class _Program:
     output_names: list[str]           # split.output_ids order
     kv_bindings: list[tuple[str, str, tuple[str, int], str]]  # (input, output, kv key, "k"|"v")
     node_count: int = 0               # ONNX nodes before ORT's own fusions (diagnostics)
+    kv_rank: int = 3                  # 4: the caches are bound as [1, Hkv, n_cells, D] (GroupQueryAttention)
 
 
 class OnnxOptions(BackendOptions):
@@ -60,6 +64,11 @@ class OnnxOptions(BackendOptions):
     cache: bool = True
     #: the converted-weight cache's folder (default ``<models_dir>/.onnx``)
     cache_dir: str | None = None
+    #: GroupQueryAttention for batches whose KV cells are one causal run (fused.py); False: always op by op
+    fused_attention: bool = True
+    #: those batches get a session of their own (GQA only) instead of an If per layer in the one session:
+    #: faster decode, but a second session, with its own prepacked weights, once other batches come
+    gqa_session: bool = False
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -78,7 +87,8 @@ class OnnxBackend(Backend):
 
     options_schema = OnnxOptions
     environment_options = {"LLMFW_ONNX_PROFILE": "profile", "LLMFW_ONNX_SPIN": "spin", "LLMFW_ONNX_DUMP": "dump",
-                           "LLMFW_ONNX_CACHE": "cache", "LLMFW_ONNX_CACHE_DIR": "cache_dir"}
+                           "LLMFW_ONNX_CACHE": "cache", "LLMFW_ONNX_CACHE_DIR": "cache_dir",
+                           "LLMFW_ONNX_FUSED_ATTENTION": "fused_attention", "LLMFW_ONNX_GQA_SESSION": "gqa_session"}
 
     #: MatMulNBits accuracy level: 4 = int8 activations (llama.cpp's own quantized dot products)
     accuracy_level: int = 4
@@ -100,6 +110,9 @@ class OnnxBackend(Backend):
         self.weights_converted = 0
         #: initializers the last session built read from the cache file itself (the others were copied)
         self.initializers_from_file = 0
+        #: runs of fused-attention models by branch: GroupQueryAttention / op by op (tests, diagnostics)
+        self.gqa_runs = 0
+        self.op_by_op_runs = 0
 
     @classmethod
     def check_available(cls, device: str | None = None) -> None:
@@ -166,6 +179,10 @@ class OnnxBackend(Backend):
         share_rows(fused, blocks)
         return True
 
+    def derived(self, name: str, kind: str, make: Callable[[], np.ndarray]) -> np.ndarray:
+        """An array derived from the weights (a transposed copy, a rotary table...), made once per backend."""
+        return self._derive(name, kind, make)
+
     def _derive(self, name: str, kind: str, make: Callable[[], np.ndarray]) -> np.ndarray:
         array = self._derived.get((name, kind))
         if array is None:
@@ -212,23 +229,27 @@ class OnnxBackend(Backend):
     def compile(self, split: Split, kv: Mapping[tuple[str, int], Any]) -> CompiledSplit:
         return _CompiledSplit(self, split, kv)
 
-    def program(self, split: Split, inputs: Sequence[np.ndarray], kv: Mapping[tuple[str, int], Any]) -> _Program:
-        """The session for a split structure and thread count (fixed when a session is built), built on first
-        use and cached (LRU)."""
-        key = (self.n_threads, split_signature(split, inputs))
+    def program(self, split: Split, inputs: Sequence[np.ndarray], kv: Mapping[tuple[str, int], Any],
+                attention: AttentionForm = "op") -> _Program:
+        """The session for a split structure, thread count (fixed when a session is built) and attention form
+        (``attention``: op by op, GroupQueryAttention, or an If between them per call), built on first use and
+        cached (LRU)."""
+        # GroupQueryAttention's rotary tables span the caches' cells: a fused program fits one cache size only
+        cells = tuple(sorted((key, kv_cells(storage)) for key, storage in kv.items())) if attention != "op" else ()
+        key = (self.n_threads, attention, cells, split_signature(split, inputs))
         program = self._programs.get(key)
         if program is not None:
             self._programs.move_to_end(key)
             return program
-        program = self._build_program(split, inputs, kv)
+        program = self._build_program(split, inputs, kv, attention)
         self._programs[key] = program
         while len(self._programs) > MAX_SESSIONS:
             self._programs.popitem(last=False)
         return program
 
     def _build_program(self, split: Split, inputs: Sequence[np.ndarray],
-                       kv: Mapping[tuple[str, int], Any]) -> _Program:
-        translator = SplitTranslator(self, split, inputs, kv)
+                       kv: Mapping[tuple[str, int], Any], attention: AttentionForm = "op") -> _Program:
+        translator = SplitTranslator(self, split, inputs, kv, attention)
         model, output_names = translator.translate()
         externals = translator.e.externals
         session = self._new_session(model, externals, self._mapped_offsets(externals), len(split.nodes))
@@ -236,7 +257,7 @@ class OnnxBackend(Backend):
         log.debug("onnx: session %d for a split of %d nodes (%d ONNX nodes)", self.sessions_built,
                   len(split.nodes), len(model.graph.node))
         return _Program(session, [f"in_{i}" for i in split.input_ids], output_names, translator.kv_bindings,
-                        len(model.graph.node))
+                        len(model.graph.node), translator.kv_rank)
 
     def _mapped_offsets(self, externals: Mapping[str, np.ndarray]) -> dict[str, int]:
         """External initializer → its offset in the mapped cache file, for the arrays that lie in it."""
@@ -329,22 +350,63 @@ class _CompiledSplit:
         self.kv = kv
         self.program: _Program | None = None
         self._signature: tuple | None = None
+        #: this split's programs by attention form, for self._signature (two with gqa_session)
+        self._programs: dict[str, _Program] = {}
         self._bound: OrderedDict[tuple, _Bound] = OrderedDict()
+        self._fused_plan: FusedAttentionPlan | None = (
+            fused_attention_plan(split, {key: kv_cells(storage) for key, storage in kv.items()})
+            if backend.onnx_options.fused_attention else None)
+        self._told_fallback = False
+        #: the caches as [1, Hkv, n_cells, D] OrtValues over the same memory (GroupQueryAttention's BNSH)
+        self._kv_bnsh: dict[tuple[tuple[str, int], str], tuple[np.ndarray, Any]] = {}
 
-    def _prepare(self, arrays: list[np.ndarray]) -> None:
+    def _fused(self, inputs: Mapping[int, Any]) -> bool:
+        """Whether this call's batch runs GroupQueryAttention (one causal run of cells, see fused.py): the
+        model's ``use_gqa`` input."""
+        if self._fused_plan is None:
+            return False
+        if self._fused_plan.fits(inputs):
+            self.backend.gqa_runs += 1
+            return True
+        self.backend.op_by_op_runs += 1
+        if not self._told_fallback:
+            log.info("onnx: a batch whose KV cells are not one causal run (several sequences, reused cells, "
+                     "positions other than cells): "
+                     "its attention runs op by op")
+            self._told_fallback = True
+        return False
+
+    def _attention_form(self, gqa: bool) -> AttentionForm:
+        if self._fused_plan is None:
+            return "op"
+        if self.backend.onnx_options.gqa_session:
+            return "gqa" if gqa else "op"
+        return "switch"
+
+    def _prepare(self, arrays: list[np.ndarray], form: AttentionForm) -> None:
         signature = (self.backend.n_threads, tuple((a.dtype.str, a.ndim) for a in arrays))
-        if self.program is not None and signature == self._signature:
-            return
-        self.program = self.backend.program(self.split, arrays, self.kv)
-        self._signature = signature
-        self._bound.clear()
+        if signature != self._signature:
+            self._programs.clear()
+            self._bound.clear()
+            self._signature = signature
+        program = self._programs.get(form)
+        if program is None:
+            program = self._programs[form] = self.backend.program(self.split, arrays, self.kv, form)
+        self.program = program
 
     def _kv_value(self, key: tuple[str, int], which: str) -> Any:
         storage: OnnxKV = self.kv[key]
-        return storage.k_value if which == "k" else storage.v_value
+        array, value = (storage.k, storage.k_value) if which == "k" else (storage.v, storage.v_value)
+        if self.program.kv_rank == 3:
+            return value
+        cached = self._kv_bnsh.get((key, which))
+        if cached is None or cached[0] is not array:  # a view: GroupQueryAttention updates the cache's memory
+            cached = self._kv_bnsh[(key, which)] = (array, self.backend._ort.OrtValue.ortvalue_from_numpy(
+                array[np.newaxis]))
+        return cached[1]
 
     def _bound_for(self, arrays: list[np.ndarray]) -> _Bound:
-        shapes = tuple(a.shape for a in arrays)
+        shapes = (self.program.kv_rank, tuple(a.shape for a in arrays))
         bound = self._bound.get(shapes)
         if bound is not None:
             self._bound.move_to_end(shapes)
@@ -375,10 +437,15 @@ class _CompiledSplit:
 
     def __call__(self, inputs: Mapping[int, Any]) -> dict[int, np.ndarray]:
         arrays = [np.ascontiguousarray(inputs[i]) for i in self.split.input_ids]
-        self._prepare(arrays)
+        gqa = self._fused(inputs)
+        form = self._attention_form(gqa)
+        self._prepare(arrays, form)
         bound = self._bound_for(arrays)
         for name, array in zip(self.program.input_names, arrays):
             bound.binding.bind_cpu_input(name, array)  # zero-copy: ORT reads the array during the run
+        if form == "switch":  # kept in `arrays` while the run reads it
+            arrays.append(np.array(gqa))
+            bound.binding.bind_cpu_input(USE_GQA, arrays[-1])
         self.program.session.run_with_iobinding(bound.binding)
         if bound.outputs is None:  # first run with these shapes: keep arrays of the outputs' shapes from now on
             ort_outputs = bound.binding.get_outputs()

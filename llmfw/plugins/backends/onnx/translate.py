@@ -6,6 +6,16 @@ buffer, so ONNX Runtime updates the cache in place — no cache-sized copy per t
 
 One model serves a split structure for every ubatch size and every KV length: token counts and ``n_kv`` are
 dynamic axes (the graph's reshapes use ``-1`` for the token axis).
+
+The attention form (``attention``, see :mod:`.fused`): ``"op"`` translates it op by op; ``"gqa"`` makes each
+``attention`` one ``GroupQueryAttention`` (a model for the batches whose cells are one causal run); with
+``"switch"`` each ``attention`` is an ``If`` on the graph input ``use_gqa``:
+one ``GroupQueryAttention`` whose past and present K/V are the cache's own memory, seen as
+``[1, Hkv, n_cells, D]``, for a batch whose cells are one causal run, else the op-by-op attention over the same
+memory — one model (one session: ORT prepacks the weights per session) for every batch. Both branches write the
+cache in place: the If's cache outputs are bound to the caches' buffers, and ORT hands them to the branch.
+A residual ``add`` read by an RMS norm becomes ``SkipSimplifiedLayerNormalization`` (sum and norm in one kernel;
+the sum is its 4th output for the later residual).
 """
 from __future__ import annotations
 
@@ -18,8 +28,9 @@ from llmfw.core.errors import ModelError
 from llmfw.core.graph import DYNAMIC, Node, Shape
 from llmfw.core.rope import rope_angle_slopes
 from llmfw.plugins.backends.onnx.emit import (
-    ONNX_FLOAT, ONNX_INT64, OPSET, Emitter, external_tensor_proto, freeze, kv_name,
+    ONNX_BOOL, ONNX_FLOAT, ONNX_INT32, ONNX_INT64, OPSET, Emitter, external_tensor_proto, freeze, kv_name, live_nodes,
 )
+from llmfw.plugins.backends.onnx.fused import USE_GQA, AttentionForm, fusable_rope, kv_cells, packed_qkv
 from llmfw.plugins.backends.onnx.ort import OnnxKV, import_onnxruntime
 from llmfw.plugins.backends.onnx.weights import F32, BlockWeight, DenseWeight
 
@@ -37,13 +48,21 @@ class SplitTranslator:
     those axes dynamic."""
 
     def __init__(self, backend: "OnnxBackend", split: Split, inputs: Sequence[np.ndarray],
-                 kv: Mapping[tuple[str, int], Any]):
+                 kv: Mapping[tuple[str, int], Any], attention: AttentionForm = "op"):
         import_onnxruntime()
         from onnx import helper, numpy_helper
 
         self.backend = backend
         self.split = split
         self.kv = kv
+        self.attention = attention
+        #: rank of the cache tensors the model binds: GroupQueryAttention reads them as [1, Hkv, n_cells, D]
+        self.kv_rank = 3 if attention == "op" else 4
+        #: rope nodes only the op-by-op branch of a fused attention reads (GQA rotates their inputs itself)
+        self._deferred_ropes: set[int] = set()
+        #: rms_norm node id → the add it is fused with (SkipSimplifiedLayerNormalization), and its output name
+        self._skip_norms: dict[int, Node] = {}
+        self._fused_outputs: dict[int, str] = {}
         self.e = Emitter(helper, numpy_helper)
         self.names: dict[int, str] = {}
         #: the arrays' shapes of the split's inputs: they fill in the IR's DYNAMIC dimensions (see :meth:`shape`)
@@ -52,6 +71,9 @@ class SplitTranslator:
         self.graph_outputs: list[Any] = []
         self.kv_bindings: list[tuple[str, str, tuple[str, int], str]] = []
         self._kv_current: dict[tuple[tuple[str, int], str], str] = {}
+        self._in_branch = False
+        #: the node lists of the graphs around the If branch being built
+        self._outer_nodes: list[list[Any]] = []
         self._shared: dict[tuple, Any] = {}
         self._last_kv_writer: dict[tuple[tuple[str, int], str], int] = {}
         self._kv_declared: set[str] = set()
@@ -62,11 +84,15 @@ class SplitTranslator:
             dims = [f"{name}_d{i}" for i in range(array.ndim)]
             self.graph_inputs.append(helper.make_tensor_value_info(
                 name, helper.np_dtype_to_tensor_dtype(array.dtype), dims))
+        if attention == "switch":
+            self.graph_inputs.append(helper.make_tensor_value_info(USE_GQA, ONNX_BOOL, []))
 
     # -- driving -----------------------------------------------------------------------------------------
     def translate(self) -> tuple[Any, list[str]]:
         """The ONNX model of the split and the names of its outputs (split.output_ids order)."""
         self._mark_last_kv_writers()
+        self._find_skip_norms()
+        self._find_deferred_ropes()
         for node in self.split.nodes:
             self._translate_node(node)
         output_names = self._declare_outputs()
@@ -80,8 +106,48 @@ class SplitTranslator:
                 for which in ("k", "v") if node.op == "attention" else ("k",):
                     self._last_kv_writer[(key, which)] = node.id
 
+    def _find_skip_norms(self) -> None:
+        """``rms_norm(add(a, b), w)`` with a, b and the sum of one shape: the add emits both (see
+        :meth:`_skip_norm`). The first such norm of an add is fused; the add's sum stays a value of its own."""
+        inside = {n.id for n in self.split.nodes}
+        taken: set[int] = set()
+        for node in self.split.nodes:
+            if node.op != "rms_norm" or len(node.inputs) != 2:
+                continue
+            x, w = node.inputs
+            if x.op != "add" or x.id not in inside or x.id in taken or w.op != "weight" or x.shape is None:
+                continue
+            if len(x.shape) != 2 or any(i.shape != x.shape for i in x.inputs) or w.shape != x.shape[-1:]:
+                continue
+            self._skip_norms[x.id] = node
+            taken.add(x.id)
+
+    def _find_deferred_ropes(self) -> None:
+        """The q/k ropes of the fused attentions that GQA applies itself: emitted inside the op-by-op branch only,
+        so a GQA batch does not compute them."""
+        if self.attention == "op":
+            return
+        readers: dict[int, int] = {}
+        for node in self.split.nodes:
+            for i in node.inputs:
+                readers[i.id] = readers.get(i.id, 0) + 1
+        outputs = set(self.split.output_ids)
+        for node in self.split.nodes:
+            if node.op == "attention" and fusable_rope(node, self._n_cells(node)) is not None:
+                for rope in node.inputs[:2]:
+                    if readers.get(rope.id) == 1 and rope.id not in outputs:
+                        self._deferred_ropes.add(rope.id)
+
+    def _n_cells(self, node: Node) -> int:
+        storage = self.kv.get((node.attrs["cache"], int(node.attrs["layer"])))
+        return kv_cells(storage)
+
     def _translate_node(self, node: Node) -> None:
-        if node.op == "weight":  # emitted by its consumers, in the form each one needs
+        if node.op == "weight" or node.id in self._deferred_ropes:  # emitted by their consumers
+            return
+        fused = self._fused_outputs.pop(node.id, None)
+        if fused is not None:  # computed by an earlier fused node
+            self.names[node.id] = fused
             return
         handler = getattr(self, f"_op_{node.op}", None)
         if handler is None:
@@ -107,7 +173,8 @@ class SplitTranslator:
         helper = self.e.helper
         initializers = list(self.e.constants)
         initializers += [external_tensor_proto(name, array) for name, array in self.e.externals.items()]
-        graph = helper.make_graph(self.e.nodes, "llmfw_split", self.graph_inputs, self.graph_outputs,
+        nodes = live_nodes(self.e.nodes, [output.name for output in self.graph_outputs])
+        graph = helper.make_graph(nodes, "llmfw_split", self.graph_inputs, self.graph_outputs,
                                   initializer=initializers)
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET),
                                                         helper.make_opsetid("com.microsoft", 1)],
@@ -120,6 +187,8 @@ class SplitTranslator:
             return self.names[node.id]
         if node.op == "weight":
             return self.dense(node.attrs["name"])
+        if node.id in self._deferred_ropes:  # inside the op-by-op branch of its attention (its only reader)
+            return self._op_rope(node)
         raise ModelError(f"onnx backend: value of node {node!r} is not available to its split")
 
     def shape(self, node: Node) -> Shape:
@@ -174,12 +243,11 @@ class SplitTranslator:
                         bits=weight.bits, block_size=weight.block, accuracy_level=self.backend.accuracy_level)
         if weight.offsets is None:
             return out
-        # per-block offsets: W = codes*scales + offsets ⇒ x @ W.T += blocksum(x) @ offsets.T
-        n_blocks = weight.n_blocks
-        lead = self.e.op("Shape", [x], end=-1)
-        blocked = self.e.op("Reshape", [x, self.e.op("Concat", [lead, self.e.const([n_blocks, weight.block])],
-                                                       axis=0)])
-        sums = self.e.op("ReduceSum", [blocked, self.e.const([-1])], keepdims=0, hint="blocksum")
+        # per-block offsets: W = codes*scales + offsets ⇒ x @ W.T += blocksum(x) @ offsets.T, the block sums
+        # one small MatMul by a 0/1 matrix [n_in, n_blocks] (fewer nodes than Reshape + ReduceSum)
+        block_of_column = np.arange(n_in) // weight.block
+        ones = (block_of_column[:, None] == np.arange(weight.n_blocks)[None, :]).astype(F32)
+        sums = self.e.op("MatMul", [x, self.e.const(ones, F32)], hint="blocksum")
         offsets_t = self.e.external(f"oT:{key}", self.backend.offsets_transposed(key, weight))
         if len(x_shape) == 2:  # one Gemm: sums @ offsets.T + out
             return self.e.op("Gemm", [sums, offsets_t, out], hint="mmq")
@@ -214,7 +282,21 @@ class SplitTranslator:
         return self.e.op(op_type, [self.value(a), self.value(b)])
 
     def _op_add(self, node: Node) -> str:
+        norm = self._skip_norms.get(node.id)
+        if norm is not None:
+            return self._skip_norm(node, norm)
         return self._binary(node, "Add")
+
+    def _skip_norm(self, add: Node, norm: Node) -> str:
+        """SkipSimplifiedLayerNormalization: outputs 0 (the norm's value, kept for the norm node) and 3 (the sum,
+        this add's value)."""
+        a, b = add.inputs
+        normed, total = self.e.fresh("skip_norm"), self.e.fresh("residual")
+        self.e.nodes.append(self.e.helper.make_node(
+            "SkipSimplifiedLayerNormalization", [self.value(a), self.value(b), self.value(norm.inputs[1])],
+            [normed, "", "", total], domain="com.microsoft", epsilon=float(norm.attrs["eps"])))
+        self._fused_outputs[norm.id] = normed
+        return total
 
     def _op_sub(self, node: Node) -> str:
         return self._binary(node, "Sub")
@@ -324,6 +406,7 @@ class SplitTranslator:
         flat = self.e.op("Reshape", [x, self.e.const([1, -1, n_head * head_dim])])
         rotated = self.e.op("RotaryEmbedding", [flat, row_ids, cos, sin], domain="com.microsoft", hint="rope",
                             interleaved=int(attrs["mode"] != "neox"), num_heads=n_head, **extra)
+        self.e.keeps_shape(rotated, flat)
         return self.e.op("Reshape", [rotated, self.e.const([-1, n_head, head_dim])])
 
     def _op_rope(self, node: Node) -> str:
@@ -345,6 +428,8 @@ class SplitTranslator:
             storage: OnnxKV = self.kv[key]
             array = storage.k if which == "k" else storage.v
             dims = [array.shape[0], f"{name}_cells", array.shape[2]]
+            if self.kv_rank == 4:
+                dims = [1, *dims]
             self.graph_inputs.append(self.e.helper.make_tensor_value_info(name, ONNX_FLOAT, dims))
             self._kv_declared.add(name)
         return name
@@ -353,7 +438,7 @@ class SplitTranslator:
         """ScatterND of ``rows`` [Hkv, T, D] at ``index`` [Hkv, T, 2] (head, cell) — in place: the last update
         of a cache is a graph output bound to the input's own buffer, so ORT skips ScatterND's copy."""
         current = self._kv_input(key, which)
-        if self._last_kv_writer.get((key, which)) == node.id:
+        if self._last_kv_writer.get((key, which)) == node.id and not self._in_branch:
             updated = kv_name(key, which) + "_out"
             self.e.nodes.append(self.e.helper.make_node("ScatterND", [current, index, rows], [updated]))
         else:
@@ -376,14 +461,26 @@ class SplitTranslator:
             grid = self.e.op("Concat", [self.e.const([n_head_kv]), n, self.e.const([1])], axis=0)
             heads = self.e.op("Expand", [self.e.const(np.arange(n_head_kv).reshape(-1, 1, 1)), grid])
             cols = self.e.op("Expand", [self.e.op("Unsqueeze", [cells64, self.e.const([0, 2])]), grid])
+            if self.kv_rank == 4:  # (0, head, cell) into [1, Hkv, n_cells, D]
+                zeros = self.e.op("Expand", [self.e.const(np.zeros((1, 1, 1), np.int64)), grid])
+                return self.e.op("Concat", [zeros, heads, cols], axis=-1, hint="kv_index")
             return self.e.op("Concat", [heads, cols], axis=-1, hint="kv_index")
         return self.shared(("kv_index", cells, n_head_kv), make)
 
-    def _cached_prefix(self, cache: str, n_kv: str) -> str:
-        """Cells 0 .. n_kv-1 of a cache tensor [Hkv, n_kv, D]."""
-        return self.e.op("Slice", [cache, self.e.const([0]), n_kv, self.e.const([1])])
+    def _cached_prefix(self, cache: str, n_kv: str, n_head_kv: int, head_dim: int) -> str:
+        """Cells 0 .. n_kv-1 of a cache tensor, as [Hkv, n_kv, D]."""
+        axis = self.kv_rank - 2
+        prefix = self.e.op("Slice", [cache, self.e.const([0]), n_kv, self.e.const([axis])])
+        return prefix if self.kv_rank == 3 else self.e.op("Reshape", [prefix, self.e.const([n_head_kv, -1, head_dim])])
 
     def _op_attention(self, node: Node) -> str:
+        if self.attention == "switch":
+            return self._switched_attention(node)
+        if self.attention == "gqa":
+            return self._group_query_attention(node)
+        return self._attention_op_by_op(node)
+
+    def _attention_op_by_op(self, node: Node) -> str:
         q, k, v, kv_idx, mask = node.inputs
         key, storage = self._kv_storage(node)
         n_head_kv, _, head_dim_k = storage.k.shape
@@ -398,7 +495,8 @@ class SplitTranslator:
         values = self._kv_write(node, key, "v", index, self.e.op("Transpose", [self.value(v)], **heads_first))
         mask_name = self.value(mask)
         n_kv = self.shared(("n_kv", mask_name), lambda: self.e.op("Shape", [mask_name], start=1, end=2))
-        keys, values = self._cached_prefix(keys, n_kv), self._cached_prefix(values, n_kv)
+        keys = self._cached_prefix(keys, n_kv, n_head_kv, head_dim_k)
+        values = self._cached_prefix(values, n_kv, n_head_kv, head_dim_v)
         # query head h uses KV head h // G: [T, H, Dk] → [Hkv, G*T, Dk], row g*T + t
         qg = self.e.op("Reshape", [self.value(q), self.e.const([-1, n_head_kv, group, head_dim_k])])
         qg = self.e.op("Transpose", [qg], perm=[1, 2, 0, 3])
@@ -424,7 +522,7 @@ class SplitTranslator:
         n_head_kv, _, head_dim = storage.k.shape
         shift_name = self.value(shift)
         n_kv = self.e.op("Shape", [shift_name])
-        cached = self._cached_prefix(self._kv_input(key, "k"), n_kv)              # [Hkv, n_kv, D]
+        cached = self._cached_prefix(self._kv_input(key, "k"), n_kv, n_head_kv, head_dim)  # [Hkv, n_kv, D]
         table = self._rope_table(shift_name, node.attrs, factors)
         rotated = self._rotate(self.e.op("Transpose", [cached], perm=[1, 0, 2]), n_head_kv, head_dim, table,
                                node.attrs)
@@ -432,3 +530,135 @@ class SplitTranslator:
         self._kv_write(node, key, "k", self._scatter_index(cells, n_head_kv),
                        self.e.op("Transpose", [rotated], perm=[1, 0, 2]))
         return self.e.const(np.zeros(0, F32), F32)
+
+    # -- GroupQueryAttention (the batch is one causal run of cells, see fused.py) -------------------------------
+    def _group_query_attention(self, node: Node) -> str:
+        """One GQA over the layer's cache, past and present bound to the same memory: it writes the ubatch's K/V
+        at cells c0 .. c0+T-1 and attends to cells 0 .. c0+t (the mask's pattern, checked before the call)."""
+        q, k, v, kv_idx, _ = node.inputs
+        key, storage = self._kv_storage(node)
+        n_head_kv, n_cells, head_dim = storage.k.shape
+        n_head = self.known_dim(q, 1)
+        if n_head % n_head_kv:
+            raise ModelError(f"onnx backend: {n_head} query heads are not a multiple of {n_head_kv} KV heads")
+        rope = fusable_rope(node, n_cells)
+        rotary: list[str] = []
+        rotary_attrs: dict[str, int] = {}
+        if rope is not None:  # GQA rotates q and k itself, at position = cell (checked per call)
+            q, k = q.inputs[0], k.inputs[0]
+            rotary = list(self._rotary_tables(rope, n_cells))
+            rotary_attrs = {"do_rotary": 1, "rotary_interleaved": int(rope.attrs["mode"] != "neox")}
+        qkv = packed_qkv(q, k, v) if rope is not None else None
+        # the inputs as [1, T, heads * D], made in the outer graph when this is an If branch (a branch of one
+        # node costs ONNX Runtime least)
+        reshape = self._outer_op if self._in_branch else self.e.op
+        if qkv is not None:  # the fused QKV projection's output as it is: GQA splits it
+            width = (n_head + 2 * n_head_kv) * head_dim
+            rows = [reshape("Reshape", [self.value(qkv), self.e.const([1, -1, width])]), "", ""]
+        else:
+            rows = [reshape("Reshape", [self.value(x), self.e.const([1, -1, heads * head_dim])])
+                    for x, heads in ((q, n_head), (k, n_head_kv), (v, n_head_kv))]
+        seqlens, total = self._gqa_lengths(self.value(kv_idx))
+        past = [self._kv_input(key, which) for which in ("k", "v")]
+        present = [self.e.fresh(f"present_{which}") for which in ("k", "v")]
+        out = self.e.fresh("gqa")
+        window = int(node.attrs.get("window", 0) or 0)
+        self.e.nodes.append(self.e.helper.make_node(
+            "GroupQueryAttention", [*rows, *past, seqlens, total, *rotary], [out, *present], domain="com.microsoft",
+            num_heads=n_head, kv_num_heads=n_head_kv, scale=float(node.attrs["scale"]),
+            softcap=float(node.attrs.get("softcap", 0.0) or 0.0), local_window_size=window if window > 0 else -1,
+            **rotary_attrs))
+        for which, name in zip(("k", "v"), present):
+            self._kv_current[(key, which)] = name
+        if self._in_branch:  # [1, T, H*D]: the If's output is reshaped after it
+            return out
+        return self.e.op("Reshape", [out, self.e.const([-1, n_head * head_dim])], hint="attn")
+
+    def _outer_op(self, op_type: str, inputs: list[str]) -> str:
+        """A node of the graph around the If being built (its branches read the value)."""
+        branch_nodes, self.e.nodes = self.e.nodes, self._outer_nodes[-1]
+        try:
+            return self.e.op(op_type, inputs)
+        finally:
+            self.e.nodes = branch_nodes
+
+    def _switched_attention(self, node: Node) -> str:
+        """``If(use_gqa)``: GroupQueryAttention, else the op-by-op attention; each branch returns the attention
+        output and both caches, and the If's cache outputs are the bound graph outputs (written in place)."""
+        key, storage = self._kv_storage(node)
+        self._warm_shared(node, storage)
+        then_branch = self._branch(node, key, self._group_query_attention)
+        else_branch = self._branch(node, key, self._attention_op_by_op)
+        out = self.e.fresh("attn")
+        present = [kv_name(key, which) + "_out" for which in ("k", "v")]
+        self.e.nodes.append(self.e.helper.make_node("If", [USE_GQA], [out, *present], then_branch=then_branch,
+                                                    else_branch=else_branch))
+        for which, name in zip(("k", "v"), present):
+            self._kv_current[(key, which)] = name
+        width = self.known_dim(node.inputs[0], 1) * storage.v.shape[2]
+        return self.e.op("Reshape", [out, self.e.const([-1, width])], hint="attn")  # GQA's [1, T, H*D]
+
+    def _warm_shared(self, node: Node, storage: OnnxKV) -> None:
+        """The values every layer's branches share, made in the outer graph (a value made inside a branch is not
+        visible to the other layers' branches)."""
+        q, _, _, kv_idx, mask = node.inputs
+        n_head_kv = storage.k.shape[0]
+        self._gqa_lengths(self.value(kv_idx))
+        self._scatter_index(self.value(kv_idx), n_head_kv)
+        mask_name = self.value(mask)
+        self.shared(("n_kv", mask_name), lambda: self.e.op("Shape", [mask_name], start=1, end=2))
+        group = self.known_dim(q, 1) // n_head_kv
+        self.shared(("mask", mask_name, group),
+                    lambda: self.e.op("Tile", [mask_name, self.e.const([group, 1])], hint="mask"))
+        for rope in node.inputs[:2]:
+            if rope.id in self._deferred_ropes:
+                factors = rope.inputs[2] if len(rope.inputs) > 2 else None
+                self._rope_table(self.value(rope.inputs[1]), rope.attrs, factors)
+
+    def _branch(self, node: Node, key: tuple[str, int], emit: Callable[[Node], str]) -> Any:
+        """A subgraph of the nodes ``emit`` makes for ``node``: outputs (attention, K cache, V cache)."""
+        outer_nodes, outer_shared, outer_current = self.e.nodes, self._shared, dict(self._kv_current)
+        self._outer_nodes.append(outer_nodes)
+        self.e.nodes, self._shared, self._in_branch = [], dict(outer_shared), True
+        try:
+            out = emit(node)
+            made_here = {name for n in self.e.nodes for name in n.output}
+            if out not in made_here:  # a branch output must be made in the branch
+                out = self.e.op("Identity", [out], hint="branch_out")
+            outputs = [out] + [self._kv_current[(key, which)] for which in ("k", "v")]
+            nodes = self.e.nodes
+        finally:
+            self._outer_nodes.pop()
+            self.e.nodes, self._shared, self._kv_current, self._in_branch = (outer_nodes, outer_shared,
+                                                                             outer_current, False)
+        helper = self.e.helper
+        return helper.make_graph(nodes, self.e.fresh("branch"), [],
+                                 [helper.make_tensor_value_info(name, ONNX_FLOAT, None) for name in outputs])
+
+    def _rotary_tables(self, rope: Node, n_cells: int) -> tuple[str, str]:
+        """GQA's cos/sin caches [n_cells, n_dims/2] (row = position = cell), the angles of :meth:`_rope_table`
+        computed once per rope parameters and cache size (external initializers shared by the sessions)."""
+        factors = rope.inputs[2] if len(rope.inputs) > 2 else None
+        attrs = {k: v for k, v in rope.attrs.items() if k not in ("layer", "cache")}
+        key = (freeze(attrs), None if factors is None else factors.attrs.get("name"), n_cells)
+        name = f"rotary:{abs(hash(key)):x}"
+
+        def table(which: str) -> np.ndarray:
+            def make() -> np.ndarray:
+                ff = None if factors is None else self.backend.dense_copy(factors.attrs["name"])
+                slope, mscale = rope_angle_slopes(freq_factors=ff, **attrs)
+                theta = np.arange(n_cells, dtype=F32)[:, None] * slope[None, :]
+                return ((np.cos(theta) if which == "cos" else np.sin(theta)) * F32(mscale)).astype(F32)
+            return self.backend.derived(name, which, make)
+
+        return self.e.external(f"{name}:cos", table("cos")), self.e.external(f"{name}:sin", table("sin"))
+
+    def _gqa_lengths(self, kv_idx: str) -> tuple[str, str]:
+        """``seqlens_k`` [1] = the last cell written (c0 + T - 1) and ``total_sequence_length`` (a scalar, + 1),
+        int32, from the ubatch's cells — shared by the layers of one cache."""
+        def make() -> tuple[str, str]:
+            last = self.e.op("Slice", [kv_idx, self.e.const([-1]), self.e.const([np.iinfo(np.int64).max])])
+            seqlens = self.e.op("Cast", [last], to=ONNX_INT32, hint="seqlens_k")
+            total = self.e.op("Squeeze", [self.e.op("Add", [seqlens, self.e.const([1], np.int32)])], hint="total_len")
+            return seqlens, total
+        return self.shared(("gqa_lengths", kv_idx), make)
