@@ -28,8 +28,18 @@ def llama_cpp_embeddings(which: str) -> dict:
 #: and rounds GELU through an f16 table, and Gemma-3's hidden states amplify those roundings. The "ggml" backend,
 #: which makes the same roundings, meets 0.999 on Gemma-3's mean and cls vectors (tests below); no engine meets it
 #: on the last token, llama.cpp included: its two attention paths (flash attention off / on) disagree there down
-#: to 0.9956 (``flash_attn`` in the data; README, Embeddings)
+#: to 0.9956 (``flash_attn`` in the data; README, Embeddings), which is then the bar (``pooled_bar``)
 BAR = {"smollm2": 0.999, "gemma3": 0.997}
+
+
+def _worst(ours, theirs) -> float:
+    return min(cosine(a, b) for a, b in zip(ours, theirs))
+
+
+def pooled_bar(which: str, ref: dict) -> float:
+    """The model's bar, or llama.cpp's own flash-attention-vs-not distance for this pooling where that is lower
+    (Gemma-3's last token: one flipped 8-bit rounding decides where it lands, for llama.cpp as for us)."""
+    return min(BAR[which], _worst(ref["flash_attn"]["one_by_one"], ref["one_by_one"]))
 
 
 def cosine(a, b) -> float:
@@ -53,8 +63,8 @@ def test_pooled_embeddings_match_llama_cpp(which_model, pooling):
     assert np.allclose(np.linalg.norm(batched, axis=1), 1, atol=1e-5)
     for i, text in enumerate(ref["texts"]):
         single = model.embed(text, pooling=pooling)
-        assert cosine(batched[i], ref["batched"][i]) >= BAR[which], (pooling, text)
-        assert cosine(single, ref["one_by_one"][i]) >= BAR[which], (pooling, text)
+        assert cosine(batched[i], ref["batched"][i]) >= pooled_bar(which, ref), (pooling, text)
+        assert cosine(single, ref["one_by_one"][i]) >= pooled_bar(which, ref), (pooling, text)
 
 
 def test_per_token_embeddings_match_llama_cpp(which_model):
@@ -67,10 +77,6 @@ def test_per_token_embeddings_match_llama_cpp(which_model):
         # one token's state carries the rounding of every layer with nothing averaged out: SmolLM2's worst token
         # is at 0.9986 on every backend, llama.cpp-rounding ggml included (README, Embeddings)
         assert np.mean(similarities) >= BAR[which] and min(similarities) >= BAR[which] - 0.001
-
-
-def _worst(ours, theirs) -> float:
-    return min(cosine(a, b) for a, b in zip(ours, theirs))
 
 
 def test_last_token_vectors_are_as_close_as_llama_cpps_own_two_attention_paths(which_model):
