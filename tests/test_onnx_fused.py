@@ -129,3 +129,24 @@ def test_a_larger_context_gets_rotary_tables_of_its_own_size(tmp_path):
     path = build_model_file("llama-rope-yarn", tmp_path)
     got, want = _two_contexts(path, True), _two_contexts(path, False)
     assert np.abs(got - want).max() <= 1e-3 * max(1.0, float(np.abs(want).max()))
+
+
+def test_default_attention_gives_every_row_the_same_bits_whatever_the_batch(smollm2_path):
+    """What speculative decoding stands on: a verify batch of k tokens must give the logits k one-token decodes
+    give, bit for bit (ORT's GroupQueryAttention does not: hence ``fused_attention`` is off by default)."""
+    prompt, extra = list(range(300, 320)), [500, 501, 502, 503]
+    with llmfw.load_model(smollm2_path, backend="onnx") as model:
+        assert model.backends["onnx"].onnx_options.fused_attention is False
+
+        def logits(chunks):
+            ctx = model.new_context(n_ctx=128)
+            rows, pos = [], 0
+            for chunk in chunks:
+                batch = llmfw.Batch(chunk, pos=list(range(pos, pos + len(chunk))), logits=[True] * len(chunk))
+                assert ctx.decode(batch) == 0
+                rows += [np.array(ctx.get_logits_ith(i)) for i in range(len(chunk))]
+                pos += len(chunk)
+            ctx.close()
+            return np.array(rows[-len(extra):])
+
+        np.testing.assert_array_equal(logits([prompt, extra]), logits([prompt] + [[t] for t in extra]))

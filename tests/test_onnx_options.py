@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_profile_and_dump_write_the_trace_and_the_optimised_graph(smollm2_path, tmp_path):
-    options = {"profile": str(tmp_path / "trace"), "dump": str(tmp_path / "graph"), "cache_dir": str(tmp_path)}
+    options = {"profile": str(tmp_path / "trace"), "dump": str(tmp_path / "graph"), "cache_dir": str(tmp_path),
+               "fused_attention": True}
     model = llmfw.load_model(smollm2_path, backend="onnx", backend_options={"onnx": options})
     ctx = model.new_context(n_ctx=64)
     for token in (1, 504, 3458):

@@ -64,8 +64,11 @@ class OnnxOptions(BackendOptions):
     cache: bool = True
     #: the converted-weight cache's folder (default ``<models_dir>/.onnx``)
     cache_dir: str | None = None
-    #: GroupQueryAttention for batches whose KV cells are one causal run (fused.py); False: always op by op
-    fused_attention: bool = True
+    #: GroupQueryAttention for batches whose KV cells are one causal run (fused.py); False: always op by op.
+    #: Off by default: ORT's GQA kernel rounds a many-token batch differently from one-token steps (logits up to
+    #: ~1 apart), so a speculative verify batch would no longer reproduce plain greedy decoding; the op-by-op
+    #: form gives every row the same bits whatever the batch
+    fused_attention: bool = False
     #: those batches get a session of their own (GQA only) instead of an If per layer in the one session:
     #: faster decode, but a second session, with its own prepacked weights, once other batches come
     gqa_session: bool = False
