@@ -9,15 +9,23 @@ from ..core.errors import LLMFWError
 from ..core.plugins import PluginManager, get_plugin_manager
 
 
-def missing_install(manager: PluginManager, kind: str, name: str) -> str | None:
-    """For a backend whose libraries are not installed, how to install them (``pip install 'llmfw[torch]'``);
-    None when it is usable or not a backend. Reads the backend's declaration; imports none of its libraries."""
+def _backend_class(manager: PluginManager, kind: str, name: str) -> type | None:
+    """The registered backend class, or None for other kinds and for a plugin that cannot be imported (the
+    manager reports it under "failed")."""
     if kind != "backends":
         return None
     try:
-        cls = manager.get(kind, name)
+        return manager.get(kind, name)
     except LLMFWError:
-        return None  # a plugin that cannot be imported is reported under "failed" by the manager
+        return None
+
+
+def missing_install(manager: PluginManager, kind: str, name: str) -> str | None:
+    """For a backend whose libraries are not installed, how to install them (``pip install 'llmfw[torch]'``);
+    None when it is usable or not a backend. Reads the backend's declaration; imports none of its libraries."""
+    cls = _backend_class(manager, kind, name)
+    if cls is None:
+        return None
     missing_requirements = getattr(cls, "missing_requirements", None)
     if not callable(missing_requirements) or not missing_requirements():
         return None
@@ -27,11 +35,8 @@ def missing_install(manager: PluginManager, kind: str, name: str) -> str | None:
 def backend_declaration(manager: PluginManager, kind: str, name: str) -> dict | None:
     """What a backend declares to the core (host role, default priority per device, its options), read from
     the class alone: nothing is loaded and no device is probed."""
-    if kind != "backends":
-        return None
-    try:
-        cls = manager.get(kind, name)
-    except LLMFWError:
+    cls = _backend_class(manager, kind, name)
+    if cls is None:
         return None
     schema = getattr(cls, "options_schema", None)
     fields = getattr(schema, "model_fields", {})
