@@ -310,6 +310,8 @@ class OnnxBackend(Backend):
         options.inter_op_num_threads = 1
         if self.n_threads:
             options.intra_op_num_threads = int(self.n_threads)
+        # prepacking the MatMulNBits weights is most of a session's build: spread it over the intra-op threads
+        options.add_session_config_entry("session.prepack.enable_parallel", "1")
         opts = self.onnx_options
         if not opts.spin:
             options.add_session_config_entry("session.intra_op.allow_spinning", "0")
