@@ -6,8 +6,9 @@ transformers.
   repeated ``-r`` times; the table shows the median tokens/s and the spread (sample standard deviation).
 * Per backend: load time — everything before the first decode can start: the model, a context and one
   one-token decode with the cache cleared after it, so sessions or graphs built lazily at the first decode count
-  as load (llama.cpp's side gets the same one-token decode; ``load_model_s`` is the model alone) —, RSS before
-  loading (after ``import llmfw`` and the backend's library), RSS after loading, peak RSS, the weight bytes the backends keep, the KV cache bytes (n_ctx = p + n, like llama-bench),
+  as load (llama.cpp's side gets the same one-token decode; ``load_model_s`` is the model alone); the clock starts
+  once llmfw's core and the backend's library are imported, as llama.cpp's starts after ``from llama_cpp import
+  Llama`` —, RSS before loading (after those imports), RSS after loading, peak RSS, the weight bytes the backends keep, the KV cache bytes (n_ctx = p + n, like llama-bench),
   and the graph builds / reuses of each test.
 * Each backend runs in a fresh worker process (``python -m llmfw.commands.bench --worker``), so its memory and
   thread settings are its own; ``--compare-llama-cpp PYTHON`` runs the same tests through llama-cpp-python in
@@ -130,12 +131,21 @@ def _check(rc: int, ctx: Any) -> None:
         raise LLMFWError(f"decode returned {rc} during the benchmark: {ctx.last_error}")
 
 
+def _import_engine(backend: str) -> None:
+    """Import llmfw's core and ``backend``'s module with its runtime (torch, onnxruntime) before the clock starts:
+    part of the baseline, as ``from llama_cpp import Llama`` (libllama and its ggml backends) is on llama.cpp's side."""
+    from ..core.backend import backend_class, parse_backend_spec
+    from ..core.model import load_model  # noqa: F401 - the import is the point
+
+    name, device = parse_backend_spec(backend)
+    backend_class(name).check_available(device)
+
+
 def bench_llmfw(params: BenchParams, backend: str) -> dict[str, Any]:
     """Load the model on ``backend`` in this process and run pp / tg; the result record."""
     import llmfw
 
-    if backend.startswith("torch"):
-        import torch  # noqa: F401 - part of the baseline: RSS of ``import llmfw, torch``
+    _import_engine(backend)
     rss_base = current_rss()
     start = time.perf_counter()
     from ..core.backend import backend_options_from_environment
