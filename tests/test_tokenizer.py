@@ -333,3 +333,12 @@ def test_all_pieces_equals_token_to_piece(gemma3_vocab):
         assert len(pieces) == vocab.n_vocab
         for token in (0, 2, 106, 107, 138, 248, 1000, 9259, vocab.n_vocab - 1):
             assert pieces[token] == vocab.token_to_piece(token, special)
+
+
+def test_bpe_merge_ranks_cut_where_llama_cpp_cuts_and_keep_the_first_rank():
+    """Plain merges split at their one space; a merge starting with a space is cut at the first space after its
+    first character, one without a space becomes ("", ""), and a repeated pair keeps its first rank."""
+    from llmfw.plugins.tokenizers.bpe import BPETokenizer
+
+    assert BPETokenizer._build_ranks(["a b", "c d", "a b", "e  f"]) == {("a", "b"): 0, ("c", "d"): 1, ("e", " f"): 3}
+    assert BPETokenizer._build_ranks(["a b", " c d", "e", "a b"]) == {("a", "b"): 0, (" c", "d"): 1, ("", ""): 2}

@@ -27,6 +27,7 @@ import re
 import warnings
 from dataclasses import dataclass
 from itertools import repeat
+from operator import itemgetter
 
 import regex
 
@@ -409,15 +410,17 @@ class BPETokenizer(Tokenizer):
     def _build_ranks(merges: list[str]) -> dict[tuple[str, str], int]:
         """(left, right) -> rank. llama.cpp splits "left right" at the first space after the first character (a
         merge without one becomes ("", "")), and the first rank of a repeated pair wins (std::map::emplace)."""
-        if any(merge[:1] == " " or " " not in merge for merge in merges):
-            ranks: dict[tuple[str, str], int] = {}
-            for rank, merge in enumerate(merges):
-                cut = merge.find(" ", 1)
-                ranks.setdefault((merge[:cut], merge[cut + 1:]) if cut >= 0 else ("", ""), rank)
-            return ranks
-        pairs = [tuple(merge.split(" ", 1)) for merge in merges]
-        # built from the end, so that the first rank of a repeated pair is the one that stays
-        return dict(zip(reversed(pairs), range(len(pairs) - 1, -1, -1)))  # type: ignore[arg-type]
+        # the common case loops in C (map): split at the first space, which is llama.cpp's cut unless a merge
+        # starts with a space (empty left part) or has none (one part)
+        pairs = list(map(tuple, map(str.split, merges, repeat(" "), repeat(1))))
+        if min(map(len, pairs), default=2) == 2 and all(map(itemgetter(0), pairs)):
+            # built from the end, so that the first rank of a repeated pair is the one that stays
+            return dict(zip(reversed(pairs), range(len(pairs) - 1, -1, -1)))  # type: ignore[arg-type]
+        ranks: dict[tuple[str, str], int] = {}
+        for rank, merge in enumerate(merges):
+            cut = merge.find(" ", 1)
+            ranks.setdefault((merge[:cut], merge[cut + 1:]) if cut >= 0 else ("", ""), rank)
+        return ranks
 
     def tokenize(self, text: str) -> list[int]:
         if self.pre.escape_whitespace:
