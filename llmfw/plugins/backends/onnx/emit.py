@@ -92,11 +92,16 @@ def live_nodes(nodes: Sequence[Any], outputs: Sequence[str]) -> list[Any]:
     needed = set(outputs)
     live = []
     for node in reversed(nodes):
-        if any(name in needed for name in node.output):
+        if not needed.isdisjoint(node.output):
             live.append(node)
             needed.update(node.input)
-            needed.update(_branch_reads(node))
+            if node.op_type in _CONTROL_FLOW:
+                needed.update(_branch_reads(node))
     return live[::-1]
+
+
+#: the ONNX ops with subgraphs (attributes of type GRAPH) that read values of the outer graph
+_CONTROL_FLOW = frozenset({"If", "Loop", "Scan"})
 
 
 def _branch_reads(node: Any) -> set[str]:
