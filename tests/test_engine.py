@@ -308,13 +308,18 @@ def test_load_cancelled_releases_everything(smollm2_path):
         seen.append(fraction)
         return len(seen) < 5
 
+    maps = Path("/proc/self/maps")
+
+    def mappings_of_the_file() -> int:  # models other tests keep alive may map it too (lookup tables)
+        return maps.read_text().count(str(smollm2_path)) if maps.exists() else 0
+
+    gc.collect()
+    before = mappings_of_the_file()
     with pytest.raises(LoadCancelled):
         llmfw.load_model(smollm2_path, backend="numpy", progress=progress)
     assert len(seen) == 5 and seen[0] == 0.0 and seen == sorted(seen)
     gc.collect()
-    maps = Path("/proc/self/maps")
-    if maps.exists():
-        assert str(smollm2_path) not in maps.read_text(), "the model file is still mapped"
+    assert mappings_of_the_file() <= before, "the cancelled load left the model file mapped"
 
 
 def test_progress_reaches_one(smollm2_path):

@@ -231,6 +231,21 @@ def test_mmap_views_are_zero_copy_and_close_releases(small_model: Path) -> None:
     g.close()  # idempotent
 
 
+def test_lasting_views_outlive_close_in_a_mapping_of_their_own(small_model: Path) -> None:
+    g = open_gguf(small_model)
+    lasting = g.lasting_tensor_bytes("token_embd.weight")
+    assert lasting is not None and not lasting.flags.writeable
+    view = g.tensor_bytes("token_embd.weight")
+    np.testing.assert_array_equal(lasting, view)
+    assert not np.shares_memory(lasting, view)  # not the load's mapping, whose touched pages close() drops
+    expected = view.copy()
+    g.close()
+    np.testing.assert_array_equal(lasting, expected)
+    assert g.lasting_tensor_bytes("token_embd.weight") is None  # closed: nothing to map
+    with open_gguf(small_model, "read") as r:
+        assert r.lasting_tensor_bytes("token_embd.weight") is None  # read mode copies instead
+
+
 def test_read_mode_returns_owned_copies(small_model: Path) -> None:
     with open_gguf(small_model, "read") as g, open_gguf(small_model) as m:
         data = g.tensor_bytes("token_embd.weight")

@@ -216,3 +216,25 @@ def test_a_fully_hidden_row_gives_nan_as_the_full_computation_does() -> None:
     with np.errstate(invalid="ignore"):  # -inf - -inf: the NaN this test expects
         out = nb.attention(randn(2, 2, 4), kv, 8, mask, 1.0, 0.0)
     assert np.isnan(out[0]).all() and np.isfinite(out[1]).all()
+
+
+@pytest.mark.parametrize("load_mode", ["mmap", "read"])
+def test_a_quantized_lookup_table_maps_the_file_instead_of_copying_it(smollm2_path, load_mode: str) -> None:
+    """Kept as a mapping of its own, the table costs only the rows looked up (read mode keeps a copy); the rows
+    are the file's either way."""
+    import llmfw
+    from llmfw.core.gguf import open_gguf
+    from llmfw.core.quants import dequantize_rows
+
+    model = llmfw.load_model(smollm2_path, backend="numpy", load_mode=load_mode)
+    try:
+        table = model.backends["numpy"].weights["token_embd.weight"]
+        assert isinstance(table, nb.QuantizedTable)
+        assert table.raw.flags.owndata == (load_mode == "read")
+        assert not table.raw.flags.writeable or load_mode == "read"
+        ids = np.array([0, 1, 4242, model.n_vocab - 1])
+        with open_gguf(smollm2_path) as g:
+            expected = dequantize_rows(g.tensor_bytes("token_embd.weight"), table.ggml_type, table.ne, ids)
+        np.testing.assert_array_equal(nb.get_rows(table, ids), expected)
+    finally:
+        model.close()

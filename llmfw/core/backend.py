@@ -69,7 +69,7 @@ class WeightSource:
     """Where a weight's bytes come from: everything a backend needs to convert it once.
 
     ``raw`` is the tensor's bytes (uint8, possibly a zero-copy view into an mmap'ed file that is closed after
-    loading — never keep a reference to it, copy or convert). ``ne`` is ggml's shape (``ne0`` contiguous); the
+    loading — never keep a reference to it, convert it or keep :meth:`kept_raw`). ``ne`` is ggml's shape (``ne0`` contiguous); the
     numpy shape is ``tuple(reversed(ne))``. ``name`` is the name under which the graph refers to the weight (for a
     duplicated tensor, e.g. a tied ``output.weight``, it differs from ``source_name``, the tensor in the file).
     """
@@ -82,10 +82,19 @@ class WeightSource:
     #: what the graph does with it: "mul_mat" (matrix multiplied with activations), "get_rows" (embedding
     #: table), "mul"/"add" (norm weights, biases, elementwise), "rope" (freq factors) — a hint to pick a form
     usage: frozenset[str] = frozenset()
+    #: the bytes of ``raw`` as a read-only array that outlives the load (a mapping of the file of its own, see
+    #: :meth:`kept_raw`), or None when the loader cannot give one (read mode, generated weights)
+    lasting: Callable[[], np.ndarray | None] = field(default=lambda: None, repr=False, compare=False)
 
     @property
     def numpy_shape(self) -> tuple[int, ...]:
         return tuple(reversed(self.ne))
+
+    def kept_raw(self) -> np.ndarray:
+        """The bytes for a backend that keeps raw blocks (a lookup table decoded row by row): the lasting mapping
+        when there is one — only the pages read become resident, not the whole tensor — else a copy."""
+        lasting = self.lasting()
+        return lasting if lasting is not None else np.array(self.raw, dtype=np.uint8, copy=True)
 
 
 @dataclass(frozen=True)

@@ -570,6 +570,8 @@ class GGUFFile:
         self.path = Path(path)
         self.mode: Mode = mode
         self._files: list[_OpenFile] = []
+        #: file index → the mapping :meth:`lasting_tensor_bytes` views (never closed here: its views own it)
+        self._lasting: dict[int, mmap.mmap] = {}
         try:
             self._open(self.path)
         except BaseException:
@@ -633,6 +635,25 @@ class GGUFFile:
             raise GGUFError(f"{self.path}: file is closed")
         return self._files[info.file_index].read(info.offset, info.nbytes)
 
+    def lasting_tensor_bytes(self, name: str) -> np.ndarray | None:
+        """The raw bytes of a tensor as a read-only view that outlives :meth:`close`: it maps the file anew (once
+        per file), so only the pages read through it become resident — a table kept for row lookups costs the
+        rows looked up, not the whole tensor. None in read mode (the caller copies :meth:`tensor_bytes`)."""
+        info = self.tensor_info(name)
+        if self.mode != "mmap" or not self._files:
+            return None
+        mapping = self._lasting.get(info.file_index)
+        if mapping is None:
+            opened = self._files[info.file_index]
+            try:
+                with opened.path.open("rb") as fh:
+                    mapping = self._lasting[info.file_index] = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+            except (OSError, ValueError):
+                return None
+            if len(mapping) != opened.size:  # the file changed since it was parsed
+                return None
+        return np.frombuffer(mapping, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+
     def tensor_array(self, name: str) -> np.ndarray:
         """An unquantized tensor (F32, F16, F64, I8..I64) as a numpy array of ``numpy_shape`` (a view in mmap
         mode). BF16 and quantized types need :mod:`llmfw.core.quants`."""
@@ -665,6 +686,7 @@ class GGUFFile:
         for opened in self._files:
             opened.close()
         self._files = []
+        self._lasting = {}  # each lasting mapping is unmapped when the last view of it is collected
 
     @property
     def closed(self) -> bool:

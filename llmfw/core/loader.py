@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from abc import ABC, abstractmethod
+from functools import partial
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -152,6 +153,11 @@ class ModelFileLoader(ABC):
     def tensor_bytes(self, name: str) -> np.ndarray:
         """Raw bytes (uint8); may be a zero-copy view valid until :meth:`close`."""
 
+    def lasting_tensor_bytes(self, name: str) -> np.ndarray | None:
+        """The raw bytes of a tensor as a read-only array that stays valid after :meth:`close` and costs memory
+        only for the parts read (a mapping of the file), or None when this loader cannot give one."""
+        return None
+
     @abstractmethod
     def close(self) -> None: ...
 
@@ -188,7 +194,8 @@ class ModelFileLoader(ABC):
             else:
                 record = self.tensor_record(load.file_tensor)
                 source = WeightSource(load.name, load.file_tensor, record.ggml_type, record.ne,
-                                      self.tensor_bytes(load.file_tensor), frozenset({load.usage}))
+                                      self.tensor_bytes(load.file_tensor), frozenset({load.usage}),
+                                      lasting=partial(self.lasting_tensor_bytes, load.file_tensor))
             handle = load.backend.load_weight(source)
             load.backend.weights[load.name] = handle
             handles[load.name] = handle
@@ -244,6 +251,9 @@ class GGUFLoader(ModelFileLoader):
 
     def tensor_bytes(self, name: str) -> np.ndarray:
         return self.file.tensor_bytes(name)
+
+    def lasting_tensor_bytes(self, name: str) -> np.ndarray | None:
+        return self.file.lasting_tensor_bytes(name)
 
     def close(self) -> None:
         self.file.close()

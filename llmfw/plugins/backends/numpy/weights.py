@@ -60,8 +60,9 @@ class NumpyWeights(Backend):
         qtype = GGMLType(source.ggml_type)
         lookup_only = source.usage == frozenset({"get_rows"})
         if lookup_only and qtype not in (GGMLType.F32, GGMLType.F16, GGMLType.BF16):
-            # rows decoded on demand: a quantized table stays ~4-8x smaller than float32
-            return QuantizedTable(np.array(source.raw, dtype=np.uint8, copy=True), int(qtype), source.ne)
+            # rows decoded on demand: a quantized table stays ~4-8x smaller than float32, and mapped from the file
+            # it costs only the rows looked up
+            return QuantizedTable(source.kept_raw(), int(qtype), source.ne)
         # a matrix multiplied with activations is stored in the layout its one-token product streams fastest
         # (see the module docstring); the handle keeps the contract's [n_out, n_in] shape either way
         transposed = "mul_mat" in source.usage and len(source.ne) == 2 and source.ne[1] >= source.ne[0]

@@ -130,7 +130,7 @@ class TorchBackend(Backend):
         matrix = len(shape) == 2
         if "get_rows" in usage:
             # exact lookups from the original blocks: compact, and no error added to embeddings
-            weight.raw = np.array(source.raw, dtype=np.uint8, copy=True)
+            weight.raw = source.kept_raw()
         if matrix and ("mul_mat" in usage or not usage):
             weight.linear = self._convert_linear(source)
         if not matrix or (usage - {"mul_mat", "get_rows"}):
