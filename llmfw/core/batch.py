@@ -223,8 +223,7 @@ class BatchAllocator:
 
     def _check_continuity(self, batch: AllocatedBatch, memory: Memory | None) -> None:
         """llama.cpp's checks: a sequence continues right after its last cached position, without gaps."""
-        for s in np.unique(batch.seq_first):
-            s = int(s)
+        for s in sequences_of(batch.seq_first):
             mine = batch.pos[batch.seq_first == s]
             p_min, p_max = int(mine.min()), int(mine.max())
             last = memory.seq_pos_max(s) if memory is not None else -1
@@ -233,6 +232,12 @@ class BatchAllocator:
                                  f"{p_min}; positions must stay consecutive (expected {last + 1})")
             if p_max - p_min + 1 > mine.size:
                 raise BatchError(f"sequence {s}: positions {p_min}..{p_max} have gaps ({mine.size} tokens)")
+
+
+def sequences_of(seq_first: np.ndarray) -> list[int]:
+    """The distinct sequence ids of a batch's tokens, ascending (``np.unique`` would import ``numpy.ma`` at a
+    process's first decode, a good part of the first decode's own time)."""
+    return sorted(set(seq_first.tolist()))
 
 
 def split_simple(batch: AllocatedBatch, n_ubatch: int) -> list[UBatch]:

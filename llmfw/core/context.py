@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .batch import AllocatedBatch, Batch, BatchAllocator, BatchError, UBatch
+from .batch import AllocatedBatch, Batch, BatchAllocator, BatchError, UBatch, sequences_of
 from .errors import ConfigError, ContextError, LogitsIndexError
 from .graph import BuildParams, Graph, GraphBuilder
 from .memory import KV_PAD, Memory, MemoryBatch, SeqTokens, pad_to
@@ -238,9 +238,9 @@ class Context:
 
     def _forget_ubatch(self, ub: UBatch) -> None:
         """After a failed ubatch, drop its positions (and later ones) from the memory, as llama.cpp does."""
-        for s in np.unique(ub.seq_first):
+        for s in sequences_of(ub.seq_first):
             p_min = int(ub.pos[ub.seq_first == s].min())
-            self.memory.seq_rm(int(s), p_min, -1)
+            self.memory.seq_rm(s, p_min, -1)
 
     def _fail(self, code: int, message: str) -> int:
         self.last_error = message
