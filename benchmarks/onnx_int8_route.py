@@ -13,10 +13,10 @@ unchanged:
 * ``rows2``: two int8 planes per activation row (the residual quantized again at 1/254 of the step), so the
   activations are nearly float: the error left is the weights' per-column requantization;
 * ``weights``: float activations times the per-column int8 weights dequantized (that error alone, not fast);
-* ``dequant``: float activations times the exact weights dequantized in the graph on every call from int8 codes
-  held in memory (1 byte a weight) and the block scales / offsets: the float32 prefill one could ship;
 * ``float``: float activations times the exact float32 weights held dequantized (4 bytes a weight: a bound, not a
-  form to ship — the accuracy and speed of a float32 prefill through ONNX Runtime's sgemm).
+  form to ship — the accuracy and speed of a float32 prefill through ONNX Runtime's sgemm). Dequantizing in the
+  graph instead is the same thing: ORT's constant folding turns it into these float32 copies (Gemma-3's pp512
+  peak RSS ~3 GB); fed a run-time value so that it dequantizes on every call, it was no faster than MatMulNBits.
 
 Per route and model: the reference scores of every prompt (the bar is mean_lp_err <= 0.25) and pp512 t/s measured
 alternately with the unchanged backend in one process (medians of ``--reps`` runs).
@@ -38,7 +38,7 @@ import llmfw  # noqa: E402
 from benchmarks.reference_scores import REFERENCE_DIR, REFERENCES, load_score  # noqa: E402
 from llmfw.core.catalog import resolve_model  # noqa: E402
 from llmfw.plugins.backends.onnx.translate import SplitTranslator  # noqa: E402
-from llmfw.plugins.backends.onnx.weights import F32, BlockWeight, _unpack_nbits, dequantize_block_weight  # noqa: E402
+from llmfw.plugins.backends.onnx.weights import F32, BlockWeight, dequantize_block_weight  # noqa: E402
 
 #: matrices with more rows than this are the output head: they keep MatMulNBits (their int8 copy alone would
 #: cost ~170 MB on Gemma-3, and a prompt sends one row through them)
@@ -90,18 +90,6 @@ def route_weights(t: SplitTranslator, x: str, key: str, weight: BlockWeight) -> 
     return t.e.op("MatMul", [x, t.e.op("Mul", [t.e.op("Cast", [w_codes], to=1), w_scales])])
 
 
-def route_dequant(t: SplitTranslator, x: str, key: str, weight: BlockWeight) -> str:
-    n_out, n_in = weight.shape
-    blocks = [n_out, n_in // weight.block, 1]
-    codes = t.backend.derived(key, "int8 block codes", lambda: _unpack_nbits(weight.packed, weight.bits).reshape(
-        n_out, -1, weight.block))
-    values = t.e.op("Mul", [t.e.op("Cast", [t.e.external(f"c8:{key}", codes)], to=1),
-                            t.e.external(f"bs:{key}", weight.scales.reshape(blocks))])
-    if weight.offsets is not None:
-        values = t.e.op("Add", [values, t.e.external(f"bo:{key}", weight.offsets.reshape(blocks))])
-    return t.e.op("Gemm", [x, t.e.op("Reshape", [values, t.e.const([n_out, n_in])])], transB=1)
-
-
 def route_float(t: SplitTranslator, x: str, key: str, weight: BlockWeight) -> str:
     exact = t.backend.derived(key, "float T", lambda: dequantize_block_weight(weight).T)
     return t.e.op("MatMul", [x, t.e.external(f"fT:{key}", exact)])
@@ -111,7 +99,6 @@ ROUTES: dict[str, Callable[..., str]] = {
     "rows": lambda t, x, key, w: route_rows(t, x, key, w, planes=1),
     "rows2": lambda t, x, key, w: route_rows(t, x, key, w, planes=2),
     "weights": route_weights,
-    "dequant": route_dequant,
     "float": route_float,
 }
 
