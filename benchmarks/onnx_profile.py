@@ -2,6 +2,11 @@
 of each token spent outside the session (Python: batch, memory, scheduler, bindings).
 
     python3 benchmarks/onnx_profile.py [-m MODEL] [--tg 128] [--threads 2]
+    python3 benchmarks/onnx_profile.py [-m MODEL] --pp 512 [--threads 2]     # one prompt ubatch instead
+
+With ``--pp N`` it profiles prompt ubatches of N tokens (one warm-up, three counted) and splits the matmul ops
+by their input shapes, so that the table shows which projection costs what; the last line says how fast the
+prompt would run if everything but ``MatMulNBits`` were free (the ceiling of any non-matmul work).
 
 The trace comes from the backend's ``profile`` option (ORT's ``enable_profiling``); the prompt and the decode
 steps run in one session, so its first run (the prompt) is skipped and only the decode runs are counted. Profiling slows every
@@ -21,9 +26,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 
-def op_times(trace: list[dict], skip_runs: int = 0) -> tuple[dict[str, float], int, float]:
+#: ops whose rows are split by input shapes in a pp profile (one row per projection)
+MATMUL_OPS = ("MatMulNBits", "MatMul", "FusedMatMul", "Gemm")
+
+
+def op_times(trace: list[dict], skip_runs: int = 0, by_shape: bool = False) -> tuple[dict[str, float], int, float]:
     """µs per op type over the trace's node events, the number of session runs and their total µs, leaving out
-    the first ``skip_runs`` runs (and their nodes)."""
+    the first ``skip_runs`` runs (and their nodes). ``by_shape``: matmul ops keyed by their two input shapes."""
     model_runs = sorted((e for e in trace if e.get("cat") == "Session" and e.get("name") == "model_run"),
                         key=lambda e: float(e["ts"]))
     counted = model_runs[skip_runs:]
@@ -32,8 +41,47 @@ def op_times(trace: list[dict], skip_runs: int = 0) -> tuple[dict[str, float], i
     for event in trace:
         if event.get("cat") == "Node" and event.get("name", "").endswith("_kernel_time") and \
                 float(event["ts"]) >= since:
-            per_op[event["args"].get("op_name", "?")] += float(event["dur"])
+            per_op[_op_key(event["args"], by_shape)] += float(event["dur"])
     return per_op, len(counted), sum(float(e["dur"]) for e in counted)
+
+
+def _op_key(args: dict, by_shape: bool) -> str:
+    op = args.get("op_name", "?")
+    if not by_shape or op not in MATMUL_OPS:
+        return op
+    shapes = [list(entry.values())[0] for entry in args.get("input_type_shape", [])[:2]]
+    return f"{op} {' x '.join(str(shape) for shape in shapes)}"
+
+
+def profile_decode(model, args) -> float:
+    """The tg run: a 16-token prompt, then ``--tg`` one-token decodes; their wall time."""
+    import llmfw
+
+    ctx = model.new_context(n_ctx=args.tg + 64, n_threads=args.threads)
+    ctx.decode(llmfw.Batch(list(range(100, 116))))
+    start = time.perf_counter()
+    for i in range(args.tg):
+        ctx.decode(llmfw.Batch([200 + i]))
+    wall = time.perf_counter() - start
+    ctx.close()
+    return wall
+
+
+def profile_prompt(model, args, repetitions: int) -> float:
+    """``repetitions`` + 1 prompt ubatches of ``--pp`` tokens from an empty cache (the first is the warm-up);
+    the wall time of the counted ones."""
+    import llmfw
+
+    tokens = [100 + (7 * i) % 20000 for i in range(args.pp)]
+    ctx = model.new_context(n_ctx=args.pp + 64, n_batch=args.pp, n_ubatch=args.pp, n_threads=args.threads)
+    wall = 0.0
+    for rep in range(repetitions + 1):
+        ctx.memory.clear()
+        start = time.perf_counter()
+        ctx.decode(llmfw.Batch(tokens))
+        wall += (time.perf_counter() - start) if rep else 0.0
+    ctx.close()
+    return wall
 
 
 def main() -> None:
@@ -44,28 +92,50 @@ def main() -> None:
     parser.add_argument("-m", "--model", default="smollm2")
     parser.add_argument("--tg", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--pp", type=int, default=0, help="profile prompt ubatches of this many tokens instead")
     args = parser.parse_args()
+    repetitions = 3
 
     with tempfile.TemporaryDirectory() as folder:
         prefix = str(Path(folder) / "ort")
         model = llmfw.load_model(resolve_model(args.model), backend="onnx",
                                  backend_options={"onnx": {"profile": prefix}})
-        ctx = model.new_context(n_ctx=args.tg + 64, n_threads=args.threads)
-        ctx.decode(llmfw.Batch(list(range(100, 116))))
-        start = time.perf_counter()
-        for i in range(args.tg):
-            ctx.decode(llmfw.Batch([200 + i]))
-        wall = time.perf_counter() - start
-        ctx.close()
+        wall = profile_prompt(model, args, repetitions) if args.pp else profile_decode(model, args)
         model.close()  # sessions end their profiles when released
         traces = sorted(Path(folder).glob("ort*.json"), key=lambda p: p.stat().st_size)
-        decode = max((json.loads(p.read_text()) for p in traces), key=lambda t: op_times(t)[1])
-    per_op, runs, run_us = op_times(decode, skip_runs=1)  # the prompt's run
+        trace = max((json.loads(p.read_text()) for p in traces), key=lambda t: op_times(t)[1])
+    if args.pp:
+        report_prompt(trace, args, wall, repetitions)
+    else:
+        report_decode(trace, args, wall)
+
+
+def report_decode(trace: list[dict], args, wall: float) -> None:
+    per_op, runs, run_us = op_times(trace, skip_runs=1)  # the prompt's run
     node_us = sum(per_op.values())
     print(f"{args.model}: tg{args.tg} {args.tg / wall:.1f} t/s, {1e3 * wall / args.tg:.2f} ms/token; "
           f"{runs} session runs: {run_us / 1e3 / max(runs, 1):.2f} ms/run in ORT "
           f"({100 * run_us / 1e6 / wall:.0f}% of the wall time), kernels {node_us / 1e3 / max(runs, 1):.2f} ms/run")
-    print("| op type | ms/token | share of kernel time |")
+    print_table(per_op, runs, "ms/token")
+
+
+def report_prompt(trace: list[dict], args, wall: float, repetitions: int) -> None:
+    per_op, runs, run_us = op_times(trace, skip_runs=1, by_shape=True)  # the warm-up's run
+    node_us = sum(per_op.values())
+    nbits_us = sum(us for op, us in per_op.items() if op.startswith("MatMulNBits"))
+    per_ubatch = wall / repetitions
+    print(f"{args.model}: pp{args.pp} {args.pp / per_ubatch:.1f} t/s, {1e3 * per_ubatch:.0f} ms/ubatch; "
+          f"{runs} session runs: {run_us / 1e3 / max(runs, 1):.0f} ms/run in ORT, "
+          f"kernels {node_us / 1e3 / max(runs, 1):.0f} ms/run")
+    print_table(per_op, runs, "ms/ubatch")
+    if nbits_us:
+        print(f"MatMulNBits alone: {100 * nbits_us / node_us:.0f}% of the kernel time; with every other op free the "
+              f"prompt would run {node_us / nbits_us:.2f}x as fast as now")
+
+
+def print_table(per_op: dict[str, float], runs: int, unit: str) -> None:
+    node_us = sum(per_op.values())
+    print(f"| op type | {unit} | share of kernel time |")
     print("| --- | --- | --- |")
     for op, us in sorted(per_op.items(), key=lambda kv: -kv[1]):
         print(f"| {op} | {us / 1e3 / max(runs, 1):.3f} | {100 * us / node_us:.1f}% |")
