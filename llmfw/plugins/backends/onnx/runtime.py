@@ -25,6 +25,7 @@ from llmfw.plugins.backends.onnx.emit import external_tensor_proto, split_signat
 from llmfw.plugins.backends.onnx.fused import (
     USE_GQA, AttentionForm, FusedAttentionPlan, fused_attention_plan, kv_cells,
 )
+from llmfw.plugins.backends.onnx.groups import attention_cells
 from llmfw.plugins.backends.onnx.ort import OnnxKV, execution_providers, import_onnxruntime
 from llmfw.plugins.backends.onnx.translate import SplitTranslator
 from llmfw.plugins.backends.onnx.weights import (
@@ -49,6 +50,8 @@ class _Program:
     kv_bindings: list[tuple[str, str, tuple[str, int], str]]  # (input, output, kv key, "k"|"v")
     node_count: int = 0               # ONNX nodes before ORT's own fusions (diagnostics)
     kv_rank: int = 3                  # 4: the caches are bound as [1, Hkv, n_cells, D] (GroupQueryAttention)
+    #: (index of a mask in input_names, the graph input of the cells its attentions gather): see groups.py
+    cell_inputs: tuple[tuple[int, str], ...] = ()
 
 
 class OnnxOptions(BackendOptions):
@@ -259,8 +262,10 @@ class OnnxBackend(Backend):
         self.sessions_built += 1
         log.debug("onnx: session %d for a split of %d nodes (%d ONNX nodes)", self.sessions_built,
                   len(split.nodes), len(model.graph.node))
+        positions = {node_id: k for k, node_id in enumerate(split.input_ids)}
+        cell_inputs = tuple((positions[mask_id], name) for mask_id, name in translator.cell_inputs.items())
         return _Program(session, [f"in_{i}" for i in split.input_ids], output_names, translator.kv_bindings,
-                        len(model.graph.node), translator.kv_rank)
+                        len(model.graph.node), translator.kv_rank, cell_inputs)
 
     def _mapped_offsets(self, externals: Mapping[str, np.ndarray]) -> dict[str, int]:
         """External initializer → its offset in the mapped cache file, for the arrays that lie in it."""
@@ -410,6 +415,14 @@ class _CompiledSplit:
                 array[np.newaxis]))
         return cached[1]
 
+    def _attention_cells(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
+        """The cells each mask's attentions gather (groups.py); the mask in ``arrays`` becomes the one over them."""
+        cells = []
+        for position, _ in self.program.cell_inputs:
+            arrays[position], listed = attention_cells(arrays[position])
+            cells.append(listed)
+        return cells
+
     def _bound_for(self, arrays: list[np.ndarray]) -> _Bound:
         shapes = (self.program.kv_rank, tuple(a.shape for a in arrays))
         bound = self._bound.get(shapes)
@@ -445,8 +458,10 @@ class _CompiledSplit:
         gqa = self._fused(inputs)
         form = self._attention_form(gqa)
         self._prepare(arrays, form)
-        bound = self._bound_for(arrays)
-        for name, array in zip(self.program.input_names, arrays):
+        cells = self._attention_cells(arrays)
+        bound = self._bound_for(arrays + cells)
+        names = self.program.input_names + [name for _, name in self.program.cell_inputs]
+        for name, array in zip(names, arrays + cells):
             bound.binding.bind_cpu_input(name, array)  # zero-copy: ORT reads the array during the run
         if form == "switch":  # kept in `arrays` while the run reads it
             arrays.append(np.array(gqa))
