@@ -16,7 +16,7 @@ from reference_gen.arch_files import build_model_file  # noqa: E402
 
 import llmfw  # noqa: E402
 from llmfw.plugins.backends.onnx.fused import causal_mask  # noqa: E402
-from llmfw.plugins.backends.onnx.groups import CELL_PAD, MAX_ROW_GROUPS, attention_cells  # noqa: E402
+from llmfw.plugins.backends.onnx.groups import CELL_PAD, MAX_ROW_GROUPS, attention_cells, prefix_blocks  # noqa: E402
 
 NEG = -np.inf
 
@@ -33,7 +33,7 @@ def _interleaved_mask(n_seqs: int, steps: int, n_kv: int) -> np.ndarray:
 
 def test_tokens_of_different_sequences_get_a_group_each_over_the_cells_they_see():
     mask = _interleaved_mask(4, 9, 256)                      # 10 cells per sequence, 40 used
-    graph_mask, cells = attention_cells(mask)
+    graph_mask, cells = attention_cells(mask, 768)
     assert cells.shape == (4, CELL_PAD) and graph_mask.shape == (4, CELL_PAD)
     for s in range(4):
         np.testing.assert_array_equal(cells[s, :10], np.arange(s, 40, 4))
@@ -44,7 +44,7 @@ def test_tokens_of_different_sequences_get_a_group_each_over_the_cells_they_see(
 def test_a_finite_mask_value_moves_with_its_cell():
     mask = _interleaved_mask(2, 3, 256)
     mask[1, 5] = -2.5
-    graph_mask, cells = attention_cells(mask)
+    graph_mask, cells = attention_cells(mask, 768)
     assert cells[1, 2] == 5 and graph_mask[1, 2] == np.float32(-2.5)
 
 
@@ -52,7 +52,7 @@ def test_sequences_sharing_a_prompt_still_get_a_group_each():
     mask = np.full((2, 256), NEG, np.float32)
     mask[:, :20] = 0.0                                       # the prompt, copied to both (seq_cp)
     mask[0, 20], mask[1, 21] = 0.0, 0.0                      # each one's own new token
-    graph_mask, cells = attention_cells(mask)
+    graph_mask, cells = attention_cells(mask, 768)
     assert cells.shape == (2, 32)
     np.testing.assert_array_equal(cells[0, :21], np.arange(21))
     np.testing.assert_array_equal(cells[1, :21], [*range(20), 21])
@@ -80,9 +80,14 @@ def test_other_batches_keep_the_plain_prefix(case):
     else:                                                    # seen as inside every row: no savings to make
         mask = _interleaved_mask(3, 2, 256)
         mask[1] = NEG
-    graph_mask, cells = attention_cells(mask)
+    graph_mask, cells = attention_cells(mask, 768)
     assert graph_mask is mask
-    np.testing.assert_array_equal(cells, np.arange(mask.shape[1])[None])
+    np.testing.assert_array_equal(cells, [[0]])   # cells 0 .. 255: one block of 256
+
+
+@pytest.mark.parametrize(("n_kv", "n_cells", "blocks"), [(256, 256, 1), (512, 768, 2), (768, 768, 1), (96, 160, 3)])
+def test_a_plain_prefix_is_gathered_in_blocks_that_divide_it_and_the_cache(n_kv, n_cells, blocks):
+    np.testing.assert_array_equal(prefix_blocks(n_kv, n_cells), np.arange(blocks)[None])
 
 
 # -- on real models --------------------------------------------------------------------------------------------

@@ -5,13 +5,15 @@ case) their cells interleave, so every token would score, mask and copy all ``n_
 its own sequence's. The attention instead gathers, per row group, the cells it lists (``cells [S, L]``; the
 groups are ``S`` consecutive blocks of ``T / S`` rows) and masks them with ``[T, L]``:
 
-- one group (``S = 1``) listing cells ``0 .. n_kv-1`` under the core's own mask: exactly the computation of a
-  plain prefix, the form of every batch of one sequence (prompt chunks, speculative verify batches: their rows
+- one group (``S = 1``) listing cells ``0 .. n_kv-1`` (in a few big blocks) under the core's own mask: exactly
+  the computation of a plain prefix, the form of every batch of one sequence (prompt chunks, speculative verify batches: their rows
   get the bits of one-token decodes, see tests/test_onnx_fused.py);
-- one group per row (``S = T``) listing the cells that row sees (padded to :data:`CELL_PAD` with cell 0, masked
-  off): a batch of a few rows of which none sees every cell another one sees — tokens of different sequences.
+- one group per row (``S = T``) listing the cells that row sees (blocks of one cell; padded to :data:`CELL_PAD`
+  with cell 0, masked off): a batch of a few rows of which none sees every cell another one sees — tokens of different sequences.
 """
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -22,16 +24,24 @@ CELL_PAD = 32
 MAX_ROW_GROUPS = 64
 
 
-def attention_cells(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(the mask the graph reads ``[T, L]``, the cells ``[S, L]`` int64) for the core's mask ``[T, n_kv]``."""
-    visible = mask != -np.inf
+def attention_cells(mask: np.ndarray, n_cells: int) -> tuple[np.ndarray, np.ndarray]:
+    """(the mask the graph reads ``[T, L]``, the cells ``[S, L/B]`` int64, blocks of B cells) for the core's mask
+    ``[T, n_kv]`` over a cache of ``n_cells`` cells."""
     n_rows, n_kv = mask.shape
-    if 1 < n_rows <= MAX_ROW_GROUPS and not _rows_share_a_sequence(visible):
+    visible = mask != -np.inf if 1 < n_rows <= MAX_ROW_GROUPS else None
+    if visible is not None and not _rows_share_a_sequence(visible):
         counts = visible.sum(axis=1)
         width = min(n_kv, -(-int(counts.max()) // CELL_PAD) * CELL_PAD)
         if n_rows * width <= n_kv:  # fewer cells gathered than one plain prefix copies
             return _per_row(mask, visible, counts, width)
-    return mask, np.arange(n_kv, dtype=np.int64)[np.newaxis]
+    return mask, prefix_blocks(n_kv, n_cells)
+
+
+def prefix_blocks(n_kv: int, n_cells: int) -> np.ndarray:
+    """Cells 0 .. n_kv-1 as ``[1, n_kv/B]`` blocks of B cells, B the largest that divides both ``n_kv`` and the
+    cache (usually ``n_kv`` itself or 256: as cheap to gather as a Slice)."""
+    block = math.gcd(n_kv, n_cells) or 1
+    return np.arange(n_kv // block, dtype=np.int64)[np.newaxis]
 
 
 def _rows_share_a_sequence(visible: np.ndarray) -> bool:

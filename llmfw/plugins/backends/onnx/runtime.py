@@ -50,8 +50,9 @@ class _Program:
     kv_bindings: list[tuple[str, str, tuple[str, int], str]]  # (input, output, kv key, "k"|"v")
     node_count: int = 0               # ONNX nodes before ORT's own fusions (diagnostics)
     kv_rank: int = 3                  # 4: the caches are bound as [1, Hkv, n_cells, D] (GroupQueryAttention)
-    #: (index of a mask in input_names, the graph input of the cells its attentions gather): see groups.py
-    cell_inputs: tuple[tuple[int, str], ...] = ()
+    #: (index of a mask in input_names, the graph input of the cells its attentions gather, the cells of its
+    #: caches): see groups.py
+    cell_inputs: tuple[tuple[int, str, int], ...] = ()
 
 
 class OnnxOptions(BackendOptions):
@@ -263,7 +264,8 @@ class OnnxBackend(Backend):
         log.debug("onnx: session %d for a split of %d nodes (%d ONNX nodes)", self.sessions_built,
                   len(split.nodes), len(model.graph.node))
         positions = {node_id: k for k, node_id in enumerate(split.input_ids)}
-        cell_inputs = tuple((positions[mask_id], name) for mask_id, name in translator.cell_inputs.items())
+        cell_inputs = tuple((positions[mask_id], name, translator.cell_counts[mask_id])
+                            for mask_id, name in translator.cell_inputs.items())
         return _Program(session, [f"in_{i}" for i in split.input_ids], output_names, translator.kv_bindings,
                         len(model.graph.node), translator.kv_rank, cell_inputs)
 
@@ -418,8 +420,8 @@ class _CompiledSplit:
     def _attention_cells(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
         """The cells each mask's attentions gather (groups.py); the mask in ``arrays`` becomes the one over them."""
         cells = []
-        for position, _ in self.program.cell_inputs:
-            arrays[position], listed = attention_cells(arrays[position])
+        for position, _, n_cells in self.program.cell_inputs:
+            arrays[position], listed = attention_cells(arrays[position], n_cells)
             cells.append(listed)
         return cells
 
@@ -460,7 +462,7 @@ class _CompiledSplit:
         self._prepare(arrays, form)
         cells = self._attention_cells(arrays)
         bound = self._bound_for(arrays + cells)
-        names = self.program.input_names + [name for _, name in self.program.cell_inputs]
+        names = self.program.input_names + [name for _, name, _ in self.program.cell_inputs]
         for name, array in zip(names, arrays + cells):
             bound.binding.bind_cpu_input(name, array)  # zero-copy: ORT reads the array during the run
         if form == "switch":  # kept in `arrays` while the run reads it

@@ -19,6 +19,7 @@ the sum is its 4th output for the later residual).
 """
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -70,8 +71,10 @@ class SplitTranslator:
         self.graph_inputs: list[Any] = []
         self.graph_outputs: list[Any] = []
         self.kv_bindings: list[tuple[str, str, tuple[str, int], str]] = []
-        #: mask input node id → the graph input of the cells its attentions gather (see groups.py)
+        #: mask input node id → the graph input of the cells its attentions gather (see groups.py), and the cells
+        #: of its caches (their gcd: the cells are gathered in blocks that divide it)
         self.cell_inputs: dict[int, str] = {}
+        self.cell_counts: dict[int, int] = {}
         self._kv_current: dict[tuple[tuple[str, int], str], str] = {}
         self._in_branch = False
         #: the node lists of the graphs around the If branch being built
@@ -475,9 +478,11 @@ class SplitTranslator:
         prefix = self.e.op("Slice", [cache, self.e.const([0]), n_kv, self.e.const([axis])])
         return prefix if self.kv_rank == 3 else self.e.op("Reshape", [prefix, self.e.const([n_head_kv, -1, head_dim])])
 
-    def _cells_input(self, mask: Node) -> str:
-        """The graph input ``cells_<mask>`` [S, L] int64: the cache cells each of S consecutive row groups
-        attends, under a mask [T, L] the runtime puts in the core's mask's place (see groups.py)."""
+    def _cells_input(self, mask: Node, n_cells: int | None = None) -> str:
+        """The graph input ``cells_<mask>`` [S, L/B] int64: the blocks of B cache cells each of S consecutive row
+        groups attends, under a mask [T, L] the runtime puts in the core's mask's place (see groups.py)."""
+        if n_cells is not None:
+            self.cell_counts[mask.id] = math.gcd(self.cell_counts.get(mask.id, 0), n_cells)
         name = self.cell_inputs.get(mask.id)
         if name is None:
             if mask.id not in self.input_shapes:
@@ -487,10 +492,24 @@ class SplitTranslator:
                 name, ONNX_INT64, [f"{name}_groups", f"{name}_width"]))
         return name
 
-    def _grouped_cells(self, cache: str, cells: str) -> str:
-        """The cells a group attends, gathered from a cache tensor: [Hkv, S, L, D]."""
-        gathered = self.e.op("Gather", [cache, cells], axis=self.kv_rank - 2)
-        return gathered if self.kv_rank == 3 else self.e.op("Squeeze", [gathered, self.e.const([0])])
+    def _grouped_cells(self, cache: str, mask: Node, n_head_kv: int, head_dim: int) -> str:
+        """The cells a group attends, gathered from a cache tensor in blocks of B = L / (L/B) cells (a plain
+        prefix is a few big blocks, as cheap as a Slice; a row's own cells are blocks of one): [Hkv, S, L, D]."""
+        blocks = self.e.op("Reshape", [cache, self._cell_blocks_shape(mask, n_head_kv, head_dim)])
+        gathered = self.e.op("Gather", [blocks, self._cells_input(mask)], axis=1)  # [Hkv, S, L/B, B*D]
+        return self.e.op("Reshape", [gathered, self.e.const([n_head_kv, 0, -1, head_dim])])
+
+    def _cell_blocks_shape(self, mask: Node, n_head_kv: int, head_dim: int) -> str:
+        """[Hkv, -1, B*D]: a cache tensor seen as blocks of B cells (B = L / (L/B), the mask's and the cells'
+        widths)."""
+        cells, mask_name = self._cells_input(mask), self.value(mask)
+
+        def make() -> str:
+            block = self.e.op("Div", [self.e.op("Shape", [mask_name], start=1, end=2),
+                                      self.e.op("Shape", [cells], start=1, end=2)], hint="cell_block")
+            row = self.e.op("Mul", [block, self.e.const([head_dim])])
+            return self.e.op("Concat", [self.e.const([n_head_kv, -1]), row], axis=0)
+        return self.shared(("cell_blocks", cells, n_head_kv, head_dim), make)
 
     def _group_count(self, cells: str) -> str:
         """S, the row groups of a call, as a [1] shape piece."""
@@ -507,7 +526,7 @@ class SplitTranslator:
         mask_name, cells = self.value(mask), self._cells_input(mask)
 
         def make() -> str:
-            width = self.e.op("Shape", [cells], start=1, end=2)
+            width = self.e.op("Shape", [mask_name], start=1, end=2)
             shape = self.e.op("Concat", [self._group_count(cells), self.e.const([-1]), width], axis=0)
             rows = self.e.op("Reshape", [mask_name, shape])
             return self.e.op("Tile", [rows, self.e.const([1, group, 1])], hint="mask")
@@ -534,8 +553,9 @@ class SplitTranslator:
         heads_first = dict(perm=[1, 0, 2])  # [T, Hkv, D] → [Hkv, T, D]
         keys = self._kv_write(node, key, "k", index, self.e.op("Transpose", [self.value(k)], **heads_first))
         values = self._kv_write(node, key, "v", index, self.e.op("Transpose", [self.value(v)], **heads_first))
-        cells = self._cells_input(mask)
-        keys, values = self._grouped_cells(keys, cells), self._grouped_cells(values, cells)
+        cells = self._cells_input(mask, storage.k.shape[1])
+        keys = self._grouped_cells(keys, mask, n_head_kv, head_dim_k)
+        values = self._grouped_cells(values, mask, n_head_kv, head_dim_v)
         # query head h uses KV head h // G: [T, H, Dk] → [S, T/S, Hkv, G, Dk] → [Hkv, S, G*T/S, Dk]
         qg = self.e.op("Reshape", [self.value(q), self._query_groups_shape(cells, n_head_kv, group, head_dim_k)])
         qg = self.e.op("Transpose", [qg], perm=[2, 0, 3, 1, 4])
@@ -643,7 +663,10 @@ class SplitTranslator:
         self._scatter_index(self.value(kv_idx), n_head_kv)
         group = self.known_dim(q, 1) // n_head_kv
         self._grouped_mask(mask, group)
-        self._query_groups_shape(self._cells_input(mask), n_head_kv, group, storage.k.shape[2])
+        cells = self._cells_input(mask, storage.k.shape[1])
+        self._query_groups_shape(cells, n_head_kv, group, storage.k.shape[2])
+        for head_dim in {storage.k.shape[2], storage.v.shape[2]}:
+            self._cell_blocks_shape(mask, n_head_kv, head_dim)
         for rope in node.inputs[:2]:
             if rope.id in self._deferred_ropes:
                 factors = rope.inputs[2] if len(rope.inputs) > 2 else None
