@@ -134,3 +134,18 @@ def test_a_sequence_decoding_among_others_gets_the_bits_it_gets_alone(smollm2_pa
 
 def test_so_does_one_behind_a_sliding_window_with_a_softcap(tmp_path):
     _assert_each_sequence_decodes_as_if_alone(build_model_file("gemma2", tmp_path))
+
+
+def test_contexts_of_other_cache_sizes_share_the_session_and_get_the_same_bits(smollm2_path):
+    """A plain prefix is gathered in blocks dividing this context's cache: 512 cells of a 512-cell cache in one,
+    of a 1280-cell one in two of 256 — the same model (one session), the same logits."""
+    prompt = list(range(300, 600))
+    with llmfw.load_model(smollm2_path, backend="onnx") as model:
+        logits = []
+        for n_ctx in (512, 1280):
+            ctx = model.new_context(n_ctx=n_ctx, n_batch=512)
+            assert ctx.decode(llmfw.Batch(prompt)) == 0, ctx.last_error
+            logits.append(np.array(ctx.get_logits_ith(-1)))
+            ctx.close()
+        assert model.backends["onnx"].sessions_built == 1
+    np.testing.assert_array_equal(logits[0], logits[1])

@@ -19,7 +19,6 @@ the sum is its 4th output for the later residual).
 """
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -71,10 +70,10 @@ class SplitTranslator:
         self.graph_inputs: list[Any] = []
         self.graph_outputs: list[Any] = []
         self.kv_bindings: list[tuple[str, str, tuple[str, int], str]] = []
-        #: mask input node id → the graph input of the cells its attentions gather (see groups.py), and the cells
-        #: of its caches (their gcd: the cells are gathered in blocks that divide it)
+        #: mask input node id → the graph input of the cells its attentions gather (see groups.py), and the KV
+        #: storages they read (the cells are gathered in blocks that divide their sizes)
         self.cell_inputs: dict[int, str] = {}
-        self.cell_counts: dict[int, int] = {}
+        self.cell_caches: dict[int, set[tuple[str, int]]] = {}
         self._kv_current: dict[tuple[tuple[str, int], str], str] = {}
         self._in_branch = False
         #: the node lists of the graphs around the If branch being built
@@ -478,11 +477,11 @@ class SplitTranslator:
         prefix = self.e.op("Slice", [cache, self.e.const([0]), n_kv, self.e.const([axis])])
         return prefix if self.kv_rank == 3 else self.e.op("Reshape", [prefix, self.e.const([n_head_kv, -1, head_dim])])
 
-    def _cells_input(self, mask: Node, n_cells: int | None = None) -> str:
+    def _cells_input(self, mask: Node, cache: tuple[str, int] | None = None) -> str:
         """The graph input ``cells_<mask>`` [S, L/B] int64: the blocks of B cache cells each of S consecutive row
         groups attends, under a mask [T, L] the runtime puts in the core's mask's place (see groups.py)."""
-        if n_cells is not None:
-            self.cell_counts[mask.id] = math.gcd(self.cell_counts.get(mask.id, 0), n_cells)
+        if cache is not None:
+            self.cell_caches.setdefault(mask.id, set()).add(cache)
         name = self.cell_inputs.get(mask.id)
         if name is None:
             if mask.id not in self.input_shapes:
@@ -553,7 +552,7 @@ class SplitTranslator:
         heads_first = dict(perm=[1, 0, 2])  # [T, Hkv, D] → [Hkv, T, D]
         keys = self._kv_write(node, key, "k", index, self.e.op("Transpose", [self.value(k)], **heads_first))
         values = self._kv_write(node, key, "v", index, self.e.op("Transpose", [self.value(v)], **heads_first))
-        cells = self._cells_input(mask, storage.k.shape[1])
+        cells = self._cells_input(mask, key)
         keys = self._grouped_cells(keys, mask, n_head_kv, head_dim_k)
         values = self._grouped_cells(values, mask, n_head_kv, head_dim_v)
         # query head h uses KV head h // G: [T, H, Dk] → [S, T/S, Hkv, G, Dk] → [Hkv, S, G*T/S, Dk]
@@ -663,7 +662,7 @@ class SplitTranslator:
         self._scatter_index(self.value(kv_idx), n_head_kv)
         group = self.known_dim(q, 1) // n_head_kv
         self._grouped_mask(mask, group)
-        cells = self._cells_input(mask, storage.k.shape[1])
+        cells = self._cells_input(mask, (node.attrs["cache"], int(node.attrs["layer"])))
         self._query_groups_shape(cells, n_head_kv, group, storage.k.shape[2])
         for head_dim in {storage.k.shape[2], storage.v.shape[2]}:
             self._cell_blocks_shape(mask, n_head_kv, head_dim)
