@@ -10,6 +10,7 @@ ONNX Runtime copies.
 from __future__ import annotations
 
 import logging
+import math
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,7 @@ from llmfw.plugins.backends.onnx.emit import external_tensor_proto, split_signat
 from llmfw.plugins.backends.onnx.fused import (
     USE_GQA, AttentionForm, FusedAttentionPlan, fused_attention_plan, kv_cells,
 )
+from llmfw.plugins.backends.onnx.groups import attention_cells
 from llmfw.plugins.backends.onnx.ort import OnnxKV, execution_providers, import_onnxruntime
 from llmfw.plugins.backends.onnx.translate import SplitTranslator
 from llmfw.plugins.backends.onnx.weights import (
@@ -49,6 +51,9 @@ class _Program:
     kv_bindings: list[tuple[str, str, tuple[str, int], str]]  # (input, output, kv key, "k"|"v")
     node_count: int = 0               # ONNX nodes before ORT's own fusions (diagnostics)
     kv_rank: int = 3                  # 4: the caches are bound as [1, Hkv, n_cells, D] (GroupQueryAttention)
+    #: (index of a mask in input_names, the graph input of the cells its attentions gather, the KV storages they
+    #: read): see groups.py
+    cell_inputs: tuple[tuple[int, str, tuple[tuple[str, int], ...]], ...] = ()
 
 
 class OnnxOptions(BackendOptions):
@@ -259,8 +264,11 @@ class OnnxBackend(Backend):
         self.sessions_built += 1
         log.debug("onnx: session %d for a split of %d nodes (%d ONNX nodes)", self.sessions_built,
                   len(split.nodes), len(model.graph.node))
+        positions = {node_id: k for k, node_id in enumerate(split.input_ids)}
+        cell_inputs = tuple((positions[mask_id], name, tuple(sorted(translator.cell_caches.get(mask_id, ()))))
+                            for mask_id, name in translator.cell_inputs.items())
         return _Program(session, [f"in_{i}" for i in split.input_ids], output_names, translator.kv_bindings,
-                        len(model.graph.node), translator.kv_rank)
+                        len(model.graph.node), translator.kv_rank, cell_inputs)
 
     def _mapped_offsets(self, externals: Mapping[str, np.ndarray]) -> dict[str, int]:
         """External initializer → its offset in the mapped cache file, for the arrays that lie in it."""
@@ -364,6 +372,7 @@ class _CompiledSplit:
         self._told_fallback = False
         #: the caches as [1, Hkv, n_cells, D] OrtValues over the same memory (GroupQueryAttention's BNSH)
         self._kv_bnsh: dict[tuple[tuple[str, int], str], tuple[np.ndarray, Any]] = {}
+        self._n_cells: dict[tuple[tuple[str, int], ...], int] = {}
 
     def _fused(self, inputs: Mapping[int, Any]) -> bool:
         """Whether this call's batch runs GroupQueryAttention (one causal run of cells, see fused.py): the
@@ -410,6 +419,22 @@ class _CompiledSplit:
                 array[np.newaxis]))
         return cached[1]
 
+    def _cells_of(self, caches: tuple[tuple[str, int], ...]) -> int:
+        """The gcd of these caches' cell counts in this context (a program serves every context of its split
+        structure, whatever the caches' sizes)."""
+        n_cells = self._n_cells.get(caches)
+        if n_cells is None:
+            n_cells = self._n_cells[caches] = math.gcd(*(kv_cells(self.kv[key]) for key in caches))
+        return n_cells
+
+    def _attention_cells(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
+        """The cells each mask's attentions gather (groups.py); the mask in ``arrays`` becomes the one over them."""
+        cells = []
+        for position, _, caches in self.program.cell_inputs:
+            arrays[position], listed = attention_cells(arrays[position], self._cells_of(caches))
+            cells.append(listed)
+        return cells
+
     def _bound_for(self, arrays: list[np.ndarray]) -> _Bound:
         shapes = (self.program.kv_rank, tuple(a.shape for a in arrays))
         bound = self._bound.get(shapes)
@@ -445,8 +470,10 @@ class _CompiledSplit:
         gqa = self._fused(inputs)
         form = self._attention_form(gqa)
         self._prepare(arrays, form)
-        bound = self._bound_for(arrays)
-        for name, array in zip(self.program.input_names, arrays):
+        cells = self._attention_cells(arrays)
+        bound = self._bound_for(arrays + cells)
+        names = self.program.input_names + [name for _, name, _ in self.program.cell_inputs]
+        for name, array in zip(names, arrays + cells):
             bound.binding.bind_cpu_input(name, array)  # zero-copy: ORT reads the array during the run
         if form == "switch":  # kept in `arrays` while the run reads it
             arrays.append(np.array(gqa))

@@ -70,6 +70,10 @@ class SplitTranslator:
         self.graph_inputs: list[Any] = []
         self.graph_outputs: list[Any] = []
         self.kv_bindings: list[tuple[str, str, tuple[str, int], str]] = []
+        #: mask input node id → the graph input of the cells its attentions gather (see groups.py), and the KV
+        #: storages they read (the cells are gathered in blocks that divide their sizes)
+        self.cell_inputs: dict[int, str] = {}
+        self.cell_caches: dict[int, set[tuple[str, int]]] = {}
         self._kv_current: dict[tuple[tuple[str, int], str], str] = {}
         self._in_branch = False
         #: the node lists of the graphs around the If branch being built
@@ -480,6 +484,60 @@ class SplitTranslator:
         prefix = self.e.op("Slice", [cache, self.e.const([0]), n_kv, self.e.const([axis])])
         return prefix if self.kv_rank == 3 else self.e.op("Reshape", [prefix, self.e.const([n_head_kv, -1, head_dim])])
 
+    def _cells_input(self, mask: Node, cache: tuple[str, int] | None = None) -> str:
+        """The graph input ``cells_<mask>`` [S, L/B] int64: the blocks of B cache cells each of S consecutive row
+        groups attends, under a mask [T, L] the runtime puts in the core's mask's place (see groups.py)."""
+        if cache is not None:
+            self.cell_caches.setdefault(mask.id, set()).add(cache)
+        name = self.cell_inputs.get(mask.id)
+        if name is None:
+            if mask.id not in self.input_shapes:
+                raise ModelError(f"onnx backend: the attention mask {mask!r} is not an input of its split")
+            name = self.cell_inputs[mask.id] = f"cells_{mask.id}"
+            self.graph_inputs.append(self.e.helper.make_tensor_value_info(
+                name, ONNX_INT64, [f"{name}_groups", f"{name}_width"]))
+        return name
+
+    def _grouped_cells(self, cache: str, mask: Node, n_head_kv: int, head_dim: int) -> str:
+        """The cells a group attends, gathered from a cache tensor in blocks of B = L / (L/B) cells (a plain
+        prefix is a few big blocks, as cheap as a Slice; a row's own cells are blocks of one): [Hkv, S, L, D]."""
+        blocks = self.e.op("Reshape", [cache, self._cell_blocks_shape(mask, n_head_kv, head_dim)])
+        gathered = self.e.op("Gather", [blocks, self._cells_input(mask)], axis=1)  # [Hkv, S, L/B, B*D]
+        return self.e.op("Reshape", [gathered, self.e.const([n_head_kv, 0, -1, head_dim])])
+
+    def _cell_blocks_shape(self, mask: Node, n_head_kv: int, head_dim: int) -> str:
+        """[Hkv, -1, B*D]: a cache tensor seen as blocks of B cells (B = L / (L/B), the mask's and the cells'
+        widths)."""
+        cells, mask_name = self._cells_input(mask), self.value(mask)
+
+        def make() -> str:
+            block = self.e.op("Div", [self.e.op("Shape", [mask_name], start=1, end=2),
+                                      self.e.op("Shape", [cells], start=1, end=2)], hint="cell_block")
+            row = self.e.op("Mul", [block, self.e.const([head_dim])])
+            return self.e.op("Concat", [self.e.const([n_head_kv, -1]), row], axis=0)
+        return self.shared(("cell_blocks", cells, n_head_kv, head_dim), make)
+
+    def _group_count(self, cells: str) -> str:
+        """S, the row groups of a call, as a [1] shape piece."""
+        return self.shared(("groups", cells), lambda: self.e.op("Shape", [cells], start=0, end=1))
+
+    def _query_groups_shape(self, cells: str, n_head_kv: int, group: int, head_dim: int) -> str:
+        """[S, -1, Hkv, G, D]: the queries [T, H, D] split into the row groups."""
+        return self.shared(("q_groups", cells, n_head_kv, group, head_dim), lambda: self.e.op(
+            "Concat", [self._group_count(cells), self.e.const([-1, n_head_kv, group, head_dim])], axis=0))
+
+    def _grouped_mask(self, mask: Node, group: int) -> str:
+        """The mask [T, L] as [S, G*T/S, L], row g*(T/S) + t of a group for query head g of a KV head: the
+        scores' rows (shared by the layers with the same group size)."""
+        mask_name, cells = self.value(mask), self._cells_input(mask)
+
+        def make() -> str:
+            width = self.e.op("Shape", [mask_name], start=1, end=2)
+            shape = self.e.op("Concat", [self._group_count(cells), self.e.const([-1]), width], axis=0)
+            rows = self.e.op("Reshape", [mask_name, shape])
+            return self.e.op("Tile", [rows, self.e.const([1, group, 1])], hint="mask")
+        return self.shared(("mask", mask_name, group), make)
+
     def _op_attention(self, node: Node) -> str:
         if self.attention == "switch":
             return self._switched_attention(node)
@@ -488,6 +546,7 @@ class SplitTranslator:
         return self._attention_op_by_op(node)
 
     def _attention_op_by_op(self, node: Node) -> str:
+        """Each row group (see groups.py) scores the cells it lists: [Hkv, S, G*T/S, L] scores per KV head."""
         q, k, v, kv_idx, mask = node.inputs
         key, storage = self._kv_storage(node)
         n_head_kv, _, head_dim_k = storage.k.shape
@@ -500,26 +559,22 @@ class SplitTranslator:
         heads_first = dict(perm=[1, 0, 2])  # [T, Hkv, D] → [Hkv, T, D]
         keys = self._kv_write(node, key, "k", index, self.e.op("Transpose", [self.value(k)], **heads_first))
         values = self._kv_write(node, key, "v", index, self.e.op("Transpose", [self.value(v)], **heads_first))
-        mask_name = self.value(mask)
-        n_kv = self.shared(("n_kv", mask_name), lambda: self.e.op("Shape", [mask_name], start=1, end=2))
-        keys = self._cached_prefix(keys, n_kv, n_head_kv, head_dim_k)
-        values = self._cached_prefix(values, n_kv, n_head_kv, head_dim_v)
-        # query head h uses KV head h // G: [T, H, Dk] → [Hkv, G*T, Dk], row g*T + t
-        qg = self.e.op("Reshape", [self.value(q), self.e.const([-1, n_head_kv, group, head_dim_k])])
-        qg = self.e.op("Transpose", [qg], perm=[1, 2, 0, 3])
-        qg = self.e.op("Reshape", [qg, self.e.const([n_head_kv, -1, head_dim_k])])
+        cells = self._cells_input(mask, key)
+        keys = self._grouped_cells(keys, mask, n_head_kv, head_dim_k)
+        values = self._grouped_cells(values, mask, n_head_kv, head_dim_v)
+        # query head h uses KV head h // G: [T, H, Dk] → [S, T/S, Hkv, G, Dk] → [Hkv, S, G*T/S, Dk]
+        qg = self.e.op("Reshape", [self.value(q), self._query_groups_shape(cells, n_head_kv, group, head_dim_k)])
+        qg = self.e.op("Transpose", [qg], perm=[2, 0, 3, 1, 4])
+        qg = self.e.op("Reshape", [qg, self.e.const([n_head_kv, 0, -1, head_dim_k])])
         scale = float(node.attrs["scale"])
         scores = self.e.op("FusedMatMul", [qg, keys], domain="com.microsoft", alpha=scale, transB=1, hint="kq")
         softcap = float(node.attrs.get("softcap", 0.0) or 0.0)
         if softcap:
             scores = self._softcap(scores, softcap)
-        # the mask [T, n_kv] repeated for the G query heads of each KV head: rows g*T + t
-        mask_rows = self.shared(("mask", mask_name, group),
-                                lambda: self.e.op("Tile", [mask_name, self.e.const([group, 1])], hint="mask"))
-        probs = self.e.op("Softmax", [self.e.op("Add", [scores, mask_rows])], axis=-1)
-        out = self.e.op("MatMul", [probs, values], hint="kqv")                 # [Hkv, G*T, Dv]
-        out = self.e.op("Reshape", [out, self.e.const([n_head_kv, group, -1, head_dim_v])])
-        out = self.e.op("Transpose", [out], perm=[2, 0, 1, 3])                  # [T, Hkv, G, Dv]
+        probs = self.e.op("Softmax", [self.e.op("Add", [scores, self._grouped_mask(mask, group)])], axis=-1)
+        out = self.e.op("MatMul", [probs, values], hint="kqv")                 # [Hkv, S, G*T/S, Dv]
+        out = self.e.op("Reshape", [out, self.e.const([n_head_kv, 0, group, -1, head_dim_v])])
+        out = self.e.op("Transpose", [out], perm=[1, 3, 0, 2, 4])               # [S, T/S, Hkv, G, Dv]
         return self.e.op("Reshape", [out, self.e.const([-1, n_head * head_dim_v])], hint="attn")
 
     def _op_k_shift(self, node: Node) -> str:
@@ -612,11 +667,12 @@ class SplitTranslator:
         n_head_kv = storage.k.shape[0]
         self._gqa_lengths(self.value(kv_idx))
         self._scatter_index(self.value(kv_idx), n_head_kv)
-        mask_name = self.value(mask)
-        self.shared(("n_kv", mask_name), lambda: self.e.op("Shape", [mask_name], start=1, end=2))
         group = self.known_dim(q, 1) // n_head_kv
-        self.shared(("mask", mask_name, group),
-                    lambda: self.e.op("Tile", [mask_name, self.e.const([group, 1])], hint="mask"))
+        self._grouped_mask(mask, group)
+        cells = self._cells_input(mask, (node.attrs["cache"], int(node.attrs["layer"])))
+        self._query_groups_shape(cells, n_head_kv, group, storage.k.shape[2])
+        for head_dim in {storage.k.shape[2], storage.v.shape[2]}:
+            self._cell_blocks_shape(mask, n_head_kv, head_dim)
         for rope in node.inputs[:2]:
             if rope.id in self._deferred_ropes:
                 factors = rope.inputs[2] if len(rope.inputs) > 2 else None

@@ -1,0 +1,151 @@
+"""The op-by-op attention's row groups (llmfw/plugins/backends/onnx/groups.py): a batch of tokens of different
+sequences attends per row over the cells each row sees; a batch of one sequence keeps the plain prefix.
+
+A sequence decoding among others then gets, bit for bit, the logits it gets decoding alone: its cells are
+gathered into the first slots, where they lie when it is the cache's only sequence, and the rest is masked off.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("onnxruntime")
+pytest.importorskip("onnx")
+
+from reference_gen.arch_files import build_model_file  # noqa: E402
+
+import llmfw  # noqa: E402
+from llmfw.plugins.backends.onnx.fused import causal_mask  # noqa: E402
+from llmfw.plugins.backends.onnx.groups import CELL_PAD, MAX_ROW_GROUPS, attention_cells, prefix_blocks  # noqa: E402
+
+NEG = -np.inf
+
+
+def _interleaved_mask(n_seqs: int, steps: int, n_kv: int) -> np.ndarray:
+    """One decode token per sequence after ``steps`` steps of all of them: cell 4*step + s is sequence s's."""
+    mask = np.full((n_seqs, n_kv), NEG, np.float32)
+    for s in range(n_seqs):
+        mask[s, s:n_seqs * (steps + 1):n_seqs] = 0.0
+    return mask
+
+
+# -- the per-call grouping ------------------------------------------------------------------------------------
+
+def test_tokens_of_different_sequences_get_a_group_each_over_the_cells_they_see():
+    mask = _interleaved_mask(4, 9, 256)                      # 10 cells per sequence, 40 used
+    graph_mask, cells = attention_cells(mask, 768)
+    assert cells.shape == (4, CELL_PAD) and graph_mask.shape == (4, CELL_PAD)
+    for s in range(4):
+        np.testing.assert_array_equal(cells[s, :10], np.arange(s, 40, 4))
+        assert (graph_mask[s, :10] == 0).all() and (graph_mask[s, 10:] == NEG).all()
+        assert (cells[s, 10:] == 0).all()                    # padding: a valid cell, masked off
+
+
+def test_a_finite_mask_value_moves_with_its_cell():
+    mask = _interleaved_mask(2, 3, 256)
+    mask[1, 5] = -2.5
+    graph_mask, cells = attention_cells(mask, 768)
+    assert cells[1, 2] == 5 and graph_mask[1, 2] == np.float32(-2.5)
+
+
+def test_sequences_sharing_a_prompt_still_get_a_group_each():
+    mask = np.full((2, 256), NEG, np.float32)
+    mask[:, :20] = 0.0                                       # the prompt, copied to both (seq_cp)
+    mask[0, 20], mask[1, 21] = 0.0, 0.0                      # each one's own new token
+    graph_mask, cells = attention_cells(mask, 768)
+    assert cells.shape == (2, 32)
+    np.testing.assert_array_equal(cells[0, :21], np.arange(21))
+    np.testing.assert_array_equal(cells[1, :21], [*range(20), 21])
+
+
+@pytest.mark.parametrize("case", ["one_row", "one_sequence", "non_causal", "same_sequence_inside",
+                                  "too_wide", "too_many_rows", "a_row_sees_nothing"])
+def test_other_batches_keep_the_plain_prefix(case):
+    if case == "one_row":
+        mask = _interleaved_mask(4, 9, 256)[:1]
+    elif case == "one_sequence":                             # a prompt chunk, a speculative verify batch
+        mask = causal_mask(30, 4, 256, 0)
+    elif case == "non_causal":                               # every row sees the same cells
+        mask = np.where(np.arange(256) < 12, 0.0, NEG).astype(np.float32)[None].repeat(3, axis=0)
+    elif case == "same_sequence_inside":                     # two tokens of sequence 0 next to sequence 1's
+        mask = _interleaved_mask(2, 5, 256)
+        mask = np.vstack([mask, mask[:1]])
+        mask[2, 12] = 0.0
+    elif case == "too_wide":                                 # 2 rows × 224 cells gather more than 256
+        mask = np.full((2, 256), NEG, np.float32)
+        mask[:, :200] = 0.0
+        mask[0, 200], mask[1, 201] = 0.0, 0.0
+    elif case == "too_many_rows":
+        mask = _interleaved_mask(MAX_ROW_GROUPS + 1, 0, 256)
+    else:                                                    # seen as inside every row: no savings to make
+        mask = _interleaved_mask(3, 2, 256)
+        mask[1] = NEG
+    graph_mask, cells = attention_cells(mask, 768)
+    assert graph_mask is mask
+    np.testing.assert_array_equal(cells, [[0]])   # cells 0 .. 255: one block of 256
+
+
+@pytest.mark.parametrize(("n_kv", "n_cells", "blocks"), [(256, 256, 1), (512, 768, 2), (768, 768, 1), (96, 160, 3)])
+def test_a_plain_prefix_is_gathered_in_blocks_that_divide_it_and_the_cache(n_kv, n_cells, blocks):
+    np.testing.assert_array_equal(prefix_blocks(n_kv, n_cells), np.arange(blocks)[None])
+
+
+# -- on real models --------------------------------------------------------------------------------------------
+
+#: sequence s joins at step JOIN * s; all decode until STEPS
+STEPS, JOIN = 10, 2
+
+
+def _decoded_together(model, n_seqs: int) -> dict[int, list[np.ndarray]]:
+    """Each sequence's logit rows when the sequences decode in one batch per step (a late joiner included)."""
+    ctx = model.new_context(n_ctx=256, n_seq_max=n_seqs, n_batch=n_seqs)
+    rows: dict[int, list[np.ndarray]] = {s: [] for s in range(n_seqs)}
+    for step in range(STEPS):
+        seqs = [s for s in range(n_seqs) if step >= JOIN * s]
+        batch = llmfw.Batch([100 + 10 * s + step for s in seqs], pos=[step - JOIN * s for s in seqs],
+                            seq_id=seqs, logits=True)
+        assert ctx.decode(batch) == 0, ctx.last_error
+        for i, s in enumerate(seqs):
+            rows[s].append(np.array(ctx.get_logits_ith(i)))
+    ctx.close()
+    return rows
+
+
+def _decoded_alone(model, s: int) -> list[np.ndarray]:
+    ctx = model.new_context(n_ctx=256)
+    rows = []
+    for pos in range(STEPS - JOIN * s):
+        assert ctx.decode(llmfw.Batch([100 + 10 * s + JOIN * s + pos], pos=[pos])) == 0, ctx.last_error
+        rows.append(np.array(ctx.get_logits_ith(0)))
+    ctx.close()
+    return rows
+
+
+def _assert_each_sequence_decodes_as_if_alone(path) -> None:
+    with llmfw.load_model(path, backend="onnx") as model:
+        together = _decoded_together(model, 3)
+        for s in range(3):
+            np.testing.assert_array_equal(np.array(together[s]), np.array(_decoded_alone(model, s)), err_msg=f"{s}")
+
+
+def test_a_sequence_decoding_among_others_gets_the_bits_it_gets_alone(smollm2_path):
+    _assert_each_sequence_decodes_as_if_alone(smollm2_path)
+
+
+def test_so_does_one_behind_a_sliding_window_with_a_softcap(tmp_path):
+    _assert_each_sequence_decodes_as_if_alone(build_model_file("gemma2", tmp_path))
+
+
+def test_contexts_of_other_cache_sizes_share_the_session_and_get_the_same_bits(smollm2_path):
+    """A plain prefix is gathered in blocks dividing this context's cache: 512 cells of a 512-cell cache in one,
+    of a 1280-cell one in two of 256 — the same model (one session), the same logits."""
+    prompt = list(range(300, 600))
+    with llmfw.load_model(smollm2_path, backend="onnx") as model:
+        logits = []
+        for n_ctx in (512, 1280):
+            ctx = model.new_context(n_ctx=n_ctx, n_batch=512)
+            assert ctx.decode(llmfw.Batch(prompt)) == 0, ctx.last_error
+            logits.append(np.array(ctx.get_logits_ith(-1)))
+            ctx.close()
+        assert model.backends["onnx"].sessions_built == 1
+    np.testing.assert_array_equal(logits[0], logits[1])
