@@ -275,14 +275,19 @@ class Backend(ABC):
     def weight_nbytes(self) -> int:
         """Bytes of distinct weight storage: the numpy arrays of every handle (a handle itself, or the array
         fields of a handle object), counted once per underlying buffer, so a fused weight and its parts' views
-        count once. A backend keeping device tensors overrides it."""
-        buffers: dict[int, int] = {}
+        count once; a view of a file mapping (``WeightSource.lasting``) counts its own bytes, not the file's.
+        A backend keeping device tensors overrides it."""
+        buffers: dict[tuple[int, int], int] = {}
         for handle in self.weights.values():
             fields = vars(handle).values() if hasattr(handle, "__dict__") else ()
             for array in [handle] if isinstance(handle, np.ndarray) else fields:
-                if isinstance(array, np.ndarray):
-                    base = array if array.base is None else array.base
-                    buffers[id(base)] = int(getattr(base, "nbytes", array.nbytes))
+                if not isinstance(array, np.ndarray):
+                    continue
+                base: object = array if array.base is None else array.base  # a mapping's view: a memoryview
+                if isinstance(base, np.ndarray):
+                    buffers[(id(base), 0)] = int(base.nbytes)
+                else:  # memory numpy does not own (a mapping): this view's part of it
+                    buffers[(id(base), int(array.ctypes.data))] = int(array.nbytes)
         return sum(buffers.values())
 
     def fusion_key(self, weight_name: str) -> Hashable | None:
