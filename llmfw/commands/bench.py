@@ -8,8 +8,8 @@ transformers.
   one-token decode with the cache cleared after it, so sessions or graphs built lazily at the first decode count
   as load (llama.cpp's side gets the same one-token decode; ``load_model_s`` is the model alone); the clock starts
   once llmfw's core and the backend's library are imported, as llama.cpp's starts after ``from llama_cpp import
-  Llama`` —, RSS before loading (after those imports), RSS after loading, peak RSS, the weight bytes the backends keep, the KV cache bytes (n_ctx = p + n, like llama-bench),
-  and the graph builds / reuses of each test.
+  Llama`` —, RSS before loading (after those imports), RSS after loading, peak RSS, the weight bytes the
+  backends keep, the KV cache bytes (n_ctx = p + n, like llama-bench), and the graph builds / reuses of each test.
 * Each backend runs in a fresh worker process (``python -m llmfw.commands.bench --worker``), so its memory and
   thread settings are its own; ``--compare-llama-cpp PYTHON`` runs the same tests through llama-cpp-python in
   that interpreter (a subprocess given a script; llmfw never imports ``llama_cpp``) and adds the ratios;
@@ -181,7 +181,8 @@ def bench_llmfw(params: BenchParams, backend: str) -> dict[str, Any]:
         return {
             "engine": "llmfw", "backend": backend, "model": str(model.path), "n_threads": params.n_threads,
             "n_ctx": ctx.n_ctx, "load_s": load_s, "load_model_s": load_model_s, "rss_base": rss_base,
-            "rss_after_load": rss_loaded, "rss_peak": peak_rss(), "weight_bytes": sum(weights.values()), "weight_bytes_by_backend": weights,
+            "rss_after_load": rss_loaded, "rss_peak": peak_rss(), "weight_bytes": sum(weights.values()),
+            "weight_bytes_by_backend": weights,
             "kv_bytes": kv_cache_bytes(ctx), "tests": tests,
         }
     finally:
@@ -452,7 +453,8 @@ def format_table(records: list[dict[str, Any]], reference: dict[str, Any] | None
             extra = (f", weights kept {_mib(record['weight_bytes'])} MiB, KV cache {_mib(record['kv_bytes'])} MiB "
                      f"(n_ctx {record['n_ctx']})")
         model_alone = f" (model alone {record['load_model_s']:.2f} s)" if "load_model_s" in record else ""
-        lines.append(f"{record['engine']} {record['backend']}: load {record['load_s']:.2f} s{model_alone}, RSS before load "
+        lines.append(f"{record['engine']} {record['backend']}: load {record['load_s']:.2f} s{model_alone}, "
+                     f"RSS before load "
                      f"{_mib(record['rss_base'])} MiB, after load {_mib(record['rss_after_load'])} MiB, peak "
                      f"{_mib(record['rss_peak'])} MiB{extra}")
     return "\n".join(lines)

@@ -69,9 +69,10 @@ class WeightSource:
     """Where a weight's bytes come from: everything a backend needs to convert it once.
 
     ``raw`` is the tensor's bytes (uint8, possibly a zero-copy view into an mmap'ed file that is closed after
-    loading — never keep a reference to it, convert it or keep :meth:`kept_raw`). ``ne`` is ggml's shape (``ne0`` contiguous); the
-    numpy shape is ``tuple(reversed(ne))``. ``name`` is the name under which the graph refers to the weight (for a
-    duplicated tensor, e.g. a tied ``output.weight``, it differs from ``source_name``, the tensor in the file).
+    loading — never keep a reference to it, convert it or keep :meth:`kept_raw`). ``ne`` is ggml's shape (``ne0``
+    contiguous); the numpy shape is ``tuple(reversed(ne))``. ``name`` is the name under which the graph refers to
+    the weight (for a duplicated tensor, e.g. a tied ``output.weight``, it differs from ``source_name``, the tensor
+    in the file).
     """
 
     name: str

@@ -506,6 +506,12 @@ def _pread_into(handle: io.BufferedReader, view: memoryview, offset: int) -> int
     return handle.readinto(view) or 0
 
 
+def _map_read_only(path: Path) -> mmap.mmap:
+    """The whole file mapped read-only (the mapping outlives the file object)."""
+    with path.open("rb") as fh:
+        return mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+
+
 class _OpenFile:
     """One open file: its mapping (mmap mode) or handle (read mode)."""
 
@@ -516,8 +522,7 @@ class _OpenFile:
         self.handle: io.BufferedReader | None = None
         try:
             if mode == "mmap":
-                with path.open("rb") as fh:
-                    self.mapping = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+                self.mapping = _map_read_only(path)
             else:
                 self.handle = path.open("rb")
         except OSError as exc:
@@ -646,12 +651,12 @@ class GGUFFile:
         if mapping is None:
             opened = self._files[info.file_index]
             try:
-                with opened.path.open("rb") as fh:
-                    mapping = self._lasting[info.file_index] = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+                mapping = _map_read_only(opened.path)
             except (OSError, ValueError):
                 return None
             if len(mapping) != opened.size:  # the file changed since it was parsed
                 return None
+            self._lasting[info.file_index] = mapping
         return np.frombuffer(mapping, dtype=np.uint8, count=info.nbytes, offset=info.offset)
 
     def tensor_array(self, name: str) -> np.ndarray:

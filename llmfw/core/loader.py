@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 import os
 from abc import ABC, abstractmethod
-from functools import partial
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np

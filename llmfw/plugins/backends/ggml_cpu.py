@@ -38,8 +38,9 @@ under 8-bit activations: a ±1-ulp difference anywhere flips a few roundings, an
 to log-prob changes of ~0.1 on average — the same size as numpy-vs-llama.cpp, and as llama.cpp-vs-llama.cpp on two
 builds. So its logits are no closer to llama.cpp's than the numpy backend's; it reproduces the *kind and size* of
 llama.cpp's rounding noise, not its bits. Use it to study that noise (e.g. how robust a greedy choice is to it),
-not as a more exact engine; the class attributes ``quantize_activations``, ``f16_kv_cache``,
-``f16_attention`` and ``f16_gelu`` (:class:`GgmlOptions`, ``backend_options={"ggml": {...}}``) switch each emulation off separately.
+not as a more exact engine; the class attributes ``quantize_activations``, ``f16_kv_cache``, ``f16_attention``
+and ``f16_gelu`` (:class:`GgmlOptions`, ``backend_options={"ggml": {...}}``) switch each emulation off
+separately.
 """
 from __future__ import annotations
 

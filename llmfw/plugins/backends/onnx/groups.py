@@ -6,10 +6,11 @@ its own sequence's. The attention instead gathers, per row group, the cells it l
 groups are ``S`` consecutive blocks of ``T / S`` rows) and masks them with ``[T, L]``:
 
 - one group (``S = 1``) listing cells ``0 .. n_kv-1`` (in a few big blocks) under the core's own mask: exactly
-  the computation of a plain prefix, the form of every batch of one sequence (prompt chunks, speculative verify batches: their rows
-  get the bits of one-token decodes, see tests/test_onnx_fused.py);
+  the computation of a plain prefix, the form of every batch of one sequence (prompt chunks, speculative verify
+  batches: their rows get the bits of one-token decodes, see tests/test_onnx_fused.py);
 - one group per row (``S = T``) listing the cells that row sees (blocks of one cell; padded to :data:`CELL_PAD`
-  with cell 0, masked off): a batch of a few rows of which none sees every cell another one sees — tokens of different sequences.
+  with cell 0, masked off): a batch of a few rows of which none sees every cell another one sees — tokens of
+  different sequences.
 """
 from __future__ import annotations
 
@@ -28,11 +29,12 @@ def attention_cells(mask: np.ndarray, n_cells: int) -> tuple[np.ndarray, np.ndar
     """(the mask the graph reads ``[T, L]``, the cells ``[S, L/B]`` int64, blocks of B cells) for the core's mask
     ``[T, n_kv]`` over a cache of ``n_cells`` cells."""
     n_rows, n_kv = mask.shape
-    visible = mask != -np.inf if 1 < n_rows <= MAX_ROW_GROUPS else None
-    if visible is not None and not _rows_share_a_sequence(visible):
+    if 1 < n_rows <= MAX_ROW_GROUPS:
+        visible = mask != -np.inf
         counts = visible.sum(axis=1)
         width = min(n_kv, -(-int(counts.max()) // CELL_PAD) * CELL_PAD)
-        if n_rows * width <= n_kv:  # fewer cells gathered than one plain prefix copies
+        # only when fewer cells are gathered than one plain prefix copies
+        if n_rows * width <= n_kv and not _rows_share_a_sequence(visible, counts):
             return _per_row(mask, visible, counts, width)
     return mask, prefix_blocks(n_kv, n_cells)
 
@@ -44,10 +46,10 @@ def prefix_blocks(n_kv: int, n_cells: int) -> np.ndarray:
     return np.arange(n_kv // block, dtype=np.int64)[np.newaxis]
 
 
-def _rows_share_a_sequence(visible: np.ndarray) -> bool:
-    """Whether a row sees every cell another row sees (a causal run of one sequence, a non-causal batch):
-    such rows keep the one-group form, so their bits do not depend on the batch they came in."""
-    counts = visible.sum(axis=1)
+def _rows_share_a_sequence(visible: np.ndarray, counts: np.ndarray) -> bool:
+    """Whether a row sees every cell another row sees (a causal run of one sequence, a non-causal batch; ``counts``
+    the cells each row sees): such rows keep the one-group form, so their bits do not depend on the batch they
+    came in."""
     shared = visible.astype(F32) @ visible.T.astype(F32)  # [T, T] cells both rows see (exact: counts < 2**24)
     smaller = np.minimum(counts[:, None], counts[None, :])
     np.fill_diagonal(shared, -1.0)
