@@ -37,6 +37,15 @@ from llmfw.plugins.backends.onnx.weights import F32, BlockWeight, DenseWeight
 if TYPE_CHECKING:
     from llmfw.plugins.backends.onnx.runtime import OnnxBackend
 
+#: the most key values one attention score sums in one go: MLAS's default reduction slice, which it only ever
+#: widens (see :meth:`SplitTranslator._scores`)
+SCORE_SLICE = 128
+
+
+def score_slice(head_dim: int) -> int:
+    """The widest slice of at most :data:`SCORE_SLICE` values that divides a key head."""
+    return next(width for width in range(min(head_dim, SCORE_SLICE), 0, -1) if head_dim % width == 0)
+
 
 # ---------------------------------------------------------------------------------------------------------------
 # split → ONNX model
@@ -566,8 +575,7 @@ class SplitTranslator:
         qg = self.e.op("Reshape", [self.value(q), self._query_groups_shape(cells, n_head_kv, group, head_dim_k)])
         qg = self.e.op("Transpose", [qg], perm=[2, 0, 3, 1, 4])
         qg = self.e.op("Reshape", [qg, self.e.const([n_head_kv, 0, -1, head_dim_k])])
-        scale = float(node.attrs["scale"])
-        scores = self.e.op("FusedMatMul", [qg, keys], domain="com.microsoft", alpha=scale, transB=1, hint="kq")
+        scores = self._scores(qg, keys, n_head_kv, head_dim_k, float(node.attrs["scale"]))
         softcap = float(node.attrs.get("softcap", 0.0) or 0.0)
         if softcap:
             scores = self._softcap(scores, softcap)
@@ -576,6 +584,22 @@ class SplitTranslator:
         out = self.e.op("Reshape", [out, self.e.const([n_head_kv, 0, group, -1, head_dim_v])])
         out = self.e.op("Transpose", [out], perm=[1, 3, 0, 2, 4])               # [S, T/S, Hkv, G, Dv]
         return self.e.op("Reshape", [out, self.e.const([-1, n_head * head_dim_v])], hint="attn")
+
+    def _scores(self, qg: str, keys: str, n_head_kv: int, head_dim: int, scale: float) -> str:
+        """``scale * qg @ keys.T`` [Hkv, S, M, L] for qg [Hkv, S, M, D] and keys [Hkv, S, L, D]. ONNX Runtime's
+        float GEMM (MLAS) sums a dot product over one slice of at most 128 values, or over several whose
+        boundaries depend on how many cells are scored: with longer keys a row's score would round differently
+        in a batch of other width (a sequence decoding among others, not alone). So a longer key head is scored
+        in slices of :data:`SCORE_SLICE` values, one FusedMatMul over all of them, the slices' scores then added
+        in a fixed order."""
+        width = score_slice(head_dim)
+        if width == head_dim:
+            return self.e.op("FusedMatMul", [qg, keys], domain="com.microsoft", alpha=scale, transB=1, hint="kq")
+        slices = self.e.const([n_head_kv, 0, 0, head_dim // width, width])
+        sliced = [self.e.op("Transpose", [self.e.op("Reshape", [x, slices])], perm=[0, 1, 3, 2, 4])
+                  for x in (qg, keys)]                                             # [Hkv, S, slices, rows, width]
+        scores = self.e.op("FusedMatMul", sliced, domain="com.microsoft", alpha=scale, transB=1, hint="kq")
+        return self.e.op("ReduceSum", [scores, self.e.const([2])], keepdims=0, hint="kq")
 
     def _op_k_shift(self, node: Node) -> str:
         shift = node.inputs[0]
