@@ -5,9 +5,11 @@ case) their cells interleave, so every token would score, mask and copy all ``n_
 its own sequence's. The attention instead gathers, per row group, the cells it lists (``cells [S, L]``; the
 groups are ``S`` consecutive blocks of ``T / S`` rows) and masks them with ``[T, L]``:
 
-- one group (``S = 1``) listing cells ``0 .. n_kv-1`` (in a few big blocks) under the core's own mask: exactly
-  the computation of a plain prefix, the form of every batch of one sequence (prompt chunks, speculative verify
-  batches: their rows get the bits of one-token decodes, see tests/test_onnx_fused.py);
+- one group (``S = 1``) listing cells ``0 .. L-1`` (in a few big blocks) under the core's own mask cut to its
+  first L columns: a plain prefix, the form of every batch of one sequence (prompt chunks, speculative verify
+  batches: their rows get the bits of one-token decodes, see tests/test_onnx_fused.py). L is the last cell any
+  row sees, padded to :data:`CELL_PAD`, not the core's ``n_kv`` (padded to 256 like llama.cpp's): a one-token
+  decode early in a context copies and scores the cells it sees, not a whole 256-cell block;
 - one group per row (``S = T``) listing the cells that row sees (blocks of one cell; padded to :data:`CELL_PAD`
   with cell 0, masked off): a batch of a few rows of which none sees every cell another one sees — tokens of
   different sequences.
@@ -36,7 +38,19 @@ def attention_cells(mask: np.ndarray, n_cells: int) -> tuple[np.ndarray, np.ndar
         # only when fewer cells are gathered than one plain prefix copies
         if n_rows * width <= n_kv and not _rows_share_a_sequence(visible, counts):
             return _per_row(mask, visible, counts, width)
-    return mask, prefix_blocks(n_kv, n_cells)
+    return _prefix(mask, n_cells)
+
+
+def _prefix(mask: np.ndarray, n_cells: int) -> tuple[np.ndarray, np.ndarray]:
+    """One group over cells ``0 .. L-1``, L the last cell a row sees padded to :data:`CELL_PAD` (at most
+    ``n_kv``): the columns past it are masked for every row, and a row's bits do not depend on how many masked
+    cells follow the ones it sees (tests/test_onnx_groups.py), so they are neither copied nor scored."""
+    n_kv = mask.shape[1]
+    seen = np.flatnonzero((mask != -np.inf).any(axis=0))
+    width = min(n_kv, max(CELL_PAD, -(-(int(seen[-1]) + 1 if seen.size else 0) // CELL_PAD) * CELL_PAD))
+    if width < n_kv:
+        mask = np.ascontiguousarray(mask[:, :width])
+    return mask, prefix_blocks(width, n_cells)
 
 
 def prefix_blocks(n_kv: int, n_cells: int) -> np.ndarray:
