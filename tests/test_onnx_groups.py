@@ -81,8 +81,23 @@ def test_other_batches_keep_the_plain_prefix(case):
         mask = _interleaved_mask(3, 2, 256)
         mask[1] = NEG
     graph_mask, cells = attention_cells(mask, 768)
-    assert graph_mask is mask
-    np.testing.assert_array_equal(cells, [[0]])   # cells 0 .. 255: one block of 256
+    seen = np.flatnonzero((mask != NEG).any(axis=0))
+    width = -(-(seen[-1] + 1) // CELL_PAD) * CELL_PAD            # the prefix ends after the last cell a row sees
+    np.testing.assert_array_equal(graph_mask, mask[:, :width])
+    np.testing.assert_array_equal(cells, prefix_blocks(width, 768))
+
+
+@pytest.mark.parametrize(("last_seen", "width"), [(-1, 32), (0, 32), (31, 32), (32, 64), (200, 224), (255, 256)])
+def test_a_plain_prefix_ends_after_the_last_cell_a_row_sees(last_seen, width):
+    mask = np.full((3, 256), NEG, np.float32)
+    if last_seen >= 0:
+        mask[1, :last_seen + 1] = 0.0
+    graph_mask, cells = attention_cells(mask, 768)
+    assert graph_mask.shape == (3, width) and graph_mask.flags.c_contiguous
+    np.testing.assert_array_equal(graph_mask, mask[:, :width])
+    np.testing.assert_array_equal(cells, prefix_blocks(width, 768))
+    if width == 256:
+        assert graph_mask is mask                                 # nothing to cut: no copy
 
 
 @pytest.mark.parametrize(("n_kv", "n_cells", "blocks"), [(256, 256, 1), (512, 768, 2), (768, 768, 1), (96, 160, 3)])
@@ -134,6 +149,10 @@ def test_a_sequence_decoding_among_others_gets_the_bits_it_gets_alone(smollm2_pa
 
 def test_so_does_one_behind_a_sliding_window_with_a_softcap(tmp_path):
     _assert_each_sequence_decodes_as_if_alone(build_model_file("gemma2", tmp_path))
+
+
+def test_so_does_one_of_gemma3_whose_key_heads_are_scored_in_slices(gemma3_path):
+    _assert_each_sequence_decodes_as_if_alone(gemma3_path)
 
 
 def test_contexts_of_other_cache_sizes_share_the_session_and_get_the_same_bits(smollm2_path):
