@@ -531,9 +531,12 @@ class SplitTranslator:
         return self.shared(("groups", cells), lambda: self.e.op("Shape", [cells], start=0, end=1))
 
     def _query_groups_shape(self, cells: str, n_head_kv: int, group: int, head_dim: int) -> str:
-        """[S, -1, Hkv, G, D]: the queries [T, H, D] split into the row groups."""
+        """[S, -1, Hkv, G, D]: the queries [T, H, D] split into the row groups (``D`` as ``slices, width`` when
+        the keys are scored in slices, see :meth:`_scores`)."""
+        width = score_slice(head_dim)
+        head = [head_dim] if width == head_dim else [head_dim // width, width]
         return self.shared(("q_groups", cells, n_head_kv, group, head_dim), lambda: self.e.op(
-            "Concat", [self._group_count(cells), self.e.const([-1, n_head_kv, group, head_dim])], axis=0))
+            "Concat", [self._group_count(cells), self.e.const([-1, n_head_kv, group, *head])], axis=0))
 
     def _grouped_mask(self, mask: Node, group: int) -> str:
         """The mask [T, L] as [S, G*T/S, L], row g*(T/S) + t of a group for query head g of a KV head: the
@@ -572,10 +575,7 @@ class SplitTranslator:
         keys = self._grouped_cells(keys, mask, n_head_kv, head_dim_k)
         values = self._grouped_cells(values, mask, n_head_kv, head_dim_v)
         # query head h uses KV head h // G: [T, H, Dk] → [S, T/S, Hkv, G, Dk] → [Hkv, S, G*T/S, Dk]
-        qg = self.e.op("Reshape", [self.value(q), self._query_groups_shape(cells, n_head_kv, group, head_dim_k)])
-        qg = self.e.op("Transpose", [qg], perm=[2, 0, 3, 1, 4])
-        qg = self.e.op("Reshape", [qg, self.e.const([n_head_kv, 0, -1, head_dim_k])])
-        scores = self._scores(qg, keys, n_head_kv, head_dim_k, float(node.attrs["scale"]))
+        scores = self._scores(self.value(q), cells, keys, n_head_kv, group, head_dim_k, float(node.attrs["scale"]))
         softcap = float(node.attrs.get("softcap", 0.0) or 0.0)
         if softcap:
             scores = self._softcap(scores, softcap)
@@ -585,20 +585,29 @@ class SplitTranslator:
         out = self.e.op("Transpose", [out], perm=[1, 3, 0, 2, 4])               # [S, T/S, Hkv, G, Dv]
         return self.e.op("Reshape", [out, self.e.const([-1, n_head * head_dim_v])], hint="attn")
 
-    def _scores(self, qg: str, keys: str, n_head_kv: int, head_dim: int, scale: float) -> str:
-        """``scale * qg @ keys.T`` [Hkv, S, M, L] for qg [Hkv, S, M, D] and keys [Hkv, S, L, D]. ONNX Runtime's
-        float GEMM (MLAS) sums a dot product over one slice of at most 128 values, or over several whose
-        boundaries depend on how many cells are scored: with longer keys a row's score would round differently
-        in a batch of other width (a sequence decoding among others, not alone). So a longer key head is scored
-        in slices of :data:`SCORE_SLICE` values, one FusedMatMul over all of them, the slices' scores then added
-        in a fixed order."""
+    def _scores(self, q: str, cells: str, keys: str, n_head_kv: int, group: int, head_dim: int,
+                scale: float) -> str:
+        """``scale * q @ keys.T`` per row group and KV head, [Hkv, S, G*T/S, L], for q [T, H, D] (query head h
+        uses KV head h // G: [T, H, D] → [S, T/S, Hkv, G, D] → [Hkv, S, G*T/S, D]) and keys [Hkv, S, L, D].
+
+        ONNX Runtime's float GEMM (MLAS) sums a dot product over one slice of at most 128 values, or over several
+        whose boundaries depend on how many cells are scored: with longer keys a row's score would round
+        differently in a batch of another width (a sequence decoding among others, not alone). So a longer key
+        head is scored in slices of :data:`SCORE_SLICE` values — one FusedMatMul over all of them, the slices'
+        scores then added in a fixed order."""
+        groups = self.e.op("Reshape", [q, self._query_groups_shape(cells, n_head_kv, group, head_dim)])
         width = score_slice(head_dim)
         if width == head_dim:
+            qg = self.e.op("Reshape", [self.e.op("Transpose", [groups], perm=[2, 0, 3, 1, 4]),
+                                       self.e.const([n_head_kv, 0, -1, head_dim])])
             return self.e.op("FusedMatMul", [qg, keys], domain="com.microsoft", alpha=scale, transB=1, hint="kq")
-        slices = self.e.const([n_head_kv, 0, 0, head_dim // width, width])
-        sliced = [self.e.op("Transpose", [self.e.op("Reshape", [x, slices])], perm=[0, 1, 3, 2, 4])
-                  for x in (qg, keys)]                                             # [Hkv, S, slices, rows, width]
-        scores = self.e.op("FusedMatMul", sliced, domain="com.microsoft", alpha=scale, transB=1, hint="kq")
+        n_slices = head_dim // width
+        # [S, T/S, Hkv, G, slices, width] → [Hkv, S, slices, G*T/S, width]; keys → [Hkv, S, slices, L, width]
+        qg = self.e.op("Reshape", [self.e.op("Transpose", [groups], perm=[2, 0, 4, 3, 1, 5]),
+                                   self.e.const([n_head_kv, 0, n_slices, -1, width])])
+        ks = self.e.op("Transpose", [self.e.op("Reshape", [keys, self.e.const([n_head_kv, 0, -1, n_slices, width])])],
+                       perm=[0, 1, 3, 2, 4])
+        scores = self.e.op("FusedMatMul", [qg, ks], domain="com.microsoft", alpha=scale, transB=1, hint="kq")
         return self.e.op("ReduceSum", [scores, self.e.const([2])], keepdims=0, hint="kq")
 
     def _op_k_shift(self, node: Node) -> str:
