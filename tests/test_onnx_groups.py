@@ -155,6 +155,38 @@ def test_so_does_one_of_gemma3_whose_key_heads_are_scored_in_slices(gemma3_path)
     _assert_each_sequence_decodes_as_if_alone(gemma3_path)
 
 
+def test_so_does_one_with_a_query_head_per_kv_head(tmp_path):
+    _assert_each_sequence_decodes_as_if_alone(build_model_file("olmo", tmp_path))  # olmo: 4 heads, 4 KV heads
+
+
+@pytest.mark.parametrize("name", ["olmo", "qwen2"])
+def test_one_token_steps_get_the_bits_of_the_same_rows_in_longer_batches(tmp_path, name):
+    """What speculative decoding needs (its verify batch must reproduce plain greedy steps), on families with one
+    query head per KV head (olmo: MLAS's one-row kernel) and grouped heads (qwen2). Not asserted for a sliding
+    window smaller than the context: there a batch's tokens may take other cells of the window's ring than
+    one-token steps (cells its own tokens still see are not reused, as in llama.cpp), and the cells' order is
+    the order of the attention's sums."""
+    tokens = [(37 * i) % 900 + 10 for i in range(300)]
+
+    def rows(path, chunks):
+        with llmfw.load_model(path, backend="onnx") as model:
+            ctx, start, out = model.new_context(n_ctx=512, n_batch=64), 0, []
+            for size in chunks:
+                batch = llmfw.Batch(tokens[start:start + size], pos=list(range(start, start + size)),
+                                    logits=[True] * size)
+                assert ctx.decode(batch) == 0, ctx.last_error
+                out += [np.array(ctx.get_logits_ith(i)) for i in range(size)]
+                start += size
+            ctx.close()
+            return np.array(out)
+
+    path = build_model_file(name, tmp_path)
+    prompt = 270                                             # past 256: the cells span two blocks of the cache
+    steps = rows(path, [64] * 4 + [prompt - 256] + [1] * 12)
+    batches = rows(path, [64] * 4 + [prompt - 256] + [4, 3, 5])
+    np.testing.assert_array_equal(steps[prompt:], batches[prompt:])
+
+
 def test_contexts_of_other_cache_sizes_share_the_session_and_get_the_same_bits(smollm2_path):
     """A plain prefix is gathered in blocks dividing this context's cache: 512 cells of a 512-cell cache in one,
     of a 1280-cell one in two of 256 — the same model (one session), the same logits."""

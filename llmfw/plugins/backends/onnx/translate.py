@@ -42,6 +42,15 @@ if TYPE_CHECKING:
 SCORE_SLICE = 128
 
 
+def score_rows(group: int) -> int:
+    """The score rows per KV head and token: the query heads sharing the KV head, but at least two. MLAS runs a
+    one-row product (a one-token decode with one query head per KV head) through a kernel of its own that sums
+    in another order than its many-row kernel, so with a single query head per KV head the row is repeated and
+    the scores always go through the many-row kernel: a one-token step then gets the bits of the same row in a
+    verify batch or a prompt chunk."""
+    return max(group, 2)
+
+
 def score_slice(head_dim: int) -> int:
     """The widest slice of at most :data:`SCORE_SLICE` values that divides a key head."""
     return next(width for width in range(min(head_dim, SCORE_SLICE), 0, -1) if head_dim % width == 0)
@@ -574,21 +583,25 @@ class SplitTranslator:
         cells = self._cells_input(mask, key)
         keys = self._grouped_cells(keys, mask, n_head_kv, head_dim_k)
         values = self._grouped_cells(values, mask, n_head_kv, head_dim_v)
-        # query head h uses KV head h // G: [T, H, Dk] → [S, T/S, Hkv, G, Dk] → [Hkv, S, G*T/S, Dk]
+        # query head h uses KV head h // G: [T, H, Dk] → [S, T/S, Hkv, G, Dk] → [Hkv, S, R*T/S, Dk]
+        rows = score_rows(group)
         scores = self._scores(self.value(q), cells, keys, n_head_kv, group, head_dim_k, float(node.attrs["scale"]))
         softcap = float(node.attrs.get("softcap", 0.0) or 0.0)
         if softcap:
             scores = self._softcap(scores, softcap)
-        probs = self.e.op("Softmax", [self.e.op("Add", [scores, self._grouped_mask(mask, group)])], axis=-1)
-        out = self.e.op("MatMul", [probs, values], hint="kqv")                 # [Hkv, S, G*T/S, Dv]
-        out = self.e.op("Reshape", [out, self.e.const([n_head_kv, 0, group, -1, head_dim_v])])
+        probs = self.e.op("Softmax", [self.e.op("Add", [scores, self._grouped_mask(mask, rows)])], axis=-1)
+        out = self.e.op("MatMul", [probs, values], hint="kqv")                 # [Hkv, S, R*T/S, Dv]
+        out = self.e.op("Reshape", [out, self.e.const([n_head_kv, 0, rows, -1, head_dim_v])])
+        if rows != group:  # the query rows repeated for MLAS's sake (score_rows): the first copy
+            out = self.e.op("Slice", [out, self.e.const([0]), self.e.const([group]), self.e.const([2])])
         out = self.e.op("Transpose", [out], perm=[1, 3, 0, 2, 4])               # [S, T/S, Hkv, G, Dv]
         return self.e.op("Reshape", [out, self.e.const([-1, n_head * head_dim_v])], hint="attn")
 
     def _scores(self, q: str, cells: str, keys: str, n_head_kv: int, group: int, head_dim: int,
                 scale: float) -> str:
-        """``scale * q @ keys.T`` per row group and KV head, [Hkv, S, G*T/S, L], for q [T, H, D] (query head h
-        uses KV head h // G: [T, H, D] → [S, T/S, Hkv, G, D] → [Hkv, S, G*T/S, D]) and keys [Hkv, S, L, D].
+        """``scale * q @ keys.T`` per row group and KV head, [Hkv, S, R*T/S, L], for q [T, H, D] (query head h
+        uses KV head h // G: [T, H, D] → [S, T/S, Hkv, G, D] → [Hkv, S, G*T/S, D]; R = :func:`score_rows`, the
+        G query heads or each repeated when G = 1) and keys [Hkv, S, L, D].
 
         ONNX Runtime's float GEMM (MLAS) sums a dot product over one slice of at most 128 values, or over several
         whose boundaries depend on how many cells are scored: with longer keys a row's score would round
@@ -597,6 +610,10 @@ class SplitTranslator:
         scores then added in a fixed order."""
         groups = self.e.op("Reshape", [q, self._query_groups_shape(cells, n_head_kv, group, head_dim)])
         width = score_slice(head_dim)
+        rows = score_rows(group)
+        if rows != group:  # [S, T/S, Hkv, 1, ...] → [S, T/S, Hkv, R, ...]: each query row R times
+            trailing = [1] if width == head_dim else [1, 1]
+            groups = self.e.op("Expand", [groups, self.e.const([1, 1, 1, rows, *trailing])])
         if width == head_dim:
             qg = self.e.op("Reshape", [self.e.op("Transpose", [groups], perm=[2, 0, 3, 1, 4]),
                                        self.e.const([n_head_kv, 0, -1, head_dim])])
@@ -701,7 +718,7 @@ class SplitTranslator:
         self._gqa_lengths(self.value(kv_idx))
         self._scatter_index(self.value(kv_idx), n_head_kv)
         group = self.known_dim(q, 1) // n_head_kv
-        self._grouped_mask(mask, group)
+        self._grouped_mask(mask, score_rows(group))
         cells = self._cells_input(mask, (node.attrs["cache"], int(node.attrs["layer"])))
         self._query_groups_shape(cells, n_head_kv, group, storage.k.shape[2])
         for head_dim in {storage.k.shape[2], storage.v.shape[2]}:
