@@ -48,7 +48,9 @@ def test_run_with_a_grammar_file_and_regex(tmp_path):
 def test_chat_answers_each_turn_under_the_schema():
     schema = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 20}},
               "required": ["answer"], "additionalProperties": False}
-    result = llmfw("chat", "-m", "smollm2", "--no-progress", "-n", "40", "-j", json.dumps(schema),
+    # -n leaves room for the worst case the schema allows (20 characters of 4 byte tokens each, then the
+    # closing quote and brace), so that whatever is sampled the object closes; the seed keeps the run repeatable
+    result = llmfw("chat", "-m", "smollm2", "--no-progress", "-n", "100", "-s", "7", "-j", json.dumps(schema),
                    stdin="Say hello.\nSay goodbye.\n")
     assert result.returncode == 0, result.stderr
     answers = [chunk.strip() for chunk in re.split(r"(?m)^> ", result.stdout) if chunk.strip()]
