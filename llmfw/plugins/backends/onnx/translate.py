@@ -464,8 +464,9 @@ class SplitTranslator:
         return name
 
     def _kv_write(self, node: Node, key: tuple[str, int], which: str, index: str, rows: str) -> str:
-        """ScatterND of ``rows`` [Hkv, T, D] at ``index`` [Hkv, T, 2] (head, cell) — in place: the last update
-        of a cache is a graph output bound to the input's own buffer, so ORT skips ScatterND's copy."""
+        """ScatterND of ``rows`` [T, Hkv, D] (the projection's own layout: no transpose) at ``index`` [T, Hkv, 2]
+        (head, cell) — in place: the last update of a cache is a graph output bound to the input's own buffer,
+        so ORT skips ScatterND's copy."""
         current = self._kv_input(key, which)
         if self._last_kv_writer.get((key, which)) == node.id and not self._in_branch:
             updated = kv_name(key, which) + "_out"
@@ -483,13 +484,13 @@ class SplitTranslator:
         return key, storage
 
     def _scatter_index(self, cells: str, n_head_kv: int) -> str:
-        """[Hkv, T, 2] pairs (head, cell) for cells [T] (int), shared by the layers with n_head_kv heads."""
+        """[T, Hkv, 2] pairs (head, cell) for cells [T] (int), shared by the layers with n_head_kv heads."""
         def make() -> str:
             cells64 = self.e.op("Cast", [cells], to=ONNX_INT64)
             n = self.e.op("Shape", [cells64])
-            grid = self.e.op("Concat", [self.e.const([n_head_kv]), n, self.e.const([1])], axis=0)
-            heads = self.e.op("Expand", [self.e.const(np.arange(n_head_kv).reshape(-1, 1, 1)), grid])
-            cols = self.e.op("Expand", [self.e.op("Unsqueeze", [cells64, self.e.const([0, 2])]), grid])
+            grid = self.e.op("Concat", [n, self.e.const([n_head_kv, 1])], axis=0)
+            heads = self.e.op("Expand", [self.e.const(np.arange(n_head_kv).reshape(1, -1, 1)), grid])
+            cols = self.e.op("Expand", [self.e.op("Unsqueeze", [cells64, self.e.const([1, 2])]), grid])
             if self.kv_rank == 4:  # (0, head, cell) into [1, Hkv, n_cells, D]
                 zeros = self.e.op("Expand", [self.e.const(np.zeros((1, 1, 1), np.int64)), grid])
                 return self.e.op("Concat", [zeros, heads, cols], axis=-1, hint="kv_index")
@@ -577,9 +578,8 @@ class SplitTranslator:
             raise ModelError(f"onnx backend: {n_head} query heads are not a multiple of {n_head_kv} KV heads")
         group = n_head // n_head_kv
         index = self._scatter_index(self.value(kv_idx), n_head_kv)
-        heads_first = dict(perm=[1, 0, 2])  # [T, Hkv, D] → [Hkv, T, D]
-        keys = self._kv_write(node, key, "k", index, self.e.op("Transpose", [self.value(k)], **heads_first))
-        values = self._kv_write(node, key, "v", index, self.e.op("Transpose", [self.value(v)], **heads_first))
+        keys = self._kv_write(node, key, "k", index, self.value(k))
+        values = self._kv_write(node, key, "v", index, self.value(v))
         cells = self._cells_input(mask, key)
         keys = self._grouped_cells(keys, mask, n_head_kv, head_dim_k)
         values = self._grouped_cells(values, mask, n_head_kv, head_dim_v)
@@ -637,10 +637,9 @@ class SplitTranslator:
         cached = self._cached_prefix(self._kv_input(key, "k"), n_kv, n_head_kv, head_dim)  # [Hkv, n_kv, D]
         table = self._rope_table(shift_name, node.attrs, factors)
         rotated = self._rotate(self.e.op("Transpose", [cached], perm=[1, 0, 2]), n_head_kv, head_dim, table,
-                               node.attrs)
+                               node.attrs)                                     # [n_kv, Hkv, D]
         cells = self.e.op("Range", [self.e.const(0), self.e.op("Squeeze", [n_kv]), self.e.const(1)])
-        self._kv_write(node, key, "k", self._scatter_index(cells, n_head_kv),
-                       self.e.op("Transpose", [rotated], perm=[1, 0, 2]))
+        self._kv_write(node, key, "k", self._scatter_index(cells, n_head_kv), rotated)
         return self.e.const(np.zeros(0, F32), F32)
 
     # -- GroupQueryAttention (the batch is one causal run of cells, see fused.py) -------------------------------
