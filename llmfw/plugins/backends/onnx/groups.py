@@ -20,6 +20,8 @@ import math
 
 import numpy as np
 
+from llmfw.core.memory import pad_to
+
 F32 = np.float32
 #: a per-row cell list's length is a multiple of this (fewer distinct shapes: bindings are kept per shape)
 CELL_PAD = 32
@@ -31,23 +33,23 @@ def attention_cells(mask: np.ndarray, n_cells: int) -> tuple[np.ndarray, np.ndar
     """(the mask the graph reads ``[T, L]``, the cells ``[S, L/B]`` int64, blocks of B cells) for the core's mask
     ``[T, n_kv]`` over a cache of ``n_cells`` cells."""
     n_rows, n_kv = mask.shape
+    visible = mask != -np.inf
     if 1 < n_rows <= MAX_ROW_GROUPS:
-        visible = mask != -np.inf
         counts = visible.sum(axis=1)
-        width = min(n_kv, -(-int(counts.max()) // CELL_PAD) * CELL_PAD)
+        width = min(n_kv, pad_to(int(counts.max()), CELL_PAD))
         # only when fewer cells are gathered than one plain prefix copies
         if n_rows * width <= n_kv and not _rows_share_a_sequence(visible, counts):
             return _per_row(mask, visible, counts, width)
-    return _prefix(mask, n_cells)
+    return _prefix(mask, visible, n_cells)
 
 
-def _prefix(mask: np.ndarray, n_cells: int) -> tuple[np.ndarray, np.ndarray]:
+def _prefix(mask: np.ndarray, visible: np.ndarray, n_cells: int) -> tuple[np.ndarray, np.ndarray]:
     """One group over cells ``0 .. L-1``, L the last cell a row sees padded to :data:`CELL_PAD` (at most
     ``n_kv``): the columns past it are masked for every row, and a row's bits do not depend on how many masked
     cells follow the ones it sees (tests/test_onnx_groups.py), so they are neither copied nor scored."""
     n_kv = mask.shape[1]
-    seen = np.flatnonzero((mask != -np.inf).any(axis=0))
-    width = min(n_kv, max(CELL_PAD, -(-(int(seen[-1]) + 1 if seen.size else 0) // CELL_PAD) * CELL_PAD))
+    seen = np.flatnonzero(visible.any(axis=0))
+    width = min(n_kv, max(CELL_PAD, pad_to(int(seen[-1]) + 1 if seen.size else 0, CELL_PAD)))
     if width < n_kv:
         mask = np.ascontiguousarray(mask[:, :width])
     return mask, prefix_blocks(width, n_cells)
