@@ -9,7 +9,8 @@ import pytest
 from click.testing import CliRunner
 
 from llmfw.cli import cli
-from llmfw.commands.bench import PEERS, format_table, peer_script
+from llmfw.commands.bench import PEERS, TURN_MARK, Job, format_table, peer_script, run_taking_turns
+from llmfw.core.errors import LLMFWError
 
 TINY = ["-p", "16", "-n", "4", "-r", "1"]
 
@@ -24,7 +25,9 @@ def check_record(record: dict, backend: str) -> None:
     assert set(record["tests"]) == {"pp16", "tg4"}
     for name, n_tokens in (("pp16", 16), ("tg4", 4)):
         test = record["tests"][name]
-        assert test["n_tokens"] == n_tokens and len(test["runs_s"]) == 1
+        assert test["n_tokens"] == n_tokens and len(test["runs_s"]) == len(test["runs_wall"]) == 1
+        (start, end), = test["runs_wall"]
+        assert end - start == pytest.approx(test["runs_s"][0])
         assert test["tps_median"] > 0 and test["tps_min"] <= test["tps_median"] <= test["tps_max"]
     # one ubatch per pp16 run, from the same empty cache as the warm-up: its graph is reused
     assert (record["tests"]["pp16"]["graph_builds"], record["tests"]["pp16"]["graph_reuses"]) == (0, 1)
@@ -132,3 +135,39 @@ def test_batch_seqs_adds_an_aggregate_batched_decode_test(smollm2_path) -> None:
 def test_batch_seqs_out_of_range_is_a_usage_error(smollm2_path) -> None:
     result = CliRunner().invoke(cli, ["bench", str(smollm2_path), "--batch-seqs", "0"])
     assert result.exit_code == 2 and "--batch-seqs" in result.output
+
+
+def _timed_spans(report: dict) -> list[tuple[float, float, str, str]]:
+    """Every timed run of the report: (start, end, backend, test), in the order they ran."""
+    return sorted((start, end, record["backend"], test) for record in report["llmfw"]
+                  for test, result in record["tests"].items() for start, end in result["runs_wall"])
+
+
+def test_engines_take_turns_one_repetition_at_a_time(smollm2_path) -> None:
+    result = invoke(str(smollm2_path), "-p", "16", "-n", "4", "-r", "2", "--backend", "numpy,onnx", "--json",
+                    "-t", "1")
+    assert result.exit_code == 0, result.output
+    spans = _timed_spans(json.loads(result.stdout))
+    assert len(spans) == 8
+    # never two engines measuring at once, and their repetitions alternate: numpy, onnx, numpy, onnx per test
+    assert all(end <= next_start for (_, end, *_), (next_start, *_) in zip(spans, spans[1:]))
+    assert [(backend, test) for _, _, backend, test in spans] == [
+        (backend, test) for test in ("pp16", "tg4") for _ in range(2) for backend in ("numpy", "onnx")]
+
+
+def test_no_interleave_runs_the_engines_one_after_another(smollm2_path) -> None:
+    result = invoke(str(smollm2_path), "-p", "16", "-n", "4", "-r", "2", "--backend", "numpy,onnx", "--json",
+                    "-t", "1", "--no-interleave")
+    assert result.exit_code == 0, result.output
+    order = [backend for _, _, backend, _ in _timed_spans(json.loads(result.stdout))]
+    assert order == ["numpy"] * 4 + ["onnx"] * 4
+
+
+def test_a_job_that_fails_while_others_take_turns_is_a_clear_error_not_a_hang() -> None:
+    waits_twice = (f"import sys\nfor _ in range(2):\n    print({TURN_MARK!r}, flush=True)\n"
+                   "    sys.stdin.readline()\nprint('{\"ok\": 1}')")
+    jobs = [Job(what="a job that waits twice", cmd=[sys.executable, "-c", waits_twice]),
+            Job(what="a job that crashes", cmd=[sys.executable, "-c", "import sys; sys.exit(3)"])]
+    with pytest.raises(LLMFWError, match=r"a job that crashes failed \(exit code 3\)"):
+        run_taking_turns(jobs)
+    assert run_taking_turns(jobs[:1]) == [{"ok": 1}]

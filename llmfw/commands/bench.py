@@ -15,6 +15,10 @@ transformers.
   that interpreter (a subprocess given a script; llmfw never imports ``llama_cpp``) and adds the ratios;
   ``--compare-transformers PYTHON`` does the same with Hugging Face transformers in float32 (the peer the
   numpy backend's speed target is stated against), so every figure of a comparison comes from one run.
+* With more than one engine the workers run side by side and take turns (``--interleave``, the default): each
+  measures one piece at a time — its load, then one warm-up or one timed repetition — while the others wait
+  idle on their stdin, round robin. A VM whose speed drifts over minutes then slows every engine's runs alike
+  instead of whichever engine ran in the slow minute; ``--no-interleave`` runs the engines one after another.
 """
 from __future__ import annotations
 
@@ -36,6 +40,11 @@ from llmfw.core.errors import ConfigError, LLMFWError
 #: random tokens come from this seed so every backend and llama.cpp see the same ones
 TOKEN_SEED = 1234
 WORKER_FLAG = "--worker"
+#: set in the environment of workers that take turns; the line a worker prints when it waits for its turn
+TURNS_ENV = "LLMFW_BENCH_TURNS"
+TURN_MARK = "@@bench worker: waiting for my turn"
+#: pause before each turn: the engine before it may keep its threads spinning for a moment after a run
+TURN_SETTLE_S = 0.05
 
 
 class BenchParams(BaseModel):
@@ -71,10 +80,13 @@ def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def summarize(n_tokens: int, seconds: list[float]) -> dict[str, Any]:
-    """tokens/s of each repetition → median, spread (sample stdev), min, max."""
+def summarize(n_tokens: int, runs: list[tuple[float, float]]) -> dict[str, Any]:
+    """tokens/s of each repetition (wall-clock start, seconds) → median, spread (sample stdev), min, max; the
+    starts as ``runs_wall`` (Unix time, comparable across processes)."""
+    seconds = [s for _, s in runs]
     rates = [n_tokens / s if s > 0 else 0.0 for s in seconds]
-    return {"n_tokens": n_tokens, "runs_s": seconds, "tps_median": statistics.median(rates),
+    return {"n_tokens": n_tokens, "runs_s": seconds, "runs_wall": [[start, start + s] for start, s in runs],
+            "tps_median": statistics.median(rates),
             "tps_std": statistics.stdev(rates) if len(rates) > 1 else 0.0, "tps_min": min(rates), "tps_max": max(rates)}
 
 
@@ -82,6 +94,34 @@ def random_tokens(n_vocab: int, count: int) -> list[int]:
     import numpy as np
 
     return [int(t) for t in np.random.default_rng(TOKEN_SEED).integers(0, n_vocab, size=count)]
+
+
+def wait_for_turn() -> None:
+    """Between two measured pieces of a worker that takes turns: say so on stdout and wait until the parent
+    answers on stdin (the other engines measure meanwhile). A no-op in a worker that runs alone."""
+    if os.environ.get(TURNS_ENV) != "1":
+        return
+    print(TURN_MARK, flush=True)
+    if not sys.stdin.readline():  # the parent is gone
+        sys.exit(1)
+
+
+def timed_repetitions(repetitions: int, reset, run_once, after_warm_up=None) -> list[tuple[float, float]]:
+    """A warm-up, then ``repetitions`` timed runs, each after ``reset()`` and each in its own turn; each run's
+    wall-clock start and seconds."""
+    wait_for_turn()
+    reset()
+    run_once()
+    if after_warm_up is not None:
+        after_warm_up()
+    runs = []
+    for _ in range(repetitions):
+        wait_for_turn()
+        reset()
+        wall, start = time.time(), time.perf_counter()
+        run_once()
+        runs.append((wall, time.perf_counter() - start))
+    return runs
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -111,19 +151,13 @@ def _graph_counts(ctx: Any) -> tuple[int, int]:
     return ctx.n_graph_builds, ctx.n_graph_reuses
 
 
-def _timed_runs(ctx: Any, params: BenchParams, run_once) -> tuple[list[float], dict[str, int]]:
+def _timed_runs(ctx: Any, params: BenchParams, run_once) -> tuple[list[tuple[float, float]], dict[str, int]]:
     """Warm-up, then ``repetitions`` timed runs from an empty cache; graph builds/reuses during the timed runs."""
-    ctx.memory.clear()
-    run_once()
-    builds0, reuses0 = _graph_counts(ctx)
-    seconds = []
-    for _ in range(params.repetitions):
-        ctx.memory.clear()
-        start = time.perf_counter()
-        run_once()
-        seconds.append(time.perf_counter() - start)
-    builds, reuses = _graph_counts(ctx)
-    return seconds, {"graph_builds": builds - builds0, "graph_reuses": reuses - reuses0}
+    after_warm_up: list[tuple[int, int]] = []
+    runs = timed_repetitions(params.repetitions, ctx.memory.clear, run_once,
+                             lambda: after_warm_up.append(_graph_counts(ctx)))
+    (builds0, reuses0), (builds, reuses) = after_warm_up[0], _graph_counts(ctx)
+    return runs, {"graph_builds": builds - builds0, "graph_reuses": reuses - reuses0}
 
 
 def _check(rc: int, ctx: Any) -> None:
@@ -146,6 +180,7 @@ def bench_llmfw(params: BenchParams, backend: str) -> dict[str, Any]:
     import llmfw
 
     _import_engine(backend)
+    wait_for_turn()  # the engines load one at a time too
     rss_base = current_rss()
     start = time.perf_counter()
     from ..core.backend import backend_options_from_environment
@@ -164,15 +199,15 @@ def bench_llmfw(params: BenchParams, backend: str) -> dict[str, Any]:
         tests: dict[str, Any] = {}
         if params.n_prompt:
             prompt = tokens[:params.n_prompt]
-            seconds, graphs = _timed_runs(ctx, params, lambda: _check(ctx.decode(llmfw.Batch(prompt)), ctx))
-            tests[f"pp{params.n_prompt}"] = {**summarize(params.n_prompt, seconds), **graphs}
+            runs, graphs = _timed_runs(ctx, params, lambda: _check(ctx.decode(llmfw.Batch(prompt)), ctx))
+            tests[f"pp{params.n_prompt}"] = {**summarize(params.n_prompt, runs), **graphs}
         if params.n_gen:
             def generate() -> None:
                 for token in tokens[:params.n_gen]:
                     _check(ctx.decode(llmfw.Batch([token])), ctx)
 
-            seconds, graphs = _timed_runs(ctx, params, generate)
-            tests[f"tg{params.n_gen}"] = {**summarize(params.n_gen, seconds), **graphs}
+            runs, graphs = _timed_runs(ctx, params, generate)
+            tests[f"tg{params.n_gen}"] = {**summarize(params.n_gen, runs), **graphs}
             if params.batch_seqs > 1:
                 tests.update(batched_decode_test(ctx, params, tokens))
             if params.json_schema is not None:
@@ -202,8 +237,8 @@ def batched_decode_test(ctx: Any, params: BenchParams, tokens: list[int]) -> dic
             batch = [tokens[(step + s * 7) % len(tokens)] for s in seq_ids]
             _check(ctx.decode(llmfw.Batch(batch, pos=[step] * n_seqs, seq_id=seq_ids, logits=True)), ctx)
 
-    seconds, graphs = _timed_runs(ctx, params, generate)
-    return {f"tg{params.n_gen}x{n_seqs}": {**summarize(params.n_gen * n_seqs, seconds), **graphs}}
+    runs, graphs = _timed_runs(ctx, params, generate)
+    return {f"tg{params.n_gen}x{n_seqs}": {**summarize(params.n_gen * n_seqs, runs), **graphs}}
 
 
 def constrained_tests(model: Any, ctx: Any, params: BenchParams, first_token: int) -> dict[str, Any]:
@@ -233,8 +268,8 @@ def constrained_tests(model: Any, ctx: Any, params: BenchParams, first_token: in
                 if chain.done() or model.vocab.is_eog(token):
                     chain.reset()
 
-        seconds, graphs = _timed_runs(ctx, params, generate)
-        results[f"tg{params.n_gen}+{name}"] = {**summarize(params.n_gen, seconds), **graphs}
+        runs, graphs = _timed_runs(ctx, params, generate)
+        results[f"tg{params.n_gen}+{name}"] = {**summarize(params.n_gen, runs), **graphs}
     matcher = constrained.samplers[0].matcher
     results[f"tg{params.n_gen}+json"].update({"mask_ms_per_token": matcher.mask_ms_per_token,
                                              "grammar_compile_ms": 1000 * compile_s,
@@ -256,26 +291,101 @@ def worker_main(argv: list[str]) -> None:
     print(json.dumps(record))
 
 
-def run_worker(params: BenchParams, backend: str, verbose: bool) -> dict[str, Any]:
+class Job(BaseModel):
+    """One engine's measurement: a subprocess whose last stdout line is its JSON record."""
+
+    what: str
+    cmd: list[str]
+    env: dict[str, str] | None = None
+
+
+def worker_job(params: BenchParams, backend: str, verbose: bool) -> Job:
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
     if verbose:
         env["LLMFW_BENCH_VERBOSE"] = "1"
     cmd = [sys.executable, "-m", "llmfw.commands.bench", WORKER_FLAG, params.model_dump_json(), backend]
-    return _run_json(cmd, env, f"llmfw worker for backend {backend!r}")
+    return Job(what=f"llmfw worker for backend {backend!r}", cmd=cmd, env=env)
 
 
-def _run_json(cmd: list[str], env: dict[str, str] | None, what: str) -> dict[str, Any]:
-    """Run a subprocess whose last stdout line is a JSON record; stderr passes through to ours."""
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None, text=True, env=env)
-    lines = [line for line in proc.stdout.splitlines() if line.strip()]
-    if proc.returncode != 0 or not lines:
-        raise LLMFWError(f"{what} failed (exit code {proc.returncode}); its messages are above")
+def _record(job: Job, returncode: int, lines: list[str]) -> dict[str, Any]:
+    """The job's record: its last non-empty stdout line, parsed."""
+    lines = [line for line in lines if line.strip() and line.rstrip("\n") != TURN_MARK]
+    if returncode != 0 or not lines:
+        raise LLMFWError(f"{job.what} failed (exit code {returncode}); its messages are above")
     try:
         return json.loads(lines[-1])
     except json.JSONDecodeError as exc:
-        raise LLMFWError(f"{what} printed no result record (last line: {lines[-1][:200]!r})") from exc
+        raise LLMFWError(f"{job.what} printed no result record (last line: {lines[-1][:200]!r})") from exc
+
+
+def run_one_at_a_time(jobs: list[Job]) -> list[dict[str, Any]]:
+    """Each job alone, one after another; stderr passes through to ours."""
+    records = []
+    for job in jobs:
+        proc = subprocess.run(job.cmd, stdout=subprocess.PIPE, stderr=None, stdin=subprocess.DEVNULL, text=True,
+                              env=job.env)
+        records.append(_record(job, proc.returncode, proc.stdout.splitlines()))
+    return records
+
+
+class _TurnTaker:
+    """A job's process in a run that takes turns: stdin says go, stdout says when it waits again."""
+
+    def __init__(self, job: Job):
+        self.job = job
+        env = dict(os.environ if job.env is None else job.env)
+        env[TURNS_ENV] = "1"
+        self.proc = subprocess.Popen(job.cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None,
+                                     text=True, env=env, bufsize=1)
+        self.lines: list[str] = []
+
+    def run_until_it_waits(self) -> bool:
+        """Read its output until it waits for a turn (True) or ends (False)."""
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.rstrip("\n") == TURN_MARK:
+                return True
+            self.lines.append(line)
+        self.proc.wait()
+        return False
+
+    def give_turn(self) -> bool:
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write("go\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:  # it ended on its own; its output says how
+            pass
+        return self.run_until_it_waits()
+
+    def record(self) -> dict[str, Any]:
+        return _record(self.job, self.proc.wait(), self.lines)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def run_taking_turns(jobs: list[Job]) -> list[dict[str, Any]]:
+    """All jobs side by side, one measuring at a time, round robin (see the module's docstring): each starts
+    and imports its engine, then loads only in its turn, and each warm-up and timed repetition is a turn."""
+    takers = [_TurnTaker(job) for job in jobs]
+    try:
+        waiting = [taker for taker in takers if taker.run_until_it_waits()]  # started, nothing measured yet
+        while waiting:
+            still = []
+            for taker in waiting:
+                time.sleep(TURN_SETTLE_S)
+                if taker.give_turn():
+                    still.append(taker)
+            waiting = still
+        return [taker.record() for taker in takers]
+    finally:
+        for taker in takers:
+            taker.stop()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -291,6 +401,7 @@ import numpy as np
 from llama_cpp import Llama, __version__
 p = json.loads(sys.argv[1])
 {helpers}
+wait_for_turn()
 rss_base = current_rss()
 start = time.perf_counter()
 llm = Llama(model_path=p["model"], n_ctx=max(p["n_prompt"] + p["n_gen"], 1), n_batch=max(p["n_prompt"], 1),
@@ -302,12 +413,7 @@ llm.eval(tokens[:1]); llm.reset()  # the same one-token decode as the other side
 load_s = time.perf_counter() - start
 rss_loaded = current_rss()
 def timed(run_once):
-    llm.reset(); run_once()
-    seconds = []
-    for _ in range(p["repetitions"]):
-        llm.reset()
-        t = time.perf_counter(); run_once(); seconds.append(time.perf_counter() - t)
-    return seconds
+    return timed_repetitions(p["repetitions"], llm.reset, run_once)
 tests = {{}}
 if p["n_prompt"]:
     tests["pp%d" % p["n_prompt"]] = summarize(p["n_prompt"], timed(lambda: llm.eval(tokens[:p["n_prompt"]])))
@@ -334,6 +440,7 @@ from transformers import AutoModelForCausalLM
 p = json.loads(sys.argv[1])
 {helpers}
 torch.set_num_threads(p["n_threads"])
+wait_for_turn()
 rss_base = current_rss()
 start = time.perf_counter()
 folder, name = os.path.split(os.path.abspath(p["model"]))
@@ -342,11 +449,7 @@ load_s = time.perf_counter() - start
 rss_loaded = current_rss()
 ids = torch.tensor([random_tokens(model.config.vocab_size, max(p["n_prompt"], p["n_gen"]))])
 def timed(run_once):
-    run_once()
-    seconds = []
-    for _ in range(p["repetitions"]):
-        t = time.perf_counter(); run_once(); seconds.append(time.perf_counter() - t)
-    return seconds
+    return timed_repetitions(p["repetitions"], lambda: None, run_once)
 tests = {{}}
 with torch.inference_mode():
     if p["n_prompt"]:
@@ -388,9 +491,11 @@ def peer_script(peer: Peer) -> str:
     """The peer's script with the measuring helpers pasted in as source text."""
     import inspect
 
-    helpers = "\n".join(inspect.getsource(f) for f in (current_rss, peak_rss, summarize, random_tokens))
+    helpers = "\n".join(inspect.getsource(f) for f in (current_rss, peak_rss, summarize, random_tokens,
+                                                         wait_for_turn, timed_repetitions))
     helpers = helpers.replace("    import numpy as np\n\n", "")
-    return peer.script.format(helpers=f"TOKEN_SEED = {TOKEN_SEED}\n{helpers}")
+    constants = f"TOKEN_SEED = {TOKEN_SEED}\nTURNS_ENV = {TURNS_ENV!r}\nTURN_MARK = {TURN_MARK!r}\n"
+    return peer.script.format(helpers=constants + helpers)
 
 
 def check_peer(peer: Peer, python: str) -> None:
@@ -405,8 +510,8 @@ def check_peer(peer: Peer, python: str) -> None:
                           f"with {peer.package} installed")
 
 
-def bench_peer(peer: Peer, python: str, params: BenchParams) -> dict[str, Any]:
-    return _run_json([python, "-c", peer_script(peer), params.model_dump_json()], None, f"{peer.name} benchmark")
+def peer_job(peer: Peer, python: str, params: BenchParams) -> Job:
+    return Job(what=f"{peer.name} benchmark", cmd=[python, "-c", peer_script(peer), params.model_dump_json()])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -498,6 +603,10 @@ def _split_backends(values: tuple[str, ...]) -> list[str]:
 @click.option("--batch-seqs", "batch_seqs", type=click.IntRange(1, 64), default=1, show_default=True,
               help="Also run tg with this many sequences decoding together (test tg<n>x<N>, aggregate t/s).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
+@click.option("--interleave/--no-interleave", default=True, show_default=True,
+              help="Run the engines (backends and peers) side by side, taking turns: one warm-up or timed "
+                   "repetition of one engine at a time, round robin, so a drift in the machine's speed slows them "
+                   "alike; --no-interleave runs them one after another.")
 @click.option("--compare-llama-cpp", "llama_python", default=None, metavar="PYTHON",
               help="Also run the tests on llama.cpp through llama-cpp-python in this interpreter; the table shows "
                    "every engine's ratio to it.")
@@ -509,8 +618,8 @@ def _split_backends(values: tuple[str, ...]) -> list[str]:
               help="Also measure tg with sampling, and with sampling constrained by this JSON schema file "
                    "(mask time per token, grammar compile time).")
 def bench(model: str, n_prompt: int, n_gen: int, repetitions: int, n_ubatch: int, backends: tuple[str, ...],
-          n_threads: int, batch_seqs: int, as_json: bool, llama_python: str | None, transformers_python: str | None,
-          verbose: bool, json_schema_file: str | None) -> None:
+          n_threads: int, batch_seqs: int, as_json: bool, interleave: bool, llama_python: str | None,
+          transformers_python: str | None, verbose: bool, json_schema_file: str | None) -> None:
     """Benchmark prompt processing (pp) and generation (tg) like llama-bench."""
     from llmfw.core.model import resolve_model_path
 
@@ -527,16 +636,16 @@ def bench(model: str, n_prompt: int, n_gen: int, repetitions: int, n_ubatch: int
              if python}
     for key, python in peers.items():
         check_peer(PEERS[key], python)
-    records = []
-    for backend in _split_backends(backends):
-        if not as_json:
-            click.echo(f"benchmarking llmfw backend {backend} ...", err=True)
-        records.append(run_worker(params, backend, verbose))
-    measured: dict[str, Any] = {}
-    for key, python in peers.items():
-        if not as_json:
-            click.echo(f"benchmarking {PEERS[key].name} ...", err=True)
-        measured[key] = bench_peer(PEERS[key], python, params)
+    names = _split_backends(backends)
+    jobs = [worker_job(params, backend, verbose) for backend in names]
+    jobs += [peer_job(PEERS[key], python, params) for key, python in peers.items()]
+    engines = [f"llmfw {backend}" for backend in names] + [PEERS[key].name for key in peers]
+    if not as_json:
+        how = "side by side, taking turns" if interleave and len(jobs) > 1 else "one after another"
+        click.echo(f"benchmarking {', '.join(engines)} ({how}) ...", err=True)
+    results = run_taking_turns(jobs) if interleave and len(jobs) > 1 else run_one_at_a_time(jobs)
+    records = results[:len(names)]
+    measured: dict[str, Any] = dict(zip(peers, results[len(names):]))
     if as_json:
         click.echo(json.dumps({"params": params.model_dump(), "llmfw": records,
                                "llama_cpp": measured.get("llama_cpp"), "transformers": measured.get("transformers")},
