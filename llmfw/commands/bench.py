@@ -311,7 +311,7 @@ def worker_job(params: BenchParams, backend: str, verbose: bool) -> Job:
 
 def _record(job: Job, returncode: int, lines: list[str]) -> dict[str, Any]:
     """The job's record: its last non-empty stdout line, parsed."""
-    lines = [line for line in lines if line.strip() and line.rstrip("\n") != TURN_MARK]
+    lines = [line for line in lines if line.strip()]
     if returncode != 0 or not lines:
         raise LLMFWError(f"{job.what} failed (exit code {returncode}); its messages are above")
     try:
@@ -320,12 +320,21 @@ def _record(job: Job, returncode: int, lines: list[str]) -> dict[str, Any]:
         raise LLMFWError(f"{job.what} printed no result record (last line: {lines[-1][:200]!r})") from exc
 
 
+def _environment(job: Job, turns: bool) -> dict[str, str]:
+    """The job's environment, with :data:`TURNS_ENV` set exactly when it takes turns."""
+    env = dict(os.environ if job.env is None else job.env)
+    env.pop(TURNS_ENV, None)
+    if turns:
+        env[TURNS_ENV] = "1"
+    return env
+
+
 def run_one_at_a_time(jobs: list[Job]) -> list[dict[str, Any]]:
     """Each job alone, one after another; stderr passes through to ours."""
     records = []
     for job in jobs:
         proc = subprocess.run(job.cmd, stdout=subprocess.PIPE, stderr=None, stdin=subprocess.DEVNULL, text=True,
-                              env=job.env)
+                              env=_environment(job, turns=False))
         records.append(_record(job, proc.returncode, proc.stdout.splitlines()))
     return records
 
@@ -335,10 +344,8 @@ class _TurnTaker:
 
     def __init__(self, job: Job):
         self.job = job
-        env = dict(os.environ if job.env is None else job.env)
-        env[TURNS_ENV] = "1"
         self.proc = subprocess.Popen(job.cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None,
-                                     text=True, env=env, bufsize=1)
+                                     text=True, env=_environment(job, turns=True), bufsize=1)
         self.lines: list[str] = []
 
     def run_until_it_waits(self) -> bool:
