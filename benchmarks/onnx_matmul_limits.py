@@ -37,6 +37,8 @@ import numpy as np
 BLOCK = 32
 F32 = np.float32
 SAVE_PREPACKED = "session.save_external_prepacked_constant_initializers"
+#: --k and --n at most this (a 65536 x 65536 matrix of 4-bit codes is 2 GiB: larger ones are not a benchmark)
+MAX_DIM = 65536
 
 
 def affine_blocks(n: int, k: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -194,11 +196,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=200)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    if args.k % BLOCK or args.k <= 0 or args.n <= 0:
-        parser.error(f"--k must be a positive multiple of {BLOCK} and --n positive")
+    if args.k % BLOCK or not 0 < args.k <= MAX_DIM or not 0 < args.n <= MAX_DIM or args.reps <= 0:
+        parser.error(f"--k must be a multiple of {BLOCK} and --n positive, both at most {MAX_DIM}; --reps positive")
+    try:
+        rows = [int(r) for r in args.rows.split(",")]
+    except ValueError:
+        parser.error(f"--rows takes whole numbers separated by commas, not {args.rows!r}")
+    if min(rows) <= 0:
+        parser.error("--rows must be positive")
     blocks = affine_blocks(args.n, args.k)
-    report: dict[str, Any] = {"k": args.k, "n": args.n,
-                              "forms": time_forms(blocks, [int(r) for r in args.rows.split(",")], args.reps)}
+    report: dict[str, Any] = {"k": args.k, "n": args.n, "forms": time_forms(blocks, rows, args.reps)}
     with tempfile.TemporaryDirectory() as tmp:
         report["packed_bytes_per_32"] = packed_bytes_per_block(blocks, Path(tmp))[0]
     with tempfile.TemporaryDirectory() as tmp:
