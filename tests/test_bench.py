@@ -173,3 +173,11 @@ def test_a_job_that_fails_while_others_take_turns_is_a_clear_error_not_a_hang() 
     with pytest.raises(LLMFWError, match=r"a job that crashes failed \(exit code 3\)"):
         run_taking_turns(jobs)
     assert run_taking_turns(jobs[:1]) == [{"ok": 1}]
+
+
+def test_a_load_clock_without_pyc_files_is_pointed_out():
+    from llmfw.commands.bench import bytecode_note
+
+    assert "PYTHONDONTWRITEBYTECODE" in bytecode_note({"PYTHONDONTWRITEBYTECODE": "1"})
+    # Python writes .pyc files when the variable is unset or empty
+    assert bytecode_note({}) is None and bytecode_note({"PYTHONDONTWRITEBYTECODE": ""}) is None

@@ -30,7 +30,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import click
 from pydantic import BaseModel, Field
@@ -592,6 +592,15 @@ def _split_backends(values: tuple[str, ...]) -> list[str]:
     return list(dict.fromkeys(out))
 
 
+def bytecode_note(environ: Mapping[str, str]) -> str | None:
+    """A warning when Python writes no ``.pyc`` files: the plugin modules a load needs (architecture, tokenizer,
+    backend) are imported inside the load clock, so each load would also count compiling their source."""
+    if not environ.get("PYTHONDONTWRITEBYTECODE"):
+        return None
+    return ("note: PYTHONDONTWRITEBYTECODE is set: no .pyc files are written, so every llmfw module a load imports "
+            "is compiled inside its clock; unset it for the load times an install sees")
+
+
 @click.command("bench")
 @click.argument("model")
 @click.option("-p", "--n-prompt", "n_prompt", type=click.IntRange(min=0), default=512, show_default=True,
@@ -650,6 +659,9 @@ def bench(model: str, n_prompt: int, n_gen: int, repetitions: int, n_ubatch: int
     if not as_json:
         how = "side by side, taking turns" if interleave and len(jobs) > 1 else "one after another"
         click.echo(f"benchmarking {', '.join(engines)} ({how}) ...", err=True)
+    note = bytecode_note(os.environ)
+    if note:
+        click.echo(note, err=True)
     results = run_taking_turns(jobs) if interleave and len(jobs) > 1 else run_one_at_a_time(jobs)
     records = results[:len(names)]
     measured: dict[str, Any] = dict(zip(peers, results[len(names):]))
