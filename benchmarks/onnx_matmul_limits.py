@@ -34,8 +34,10 @@ from typing import Any
 
 import numpy as np
 
-BLOCK = 32
-F32 = np.float32
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+
+from llmfw.plugins.backends.onnx.weights import BLOCK, F32, pack_nbits  # noqa: E402
+
 SAVE_PREPACKED = "session.save_external_prepacked_constant_initializers"
 #: --k and --n at most this (a 65536 x 65536 matrix of 4-bit codes is 2 GiB: larger ones are not a benchmark)
 MAX_DIM = 65536
@@ -59,8 +61,10 @@ def dense(blocks: dict[str, np.ndarray], minimums: np.ndarray | None = None) -> 
 
 
 def pack_nibbles(values: np.ndarray) -> np.ndarray:
-    """4-bit values, two per byte along the last axis, the even one in the low nibble (MatMulNBits' order)."""
-    return (values[..., 0::2] | (values[..., 1::2] << 4)).astype(np.uint8)
+    """Unsigned 4-bit values [rows, m] (m even) packed two per byte as the backend packs MatMulNBits' B."""
+    rows, m = values.shape
+    signed = (values.astype(np.int16) - 8).astype(np.int8)  # pack_nbits adds the zero point 8 back
+    return pack_nbits(signed, 4, block=m).reshape(rows, m // 2)
 
 
 def nbits_model(blocks: dict[str, np.ndarray], form: str) -> tuple[Any, np.ndarray]:
@@ -70,7 +74,8 @@ def nbits_model(blocks: dict[str, np.ndarray], form: str) -> tuple[Any, np.ndarr
     n, n_blocks, _ = blocks["codes"].shape
     k = n_blocks * BLOCK
     scales = blocks["scales"]
-    inits = [numpy_helper.from_array(pack_nibbles(blocks["codes"]), "B"),
+    packed_codes = pack_nibbles(blocks["codes"].reshape(n, k)).reshape(n, n_blocks, BLOCK // 2)
+    inits = [numpy_helper.from_array(packed_codes, "B"),
              numpy_helper.from_array(scales.reshape(-1), "S")]
     inputs, nodes, expected = ["x", "B", "S"], [], dense(blocks)
     if form == "symmetric":
