@@ -101,7 +101,8 @@ def nbits_model(blocks: dict[str, np.ndarray], form: str) -> tuple[Any, np.ndarr
                   helper.make_node("Gemm", ["sums", "offsets_t", "mm"], ["y"])]
     graph = helper.make_graph(nodes, form, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", k])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", n])], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    model = helper.make_model(graph, opset_imports=opsets)
     return model, expected
 
 
