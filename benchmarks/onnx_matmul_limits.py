@@ -190,7 +190,8 @@ def probe_serialized(blocks: dict[str, np.ndarray], folder: Path) -> dict[str, A
         session(str(folder / "saved.onnx"))
         accepted, error = True, ""
     except Exception as exc:  # noqa: BLE001 - ORT's own exception types
-        accepted, error = False, str(exc).splitlines()[0][-120:]
+        # ORT's text after its "[ONNXRuntimeError] : 1 : FAIL : " prefix
+        accepted, error = False, str(exc).splitlines()[0].split(" : ")[-1]
     return {"block_sums_found": found, "accepted": accepted, "error": error, **timings}
 
 
