@@ -36,7 +36,7 @@ class ChatSession:
     """The conversation, its context (KV cache) and sampler; :meth:`answer` streams one reply."""
 
     def __init__(self, pipeline: Any, model: Any, out: TextIO):
-        from ..core.generate import GenerationStats
+        from ..core.generation.generate import GenerationStats
 
         self.pipeline, self.model, self.out = pipeline, model, out
         self.ctx = pipeline.new_context(model)
@@ -52,7 +52,7 @@ class ChatSession:
         self.sampler.reset()
 
     def answer(self, user_text: str) -> str:
-        from ..core.generate import GenerationStats, generate
+        from ..core.generation.generate import GenerationStats, generate
 
         self.last_stats = GenerationStats()
         self.messages.append({"role": "user", "content": user_text})

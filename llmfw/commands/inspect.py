@@ -1,6 +1,6 @@
 """`llmfw inspect MODEL [--tensors] [--json]`: a GGUF model's header at a glance.
 
-:func:`summarize` builds a JSON-ready dict from an open :class:`~llmfw.core.gguf.GGUFFile`; the command prints it
+:func:`summarize` builds a JSON-ready dict from an open :class:`~llmfw.core.format.gguf.GGUFFile`; the command prints it
 as text or JSON. Nothing here reads tensor data, so inspecting is as fast as opening.
 """
 from __future__ import annotations
@@ -12,9 +12,9 @@ from typing import Any
 import click
 import numpy as np
 
-from ..core.catalog import resolve_model
-from ..core.gguf import GGUFFile, GGUFValueType, most_common_type, open_gguf
-from ..core.quants import GGMLType
+from ..app.catalog import resolve_model
+from ..core.format.gguf import GGUFFile, GGUFValueType, most_common_type, open_gguf
+from ..core.format.quants import GGMLType
 from .progress import ProgressBar
 
 #: llama.cpp's `general.file_type` ids (enum llama_ftype) -> names, as llama.cpp prints them

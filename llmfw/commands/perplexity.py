@@ -1,4 +1,4 @@
-"""`llmfw perplexity -m MODEL -f FILE`: llama-perplexity's estimate of a text file (see core/perplexity.py).
+"""`llmfw perplexity -m MODEL -f FILE`: llama-perplexity's estimate of a text file (see core/generation/perplexity.py).
 
 stdout gets what llama-perplexity prints: the running estimate after each chunk (``[1]18.6062,[2]16.3901,...``)
 and, as the last line, ``Final estimate: PPL = X +/- Y``; the progress bar and the set-up go to stderr.
@@ -15,7 +15,7 @@ from .progress import ProgressBar
 
 def load_tool_model(model: str | None, backend: str | None, show_progress: bool) -> Any:
     """The model named on a tool's command line (catalog name or path), loaded with progress bars."""
-    from ..core.pipeline import Pipeline
+    from ..app.pipeline import Pipeline
     from .run import load_model_with_progress
 
     data: dict[str, Any] = {"backend": backend}
@@ -49,7 +49,7 @@ def read_text_file(path: str) -> str:
 def perplexity_cmd(model: str | None, file: str, n_ctx: int, n_batch: int | None, n_chunks: int,
                    backend: str | None, no_progress: bool) -> None:
     """Perplexity of FILE, computed exactly as llama-perplexity does."""
-    from ..core.perplexity import perplexity_of_tokens, perplexity_tokens
+    from ..core.generation.perplexity import perplexity_of_tokens, perplexity_tokens
 
     if n_chunks == 0 or n_chunks < -1:
         raise click.BadParameter("must be a positive number of chunks or -1 (all)", param_hint="--chunks")

@@ -38,7 +38,7 @@ SAMPLING_FLAGS: dict[str, tuple[str, Any, str]] = {
 }
 
 
-#: what --backend's help says about the default (core/backend.py choose_default_backend: the backends'
+#: what --backend's help says about the default (core/exec/backend.py choose_default_backend: the backends'
 #: declared priorities; these are the built-in ones)
 BACKEND_HELP = ("numpy, onnx, torch, torch:cuda, ggml. Default: torch:cuda when a CUDA GPU and torch are present, "
                 "else onnx (onnxruntime importable), else numpy; -v says which and why.")
@@ -121,7 +121,7 @@ def constraint_options() -> list[Callable[..., Any]]:
 
 def constraint_overrides(opts: dict[str, Any]) -> dict[str, Any]:
     """The pipeline key (``sampling.grammar`` / ``.json_schema`` / ``.regex``) for the constraint flag given."""
-    from ..core.grammar import ANY_JSON_OBJECT, read_constraint_file
+    from ..core.generation.grammar import ANY_JSON_OBJECT, read_constraint_file
 
     given = {flag: opts.get(key) for flag, key in (("--grammar", "grammar"), ("--grammar-file", "grammar_file"),
              ("--json-schema", "json_schema"), ("--json-schema-file", "json_schema_file"), ("--json", "any_json"),
@@ -142,7 +142,7 @@ def constraint_overrides(opts: dict[str, Any]) -> dict[str, Any]:
 
 def config_overrides(opts: dict[str, Any]) -> dict[str, Any]:
     """Dotted pipeline keys for the flags that were given."""
-    from ..core.sampling import parse_sampler_seq
+    from ..core.generation.sampling import parse_sampler_seq
 
     overrides: dict[str, Any] = {}
     simple = {"model": "model", "backend": "backend", "n_gpu_layers": "n_gpu_layers", "n_ctx": "context.n_ctx",
@@ -173,7 +173,7 @@ def sampling_flag_given(opts: dict[str, Any]) -> bool:
 def build_pipeline(opts: dict[str, Any], extra: dict[str, Any] | None = None, *, greedy_default: bool = True) -> Any:
     """The pipeline from ``--config`` (if any) with the flags applied. With ``greedy_default`` (`run`) it is
     greedy unless sampling is configured; without (`chat`) llama.cpp's sampling defaults apply."""
-    from ..core.pipeline import Pipeline, merge_overrides, read_yaml
+    from ..app.pipeline import Pipeline, merge_overrides, read_yaml
 
     config = opts.get("config")
     data = read_yaml(config) if config else {}
@@ -189,7 +189,7 @@ def build_pipeline(opts: dict[str, Any], extra: dict[str, Any] | None = None, *,
 def load_model_with_progress(pipeline: Any, show: bool, verbose: bool = False) -> Any:
     """Resolve (pulling a catalog model if needed; pip's output only with ``verbose``) and load the pipeline's
     model, with progress bars."""
-    from ..core.catalog import resolve_model
+    from ..app.catalog import resolve_model
 
     location = pipeline.model_location()
     with ProgressBar(f"pull {location}", enabled=None if show else False) as bar:
@@ -233,7 +233,7 @@ def run(prompt: str | None, use_chat: bool, prompt_cache: str | None, draft_max:
     Greedy unless a sampling flag is given; the prompt is tokenized with special tokens parsed, not echoed.
     Ctrl-C stops the generation, prints the timing line and exits with status 130.
     """
-    from ..core.generate import GenerationStats
+    from ..core.generation.generate import GenerationStats
 
     if prompt == "-":
         prompt = sys.stdin.read()

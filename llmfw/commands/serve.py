@@ -25,7 +25,7 @@ GRACEFUL_SHUTDOWN_S = 3
 
 
 def serve_pipeline(opts: dict[str, Any]) -> Any:
-    from ..core.pipeline import Pipeline, merge_overrides, read_yaml
+    from ..app.pipeline import Pipeline, merge_overrides, read_yaml
 
     config = opts.get("config")
     data = read_yaml(config) if config else {}

@@ -6,8 +6,8 @@ import sys
 
 import click
 
-from ..core.catalog import resolve_model
-from ..core.vocab import Vocab
+from ..app.catalog import resolve_model
+from ..core.tokenizer.vocab import Vocab
 
 
 def _show_piece(piece: bytes) -> str:
@@ -45,6 +45,6 @@ def tokenize_cmd(model: str, text: str, ids_only: bool, pieces_only: bool, no_sp
         else:
             click.echo(f"{token:6d} -> '{piece}'")
     if not pieces_only:
-        from ..core.generate import plural
+        from ..core.generation.generate import plural
 
         click.echo(plural(len(tokens), "token"), err=True)

@@ -28,7 +28,7 @@ EXTRA = ["def f(x):\n\treturn x**2  # 12345678", "Ünïcödé façade naïve —
 def write(folder: str, models_dir: str, smollm2: str) -> None:
     root = Path(__file__).resolve().parents[2]
     sys.path.insert(0, str(root))
-    from llmfw.core.gguf import GGUFWriter, open_gguf
+    from llmfw.core.format.gguf import GGUFWriter, open_gguf
 
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)

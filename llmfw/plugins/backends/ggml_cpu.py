@@ -49,8 +49,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from llmfw.core.backend import BackendOptions, CompiledSplit, Split, WeightSource
-from llmfw.core.quants import GGMLType, dequantize
+from llmfw.core.exec.backend import BackendOptions, CompiledSplit, Split, WeightSource
+from llmfw.core.format.quants import GGMLType, dequantize
 from llmfw.plugins.backends.numpy import (
     F32,
     NumpyBackend,
@@ -192,7 +192,7 @@ def _scaled_part(raw: np.ndarray, qtype: GGMLType, ne: tuple[int, ...]) -> tuple
 
 
 def _block_bytes(qtype: GGMLType) -> int:
-    from llmfw.core.quants import type_info
+    from llmfw.core.format.quants import type_info
 
     return type_info(qtype).type_size
 

@@ -13,7 +13,7 @@ Speed (measured on a 2-core AVX2 machine with OpenBLAS, see ``benchmarks/numpy_d
   streams such a matrix up to 1.7x faster than ``x @ W.T`` (``gemv_t``), which in turn is ~1.4x faster for
   the narrow ``ffn_down`` (n_in > n_out), kept as in the file. Both are equally fast for a prefill.
 * :meth:`NumpyBackend.compile` maps the core's optimised graph to kernels: a flat list of closures over a slot
-  list (no dict look-ups per op). The core passes (``llmfw.core.passes``) already fused the matmuls that share an
+  list (no dict look-ups per op). The core passes (``llmfw.core.ir.passes``) already fused the matmuls that share an
   input (Q/K/V, gate/up) into one GEMM over a weight this backend concatenated once at load
   (:meth:`NumpyBackend.fuse_weights`), folded each norm's weight into it, applied this backend's rewrite rule
   ``swiglu`` and marked each value's last use, after which its slot is freed (a prefill's activations are not
@@ -29,7 +29,7 @@ Modules: ``kernels`` (the op kernels: pure functions of numpy arrays, also the o
 ``weights`` (float32 weight storage, lookup-only quantized tables, ``fuse_weights``), ``blas`` (BLAS threads),
 ``compiler`` (a split -> closures over a slot list), ``runtime`` (the Backend class).
 """
-from llmfw.core.rope import rope_cos_sin, yarn_corr_dims
+from llmfw.core.ir.rope import rope_cos_sin, yarn_corr_dims
 from llmfw.plugins.backends.numpy.blas import set_blas_threads
 from llmfw.plugins.backends.numpy.compiler import SplitCompiler, Step
 from llmfw.plugins.backends.numpy.kernels import (ATTN_BLOCK_ROWS, F32, F64, NumpyKV, RopeTable, attention, gelu,

@@ -1,5 +1,5 @@
 """The numpy backend's op kernels: pure functions of float32 numpy arrays (also the oracle that other backends'
-tests compare against). Each computes what the graph op means (:mod:`llmfw.core.graph`) the way ggml rounds it
+tests compare against). Each computes what the graph op means (:mod:`llmfw.core.ir.graph`) the way ggml rounds it
 where that is cheap (norms sum their squares in double)."""
 from __future__ import annotations
 

@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from llmfw.core.backend import Backend, BackendOptions, WeightSource, release_freed_memory
-from llmfw.core.quants import GGMLType, dequantize, dequantize_rows
+from llmfw.core.exec.backend import Backend, BackendOptions, WeightSource, release_freed_memory
+from llmfw.core.format.quants import GGMLType, dequantize, dequantize_rows
 from llmfw.plugins.backends.numpy.kernels import F32
 
 

@@ -18,9 +18,9 @@ from typing import Any, Callable, Hashable, Mapping, Sequence
 
 import numpy as np
 
-from llmfw.core.backend import Backend, BackendOptions, CompiledSplit, KVLayerShape, Split, WeightSource
+from llmfw.core.exec.backend import Backend, BackendOptions, CompiledSplit, KVLayerShape, Split, WeightSource
 from llmfw.core.errors import ModelError
-from llmfw.core.graph import OPS
+from llmfw.core.ir.graph import OPS
 from llmfw.plugins.backends.onnx.cache import CachedLoad, ConvertedCache, MappedBlob, default_cache_root
 from llmfw.plugins.backends.onnx.emit import external_tensor_proto, split_signature
 from llmfw.plugins.backends.onnx.fused import (

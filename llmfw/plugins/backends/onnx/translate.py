@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from llmfw.core.backend import Split
+from llmfw.core.exec.backend import Split
 from llmfw.core.errors import ModelError
-from llmfw.core.graph import DYNAMIC, Node, Shape
-from llmfw.core.rope import rope_angle_slopes
+from llmfw.core.ir.graph import DYNAMIC, Node, Shape
+from llmfw.core.ir.rope import rope_angle_slopes
 from llmfw.plugins.backends.onnx.emit import (
     ONNX_BOOL, ONNX_FLOAT, ONNX_INT32, ONNX_INT64, OPSET, Emitter, external_tensor_proto, freeze, kv_name, live_nodes,
 )

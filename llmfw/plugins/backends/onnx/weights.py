@@ -18,9 +18,9 @@ from typing import Sequence
 
 import numpy as np
 
-from llmfw.core.backend import WeightSource
+from llmfw.core.exec.backend import WeightSource
 from llmfw.core.errors import ModelError
-from llmfw.core.quants import GGMLType, block_view, dequantize, k4_sub_block_params
+from llmfw.core.format.quants import GGMLType, block_view, dequantize, k4_sub_block_params
 
 F32 = np.float32
 

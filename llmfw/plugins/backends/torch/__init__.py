@@ -13,7 +13,7 @@ Weights are converted once, at load, into the fastest form for the device that s
   GPU was available when this was written).
 
 Everything else (norms, rope, attention, activations) runs in float32. The backend receives the graph the core
-passes optimised (``llmfw.core.passes``) and maps its ops to kernels: ``fuse_weights`` builds the fused weights
+passes optimised (``llmfw.core.ir.passes``) and maps its ops to kernels: ``fuse_weights`` builds the fused weights
 the core's matmul fusion asks for at load, a folded ``rms_norm(x, w)`` is one ``F.rms_norm`` call, and a split
 is compiled once per graph build into closures over a value table (``compiler``), freeing each value after its
 last reader as the core's liveness says. Rope angles and the grouped attention mask are computed once per run

@@ -8,9 +8,9 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from llmfw.core.backend import WeightSource
+from llmfw.core.exec.backend import WeightSource
 from llmfw.core.errors import BackendUnavailable
-from llmfw.core.quants import dequantize_rows
+from llmfw.core.format.quants import dequantize_rows
 from llmfw.plugins.backends.torch.environment import import_torch
 
 #: matmul weight forms; the ``matmul`` option (the CLI maps ``LLMFW_TORCH_MATMUL`` onto it) picks one instead of
