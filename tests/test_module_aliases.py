@@ -4,6 +4,7 @@ Only the alias answers an old name (no file stays at an old path), and the packa
 """
 from __future__ import annotations
 
+import ast
 import importlib
 import os
 import re
@@ -100,3 +101,35 @@ def test_loading_the_package_touches_no_old_name() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def _names_llmfw(module: str) -> bool:
+    return module == "llmfw" or module.startswith("llmfw.")
+
+
+def _imported_modules(path: Path) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every ``from X import`` / ``import X`` naming llmfw in ``path``."""
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    package = parts[:-1]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = package[: len(package) - (node.level - 1)]
+            found.append((node.lineno, ".".join(base + ([node.module] if node.module else []))))
+        elif isinstance(node, ast.ImportFrom) and _names_llmfw(node.module or ""):
+            found.append((node.lineno, node.module or ""))
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names if _names_llmfw(alias.name)]
+    return found
+
+
+def test_every_import_inside_the_package_names_a_real_file() -> None:
+    """A relative import written against the old flat core (``from .errors import`` in a moved module) fails here,
+    not at the first run that reaches it (function-local imports included)."""
+    missing = []
+    for path in sorted((ROOT / "llmfw").rglob("*.py")):
+        for line, name in _imported_modules(path):
+            where = ROOT / name.replace(".", "/")
+            if not (where.with_suffix(".py").is_file() or (where / "__init__.py").is_file()):
+                missing.append(f"{path.relative_to(ROOT)}:{line}: {name}")
+    assert missing == []
