@@ -256,9 +256,24 @@ class SplitTranslator:
         return self._matmul_nbits(x, x_shape, name, weight)
 
     def _matmul_nbits(self, x: str, x_shape: Shape, key: str, weight: BlockWeight) -> str:
+        """The block product, with a row of ones appended to a 2-D input whose row count may be one. MLAS runs a
+        one-row MatMulNBits (a one-token decode, a prompt's last row into the head) through a kernel of its own
+        on some CPUs (AVX2 without AVX-512: another activation rounding and summation order), while its many-row
+        kernel gives every row the same bits whatever the row count, place or thread split. The extra row keeps
+        every product on the many-row kernel, so a token's logits do not depend on the batch it came in."""
         n_out, n_in = weight.shape
         if x_shape[-1] not in (n_in, DYNAMIC):
             raise ModelError(f"onnx backend: mul_mat of {key} expects inputs with {n_in} columns, got {x_shape}")
+        padded = len(x_shape) == 2  # a session serves every row count: the IR's count is the first run's
+        if padded:
+            x = self.e.op("Concat", [x, self.e.const(np.ones((1, n_in)), np.float32)], axis=0, hint="rows")
+        out = self._block_product(x, x_shape, key, weight)
+        if padded:
+            out = self.e.op("Slice", [out, self.e.const([0]), self.e.const([-1]), self.e.const([0])], hint="mmq")
+        return out
+
+    def _block_product(self, x: str, x_shape: Shape, key: str, weight: BlockWeight) -> str:
+        n_out, n_in = weight.shape
         b = self.e.external(f"q:{key}", weight.packed)
         s = self.e.external(f"s:{key}", weight.scales)
         out = self.e.op("MatMulNBits", [x, b, s], domain="com.microsoft", hint="mmq", K=n_in, N=n_out,
