@@ -666,7 +666,9 @@ def bench(model: str, n_prompt: int, n_gen: int, repetitions: int, n_ubatch: int
     records = results[:len(names)]
     measured: dict[str, Any] = dict(zip(peers, results[len(names):]))
     if as_json:
-        click.echo(json.dumps({"params": params.model_dump(), "llmfw": records,
+        from llmfw.commands.machine import describe_machine
+
+        click.echo(json.dumps({"params": params.model_dump(), "machine": describe_machine(), "llmfw": records,
                                "llama_cpp": measured.get("llama_cpp"), "transformers": measured.get("transformers")},
                               indent=2))
     else:
