@@ -138,7 +138,7 @@ def _human_count(n: int) -> str:
 
 
 def _special_tokens_text(tok: dict[str, Any]) -> str:
-    """``bos 1, eos 2, unknown 0, padding 2; add_bos_token false`` — what the text view promises (README)."""
+    """``bos 1, eos 2, unknown 0, padding 2; add_bos_token false`` — what the text view promises (docs/models.md)."""
     ids = [f"{label} {tok[key]}" for key, label in (("bos_token_id", "bos"), ("eos_token_id", "eos"),
                                                      ("unknown_token_id", "unknown"), ("padding_token_id", "padding"))
            if key in tok]
