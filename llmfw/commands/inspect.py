@@ -1,4 +1,4 @@
-"""`llmfw inspect MODEL [--tensors] [--json]`: a GGUF model's header at a glance.
+"""`llmfw inspect [-m] MODEL [--tensors] [--json]`: a GGUF model's header at a glance.
 
 :func:`summarize` builds a JSON-ready dict from an open :class:`~llmfw.core.gguf.GGUFFile`; the command prints it
 as text or JSON. Nothing here reads tensor data, so inspecting is as fast as opening.
@@ -12,9 +12,10 @@ from typing import Any
 import click
 import numpy as np
 
-from ..core.catalog import resolve_model
+from ..core.catalog import DEFAULT_MODEL, resolve_model
 from ..core.gguf import GGUFFile, GGUFValueType, most_common_type, open_gguf
 from ..core.quants import GGMLType
+from .model_arg import model_from, model_option
 from .progress import ProgressBar
 
 #: llama.cpp's `general.file_type` ids (enum llama_ftype) -> names, as llama.cpp prints them
@@ -179,14 +180,17 @@ def format_text(s: dict[str, Any]) -> str:
 
 
 @click.command("inspect")
-@click.argument("model")
+@click.argument("model_arg", metavar="[MODEL]", required=False)
+@model_option
 @click.option("--tensors", "with_tensors", is_flag=True, help="List every tensor: name, type, shape, bytes.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def inspect_cmd(model: str, with_tensors: bool, as_json: bool) -> None:
+def inspect_cmd(model_arg: str | None, model: str | None, with_tensors: bool, as_json: bool) -> None:
     """Show MODEL's GGUF version, architecture, hyperparameters, tokenizer, file type and size.
 
-    MODEL is a path to a .gguf file (the first part of a split model) or a catalog name.
+    MODEL (-m MODEL, or the first argument) is a path to a .gguf file (the first part of a split model) or a
+    catalog name.
     """
+    model = model_from(model_arg, model) or DEFAULT_MODEL
     with ProgressBar(f"pull {model}") as bar:
         path = resolve_model(model, progress=lambda done, total, what: bar.update(done / total, what))
     with open_gguf(path) as g:

@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 import click
 
+from .model_arg import model_option
 from .progress import ProgressBar
 
 #: flag -> (SamplerParams field, click type, help)
@@ -69,7 +70,7 @@ def threads_option(func: Callable[..., Any]) -> Callable[..., Any]:
 def model_and_sampling_options(func: Callable[..., Any]) -> Callable[..., Any]:
     """The options `run` and `chat` share: model, placement, context, sampling, config, verbosity."""
     options = [
-        click.option("-m", "--model", "model", default=None, help="Catalog name or GGUF path (default: smollm2)."),
+        model_option,
         click.option("--backend", default=None, help=BACKEND_HELP),
         click.option("-ngl", "--n-gpu-layers", "n_gpu_layers", type=int, default=None,
                      help="Layers on the GPU (-1 = all)."),

@@ -8,6 +8,7 @@ import click
 
 from ..core.catalog import resolve_model
 from ..core.vocab import Vocab
+from .model_arg import model_from, model_option
 
 
 def _show_piece(piece: bytes) -> str:
@@ -15,20 +16,31 @@ def _show_piece(piece: bytes) -> str:
     return piece.decode("utf-8", "backslashreplace")
 
 
+def model_and_text(args: tuple[str, ...], option: str | None) -> tuple[str | None, str]:
+    """``[-m MODEL] TEXT``, or the older ``MODEL TEXT`` (two arguments cannot mean anything else)."""
+    if len(args) == 2:
+        return model_from(args[0], option), args[1]
+    if len(args) == 1:
+        return option, args[0]
+    raise click.UsageError("give TEXT to tokenize (llmfw tokenize [-m MODEL] TEXT)")
+
+
 @click.command("tokenize")
-@click.argument("model")
-@click.argument("text")
+@click.argument("args", nargs=-1, metavar="[MODEL] TEXT")
+@model_option
 @click.option("--ids", "ids_only", is_flag=True, help="Print only the token ids, as a list: [1, 2, 3].")
 @click.option("--pieces", "pieces_only", is_flag=True, help="Print only the pieces, one JSON string per line.")
 @click.option("--no-special", is_flag=True, help="Do not add BOS/EOS (add_special=False).")
 @click.option("--parse-special", is_flag=True,
               help="Turn special-token texts such as <|im_start|> into their ids (parse_special=True).")
-def tokenize_cmd(model: str, text: str, ids_only: bool, pieces_only: bool, no_special: bool,
+def tokenize_cmd(args: tuple[str, ...], model: str | None, ids_only: bool, pieces_only: bool, no_special: bool,
                  parse_special: bool) -> None:
-    """Tokenize TEXT with the vocabulary of MODEL (a GGUF path or a catalog name; TEXT '-' reads stdin).
+    """Tokenize TEXT with the vocabulary of -m MODEL (a GGUF path or a catalog name; TEXT '-' reads stdin).
 
     By default every token is printed as `id -> 'piece'` (the piece with special tokens rendered).
+    `llmfw tokenize MODEL TEXT` works too.
     """
+    model, text = model_and_text(args, model)
     if ids_only and pieces_only:
         raise click.UsageError("--ids and --pieces exclude each other")
     if text == "-":

@@ -1,0 +1,111 @@
+"""What a new user met first and was surprised by (issue 31, item 6), each checked in-process with click's
+CliRunner on a tiny random-weight model that needs no download: a 259-byte SentencePiece vocabulary (byte
+fallback) over a 2-layer llama, with or without a chat template."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from llmfw.cli import cli
+from llmfw.core.gguf import GGUFValueType, GGUFWriter
+
+#: the tiny vocabulary's word pieces after the control tokens and the 256 byte tokens
+PIECES = ["▁hello", "▁world", "hello", "world", "▁", "▁▁"]
+
+
+def write_tiny_model(path, *, chat_template: str | None = None):
+    """A 2-layer llama with a byte-fallback SPM vocabulary (``<0x0A>`` is a newline piece): fast to write and to
+    load, enough for every command."""
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + PIECES
+    types = [2, 3, 3] + [6] * 256 + [1] * len(PIECES)
+    scores = [0.0] * (3 + 256) + [-float(i) for i in range(len(PIECES))]
+    n_vocab, n_embd, n_head, n_head_kv, n_ff, n_layer = len(tokens), 32, 4, 2, 64, 2
+    head = n_embd // n_head
+    rng = np.random.default_rng(0)
+    with GGUFWriter(path) as w:
+        w.add("general.architecture", "llama")
+        for key, value in {"context_length": 256, "embedding_length": n_embd, "block_count": n_layer,
+                           "feed_forward_length": n_ff, "attention.head_count": n_head,
+                           "attention.head_count_kv": n_head_kv}.items():
+            w.add(f"llama.{key}", value, GGUFValueType.UINT32)
+        w.add("llama.attention.layer_norm_rms_epsilon", 1e-5, GGUFValueType.FLOAT32)
+        w.add("tokenizer.ggml.model", "llama")
+        w.add("tokenizer.ggml.tokens", tokens)
+        w.add("tokenizer.ggml.scores", np.array(scores, dtype=np.float32))
+        w.add("tokenizer.ggml.token_type", np.array(types, dtype=np.int32))
+        for name, token_id in (("bos", 1), ("eos", 2), ("unknown", 0)):
+            w.add(f"tokenizer.ggml.{name}_token_id", token_id, GGUFValueType.UINT32)
+        if chat_template is not None:
+            w.add("tokenizer.chat_template", chat_template)
+        shapes = {"token_embd.weight": (n_vocab, n_embd), "output_norm.weight": (n_embd,)}
+        for il in range(n_layer):
+            shapes.update({f"blk.{il}.attn_norm.weight": (n_embd,), f"blk.{il}.attn_q.weight": (n_head * head, n_embd),
+                           f"blk.{il}.attn_k.weight": (n_head_kv * head, n_embd),
+                           f"blk.{il}.attn_v.weight": (n_head_kv * head, n_embd),
+                           f"blk.{il}.attn_output.weight": (n_embd, n_head * head), f"blk.{il}.ffn_norm.weight": (n_embd,),
+                           f"blk.{il}.ffn_gate.weight": (n_ff, n_embd), f"blk.{il}.ffn_up.weight": (n_ff, n_embd),
+                           f"blk.{il}.ffn_down.weight": (n_embd, n_ff)})
+        for name, shape in shapes.items():
+            w.add_tensor(name, (rng.standard_normal(shape) * 0.1).astype(np.float32))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    return str(write_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny.gguf"))
+
+
+def invoke(*args: str, input: str | None = None):
+    return CliRunner().invoke(cli, list(args), input=input)
+
+
+# -- every command takes -m MODEL ------------------------------------------------------------------------------
+@pytest.mark.parametrize("command", ["run", "chat", "serve", "perplexity", "embed", "tokenize", "inspect", "bench"])
+def test_every_command_takes_the_model_as_dash_m(command):
+    result = invoke(command, "--help")
+    assert result.exit_code == 0, result.output
+    assert "-m, --model MODEL" in result.output
+
+
+def test_tokenize_takes_dash_m_and_keeps_the_model_text_form(tiny):
+    with_option = invoke("tokenize", "-m", tiny, "hello world", "--ids")
+    positional = invoke("tokenize", tiny, "hello world", "--ids")
+    assert with_option.exit_code == 0 and positional.exit_code == 0, with_option.output + positional.output
+    import llmfw
+
+    expected = llmfw.load_model(tiny, vocab_only=True).vocab.tokenize("hello world", add_special=True)
+    assert json.loads(with_option.output) == json.loads(positional.output) == expected
+
+
+def test_a_model_given_twice_is_a_usage_error(tiny):
+    result = invoke("tokenize", tiny, "hello", "-m", tiny)
+    assert result.exit_code == 2
+    assert "given twice" in result.output
+
+
+@pytest.mark.parametrize("first", ["smollm2", "model-path"])
+def test_embed_refuses_a_model_as_its_first_text(tiny, first):
+    """``llmfw embed smollm2 hello`` used to embed the word "smollm2"; now it says how to name the model."""
+    first = tiny if first == "model-path" else first
+    result = invoke("embed", first, "hello")
+    assert result.exit_code == 2
+    assert f"llmfw embed -m {first} 'hello'" in result.output
+
+
+def test_embed_with_dash_m_embeds_every_text(tiny):
+    result = invoke("embed", "-m", tiny, "--backend", "numpy", "--pooling", "mean", "--no-progress", "hello", "world")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)["data"]
+    assert [item["index"] for item in data] == [0, 1]
+    assert all(len(item["embedding"]) == 32 for item in data)
+
+
+def test_inspect_and_bench_take_dash_m(tiny):
+    assert invoke("inspect", "-m", tiny, "--json").output == invoke("inspect", tiny, "--json").output
+    result = invoke("bench", "-m", tiny, "-p", "0", "-n", "2", "-r", "1", "--backend", "numpy", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output[result.output.index("{"):])
+    assert report["params"]["model"] == tiny and "tg2" in report["llmfw"][0]["tests"]
