@@ -109,3 +109,21 @@ def test_inspect_and_bench_take_dash_m(tiny):
     assert result.exit_code == 0, result.output
     report = json.loads(result.output[result.output.index("{"):])
     assert report["params"]["model"] == tiny and "tg2" in report["llmfw"][0]["tests"]
+
+
+# -- tokenize shows whitespace pieces escaped ------------------------------------------------------------------
+def test_tokenize_shows_newlines_tabs_and_control_pieces_escaped(tiny):
+    """A newline piece used to break its ``id -> '...'`` line in two; every piece now stays on its line."""
+    result = invoke("tokenize", "-m", tiny, "a\\b\n\tc\x01", "--no-special")
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert [line.split(" -> ")[1] for line in lines[:-1]] == \
+        ["' '", "'a'", "'\\\\'", "'b'", "'\\n'", "'\\t'", "'c'", "'\\x01'"]
+    assert lines[-1] == "8 tokens"
+    pieces = invoke("tokenize", "-m", tiny, "\n\t", "--no-special", "--pieces")  # JSON keeps its own escaping
+    assert [json.loads(line) for line in pieces.output.splitlines()] == [" ", "\n", "\t"]
+
+
+def test_tokenize_shows_a_partial_utf8_character_as_bytes(tiny):
+    result = invoke("tokenize", "-m", tiny, "é", "--no-special")  # two byte-fallback tokens, each half a character
+    assert [line.split(" -> ")[1] for line in result.output.splitlines()[:-1]] == ["' '", "'\\xc3'", "'\\xa9'"]

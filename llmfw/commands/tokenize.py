@@ -10,10 +10,31 @@ from ..core.catalog import resolve_model
 from ..core.vocab import Vocab
 from .model_arg import model_from, model_option
 
+#: characters a piece shows escaped: a newline or tab inside ``id -> '...'`` would break or hide the line, and a
+#: backslash is escaped so that ``\\n`` (two characters) and ``\n`` (a newline) stay apart
+_ESCAPES = {"\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t", "\v": "\\v", "\f": "\\f"}
+
 
 def _show_piece(piece: bytes) -> str:
     """A piece for the terminal: UTF-8 where it is valid, \\xNN escapes for a partial character."""
     return piece.decode("utf-8", "backslashreplace")
+
+
+def escape_piece(piece: bytes) -> str:
+    """A piece for ``id -> '...'``: newlines, tabs, other control characters and backslashes escaped (``'\\n'``),
+    and the bytes of a partial UTF-8 character as ``\\xNN``."""
+    shown = []
+    for char in piece.decode("utf-8", "surrogateescape"):
+        code = ord(char)
+        if 0xDC80 <= code <= 0xDCFF:  # a byte that is not valid UTF-8 (surrogateescape's stand-in)
+            shown.append(f"\\x{code - 0xDC00:02x}")
+        elif char in _ESCAPES:
+            shown.append(_ESCAPES[char])
+        elif code < 0x20 or code == 0x7F:
+            shown.append(f"\\x{code:02x}")
+        else:
+            shown.append(char)
+    return "".join(shown)
 
 
 def model_and_text(args: tuple[str, ...], option: str | None) -> tuple[str | None, str]:
@@ -37,8 +58,8 @@ def tokenize_cmd(args: tuple[str, ...], model: str | None, ids_only: bool, piece
                  parse_special: bool) -> None:
     """Tokenize TEXT with the vocabulary of -m MODEL (a GGUF path or a catalog name; TEXT '-' reads stdin).
 
-    By default every token is printed as `id -> 'piece'` (the piece with special tokens rendered).
-    `llmfw tokenize MODEL TEXT` works too.
+    By default every token is printed as `id -> 'piece'` (the piece with special tokens rendered, newlines,
+    tabs and other control characters escaped). `llmfw tokenize MODEL TEXT` works too.
     """
     model, text = model_and_text(args, model)
     if ids_only and pieces_only:
@@ -51,11 +72,11 @@ def tokenize_cmd(args: tuple[str, ...], model: str | None, ids_only: bool, piece
         click.echo(json.dumps(tokens))
         return
     for token in tokens:
-        piece = _show_piece(vocab.token_to_piece(token, special=True))
+        piece = vocab.token_to_piece(token, special=True)
         if pieces_only:
-            click.echo(json.dumps(piece, ensure_ascii=False))
+            click.echo(json.dumps(_show_piece(piece), ensure_ascii=False))
         else:
-            click.echo(f"{token:6d} -> '{piece}'")
+            click.echo(f"{token:6d} -> '{escape_piece(piece)}'")
     if not pieces_only:
         from ..core.generate import plural
 
