@@ -127,3 +127,56 @@ def test_tokenize_shows_newlines_tabs_and_control_pieces_escaped(tiny):
 def test_tokenize_shows_a_partial_utf8_character_as_bytes(tiny):
     result = invoke("tokenize", "-m", tiny, "é", "--no-special")  # two byte-fallback tokens, each half a character
     assert [line.split(" -> ")[1] for line in result.output.splitlines()[:-1]] == ["' '", "'\\xc3'", "'\\xa9'"]
+
+
+# -- inspect a file whose tensor data is cut short -------------------------------------------------------------
+def _cut_copy(tiny: str, tmp_path, keep: int) -> str:
+    data = open(tiny, "rb").read()
+    cut = tmp_path / f"cut-{keep}.gguf"
+    cut.write_bytes(data[:keep])
+    return str(cut)
+
+
+def test_inspect_shows_a_file_whose_tensor_data_is_cut(tiny, tmp_path):
+    from llmfw.core.gguf import open_gguf
+
+    with open_gguf(tiny) as whole:
+        data_offset, n_tensors = whole.data_offset, len(whole.tensors)
+        last = max(whole.tensors.values(), key=lambda t: t.offset)
+    cut = _cut_copy(tiny, tmp_path, last.offset + 8)  # every tensor whole but the last
+    result = invoke("inspect", "-m", cut)
+    assert result.exit_code == 0, result.output
+    assert f"the data of 1 of {n_tensors} tensors lies past the end of the file" in result.output
+    assert "architecture:    llama" in result.output
+    report = json.loads(invoke("inspect", cut, "--json").output)
+    assert report["cut_tensors"] == [last.name] and report["tensor_count"] == n_tensors
+    assert json.loads(invoke("inspect", tiny, "--json").output)["cut_tensors"] == []
+    header_only = _cut_copy(tiny, tmp_path, data_offset)  # no tensor data at all
+    assert len(json.loads(invoke("inspect", header_only, "--json").output)["cut_tensors"]) == n_tensors
+
+
+def test_a_cut_file_still_does_not_load_and_its_cut_tensors_do_not_read(tiny, tmp_path):
+    import llmfw
+    from llmfw.core.errors import GGUFError
+    from llmfw.core.gguf import open_gguf
+
+    with open_gguf(tiny) as whole:
+        last = max(whole.tensors.values(), key=lambda t: t.offset)
+    cut = _cut_copy(tiny, tmp_path, last.offset + 8)
+    with pytest.raises(GGUFError, match="lies outside the file"):
+        llmfw.load_model(cut, backend="numpy")
+    with open_gguf(cut, allow_cut_data=True) as g:
+        assert g.cut_tensors == [last.name]
+        with pytest.raises(GGUFError, match="past the end of the file"):
+            g.tensor_bytes(last.name)
+        first = min(g.tensors.values(), key=lambda t: t.offset)
+        assert g.tensor_bytes(first.name).nbytes == first.nbytes
+
+
+def test_inspect_of_a_file_cut_inside_its_metadata_stays_an_error(tiny, tmp_path):
+    """(The console script turns the error into one ``llmfw: error:`` line: tests/test_inspect.py.)"""
+    from llmfw.core.errors import GGUFError
+
+    result = invoke("inspect", "-m", _cut_copy(tiny, tmp_path, 300))
+    assert result.exit_code == 1
+    assert isinstance(result.exception, GGUFError) and "bytes follow the header" in str(result.exception)

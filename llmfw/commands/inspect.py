@@ -119,6 +119,7 @@ def summarize(g: GGUFFile, *, with_tensors: bool = False) -> dict[str, Any]:
         "parameters": n_params,
         "bits_per_weight": round(8 * total / n_params, 4) if n_params else None,
         "types": type_breakdown(g),
+        "cut_tensors": list(g.cut_tensors),  # their data lies past the end of the file
     }
     if with_tensors:
         summary["tensors"] = [{"name": t.name, "type": t.ggml_type.name, "shape": list(t.shape), "bytes": t.nbytes,
@@ -167,6 +168,9 @@ def format_text(s: dict[str, Any]) -> str:
     bpw = f", {s['bits_per_weight']:.2f} bits per weight" if s["bits_per_weight"] else ""
     lines.append(f"tensors:         {s['tensor_count']}, {_human_bytes(s['tensor_bytes'])}, "
                  f"{_human_count(s['parameters'])} parameters{bpw}")
+    if s["cut_tensors"]:
+        lines.append(f"cut short:       the data of {len(s['cut_tensors'])} of {s['tensor_count']} tensors lies past the "
+                     f"end of the file (an interrupted download?): it cannot be loaded")
     for name, t in s["types"].items():
         lines.append(f"  {name:8} {t['tensors']:5} tensors {_human_count(t['elements']):>10} elements "
                      f"{_human_bytes(t['bytes']):>12}")
@@ -188,11 +192,12 @@ def inspect_cmd(model_arg: str | None, model: str | None, with_tensors: bool, as
     """Show MODEL's GGUF version, architecture, hyperparameters, tokenizer, file type and size.
 
     MODEL (-m MODEL, or the first argument) is a path to a .gguf file (the first part of a split model) or a
-    catalog name.
+    catalog name. A file whose tensor data is cut short (an interrupted download) is still shown, with the
+    tensors past its end counted.
     """
     model = model_from(model_arg, model) or DEFAULT_MODEL
     with ProgressBar(f"pull {model}") as bar:
         path = resolve_model(model, progress=lambda done, total, what: bar.update(done / total, what))
-    with open_gguf(path) as g:
+    with open_gguf(path, allow_cut_data=True) as g:
         summary = summarize(g, with_tensors=with_tensors)
     click.echo(json.dumps(summary, indent=2, ensure_ascii=False) if as_json else format_text(summary))
