@@ -180,3 +180,26 @@ def test_inspect_of_a_file_cut_inside_its_metadata_stays_an_error(tiny, tmp_path
     result = invoke("inspect", "-m", _cut_copy(tiny, tmp_path, 300))
     assert result.exit_code == 1
     assert isinstance(result.exception, GGUFError) and "bytes follow the header" in str(result.exception)
+
+
+# -- options for a sampler outside the chain are a configuration error -----------------------------------------
+def test_yaml_options_for_a_sampler_not_in_the_chain_are_an_error(tmp_path):
+    import llmfw
+    from llmfw.core.errors import ConfigError
+
+    path = tmp_path / "p.yaml"
+    path.write_text("sampling:\n  samplers: [top_k, temperature]\n  options: {top_p: {p: 0.5}}\n")
+    with pytest.raises(ConfigError, match=r"p\.yaml: sampling\.options: options for 'top_p', which the sampler "
+                                          r"chain does not hold \(samplers: top_k, temperature\)"):
+        llmfw.load_pipeline(path)
+    path.write_text("sampling:\n  samplers: [top_k, top_p]\n  options: {top_p: {min_keep: 2}, dist: {seed: 3}}\n")
+    assert llmfw.load_pipeline(path).config.sampling.options["top_p"] == {"min_keep": 2}  # in the chain, or added by it
+
+
+def test_sampler_options_outside_the_chain_fail_in_python_too():
+    from llmfw.core.errors import SamplerError
+    from llmfw.core.sampling import SamplerParams
+
+    with pytest.raises(SamplerError, match="options for 'xtc'"):
+        SamplerParams(samplers=["top_k"], options={"xtc": {"probability": 0.5}})
+    assert SamplerParams(samplers=["temp"], options={"temperature": {}}).options == {"temperature": {}}  # an alias
