@@ -203,3 +203,24 @@ def test_sampler_options_outside_the_chain_fail_in_python_too():
     with pytest.raises(SamplerError, match="options for 'xtc'"):
         SamplerParams(samplers=["top_k"], options={"xtc": {"probability": 0.5}})
     assert SamplerParams(samplers=["temp"], options={"temperature": {}}).options == {"temperature": {}}  # an alias
+
+
+# -- an unknown architecture points to the plugin docs ---------------------------------------------------------
+def test_unknown_architecture_points_to_the_plugin_docs(tmp_path):
+    from pathlib import Path
+
+    import llmfw
+    from llmfw.core.architecture import PLUGIN_DOCS
+    from llmfw.core.errors import UnknownArchitecture
+
+    path = tmp_path / "mystery.gguf"
+    with GGUFWriter(path) as writer:
+        writer.add("general.architecture", "mystery", GGUFValueType.STRING)
+    with pytest.raises(UnknownArchitecture) as caught:
+        llmfw.load_model(path, backend="numpy")
+    message = str(caught.value)
+    assert "'mystery'" in message and "llama" in message  # still names the known ones
+    assert PLUGIN_DOCS in message
+    page, anchor = PLUGIN_DOCS.split("#")
+    docs = Path(__file__).resolve().parent.parent / page
+    assert f"## {anchor.replace('-', ' ').capitalize()}" in docs.read_text()  # the page and its section exist
