@@ -224,3 +224,32 @@ def test_unknown_architecture_points_to_the_plugin_docs(tmp_path):
     page, anchor = PLUGIN_DOCS.split("#")
     docs = Path(__file__).resolve().parent.parent / page
     assert f"## {anchor.replace('-', ' ').capitalize()}" in docs.read_text()  # the page and its section exist
+
+
+# -- -v prints the seed actually used --------------------------------------------------------------------------
+def _run(tiny: str, *flags: str):
+    result = invoke("run", "-m", tiny, "--backend", "numpy", "--no-progress", "-n", "12", *flags, "hello")
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def _seed_line(output: str) -> str:
+    return next(line for line in output.splitlines() if line.startswith("seed: "))
+
+
+def test_verbose_prints_the_random_seed_it_drew_and_that_seed_repeats_the_run(tiny):
+    first = _run(tiny, "-v", "--temp", "2.0")
+    line = _seed_line(first)
+    seed = line.split()[1]
+    assert line == f"seed: {seed} (drawn at random; --seed {seed} repeats it)"
+    again = _run(tiny, "--temp", "2.0", "--seed", seed)
+
+    def text(output: str) -> str:  # the generated text: stdout's line before the timing line
+        return output.splitlines()[-2]
+
+    assert text(again) == text(first)
+
+
+def test_verbose_prints_a_given_seed_and_says_when_none_is_used(tiny):
+    assert _seed_line(_run(tiny, "-v", "--temp", "1.0", "-s", "7")) == "seed: 7"
+    assert _seed_line(_run(tiny, "-v")) == "seed: not used (greedy)"
