@@ -253,3 +253,31 @@ def test_verbose_prints_the_random_seed_it_drew_and_that_seed_repeats_the_run(ti
 def test_verbose_prints_a_given_seed_and_says_when_none_is_used(tiny):
     assert _seed_line(_run(tiny, "-v", "--temp", "1.0", "-s", "7")) == "seed: 7"
     assert _seed_line(_run(tiny, "-v")) == "seed: not used (greedy)"
+
+
+# -- chat on a model without a chat template warns and suggests run --------------------------------------------
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def _chat(model: str):
+    result = invoke("chat", "-m", model, "--backend", "numpy", "--no-progress", "-n", "4", input="hello\n/exit\n")
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def test_chat_without_a_chat_template_warns_and_suggests_run(tiny):
+    output = _chat(tiny)
+    assert "warning: tiny.gguf has no chat template" in output
+    assert f'llmfw run -m {tiny} "TEXT"' in output
+
+
+def test_chat_with_a_chat_template_does_not_warn(tmp_path, tiny):
+    with_template = str(write_tiny_model(tmp_path / "templated.gguf", chat_template=CHATML))
+    assert "no chat template" not in _chat(with_template)
+    config = tmp_path / "chat.yaml"  # a template given in the pipeline counts too
+    config.write_text(f"model: {tiny}\nchat: {{template: {json.dumps(CHATML)}}}\n")
+    result = invoke("chat", "--config", str(config), "--backend", "numpy", "--no-progress", "-n", "4",
+                    input="hello\n/exit\n")
+    assert result.exit_code == 0, result.output
+    assert "no chat template" not in result.output
