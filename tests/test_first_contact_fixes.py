@@ -16,13 +16,15 @@ from llmfw.core.gguf import GGUFValueType, GGUFWriter
 PIECES = ["▁hello", "▁world", "hello", "world", "▁", "▁▁"]
 
 
-def write_tiny_model(path, *, chat_template: str | None = None):
+def write_tiny_model(path, *, chat_template: str | None = None, n_ff: int = 64, quantized_ffn: bool = False):
     """A 2-layer llama with a byte-fallback SPM vocabulary (``<0x0A>`` is a newline piece): fast to write and to
-    load, enough for every command."""
+    load, enough for every command. ``quantized_ffn``: the FFN matrices in Q8_0 (a backend converts them)."""
+    from llmfw.core.quants import GGMLType, quantize
+
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + PIECES
     types = [2, 3, 3] + [6] * 256 + [1] * len(PIECES)
     scores = [0.0] * (3 + 256) + [-float(i) for i in range(len(PIECES))]
-    n_vocab, n_embd, n_head, n_head_kv, n_ff, n_layer = len(tokens), 32, 4, 2, 64, 2
+    n_vocab, n_embd, n_head, n_head_kv, n_layer = len(tokens), 32, 4, 2, 2
     head = n_embd // n_head
     rng = np.random.default_rng(0)
     with GGUFWriter(path) as w:
@@ -49,7 +51,11 @@ def write_tiny_model(path, *, chat_template: str | None = None):
                            f"blk.{il}.ffn_gate.weight": (n_ff, n_embd), f"blk.{il}.ffn_up.weight": (n_ff, n_embd),
                            f"blk.{il}.ffn_down.weight": (n_embd, n_ff)})
         for name, shape in shapes.items():
-            w.add_tensor(name, (rng.standard_normal(shape) * 0.1).astype(np.float32))
+            values = (rng.standard_normal(shape) * 0.1).astype(np.float32)
+            if quantized_ffn and ".ffn_" in name and len(shape) == 2:
+                w.add_tensor(name, quantize(values, GGMLType.Q8_0), GGMLType.Q8_0, shape=shape[::-1])
+            else:
+                w.add_tensor(name, values)
     return path
 
 
@@ -281,3 +287,32 @@ def test_chat_with_a_chat_template_does_not_warn(tmp_path, tiny):
                     input="hello\n/exit\n")
     assert result.exit_code == 0, result.output
     assert "no chat template" not in result.output
+
+
+# -- llmfw models shows the converted-weight caches and --prune removes them -----------------------------------
+def test_models_lists_the_converted_weight_cache_and_prune_removes_it(tmp_path, monkeypatch):
+    import llmfw
+
+    monkeypatch.setenv("LLMFW_MODELS_DIR", str(tmp_path))
+    monkeypatch.delenv("LLMFW_ONNX_CACHE_DIR", raising=False)
+    # a file over the onnx cache's 8 MiB threshold, its FFN quantized so that the backend converts it
+    path = write_tiny_model(tmp_path / "big.gguf", n_ff=45056, quantized_ffn=True)
+    with llmfw.load_model(path, backend="onnx") as model:
+        assert model.n_vocab == 3 + 256 + len(PIECES)
+    entries = [p for p in (tmp_path / ".onnx").iterdir() if p.is_dir()]
+    assert len(entries) == 1
+    size = sum(f.stat().st_size for f in entries[0].rglob("*") if f.is_file())
+    assert size > 4_000_000  # the converted FFN matrices
+
+    listed = invoke("models")
+    assert listed.exit_code == 0, listed.output
+    assert f"converted weights (onnx): {tmp_path / '.onnx'}" in listed.output
+    row = next(line for line in listed.output.splitlines() if entries[0].name in line)
+    assert row.split()[-2:] == [f"{size / 1e6:.1f}", "MB"]
+    assert "1 converted-weight entry" in listed.output and "--prune" in listed.output
+
+    pruned = invoke("models", "--prune")
+    assert pruned.exit_code == 0, pruned.output
+    assert pruned.output.strip() == f"removed 1 converted-weight entry, {size / 1e6:.1f} MB"
+    assert not entries[0].exists() and path.exists()  # the model file stays
+    assert f"converted weights (onnx): {tmp_path / '.onnx'} (empty)" in invoke("models").output

@@ -126,6 +126,12 @@ class OnnxBackend(Backend):
     def check_available(cls, device: str | None = None) -> None:
         execution_providers(device)
 
+    @classmethod
+    def cache_dirs(cls, environ: Mapping[str, str]) -> list[Path]:
+        """The converted-weight cache (``LLMFW_ONNX_CACHE_DIR`` moves it, as the ``cache_dir`` option does)."""
+        moved = environ.get("LLMFW_ONNX_CACHE_DIR")
+        return [Path(moved).expanduser() if moved else default_cache_root()]
+
     # -- weights ------------------------------------------------------------------------------------------
     def begin_loading(self, model_file: Path) -> None:
         root = self._cache_root()
