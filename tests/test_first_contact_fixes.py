@@ -16,7 +16,8 @@ from llmfw.core.gguf import GGUFValueType, GGUFWriter
 PIECES = ["▁hello", "▁world", "hello", "world", "▁", "▁▁"]
 
 
-def write_tiny_model(path, *, chat_template: str | None = None, n_ff: int = 64, quantized_ffn: bool = False):
+def write_tiny_model(path, *, chat_template: str | None = None, n_ff: int = 64, quantized_ffn: bool = False,
+                     architecture: str = "llama"):
     """A 2-layer llama with a byte-fallback SPM vocabulary (``<0x0A>`` is a newline piece): fast to write and to
     load, enough for every command. ``quantized_ffn``: the FFN matrices in Q8_0 (a backend converts them)."""
     from llmfw.core.quants import GGMLType, quantize
@@ -27,21 +28,22 @@ def write_tiny_model(path, *, chat_template: str | None = None, n_ff: int = 64, 
     n_vocab, n_embd, n_head, n_head_kv, n_layer = len(tokens), 32, 4, 2, 2
     head = n_embd // n_head
     rng = np.random.default_rng(0)
+    u32, f32 = GGUFValueType.UINT32, GGUFValueType.FLOAT32
+    metadata = [("general.architecture", architecture, None), (f"{architecture}.context_length", 256, u32),
+                (f"{architecture}.embedding_length", n_embd, u32), (f"{architecture}.block_count", n_layer, u32),
+                (f"{architecture}.feed_forward_length", n_ff, u32), (f"{architecture}.attention.head_count", n_head, u32),
+                (f"{architecture}.attention.head_count_kv", n_head_kv, u32),
+                (f"{architecture}.attention.layer_norm_rms_epsilon", 1e-5, f32),
+                ("tokenizer.ggml.model", "llama", None), ("tokenizer.ggml.tokens", tokens, None),
+                ("tokenizer.ggml.scores", np.array(scores, dtype=np.float32), None),
+                ("tokenizer.ggml.token_type", np.array(types, dtype=np.int32), None),
+                ("tokenizer.ggml.bos_token_id", 1, u32), ("tokenizer.ggml.eos_token_id", 2, u32),
+                ("tokenizer.ggml.unknown_token_id", 0, u32)]
+    if chat_template is not None:
+        metadata.append(("tokenizer.chat_template", chat_template, None))
     with GGUFWriter(path) as w:
-        w.add("general.architecture", "llama")
-        for key, value in {"context_length": 256, "embedding_length": n_embd, "block_count": n_layer,
-                           "feed_forward_length": n_ff, "attention.head_count": n_head,
-                           "attention.head_count_kv": n_head_kv}.items():
-            w.add(f"llama.{key}", value, GGUFValueType.UINT32)
-        w.add("llama.attention.layer_norm_rms_epsilon", 1e-5, GGUFValueType.FLOAT32)
-        w.add("tokenizer.ggml.model", "llama")
-        w.add("tokenizer.ggml.tokens", tokens)
-        w.add("tokenizer.ggml.scores", np.array(scores, dtype=np.float32))
-        w.add("tokenizer.ggml.token_type", np.array(types, dtype=np.int32))
-        for name, token_id in (("bos", 1), ("eos", 2), ("unknown", 0)):
-            w.add(f"tokenizer.ggml.{name}_token_id", token_id, GGUFValueType.UINT32)
-        if chat_template is not None:
-            w.add("tokenizer.chat_template", chat_template)
+        for key, value, value_type in metadata:
+            w.add(key, value, value_type)
         shapes = {"token_embd.weight": (n_vocab, n_embd), "output_norm.weight": (n_embd,)}
         for il in range(n_layer):
             shapes.update({f"blk.{il}.attn_norm.weight": (n_embd,), f"blk.{il}.attn_q.weight": (n_head * head, n_embd),
@@ -213,18 +215,16 @@ def test_sampler_options_outside_the_chain_fail_in_python_too():
 
 # -- an unknown architecture points to the plugin docs ---------------------------------------------------------
 def test_unknown_architecture_points_to_the_plugin_docs(tmp_path):
+    """The error a user meets running a family llmfw does not know says where adding one is described."""
     from pathlib import Path
 
-    import llmfw
     from llmfw.core.architecture import PLUGIN_DOCS
     from llmfw.core.errors import UnknownArchitecture
 
-    path = tmp_path / "mystery.gguf"
-    with GGUFWriter(path) as writer:
-        writer.add("general.architecture", "mystery", GGUFValueType.STRING)
-    with pytest.raises(UnknownArchitecture) as caught:
-        llmfw.load_model(path, backend="numpy")
-    message = str(caught.value)
+    path = write_tiny_model(tmp_path / "mystery.gguf", architecture="mystery")
+    result = invoke("run", "-m", str(path), "--backend", "numpy", "--no-progress", "hello")
+    assert result.exit_code == 1 and isinstance(result.exception, UnknownArchitecture)
+    message = str(result.exception)
     assert "'mystery'" in message and "llama" in message  # still names the known ones
     assert PLUGIN_DOCS in message
     page, anchor = PLUGIN_DOCS.split("#")
