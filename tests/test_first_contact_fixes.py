@@ -31,7 +31,8 @@ def write_tiny_model(path, *, chat_template: str | None = None, n_ff: int = 64, 
     u32, f32 = GGUFValueType.UINT32, GGUFValueType.FLOAT32
     metadata = [("general.architecture", architecture, None), (f"{architecture}.context_length", 256, u32),
                 (f"{architecture}.embedding_length", n_embd, u32), (f"{architecture}.block_count", n_layer, u32),
-                (f"{architecture}.feed_forward_length", n_ff, u32), (f"{architecture}.attention.head_count", n_head, u32),
+                (f"{architecture}.feed_forward_length", n_ff, u32),
+                (f"{architecture}.attention.head_count", n_head, u32),
                 (f"{architecture}.attention.head_count_kv", n_head_kv, u32),
                 (f"{architecture}.attention.layer_norm_rms_epsilon", 1e-5, f32),
                 ("tokenizer.ggml.model", "llama", None), ("tokenizer.ggml.tokens", tokens, None),
@@ -49,7 +50,8 @@ def write_tiny_model(path, *, chat_template: str | None = None, n_ff: int = 64, 
             shapes.update({f"blk.{il}.attn_norm.weight": (n_embd,), f"blk.{il}.attn_q.weight": (n_head * head, n_embd),
                            f"blk.{il}.attn_k.weight": (n_head_kv * head, n_embd),
                            f"blk.{il}.attn_v.weight": (n_head_kv * head, n_embd),
-                           f"blk.{il}.attn_output.weight": (n_embd, n_head * head), f"blk.{il}.ffn_norm.weight": (n_embd,),
+                           f"blk.{il}.attn_output.weight": (n_embd, n_head * head),
+                           f"blk.{il}.ffn_norm.weight": (n_embd,),
                            f"blk.{il}.ffn_gate.weight": (n_ff, n_embd), f"blk.{il}.ffn_up.weight": (n_ff, n_embd),
                            f"blk.{il}.ffn_down.weight": (n_embd, n_ff)})
         for name, shape in shapes.items():
@@ -316,3 +318,18 @@ def test_models_lists_the_converted_weight_cache_and_prune_removes_it(tmp_path, 
     assert pruned.output.strip() == f"removed 1 converted-weight entry, {size / 1e6:.1f} MB"
     assert not entries[0].exists() and path.exists()  # the model file stays
     assert f"converted weights (onnx): {tmp_path / '.onnx'} (empty)" in invoke("models").output
+
+
+def test_chat_verbose_prints_one_seed_that_repeats_the_conversation(tiny):
+    def chat(*flags: str):
+        result = invoke("chat", "-m", tiny, "--backend", "numpy", "--no-progress", "-n", "8", "--temp", "2.0", *flags,
+                        input="hello\n/exit\n")
+        assert result.exit_code == 0, result.output
+        return result.output
+
+    first = chat("-v")
+    seed = _seed_line(first).split()[1]
+    assert _seed_line(first) == f"seed: {seed} (drawn at random; --seed {seed} repeats it)"
+    again = chat("--seed", seed)
+    answer = [line for line in first.splitlines() if line.startswith("> ")]
+    assert answer and answer == [line for line in again.splitlines() if line.startswith("> ")]

@@ -635,9 +635,10 @@ def bytecode_note(environ: Mapping[str, str]) -> str | None:
 @click.option("-jf", "--json-schema", "json_schema_file", type=click.Path(dir_okay=False), default=None,
               help="Also measure tg with sampling, and with sampling constrained by this JSON schema file "
                    "(mask time per token, grammar compile time).")
-def bench(model_arg: str | None, model: str | None, n_prompt: int, n_gen: int, repetitions: int, n_ubatch: int, backends: tuple[str, ...],
-          n_threads: int, batch_seqs: int, as_json: bool, interleave: bool, llama_python: str | None,
-          transformers_python: str | None, verbose: bool, json_schema_file: str | None) -> None:
+def bench(model_arg: str | None, model: str | None, n_prompt: int, n_gen: int, repetitions: int, n_ubatch: int,
+          backends: tuple[str, ...], n_threads: int, batch_seqs: int, as_json: bool, interleave: bool,
+          llama_python: str | None, transformers_python: str | None, verbose: bool,
+          json_schema_file: str | None) -> None:
     """Benchmark prompt processing (pp) and generation (tg) like llama-bench, on -m MODEL (or MODEL)."""
     from llmfw.core.catalog import DEFAULT_MODEL
     from llmfw.core.model import resolve_model_path

@@ -18,7 +18,8 @@ from typing import Any, Callable, TextIO
 import click
 
 from ..core.errors import LLMFWError
-from .run import build_pipeline, describe_setup, load_model_with_progress, model_and_sampling_options
+from .run import (build_pipeline, describe_setup, draw_random_seed, load_model_with_progress,
+                  model_and_sampling_options)
 
 PROMPT = "> "
 EXIT_COMMANDS = ("/exit", "/quit")
@@ -162,9 +163,10 @@ def chat(**opts: Any) -> None:
     model = load_model_with_progress(pipeline, not opts["no_progress"], verbose=opts["verbose"])
     warn_without_chat_template(pipeline, model)
     out = sys.stdout
+    seed_drawn = draw_random_seed(pipeline)
     session = ChatSession(pipeline, model, out)
     if opts["verbose"]:
-        describe_setup(model, session.ctx, session.sampler, pipeline)
+        describe_setup(model, session.ctx, session.sampler, pipeline, seed_drawn=seed_drawn)
     click.echo("llmfw chat: /help lists the commands, /exit or Ctrl-D quits, Ctrl-C stops an answer.", err=True)
     enable_line_editing()
     read_line = LineReader(out)

@@ -169,8 +169,8 @@ def format_text(s: dict[str, Any]) -> str:
     lines.append(f"tensors:         {s['tensor_count']}, {_human_bytes(s['tensor_bytes'])}, "
                  f"{_human_count(s['parameters'])} parameters{bpw}")
     if s["cut_tensors"]:
-        lines.append(f"cut short:       the data of {len(s['cut_tensors'])} of {s['tensor_count']} tensors lies past the "
-                     f"end of the file (an interrupted download?): it cannot be loaded")
+        lines.append(f"cut short:       the data of {len(s['cut_tensors'])} of {s['tensor_count']} tensors lies past "
+                     "the end of the file (an interrupted download?): it cannot be loaded")
     for name, t in s["types"].items():
         lines.append(f"  {name:8} {t['tensors']:5} tensors {_human_count(t['elements']):>10} elements "
                      f"{_human_bytes(t['bytes']):>12}")
