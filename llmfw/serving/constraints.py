@@ -4,7 +4,7 @@
 on chat, ``tools`` / ``tool_choice`` (:mod:`llmfw.serving.tool_calls`) are read here and nowhere else.
 :func:`request_constraint` checks and compiles the constraint once per request; :meth:`Constraint.samplers`
 gives each choice its own grammar sampler (its own matcher), which the engine puts at the *front* of the
-choice's chain (a grammar's token mask must come before the other samplers, DESIGN.md "Structured output").
+choice's chain (a grammar's token mask must come before the other samplers, as in llama.cpp).
 Every bad field answers 400 with ``param`` naming it.
 """
 from __future__ import annotations

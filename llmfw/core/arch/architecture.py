@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Literal, Mapping
 
 import numpy as np
 
-from ..errors import ModelError
+from ..errors import ModelError, UnknownArchitecture
 from .hparams import HParams
 
 if TYPE_CHECKING:
@@ -220,8 +220,17 @@ def default_rope_params(hp: HParams, mode: RopeType, *, swa: bool = False) -> Ro
     )
 
 
+#: where an author of a new family starts (the message of an unknown architecture points there)
+PLUGIN_DOCS = "docs/plugins.md#an-architecture-plugin"
+
+
 def get_architecture(name: str) -> Architecture:
-    """An instance of the architecture registered as ``name`` (UnknownArchitecture lists the known ones)."""
+    """An instance of the architecture registered as ``name``; UnknownArchitecture lists the known ones and says
+    how to add one."""
     from ..plugins import registry
 
-    return registry("architectures").get_class(name, Architecture)()
+    try:
+        return registry("architectures").get_class(name, Architecture)()
+    except UnknownArchitecture as exc:
+        raise UnknownArchitecture(f"{exc}. An architecture plugin adds a family (one file and one entry point): "
+                                  f"see {PLUGIN_DOCS}") from None

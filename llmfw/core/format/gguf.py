@@ -332,6 +332,8 @@ class _FileHeader:
     metadata_types: dict[str, GGUFValueType] = field(default_factory=dict)
     metadata_array_types: dict[str, GGUFValueType] = field(default_factory=dict)
     tensors: list[TensorInfo] = field(default_factory=list)
+    #: tensors whose data lies past the end of the file (kept only when the caller allows cut data)
+    cut: list[str] = field(default_factory=list)
 
 
 def _read_preamble(cur: _Cursor) -> tuple[int, int, int]:
@@ -426,7 +428,7 @@ def _tensor_nbytes(cur: _Cursor, name: str, shape: tuple[int, ...], tensor_type:
 
 
 def _read_tensor_infos(cur: _Cursor, n_tensors: int, header: _FileHeader, file_index: int,
-                       seen: set[str]) -> None:
+                       seen: set[str], allow_cut_data: bool = False) -> None:
     raw: list[tuple[str, tuple[int, ...], GGMLType, int, int]] = []
     for index in range(n_tensors):
         name, shape, tensor_type, offset = _read_tensor_info(cur, index, seen)
@@ -438,7 +440,9 @@ def _read_tensor_infos(cur: _Cursor, n_tensors: int, header: _FileHeader, file_i
         if offset % header.alignment:
             raise cur.fail(f"tensor {name!r} data offset {offset} is not a multiple of the alignment "
                            f"{header.alignment}")
-        if offset + nbytes > data_size:
+        if offset + nbytes > data_size and allow_cut_data:
+            header.cut.append(name)
+        elif offset + nbytes > data_size:
             raise cur.fail(f"tensor {name!r} ({nbytes} bytes at data offset {offset}, absolute "
                            f"{header.data_offset + offset}) lies outside the file: the data section has "
                            f"{max(data_size, 0)} bytes (file truncated?)")
@@ -454,12 +458,12 @@ def _check_no_overlap(cur: _Cursor, tensors: list[TensorInfo]) -> None:
                            f"{after.name!r} [{after.offset}, {after.offset + after.nbytes}) overlap")
 
 
-def _parse_header(cur: _Cursor, file_index: int, seen_names: set[str]) -> _FileHeader:
+def _parse_header(cur: _Cursor, file_index: int, seen_names: set[str], allow_cut_data: bool = False) -> _FileHeader:
     version, n_tensors, n_kv = _read_preamble(cur)
     header = _FileHeader(cur.path, cur.size, version, DEFAULT_ALIGNMENT, 0)
     _read_metadata(cur, n_kv, header)
     header.alignment = _alignment_of(cur, header.metadata, header.metadata_types)
-    _read_tensor_infos(cur, n_tensors, header, file_index, seen_names)
+    _read_tensor_infos(cur, n_tensors, header, file_index, seen_names, allow_cut_data)
     return header
 
 
@@ -567,13 +571,18 @@ class GGUFFile:
     string arrays as ``list[str]`` and nested arrays as lists. ``metadata_types`` gives each key's value type,
     ``metadata_array_types`` the element type of each ARRAY key. For a split model, metadata come from the
     first file (the other files only carry ``split.*`` keys). ``tensors`` keeps file order.
+
+    ``allow_cut_data=True`` opens a file whose header (metadata and tensor infos) is whole but whose tensor data
+    is cut short, as an interrupted download leaves it: ``cut_tensors`` names the tensors past the end, and
+    reading one raises :class:`GGUFError`. A file cut inside its header is an error either way.
     """
 
-    def __init__(self, path: str | os.PathLike[str], mode: Mode = "mmap"):
+    def __init__(self, path: str | os.PathLike[str], mode: Mode = "mmap", *, allow_cut_data: bool = False):
         if mode not in ("mmap", "read"):
             raise GGUFError(f"mode must be 'mmap' or 'read', got {mode!r}")
         self.path = Path(path)
         self.mode: Mode = mode
+        self._allow_cut_data = allow_cut_data
         self._files: list[_OpenFile] = []
         #: file index → the mapping :meth:`lasting_tensor_bytes` views (never closed here: its views own it)
         self._lasting: dict[int, mmap.mmap] = {}
@@ -587,7 +596,7 @@ class GGUFFile:
     def _open(self, path: Path) -> None:
         first = self._open_file(path)
         seen: set[str] = set()
-        headers = [_parse_header(first.cursor(), 0, seen)]
+        headers = [_parse_header(first.cursor(), 0, seen, self._allow_cut_data)]
         split_count = _split_count(headers[0])
         if split_count > 1:
             self._files.clear()
@@ -602,6 +611,7 @@ class GGUFFile:
         self.metadata_types: dict[str, GGUFValueType] = main.metadata_types
         self.metadata_array_types: dict[str, GGUFValueType] = main.metadata_array_types
         self.tensors: dict[str, TensorInfo] = {t.name: t for h in headers for t in h.tensors}
+        self.cut_tensors: list[str] = [name for h in headers for name in h.cut]
 
     def _open_file(self, path: Path) -> _OpenFile:
         opened = _OpenFile(path, self.mode)
@@ -617,7 +627,8 @@ class GGUFFile:
         if missing:
             raise GGUFError(f"{path}: split model of {split_count} files is missing {', '.join(missing)}")
         seen: set[str] = set()
-        headers = [_parse_header(self._open_file(p).cursor(), i, seen) for i, p in enumerate(paths)]
+        headers = [_parse_header(self._open_file(p).cursor(), i, seen, self._allow_cut_data)
+                   for i, p in enumerate(paths)]
         _check_split_consistency(headers, split_count)
         return headers
 
@@ -633,9 +644,15 @@ class GGUFFile:
         except KeyError:
             raise GGUFError(f"{self.path}: no tensor named {name!r} ({len(self.tensors)} tensors)") from None
 
+    def _readable(self, name: str) -> TensorInfo:
+        info = self.tensor_info(name)
+        if self.cut_tensors and name in self.cut_tensors:
+            raise GGUFError(f"{self.path}: the data of tensor {name!r} lies past the end of the file (file cut short)")
+        return info
+
     def tensor_bytes(self, name: str) -> np.ndarray:
         """The raw bytes of a tensor as uint8: a view of the mapping (mmap mode) or a fresh array (read mode)."""
-        info = self.tensor_info(name)
+        info = self._readable(name)
         if not self._files:
             raise GGUFError(f"{self.path}: file is closed")
         return self._files[info.file_index].read(info.offset, info.nbytes)
@@ -644,7 +661,7 @@ class GGUFFile:
         """The raw bytes of a tensor as a read-only view that outlives :meth:`close`: it maps the file anew (once
         per file), so only the pages read through it become resident — a table kept for row lookups costs the
         rows looked up, not the whole tensor. None in read mode (the caller copies :meth:`tensor_bytes`)."""
-        info = self.tensor_info(name)
+        info = self._readable(name)
         if self.mode != "mmap" or not self._files:
             return None
         mapping = self._lasting.get(info.file_index)
@@ -748,9 +765,10 @@ def _check_split_consistency(headers: list[_FileHeader], split_count: int) -> No
                         f"{found} tensors")
 
 
-def open_gguf(path: str | os.PathLike[str], mode: Mode = "mmap") -> GGUFFile:
-    """Open a GGUF model (the first file of a split model opens all of them)."""
-    return GGUFFile(path, mode)
+def open_gguf(path: str | os.PathLike[str], mode: Mode = "mmap", *, allow_cut_data: bool = False) -> GGUFFile:
+    """Open a GGUF model (the first file of a split model opens all of them); ``allow_cut_data``: see
+    :class:`GGUFFile`."""
+    return GGUFFile(path, mode, allow_cut_data=allow_cut_data)
 
 
 def most_common_type(tensors: Iterable[TensorInfo]) -> GGMLType | None:

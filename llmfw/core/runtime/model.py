@@ -1,6 +1,6 @@
 """Loading a model: ``llmfw.load_model(path_or_name, params)`` → :class:`Model`.
 
-The steps (DESIGN.md 1-6): open the file through its loader (kv overrides applied) → pick the architecture
+The steps (docs/design.md, "The flow", 1-6): open the file through its loader (kv overrides applied) → pick the architecture
 from ``general.architecture`` → read the hyperparameters (common, then the architecture's own) → build the
 vocabulary → check the architecture's tensor list against the file → place each layer on a backend
 (``backend`` / ``n_gpu_layers`` / ``placement``) → convert every weight once on its backend, reporting

@@ -282,7 +282,7 @@ class SplitTranslator:
             return out
         # per-block offsets: W = codes*scales + offsets ⇒ x @ W.T += blocksum(x) @ offsets.T, the block sums a
         # ReduceSum over x seen as [..., n_blocks, block]: a node more than one MatMul by a 0/1 matrix, yet the
-        # decode step is faster (the README's onnx section has the measurement)
+        # decode step is faster (docs/benchmarks.md, generation)
         blocked = self.e.op("Reshape", [x, self.e.const([0] * (len(x_shape) - 1) + [weight.n_blocks, weight.block])])
         sums = self.e.op("ReduceSum", [blocked, self.e.const([-1])], keepdims=0, hint="blocksum")
         offsets_t = self.e.external(f"oT:{key}", self.backend.offsets_transposed(key, weight))
