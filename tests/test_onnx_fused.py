@@ -131,6 +131,7 @@ def test_a_larger_context_gets_rotary_tables_of_its_own_size(tmp_path):
     assert np.abs(got - want).max() <= 1e-3 * max(1.0, float(np.abs(want).max()))
 
 
+@pytest.mark.usefixtures("onnx_batch_invariance_premise")
 def test_default_attention_gives_every_row_the_same_bits_whatever_the_batch(smollm2_path):
     """What speculative decoding stands on: a verify batch of k tokens must give the logits k one-token decodes
     give, bit for bit (ORT's GroupQueryAttention does not: hence ``fused_attention`` is off by default)."""

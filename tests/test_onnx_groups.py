@@ -143,33 +143,40 @@ def _assert_each_sequence_decodes_as_if_alone(path) -> None:
             np.testing.assert_array_equal(np.array(together[s]), np.array(_decoded_alone(model, s)), err_msg=f"{s}")
 
 
+@pytest.mark.usefixtures("onnx_batch_invariance_premise")
 def test_a_sequence_decoding_among_others_gets_the_bits_it_gets_alone(smollm2_path):
     _assert_each_sequence_decodes_as_if_alone(smollm2_path)
 
 
+@pytest.mark.usefixtures("onnx_batch_invariance_premise")
 def test_so_does_one_behind_a_sliding_window_with_a_softcap(tmp_path):
     _assert_each_sequence_decodes_as_if_alone(build_model_file("gemma2", tmp_path))
 
 
+@pytest.mark.usefixtures("onnx_batch_invariance_premise")
 def test_so_does_one_of_gemma3_whose_key_heads_are_scored_in_slices(gemma3_path):
     _assert_each_sequence_decodes_as_if_alone(gemma3_path)
 
 
+@pytest.mark.usefixtures("onnx_batch_invariance_premise")
 def test_so_does_one_with_a_query_head_per_kv_head(tmp_path):
     _assert_each_sequence_decodes_as_if_alone(build_model_file("olmo", tmp_path))  # olmo: 4 heads, 4 KV heads
 
 
+@pytest.mark.usefixtures("onnx_batch_invariance_premise")
+@pytest.mark.parametrize("row_padding", ["auto", "always"])
 @pytest.mark.parametrize("name", ["olmo", "qwen2"])
-def test_one_token_steps_get_the_bits_of_the_same_rows_in_longer_batches(tmp_path, name):
+def test_one_token_steps_get_the_bits_of_the_same_rows_in_longer_batches(tmp_path, name, row_padding):
     """What speculative decoding needs (its verify batch must reproduce plain greedy steps), on families with one
     query head per KV head (olmo: MLAS's one-row kernel) and grouped heads (qwen2). Not asserted for a sliding
     window smaller than the context: there a batch's tokens may take other cells of the window's ring than
     one-token steps (cells its own tokens still see are not reused, as in llama.cpp), and the cells' order is
-    the order of the attention's sums."""
+    the order of the attention's sums. ``always`` pads every block product to two rows, as ``auto`` does on a
+    CPU whose one-row kernel rounds otherwise (AVX2 without AVX-512), so that path is checked on every CPU."""
     tokens = [(37 * i) % 900 + 10 for i in range(300)]
 
     def rows(path, chunks):
-        with llmfw.load_model(path, backend="onnx") as model:
+        with llmfw.load_model(path, backend="onnx", backend_options={"onnx": {"row_padding": row_padding}}) as model:
             ctx, start, out = model.new_context(n_ctx=512, n_batch=64), 0, []
             for size in chunks:
                 batch = llmfw.Batch(tokens[start:start + size], pos=list(range(start, start + size)),
@@ -200,3 +207,22 @@ def test_contexts_of_other_cache_sizes_share_the_session_and_get_the_same_bits(s
             ctx.close()
         assert model.backends["onnx"].sessions_built == 1
     np.testing.assert_array_equal(logits[0], logits[1])
+
+
+def test_padding_a_one_row_product_changes_no_more_than_its_rounding(tmp_path):
+    """The extra row only moves a product onto MLAS's many-row kernel (and changes which of ORT's fusions apply):
+    with and without it the logits agree to the kernels' 8-bit activation rounding, not to a different answer."""
+    path = build_model_file("qwen2", tmp_path)
+    tokens = [(37 * i) % 900 + 10 for i in range(24)]
+    logits = {}
+    for mode in ("never", "always"):
+        with llmfw.load_model(path, backend="onnx", backend_options={"onnx": {"row_padding": mode}}) as model:
+            assert model.backends["onnx"].pads_one_row_products is (mode == "always")
+            ctx = model.new_context(n_ctx=64)
+            steps = []
+            for pos, token in enumerate(tokens):
+                assert ctx.decode(llmfw.Batch([token], pos=[pos])) == 0
+                steps.append(np.array(ctx.get_logits_ith(-1)))
+            logits[mode] = np.array(steps)
+    np.testing.assert_allclose(logits["always"], logits["never"], rtol=0, atol=0.25)
+    assert (logits["always"].argmax(-1) == logits["never"].argmax(-1)).mean() >= 0.9

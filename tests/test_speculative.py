@@ -66,6 +66,7 @@ def _greedy(ctx, prompt_ids, n, draft=None):
     return text, stats
 
 
+@pytest.mark.usefixtures("onnx_batch_invariance_premise")
 @pytest.mark.parametrize("which", ["smollm2", "gemma3"])
 def test_greedy_output_is_unchanged_by_ngram_drafting_on_every_reference_prompt(
         which, request, smollm2_path, gemma3_path):

@@ -14,7 +14,7 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Hashable, Mapping, Sequence
+from typing import Any, Callable, Hashable, Literal, Mapping, Sequence
 
 import numpy as np
 
@@ -28,6 +28,7 @@ from llmfw.plugins.backends.onnx.fused import (
 )
 from llmfw.plugins.backends.onnx.groups import attention_cells
 from llmfw.plugins.backends.onnx.ort import OnnxKV, execution_providers, import_onnxruntime
+from llmfw.plugins.backends.onnx.rows import one_row_product_differs
 from llmfw.plugins.backends.onnx.translate import SplitTranslator
 from llmfw.plugins.backends.onnx.weights import (
     F32, BlockWeight, DenseWeight, Weight, convert_weight, dequantize_block_weight, fuse_block_weights, share_rows,
@@ -77,6 +78,10 @@ class OnnxOptions(BackendOptions):
     #: those batches get a session of their own (GQA only) instead of an If per layer in the one session:
     #: faster decode, but a second session, with its own prepacked weights, once other batches come
     gqa_session: bool = False
+    #: append a row to each block product's input so that it never runs on MLAS's one-row kernel: ``auto`` where
+    #: that kernel gives a row other bits than the many-row one on this CPU (rows.py; AVX2 without AVX-512),
+    #: ``always``, or ``never`` (faster decode, but a token's logits may then depend on the batch it came in)
+    row_padding: Literal["auto", "always", "never"] = "auto"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -96,7 +101,8 @@ class OnnxBackend(Backend):
     options_schema = OnnxOptions
     environment_options = {"LLMFW_ONNX_PROFILE": "profile", "LLMFW_ONNX_SPIN": "spin", "LLMFW_ONNX_DUMP": "dump",
                            "LLMFW_ONNX_CACHE": "cache", "LLMFW_ONNX_CACHE_DIR": "cache_dir",
-                           "LLMFW_ONNX_FUSED_ATTENTION": "fused_attention", "LLMFW_ONNX_GQA_SESSION": "gqa_session"}
+                           "LLMFW_ONNX_FUSED_ATTENTION": "fused_attention", "LLMFW_ONNX_GQA_SESSION": "gqa_session",
+                           "LLMFW_ONNX_ROW_PADDING": "row_padding"}
 
     #: MatMulNBits accuracy level: 4 = int8 activations (llama.cpp's own quantized dot products)
     accuracy_level: int = 4
@@ -121,6 +127,22 @@ class OnnxBackend(Backend):
         #: runs of fused-attention models by branch: GroupQueryAttention / op by op (tests, diagnostics)
         self.gqa_runs = 0
         self.op_by_op_runs = 0
+        self._pads_one_row_products: bool | None = None
+
+    @property
+    def pads_one_row_products(self) -> bool:
+        """Whether block products get an extra input row (``row_padding``; ``auto`` probes this CPU once)."""
+        if self._pads_one_row_products is None:
+            mode = self.onnx_options.row_padding
+            if mode == "auto":
+                ort, onnx = import_onnxruntime()
+                self._pads_one_row_products = one_row_product_differs(ort, onnx, self.accuracy_level, self.providers)
+                log.info("onnx: this CPU's one-row block product %s the many-row one's bits%s",
+                         "differs from" if self._pads_one_row_products else "keeps",
+                         ": block products get a second row" if self._pads_one_row_products else "")
+            else:
+                self._pads_one_row_products = mode == "always"
+        return self._pads_one_row_products
 
     @classmethod
     def check_available(cls, device: str | None = None) -> None:

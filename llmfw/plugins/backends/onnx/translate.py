@@ -256,15 +256,14 @@ class SplitTranslator:
         return self._matmul_nbits(x, x_shape, name, weight)
 
     def _matmul_nbits(self, x: str, x_shape: Shape, key: str, weight: BlockWeight) -> str:
-        """The block product, with a row of ones appended to a 2-D input whose row count may be one. MLAS runs a
-        one-row MatMulNBits (a one-token decode, a prompt's last row into the head) through a kernel of its own
-        on some CPUs (AVX2 without AVX-512: another activation rounding and summation order), while its many-row
-        kernel gives every row the same bits whatever the row count, place or thread split. The extra row keeps
-        every product on the many-row kernel, so a token's logits do not depend on the batch it came in."""
+        """The block product; where this CPU's one-row kernel rounds otherwise than the many-row one (rows.py), a
+        row of ones is appended to a 2-D input and its result dropped, so that every product runs on the
+        many-row kernel and a token's logits do not depend on the batch it came in."""
         n_out, n_in = weight.shape
         if x_shape[-1] not in (n_in, DYNAMIC):
             raise ModelError(f"onnx backend: mul_mat of {key} expects inputs with {n_in} columns, got {x_shape}")
-        padded = len(x_shape) == 2  # a session serves every row count: the IR's count is the first run's
+        # a session serves every row count (the IR's is the first run's), so a 2-D input always gets the row
+        padded = len(x_shape) == 2 and self.backend.pads_one_row_products
         if padded:
             x = self.e.op("Concat", [x, self.e.const(np.ones((1, n_in)), np.float32)], axis=0, hint="rows")
         out = self._block_product(x, x_shape, key, weight)
