@@ -151,6 +151,7 @@ class ChatPage {
     this.store.append(conversation, reply);
     render();
     this.renderConversations();
+    this.status.poll(); // the slot just freed shows at once, not at the next tick
   }
 
   systemMessages() {
@@ -253,7 +254,7 @@ class ChatPage {
       });
       const rename = this.iconButton("✎", `Rename conversation "${conversation.title}"`, "rename",
         () => this.startRename(item, conversation));
-      const remove = this.iconButton("🗑", `Delete conversation "${conversation.title}"`, "delete", () => {
+      const remove = this.iconButton("×", `Delete conversation "${conversation.title}"`, "delete", () => {
         this.store.remove(conversation.id);
         this.renderConversations();
         this.renderMessages();
@@ -359,8 +360,11 @@ class ChatPage {
       const retry = this.afterKey;
       this.afterKey = null;
       this.hideAlert();
-      if (!this.models.length) this.loadModels();
-      if (retry) retry();
+      if (retry) {
+        retry();
+      } else if (!this.models.length) {
+        this.loadModels();
+      }
     });
     $("key-cancel").addEventListener("click", () => {
       this.afterKey = null;
