@@ -1,9 +1,9 @@
 """The browser chat page of ``llmfw serve``: ``/`` and its static files under ``/webui/``.
 
 The page is plain HTML, CSS and JavaScript modules shipped inside the package (``llmfw/serving/webui/static/``),
-with no build step and nothing fetched from elsewhere: it talks only to the server it came from (``/v1/chat/completions``
-as server-sent events, ``/v1/models``, ``/metrics``), and its Content-Security-Policy tells the browser to refuse
-anything else. The API key, when the server has one, lives in the browser's localStorage only; the page sends it
+with no build step and nothing fetched from elsewhere: it talks only to the server it came from
+(``/v1/chat/completions`` as server-sent events, ``/v1/models``, ``/metrics``), and its Content-Security-Policy tells
+the browser to refuse anything else. The API key, when the server has one, lives in the browser's localStorage only; the page sends it
 as ``Authorization: Bearer`` and the server never writes it anywhere. ``llmfw serve --no-webui`` leaves these
 routes out (``/`` then answers 404 like any unknown path).
 """
