@@ -227,6 +227,33 @@ def test_no_webui_leaves_the_page_out(tmp_path):
             live.stop()
 
 
+def test_every_page_file_ships_in_the_package():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    from fnmatch import fnmatch
+
+    from llmfw.serving.webui import STATIC_DIR
+
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    patterns = pyproject["tool"]["setuptools"]["package-data"]["llmfw.serving.webui"]
+    files = [path.name for path in STATIC_DIR.iterdir()]
+    assert "index.html" in files and "app.js" in files
+    for name in files:
+        assert any(fnmatch(f"static/{name}", pattern) for pattern in patterns), f"{name} would not be installed"
+
+
+def test_every_control_has_a_label(page):
+    p = page.page
+    page.settings(**{"Max tokens": "2"})
+    page.send("Hi")
+    page.wait_reply()
+    p.locator(".conversation .rename").click()  # the rename box is a control too
+    unlabelled = p.evaluate("""() => [...document.querySelectorAll('input, select, textarea, button')]
+        .filter((el) => !((el.labels && el.labels.length) || el.getAttribute('aria-label')
+                          || (el.tagName === 'BUTTON' && el.textContent.trim())))
+        .map((el) => el.outerHTML)""")
+    assert unlabelled == []
+
+
 def test_a_reply_streams_in_with_counts_and_both_themes(page, server, tmp_path):
     p = page.page
     p.wait_for_selector("#model option[value=smol]", state="attached")
