@@ -35,6 +35,7 @@ from ..core.errors import ChatTemplateError, ConfigError, ContextError, EngineBu
 from .engine import Engine
 from .metrics import CONTENT_TYPE
 from .protocol import parse_request
+from .webui import webui_routes
 
 log = logging.getLogger(__name__)
 
@@ -347,8 +348,6 @@ def create_app(engine: Engine | Callable[[], Engine], *, api_key: str | None = N
                                      allow_headers=["*"], expose_headers=[REPLICA_HEADER]))
     routes: list[Any] = [Route(path, _guarded(fn), methods=methods) for path, fn, methods in ROUTES]
     if webui:
-        from .webui import webui_routes
-
         routes += webui_routes()
     app = Starlette(routes=routes,
                     middleware=middleware, lifespan=lifespan,

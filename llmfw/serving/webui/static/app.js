@@ -310,6 +310,7 @@ class ChatPage {
       $("settings").hidden = !open;
       toggle.setAttribute("aria-expanded", String(open));
     });
+    $("settings-form").addEventListener("submit", (event) => event.preventDefault()); // fields save as typed
     const fields = { ...TEXT_FIELDS, ...Object.fromEntries(Object.entries(NUMBER_FIELDS).map(([k, v]) => [k, v[0]])) };
     for (const [key, id] of Object.entries(fields)) {
       const input = $(id);
