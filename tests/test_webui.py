@@ -243,9 +243,8 @@ def test_every_page_file_ships_in_the_package():
 
 def test_every_control_has_a_label(page):
     p = page.page
-    page.settings(**{"Max tokens": "2"})
-    page.send("Hi")
-    page.wait_reply()
+    page.settings()
+    p.click("#new-chat")
     p.locator(".conversation .rename").click()  # the rename box is a control too
     unlabelled = p.evaluate("""() => [...document.querySelectorAll('input, select, textarea, button')]
         .filter((el) => !((el.labels && el.labels.length) || el.getAttribute('aria-label')

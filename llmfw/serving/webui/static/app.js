@@ -123,8 +123,10 @@ class ChatPage {
     let needsKey = false;
     try {
       await this.api.streamChat(body, this.controller.signal, (chunk) => {
+        const first = reply.deltas === 0;
         if (applyChunk(reply, chunk, performance.now()) && pending === null) {
           pending = setTimeout(render, RENDER_DELAY_MS);
+          if (first) this.status.poll(); // the busy slot shows at once
         }
       });
       reply.state = "done";
