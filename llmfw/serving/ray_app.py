@@ -17,7 +17,6 @@ from typing import Any, Callable, Mapping
 
 from ..core.errors import ConfigError
 from ..core.pipeline import Pipeline, PipelineConfig, RayConfig, load_pipeline
-from .webui import page_url
 
 #: the Ray Serve application and deployment names
 APP_NAME = "llmfw"
@@ -130,6 +129,8 @@ def run_ray_server(pipeline: Pipeline, echo: Callable[[str], None],
     serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
     echo(f"llmfw: serving at http://{server.host}:{server.port} through Ray Serve")
     if server.webui:
+        from .webui import page_url
+
         echo(f"llmfw: chat in a browser at {page_url(server.host, server.port)}")
     stop = stop or threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
