@@ -15,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import FileResponse, Response
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
+from starlette.types import Scope
 
 #: the page's files, inside the package (pyproject's package-data ships them)
 STATIC_DIR = Path(__file__).with_name("static")
@@ -36,7 +37,7 @@ class _PageFiles(StaticFiles):
     """The page's scripts and styles, with the same headers as the page (``no-cache``: revalidated, so an
     upgraded server never runs with last version's scripts)."""
 
-    async def get_response(self, path: str, scope: dict) -> Response:  # type: ignore[override]
+    async def get_response(self, path: str, scope: Scope) -> Response:
         response = await super().get_response(path, scope)
         response.headers.update(SECURITY_HEADERS)
         return response
