@@ -115,8 +115,9 @@ class ChatPage {
     let pending = null;
     const render = () => {
       pending = null;
+      const following = this.atEnd(); // a reader who scrolled up to read is left where they are
       updateMessageElement(element, reply);
-      this.scrollToEnd();
+      if (following) this.scrollToEnd();
     };
     this.controller = new AbortController();
     this.setBusy(true);
@@ -209,6 +210,11 @@ class ChatPage {
     this.scrollToEnd();
   }
 
+  atEnd() {
+    const container = $("messages");
+    return container.scrollHeight - container.scrollTop - container.clientHeight < 60;
+  }
+
   scrollToEnd() {
     const container = $("messages");
     container.scrollTop = container.scrollHeight;
@@ -230,7 +236,7 @@ class ChatPage {
   // -- conversation list ----------------------------------------------------------------------------------------------
   bindSidebar() {
     $("new-chat").addEventListener("click", () => {
-      this.store.create();
+      if (this.store.current?.messages.length !== 0) this.store.create(); // an empty one is reused
       this.renderConversations();
       this.renderMessages();
       $("prompt").focus();
