@@ -50,13 +50,13 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from llmfw.core.architecture import get_architecture  # noqa: E402
+from llmfw.core.arch.architecture import get_architecture  # noqa: E402
 from llmfw.core.errors import LLMFWError  # noqa: E402
-from llmfw.core.gguf import GGUFValueType, GGUFWriter, open_gguf  # noqa: E402
-from llmfw.core.loader import open_loader  # noqa: E402
-from llmfw.core.model import Model, ModelParams, _place_layers, plan_weights, read_hparams  # noqa: E402
-from llmfw.core.quants import SUPPORTED_DEQUANT, TYPE_INFO, dequantize, dequantize_rows  # noqa: E402
-from llmfw.core.vocab import Vocab  # noqa: E402
+from llmfw.core.format.gguf import GGUFValueType, GGUFWriter, open_gguf  # noqa: E402
+from llmfw.core.runtime.loader import open_loader  # noqa: E402
+from llmfw.core.runtime.model import Model, ModelParams, _place_layers, plan_weights, read_hparams  # noqa: E402
+from llmfw.core.format.quants import SUPPORTED_DEQUANT, TYPE_INFO, dequantize, dequantize_rows  # noqa: E402
+from llmfw.core.tokenizer.vocab import Vocab  # noqa: E402
 
 TIME_LIMIT_S = 2.0
 VOCAB_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type",
@@ -402,7 +402,7 @@ def fuzz_quants(rng_seed: int) -> Tally:
 
 # ------------------------------------------------------------------------------------------------ main
 def default_models() -> list[Path]:
-    from llmfw.core.catalog import resolve_model
+    from llmfw.app.catalog import resolve_model
 
     return [Path(resolve_model("smollm2")), Path(resolve_model("gemma-3-270m"))]
 

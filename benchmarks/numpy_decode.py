@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 import llmfw
-from llmfw.core.catalog import resolve_model
+from llmfw.app.catalog import resolve_model
 
 
 def timed(fn) -> tuple[float, float]:

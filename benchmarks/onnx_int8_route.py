@@ -1,5 +1,5 @@
 """Prefill through ONNX Runtime's int8 GEMM instead of ``MatMulNBits``: the speed it would give and the accuracy it
-costs (README, Benchmarks: why Gemma-3's pp512 stays below 2.0x llama.cpp's).
+costs (docs/backends.md, "What ONNX Runtime 1.32 does not offer").
 
     PYTHONPATH=. python3 benchmarks/onnx_int8_route.py [--models smollm2,gemma-3-270m] [--routes rows,rows2,weights]
                                                        [--only ffn_gate] [--reps 4]
@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 import llmfw  # noqa: E402
 from benchmarks.reference_scores import REFERENCE_DIR, REFERENCES, load_score  # noqa: E402
-from llmfw.core.catalog import resolve_model  # noqa: E402
+from llmfw.app.catalog import resolve_model  # noqa: E402
 from llmfw.plugins.backends.onnx.translate import SplitTranslator  # noqa: E402
 from llmfw.plugins.backends.onnx.weights import F32, BlockWeight, dequantize_block_weight  # noqa: E402
 

@@ -38,8 +38,8 @@ def main() -> None:
     args = parser.parse_args()
 
     import llmfw
-    from llmfw.core.catalog import resolve_model
-    from llmfw.core.perplexity import perplexity_of_tokens, perplexity_tokens
+    from llmfw.app.catalog import resolve_model
+    from llmfw.core.generation.perplexity import perplexity_of_tokens, perplexity_tokens
 
     text = Path(args.text).read_text(encoding="utf-8")
     rows = []

@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def first_token(ctx, prompt_tokens, state=None) -> tuple[int, float]:
-    from llmfw.core.generate import generate, GenerationStats
+    from llmfw.core.generation.generate import generate, GenerationStats
 
     t0 = time.perf_counter()
     if state is not None:

@@ -42,7 +42,7 @@ PROMPTS = [
 
 
 def timed_generation(ctx, prompt: str, n: int, draft) -> tuple[list[int], float, object]:
-    from llmfw.core.generate import GenerationStats, generate
+    from llmfw.core.generation.generate import GenerationStats, generate
 
     stats = GenerationStats()
     for _ in generate(ctx, prompt, max_tokens=n, stats=stats, draft=draft):
@@ -62,7 +62,7 @@ def main() -> None:
     args = parser.parse_args()
 
     import llmfw
-    from llmfw.core.speculative import NgramDrafter
+    from llmfw.core.generation.speculative import NgramDrafter
 
     model = llmfw.load_model(args.model, backend=args.backend)
     ctx = model.new_context(n_ctx=2048)

@@ -16,8 +16,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
-from llmfw.core.catalog import resolve_model  # noqa: E402
-from llmfw.core.vocab import Vocab  # noqa: E402
+from llmfw.app.catalog import resolve_model  # noqa: E402
+from llmfw.core.tokenizer.vocab import Vocab  # noqa: E402
 
 LLAMA_CPP_MS = {"smollm2": 120.0, "gemma-3-270m": 178.0}
 DEFAULT_TEXT = ROOT.parent / "shared" / "seed" / "000_5d2b87c55653f871.txt"

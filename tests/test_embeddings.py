@@ -28,7 +28,7 @@ def llama_cpp_embeddings(which: str) -> dict:
 #: and rounds GELU through an f16 table, and Gemma-3's hidden states amplify those roundings. The "ggml" backend,
 #: which makes the same roundings, meets 0.999 on Gemma-3's mean and cls vectors (tests below); no engine meets it
 #: on the last token, llama.cpp included: its two attention paths (flash attention off / on) disagree there down
-#: to 0.9956 (``flash_attn`` in the data; README, Embeddings), which is then the bar (``pooled_bar``)
+#: to 0.9956 (``flash_attn`` in the data; docs/correctness.md, Embeddings), which is then the bar (``pooled_bar``)
 BAR = {"smollm2": 0.999, "gemma3": 0.997}
 
 
@@ -75,7 +75,7 @@ def test_per_token_embeddings_match_llama_cpp(which_model):
         assert rows.shape == (n, model.n_embd)
         similarities = [cosine(a, b) for a, b in zip(rows, theirs)]
         # one token's state carries the rounding of every layer with nothing averaged out: SmolLM2's worst token
-        # is at 0.9986 on every backend, llama.cpp-rounding ggml included (README, Embeddings)
+        # is at 0.9986 on every backend, llama.cpp-rounding ggml included (docs/correctness.md, Embeddings)
         assert np.mean(similarities) >= BAR[which] and min(similarities) >= BAR[which] - 0.001
 
 

@@ -1,4 +1,4 @@
-"""A small sample of benchmarks/fuzz_gguf.py (the run at scale is a benchmark, its figures in the README):
+"""A small sample of benchmarks/fuzz_gguf.py (the run at scale is a benchmark, its figures in docs/correctness.md):
 mutated headers / tensor tables and vocabularies of both real models, NaN / inf quant blocks. Every case ends
 normally or with an LLMFWError, within the fuzzer's 2 s watchdog, allocating at most its input's size."""
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """SmolLM2-135M (arch ``llama``) on the numpy backend against llama.cpp's reference outputs.
 
 Teacher forcing: each prompt's full ``sequence`` is decoded at once with logits for every token and scored with
-``shared/reference/compare.py``; the bar (reference README): top1 ≥ 0.93, top5 ≥ 0.98, mean_lp_err ≤ 0.25 — on
+``tests/data/reference/compare.py``; the bar (reference README): top1 ≥ 0.93, top5 ≥ 0.98, mean_lp_err ≤ 0.25 — on
 every prompt including the 2,727-token one, with n_ubatch 512 and with n_ubatch 64, whose logits must agree
 within 1e-3. Then greedy decoding of the first prompt must reproduce llama.cpp's continuation up to a near-tie
 of llama.cpp's own top two logits (see test_greedy_continuation_reproduces_llama_cpp).

@@ -1,4 +1,4 @@
-"""benchmarks/onnx_int8_route.py (the measured-and-rejected int8 prefill route, README): each route builds a graph
+"""benchmarks/onnx_int8_route.py (the measured-and-rejected int8 prefill route, docs/backends.md): each route builds a graph
 ONNX Runtime runs, its logits stay near MatMulNBits' without being its bits, and removing it restores the backend."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""benchmarks/onnx_matmul_limits.py (the README's case for what closes the onnx backend's gaps): its four forms of
+"""benchmarks/onnx_matmul_limits.py (docs/backends.md's case for what closes the onnx backend's gaps): its four forms of
 an affine 4-bit matrix compute what they claim, and its probe of ORT's saved packed weights finds the block sums."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The ONNX Runtime backend on the real models against llama.cpp's reference logits (shared/reference)."""
+"""The ONNX Runtime backend on the real models against llama.cpp's reference logits (tests/data/reference)."""
 from __future__ import annotations
 
 import numpy as np

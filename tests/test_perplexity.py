@@ -3,7 +3,7 @@
 tests/data/tools/lighthouses.txt is original prose written for these tests (CC0). llama.cpp's numbers in
 tests/data/tools/llama_cpp_tools.json come from tests/reference_gen/make_tools_data.py (llama-cpp-python
 0.3.36). The full-size proof (20 chunks of 512 on a longer document, every backend) is
-benchmarks/perplexity_vs_llamacpp.py; its numbers are in the README.
+benchmarks/perplexity_vs_llamacpp.py; its numbers are in docs/correctness.md.
 """
 from __future__ import annotations
 

@@ -62,3 +62,22 @@ def test_test_script_runs_every_suite_without_paths(tmp_path):
     assert ["-m", "llmfw.cli", "pull", "smollm2"] in calls  # the models are fetched before the tests run
     options_only = _run_test_script(tmp_path, "-x")[-1]
     assert options_only[-3:] == ["tests", "examples/llmfw-olmo/tests", "-x"]
+
+
+#: a clone has no design notes or shared folder beside it: the repository must not send a reader there
+_OUTSIDE_DOCUMENTS = re.compile("DESIGN" + r"\.md|(?<![\w-])" + "shared" + "/|PERF" + "-NOTES")
+_TEXT_SUFFIXES = {".py", ".md", ".toml", ".yml", ".yaml", ".sh", ".txt", ".cfg", ".ini", ".jinja", ".gbnf", ".lark"}
+
+
+def test_nothing_refers_to_documents_outside_the_repository():
+    """Code comments, docstrings, tests, benchmarks and docs name only what a clone holds (docs/design.md is the
+    design)."""
+    offenders = []
+    for path in ROOT.rglob("*"):
+        parts = path.relative_to(ROOT).parts
+        if path.suffix not in _TEXT_SUFFIXES or not path.is_file() or parts[0].startswith(".") or "site" in parts[:1]:
+            continue
+        for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+            if _OUTSIDE_DOCUMENTS.search(line):
+                offenders.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()[:80]}")
+    assert offenders == []

@@ -1,7 +1,7 @@
 """`llmfw serve`: a real uvicorn server on 127.0.0.1 driven by the real `openai` client and httpx.
 
 The servers start once for this module. They run the numpy backend: its float32 kernels give a request the
-same greedy tokens whatever else shares the batch (see README "Serving" for the onnx backend's int8
+same greedy tokens whatever else shares the batch (see docs/serving.md, "Continuous batching", for the onnx backend's int8
 activations, which do not). Generations are short so the module stays fast.
 """
 from __future__ import annotations

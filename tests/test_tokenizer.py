@@ -1,4 +1,4 @@
-"""Vocab + tokenizers against llama.cpp's reference outputs (shared/reference), on the two real models."""
+"""Vocab + tokenizers against llama.cpp's reference outputs (tests/data/reference), on the two real models."""
 from __future__ import annotations
 
 import logging

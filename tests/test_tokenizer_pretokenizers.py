@@ -1,4 +1,4 @@
-"""Every BPE pre-tokenizer type against llama.cpp (shared/reference/bpe-pretokenizers.json).
+"""Every BPE pre-tokenizer type against llama.cpp (tests/data/reference/bpe-pretokenizers.json).
 
 For each `tokenizer.ggml.pre` value the test writes the vocab-only GGUF the reference describes — SmolLM2's
 tokenizer keys with only `tokenizer.ggml.pre` replaced, `general.architecture = llama`, no tensors — with the

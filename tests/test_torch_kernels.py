@@ -330,7 +330,7 @@ def test_split_matches_numpy_backend(form: str, rope_mode: str, softcap: float) 
     expected, _ = _run_graph(oracle.NumpyBackend(), rope_mode, softcap, steps)
     backend = TorchBackend("cpu", options=TorchOptions(matmul=form))
     got, runs = _run_graph(backend, rope_mode, softcap, steps)
-    tolerance = {"f32": 2e-4, "fp16": 2e-3, "int8": 0.1}[form]  # int8: 8-bit activations, see the README
+    tolerance = {"f32": 2e-4, "fp16": 2e-3, "int8": 0.1}[form]  # int8: 8-bit activations, see docs/backends.md
     for e, g in zip(expected, got):
         assert g.shape == e.shape
         assert np.max(np.abs(g - e)) <= tolerance * max(1.0, np.max(np.abs(e))), np.max(np.abs(g - e))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from llmfw import hookimpl
-from llmfw.core.sampling import Candidates, Sampler
+from llmfw.core.generation.sampling import Candidates, Sampler
 
 
 class TopA(Sampler):

@@ -35,6 +35,7 @@ from typing import Any, Mapping
 import click
 from pydantic import BaseModel, Field
 
+from llmfw.commands.model_arg import model_from, model_option
 from llmfw.core.errors import ConfigError, LLMFWError
 
 #: random tokens come from this seed so every backend and llama.cpp see the same ones
@@ -168,8 +169,8 @@ def _check(rc: int, ctx: Any) -> None:
 def _import_engine(backend: str) -> None:
     """Import llmfw's core and ``backend``'s module with its runtime (torch, onnxruntime) before the clock starts:
     part of the baseline, as ``from llama_cpp import Llama`` (libllama and its ggml backends) is on llama.cpp's side."""
-    from ..core.backend import backend_class, parse_backend_spec
-    from ..core.model import load_model  # noqa: F401 - the import is the point
+    from ..core.exec.backend import backend_class, parse_backend_spec
+    from ..core.runtime.model import load_model  # noqa: F401 - the import is the point
 
     name, device = parse_backend_spec(backend)
     backend_class(name).check_available(device)
@@ -183,7 +184,7 @@ def bench_llmfw(params: BenchParams, backend: str) -> dict[str, Any]:
     wait_for_turn()  # the engines load one at a time too
     rss_base = current_rss()
     start = time.perf_counter()
-    from ..core.backend import backend_options_from_environment
+    from ..core.exec.backend import backend_options_from_environment
 
     model = llmfw.load_model(params.model, backend=backend, backend_options=backend_options_from_environment(os.environ))
     load_model_s = time.perf_counter() - start
@@ -246,8 +247,8 @@ def constrained_tests(model: Any, ctx: Any, params: BenchParams, first_token: in
     same under the JSON schema, whose grammar restarts whenever it completes. Mask time per token and the
     grammar's compile time (the vocabulary bridge is built once per model before, and reported apart)."""
     import llmfw
-    from llmfw.core.grammar import grammar_tokenizer
-    from llmfw.core.sampling import SamplerChain, SamplerParams
+    from llmfw.core.generation.grammar import grammar_tokenizer
+    from llmfw.core.generation.sampling import SamplerChain, SamplerParams
 
     start = time.perf_counter()
     grammar_tokenizer(model.vocab)
@@ -586,7 +587,7 @@ def _constraint_note(record: dict[str, Any], test: str, result: dict[str, Any]) 
 def _split_backends(values: tuple[str, ...]) -> list[str]:
     out = [b.strip() for v in values for b in v.split(",") if b.strip()]
     if not out:
-        from llmfw.core.backend import default_backend_spec
+        from llmfw.core.exec.backend import default_backend_spec
 
         out = [default_backend_spec()]
     return list(dict.fromkeys(out))
@@ -602,7 +603,8 @@ def bytecode_note(environ: Mapping[str, str]) -> str | None:
 
 
 @click.command("bench")
-@click.argument("model")
+@click.argument("model_arg", metavar="[MODEL]", required=False)
+@model_option
 @click.option("-p", "--n-prompt", "n_prompt", type=click.IntRange(min=0), default=512, show_default=True,
               help="Prompt tokens of the pp test (0 = skip it).")
 @click.option("-n", "--n-gen", "n_gen", type=click.IntRange(min=0), default=128, show_default=True,
@@ -633,16 +635,18 @@ def bytecode_note(environ: Mapping[str, str]) -> str | None:
 @click.option("-jf", "--json-schema", "json_schema_file", type=click.Path(dir_okay=False), default=None,
               help="Also measure tg with sampling, and with sampling constrained by this JSON schema file "
                    "(mask time per token, grammar compile time).")
-def bench(model: str, n_prompt: int, n_gen: int, repetitions: int, n_ubatch: int, backends: tuple[str, ...],
-          n_threads: int, batch_seqs: int, as_json: bool, interleave: bool, llama_python: str | None,
-          transformers_python: str | None, verbose: bool, json_schema_file: str | None) -> None:
-    """Benchmark prompt processing (pp) and generation (tg) like llama-bench."""
-    from llmfw.core.model import resolve_model_path
+def bench(model_arg: str | None, model: str | None, n_prompt: int, n_gen: int, repetitions: int, n_ubatch: int,
+          backends: tuple[str, ...], n_threads: int, batch_seqs: int, as_json: bool, interleave: bool,
+          llama_python: str | None, transformers_python: str | None, verbose: bool,
+          json_schema_file: str | None) -> None:
+    """Benchmark prompt processing (pp) and generation (tg) like llama-bench, on -m MODEL (or MODEL)."""
+    from llmfw.app.catalog import DEFAULT_MODEL
+    from llmfw.core.runtime.model import resolve_model_path
 
-    path = str(resolve_model_path(model))
+    path = str(resolve_model_path(model_from(model_arg, model) or DEFAULT_MODEL))
     schema = None
     if json_schema_file is not None:
-        from llmfw.core.grammar import GrammarSpec, read_constraint_file
+        from llmfw.core.generation.grammar import GrammarSpec, read_constraint_file
 
         schema = read_constraint_file(json_schema_file, "JSON schema")
         GrammarSpec.from_json_schema(schema).compile()  # a bad schema fails before any model is loaded
@@ -666,7 +670,9 @@ def bench(model: str, n_prompt: int, n_gen: int, repetitions: int, n_ubatch: int
     records = results[:len(names)]
     measured: dict[str, Any] = dict(zip(peers, results[len(names):]))
     if as_json:
-        click.echo(json.dumps({"params": params.model_dump(), "llmfw": records,
+        from llmfw.commands.machine import describe_machine
+
+        click.echo(json.dumps({"params": params.model_dump(), "machine": describe_machine(), "llmfw": records,
                                "llama_cpp": measured.get("llama_cpp"), "transformers": measured.get("transformers")},
                               indent=2))
     else:

@@ -156,7 +156,7 @@ def start_llama_cpp(python: str, path: str, n_ctx: int, threads: int) -> tuple[s
 
 
 def end_of_generation_ids(path: str) -> list[int]:
-    from ..core.model import load_model
+    from ..core.runtime.model import load_model
 
     vocab = load_model(path, vocab_only=True).vocab
     return sorted(vocab.eog_ids)
@@ -234,7 +234,7 @@ def bench_serve(target: str, concurrency: str, n_tokens: int, parallel: int, n_c
                 backend: str | None, model: str | None, api_key: str | None, llama_python: str | None,
                 repetitions: int, as_json: bool) -> None:
     """Benchmark TARGET: a server URL, or a model (an llmfw server is started for it)."""
-    from ..core.catalog import resolve_model
+    from ..app.catalog import resolve_model
 
     levels = _levels(concurrency)
     is_url = target.startswith(("http://", "https://"))

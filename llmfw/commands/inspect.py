@@ -1,6 +1,6 @@
-"""`llmfw inspect MODEL [--tensors] [--json]`: a GGUF model's header at a glance.
+"""`llmfw inspect [-m] MODEL [--tensors] [--json]`: a GGUF model's header at a glance.
 
-:func:`summarize` builds a JSON-ready dict from an open :class:`~llmfw.core.gguf.GGUFFile`; the command prints it
+:func:`summarize` builds a JSON-ready dict from an open :class:`~llmfw.core.format.gguf.GGUFFile`; the command prints it
 as text or JSON. Nothing here reads tensor data, so inspecting is as fast as opening.
 """
 from __future__ import annotations
@@ -12,9 +12,10 @@ from typing import Any
 import click
 import numpy as np
 
-from ..core.catalog import resolve_model
-from ..core.gguf import GGUFFile, GGUFValueType, most_common_type, open_gguf
-from ..core.quants import GGMLType
+from ..app.catalog import DEFAULT_MODEL, resolve_model
+from ..core.format.gguf import GGUFFile, GGUFValueType, most_common_type, open_gguf
+from ..core.format.quants import GGMLType
+from .model_arg import model_from, model_option
 from .progress import ProgressBar
 
 #: llama.cpp's `general.file_type` ids (enum llama_ftype) -> names, as llama.cpp prints them
@@ -118,6 +119,7 @@ def summarize(g: GGUFFile, *, with_tensors: bool = False) -> dict[str, Any]:
         "parameters": n_params,
         "bits_per_weight": round(8 * total / n_params, 4) if n_params else None,
         "types": type_breakdown(g),
+        "cut_tensors": list(g.cut_tensors),  # their data lies past the end of the file
     }
     if with_tensors:
         summary["tensors"] = [{"name": t.name, "type": t.ggml_type.name, "shape": list(t.shape), "bytes": t.nbytes,
@@ -138,7 +140,7 @@ def _human_count(n: int) -> str:
 
 
 def _special_tokens_text(tok: dict[str, Any]) -> str:
-    """``bos 1, eos 2, unknown 0, padding 2; add_bos_token false`` — what the text view promises (README)."""
+    """``bos 1, eos 2, unknown 0, padding 2; add_bos_token false`` — what the text view promises (docs/models.md)."""
     ids = [f"{label} {tok[key]}" for key, label in (("bos_token_id", "bos"), ("eos_token_id", "eos"),
                                                      ("unknown_token_id", "unknown"), ("padding_token_id", "padding"))
            if key in tok]
@@ -166,6 +168,9 @@ def format_text(s: dict[str, Any]) -> str:
     bpw = f", {s['bits_per_weight']:.2f} bits per weight" if s["bits_per_weight"] else ""
     lines.append(f"tensors:         {s['tensor_count']}, {_human_bytes(s['tensor_bytes'])}, "
                  f"{_human_count(s['parameters'])} parameters{bpw}")
+    if s["cut_tensors"]:
+        lines.append(f"cut short:       the data of {len(s['cut_tensors'])} of {s['tensor_count']} tensors lies past "
+                     "the end of the file (an interrupted download?): it cannot be loaded")
     for name, t in s["types"].items():
         lines.append(f"  {name:8} {t['tensors']:5} tensors {_human_count(t['elements']):>10} elements "
                      f"{_human_bytes(t['bytes']):>12}")
@@ -179,16 +184,20 @@ def format_text(s: dict[str, Any]) -> str:
 
 
 @click.command("inspect")
-@click.argument("model")
+@click.argument("model_arg", metavar="[MODEL]", required=False)
+@model_option
 @click.option("--tensors", "with_tensors", is_flag=True, help="List every tensor: name, type, shape, bytes.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def inspect_cmd(model: str, with_tensors: bool, as_json: bool) -> None:
+def inspect_cmd(model_arg: str | None, model: str | None, with_tensors: bool, as_json: bool) -> None:
     """Show MODEL's GGUF version, architecture, hyperparameters, tokenizer, file type and size.
 
-    MODEL is a path to a .gguf file (the first part of a split model) or a catalog name.
+    MODEL (-m MODEL, or the first argument) is a path to a .gguf file (the first part of a split model) or a
+    catalog name. A file whose tensor data is cut short (an interrupted download) is still shown, with the
+    tensors past its end counted.
     """
+    model = model_from(model_arg, model) or DEFAULT_MODEL
     with ProgressBar(f"pull {model}") as bar:
         path = resolve_model(model, progress=lambda done, total, what: bar.update(done / total, what))
-    with open_gguf(path) as g:
+    with open_gguf(path, allow_cut_data=True) as g:
         summary = summarize(g, with_tensors=with_tensors)
     click.echo(json.dumps(summary, indent=2, ensure_ascii=False) if as_json else format_text(summary))

@@ -1,4 +1,4 @@
-"""`llmfw perplexity -m MODEL -f FILE`: llama-perplexity's estimate of a text file (see core/perplexity.py).
+"""`llmfw perplexity -m MODEL -f FILE`: llama-perplexity's estimate of a text file (see core/generation/perplexity.py).
 
 stdout gets what llama-perplexity prints: the running estimate after each chunk (``[1]18.6062,[2]16.3901,...``)
 and, as the last line, ``Final estimate: PPL = X +/- Y``; the progress bar and the set-up go to stderr.
@@ -10,12 +10,13 @@ from typing import Any
 
 import click
 
+from .model_arg import model_option
 from .progress import ProgressBar
 
 
 def load_tool_model(model: str | None, backend: str | None, show_progress: bool) -> Any:
     """The model named on a tool's command line (catalog name or path), loaded with progress bars."""
-    from ..core.pipeline import Pipeline
+    from ..app.pipeline import Pipeline
     from .run import load_model_with_progress
 
     data: dict[str, Any] = {"backend": backend}
@@ -36,7 +37,7 @@ def read_text_file(path: str) -> str:
 
 
 @click.command("perplexity")
-@click.option("-m", "--model", "model", default=None, help="Catalog name or GGUF path (default: smollm2).")
+@model_option
 @click.option("-f", "--file", "file", required=True, help="The text file to score.")
 @click.option("-c", "--ctx-size", "n_ctx", type=click.IntRange(min=4), default=512, show_default=True,
               help="Chunk length in tokens (llama-perplexity's n_ctx).")
@@ -49,7 +50,7 @@ def read_text_file(path: str) -> str:
 def perplexity_cmd(model: str | None, file: str, n_ctx: int, n_batch: int | None, n_chunks: int,
                    backend: str | None, no_progress: bool) -> None:
     """Perplexity of FILE, computed exactly as llama-perplexity does."""
-    from ..core.perplexity import perplexity_of_tokens, perplexity_tokens
+    from ..core.generation.perplexity import perplexity_of_tokens, perplexity_tokens
 
     if n_chunks == 0 or n_chunks < -1:
         raise click.BadParameter("must be a positive number of chunks or -1 (all)", param_hint="--chunks")

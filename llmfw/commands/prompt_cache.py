@@ -11,7 +11,7 @@ import click
 def prime_prompt_cache(pipeline: Any, model: Any, ctx: Any, prompt: str | None, path: str) -> Any:
     """Load FILE (when it exists), decode what the cache lacks of the prompt, save FILE unless it already held
     exactly this prompt. Returns the priming's GenerationStats (``n_prompt_decoded`` = tokens decoded)."""
-    from ..core.generate import GenerationStats, generate
+    from ..core.generation.generate import GenerationStats, generate
 
     file = Path(path)
     text = prompt if prompt is not None else pipeline.config.generation.prompt

@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 import click
 
+from .model_arg import model_option
 from .progress import ProgressBar
 
 #: flag -> (SamplerParams field, click type, help)
@@ -38,7 +39,7 @@ SAMPLING_FLAGS: dict[str, tuple[str, Any, str]] = {
 }
 
 
-#: what --backend's help says about the default (core/backend.py choose_default_backend: the backends'
+#: what --backend's help says about the default (core/exec/backend.py choose_default_backend: the backends'
 #: declared priorities; these are the built-in ones)
 BACKEND_HELP = ("numpy, onnx, torch, torch:cuda, ggml. Default: torch:cuda when a CUDA GPU and torch are present, "
                 "else onnx (onnxruntime importable), else numpy; -v says which and why.")
@@ -69,7 +70,7 @@ def threads_option(func: Callable[..., Any]) -> Callable[..., Any]:
 def model_and_sampling_options(func: Callable[..., Any]) -> Callable[..., Any]:
     """The options `run` and `chat` share: model, placement, context, sampling, config, verbosity."""
     options = [
-        click.option("-m", "--model", "model", default=None, help="Catalog name or GGUF path (default: smollm2)."),
+        model_option,
         click.option("--backend", default=None, help=BACKEND_HELP),
         click.option("-ngl", "--n-gpu-layers", "n_gpu_layers", type=int, default=None,
                      help="Layers on the GPU (-1 = all)."),
@@ -121,7 +122,7 @@ def constraint_options() -> list[Callable[..., Any]]:
 
 def constraint_overrides(opts: dict[str, Any]) -> dict[str, Any]:
     """The pipeline key (``sampling.grammar`` / ``.json_schema`` / ``.regex``) for the constraint flag given."""
-    from ..core.grammar import ANY_JSON_OBJECT, read_constraint_file
+    from ..core.generation.grammar import ANY_JSON_OBJECT, read_constraint_file
 
     given = {flag: opts.get(key) for flag, key in (("--grammar", "grammar"), ("--grammar-file", "grammar_file"),
              ("--json-schema", "json_schema"), ("--json-schema-file", "json_schema_file"), ("--json", "any_json"),
@@ -142,7 +143,7 @@ def constraint_overrides(opts: dict[str, Any]) -> dict[str, Any]:
 
 def config_overrides(opts: dict[str, Any]) -> dict[str, Any]:
     """Dotted pipeline keys for the flags that were given."""
-    from ..core.sampling import parse_sampler_seq
+    from ..core.generation.sampling import parse_sampler_seq
 
     overrides: dict[str, Any] = {}
     simple = {"model": "model", "backend": "backend", "n_gpu_layers": "n_gpu_layers", "n_ctx": "context.n_ctx",
@@ -173,7 +174,7 @@ def sampling_flag_given(opts: dict[str, Any]) -> bool:
 def build_pipeline(opts: dict[str, Any], extra: dict[str, Any] | None = None, *, greedy_default: bool = True) -> Any:
     """The pipeline from ``--config`` (if any) with the flags applied. With ``greedy_default`` (`run`) it is
     greedy unless sampling is configured; without (`chat`) llama.cpp's sampling defaults apply."""
-    from ..core.pipeline import Pipeline, merge_overrides, read_yaml
+    from ..app.pipeline import Pipeline, merge_overrides, read_yaml
 
     config = opts.get("config")
     data = read_yaml(config) if config else {}
@@ -189,7 +190,7 @@ def build_pipeline(opts: dict[str, Any], extra: dict[str, Any] | None = None, *,
 def load_model_with_progress(pipeline: Any, show: bool, verbose: bool = False) -> Any:
     """Resolve (pulling a catalog model if needed; pip's output only with ``verbose``) and load the pipeline's
     model, with progress bars."""
-    from ..core.catalog import resolve_model
+    from ..app.catalog import resolve_model
 
     location = pipeline.model_location()
     with ProgressBar(f"pull {location}", enabled=None if show else False) as bar:
@@ -200,7 +201,29 @@ def load_model_with_progress(pipeline: Any, show: bool, verbose: bool = False) -
         return pipeline.load_model(progress=lambda fraction: bar.update(fraction))
 
 
-def describe_setup(model: Any, ctx: Any, sampler: Any, pipeline: Any) -> None:
+def draw_random_seed(pipeline: Any) -> bool:
+    """A random seed (the default, or -1) drawn once, before the chain is built, so every sampler of the chain
+    uses it, ``-v`` can print it and ``--seed N`` repeats the run; True when one was drawn."""
+    from ..core.generation.sampling import DEFAULT_SEED, resolve_seed
+
+    sampling = pipeline.config.sampling
+    if sampling.seed not in (DEFAULT_SEED, -1):
+        return False
+    sampling.seed = resolve_seed(sampling.seed)
+    return True
+
+
+def describe_seed(sampler: Any, drawn: bool) -> str:
+    """The seed the chain's random samplers were seeded with (each keeps its generator as ``rng``)."""
+    seeds = sorted({int(s.rng.seed) for s in getattr(sampler, "samplers", []) if getattr(s, "rng", None) is not None})
+    if not seeds:
+        return "seed: not used (no sampler of the chain draws at random)"
+    note = f" (drawn at random; --seed {seeds[0]} repeats it)" if drawn and len(seeds) == 1 else \
+        " (drawn at random)" if drawn else ""
+    return f"seed: {', '.join(map(str, seeds))}{note}"
+
+
+def describe_setup(model: Any, ctx: Any, sampler: Any, pipeline: Any, *, seed_drawn: bool = False) -> None:
     describe = getattr(model, "describe", None)
     click.echo(describe() if callable(describe) else repr(model), err=True)
     click.echo(f"backend: {getattr(model, 'backend_choice', '') or '?'}", err=True)
@@ -209,8 +232,14 @@ def describe_setup(model: Any, ctx: Any, sampler: Any, pipeline: Any) -> None:
     click.echo(f"context: {size}, threads {threads if threads else 'backend default'}", err=True)
     click.echo(f"sampler chain: {' -> '.join(sampler.names)}", err=True)
     params = pipeline.config.sampling.model_dump(exclude={"samplers", "dry_sequence_breakers", "options", "grammar",
-                                                          "json_schema", "regex"})
+                                                          "json_schema", "regex", "seed"})
     click.echo("sampling: " + ", ".join(f"{k} = {v}" for k, v in params.items()), err=True)
+    from ..core.generation.sampling import DEFAULT_SEED
+
+    sampling = pipeline.config.sampling
+    greedy = sampling.greedy and sampling.mirostat == 0 and sampling.xtc_probability == 0
+    click.echo("seed: not used (greedy)" if greedy else
+               describe_seed(sampler, seed_drawn or sampling.seed in (DEFAULT_SEED, -1)), err=True)
     spec = pipeline.config.sampling.grammar_spec()
     if spec is not None:
         click.echo(f"output constraint: {spec.describe()}", err=True)
@@ -233,7 +262,7 @@ def run(prompt: str | None, use_chat: bool, prompt_cache: str | None, draft_max:
     Greedy unless a sampling flag is given; the prompt is tokenized with special tokens parsed, not echoed.
     Ctrl-C stops the generation, prints the timing line and exits with status 130.
     """
-    from ..core.generate import GenerationStats
+    from ..core.generation.generate import GenerationStats
 
     if prompt == "-":
         prompt = sys.stdin.read()
@@ -247,9 +276,10 @@ def run(prompt: str | None, use_chat: bool, prompt_cache: str | None, draft_max:
         raise click.UsageError("give a PROMPT (or set generation.prompt in --config)")
     model = load_model_with_progress(pipeline, not opts["no_progress"], verbose=opts["verbose"])
     ctx = pipeline.new_context(model)
+    seed_drawn = draw_random_seed(pipeline)
     sampler = pipeline.make_sampler(model, ctx.n_ctx)
     if opts["verbose"]:
-        describe_setup(model, ctx, sampler, pipeline)
+        describe_setup(model, ctx, sampler, pipeline, seed_drawn=seed_drawn)
     if prompt_cache:
         from .prompt_cache import prime_prompt_cache
 

@@ -14,6 +14,8 @@ from typing import Any
 
 import click
 
+from .model_arg import model_option
+
 #: flag name -> dotted key in the pipeline file
 SERVE_KEYS = {
     "model": "model", "backend": "backend", "n_ctx": "context.n_ctx", "threads": "context.n_threads",
@@ -26,7 +28,7 @@ GRACEFUL_SHUTDOWN_S = 3
 
 
 def serve_pipeline(opts: dict[str, Any]) -> Any:
-    from ..core.pipeline import Pipeline, merge_overrides, read_yaml
+    from ..app.pipeline import Pipeline, merge_overrides, read_yaml
 
     config = opts.get("config")
     data = read_yaml(config) if config else {}
@@ -96,7 +98,7 @@ def make_server(app: Any, host: str, port: int, verbose: bool) -> Any:
 
 
 @click.command("serve")
-@click.option("-m", "--model", default=None, help="Catalog name or GGUF path (default: smollm2).")
+@model_option
 @click.option("--host", default=None, help="Address to listen on (default 127.0.0.1).")
 @click.option("--port", type=int, default=None, help="Port (default 8080).")
 @click.option("-np", "--parallel", type=int, default=None, help="Sequences decoded together (default 4).")

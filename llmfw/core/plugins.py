@@ -45,27 +45,27 @@ class HookSpecs:
 
     @hookspec
     def register_architectures(self, register: Registrar) -> None:
-        """Register :class:`llmfw.core.architecture.Architecture` subclasses by `general.architecture` name."""
+        """Register :class:`llmfw.core.arch.architecture.Architecture` subclasses by `general.architecture` name."""
 
     @hookspec
     def register_backends(self, register: Registrar) -> None:
-        """Register :class:`llmfw.core.backend.Backend` subclasses by backend name ("numpy", "torch", ...)."""
+        """Register :class:`llmfw.core.exec.backend.Backend` subclasses by backend name ("numpy", "torch", ...)."""
 
     @hookspec
     def register_tokenizers(self, register: Registrar) -> None:
-        """Register :class:`llmfw.core.vocab.Tokenizer` subclasses by `tokenizer.ggml.model` value."""
+        """Register :class:`llmfw.core.tokenizer.vocab.Tokenizer` subclasses by `tokenizer.ggml.model` value."""
 
     @hookspec
     def register_samplers(self, register: Registrar) -> None:
-        """Register :class:`llmfw.core.sampling.Sampler` subclasses by sampler name ("top_k", ...)."""
+        """Register :class:`llmfw.core.generation.sampling.Sampler` subclasses by sampler name ("top_k", ...)."""
 
     @hookspec
     def register_loaders(self, register: Registrar) -> None:
-        """Register :class:`llmfw.core.loader.ModelFileLoader` subclasses by format name ("gguf")."""
+        """Register :class:`llmfw.core.runtime.loader.ModelFileLoader` subclasses by format name ("gguf")."""
 
     @hookspec
     def register_memory(self, register: Registrar) -> None:
-        """Register :class:`llmfw.core.memory.Memory` subclasses by name ("kv_cache", "kv_cache_iswa")."""
+        """Register :class:`llmfw.core.runtime.memory.Memory` subclasses by name ("kv_cache", "kv_cache_iswa")."""
 
     @hookspec
     def register_commands(self, cli: Any) -> None:

@@ -20,11 +20,11 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from ..core.chat import CHATML_TEMPLATE, apply_chat_template, model_chat_template
+from ..core.tokenizer.chat import CHATML_TEMPLATE, apply_chat_template, model_chat_template
 from ..core.errors import ConfigError, ContextError, EngineStopped, LLMFWError, RequestError
-from ..core.generate import tokenize_prompt
-from ..core.sampling import SamplerChain
-from ..core.tool_calls import ToolCallFormat, ToolCallStream, parse_tool_calls
+from ..core.generation.generate import tokenize_prompt
+from ..core.generation.sampling import SamplerChain
+from .tool_calls import ToolCallFormat, ToolCallStream, parse_tool_calls
 from .constraints import Constraint, request_constraint
 from .engine import Cancel, Engine, ErrorEvent, Event, FinishEvent, Job, TokenEvent
 from .protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, GenerationFields, parse_request
@@ -373,7 +373,7 @@ def run_chat_completion(engine: Engine, params: dict[str, Any]) -> Any:
 def run_embeddings(engine: Engine, params: dict[str, Any]) -> dict[str, Any]:
     """``/v1/embeddings``: every input tokenized like a prompt, embedded on the engine thread, pooled per
     ``pooling`` (default: the GGUF's ``pooling_type``, mean when it says none), L2-normalized like llama-server."""
-    from ..core.embedding import embed_texts, model_pooling
+    from ..core.generation.embedding import embed_texts, model_pooling
 
     request: EmbeddingRequest = parse_request(EmbeddingRequest, params)
     inputs = request.inputs()  # tokenized by embed_texts exactly as model.embed tokenizes them

@@ -1,10 +1,10 @@
 """The one hook point for constrained decoding in the server: request fields → the grammar sampler.
 
-``response_format``, ``grammar``, ``json_schema`` (:func:`llmfw.core.response_format.constraint_from_request`) and,
-on chat, ``tools`` / ``tool_choice`` (:mod:`llmfw.core.tool_calls`) are read here and nowhere else.
+``response_format``, ``grammar``, ``json_schema`` (:func:`llmfw.serving.response_format.constraint_from_request`) and,
+on chat, ``tools`` / ``tool_choice`` (:mod:`llmfw.serving.tool_calls`) are read here and nowhere else.
 :func:`request_constraint` checks and compiles the constraint once per request; :meth:`Constraint.samplers`
 gives each choice its own grammar sampler (its own matcher), which the engine puts at the *front* of the
-choice's chain (a grammar's token mask must come before the other samplers, DESIGN.md "Structured output").
+choice's chain (a grammar's token mask must come before the other samplers, as in llama.cpp).
 Every bad field answers 400 with ``param`` naming it.
 """
 from __future__ import annotations
@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..core.errors import GrammarError, RequestError
-from ..core.response_format import constraint_from_request
-from ..core.sampling import Sampler, SamplerEnv, SamplerParams, build_sampler
-from ..core.tool_calls import ToolCallFormat, detect_tool_call_format, forced_function_names, tool_call_grammar
+from .response_format import constraint_from_request
+from ..core.generation.sampling import Sampler, SamplerEnv, SamplerParams, build_sampler
+from .tool_calls import ToolCallFormat, detect_tool_call_format, forced_function_names, tool_call_grammar
 from .protocol import GenerationFields
 
 #: the output-format fields, in the order a conflict between them is reported

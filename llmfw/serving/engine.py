@@ -27,11 +27,11 @@ from typing import Any, Callable, Union
 
 import numpy as np
 
-from ..core.batch import Batch
+from ..core.runtime.batch import Batch
 from ..core.errors import EngineBusy, EngineStopped, LLMFWError, RequestError
-from ..core.generate import TextStream, accept_prompt_tokens, common_prefix_length, forget_cache, \
+from ..core.generation.generate import TextStream, accept_prompt_tokens, common_prefix_length, forget_cache, \
     reuse_cached_prefix
-from ..core.sampling import SamplerChain
+from ..core.generation.sampling import SamplerChain
 from .metrics import EngineMetrics
 
 log = logging.getLogger(__name__)

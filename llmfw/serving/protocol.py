@@ -14,7 +14,7 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ..core.errors import RequestError, SamplerError
-from ..core.sampling import DEFAULT_SEED, SamplerParams, validation_problems
+from ..core.generation.sampling import DEFAULT_SEED, SamplerParams, validation_problems
 
 #: most choices one request may ask for (``n``)
 MAX_CHOICES = 16

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from ..core.errors import ConfigError
-from ..core.pipeline import Pipeline, PipelineConfig, RayConfig, load_pipeline
+from ..app.pipeline import Pipeline, PipelineConfig, RayConfig, load_pipeline
 
 #: the Ray Serve application and deployment names
 APP_NAME = "llmfw"

@@ -30,8 +30,8 @@ if str(_HERE) not in sys.path:
 
 from arch_specs import SPECS, file_name  # noqa: E402
 
-from llmfw.core.gguf import GGUFValueType, GGUFWriter  # noqa: E402
-from llmfw.core.quants import GGMLType, quantize  # noqa: E402
+from llmfw.core.format.gguf import GGUFValueType, GGUFWriter  # noqa: E402
+from llmfw.core.format.quants import GGMLType, quantize  # noqa: E402
 
 DATA_DIR = _ROOT / "tests" / "data" / "arch"
 

@@ -1,5 +1,5 @@
 """Produce tests/data/bpe_pretokenizers_more.json: llama.cpp's tokenization under the pre-tokenizers that
-shared/reference/bpe-pretokenizers.json does not cover (the ones issue 17 added), with SmolLM2's BPE vocabulary.
+tests/data/reference/bpe-pretokenizers.json does not cover (the ones issue 17 added), with SmolLM2's BPE vocabulary.
 
 Two steps, two interpreters (llama-cpp-python is only the measuring stick, never a dependency of llmfw):
 
@@ -28,7 +28,7 @@ EXTRA = ["def f(x):\n\treturn x**2  # 12345678", "Ünïcödé façade naïve —
 def write(folder: str, models_dir: str, smollm2: str) -> None:
     root = Path(__file__).resolve().parents[2]
     sys.path.insert(0, str(root))
-    from llmfw.core.gguf import GGUFWriter, open_gguf
+    from llmfw.core.format.gguf import GGUFWriter, open_gguf
 
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)

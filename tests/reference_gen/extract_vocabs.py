@@ -21,8 +21,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from llmfw.core.catalog import resolve_model  # noqa: E402
-from llmfw.core.gguf import GGUFFile  # noqa: E402
+from llmfw.app.catalog import resolve_model  # noqa: E402
+from llmfw.core.format.gguf import GGUFFile  # noqa: E402
 
 N_TOKENS = 8192
 DATA_DIR = ROOT / "tests" / "data" / "arch"

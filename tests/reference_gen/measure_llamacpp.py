@@ -6,7 +6,7 @@
 For every prompt of the model's spec: llama.cpp's tokens (``add_special=True, parse_special=True``), a greedy
 continuation of ``N_CONTINUATION`` tokens (stopping at an end-of-generation token), then the whole sequence
 evaluated at once with ``logits_all``; each position keeps its top-``N_TOP`` ids and logits and the
-log-sum-exp over the vocabulary, the format of ``shared/reference`` (so ``tests/conftest.py``'s ``score``
+log-sum-exp over the vocabulary, the format of ``tests/data/reference`` (so ``tests/conftest.py``'s ``score``
 applies). Writes ``OUT_DIR/<name>.json``.
 """
 from __future__ import annotations

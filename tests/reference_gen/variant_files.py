@@ -12,8 +12,8 @@ from typing import Iterable, Mapping
 
 import numpy as np
 
-from llmfw.core.gguf import GGUFWriter, open_gguf
-from llmfw.core.quants import dequantize
+from llmfw.core.format.gguf import GGUFWriter, open_gguf
+from llmfw.core.format.quants import dequantize
 
 
 def write_variant(source: Path, target: Path, *, drop: Iterable[str] = (),

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from llmfw.core.errors import SamplerError
-from llmfw.core.sampling import Candidates, SamplerChain
+from llmfw.core.generation.sampling import Candidates, SamplerChain
 from llmfw.plugins.samplers.basic import Dist
 from llmfw_example_plugin import TopA
 

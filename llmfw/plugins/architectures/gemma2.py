@@ -23,11 +23,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from llmfw.core.architecture import Architecture, TensorSpec
+from llmfw.core.arch.architecture import Architecture, TensorSpec
 from llmfw.core.errors import ModelError
-from llmfw.core.graph import GraphBuilder
-from llmfw.core.hparams import HParams
-from llmfw.core.loader import MetadataView
+from llmfw.core.ir.graph import GraphBuilder
+from llmfw.core.arch.hparams import HParams
+from llmfw.core.runtime.loader import MetadataView
 from llmfw.plugins.architectures.gemma3 import gemma_layer_tensors, gemma_post_attention, swa_layer_pattern
 
 #: llama.cpp's defaults for Gemma 2

@@ -24,11 +24,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from llmfw.core.architecture import Architecture, TensorSpec, attention_qkv_tensors
+from llmfw.core.arch.architecture import Architecture, TensorSpec, attention_qkv_tensors
 from llmfw.core.errors import ModelError
-from llmfw.core.graph import GraphBuilder, Node
-from llmfw.core.hparams import HParams
-from llmfw.core.loader import MetadataView
+from llmfw.core.ir.graph import GraphBuilder, Node
+from llmfw.core.arch.hparams import HParams
+from llmfw.core.runtime.loader import MetadataView
 
 #: every SWA_PATTERN-th layer is global (llama.cpp's ``hparams.set_swa_pattern(6)``)
 SWA_PATTERN = 6

@@ -7,8 +7,8 @@ pairs). An optional ``output.bias`` is added to the logits; the head is tied to 
 """
 from __future__ import annotations
 
-from llmfw.core.architecture import OUTPUT_LAYER, TensorSpec
-from llmfw.core.hparams import HParams
+from llmfw.core.arch.architecture import OUTPUT_LAYER, TensorSpec
+from llmfw.core.arch.hparams import HParams
 from llmfw.plugins.architectures.llama import LlamaArchitecture
 
 

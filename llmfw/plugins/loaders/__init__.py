@@ -2,7 +2,7 @@
 from llmfw.core.plugins import hookimpl
 
 LOADERS = {
-    "gguf": "llmfw.core.loader:GGUFLoader",
+    "gguf": "llmfw.core.runtime.loader:GGUFLoader",
 }
 
 

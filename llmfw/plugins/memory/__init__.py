@@ -2,8 +2,8 @@
 from llmfw.core.plugins import hookimpl
 
 MEMORY = {
-    "kv_cache": "llmfw.core.memory:KVCache",
-    "kv_cache_iswa": "llmfw.core.memory:KVCacheISWA",
+    "kv_cache": "llmfw.core.runtime.memory:KVCache",
+    "kv_cache_iswa": "llmfw.core.runtime.memory:KVCacheISWA",
 }
 
 

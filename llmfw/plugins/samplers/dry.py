@@ -10,7 +10,7 @@ import math
 from typing import Any, Iterable, Sequence
 
 from llmfw.core.errors import SamplerError
-from llmfw.core.sampling import Candidates, RingHistory, Sampler, SamplerEnv, SamplerParams, ids_lookup
+from llmfw.core.generation.sampling import Candidates, RingHistory, Sampler, SamplerEnv, SamplerParams, ids_lookup
 
 MAX_BREAKER_CHARS = 40
 MAX_BREAKER_TAIL_TOKENS = 20

@@ -1,4 +1,4 @@
-"""The ``grammar`` sampler: constrained decoding through llguidance (see :mod:`llmfw.core.grammar`).
+"""The ``grammar`` sampler: constrained decoding through llguidance (see :mod:`llmfw.core.generation.grammar`).
 
 It goes first in the chain, as in llama.cpp, so truncation samplers never leave only forbidden tokens: every
 candidate the grammar cannot accept next is dropped (dropping rather than setting ``-inf`` keeps the later
@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 
 from llmfw.core.errors import GrammarError, SamplerError
-from llmfw.core.grammar import GrammarMatcher, GrammarSpec
-from llmfw.core.sampling import Candidates, Sampler, SamplerEnv, SamplerParams
+from llmfw.core.generation.grammar import GrammarMatcher, GrammarSpec
+from llmfw.core.generation.sampling import Candidates, Sampler, SamplerEnv, SamplerParams
 
 
 class Grammar(Sampler):

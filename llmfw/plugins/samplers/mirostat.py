@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from llmfw.core.errors import SamplerError
-from llmfw.core.sampling import (
+from llmfw.core.generation.sampling import (
     Candidates,
     MT19937Rng,
     Sampler,

@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from llmfw.core.errors import SamplerError
-from llmfw.core.sampling import Candidates, RingHistory, Sampler, SamplerEnv, SamplerParams, ids_lookup
+from llmfw.core.generation.sampling import Candidates, RingHistory, Sampler, SamplerEnv, SamplerParams, ids_lookup
 
 
 class Penalties(Sampler):

@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from llmfw.core.sampling import (
+from llmfw.core.generation.sampling import (
     Candidates,
     MT19937Rng,
     Sampler,

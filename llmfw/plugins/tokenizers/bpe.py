@@ -32,7 +32,7 @@ from operator import itemgetter
 import regex
 
 from llmfw.core.errors import TokenizerError, VocabError
-from llmfw.core.vocab import Tokenizer, TokenizerDefaults, Vocab
+from llmfw.core.tokenizer.vocab import Tokenizer, TokenizerDefaults, Vocab
 
 
 # ----------------------------------------------------------------------------------------------- byte alphabet

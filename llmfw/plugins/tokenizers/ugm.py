@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from llmfw.core.errors import TokenizerError, VocabError
-from llmfw.core.vocab import Tokenizer, TokenizerDefaults, TokenAttr, Vocab
+from llmfw.core.tokenizer.vocab import Tokenizer, TokenizerDefaults, TokenAttr, Vocab
 
 SPACE = "\u2581"
 _SPACE_BYTES = SPACE.encode()

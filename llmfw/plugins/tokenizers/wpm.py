@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import unicodedata
 from llmfw.core.errors import TokenizerError
-from llmfw.core.vocab import Tokenizer, TokenizerDefaults, Vocab
+from llmfw.core.tokenizer.vocab import Tokenizer, TokenizerDefaults, Vocab
 
 WORD_PREFIX = "\u2581"  # the phantom space llama.cpp puts before every word
 

@@ -5,10 +5,10 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from llmfw.core.backend import Backend, CompiledSplit, Split
+from llmfw.core.exec.backend import Backend, CompiledSplit, Split
 from llmfw.core.errors import ModelError
-from llmfw.core.graph import Node
-from llmfw.core.rope import rope_cos_sin
+from llmfw.core.ir.graph import Node
+from llmfw.core.ir.rope import rope_cos_sin
 from llmfw.plugins.backends.numpy.kernels import (F32, NumpyKV, attention, gelu, layer_norm, rms_norm, rope_apply,
                                                   rope_apply_full, rope_table, silu, visible_limits, write_kv)
 from llmfw.plugins.backends.numpy.weights import get_rows

@@ -1,5 +1,5 @@
 """The numpy backend's op kernels: pure functions of float32 numpy arrays (also the oracle that other backends'
-tests compare against). Each computes what the graph op means (:mod:`llmfw.core.graph`) the way ggml rounds it
+tests compare against). Each computes what the graph op means (:mod:`llmfw.core.ir.graph`) the way ggml rounds it
 where that is cheap (norms sum their squares in double)."""
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ class NumpyKV:
 def rms_norm(x: np.ndarray, eps: float, weight: np.ndarray | None = None) -> np.ndarray:
     """``x / sqrt(mean(x²) + eps)`` (then ``* weight`` when given, rounded after the normalisation like ggml).
 
-    ggml accumulates the sum of squares in double; a batched float64 matmul does the same and is ~10x faster
+    ggml accumulates the sum of squares in double; a batched float64 matmul does the same and is much faster
     than ``einsum(..., dtype=float64)``."""
     n = x.shape[-1]
     if x.size == n:  # one row (a decode step): the scale in Python floats (doubles), 4 array ops in all

@@ -5,9 +5,9 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from llmfw.core.backend import CompiledSplit, KVLayerShape, Split
-from llmfw.core.graph import OPS
-from llmfw.core.passes import ANY, Pattern, RewriteRule
+from llmfw.core.exec.backend import CompiledSplit, KVLayerShape, Split
+from llmfw.core.ir.graph import OPS
+from llmfw.core.ir.passes import ANY, Pattern, RewriteRule
 from llmfw.plugins.backends.numpy.blas import set_blas_threads
 from llmfw.plugins.backends.numpy.compiler import SplitCompiler
 from llmfw.plugins.backends.numpy.kernels import F32, NumpyKV
@@ -18,7 +18,7 @@ SWIGLU = RewriteRule("swiglu", Pattern("mul", (Pattern("silu", (ANY,)), ANY)), "
 
 
 class NumpyBackend(NumpyWeights):
-    """Float32 numpy implementation of every op (see :mod:`llmfw.core.graph`), plus ``swiglu`` (:data:`SWIGLU`)."""
+    """Float32 numpy implementation of every op (see :mod:`llmfw.core.ir.graph`), plus ``swiglu`` (:data:`SWIGLU`)."""
 
     name = "numpy"
     supported_ops = OPS

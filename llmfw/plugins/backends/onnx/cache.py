@@ -24,7 +24,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from llmfw.core.backend import WeightSource
+from llmfw.core.exec.backend import WeightSource
 from llmfw.plugins.backends.onnx.weights import BlockWeight, DenseWeight, Weight
 
 log = logging.getLogger(__name__)
@@ -110,7 +110,7 @@ class ConvertedCache:
     def for_file(cls, root: Path, model_file: Path) -> "ConvertedCache | None":
         """The cache entry of ``model_file``, or None when it is too small to be worth one or cannot be hashed."""
         from llmfw import __version__
-        from llmfw.core.catalog import file_sha256
+        from llmfw.app.catalog import file_sha256
 
         try:
             if model_file.stat().st_size < MIN_FILE_BYTES:
@@ -204,7 +204,7 @@ class ConvertedCache:
 
 def default_cache_root() -> Path:
     """``<models_dir>/.onnx``: next to the model cache."""
-    from llmfw.core.catalog import models_dir
+    from llmfw.app.catalog import models_dir
 
     return models_dir() / ".onnx"
 
@@ -228,7 +228,7 @@ class CachedLoad:
         return convert(source)
 
     def fused(self, name: str, parts: tuple[str, ...], fuse: Callable[[], Weight]) -> Weight:
-        """A fused weight (core/passes.py) of ``parts``: restored when stored for these very parts, else built."""
+        """A fused weight (core/ir/passes.py) of ``parts``: restored when stored for these very parts, else built."""
         key = self.keys[name] = ["fused", [self.keys.get(part) for part in parts]]
         cached = self.restored.pop(name, None)
         if cached is not None and cached.key == key:

@@ -7,7 +7,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from llmfw.core.backend import Split
+from llmfw.core.exec.backend import Split
 
 #: ONNX opset of the default domain; com.microsoft ops are version 1
 OPSET = 17

@@ -25,8 +25,8 @@ from typing import Literal, Mapping
 
 import numpy as np
 
-from llmfw.core.backend import Split
-from llmfw.core.graph import Node
+from llmfw.core.exec.backend import Split
+from llmfw.core.ir.graph import Node
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ import math
 
 import numpy as np
 
-from llmfw.core.memory import pad_to
+from llmfw.core.runtime.memory import pad_to
 
 F32 = np.float32
 #: a per-row cell list's length is a multiple of this (fewer distinct shapes: bindings are kept per shape)

@@ -18,9 +18,9 @@ from typing import Any, Callable, Hashable, Mapping, Sequence
 
 import numpy as np
 
-from llmfw.core.backend import Backend, BackendOptions, CompiledSplit, KVLayerShape, Split, WeightSource
+from llmfw.core.exec.backend import Backend, BackendOptions, CompiledSplit, KVLayerShape, Split, WeightSource
 from llmfw.core.errors import ModelError
-from llmfw.core.graph import OPS
+from llmfw.core.ir.graph import OPS
 from llmfw.plugins.backends.onnx.cache import CachedLoad, ConvertedCache, MappedBlob, default_cache_root
 from llmfw.plugins.backends.onnx.emit import external_tensor_proto, split_signature
 from llmfw.plugins.backends.onnx.fused import (
@@ -59,7 +59,7 @@ class _Program:
 class OnnxOptions(BackendOptions):
     """``backend_options={"onnx": {...}}``; the CLI maps ``OnnxBackend.environment_options`` onto them."""
 
-    #: ONNX Runtime's per-node trace, one JSON file per session, under this path prefix (README, Profiling)
+    #: ONNX Runtime's per-node trace, one JSON file per session, under this path prefix (docs/backends.md, onnx options)
     profile: str | None = None
     #: intra-op threads busy-wait between kernels (faster decode; False frees the cores between calls)
     spin: bool = True
@@ -90,7 +90,7 @@ class OnnxBackend(Backend):
     supported_ops = OPS
     is_host = False
     requires = ("onnxruntime", "onnx")
-    #: the default on a CPU: it decodes about twice as fast as numpy or torch there (README, Benchmarks)
+    #: the default on a CPU: it decodes about twice as fast as numpy or torch there (docs/benchmarks.md)
     default_priority = {"cpu": 200}
 
     options_schema = OnnxOptions
@@ -125,6 +125,12 @@ class OnnxBackend(Backend):
     @classmethod
     def check_available(cls, device: str | None = None) -> None:
         execution_providers(device)
+
+    @classmethod
+    def cache_dirs(cls, environ: Mapping[str, str]) -> list[Path]:
+        """The converted-weight cache (``LLMFW_ONNX_CACHE_DIR`` moves it, as the ``cache_dir`` option does)."""
+        moved = environ.get("LLMFW_ONNX_CACHE_DIR")
+        return [Path(moved).expanduser() if moved else default_cache_root()]
 
     # -- weights ------------------------------------------------------------------------------------------
     def begin_loading(self, model_file: Path) -> None:
@@ -324,7 +330,7 @@ class OnnxBackend(Backend):
         if not opts.spin:
             options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         options.log_severity_level = 3  # unused-initializer notes are expected (e.g. weights of fused matmuls)
-        if opts.profile:  # ORT's per-node timings, a JSON trace per session (see the README section)
+        if opts.profile:  # ORT's per-node timings, a JSON trace per session (docs/backends.md, onnx options)
             options.enable_profiling = True
             options.profile_file_prefix = opts.profile
         if opts.dump:  # the graph after ORT's fusions, to check what it made of a split

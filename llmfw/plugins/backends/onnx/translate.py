@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from llmfw.core.backend import Split
+from llmfw.core.exec.backend import Split
 from llmfw.core.errors import ModelError
-from llmfw.core.graph import DYNAMIC, Node, Shape
-from llmfw.core.rope import rope_angle_slopes
+from llmfw.core.ir.graph import DYNAMIC, Node, Shape
+from llmfw.core.ir.rope import rope_angle_slopes
 from llmfw.plugins.backends.onnx.emit import (
     ONNX_BOOL, ONNX_FLOAT, ONNX_INT32, ONNX_INT64, OPSET, Emitter, external_tensor_proto, freeze, kv_name, live_nodes,
 )
@@ -256,9 +256,24 @@ class SplitTranslator:
         return self._matmul_nbits(x, x_shape, name, weight)
 
     def _matmul_nbits(self, x: str, x_shape: Shape, key: str, weight: BlockWeight) -> str:
+        """The block product, with a row of ones appended to a 2-D input whose row count may be one. MLAS runs a
+        one-row MatMulNBits (a one-token decode, a prompt's last row into the head) through a kernel of its own
+        on some CPUs (AVX2 without AVX-512: another activation rounding and summation order), while its many-row
+        kernel gives every row the same bits whatever the row count, place or thread split. The extra row keeps
+        every product on the many-row kernel, so a token's logits do not depend on the batch it came in."""
         n_out, n_in = weight.shape
         if x_shape[-1] not in (n_in, DYNAMIC):
             raise ModelError(f"onnx backend: mul_mat of {key} expects inputs with {n_in} columns, got {x_shape}")
+        padded = len(x_shape) == 2  # a session serves every row count: the IR's count is the first run's
+        if padded:
+            x = self.e.op("Concat", [x, self.e.const(np.ones((1, n_in)), np.float32)], axis=0, hint="rows")
+        out = self._block_product(x, x_shape, key, weight)
+        if padded:
+            out = self.e.op("Slice", [out, self.e.const([0]), self.e.const([-1]), self.e.const([0])], hint="mmq")
+        return out
+
+    def _block_product(self, x: str, x_shape: Shape, key: str, weight: BlockWeight) -> str:
+        n_out, n_in = weight.shape
         b = self.e.external(f"q:{key}", weight.packed)
         s = self.e.external(f"s:{key}", weight.scales)
         out = self.e.op("MatMulNBits", [x, b, s], domain="com.microsoft", hint="mmq", K=n_in, N=n_out,
@@ -267,7 +282,7 @@ class SplitTranslator:
             return out
         # per-block offsets: W = codes*scales + offsets ⇒ x @ W.T += blocksum(x) @ offsets.T, the block sums a
         # ReduceSum over x seen as [..., n_blocks, block]: a node more than one MatMul by a 0/1 matrix, yet the
-        # decode step is faster (the README's onnx section has the measurement)
+        # decode step is faster (docs/benchmarks.md, generation)
         blocked = self.e.op("Reshape", [x, self.e.const([0] * (len(x_shape) - 1) + [weight.n_blocks, weight.block])])
         sums = self.e.op("ReduceSum", [blocked, self.e.const([-1])], keepdims=0, hint="blocksum")
         offsets_t = self.e.external(f"oT:{key}", self.backend.offsets_transposed(key, weight))

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
-from llmfw.core.architecture import RopeParams
-from llmfw.core.backend import Split
+from llmfw.core.arch.architecture import RopeParams
+from llmfw.core.exec.backend import Split
 from llmfw.core.errors import ModelError
-from llmfw.core.graph import Node
+from llmfw.core.ir.graph import Node
 from llmfw.plugins.backends.torch.environment import import_torch
 from llmfw.plugins.backends.torch.kernels import (
     KVStorage,

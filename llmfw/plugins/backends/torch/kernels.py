@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from llmfw.core.architecture import RopeParams
+from llmfw.core.arch.architecture import RopeParams
 from llmfw.core.errors import ModelError
-from llmfw.core.quants import dequantize_rows
-from llmfw.core.rope import rope_cos_sin as host_rope_cos_sin
+from llmfw.core.format.quants import dequantize_rows
+from llmfw.core.ir.rope import rope_cos_sin as host_rope_cos_sin
 from llmfw.plugins.backends.torch.environment import import_torch
 from llmfw.plugins.backends.torch.weights import TorchWeight
 

@@ -8,7 +8,7 @@ import numpy as np
 
 from pydantic import field_validator
 
-from llmfw.core.backend import (
+from llmfw.core.exec.backend import (
     Backend,
     BackendOptions,
     CompiledSplit,
@@ -18,8 +18,8 @@ from llmfw.core.backend import (
     WeightSource,
     release_freed_memory,
 )
-from llmfw.core.graph import OPS
-from llmfw.core.quants import dequantize_rows
+from llmfw.core.ir.graph import OPS
+from llmfw.core.format.quants import dequantize_rows
 from llmfw.plugins.backends.torch.compiler import SplitCompiler
 from llmfw.plugins.backends.torch.environment import (
     PIP_EXTRA, SPIN_ENV, apply_spin_setting, check_device, import_torch, nvidia_driver_present,

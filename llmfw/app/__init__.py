@@ -1,0 +1,1 @@
+"""Application layer: pipelines (model + backend + serving config) and the model catalog."""

@@ -1,0 +1,1 @@
+"""Architecture descriptions and their hyper-parameters."""

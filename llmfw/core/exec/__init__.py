@@ -1,0 +1,1 @@
+"""Execution: the backend interface and the scheduler over backends."""

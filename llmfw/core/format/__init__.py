@@ -1,0 +1,1 @@
+"""File formats: GGUF parsing and ggml quantisation types."""

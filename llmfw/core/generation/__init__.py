@@ -1,0 +1,1 @@
+"""Generation: sampling, grammars, the decode loop, speculative decoding, embeddings, perplexity."""

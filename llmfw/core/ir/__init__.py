@@ -1,0 +1,1 @@
+"""The graph IR, its rewrite passes and RoPE helpers."""

@@ -1,0 +1,1 @@
+"""Runtime: loading weights, models, batches, memory (KV caches), contexts and their state."""

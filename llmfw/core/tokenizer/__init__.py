@@ -1,0 +1,1 @@
+"""Tokenizers: vocabularies, their loaders, chat templates."""
