@@ -144,6 +144,7 @@ class ServerConfig(_Section):
     max_queue: int = Field(64, ge=0)
     alias: str | None = None
     cors_origin: list[str] = Field(default_factory=list)
+    webui: bool = True  # the browser chat page at / (--no-webui: off)
     ray: RayConfig | None = None  # present (or --ray): serve as a Ray Serve application
 
 

@@ -21,6 +21,7 @@ SERVE_KEYS = {
     "model": "model", "backend": "backend", "n_ctx": "context.n_ctx", "threads": "context.n_threads",
     "host": "server.host", "port": "server.port", "parallel": "server.parallel", "api_key": "server.api_key",
     "api_key_file": "server.api_key_file", "max_queue": "server.max_queue", "alias": "server.alias",
+    "webui": "server.webui",
 }
 #: seconds uvicorn waits for open connections after a stop signal
 GRACEFUL_SHUTDOWN_S = 3
@@ -110,6 +111,7 @@ def make_server(app: Any, host: str, port: int, verbose: bool) -> Any:
 @click.option("--max-queue", type=int, default=None, help="Most requests waiting for a slot (default 64).")
 @click.option("--alias", default=None, help="Model name in /v1/models and responses (default: the file name).")
 @click.option("--cors-origin", multiple=True, help="Allow browser requests from this origin (repeatable).")
+@click.option("--webui/--no-webui", default=None, help="Serve the browser chat page at / (default: on).")
 @click.option("--config", type=click.Path(dir_okay=False), default=None, help="YAML file (its server: section).")
 @click.option("--ray", "use_ray", is_flag=True,
               help="Serve as a Ray Serve application (replicas behind Ray's router; needs llmfw[ray]).")
@@ -123,6 +125,7 @@ def serve(**opts: Any) -> None:
     """Serve a model over an OpenAI-compatible HTTP API with continuous batching."""
     from ..serving.app import pipeline_app, read_api_key
     from ..serving.engine import Engine
+    from ..serving.webui import page_url
     from .run import load_model_with_progress
 
     pipeline = serve_pipeline(opts)
@@ -139,6 +142,8 @@ def serve(**opts: Any) -> None:
     def announce(engine: Engine) -> None:
         click.echo(f"llmfw: serving {engine.alias} at {url} (parallel {engine.parallel}, "
                    f"{engine.n_ctx_slot} tokens per slot)", err=True)
+        if server_cfg.webui:
+            click.echo(f"llmfw: chat in a browser at {page_url(server_cfg.host, server_cfg.port)}", err=True)
         sys.stderr.flush()
 
     app = pipeline_app(pipeline, load_model=lambda: load_model_with_progress(pipeline, True), on_ready=announce)

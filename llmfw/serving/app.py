@@ -35,6 +35,7 @@ from ..core.errors import ChatTemplateError, ConfigError, ContextError, EngineBu
 from .engine import Engine
 from .metrics import CONTENT_TYPE
 from .protocol import parse_request
+from .webui import webui_routes
 
 log = logging.getLogger(__name__)
 
@@ -316,9 +317,10 @@ class ReplicaAndAuth:
 
 
 def create_app(engine: Engine | Callable[[], Engine], *, api_key: str | None = None,
-               cors_origins: list[str] | None = None, thread_tokens: int | None = None) -> Any:
+               cors_origins: list[str] | None = None, thread_tokens: int | None = None, webui: bool = True) -> Any:
     """The ASGI app. ``engine``: a ready Engine, or a callable that builds one (run in a thread at startup,
-    /health answers 503 until it returns)."""
+    /health answers 503 until it returns). ``webui``: serve the browser chat page at ``/``
+    (:mod:`llmfw.serving.webui`)."""
     state = ServerState(api_key=api_key or None)
 
     def load() -> None:
@@ -344,7 +346,10 @@ def create_app(engine: Engine | Callable[[], Engine], *, api_key: str | None = N
     if cors_origins:
         middleware.append(Middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["*"],
                                      allow_headers=["*"], expose_headers=[REPLICA_HEADER]))
-    app = Starlette(routes=[Route(path, _guarded(fn), methods=methods) for path, fn, methods in ROUTES],
+    routes: list[Any] = [Route(path, _guarded(fn), methods=methods) for path, fn, methods in ROUTES]
+    if webui:
+        routes += webui_routes()
+    app = Starlette(routes=routes,
                     middleware=middleware, lifespan=lifespan,
                     exception_handlers={HTTPException: _http_exception, Exception: _any_exception})
     app.state.llmfw = state
@@ -372,7 +377,7 @@ def pipeline_app(pipeline: Any, *, eager: bool = False, load_model: Callable[[],
         return engine
 
     return create_app(build() if eager else build, api_key=read_api_key(server), cors_origins=server.cors_origin,
-                      thread_tokens=server.max_queue + server.parallel + 16)
+                      thread_tokens=server.max_queue + server.parallel + 16, webui=server.webui)
 
 
 def read_api_key(server: Any) -> str | None:
