@@ -67,6 +67,24 @@ Ops (inputs in order; attributes in ``Node.attrs``):
                     ``shift`` (llama.cpp's K-shift after ``seq_add``); same rope attrs as ``rope``.
 ==================  ===================================================================================
 
+Mixture-of-experts ops (``build_moe_ffn``, :mod:`llmfw.core.moe`; ids are int32, ``E`` experts, ``K`` chosen):
+
+==================  ===================================================================================
+``softmax``         (x) → softmax over the last axis.
+``sigmoid``         (x) → ``1 / (1 + exp(-x))``.
+``div``             (a, b) elementwise with numpy broadcasting.
+``sum_rows``        (x [..., n]) → [..., 1], the sum over the last axis (ggml_sum_rows).
+``top_k``           (x [..., n]) → i32 [..., k]: the indices of the ``attrs["k"]`` largest entries of each row,
+                    largest first (ggml_argsort_top_k).
+``take``            (x [..., n], ids [..., k]) → [..., k]: ``take_along_axis(x, ids, -1)`` (leading dims equal).
+``id_mask``         (x [..., n], ids [..., k]) → [..., n]: 0 at the columns ``ids`` names, -inf elsewhere.
+``mul_mat_id``      (w [E, n_out, n_in], x [T, n_in] or [T, K, n_in], ids [T, K]) → [T, K, n_out]: row (t, j)
+                    is ``x[t(, j)] @ w[ids[t, j]].T`` (ggml_mul_mat_id); only the chosen experts are computed.
+``add_id``          (a [T, K, n], b [E, n], ids [T, K]) → ``a + b[ids]`` (ggml_add_id: per-expert biases).
+``swiglu_oai``      (gate, up) → ``g * sigmoid(alpha * g) * (u + 1)`` with ``g = min(gate, limit)``,
+                    ``u = clip(up, -limit, limit)``; attrs ``alpha``, ``limit`` (gpt-oss's experts).
+==================  ===================================================================================
+
 ``get_rows`` also selects rows of activations (``table`` is then any [N, ...] node), e.g. the output rows
 before the head. Nodes are executed even when nothing consumes them (``attention`` / ``k_shift`` write the
 cache).
@@ -305,6 +323,81 @@ def _k_shift(inputs: Sequence[Node], attrs: Mapping[str, AttrValue]) -> tuple[Sh
     return (0,), "f32"
 
 
+# -- mixture-of-experts ops (see the MoE table in the module docstring) -------------------------------------
+
+def _reduce_rows(inputs: Sequence[Node], attrs: Mapping[str, AttrValue]) -> tuple[Shape, DType]:
+    shape = _require_float(inputs[0], "the summed input")
+    if not shape:
+        raise ShapeError("cannot sum the rows of a scalar")
+    return shape[:-1] + (1,), "f32"
+
+
+def _top_k(inputs: Sequence[Node], attrs: Mapping[str, AttrValue]) -> tuple[Shape, DType]:
+    shape = _require_float(inputs[0], "the ranked input")
+    k = attrs.get("k")
+    too_many = bool(shape) and isinstance(k, int) and shape[-1] != DYNAMIC and k > shape[-1]
+    if not shape or not isinstance(k, int) or k <= 0 or too_many:
+        raise ShapeError(f"top_k needs 0 < k <= {shape[-1:]} entries per row, got k={k!r}")
+    return shape[:-1] + (k,), "i32"
+
+
+def _id_operands(inputs: Sequence[Node]) -> tuple[Shape, Shape]:
+    """(x, ids) of ``take`` / ``id_mask``: ids integer, leading dims equal to x's."""
+    x = _require_float(inputs[0], "the table")
+    ids, dtype = _typed(inputs[1])
+    if dtype == "f32" or len(ids) != len(x) or not all(_dims_match(a, b) for a, b in zip(x[:-1], ids[:-1])):
+        raise ShapeError(f"ids {dtype}{list(ids)} do not index the rows of {list(x)}")
+    return x, ids
+
+
+def _take(inputs: Sequence[Node], attrs: Mapping[str, AttrValue]) -> tuple[Shape, DType]:
+    _, ids = _id_operands(inputs)
+    return ids, "f32"
+
+
+def _id_mask(inputs: Sequence[Node], attrs: Mapping[str, AttrValue]) -> tuple[Shape, DType]:
+    x, _ = _id_operands(inputs)
+    return x, "f32"
+
+
+def _mul_mat_id(inputs: Sequence[Node], attrs: Mapping[str, AttrValue]) -> tuple[Shape, DType]:
+    w = _require_float(inputs[0], "the expert matrices")
+    x = _require_float(inputs[1], "the activations")
+    n_tokens, n_used = _require_int(inputs[2], "the expert ids", 2)
+    if len(w) != 3:
+        raise ShapeError(f"mul_mat_id needs expert matrices [E, n_out, n_in], got {list(w)}")
+    fits = (len(x) == 2 or (len(x) == 3 and _dims_match(x[1], n_used))) and _dims_match(x[0], n_tokens)
+    if not fits or not _dims_match(x[-1], w[2]):
+        raise ShapeError(f"mul_mat_id: activations {list(x)} do not fit matrices {list(w)} and ids "
+                         f"[{n_tokens}, {n_used}]")
+    return (x[0], n_used, w[1]), "f32"
+
+
+def _add_id(inputs: Sequence[Node], attrs: Mapping[str, AttrValue]) -> tuple[Shape, DType]:
+    a = _require_float(inputs[0], "the expert outputs")
+    b = _require_float(inputs[1], "the per-expert rows")
+    ids = _require_int(inputs[2], "the expert ids", 2)
+    if len(a) != 3 or len(b) != 2 or not _dims_match(a[2], b[1]) or \
+            not all(_dims_match(x, y) for x, y in zip(a[:2], ids)):
+        raise ShapeError(f"add_id needs a [T, K, n], b [E, n], ids [T, K]; got {list(a)}, {list(b)}, {list(ids)}")
+    return a, "f32"
+
+
+#: the MoE ops, a block of their own in :data:`OP_TABLE`
+MOE_OP_TABLE: Mapping[str, OpSpec] = {
+    "softmax": OpSpec(1, 1, _elementwise),
+    "sigmoid": OpSpec(1, 1, _elementwise),
+    "div": OpSpec(2, 2, _elementwise),
+    "sum_rows": OpSpec(1, 1, _reduce_rows),
+    "top_k": OpSpec(1, 1, _top_k),
+    "take": OpSpec(2, 2, _take),
+    "id_mask": OpSpec(2, 2, _id_mask),
+    "mul_mat_id": OpSpec(3, 3, _mul_mat_id),
+    "add_id": OpSpec(3, 3, _add_id),
+    "swiglu_oai": OpSpec(2, 2, _elementwise),
+}
+
+
 #: every op of the IR: arity and shape rule. A backend lists the subset it implements in
 #: ``Backend.supported_ops``; ops a backend adds through its rewrite rules are not here (see core/passes.py)
 OP_TABLE: Mapping[str, OpSpec] = {
@@ -328,6 +421,7 @@ OP_TABLE: Mapping[str, OpSpec] = {
     "rope": OpSpec(2, 3, _rope),
     "attention": OpSpec(5, 5, _attention),
     "k_shift": OpSpec(1, 2, _k_shift),
+    **MOE_OP_TABLE,
 }
 OPS = frozenset(OP_TABLE)
 
@@ -645,6 +739,14 @@ class GraphBuilder:
         else:
             h = self.op(act, h)
         return self.mul_mat(down, h, _bias_of(down))
+
+    def build_moe_ffn(self, x: Node, il: int | None = None, **options: "object") -> Node:
+        """Mixture-of-experts feed-forward of ``x`` [T, n_embd] (llama.cpp's ``build_moe_ffn``): router, top-k,
+        the chosen experts' FFNs weighted and summed, plus shared experts. See :func:`llmfw.core.moe.build_moe_ffn`
+        for the options (gating, weight normalisation and scale, activation, tensor names)."""
+        from .moe import build_moe_ffn
+
+        return build_moe_ffn(self, x, self.layer if il is None else il, **options)  # type: ignore[arg-type]
 
     def build_inp_out_ids(self) -> Node:
         """The ``out_ids`` input (rows to output). Unlike llama.cpp it is there even when every token is an

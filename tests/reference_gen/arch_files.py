@@ -40,7 +40,9 @@ DATA_DIR = _ROOT / "tests" / "data" / "arch"
 _U32_KEYS = {
     "context_length", "embedding_length", "block_count", "feed_forward_length", "attention.head_count",
     "attention.head_count_kv", "attention.key_length", "attention.value_length", "attention.sliding_window",
-    "rope.dimension_count", "rope.scaling.original_context_length",
+    "rope.dimension_count", "rope.scaling.original_context_length", "expert_count", "expert_used_count",
+    "expert_feed_forward_length", "expert_shared_count", "expert_shared_feed_forward_length",
+    "expert_group_count", "expert_group_used_count", "leading_dense_block_count", "expert_gating_func",
 }
 
 
@@ -69,6 +71,10 @@ def _arch_keys(spec: dict) -> dict:
         keys["rope.scaling.original_context_length"] = spec["original_context_length"]
     if "sliding_window" in spec:
         keys["attention.sliding_window"] = spec["sliding_window"]
+    if "n_expert" in spec:
+        keys["expert_count"], keys["expert_used_count"] = spec["n_expert"], spec["n_expert_used"]
+        if "n_ff_exp" in spec:
+            keys["expert_feed_forward_length"] = spec["n_ff_exp"]
     if spec["arch"] == "phi3":
         # Phi3MiniModel writes LongRoPE's attention factor; scale = n_ctx_train / original context
         scale = spec["context_length"] / spec["original_context_length"]
@@ -198,23 +204,42 @@ def _layer_plan(spec: dict, il: int) -> list[TensorPlan]:
         add("attn_q.bias", (n_q,), "bias", "bias")
         add("attn_k.bias", (n_kv,), "bias", "bias")
         add("attn_v.bias", (n_kv,), "bias", "bias")
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3moe"):
         add("attn_q_norm.weight", (head,), "norm", "qk_norm")
         add("attn_k_norm.weight", (head,), "norm", "qk_norm")
+    if arch == "olmoe":  # normalised over the whole width, before the head split
+        add("attn_q_norm.weight", (n_q,), "norm", "qk_norm")
+        add("attn_k_norm.weight", (n_kv,), "norm", "qk_norm")
     add("attn_output.weight", (n_embd, n_q), "attn_output", "unit")
     if arch == "gemma2":
         add("post_attention_norm.weight", (n_embd,), "norm", "post_norm")
     if arch != "olmo":
         add("ffn_norm.weight", (n_embd,), "norm", "norm")
-    if arch == "phi3":  # gate and up fused, gate first (ggml_swiglu's order)
+    if "n_expert" in spec:
+        plan += _expert_plan(spec, il)
+    elif arch == "phi3":  # gate and up fused, gate first (ggml_swiglu's order)
         add("ffn_up.weight", (2 * n_ff, n_embd), "ffn_up", "unit")
     else:
         add("ffn_gate.weight", (n_ff, n_embd), "ffn_gate", "unit")
         add("ffn_up.weight", (n_ff, n_embd), "ffn_up", "unit")
-    add("ffn_down.weight", (n_embd, n_ff), "ffn_down", "down")
+    if "n_expert" not in spec:
+        add("ffn_down.weight", (n_embd, n_ff), "ffn_down", "down")
     if arch == "gemma2":
         add("post_ffw_norm.weight", (n_embd,), "norm", "post_norm")
     return plan
+
+
+def _expert_plan(spec: dict, il: int) -> list[TensorPlan]:
+    """A router [E, n_embd] sharp enough that the choice of experts matters (logits of std ~3) and 3-D expert
+    matrices (numpy [E, n_out, n_in]); the experts' outputs are larger than a dense FFN's so that their weighting
+    (normalised or not) moves the logits."""
+    n_embd, n_expert = spec["n_embd"], spec["n_expert"]
+    n_ff = spec.get("n_ff_exp", spec["n_ff"])
+    blk = f"blk.{il}."
+    return [TensorPlan(blk + "ffn_gate_inp.weight", (n_expert, n_embd), "ffn_gate_inp", "router", il),
+            TensorPlan(blk + "ffn_gate_exps.weight", (n_expert, n_ff, n_embd), "ffn_gate_exps", "unit", il),
+            TensorPlan(blk + "ffn_up_exps.weight", (n_expert, n_ff, n_embd), "ffn_up_exps", "unit", il),
+            TensorPlan(blk + "ffn_down_exps.weight", (n_expert, n_embd, n_ff), "ffn_down_exps", "expert_down", il)]
 
 
 def tensor_plan(spec: dict, n_vocab: int) -> list[TensorPlan]:
@@ -278,6 +303,10 @@ def _draw(spec: dict, item: TensorPlan, rng: np.random.Generator) -> np.ndarray:
         return normal(shape, 1.0 / math.sqrt(n_in))
     if kind == "down":
         return normal(shape, 1.5 / math.sqrt(n_in))
+    if kind == "expert_down":
+        return normal(shape, 3.0 / math.sqrt(n_in))
+    if kind == "router":  # router logits of std ~3: a clear best expert, a runner-up that still counts
+        return normal(shape, 3.0 / math.sqrt(n_in))
     if kind == "qkv":  # Phi-3: LongRoPE's attn_factor (1.22 on q and k) sharpens the scores 1.5x, so q/k start
         n_q, n_kv = (int(p) for p in params.split(":"))  # a little smaller than "sharp"
         scale = np.concatenate([np.full(n_q + n_kv, 1.4), np.full(n_kv, 1.0)]).astype(np.float32)
@@ -308,8 +337,42 @@ def _tensor_type(spec: dict, item: TensorPlan) -> GGMLType:
     return GGMLType[chosen]
 
 
-def _add_tensor(writer: GGUFWriter, name: str, values: np.ndarray, ggml_type: GGMLType) -> None:
-    if ggml_type == GGMLType.F32:
+#: K-quant types the project cannot encode: written as random blocks of the drawn values' size (llama.cpp and
+#: llmfw both decode whatever blocks the file holds)
+_RANDOM_BLOCK_TYPES = {GGMLType.Q4_K, GGMLType.Q6_K}
+
+
+def _random_k_blocks(values: np.ndarray, ggml_type: GGMLType, rng: np.random.Generator) -> np.ndarray:
+    """Valid Q4_K / Q6_K blocks of random codes whose values have about the std of ``values``, centred on zero.
+
+    Q4_K (144 bytes: d, dmin, 12 bytes of 6-bit scales/mins, 128 bytes of nibbles): value = d·sc·q - dmin·m with
+    q uniform in 0..15, m ≈ 7.5·sc·d/dmin. Q6_K (210 bytes: 128 low bits, 64 high bits, 16 int8 scales, d):
+    value = d·scale·(q - 32), q uniform in 0..63."""
+    n_blocks = values.size // 256
+    std = float(values.std())
+    raw = rng.integers(0, 256, size=(n_blocks, 144 if ggml_type == GGMLType.Q4_K else 210), dtype=np.uint8)
+    if ggml_type == GGMLType.Q4_K:
+        d = std / 240.0
+        sc = rng.integers(40, 64, size=(n_blocks, 8))
+        m = np.rint(sc * 7.5 / 8.0).astype(np.int64)  # dmin = 8 d
+        raw[:, 0:2] = np.full((n_blocks, 1), d, dtype=np.float16).view(np.uint8)
+        raw[:, 2:4] = np.full((n_blocks, 1), 8 * d, dtype=np.float16).view(np.uint8)
+        raw[:, 4:8] = (sc[:, :4] | ((sc[:, 4:] >> 4) << 6)).astype(np.uint8)
+        raw[:, 8:12] = (m[:, :4] | ((m[:, 4:] >> 4) << 6)).astype(np.uint8)
+        raw[:, 12:16] = ((sc[:, 4:] & 0xF) | ((m[:, 4:] & 0xF) << 4)).astype(np.uint8)
+    else:
+        raw[:, 192:208] = rng.integers(16, 49, size=(n_blocks, 16)).astype(np.int8).view(np.uint8)
+        raw[:, 208:210] = np.full((n_blocks, 1), std / 592.0, dtype=np.float16).view(np.uint8)
+    return raw
+
+
+def _add_tensor(writer: GGUFWriter, name: str, values: np.ndarray, ggml_type: GGMLType,
+                rng: np.random.Generator | None = None) -> None:
+    if ggml_type in _RANDOM_BLOCK_TYPES:
+        assert rng is not None
+        writer.add_tensor(name, _random_k_blocks(values, ggml_type, rng), ggml_type,
+                          shape=tuple(reversed(values.shape)))
+    elif ggml_type == GGMLType.F32:
         writer.add_tensor(name, values.astype(np.float32))
     elif ggml_type == GGMLType.F16:
         writer.add_tensor(name, values.astype(np.float16))
@@ -336,7 +399,7 @@ def build_model_file(name: str, directory: str | Path) -> Path:
     n_vocab = len(next(value for key, value, _, _ in vocab_keys if key == "tokenizer.ggml.tokens"))
     for index, item in enumerate(tensor_plan(spec, n_vocab)):
         rng = np.random.default_rng([spec["seed"], index])  # one stream per tensor: stable under plan edits
-        _add_tensor(writer, item.name, _draw(spec, item, rng), _tensor_type(spec, item))
+        _add_tensor(writer, item.name, _draw(spec, item, rng), _tensor_type(spec, item), rng)
     writer.write()
     return path
 

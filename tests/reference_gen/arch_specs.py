@@ -134,7 +134,47 @@ SPECS: dict[str, dict] = {
                   "attn_output": "Q4_0", "ffn_gate": "Q8_0", "ffn_up": "Q4_1", "ffn_down": "Q5_0"},
         "prompts": _BPE_PROMPTS,
     },
+    # mixture-of-experts families (issue 33), 8-16 experts. Which experts a token gets flips at a near-tie when
+    # the hidden state moves by the rounding of llama.cpp's quantized activations (Q8 blocks, ~0.4%), and a flip
+    # swaps a whole expert's output: every tensor a router's input depends on is F16/F32 (llama.cpp rounds those
+    # activations to f16 only), the router itself F32. The quantized blocks — K-quants (Q4_K, Q6_K) and
+    # legacy ones — are where a rounding difference cannot change a routing decision: the embedding (looked
+    # up exactly), the last layer's experts (after its router) and the output head.
+    "qwen3moe": {
+        "arch": "qwen3moe", "vocab": "bpe", "pre": "qwen2", "seed": 1033,
+        "n_layer": 3, "n_embd": 256, "n_head": 4, "n_head_kv": 2, "head_dim": 64, "n_ff": 768,
+        "n_expert": 8, "n_expert_used": 2, "n_ff_exp": 256, "context_length": 4096,
+        "keys": {"rope.freq_base": 1000000.0, "attention.layer_norm_rms_epsilon": 1e-6},
+        "types": {"token_embd": "Q4_K", "output": "Q6_K", "attn_q": "F16", "attn_k": "F16", "attn_v": "F16",
+                  "attn_output": "F16", "ffn_gate_inp": "F32", "ffn_gate_exps": ["F16", "F16", "Q4_K"],
+                  "ffn_up_exps": ["F16", "F16", "Q8_0"], "ffn_down_exps": ["F16", "F16", "Q6_K"]},
+        "prompts": _BPE_PROMPTS,
+    },
+    "olmoe": {
+        "arch": "olmoe", "vocab": "bpe", "pre": "olmo", "seed": 1034,
+        "n_layer": 3, "n_embd": 256, "n_head": 4, "n_head_kv": 4, "n_ff": 256,
+        "n_expert": 16, "n_expert_used": 4, "context_length": 4096,
+        "keys": {"rope.freq_base": 10000.0, "attention.layer_norm_rms_epsilon": 1e-5},
+        "types": {"token_embd": "Q8_0", "output": "Q4_K", "attn_q": "F16", "attn_k": "F16", "attn_v": "F16",
+                  "attn_output": "F16", "ffn_gate_inp": "F32", "ffn_gate_exps": ["F16", "F16", "Q4_0"],
+                  "ffn_up_exps": ["F16", "F16", "Q4_K"], "ffn_down_exps": ["F16", "F16", "Q5_0"]},
+        "prompts": _BPE_PROMPTS,
+    },
+    "llama-moe": {
+        # Mixtral-style llama: 8 experts, 2 used, the chosen weights renormalised
+        "arch": "llama", "vocab": "bpe", "pre": "smollm", "seed": 1035,
+        "n_layer": 2, "n_embd": 256, "n_head": 4, "n_head_kv": 2, "n_ff": 256,
+        "n_expert": 8, "n_expert_used": 2, "context_length": 4096,
+        "keys": {"rope.freq_base": 1000000.0, "attention.layer_norm_rms_epsilon": 1e-5},
+        "types": {"token_embd": "Q4_K", "output": "Q8_0", "attn_q": "F16", "attn_k": "F16", "attn_v": "F16",
+                  "attn_output": "F16", "ffn_gate_inp": "F32", "ffn_gate_exps": ["F16", "Q4_1"],
+                  "ffn_up_exps": ["F16", "Q4_K"], "ffn_down_exps": ["F16", "Q6_K"]},
+        "prompts": _BPE_PROMPTS,
+    },
 }
+
+#: the mixture-of-experts models, by the family the tests name them
+MOE_MODELS = {"qwen3moe": "qwen3moe", "olmoe": "olmoe", "llama (Mixtral)": "llama-moe"}
 
 
 def prompt_text(key: str) -> str:

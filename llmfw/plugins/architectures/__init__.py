@@ -8,6 +8,9 @@ ARCHITECTURES = {
     "qwen2": "llmfw.plugins.architectures.qwen2:Qwen2Architecture",
     "qwen3": "llmfw.plugins.architectures.qwen3:Qwen3Architecture",
     "phi3": "llmfw.plugins.architectures.phi3:Phi3Architecture",
+    # mixture-of-experts families (issue 33)
+    "qwen3moe": "llmfw.plugins.architectures.qwen3moe:Qwen3MoeArchitecture",
+    "olmoe": "llmfw.plugins.architectures.olmoe:OlmoeArchitecture",
 }
 
 

@@ -44,5 +44,5 @@ class Qwen3Architecture(Qwen2Architecture):
             if il == b.hp.n_layer - 1:
                 h, residual = b.select_outputs(h, residual)
             x = b.op("add", h, residual)
-            x = b.op("add", b.build_ffn(b.build_norm(x, f"{p}.ffn_norm.weight"), act="silu"), x)
+            x = b.op("add", self.build_feed_forward(b, b.build_norm(x, f"{p}.ffn_norm.weight"), il), x)
         b.build_output(x)

@@ -11,20 +11,22 @@ from llmfw.core.graph import Node
 from llmfw.core.rope import rope_cos_sin
 from llmfw.plugins.backends.numpy.kernels import (F32, NumpyKV, attention, gelu, layer_norm, rms_norm, rope_apply,
                                                   rope_apply_full, rope_table, silu, visible_limits, write_kv)
+from llmfw.plugins.backends.numpy.moe import MoeSteps
 from llmfw.plugins.backends.numpy.weights import get_rows
 
 #: a compiled step: reads its inputs from the slot list and stores its value in its own slot
 Step = Callable[[], None]
 
 
-class SplitCompiler:
+class SplitCompiler(MoeSteps):
     """Maps a split's nodes to kernels: ``run(inputs) -> outputs`` is a flat list of closures over a list of
     value slots (no dict look-ups per op).
 
     Each node gets a slot; ``weight`` slots are filled once, at compile time. The graph arrives optimised by the
     core passes (fused matmuls on fused weights, norms with their weight, this backend's rewrite rules); after
     each node the values the core's liveness (``split.release_after``) marks dead are cleared, so a prefill holds
-    only the live activations. Rope angles are computed once per run and shared.
+    only the live activations. Rope angles are computed once per run and shared. The MoE ops' steps come from
+    :class:`~llmfw.plugins.backends.numpy.moe.MoeSteps`.
     """
 
     def __init__(self, backend: Backend, split: Split, kv: Mapping[tuple[str, int], Any]):

@@ -30,6 +30,7 @@ from llmfw.core.rope import rope_angle_slopes
 from llmfw.plugins.backends.onnx.emit import (
     ONNX_BOOL, ONNX_FLOAT, ONNX_INT32, ONNX_INT64, OPSET, Emitter, external_tensor_proto, freeze, kv_name, live_nodes,
 )
+from llmfw.plugins.backends.onnx.moe import MoeTranslation
 from llmfw.plugins.backends.onnx.fused import USE_GQA, AttentionForm, fusable_rope, kv_cells, packed_qkv
 from llmfw.plugins.backends.onnx.ort import OnnxKV, import_onnxruntime
 from llmfw.plugins.backends.onnx.weights import F32, BlockWeight, DenseWeight
@@ -60,7 +61,7 @@ def score_slice(head_dim: int) -> int:
 # split → ONNX model
 # ---------------------------------------------------------------------------------------------------------------
 
-class SplitTranslator:
+class SplitTranslator(MoeTranslation):
     """Translates one split into ONNX nodes. The IR's node shapes (those of the first run's graph) guide choices
     that do not depend on the token count or the KV length (head sizes, rotated dims); the model itself keeps
     those axes dynamic."""
@@ -179,11 +180,13 @@ class SplitTranslator:
     def _declare_outputs(self) -> list[str]:
         helper = self.e.helper
         output_names = []
+        dtypes = {node.id: node.dtype for node in self.split.nodes}
         for node_id in self.split.output_ids:
             name = f"out_{node_id}"
             self.e.nodes.append(helper.make_node("Identity", [self.names[node_id]], [name]))
             output_names.append(name)
-            self.graph_outputs.append(helper.make_tensor_value_info(name, ONNX_FLOAT, None))
+            elem = ONNX_INT32 if dtypes.get(node_id) == "i32" else ONNX_FLOAT  # expert ids (top_k) are int32
+            self.graph_outputs.append(helper.make_tensor_value_info(name, elem, None))
         for (key, which), current in self._kv_current.items():
             # the last update's own output is the graph output: bound to the input's buffer, ScatterND skips
             # its copy (an Identity here would copy the whole cache)
@@ -246,7 +249,10 @@ class SplitTranslator:
         if w_node.op != "weight":
             # activation × activation (no current architecture emits it): x @ w.T
             return self.e.op("MatMul", [x, self.e.op("Transpose", [self.value(w_node)], perm=[1, 0])])
-        name = w_node.attrs["name"]
+        return self.matmul_weight(x, x_shape, w_node.attrs["name"])
+
+    def matmul_weight(self, x: str, x_shape: Shape, name: str) -> str:
+        """``x @ W.T`` for the backend weight ``name`` (a dense matrix or MatMulNBits blocks)."""
         weight = self.backend.weight(name)
         if isinstance(weight, DenseWeight):
             if len(x_shape) == 2:  # Gemm reads W [n_out, n_in] as it is: no transposed copy
