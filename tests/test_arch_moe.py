@@ -1,10 +1,11 @@
-"""Mixture-of-experts families against llama.cpp on random-weight files (issue 33): qwen3moe, olmoe and a
-Mixtral-style llama, on the numpy oracle and on the default onnx backend, plus the MoE ops one by one.
+"""Mixture-of-experts families against llama.cpp on random-weight files (issue 33): qwen3moe, olmoe, a
+Mixtral-style llama and gpt-oss, on the numpy oracle and on the default onnx backend, plus the MoE ops one by one.
 
 The files (``tests/reference_gen/arch_specs.py``) have 8-16 experts and K-quant / legacy blocks where a rounding
 difference cannot flip a routing decision (the spec says why); ``tests/data/arch/<model>.json`` holds llama.cpp's
 logits for those exact bytes. Every prompt clears the random-weight bar whole and in ubatches of 32, and
-switching off the weight normalisation (or on, for OLMoE) fails it: the files can tell right from wrong.
+switching off one feature fails it — the weight normalisation (on, for OLMoE); gpt-oss's sinks, window, expert
+biases and router bias — so the files tell right from wrong.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 from reference_gen.arch_specs import MOE_MODELS, SPECS
 from reference_gen.arch_testing import (BAR, SAME_LOGITS_ATOL, assert_clears_bar, check_tokenization, decode_all,
                                         longest, model_file, records, reference)
+from reference_gen.variant_files import write_variant
 
 import llmfw
 from llmfw.core.backend import WeightSource
@@ -70,28 +72,61 @@ def test_tokenization_and_expert_counts(models, name):
     assert (model.hparams.n_expert, model.hparams.n_expert_used) == (spec["n_expert"], spec["n_expert_used"])
 
 
-@pytest.mark.parametrize("name", MODELS)
+def assert_misses_bar(score, model, name: str, what: str, prompts: slice = slice(None)) -> None:
+    for record in records(reference(name))[prompts]:
+        result = score(record, decode_all(model, record["sequence"], n_ctx=record["n_ctx"]))
+        assert result["top1"] < BAR["top1"] or result["mean_lp_err"] > BAR["mean_lp_err"], (name, what, result)
+
+
+@pytest.mark.parametrize("name", ["qwen3moe", "olmoe", "llama-moe"])
 def test_switching_the_weight_normalisation_fails_the_bar(tmp_path, score, name):
     """The negative check: the same file with the chosen experts' weights renormalised the other way misses the
     bar on every prompt, so passing it above proves the normalisation is right."""
     with llmfw.load_model(model_file(name, tmp_path), backend="numpy") as model:
         model.arch.norm_expert_weights = not model.arch.norm_expert_weights
-        for record in records(reference(name)):
-            result = score(record, decode_all(model, record["sequence"], n_ctx=record["n_ctx"]))
-            assert result["top1"] < BAR["top1"] or result["mean_lp_err"] > BAR["mean_lp_err"], (name, result)
+        assert_misses_bar(score, model, name, "weight normalisation switched")
 
 
-def test_onnx_keeps_experts_as_blocks_not_float_copies(models):
-    """Each expert of a quantized 3-D tensor is its own MatMulNBits weight, converted once at load."""
+GPT_OSS_WITHOUT = {
+    # a sink of -1e4 takes no probability: the attention of a model without sinks
+    "sinks": lambda il: {f"blk.{il}.attn_sinks.weight": np.full(8, -1e4, np.float32)},
+    "expert biases": lambda il: {f"blk.{il}.ffn_{m}_exps.bias": np.zeros((8, 256), np.float32)
+                                 for m in ("gate", "up", "down")},
+    "router bias": lambda il: {f"blk.{il}.ffn_gate_inp.bias": np.zeros(8, np.float32)},
+}
+
+
+@pytest.mark.parametrize("feature", [*GPT_OSS_WITHOUT, "window"])
+def test_gpt_oss_without_one_feature_fails_the_bar(tmp_path, score, feature):
+    """The same weights with one feature switched off miss the bar (the window: on the two prompts longer
+    than it), so each feature is proven by the passing tests above."""
+    path = model_file("gpt-oss", tmp_path)
+    if feature == "window":
+        model = llmfw.load_model(path, backend="numpy", kv_overrides={"gpt-oss.attention.sliding_window": 4096})
+    else:
+        edits = {name: value for il in range(SPECS["gpt-oss"]["n_layer"])
+                 for name, value in GPT_OSS_WITHOUT[feature](il).items()}
+        model = llmfw.load_model(write_variant(path, tmp_path / "variant.gguf", replace=edits), backend="numpy")
+    with model:
+        assert_misses_bar(score, model, "gpt-oss", f"without {feature}",
+                          slice(1, None) if feature == "window" else slice(None))
+
+
+@pytest.mark.parametrize("name,tensor,source_type", [("qwen3moe", "blk.2.ffn_gate_exps.weight", "Q4_K"),
+                                                      ("gpt-oss", "blk.2.ffn_down_exps.weight", "MXFP4")])
+def test_onnx_keeps_experts_as_blocks_not_float_copies(models, name, tensor, source_type):
+    """Each expert of a quantized 3-D tensor is its own MatMulNBits weight, converted once at load (MXFP4
+    exactly, as 8-bit codes)."""
     from llmfw.plugins.backends.onnx.moe import ExpertWeights
     from llmfw.plugins.backends.onnx.weights import BlockWeight
 
-    model = models("qwen3moe", "onnx")
+    model = models(name, "onnx")
     backend = model.layer_backend(2)
-    experts = backend.weight("blk.2.ffn_gate_exps.weight")
+    experts = backend.weight(tensor)
     assert isinstance(experts, ExpertWeights) and experts.shape == (8, 256, 256)
-    parts = [backend.weight(name) for name in experts.names]
+    parts = [backend.weight(part) for part in experts.names]
     assert all(isinstance(p, BlockWeight) and p.packed is not None and p.codes is None for p in parts)
+    assert {(p.source_type, p.exact) for p in parts} == {(source_type, True)}
 
 
 def test_torch_declines_moe_models_by_name(tmp_path):
@@ -184,3 +219,31 @@ def test_misfit_expert_ops_are_model_errors():
         g.add("top_k", x, k=17)
     with pytest.raises(ModelError, match="ids"):
         g.add("take", x, g.leaf("input", "f", (4, 2)))
+
+
+def test_mxfp4_decodes_like_the_gguf_package():
+    gguf = pytest.importorskip("gguf")
+    from llmfw.core.quants import dequantize
+
+    values = (RNG.standard_normal((4, 256)) * np.array([1e-3, 1.0, 30.0, 1e-30])[:, None]).astype(np.float32)
+    raw = gguf.quants.quantize(values, gguf.GGMLQuantizationType.MXFP4)
+    want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.MXFP4)
+    np.testing.assert_array_equal(dequantize(raw.reshape(-1), GGMLType.MXFP4, (256, 4)), want)
+
+
+def test_attention_sinks_add_to_the_softmax_denominator():
+    """numpy's grouped attention with sinks against the formula, per head: softmax over [scores, sink]."""
+    from llmfw.plugins.backends.numpy.kernels import NumpyKV, attention
+
+    n_tokens, n_head, n_head_kv, dim, n_kv = 3, 4, 2, 8, 5
+    q = RNG.normal(size=(n_tokens, n_head, dim)).astype(np.float32)
+    kv = NumpyKV(RNG.normal(size=(n_head_kv, n_kv, dim)).astype(np.float32),
+                 RNG.normal(size=(n_head_kv, n_kv, dim)).astype(np.float32))
+    mask = np.where(np.arange(n_kv)[None, :] <= np.arange(n_tokens)[:, None] + 2, 0.0, -np.inf).astype(np.float32)
+    sinks = RNG.normal(size=n_head).astype(np.float32) * 2
+    got = attention(q, kv, n_kv, mask, 0.5, 0.0, sinks=sinks).reshape(n_tokens, n_head, dim)
+    for h in range(n_head):
+        j = h // (n_head // n_head_kv)
+        logits = 0.5 * q[:, h] @ kv.k[j].T + mask
+        weights = np.exp(logits) / (np.exp(logits).sum(-1, keepdims=True) + np.exp(sinks[h]))
+        np.testing.assert_allclose(got[:, h], weights @ kv.v[j], rtol=1e-5, atol=1e-6)

@@ -62,6 +62,8 @@ Ops (inputs in order; attributes in ``Node.attrs``):
                     (n_kv = mask.shape[1]). attrs: ``layer``, ``cache``, ``scale``, ``softcap`` (0 = off),
                     ``window``: the standard sliding window the mask applies (llama.cpp's n_swa; 0 = none).
                     The mask decides what is seen; ``window`` lets a fused kernel know it in advance.
+                    An optional 6th input ``sinks`` [H] (gpt-oss's attention sinks) adds ``exp(sinks[h])`` to
+                    each row's softmax denominator: a logit that takes probability but has no value.
 ``k_shift``         (shift int32 [n_kv] [, freq_factors]) → empty f32 [0]. Side effect only: rotates rows
                     ``0 .. n_kv-1`` of the K cache of (``cache``, ``layer``) in place by the positions
                     ``shift`` (llama.cpp's K-shift after ``seq_add``); same rope attrs as ``rope``.
@@ -315,6 +317,8 @@ def _attention(inputs: Sequence[Node], attrs: Mapping[str, AttrValue]) -> tuple[
         raise ShapeError(f"attention inputs disagree on the token count: {q}, {k}, {v}, [{n_idx}], {mask}")
     if not (_dims_match(q[2], k[2]) and _dims_match(k[1], v[1])) or k[1] <= 0 or q[1] % k[1]:
         raise ShapeError(f"attention heads do not match: q {list(q)}, k {list(k)}, v {list(v)}")
+    if len(inputs) > 5 and _require_float(inputs[5], "the sinks") != (q[1],):
+        raise ShapeError(f"attention sinks must be one per query head ({q[1]}), got {list(_typed(inputs[5])[0])}")
     return (n_tokens, q[1] * v[2]), "f32"
 
 
@@ -419,7 +423,7 @@ OP_TABLE: Mapping[str, OpSpec] = {
     "reshape": OpSpec(1, 1, _reshape),
     "slice": OpSpec(1, 1, _slice),
     "rope": OpSpec(2, 3, _rope),
-    "attention": OpSpec(5, 5, _attention),
+    "attention": OpSpec(5, 6, _attention),
     "k_shift": OpSpec(1, 2, _k_shift),
     **MOE_OP_TABLE,
 }
@@ -692,17 +696,19 @@ class GraphBuilder:
         return q, k, v
 
     def build_attn(self, q: Node, k: Node, v: Node, il: int | None = None, *, out_weight: str | None = None,
-                   out_bias: str | None = None, kq_scale: float | None = None, softcap: float | None = None
-                   ) -> Node:
+                   out_bias: str | None = None, kq_scale: float | None = None, softcap: float | None = None,
+                   sinks: str | None = None) -> Node:
         """Attention over the KV cache (GQA, mask, optional soft-capping), then the output projection.
 
         Writes k, v into the layer's cache cells for this ubatch; ``out_weight`` defaults to
-        ``blk.{il}.attn_output.weight`` (pass ``""`` to skip the projection).
+        ``blk.{il}.attn_output.weight`` (pass ``""`` to skip the projection); ``sinks`` names a per-head
+        attention-sink weight (gpt-oss).
         """
         il = self.layer if il is None else il
         cache = self.cache_of_layer(il)
         out = self.op(
             "attention", q, k, v, self.input(f"kv_idx:{cache}"), self.input(f"kq_mask:{cache}"),
+            *([self.weight(sinks)] if sinks else []),
             layer=il, cache=cache, scale=self.hp.kq_scale if kq_scale is None else kq_scale,
             softcap=self.hp.f_attn_logit_softcapping if softcap is None else softcap, window=self._window(il),
         )

@@ -65,7 +65,7 @@ def _arch_keys(spec: dict) -> dict:
     }
     if "head_dim" in spec:
         keys["attention.key_length"] = keys["attention.value_length"] = spec["head_dim"]
-    if spec["arch"] in ("llama", "phi3"):
+    if spec["arch"] in ("llama", "phi3", "gpt-oss"):
         keys["rope.dimension_count"] = _head_dim(spec)
     if "original_context_length" in spec:
         keys["rope.scaling.original_context_length"] = spec["original_context_length"]
@@ -200,7 +200,7 @@ def _layer_plan(spec: dict, il: int) -> list[TensorPlan]:
         add("attn_q.weight", (n_q, n_embd), "attn_q", "sharp")
         add("attn_k.weight", (n_kv, n_embd), "attn_k", "sharp")
         add("attn_v.weight", (n_kv, n_embd), "attn_v", "unit")
-    if arch == "qwen2":
+    if arch in ("qwen2", "gpt-oss"):
         add("attn_q.bias", (n_q,), "bias", "bias")
         add("attn_k.bias", (n_kv,), "bias", "bias")
         add("attn_v.bias", (n_kv,), "bias", "bias")
@@ -213,7 +213,11 @@ def _layer_plan(spec: dict, il: int) -> list[TensorPlan]:
     add("attn_output.weight", (n_embd, n_q), "attn_output", "unit")
     if arch == "gemma2":
         add("post_attention_norm.weight", (n_embd,), "norm", "post_norm")
-    if arch != "olmo":
+    if arch == "gpt-oss":  # its FFN norm is called the post-attention norm; attention has a sink per head
+        add("attn_output.bias", (n_embd,), "bias", "bias")
+        add("attn_sinks.weight", (spec["n_head"],), "bias", "sinks")
+        add("post_attention_norm.weight", (n_embd,), "norm", "norm")
+    elif arch != "olmo":
         add("ffn_norm.weight", (n_embd,), "norm", "norm")
     if "n_expert" in spec:
         plan += _expert_plan(spec, il)
@@ -236,10 +240,16 @@ def _expert_plan(spec: dict, il: int) -> list[TensorPlan]:
     n_embd, n_expert = spec["n_embd"], spec["n_expert"]
     n_ff = spec.get("n_ff_exp", spec["n_ff"])
     blk = f"blk.{il}."
-    return [TensorPlan(blk + "ffn_gate_inp.weight", (n_expert, n_embd), "ffn_gate_inp", "router", il),
+    plan = [TensorPlan(blk + "ffn_gate_inp.weight", (n_expert, n_embd), "ffn_gate_inp", "router", il),
             TensorPlan(blk + "ffn_gate_exps.weight", (n_expert, n_ff, n_embd), "ffn_gate_exps", "unit", il),
             TensorPlan(blk + "ffn_up_exps.weight", (n_expert, n_ff, n_embd), "ffn_up_exps", "unit", il),
             TensorPlan(blk + "ffn_down_exps.weight", (n_expert, n_embd, n_ff), "ffn_down_exps", "expert_down", il)]
+    if spec.get("expert_biases"):  # gpt-oss: the router and every expert matrix have biases
+        plan += [TensorPlan(blk + "ffn_gate_inp.bias", (n_expert,), "bias", "router_bias", il),
+                 TensorPlan(blk + "ffn_gate_exps.bias", (n_expert, n_ff), "bias", "bias", il),
+                 TensorPlan(blk + "ffn_up_exps.bias", (n_expert, n_ff), "bias", "bias", il),
+                 TensorPlan(blk + "ffn_down_exps.bias", (n_expert, n_embd), "bias", "bias", il)]
+    return plan
 
 
 def tensor_plan(spec: dict, n_vocab: int) -> list[TensorPlan]:
@@ -307,6 +317,10 @@ def _draw(spec: dict, item: TensorPlan, rng: np.random.Generator) -> np.ndarray:
         return normal(shape, 3.0 / math.sqrt(n_in))
     if kind == "router":  # router logits of std ~3: a clear best expert, a runner-up that still counts
         return normal(shape, 3.0 / math.sqrt(n_in))
+    if kind == "router_bias":  # as large as the logits: without it other experts win
+        return normal(shape, 3.0)
+    if kind == "sinks":  # about the size of a token's best attention logit: a sink takes a good part of it
+        return 3.0 + normal(shape, 1.0)
     if kind == "qkv":  # Phi-3: LongRoPE's attn_factor (1.22 on q and k) sharpens the scores 1.5x, so q/k start
         n_q, n_kv = (int(p) for p in params.split(":"))  # a little smaller than "sharp"
         scale = np.concatenate([np.full(n_q + n_kv, 1.4), np.full(n_kv, 1.0)]).astype(np.float32)
@@ -329,7 +343,7 @@ def _draw(spec: dict, item: TensorPlan, rng: np.random.Generator) -> np.ndarray:
 
 
 def _tensor_type(spec: dict, item: TensorPlan) -> GGMLType:
-    if len(item.shape) == 1:
+    if len(item.shape) == 1 or item.role == "bias":
         return GGMLType.F32
     chosen = spec["types"][item.role]
     if isinstance(chosen, list):
@@ -368,7 +382,12 @@ def _random_k_blocks(values: np.ndarray, ggml_type: GGMLType, rng: np.random.Gen
 
 def _add_tensor(writer: GGUFWriter, name: str, values: np.ndarray, ggml_type: GGMLType,
                 rng: np.random.Generator | None = None) -> None:
-    if ggml_type in _RANDOM_BLOCK_TYPES:
+    if ggml_type == GGMLType.MXFP4:  # the gguf package's MXFP4 encoder (the project has none)
+        import gguf
+
+        raw = gguf.quants.quantize(values.astype(np.float32), gguf.GGMLQuantizationType.MXFP4)
+        writer.add_tensor(name, raw.reshape(-1), ggml_type, shape=tuple(reversed(values.shape)))
+    elif ggml_type in _RANDOM_BLOCK_TYPES:
         assert rng is not None
         writer.add_tensor(name, _random_k_blocks(values, ggml_type, rng), ggml_type,
                           shape=tuple(reversed(values.shape)))

@@ -171,10 +171,24 @@ SPECS: dict[str, dict] = {
                   "ffn_up_exps": ["F16", "Q4_K"], "ffn_down_exps": ["F16", "Q6_K"]},
         "prompts": _BPE_PROMPTS,
     },
+    "gpt-oss": {
+        # attention sinks, a 32-token window on even layers, YaRN, biases everywhere, softmax after top-k,
+        # clamped SwiGLU; MXFP4 experts in the last layer
+        "arch": "gpt-oss", "vocab": "bpe", "pre": "gpt-4o", "seed": 1036,
+        "n_layer": 3, "n_embd": 256, "n_head": 8, "n_head_kv": 2, "head_dim": 32, "n_ff": 256,
+        "n_expert": 8, "n_expert_used": 2, "n_ff_exp": 256, "context_length": 4096, "sliding_window": 32,
+        "original_context_length": 64, "expert_biases": True,
+        "keys": {"rope.freq_base": 150000.0, "attention.layer_norm_rms_epsilon": 1e-5,
+                 "rope.scaling.type": "yarn", "rope.scaling.factor": 4.0},
+        "types": {"token_embd": "Q8_0", "output": "Q6_K", "attn_q": "F16", "attn_k": "F16", "attn_v": "F16",
+                  "attn_output": "F16", "ffn_gate_inp": "F32", "ffn_gate_exps": ["F16", "F16", "MXFP4"],
+                  "ffn_up_exps": ["F16", "F16", "MXFP4"], "ffn_down_exps": ["F16", "F16", "MXFP4"]},
+        "prompts": _BPE_PROMPTS,
+    },
 }
 
 #: the mixture-of-experts models, by the family the tests name them
-MOE_MODELS = {"qwen3moe": "qwen3moe", "olmoe": "olmoe", "llama (Mixtral)": "llama-moe"}
+MOE_MODELS = {"qwen3moe": "qwen3moe", "olmoe": "olmoe", "llama (Mixtral)": "llama-moe", "gpt-oss": "gpt-oss"}
 
 
 def prompt_text(key: str) -> str:

@@ -11,6 +11,7 @@ ARCHITECTURES = {
     # mixture-of-experts families (issue 33)
     "qwen3moe": "llmfw.plugins.architectures.qwen3moe:Qwen3MoeArchitecture",
     "olmoe": "llmfw.plugins.architectures.olmoe:OlmoeArchitecture",
+    "gpt-oss": "llmfw.plugins.architectures.gpt_oss:GptOssArchitecture",
 }
 
 

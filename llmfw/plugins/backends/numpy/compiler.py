@@ -248,11 +248,16 @@ class SplitCompiler(MoeSteps):
         """Attention of ``q`` over the cache (a subclass may use its own arithmetic)."""
         return attention(q, storage, mask.shape[1], mask, scale, softcap, limits)
 
+    def _attend_with_sinks(self, q: np.ndarray, storage: NumpyKV, mask: np.ndarray, scale: float, softcap: float,
+                           limits: list[tuple[int, int, int]], sinks: np.ndarray) -> np.ndarray:
+        return attention(q, storage, mask.shape[1], mask, scale, softcap, limits, sinks=sinks)
+
     def _op_attention(self, node: Node, ins: list[int], out: int) -> Step:
-        q_slot, k_slot, v_slot, idx_slot, mask_slot = ins
+        q_slot, k_slot, v_slot, idx_slot, mask_slot = ins[:5]
         storage = self._kv_storage(node)
         scale, softcap = float(node.attrs["scale"]), float(node.attrs.get("softcap", 0.0) or 0.0)
         env, memo, write, attend = self.env, self.memo, self._write_kv, self._attend
+        sinks_slot, attend_with_sinks = (ins[5] if len(ins) > 5 else None), self._attend_with_sinks
         key = ("attn_limits", mask_slot)
 
         def step() -> None:
@@ -261,7 +266,10 @@ class SplitCompiler(MoeSteps):
             limits = memo.get(key)
             if limits is None:
                 limits = memo[key] = visible_limits(mask)
-            env[out] = attend(env[q_slot], storage, mask, scale, softcap, limits)
+            if sinks_slot is None:
+                env[out] = attend(env[q_slot], storage, mask, scale, softcap, limits)
+            else:  # attention sinks (gpt-oss): an extra softmax term per head
+                env[out] = attend_with_sinks(env[q_slot], storage, mask, scale, softcap, limits, env[sinks_slot])
 
         return step
 
