@@ -59,6 +59,11 @@ class MoeHParams(HParams):
         return self.n_expert > 0 and il >= self.n_layer_dense_lead
 
 
+#: what llama.cpp reads for every MoE family (the group counts in its common loader, so grouped routing applies to
+#: any family whose file has them); the weight scale / normalisation / gating keys only some families read
+ROUTING_KEYS = ("n_expert", "n_expert_used", "n_expert_groups", "n_group_used")
+
+
 def read_moe_hparams(keys: "MetadataView", default_gating: Gating = "softmax") -> dict[str, Any]:
     """The ``{arch}.expert_*`` keys as :class:`MoeHParams` fields, checked as llama.cpp's loader checks them."""
     n_expert = keys.get_int("{arch}.expert_count", 0)

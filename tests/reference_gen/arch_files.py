@@ -200,11 +200,11 @@ def _layer_plan(spec: dict, il: int) -> list[TensorPlan]:
         add("attn_q.weight", (n_q, n_embd), "attn_q", "sharp")
         add("attn_k.weight", (n_kv, n_embd), "attn_k", "sharp")
         add("attn_v.weight", (n_kv, n_embd), "attn_v", "unit")
-    if arch in ("qwen2", "gpt-oss"):
+    if arch in ("qwen2", "gpt-oss", "glm4moe"):
         add("attn_q.bias", (n_q,), "bias", "bias")
         add("attn_k.bias", (n_kv,), "bias", "bias")
         add("attn_v.bias", (n_kv,), "bias", "bias")
-    if arch in ("qwen3", "qwen3moe"):
+    if arch in ("qwen3", "qwen3moe", "glm4moe"):
         add("attn_q_norm.weight", (head,), "norm", "qk_norm")
         add("attn_k_norm.weight", (head,), "norm", "qk_norm")
     if arch == "olmoe":  # normalised over the whole width, before the head split
@@ -213,20 +213,22 @@ def _layer_plan(spec: dict, il: int) -> list[TensorPlan]:
     add("attn_output.weight", (n_embd, n_q), "attn_output", "unit")
     if arch == "gemma2":
         add("post_attention_norm.weight", (n_embd,), "norm", "post_norm")
-    if arch == "gpt-oss":  # its FFN norm is called the post-attention norm; attention has a sink per head
+    if arch == "gpt-oss":  # attention has an output bias and a sink per head
         add("attn_output.bias", (n_embd,), "bias", "bias")
         add("attn_sinks.weight", (spec["n_head"],), "bias", "sinks")
+    if arch in ("gpt-oss", "glm4moe"):  # their FFN norm is called the post-attention norm
         add("post_attention_norm.weight", (n_embd,), "norm", "norm")
     elif arch != "olmo":
         add("ffn_norm.weight", (n_embd,), "norm", "norm")
-    if "n_expert" in spec:
+    moe_layer = "n_expert" in spec and il >= spec.get("n_dense_lead", 0)
+    if moe_layer:
         plan += _expert_plan(spec, il)
     elif arch == "phi3":  # gate and up fused, gate first (ggml_swiglu's order)
         add("ffn_up.weight", (2 * n_ff, n_embd), "ffn_up", "unit")
     else:
         add("ffn_gate.weight", (n_ff, n_embd), "ffn_gate", "unit")
         add("ffn_up.weight", (n_ff, n_embd), "ffn_up", "unit")
-    if "n_expert" not in spec:
+    if not moe_layer:
         add("ffn_down.weight", (n_embd, n_ff), "ffn_down", "down")
     if arch == "gemma2":
         add("post_ffw_norm.weight", (n_embd,), "norm", "post_norm")
@@ -249,6 +251,13 @@ def _expert_plan(spec: dict, il: int) -> list[TensorPlan]:
                  TensorPlan(blk + "ffn_gate_exps.bias", (n_expert, n_ff), "bias", "bias", il),
                  TensorPlan(blk + "ffn_up_exps.bias", (n_expert, n_ff), "bias", "bias", il),
                  TensorPlan(blk + "ffn_down_exps.bias", (n_expert, n_embd), "bias", "bias", il)]
+    if spec.get("exp_probs_b"):  # DeepSeek-V3 / GLM-4.5: a per-expert bias on the selection scores only
+        plan.append(TensorPlan(blk + "exp_probs_b.bias", (n_expert,), "bias", "probs_bias", il))
+    if spec.get("n_shared"):
+        n_shexp = n_ff * spec["n_shared"]
+        plan += [TensorPlan(blk + "ffn_gate_shexp.weight", (n_shexp, n_embd), "ffn_gate_shexp", "unit", il),
+                 TensorPlan(blk + "ffn_up_shexp.weight", (n_shexp, n_embd), "ffn_up_shexp", "unit", il),
+                 TensorPlan(blk + "ffn_down_shexp.weight", (n_embd, n_shexp), "ffn_down_shexp", "down", il)]
     return plan
 
 
@@ -319,6 +328,8 @@ def _draw(spec: dict, item: TensorPlan, rng: np.random.Generator) -> np.ndarray:
         return normal(shape, 3.0 / math.sqrt(n_in))
     if kind == "router_bias":  # as large as the logits: without it other experts win
         return normal(shape, 3.0)
+    if kind == "probs_bias":  # sigmoid probabilities are in (0, 1): a bias of this size reorders many of them
+        return normal(shape, 0.5)
     if kind == "sinks":  # about the size of a token's best attention logit: a sink takes a good part of it
         return 3.0 + normal(shape, 1.0)
     if kind == "qkv":  # Phi-3: LongRoPE's attn_factor (1.22 on q and k) sharpens the scores 1.5x, so q/k start

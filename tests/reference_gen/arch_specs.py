@@ -185,10 +185,30 @@ SPECS: dict[str, dict] = {
                   "ffn_up_exps": ["F16", "F16", "MXFP4"], "ffn_down_exps": ["F16", "F16", "MXFP4"]},
         "prompts": _BPE_PROMPTS,
     },
+    "glm4moe": {
+        # a dense first layer, then 16 experts in 4 groups (the best 2 groups' experts eligible), sigmoid
+        # gating with a selection bias, top-4 renormalised and scaled by 2.5, one shared expert, per-head Q/K
+        # norms, Q/K/V biases, rope on half of each head
+        "arch": "glm4moe", "vocab": "bpe", "pre": "glm4", "seed": 1037,
+        "n_layer": 3, "n_embd": 256, "n_head": 4, "n_head_kv": 2, "head_dim": 64, "n_ff": 512,
+        "n_expert": 16, "n_expert_used": 4, "n_ff_exp": 256, "n_dense_lead": 1, "n_shared": 1, "exp_probs_b": True,
+        "context_length": 4096,
+        "keys": {"rope.freq_base": 1000000.0, "attention.layer_norm_rms_epsilon": 1e-5, "rope.dimension_count": 32,
+                 "leading_dense_block_count": 1, "expert_shared_count": 1, "expert_weights_scale": 2.5,
+                 "expert_weights_norm": True, "expert_gating_func": 2, "expert_group_count": 4,
+                 "expert_group_used_count": 2},
+        "types": {"token_embd": "Q6_K", "output": "Q4_K", "attn_q": "F16", "attn_k": "F16", "attn_v": "F16",
+                  "attn_output": "F16", "ffn_gate": "F16", "ffn_up": "F16", "ffn_down": "F16",
+                  "ffn_gate_inp": "F32", "ffn_gate_exps": [None, "F16", "Q4_K"], "ffn_up_exps": [None, "F16", "Q5_0"],
+                  "ffn_down_exps": [None, "F16", "Q6_K"], "ffn_gate_shexp": [None, "F16", "Q8_0"],
+                  "ffn_up_shexp": [None, "F16", "Q4_K"], "ffn_down_shexp": [None, "F16", "Q4_1"]},
+        "prompts": _BPE_PROMPTS,
+    },
 }
 
 #: the mixture-of-experts models, by the family the tests name them
-MOE_MODELS = {"qwen3moe": "qwen3moe", "olmoe": "olmoe", "llama (Mixtral)": "llama-moe", "gpt-oss": "gpt-oss"}
+MOE_MODELS = {"qwen3moe": "qwen3moe", "olmoe": "olmoe", "llama (Mixtral)": "llama-moe", "gpt-oss": "gpt-oss",
+              "glm4moe": "glm4moe"}
 
 
 def prompt_text(key: str) -> str:

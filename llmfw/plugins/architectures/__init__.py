@@ -12,6 +12,7 @@ ARCHITECTURES = {
     "qwen3moe": "llmfw.plugins.architectures.qwen3moe:Qwen3MoeArchitecture",
     "olmoe": "llmfw.plugins.architectures.olmoe:OlmoeArchitecture",
     "gpt-oss": "llmfw.plugins.architectures.gpt_oss:GptOssArchitecture",
+    "glm4moe": "llmfw.plugins.architectures.glm4moe:Glm4MoeArchitecture",
 }
 
 

@@ -22,7 +22,7 @@ from llmfw.core.errors import ModelError
 from llmfw.core.graph import GraphBuilder
 from llmfw.core.hparams import HParams
 from llmfw.core.loader import MetadataView
-from llmfw.core.moe import MoeHParams, expert_tensors, read_moe_hparams
+from llmfw.core.moe import ROUTING_KEYS, MoeHParams, expert_tensors, read_moe_hparams
 from llmfw.plugins.architectures.gemma2 import _swa_layers
 
 
@@ -35,7 +35,7 @@ class GptOssArchitecture(Architecture):
     def own_hparams(self, keys: MetadataView, common: dict[str, Any]) -> dict[str, Any]:
         moe = read_moe_hparams(keys)
         return {
-            **{k: moe[k] for k in ("n_expert", "n_expert_used")},
+            **{k: moe[k] for k in ROUTING_KEYS},
             "n_ff_exp": keys.get_int("{arch}.expert_feed_forward_length"),
             "n_swa": keys.get_int("{arch}.attention.sliding_window"),
             "swa_type": "standard",

@@ -26,7 +26,7 @@ from llmfw.core.errors import ModelError
 from llmfw.core.graph import GraphBuilder, Node
 from llmfw.core.hparams import HParams
 from llmfw.core.loader import MetadataView
-from llmfw.core.moe import MoeHParams, expert_tensors, read_moe_hparams
+from llmfw.core.moe import ROUTING_KEYS, MoeHParams, expert_tensors, read_moe_hparams
 
 
 def llama3_rope_factors(hp: HParams) -> np.ndarray:
@@ -71,7 +71,7 @@ class LlamaArchitecture(Architecture):
                 raise ModelError(f"{keys.arch}: mixture-of-experts {keys.arch} models (expert_count > 0) are not "
                                  "supported")
             # llama.cpp's llama reads only the counts: no weight scale, normalisation always on
-            extra.update({k: v for k, v in read_moe_hparams(keys).items() if k in ("n_expert", "n_expert_used")})
+            extra.update({k: v for k, v in read_moe_hparams(keys).items() if k in ROUTING_KEYS})
         if common["rope_scaling_type"] == "llama3":
             # the factor scales frequencies through rope_freqs, not through freq_scale
             extra["rope_freq_scale_train"] = 1.0

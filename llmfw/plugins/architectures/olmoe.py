@@ -18,7 +18,7 @@ from llmfw.core.errors import ModelError
 from llmfw.core.graph import GraphBuilder, Node
 from llmfw.core.hparams import HParams
 from llmfw.core.loader import MetadataView
-from llmfw.core.moe import MoeHParams, read_moe_hparams
+from llmfw.core.moe import ROUTING_KEYS, MoeHParams, read_moe_hparams
 from llmfw.plugins.architectures.llama import LlamaArchitecture
 
 
@@ -29,7 +29,7 @@ class OlmoeArchitecture(LlamaArchitecture):
 
     def own_hparams(self, keys: MetadataView, common: dict[str, Any]) -> dict[str, Any]:
         moe = read_moe_hparams(keys)
-        return {k: moe[k] for k in ("n_expert", "n_expert_used")}
+        return {k: moe[k] for k in ROUTING_KEYS}
 
     def check_hparams(self, hp: HParams) -> None:
         super().check_hparams(hp)

@@ -15,7 +15,7 @@ from typing import Any
 from llmfw.core.errors import ModelError
 from llmfw.core.hparams import HParams
 from llmfw.core.loader import MetadataView
-from llmfw.core.moe import MoeHParams, read_moe_hparams
+from llmfw.core.moe import ROUTING_KEYS, MoeHParams, read_moe_hparams
 from llmfw.plugins.architectures.qwen3 import Qwen3Architecture
 
 
@@ -26,7 +26,7 @@ class Qwen3MoeArchitecture(Qwen3Architecture):
     def own_hparams(self, keys: MetadataView, common: dict[str, Any]) -> dict[str, Any]:
         extra = super().own_hparams(keys, common)
         moe = read_moe_hparams(keys)
-        extra.update({k: moe[k] for k in ("n_expert", "n_expert_used", "n_ff_exp")})
+        extra.update({k: moe[k] for k in (*ROUTING_KEYS, "n_ff_exp")})
         return extra
 
     def check_hparams(self, hp: HParams) -> None:
