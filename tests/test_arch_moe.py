@@ -272,3 +272,62 @@ def test_attention_sinks_add_to_the_softmax_denominator():
         logits = 0.5 * q[:, h] @ kv.k[j].T + mask
         weights = np.exp(logits) / (np.exp(logits).sum(-1, keepdims=True) + np.exp(sinks[h]))
         np.testing.assert_allclose(got[:, h], weights @ kv.v[j], rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# serving
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_every_moe_family_serves_through_llmfw_serve(tmp_path):
+    """``llmfw serve`` (the command, default backend) on each family's file, driven by the openai client: the
+    five best log-probabilities of the first completion token are llama.cpp's for that position (random-weight
+    models have too many close calls to compare greedy text)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import openai
+    from live_server import free_port
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent), "LLMFW_ONNX_CACHE": "0"}
+    for name in MODELS:
+        record = records(reference(name))[1]
+        expected = record["positions"][len(record["prompt_ids"]) - 1]
+        want = [logit - expected["lse"] for logit in expected["top_logits"][:5]]
+        port = free_port()
+        proc = subprocess.Popen([sys.executable, "-m", "llmfw.cli", "serve", "-m", str(model_file(name, tmp_path)),
+                                 "--port", str(port), "--n-ctx", "1024"],
+                                stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env, text=True)
+        try:
+            line = ""
+            while "serving" not in line:
+                line = proc.stderr.readline()
+                assert line or proc.poll() is None, f"llmfw serve exited before serving {name}"
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=300)
+            done = client.completions.create(model=name, prompt=record["prompt"], max_tokens=1, temperature=0,
+                                             logprobs=5)
+            got = sorted(done.choices[0].logprobs.top_logprobs[0].values(), reverse=True)
+            assert done.choices[0].text and len(got) == 5
+            assert np.abs(np.array(got) - np.array(want)).max() < 0.3, (name, got, want)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+
+
+def test_inspect_shows_the_expert_counts(tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from llmfw.cli import cli
+
+    path = str(model_file("glm4moe", tmp_path))
+    result = CliRunner().invoke(cli, ["inspect", path, "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["experts"] == {"count": 16, "used": 4, "shared": 1, "groups": 4,
+                                                    "groups_used": 2, "feed_forward_length": 256}
+    text = CliRunner().invoke(cli, ["inspect", path]).output
+    assert "experts:         16 (4 used per token, 1 shared, 4 groups of which 2 used, 256 wide)" in text
+    dense = CliRunner().invoke(cli, ["inspect", str(model_file("qwen2", tmp_path)), "--json"]).output
+    assert json.loads(dense)["experts"] is None
