@@ -762,6 +762,14 @@ class GraphBuilder:
             self._out_ids = self.input("out_ids")
         return self._out_ids
 
+    def add_residual(self, h: Node, residual: Node, il: int | None = None) -> Node:
+        """``h + residual`` after layer ``il``'s attention; in the last layer only the output rows of both are
+        kept first (llama.cpp selects them there, before the FFN)."""
+        il = self.layer if il is None else il
+        if il == self.hp.n_layer - 1:
+            h, residual = self.select_outputs(h, residual)
+        return self.op("add", h, residual)
+
     def select_outputs(self, *nodes: Node) -> tuple[Node, ...]:
         """Keep only the output rows of each node (llama.cpp does it in the last layer, before the FFN)."""
         out_ids = self.build_inp_out_ids()

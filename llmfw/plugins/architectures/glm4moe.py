@@ -87,9 +87,7 @@ class Glm4MoeArchitecture(Architecture):
             if b.has_weight(f"{p}.attn_k_norm.weight"):
                 k = b.build_norm(k, f"{p}.attn_k_norm.weight")
             h = b.build_attn(b.build_rope(q), b.build_rope(k), v)
-            if il == hp.n_layer - 1:
-                h, residual = b.select_outputs(h, residual)
-            x = b.op("add", h, residual)
+            x = b.add_residual(h, residual)
             h = b.build_norm(x, f"{p}.post_attention_norm.weight")
             if not hp.is_moe_layer(il):
                 x = b.op("add", b.build_ffn(h, act="silu"), x)

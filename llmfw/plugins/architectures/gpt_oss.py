@@ -77,9 +77,7 @@ class GptOssArchitecture(Architecture):
             q, k, v = b.build_qkv(b.build_norm(x, f"{p}.attn_norm.weight"))
             h = b.build_attn(b.build_rope(q), b.build_rope(k), v, kq_scale=b.hp.n_rot ** -0.5,
                              sinks=f"{p}.attn_sinks.weight")
-            if il == b.hp.n_layer - 1:
-                h, residual = b.select_outputs(h, residual)
-            x = b.op("add", h, residual)
+            x = b.add_residual(h, residual)
             h = b.build_norm(x, f"{p}.post_attention_norm.weight")
             x = b.op("add", b.build_moe_ffn(h, il, gating="softmax_weight", act="swiglu_oai"), x)
         b.build_output(x)
