@@ -1,13 +1,13 @@
 """Mixture-of-experts families against llama.cpp on random-weight files (issue 33): qwen3moe, olmoe, a
-Mixtral-style llama, gpt-oss and glm4moe, on the numpy oracle and on the default onnx backend, plus the MoE ops
-one by one.
+Mixtral-style llama, gpt-oss, glm4moe and deepseek2 (multi-head latent attention), on the numpy oracle and on the
+default onnx backend, plus the MoE ops one by one.
 
 The files (``tests/reference_gen/arch_specs.py``) have 8-16 experts and K-quant / legacy blocks where a rounding
 difference cannot flip a routing decision (the spec says why); ``tests/data/arch/<model>.json`` holds llama.cpp's
 logits for those exact bytes. Every prompt clears the random-weight bar whole and in ubatches of 32, and
 switching off one feature fails it — the weight normalisation (on, for OLMoE); gpt-oss's sinks, window, expert
 biases and router bias; glm4moe's weight scale, normalisation, grouped routing, sigmoid gating, selection bias and
-shared expert — so the files tell right from wrong.
+shared expert; deepseek2's grouped routing and selection bias — so the files tell right from wrong.
 """
 from __future__ import annotations
 
@@ -29,6 +29,10 @@ from llmfw.plugins.backends.numpy.moe import mul_mat_id
 MODELS = sorted(MOE_MODELS.values())
 BACKENDS = ["numpy", "onnx"]
 UBATCH = 32
+#: onnx: an expert's MatMulNBits gets another number of rows when the ubatch changes, and ONNX Runtime's kernels
+#: may sum a row in another order for another row count (its one-row kernel is not its many-row one); measured up to
+#: 0.03 on deepseek2's 8k logits of std 4, far below the bar's tolerance
+ONNX_UBATCH_ATOL = 0.05
 RNG = np.random.default_rng(33)
 
 
@@ -62,7 +66,7 @@ def test_ubatches_of_32_give_the_same_logits(models, score, name, backend):
     whole = decode_all(model, record["sequence"], n_ctx=record["n_ctx"])
     split = decode_all(model, record["sequence"], n_ctx=record["n_ctx"], n_ubatch=UBATCH)
     assert_clears_bar(score, record, split, f"{name} on {backend} with n_ubatch {UBATCH}")
-    assert np.abs(whole - split).max() <= SAME_LOGITS_ATOL
+    assert np.abs(whole - split).max() <= (SAME_LOGITS_ATOL if backend == "numpy" else ONNX_UBATCH_ATOL)
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -135,6 +139,19 @@ def test_glm4moe_without_one_feature_fails_the_bar(tmp_path, score, feature):
         model = llmfw.load_model(write_variant(path, tmp_path / "variant.gguf", replace=edits), backend="numpy")
     with model:
         assert_misses_bar(score, model, "glm4moe", f"without {feature}")
+
+
+@pytest.mark.parametrize("feature", ["grouped routing", "selection bias"])
+def test_deepseek2_without_one_feature_fails_the_bar(tmp_path, score, feature):
+    """DeepSeek-V3's grouped routing (switched off by one group) and its optional selection bias (dropped)."""
+    path = model_file("deepseek2", tmp_path)
+    if feature == "grouped routing":
+        model = llmfw.load_model(path, backend="numpy", kv_overrides={"deepseek2.expert_group_count": 1})
+    else:
+        variant = write_variant(path, tmp_path / "variant.gguf", drop=[f"blk.{il}.exp_probs_b.bias" for il in (1, 2)])
+        model = llmfw.load_model(variant, backend="numpy")
+    with model:
+        assert_misses_bar(score, model, "deepseek2", f"without {feature}")
 
 
 @pytest.mark.parametrize("name,tensor,source_type", [("qwen3moe", "blk.2.ffn_gate_exps.weight", "Q4_K"),

@@ -85,6 +85,9 @@ Mixture-of-experts ops (``build_moe_ffn``, :mod:`llmfw.core.moe`; ids are int32,
 ``add_id``          (a [T, K, n], b [E, n], ids [T, K]) → ``a + b[ids]`` (ggml_add_id: per-expert biases).
 ``swiglu_oai``      (gate, up) → ``g * sigmoid(alpha * g) * (u + 1)`` with ``g = min(gate, limit)``,
                     ``u = clip(up, -limit, limit)``; attrs ``alpha``, ``limit`` (gpt-oss's experts).
+``concat``          (a, b) → the two joined along the last axis (other dims equal; DeepSeek's MLA).
+``mul_mat_heads``   (w [H, n_out, n_in], x [T, H, n_in]) → [T, H, n_out]: head h's rows times its own matrix
+                    (MLA's absorbed ``attn_k_b`` / ``attn_v_b``).
 ==================  ===================================================================================
 
 ``get_rows`` also selects rows of activations (``table`` is then any [N, ...] node), e.g. the output rows
@@ -387,6 +390,23 @@ def _add_id(inputs: Sequence[Node], attrs: Mapping[str, AttrValue]) -> tuple[Sha
     return a, "f32"
 
 
+def _concat(inputs: Sequence[Node], attrs: Mapping[str, AttrValue]) -> tuple[Shape, DType]:
+    a = _require_float(inputs[0], "the first part")
+    b = _require_float(inputs[1], "the second part")
+    if len(a) != len(b) or not a or not all(_dims_match(x, y) for x, y in zip(a[:-1], b[:-1])):
+        raise ShapeError(f"concat needs equal leading dims, got {list(a)} and {list(b)}")
+    last = DYNAMIC if DYNAMIC in (a[-1], b[-1]) else a[-1] + b[-1]
+    return a[:-1] + (last,), "f32"
+
+
+def _mul_mat_heads(inputs: Sequence[Node], attrs: Mapping[str, AttrValue]) -> tuple[Shape, DType]:
+    w = _require_float(inputs[0], "the per-head matrices")
+    x = _require_float(inputs[1], "the activations")
+    if len(w) != 3 or len(x) != 3 or not _dims_match(w[0], x[1]) or not _dims_match(w[2], x[2]):
+        raise ShapeError(f"mul_mat_heads needs w [H, n_out, n_in] and x [T, H, n_in], got {list(w)} and {list(x)}")
+    return (x[0], x[1], w[1]), "f32"
+
+
 #: the MoE ops, a block of their own in :data:`OP_TABLE`
 MOE_OP_TABLE: Mapping[str, OpSpec] = {
     "softmax": OpSpec(1, 1, _elementwise),
@@ -399,6 +419,8 @@ MOE_OP_TABLE: Mapping[str, OpSpec] = {
     "mul_mat_id": OpSpec(3, 3, _mul_mat_id),
     "add_id": OpSpec(3, 3, _add_id),
     "swiglu_oai": OpSpec(2, 2, _elementwise),
+    "concat": OpSpec(2, 2, _concat),
+    "mul_mat_heads": OpSpec(2, 2, _mul_mat_heads),
 }
 
 

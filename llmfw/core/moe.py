@@ -95,6 +95,19 @@ def read_moe_hparams(keys: "MetadataView", default_gating: Gating = "softmax") -
     }
 
 
+def mtp_trunk(keys: "MetadataView", common: dict[str, Any]) -> dict[str, Any]:
+    """Without the multi-token-prediction layers (``nextn_predict_layers``, the last blocks of GLM-4.5 and
+    DeepSeek-V3 files): the trunk's ``n_layer`` and per-layer lists. llama.cpp skips those layers' tensors unless
+    asked for MTP; so does llmfw (their tensors are not declared, hence never read)."""
+    nextn = keys.get_int("{arch}.nextn_predict_layers", 0)
+    if not 0 <= nextn < common["n_layer"]:
+        raise ModelError(f"{keys.arch}: nextn_predict_layers {nextn} leaves no layers of {common['n_layer']}")
+    if not nextn:
+        return {}
+    n_layer = common["n_layer"] - nextn
+    return {"n_layer": n_layer, **{k: common[k][:n_layer] for k in ("n_head_arr", "n_head_kv_arr", "n_ff_arr")}}
+
+
 def build_moe_ffn(b: "GraphBuilder", x: "Node", il: int, *, gating: Gating = "softmax", norm_w: bool = False,
                   scale: float = 0.0, act: Activation = "silu", exp_probs_bias: bool = False,
                   prefix: str | None = None) -> "Node":

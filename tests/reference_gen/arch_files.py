@@ -43,6 +43,7 @@ _U32_KEYS = {
     "rope.dimension_count", "rope.scaling.original_context_length", "expert_count", "expert_used_count",
     "expert_feed_forward_length", "expert_shared_count", "expert_shared_feed_forward_length",
     "expert_group_count", "expert_group_used_count", "leading_dense_block_count", "expert_gating_func",
+    "attention.key_length_mla", "attention.value_length_mla", "attention.q_lora_rank", "attention.kv_lora_rank",
 }
 
 
@@ -192,6 +193,11 @@ def _layer_plan(spec: dict, il: int) -> list[TensorPlan]:
     def add(name: str, shape: tuple[int, ...], role: str, init: str) -> None:
         plan.append(TensorPlan(blk + name, shape, role, init, il))
 
+    if arch == "deepseek2":
+        return _mla_plan(spec, il) + (_expert_plan(spec, il) if il >= spec.get("n_dense_lead", 0) else [
+            TensorPlan(blk + "ffn_gate.weight", (n_ff, n_embd), "ffn_gate", "unit", il),
+            TensorPlan(blk + "ffn_up.weight", (n_ff, n_embd), "ffn_up", "unit", il),
+            TensorPlan(blk + "ffn_down.weight", (n_embd, n_ff), "ffn_down", "down", il)])
     if arch != "olmo":  # OLMo's layer norms have no parameters
         add("attn_norm.weight", (n_embd,), "norm", "norm")
     if arch == "phi3":
@@ -235,6 +241,25 @@ def _layer_plan(spec: dict, il: int) -> list[TensorPlan]:
     return plan
 
 
+def _mla_plan(spec: dict, il: int) -> list[TensorPlan]:
+    """DeepSeek-V2/V3's multi-head latent attention as llama.cpp's converter splits it (absorbed ``attn_k_b`` /
+    ``attn_v_b``, numpy [H, n_out, n_in]), plus the layer's two norms."""
+    n_embd, n_head, mla = spec["n_embd"], spec["n_head"], spec["mla"]
+    q_width = n_head * (mla["nope"] + mla["rope"])
+    blk = f"blk.{il}."
+    return [TensorPlan(blk + name, shape, role, init, il) for name, shape, role, init in (
+        ("attn_norm.weight", (n_embd,), "norm", "norm"),
+        ("attn_q_a.weight", (mla["q_lora"], n_embd), "attn_q_a", "unit"),
+        ("attn_q_a_norm.weight", (mla["q_lora"],), "norm", "norm"),
+        ("attn_q_b.weight", (q_width, mla["q_lora"]), "attn_q_b", "sharp"),
+        ("attn_kv_a_mqa.weight", (mla["kv_lora"] + mla["rope"], n_embd), "attn_kv_a_mqa", "sharp"),
+        ("attn_kv_a_norm.weight", (mla["kv_lora"],), "norm", "norm"),
+        ("attn_k_b.weight", (n_head, mla["kv_lora"], mla["nope"]), "attn_k_b", "sharp"),
+        ("attn_v_b.weight", (n_head, mla["v"], mla["kv_lora"]), "attn_v_b", "unit"),
+        ("attn_output.weight", (n_embd, n_head * mla["v"]), "attn_output", "unit"),
+        ("ffn_norm.weight", (n_embd,), "norm", "norm"))]
+
+
 def _expert_plan(spec: dict, il: int) -> list[TensorPlan]:
     """A router [E, n_embd] sharp enough that the choice of experts matters (logits of std ~3) and 3-D expert
     matrices (numpy [E, n_out, n_in]); the experts' outputs are larger than a dense FFN's so that their weighting
@@ -242,10 +267,15 @@ def _expert_plan(spec: dict, il: int) -> list[TensorPlan]:
     n_embd, n_expert = spec["n_embd"], spec["n_expert"]
     n_ff = spec.get("n_ff_exp", spec["n_ff"])
     blk = f"blk.{il}."
-    plan = [TensorPlan(blk + "ffn_gate_inp.weight", (n_expert, n_embd), "ffn_gate_inp", "router", il),
-            TensorPlan(blk + "ffn_gate_exps.weight", (n_expert, n_ff, n_embd), "ffn_gate_exps", "unit", il),
-            TensorPlan(blk + "ffn_up_exps.weight", (n_expert, n_ff, n_embd), "ffn_up_exps", "unit", il),
-            TensorPlan(blk + "ffn_down_exps.weight", (n_expert, n_embd, n_ff), "ffn_down_exps", "expert_down", il)]
+    plan = [TensorPlan(blk + "ffn_gate_inp.weight", (n_expert, n_embd), "ffn_gate_inp", "router", il)]
+    if il in spec.get("fused_gate_up_layers", ()):  # gate rows, then up rows, of each expert
+        plan.append(TensorPlan(blk + "ffn_gate_up_exps.weight", (n_expert, 2 * n_ff, n_embd), "ffn_gate_up_exps",
+                               "unit", il))
+    else:
+        plan += [TensorPlan(blk + "ffn_gate_exps.weight", (n_expert, n_ff, n_embd), "ffn_gate_exps", "unit", il),
+                 TensorPlan(blk + "ffn_up_exps.weight", (n_expert, n_ff, n_embd), "ffn_up_exps", "unit", il)]
+    plan.append(TensorPlan(blk + "ffn_down_exps.weight", (n_expert, n_embd, n_ff), "ffn_down_exps", "expert_down",
+                           il))
     if spec.get("expert_biases"):  # gpt-oss: the router and every expert matrix have biases
         plan += [TensorPlan(blk + "ffn_gate_inp.bias", (n_expert,), "bias", "router_bias", il),
                  TensorPlan(blk + "ffn_gate_exps.bias", (n_expert, n_ff), "bias", "bias", il),

@@ -204,11 +204,35 @@ SPECS: dict[str, dict] = {
                   "ffn_up_shexp": [None, "F16", "Q4_K"], "ffn_down_shexp": [None, "F16", "Q4_1"]},
         "prompts": _BPE_PROMPTS,
     },
+    "deepseek2": {
+        # DeepSeek-V3 style: multi-head latent attention (q_lora 128, kv_lora 128, rope 32 + nope 64 per head,
+        # values 64), a dense first layer, 16 experts in 4 groups (2 used), sigmoid gating with a selection bias,
+        # top-4 renormalised and scaled by 2.5, a shared expert, the last layer's gate/up experts fused
+        "arch": "deepseek2", "vocab": "bpe", "pre": "deepseek-v3", "seed": 1038,
+        "n_layer": 3, "n_embd": 256, "n_head": 4, "n_head_kv": 1, "n_ff": 512,
+        "mla": {"q_lora": 128, "kv_lora": 128, "rope": 32, "nope": 64, "v": 64},
+        "n_expert": 16, "n_expert_used": 4, "n_ff_exp": 256, "n_dense_lead": 1, "n_shared": 1, "exp_probs_b": True,
+        "fused_gate_up_layers": [2], "context_length": 4096,
+        "keys": {"rope.freq_base": 10000.0, "attention.layer_norm_rms_epsilon": 1e-6, "rope.dimension_count": 32,
+                 "attention.key_length": 160, "attention.value_length": 128, "attention.key_length_mla": 96,
+                 "attention.value_length_mla": 64, "attention.q_lora_rank": 128, "attention.kv_lora_rank": 128,
+                 "leading_dense_block_count": 1, "expert_shared_count": 1, "expert_weights_scale": 2.5,
+                 "expert_weights_norm": True, "expert_gating_func": 2, "expert_group_count": 4,
+                 "expert_group_used_count": 2},
+        "types": {"token_embd": "Q8_0", "output": "Q6_K", "attn_q_a": "F16", "attn_q_b": "F16",
+                  "attn_kv_a_mqa": "F16", "attn_k_b": "F16", "attn_v_b": "F16", "attn_output": "F16",
+                  "ffn_gate": "F16", "ffn_up": "F16", "ffn_down": "F16", "ffn_gate_inp": "F32",
+                  "ffn_gate_exps": [None, "F16", None], "ffn_up_exps": [None, "F16", None],
+                  "ffn_gate_up_exps": [None, None, "Q4_K"], "ffn_down_exps": [None, "F16", "Q6_K"],
+                  "ffn_gate_shexp": [None, "F16", "Q8_0"], "ffn_up_shexp": [None, "F16", "Q4_0"],
+                  "ffn_down_shexp": [None, "F16", "Q5_0"]},
+        "prompts": _BPE_PROMPTS,
+    },
 }
 
 #: the mixture-of-experts models, by the family the tests name them
 MOE_MODELS = {"qwen3moe": "qwen3moe", "olmoe": "olmoe", "llama (Mixtral)": "llama-moe", "gpt-oss": "gpt-oss",
-              "glm4moe": "glm4moe"}
+              "glm4moe": "glm4moe", "deepseek2": "deepseek2"}
 
 
 def prompt_text(key: str) -> str:

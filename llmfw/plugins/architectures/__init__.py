@@ -13,6 +13,7 @@ ARCHITECTURES = {
     "olmoe": "llmfw.plugins.architectures.olmoe:OlmoeArchitecture",
     "gpt-oss": "llmfw.plugins.architectures.gpt_oss:GptOssArchitecture",
     "glm4moe": "llmfw.plugins.architectures.glm4moe:Glm4MoeArchitecture",
+    "deepseek2": "llmfw.plugins.architectures.deepseek2:Deepseek2Architecture",
 }
 
 

@@ -23,11 +23,8 @@ from llmfw.core.errors import ModelError
 from llmfw.core.graph import GraphBuilder
 from llmfw.core.hparams import HParams
 from llmfw.core.loader import MetadataView
-from llmfw.core.moe import MoeHParams, build_shared_experts, expert_tensors, read_moe_hparams, shared_expert_tensors
-
-#: per-layer hyperparameter lists the trunk keeps when multi-token-prediction layers are cut off
-_PER_LAYER = ("n_head_arr", "n_head_kv_arr", "n_ff_arr")
-
+from llmfw.core.moe import (MoeHParams, build_shared_experts, expert_tensors, mtp_trunk, read_moe_hparams,
+                            shared_expert_tensors)
 
 class Glm4MoeArchitecture(Architecture):
     name = "glm4moe"
@@ -37,13 +34,7 @@ class Glm4MoeArchitecture(Architecture):
     def own_hparams(self, keys: MetadataView, common: dict[str, Any]) -> dict[str, Any]:
         extra = read_moe_hparams(keys, default_gating="sigmoid")
         extra["n_expert_shared"] = keys.get_int("{arch}.expert_shared_count")
-        nextn = keys.get_int("{arch}.nextn_predict_layers", 0)
-        if not 0 <= nextn < common["n_layer"]:
-            raise ModelError(f"glm4moe: nextn_predict_layers {nextn} leaves no layers of {common['n_layer']}")
-        if nextn:  # the trunk is the first block_count - nextn layers
-            extra["n_layer"] = common["n_layer"] - nextn
-            extra.update({k: common[k][:extra["n_layer"]] for k in _PER_LAYER})
-        return extra
+        return {**extra, **mtp_trunk(keys, common)}
 
     def check_hparams(self, hp: HParams) -> None:
         super().check_hparams(hp)

@@ -109,6 +109,14 @@ class MoeSteps:
 
         return step
 
+    def _op_concat(self, node: Node, ins: list[int], out: int) -> Step:
+        return self._binary(lambda a, b: np.concatenate([a, b], axis=-1), ins, out)
+
+    def _op_mul_mat_heads(self, node: Node, ins: list[int], out: int) -> Step:
+        """[T, H, n_in] by [H, n_out, n_in]: one batched matmul over the heads."""
+        return self._binary(lambda w, x: np.matmul(x.transpose(1, 0, 2), w.transpose(0, 2, 1)).transpose(1, 0, 2),
+                            ins, out)
+
     def _op_swiglu_oai(self, node: Node, ins: list[int], out: int) -> Step:
         alpha, limit = node.attr_float("alpha"), node.attr_float("limit")
         return self._binary(lambda g, u: swiglu_oai(g, u, alpha, limit), ins, out)

@@ -125,6 +125,19 @@ class MoeTranslation:
         glu = self.e.op("Mul", [gate, self.e.op("Sigmoid", [self.e.op("Mul", [gate, self.e.const(alpha, F32)])])])
         return self.e.op("Mul", [glu, self.e.op("Add", [up, self.e.const(1.0, F32)])])
 
+    # -- DeepSeek's multi-head latent attention ----------------------------------------------------------------
+    def _op_concat(self, node: Node) -> str:
+        return self.e.op("Concat", [self.value(node.inputs[0]), self.value(node.inputs[1])], axis=-1)
+
+    def _op_mul_mat_heads(self, node: Node) -> str:
+        """[T, H, n_in] → [H, T, n_in] @ [H, n_in, n_out] (the weight transposed once, at its first use)."""
+        w_node, x_node = node.inputs
+        name = w_node.attrs["name"]
+        w_t = self.backend.derived(name, "heads.T", lambda: self.backend.dense_copy(name).transpose(0, 2, 1))
+        heads = self.e.op("Transpose", [self.value(x_node)], perm=[1, 0, 2])
+        out = self.e.op("MatMul", [heads, self.e.external(f"wht:{name}", w_t)], hint="mm_heads")
+        return self.e.op("Transpose", [out], perm=[1, 0, 2])
+
     # -- experts -------------------------------------------------------------------------------------------
     def _op_mul_mat_id(self, node: Node) -> str:
         w_node, x_node, ids_node = node.inputs
