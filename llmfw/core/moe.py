@@ -195,6 +195,19 @@ def _mask_unused_groups(b: "GraphBuilder", selection: "Node", hp: MoeHParams) ->
     return b.op("reshape", b.op("add", groups, mask), shape=(-1, hp.n_expert))
 
 
+def build_layer_ffn(b: "GraphBuilder", h: "Node", il: int) -> "Node":
+    """The FFN of a DeepSeek-V3-style layer on the normed ``h``: dense SwiGLU in the leading dense layers, else
+    the routed experts as the file's routing keys say (gating, selection bias, normalisation, scale) plus the
+    shared experts (glm4moe, deepseek2)."""
+    hp = b.hp
+    assert isinstance(hp, MoeHParams)
+    if not hp.is_moe_layer(il):
+        return b.build_ffn(h, il, act="silu")
+    out = b.build_moe_ffn(h, il, gating=hp.expert_gating_func, norm_w=hp.expert_weights_norm,
+                          scale=hp.expert_weights_scale, act="silu", exp_probs_bias=True)
+    return b.op("add", out, build_shared_experts(b, h, il)) if hp.n_expert_shared else out
+
+
 def build_shared_experts(b: "GraphBuilder", x: "Node", il: int, *, act: str = "silu") -> "Node":
     """The shared experts ``ffn_{gate,up,down}_shexp`` of layer ``il`` as one dense FFN."""
     p = f"blk.{il}"

@@ -28,7 +28,7 @@ from llmfw.core.errors import ModelError
 from llmfw.core.graph import GraphBuilder, Node
 from llmfw.core.hparams import HParams
 from llmfw.core.loader import MetadataView
-from llmfw.core.moe import (MoeHParams, build_shared_experts, expert_tensors, mtp_trunk, read_moe_hparams,
+from llmfw.core.moe import (MoeHParams, build_layer_ffn, expert_tensors, mtp_trunk, read_moe_hparams,
                             shared_expert_tensors)
 
 
@@ -97,21 +97,13 @@ class Deepseek2Architecture(Architecture):
         return specs + shared_expert_tensors(hp, il, hp.n_ff_exp * hp.n_expert_shared)
 
     def build_graph(self, b: GraphBuilder) -> None:
-        hp = b.hp
-        assert isinstance(hp, Deepseek2HParams)
         x = b.build_inp_embd()
         for il in b.layers():
             p = f"blk.{il}"
             residual = x
             h = self._attention(b, b.build_norm(x, f"{p}.attn_norm.weight"), il)
             x = b.add_residual(h, residual)
-            h = b.build_norm(x, f"{p}.ffn_norm.weight")
-            if not hp.is_moe_layer(il):
-                x = b.op("add", b.build_ffn(h, act="silu"), x)
-                continue
-            out = b.build_moe_ffn(h, il, gating=hp.expert_gating_func, norm_w=hp.expert_weights_norm,
-                                  scale=hp.expert_weights_scale, act="silu", exp_probs_bias=True)
-            x = b.op("add", b.op("add", out, build_shared_experts(b, h, il)), x)
+            x = b.op("add", build_layer_ffn(b, b.build_norm(x, f"{p}.ffn_norm.weight"), il), x)
         b.build_output(x)
 
     def _attention(self, b: GraphBuilder, h: Node, il: int) -> Node:

@@ -23,7 +23,7 @@ from llmfw.core.errors import ModelError
 from llmfw.core.graph import GraphBuilder
 from llmfw.core.hparams import HParams
 from llmfw.core.loader import MetadataView
-from llmfw.core.moe import (MoeHParams, build_shared_experts, expert_tensors, mtp_trunk, read_moe_hparams,
+from llmfw.core.moe import (MoeHParams, build_layer_ffn, expert_tensors, mtp_trunk, read_moe_hparams,
                             shared_expert_tensors)
 
 class Glm4MoeArchitecture(Architecture):
@@ -66,8 +66,6 @@ class Glm4MoeArchitecture(Architecture):
         return specs
 
     def build_graph(self, b: GraphBuilder) -> None:
-        hp = b.hp
-        assert isinstance(hp, MoeHParams)
         x = b.build_inp_embd()
         for il in b.layers():
             p = f"blk.{il}"
@@ -79,13 +77,5 @@ class Glm4MoeArchitecture(Architecture):
                 k = b.build_norm(k, f"{p}.attn_k_norm.weight")
             h = b.build_attn(b.build_rope(q), b.build_rope(k), v)
             x = b.add_residual(h, residual)
-            h = b.build_norm(x, f"{p}.post_attention_norm.weight")
-            if not hp.is_moe_layer(il):
-                x = b.op("add", b.build_ffn(h, act="silu"), x)
-                continue
-            out = b.build_moe_ffn(h, il, gating=hp.expert_gating_func, norm_w=hp.expert_weights_norm,
-                                  scale=hp.expert_weights_scale, act="silu", exp_probs_bias=True)
-            if hp.n_expert_shared:
-                out = b.op("add", out, build_shared_experts(b, h, il))
-            x = b.op("add", out, x)
+            x = b.op("add", build_layer_ffn(b, b.build_norm(x, f"{p}.post_attention_norm.weight"), il), x)
         b.build_output(x)
