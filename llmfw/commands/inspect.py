@@ -95,6 +95,31 @@ def type_breakdown(g: GGUFFile) -> dict[str, dict[str, int]]:
             for t, _ in elements.most_common()}
 
 
+#: ``{arch}.*`` expert keys → the names ``experts`` uses for them
+_EXPERT_KEYS = {"expert_count": "count", "expert_used_count": "used", "expert_shared_count": "shared",
+                "expert_group_count": "groups", "expert_group_used_count": "groups_used",
+                "expert_feed_forward_length": "feed_forward_length"}
+
+
+def experts_summary(g: GGUFFile) -> dict[str, Any] | None:
+    """A mixture-of-experts file's expert counts (None for a dense model)."""
+    found = {name: _value(g, f"{g.architecture}.{key}") for key, name in _EXPERT_KEYS.items()
+             if f"{g.architecture}.{key}" in g.metadata}
+    return found if found.get("count") else None
+
+
+def _experts_text(experts: dict[str, Any]) -> str:
+    """``8 (2 used per token, 1 shared, 4 groups of which 2 used, 256 wide)``."""
+    parts = [f"{experts['used']} used per token"] if "used" in experts else []
+    if experts.get("shared"):
+        parts.append(f"{experts['shared']} shared")
+    if experts.get("groups"):
+        parts.append(f"{experts['groups']} groups of which {experts.get('groups_used', '?')} used")
+    if experts.get("feed_forward_length"):
+        parts.append(f"{experts['feed_forward_length']} wide")
+    return f"{experts['count']} ({', '.join(parts)})" if parts else str(experts["count"])
+
+
 def summarize(g: GGUFFile, *, with_tensors: bool = False) -> dict[str, Any]:
     """Everything `llmfw inspect` shows, as a JSON-ready dict."""
     n_params = g.n_parameters
@@ -109,6 +134,7 @@ def summarize(g: GGUFFile, *, with_tensors: bool = False) -> dict[str, Any]:
         "architecture": g.architecture,
         "general": {k: _value(g, f"general.{k}") for k in _GENERAL_KEYS if f"general.{k}" in g.metadata},
         "hyperparameters": hyperparameters(g),
+        "experts": experts_summary(g),
         "tokenizer": tokenizer_summary(g),
         "file_type": main_type.name if main_type is not None else None,
         "general_file_type": ({"id": ftype_id, "name": LLAMA_FTYPE_NAMES.get(ftype_id, "unknown")}
@@ -156,6 +182,8 @@ def format_text(s: dict[str, Any]) -> str:
     lines.append("hyperparameters:")
     width = max((len(k) for k in s["hyperparameters"]), default=0)
     lines += [f"  {k:{width}}  {v}" for k, v in s["hyperparameters"].items()]
+    if s.get("experts"):
+        lines.append(f"experts:         {_experts_text(s['experts'])}")
     tok = s["tokenizer"]
     merges = f", {tok['merges']} merges" if tok["merges"] is not None else ""
     lines.append(f"tokenizer:       {tok['model']} (pre {tok['pre']}), {tok['vocab_size']} tokens{merges}")

@@ -26,6 +26,23 @@ import llama_cpp  # noqa: E402  (the measuring stick, only here)
 N_THREADS = 2
 
 
+def _without_extra_buffer_types() -> None:
+    """Load models without ggml's extra CPU buffer types (AMX, repacked layouts): on a CPU that reports AMX but
+    whose kernel does not grant the tile state, ggml's AMX matmul crashes the process."""
+    bindings = llama_cpp.llama_cpp  # the module the Llama class reads the defaults from
+    default = bindings.llama_model_default_params
+
+    def params():
+        p = default()
+        p.use_extra_bufts = False
+        return p
+
+    bindings.llama_model_default_params = params
+
+
+_without_extra_buffer_types()
+
+
 def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 

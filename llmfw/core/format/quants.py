@@ -285,7 +285,28 @@ def _decode_q6_k(blocks: np.ndarray, out: np.ndarray) -> None:
     _scale_blocks(out, dl, q)
 
 
+#: MXFP4's E2M1 code → value, doubled as ggml stores it (ggml's ``kvalues_mxfp4``); the block scale is halved
+MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.float32)
+
+
+def mxfp4_scales(exponents: np.ndarray) -> np.ndarray:
+    """E8M0 block exponents → float32 scales ``2**(e - 127) / 2`` (ggml_e8m0_to_fp32_half; exact, denormals too)."""
+    return np.ldexp(np.float64(1.0), exponents.astype(np.int32) - 128).astype(np.float32)
+
+
+def mxfp4_codes(blocks: np.ndarray) -> np.ndarray:
+    """The 4-bit codes of MXFP4 blocks [n, 17] (e | 16 bytes: element j in the low nibble of byte j, element j+16
+    in its high nibble), uint8 [n, 32]."""
+    qs = blocks[:, 1:]
+    return np.concatenate([qs & np.uint8(0x0F), qs >> np.uint8(4)], axis=1)
+
+
+def _decode_mxfp4(blocks: np.ndarray, out: np.ndarray) -> None:
+    out[:] = MXFP4_VALUES[mxfp4_codes(blocks)] * mxfp4_scales(blocks[:, 0])[:, None]
+
+
 _BLOCK_DECODERS: dict[GGMLType, _BlockDecoder] = {
+    GGMLType.MXFP4: _decode_mxfp4,
     GGMLType.Q4_0: _decode_q4_0,
     GGMLType.Q4_1: _decode_q4_1,
     GGMLType.Q5_0: _decode_q5_0,

@@ -62,9 +62,32 @@ Ops (inputs in order; attributes in ``Node.attrs``):
                     (n_kv = mask.shape[1]). attrs: ``layer``, ``cache``, ``scale``, ``softcap`` (0 = off),
                     ``window``: the standard sliding window the mask applies (llama.cpp's n_swa; 0 = none).
                     The mask decides what is seen; ``window`` lets a fused kernel know it in advance.
+                    An optional 6th input ``sinks`` [H] (gpt-oss's attention sinks) adds ``exp(sinks[h])`` to
+                    each row's softmax denominator: a logit that takes probability but has no value.
 ``k_shift``         (shift int32 [n_kv] [, freq_factors]) → empty f32 [0]. Side effect only: rotates rows
                     ``0 .. n_kv-1`` of the K cache of (``cache``, ``layer``) in place by the positions
                     ``shift`` (llama.cpp's K-shift after ``seq_add``); same rope attrs as ``rope``.
+==================  ===================================================================================
+
+Mixture-of-experts ops (``build_moe_ffn``, :mod:`llmfw.core.arch.moe`; ids are int32, ``E`` experts, ``K`` chosen):
+
+==================  ===================================================================================
+``softmax``         (x) → softmax over the last axis.
+``sigmoid``         (x) → ``1 / (1 + exp(-x))``.
+``div``             (a, b) elementwise with numpy broadcasting.
+``sum_rows``        (x [..., n]) → [..., 1], the sum over the last axis (ggml_sum_rows).
+``top_k``           (x [..., n]) → i32 [..., k]: the indices of the ``attrs["k"]`` largest entries of each row,
+                    largest first (ggml_argsort_top_k).
+``take``            (x [..., n], ids [..., k]) → [..., k]: ``take_along_axis(x, ids, -1)`` (leading dims equal).
+``id_mask``         (x [..., n], ids [..., k]) → [..., n]: 0 at the columns ``ids`` names, -inf elsewhere.
+``mul_mat_id``      (w [E, n_out, n_in], x [T, n_in] or [T, K, n_in], ids [T, K]) → [T, K, n_out]: row (t, j)
+                    is ``x[t(, j)] @ w[ids[t, j]].T`` (ggml_mul_mat_id); only the chosen experts are computed.
+``add_id``          (a [T, K, n], b [E, n], ids [T, K]) → ``a + b[ids]`` (ggml_add_id: per-expert biases).
+``swiglu_oai``      (gate, up) → ``g * sigmoid(alpha * g) * (u + 1)`` with ``g = min(gate, limit)``,
+                    ``u = clip(up, -limit, limit)``; attrs ``alpha``, ``limit`` (gpt-oss's experts).
+``concat``          (a, b) → the two joined along the last axis (other dims equal; DeepSeek's MLA).
+``mul_mat_heads``   (w [H, n_out, n_in], x [T, H, n_in]) → [T, H, n_out]: head h's rows times its own matrix
+                    (MLA's absorbed ``attn_k_b`` / ``attn_v_b``).
 ==================  ===================================================================================
 
 ``get_rows`` also selects rows of activations (``table`` is then any [N, ...] node), e.g. the output rows
@@ -297,12 +320,108 @@ def _attention(inputs: Sequence[Node], attrs: Mapping[str, AttrValue]) -> tuple[
         raise ShapeError(f"attention inputs disagree on the token count: {q}, {k}, {v}, [{n_idx}], {mask}")
     if not (_dims_match(q[2], k[2]) and _dims_match(k[1], v[1])) or k[1] <= 0 or q[1] % k[1]:
         raise ShapeError(f"attention heads do not match: q {list(q)}, k {list(k)}, v {list(v)}")
+    if len(inputs) > 5 and _require_float(inputs[5], "the sinks") != (q[1],):
+        raise ShapeError(f"attention sinks must be one per query head ({q[1]}), got {list(_typed(inputs[5])[0])}")
     return (n_tokens, q[1] * v[2]), "f32"
 
 
 def _k_shift(inputs: Sequence[Node], attrs: Mapping[str, AttrValue]) -> tuple[Shape, DType]:
     _require_int(inputs[0], "the shift", 1)
     return (0,), "f32"
+
+
+# -- mixture-of-experts ops (see the MoE table in the module docstring) -------------------------------------
+
+def _reduce_rows(inputs: Sequence[Node], attrs: Mapping[str, AttrValue]) -> tuple[Shape, DType]:
+    shape = _require_float(inputs[0], "the summed input")
+    if not shape:
+        raise ShapeError("cannot sum the rows of a scalar")
+    return shape[:-1] + (1,), "f32"
+
+
+def _top_k(inputs: Sequence[Node], attrs: Mapping[str, AttrValue]) -> tuple[Shape, DType]:
+    shape = _require_float(inputs[0], "the ranked input")
+    k = attrs.get("k")
+    too_many = bool(shape) and isinstance(k, int) and shape[-1] != DYNAMIC and k > shape[-1]
+    if not shape or not isinstance(k, int) or k <= 0 or too_many:
+        raise ShapeError(f"top_k needs 0 < k <= {shape[-1:]} entries per row, got k={k!r}")
+    return shape[:-1] + (k,), "i32"
+
+
+def _id_operands(inputs: Sequence[Node]) -> tuple[Shape, Shape]:
+    """(x, ids) of ``take`` / ``id_mask``: ids integer, leading dims equal to x's."""
+    x = _require_float(inputs[0], "the table")
+    ids, dtype = _typed(inputs[1])
+    if dtype == "f32" or len(ids) != len(x) or not all(_dims_match(a, b) for a, b in zip(x[:-1], ids[:-1])):
+        raise ShapeError(f"ids {dtype}{list(ids)} do not index the rows of {list(x)}")
+    return x, ids
+
+
+def _take(inputs: Sequence[Node], attrs: Mapping[str, AttrValue]) -> tuple[Shape, DType]:
+    _, ids = _id_operands(inputs)
+    return ids, "f32"
+
+
+def _id_mask(inputs: Sequence[Node], attrs: Mapping[str, AttrValue]) -> tuple[Shape, DType]:
+    x, _ = _id_operands(inputs)
+    return x, "f32"
+
+
+def _mul_mat_id(inputs: Sequence[Node], attrs: Mapping[str, AttrValue]) -> tuple[Shape, DType]:
+    w = _require_float(inputs[0], "the expert matrices")
+    x = _require_float(inputs[1], "the activations")
+    n_tokens, n_used = _require_int(inputs[2], "the expert ids", 2)
+    if len(w) != 3:
+        raise ShapeError(f"mul_mat_id needs expert matrices [E, n_out, n_in], got {list(w)}")
+    fits = (len(x) == 2 or (len(x) == 3 and _dims_match(x[1], n_used))) and _dims_match(x[0], n_tokens)
+    if not fits or not _dims_match(x[-1], w[2]):
+        raise ShapeError(f"mul_mat_id: activations {list(x)} do not fit matrices {list(w)} and ids "
+                         f"[{n_tokens}, {n_used}]")
+    return (x[0], n_used, w[1]), "f32"
+
+
+def _add_id(inputs: Sequence[Node], attrs: Mapping[str, AttrValue]) -> tuple[Shape, DType]:
+    a = _require_float(inputs[0], "the expert outputs")
+    b = _require_float(inputs[1], "the per-expert rows")
+    ids = _require_int(inputs[2], "the expert ids", 2)
+    if len(a) != 3 or len(b) != 2 or not _dims_match(a[2], b[1]) or \
+            not all(_dims_match(x, y) for x, y in zip(a[:2], ids)):
+        raise ShapeError(f"add_id needs a [T, K, n], b [E, n], ids [T, K]; got {list(a)}, {list(b)}, {list(ids)}")
+    return a, "f32"
+
+
+def _concat(inputs: Sequence[Node], attrs: Mapping[str, AttrValue]) -> tuple[Shape, DType]:
+    a = _require_float(inputs[0], "the first part")
+    b = _require_float(inputs[1], "the second part")
+    if len(a) != len(b) or not a or not all(_dims_match(x, y) for x, y in zip(a[:-1], b[:-1])):
+        raise ShapeError(f"concat needs equal leading dims, got {list(a)} and {list(b)}")
+    last = DYNAMIC if DYNAMIC in (a[-1], b[-1]) else a[-1] + b[-1]
+    return a[:-1] + (last,), "f32"
+
+
+def _mul_mat_heads(inputs: Sequence[Node], attrs: Mapping[str, AttrValue]) -> tuple[Shape, DType]:
+    w = _require_float(inputs[0], "the per-head matrices")
+    x = _require_float(inputs[1], "the activations")
+    if len(w) != 3 or len(x) != 3 or not _dims_match(w[0], x[1]) or not _dims_match(w[2], x[2]):
+        raise ShapeError(f"mul_mat_heads needs w [H, n_out, n_in] and x [T, H, n_in], got {list(w)} and {list(x)}")
+    return (x[0], x[1], w[1]), "f32"
+
+
+#: the MoE ops, a block of their own in :data:`OP_TABLE`
+MOE_OP_TABLE: Mapping[str, OpSpec] = {
+    "softmax": OpSpec(1, 1, _elementwise),
+    "sigmoid": OpSpec(1, 1, _elementwise),
+    "div": OpSpec(2, 2, _elementwise),
+    "sum_rows": OpSpec(1, 1, _reduce_rows),
+    "top_k": OpSpec(1, 1, _top_k),
+    "take": OpSpec(2, 2, _take),
+    "id_mask": OpSpec(2, 2, _id_mask),
+    "mul_mat_id": OpSpec(3, 3, _mul_mat_id),
+    "add_id": OpSpec(3, 3, _add_id),
+    "swiglu_oai": OpSpec(2, 2, _elementwise),
+    "concat": OpSpec(2, 2, _concat),
+    "mul_mat_heads": OpSpec(2, 2, _mul_mat_heads),
+}
 
 
 #: every op of the IR: arity and shape rule. A backend lists the subset it implements in
@@ -326,8 +445,9 @@ OP_TABLE: Mapping[str, OpSpec] = {
     "reshape": OpSpec(1, 1, _reshape),
     "slice": OpSpec(1, 1, _slice),
     "rope": OpSpec(2, 3, _rope),
-    "attention": OpSpec(5, 5, _attention),
+    "attention": OpSpec(5, 6, _attention),
     "k_shift": OpSpec(1, 2, _k_shift),
+    **MOE_OP_TABLE,
 }
 OPS = frozenset(OP_TABLE)
 
@@ -598,17 +718,19 @@ class GraphBuilder:
         return q, k, v
 
     def build_attn(self, q: Node, k: Node, v: Node, il: int | None = None, *, out_weight: str | None = None,
-                   out_bias: str | None = None, kq_scale: float | None = None, softcap: float | None = None
-                   ) -> Node:
+                   out_bias: str | None = None, kq_scale: float | None = None, softcap: float | None = None,
+                   sinks: str | None = None) -> Node:
         """Attention over the KV cache (GQA, mask, optional soft-capping), then the output projection.
 
         Writes k, v into the layer's cache cells for this ubatch; ``out_weight`` defaults to
-        ``blk.{il}.attn_output.weight`` (pass ``""`` to skip the projection).
+        ``blk.{il}.attn_output.weight`` (pass ``""`` to skip the projection); ``sinks`` names a per-head
+        attention-sink weight (gpt-oss).
         """
         il = self.layer if il is None else il
         cache = self.cache_of_layer(il)
         out = self.op(
             "attention", q, k, v, self.input(f"kv_idx:{cache}"), self.input(f"kq_mask:{cache}"),
+            *([self.weight(sinks)] if sinks else []),
             layer=il, cache=cache, scale=self.hp.kq_scale if kq_scale is None else kq_scale,
             softcap=self.hp.f_attn_logit_softcapping if softcap is None else softcap, window=self._window(il),
         )
@@ -646,6 +768,14 @@ class GraphBuilder:
             h = self.op(act, h)
         return self.mul_mat(down, h, _bias_of(down))
 
+    def build_moe_ffn(self, x: Node, il: int | None = None, **options: "object") -> Node:
+        """Mixture-of-experts feed-forward of ``x`` [T, n_embd] (llama.cpp's ``build_moe_ffn``): router, top-k,
+        the chosen experts' FFNs weighted and summed, plus shared experts. See :func:`llmfw.core.arch.moe.build_moe_ffn`
+        for the options (gating, weight normalisation and scale, activation, tensor names)."""
+        from ..arch.moe import build_moe_ffn
+
+        return build_moe_ffn(self, x, self.layer if il is None else il, **options)  # type: ignore[arg-type]
+
     def build_inp_out_ids(self) -> Node:
         """The ``out_ids`` input (rows to output). Unlike llama.cpp it is there even when every token is an
         output: the prompt and decode graphs then have one structure, so a backend that compiles (and prepacks
@@ -653,6 +783,14 @@ class GraphBuilder:
         if self._out_ids is None:
             self._out_ids = self.input("out_ids")
         return self._out_ids
+
+    def add_residual(self, h: Node, residual: Node, il: int | None = None) -> Node:
+        """``h + residual`` after layer ``il``'s attention; in the last layer only the output rows of both are
+        kept first (llama.cpp selects them there, before the FFN)."""
+        il = self.layer if il is None else il
+        if il == self.hp.n_layer - 1:
+            h, residual = self.select_outputs(h, residual)
+        return self.op("add", h, residual)
 
     def select_outputs(self, *nodes: Node) -> tuple[Node, ...]:
         """Keep only the output rows of each node (llama.cpp does it in the last layer, before the FFN)."""

@@ -9,6 +9,10 @@ then ``output(rms_norm(x) * output_norm)``; the head is tied to ``token_embd`` w
 Biases (``attn_q.bias``...) are used when present. RoPE is NORM mode; scaling ``linear`` (freq_scale),
 ``yarn`` (ext_factor / mscale / corr dims) and ``llama3`` (per-dimension frequency factors from
 ``rope_freqs.weight`` or, when absent, computed from ``rope.scaling.*`` keys) are supported.
+
+Mixtral-style files (``expert_count`` > 1) replace each FFN by routed experts: softmax router, top
+``expert_used_count``, the chosen weights renormalised, SiLU-gated ``ffn_{gate,up,down}_exps`` (llama.cpp's
+``build_moe_ffn`` with ``norm_w``; no weight scale).
 """
 from __future__ import annotations
 
@@ -19,9 +23,10 @@ import numpy as np
 
 from llmfw.core.arch.architecture import Architecture, TensorSpec, attention_qkv_tensors
 from llmfw.core.errors import ModelError
-from llmfw.core.ir.graph import GraphBuilder
+from llmfw.core.ir.graph import GraphBuilder, Node
 from llmfw.core.arch.hparams import HParams
 from llmfw.core.runtime.loader import MetadataView
+from llmfw.core.arch.moe import ROUTING_KEYS, MoeHParams, expert_tensors, read_moe_hparams
 
 
 def llama3_rope_factors(hp: HParams) -> np.ndarray:
@@ -53,11 +58,20 @@ def llama3_rope_factors(hp: HParams) -> np.ndarray:
 class LlamaArchitecture(Architecture):
     name = "llama"
     rope_type = "norm"
+    hparams_class = MoeHParams
+    #: whether files of this family may have routed experts (llama: Mixtral; the dense families built on it not)
+    experts: bool = True
+    #: whether the chosen experts' weights are renormalised to sum to one (llama.cpp's ``norm_w``)
+    norm_expert_weights: bool = True
 
     def own_hparams(self, keys: MetadataView, common: dict[str, Any]) -> dict[str, Any]:
-        if keys.get_int("{arch}.expert_count", 0) > 0:
-            raise ModelError(f"{keys.arch}: mixture-of-experts llama models (expert_count > 0) are not supported")
         extra: dict[str, Any] = {}
+        if keys.get_int("{arch}.expert_count", 0) > 0:
+            if not self.experts:
+                raise ModelError(f"{keys.arch}: mixture-of-experts {keys.arch} models (expert_count > 0) are not "
+                                 "supported")
+            # llama.cpp's llama reads only the counts: no weight scale, normalisation always on
+            extra.update({k: v for k, v in read_moe_hparams(keys).items() if k in ROUTING_KEYS})
         if common["rope_scaling_type"] == "llama3":
             # the factor scales frequencies through rope_freqs, not through freq_scale
             extra["rope_freq_scale_train"] = 1.0
@@ -78,6 +92,31 @@ class LlamaArchitecture(Architecture):
             t("attn_output.weight", (n_q, n_embd)),
             t("attn_output.bias", (n_embd,), "add", True),
             t("ffn_norm.weight", (n_embd,), "mul"),
+        ]
+        if isinstance(hp, MoeHParams) and hp.n_expert:
+            specs += expert_tensors(hp, il, self.expert_ff(hp, il), gate_optional=True)
+        else:
+            specs += self._dense_ffn_tensors(hp, il)
+        # one rope_freqs tensor in the file serves every layer; each layer gets its own handle so that layers
+        # on different backends each hold a copy (llama.cpp's TENSOR_DUPLICATED)
+        generate = llama3_rope_factors if hp.rope_scaling_type == "llama3" else None
+        specs.append(TensorSpec(f"{p}.rope_freqs.weight", (hp.n_rot // 2,), il, optional=True, usage="rope",
+                                duplicate_of="rope_freqs.weight", generate=generate))
+        return specs
+
+    def expert_ff(self, hp: MoeHParams, il: int) -> int:
+        """The routed experts' hidden size (llama: ``feed_forward_length``)."""
+        return hp.n_ff(il)
+
+    @staticmethod
+    def _dense_ffn_tensors(hp: HParams, il: int) -> list[TensorSpec]:
+        n_embd, n_ff = hp.n_embd, hp.n_ff(il)
+        p = f"blk.{il}"
+
+        def t(name: str, ne: tuple[int, ...], usage: str = "mul_mat", optional: bool = False) -> TensorSpec:
+            return TensorSpec(f"{p}.{name}", ne, il, optional=optional, usage=usage)
+
+        return [
             t("ffn_gate.weight", (n_embd, n_ff)),
             t("ffn_down.weight", (n_ff, n_embd)),
             t("ffn_up.weight", (n_embd, n_ff)),
@@ -85,12 +124,6 @@ class LlamaArchitecture(Architecture):
             t("ffn_down.bias", (n_embd,), "add", True),
             t("ffn_up.bias", (n_ff,), "add", True),
         ]
-        # one rope_freqs tensor in the file serves every layer; each layer gets its own handle so that layers
-        # on different backends each hold a copy (llama.cpp's TENSOR_DUPLICATED)
-        generate = llama3_rope_factors if hp.rope_scaling_type == "llama3" else None
-        specs.append(t("rope_freqs.weight", (hp.n_rot // 2,), "rope", True, duplicate_of="rope_freqs.weight",
-                       generate=generate))
-        return specs
 
     def rope_freq_factors(self, hp: HParams, il: int) -> str | None:
         return f"blk.{il}.rope_freqs.weight"
@@ -107,5 +140,11 @@ class LlamaArchitecture(Architecture):
                 h, residual = b.select_outputs(h, residual)
             x = b.op("add", h, residual)
             h = b.build_norm(x, f"blk.{il}.ffn_norm.weight")
-            x = b.op("add", b.build_ffn(h, act="silu"), x)
+            x = b.op("add", self.build_feed_forward(b, h, il), x)
         b.build_output(x)
+
+    def build_feed_forward(self, b: GraphBuilder, h: Node, il: int) -> Node:
+        """The layer's FFN on the normed ``h``: SwiGLU, or Mixtral's routed experts when the layer has a router."""
+        if b.has_weight(f"blk.{il}.ffn_gate_inp.weight"):
+            return b.build_moe_ffn(h, il, gating="softmax", norm_w=self.norm_expert_weights, act="silu")
+        return b.build_ffn(h, act="silu")

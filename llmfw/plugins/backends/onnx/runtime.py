@@ -27,6 +27,7 @@ from llmfw.plugins.backends.onnx.fused import (
     USE_GQA, AttentionForm, FusedAttentionPlan, fused_attention_plan, kv_cells,
 )
 from llmfw.plugins.backends.onnx.groups import attention_cells
+from llmfw.plugins.backends.onnx.moe import ExpertWeights, is_expert_source, load_experts
 from llmfw.plugins.backends.onnx.ort import OnnxKV, execution_providers, import_onnxruntime
 from llmfw.plugins.backends.onnx.rows import one_row_product_differs
 from llmfw.plugins.backends.onnx.translate import SplitTranslator
@@ -165,7 +166,12 @@ class OnnxBackend(Backend):
             return None
         return Path(opts.cache_dir).expanduser() if opts.cache_dir else default_cache_root()
 
-    def load_weight(self, source: WeightSource) -> Weight:
+    def load_weight(self, source: WeightSource) -> Weight | ExpertWeights:
+        if is_expert_source(source):  # E matrices of their own (see moe.py), each converted like a dense one
+            return load_experts(source, self._convert, self.weights.__setitem__)
+        return self._convert(source)
+
+    def _convert(self, source: WeightSource) -> Weight:
         if self._load is None:  # a weight outside a file's load (tests build backends by hand)
             return convert_weight(source)
         return self._load.load(source, convert_weight)

@@ -31,6 +31,7 @@ from llmfw.plugins.backends.onnx.emit import (
     ONNX_BOOL, ONNX_FLOAT, ONNX_INT32, ONNX_INT64, OPSET, Emitter, external_tensor_proto, freeze, kv_name, live_nodes,
 )
 from llmfw.plugins.backends.onnx.fused import USE_GQA, AttentionForm, fusable_rope, kv_cells, packed_qkv
+from llmfw.plugins.backends.onnx.moe import MoeTranslation
 from llmfw.plugins.backends.onnx.ort import OnnxKV, import_onnxruntime
 from llmfw.plugins.backends.onnx.weights import F32, BlockWeight, DenseWeight
 
@@ -60,7 +61,7 @@ def score_slice(head_dim: int) -> int:
 # split → ONNX model
 # ---------------------------------------------------------------------------------------------------------------
 
-class SplitTranslator:
+class SplitTranslator(MoeTranslation):
     """Translates one split into ONNX nodes. The IR's node shapes (those of the first run's graph) guide choices
     that do not depend on the token count or the KV length (head sizes, rotated dims); the model itself keeps
     those axes dynamic."""
@@ -179,11 +180,13 @@ class SplitTranslator:
     def _declare_outputs(self) -> list[str]:
         helper = self.e.helper
         output_names = []
+        dtypes = {node.id: node.dtype for node in self.split.nodes}
         for node_id in self.split.output_ids:
             name = f"out_{node_id}"
             self.e.nodes.append(helper.make_node("Identity", [self.names[node_id]], [name]))
             output_names.append(name)
-            self.graph_outputs.append(helper.make_tensor_value_info(name, ONNX_FLOAT, None))
+            elem = ONNX_INT32 if dtypes.get(node_id) == "i32" else ONNX_FLOAT  # expert ids (top_k) are int32
+            self.graph_outputs.append(helper.make_tensor_value_info(name, elem, None))
         for (key, which), current in self._kv_current.items():
             # the last update's own output is the graph output: bound to the input's buffer, ScatterND skips
             # its copy (an Identity here would copy the whole cache)
@@ -246,7 +249,10 @@ class SplitTranslator:
         if w_node.op != "weight":
             # activation × activation (no current architecture emits it): x @ w.T
             return self.e.op("MatMul", [x, self.e.op("Transpose", [self.value(w_node)], perm=[1, 0])])
-        name = w_node.attrs["name"]
+        return self.matmul_weight(x, x_shape, w_node.attrs["name"])
+
+    def matmul_weight(self, x: str, x_shape: Shape, name: str) -> str:
+        """``x @ W.T`` for the backend weight ``name`` (a dense matrix or MatMulNBits blocks)."""
         weight = self.backend.weight(name)
         if isinstance(weight, DenseWeight):
             if len(x_shape) == 2:  # Gemm reads W [n_out, n_in] as it is: no transposed copy
@@ -576,7 +582,7 @@ class SplitTranslator:
 
     def _attention_op_by_op(self, node: Node) -> str:
         """Each row group (see groups.py) scores the cells it lists: [Hkv, S, G*T/S, L] scores per KV head."""
-        q, k, v, kv_idx, mask = node.inputs
+        q, k, v, kv_idx, mask = node.inputs[:5]
         key, storage = self._kv_storage(node)
         n_head_kv, _, head_dim_k = storage.k.shape
         head_dim_v = storage.v.shape[2]
@@ -596,13 +602,34 @@ class SplitTranslator:
         softcap = float(node.attrs.get("softcap", 0.0) or 0.0)
         if softcap:
             scores = self._softcap(scores, softcap)
-        probs = self.e.op("Softmax", [self.e.op("Add", [scores, self._grouped_mask(mask, rows)])], axis=-1)
+        logits = self.e.op("Add", [scores, self._grouped_mask(mask, rows)])
+        if len(node.inputs) > 5:
+            probs = self._softmax_with_sinks(logits, node.inputs[5], n_head_kv, group, rows)
+        else:
+            probs = self.e.op("Softmax", [logits], axis=-1)
         out = self.e.op("MatMul", [probs, values], hint="kqv")                 # [Hkv, S, R*T/S, Dv]
         out = self.e.op("Reshape", [out, self.e.const([n_head_kv, 0, rows, -1, head_dim_v])])
         if rows != group:  # the query rows repeated for MLAS's sake (score_rows): the first copy
             out = self.e.op("Slice", [out, self.e.const([0]), self.e.const([group]), self.e.const([2])])
         out = self.e.op("Transpose", [out], perm=[1, 3, 0, 2, 4])               # [S, T/S, Hkv, G, Dv]
         return self.e.op("Reshape", [out, self.e.const([-1, n_head * head_dim_v])], hint="attn")
+
+    def _softmax_with_sinks(self, logits: str, sinks: Node, n_head_kv: int, group: int, rows: int) -> str:
+        """Softmax of the logits [Hkv, S, R*T/S, L] with each head's sink logit as one more column (dropped
+        after): row g*(T/S) + t of KV head j belongs to query head j*G + g (repeated when R > G)."""
+        per_row = self.backend.dense_copy(sinks.attrs["name"]).reshape(n_head_kv, group)
+        per_row = np.repeat(per_row, rows // group, axis=1) if rows != group else per_row
+        column = self.e.const(per_row.reshape(n_head_kv, 1, rows, 1).astype(F32), F32)
+        shape = self.e.op("Shape", [logits])
+        per_group = self.e.op("Div", [self.e.op("Slice", [shape, self.e.const([2]), self.e.const([3])]),
+                                      self.e.const([rows])])
+        column = self.e.op("Expand", [column, self.e.op("Concat", [self.e.const([n_head_kv, 1, rows]), per_group],
+                                                        axis=0)])
+        column = self.e.op("Reshape", [column, self.e.const([n_head_kv, 1, -1, 1])])
+        column = self.e.op("Expand", [column, self.e.op("Concat", [self.e.op("Slice", [
+            shape, self.e.const([0]), self.e.const([3])]), self.e.const([1])], axis=0)])
+        probs = self.e.op("Softmax", [self.e.op("Concat", [logits, column], axis=-1)], axis=-1)
+        return self.e.op("Slice", [probs, self.e.const([0]), self.e.const([-1]), self.e.const([-1])], hint="sinks")
 
     def _scores(self, q: str, cells: str, keys: str, n_head_kv: int, group: int, head_dim: int,
                 scale: float) -> str:
@@ -653,7 +680,7 @@ class SplitTranslator:
     def _group_query_attention(self, node: Node) -> str:
         """One GQA over the layer's cache, past and present bound to the same memory: it writes the ubatch's K/V
         at cells c0 .. c0+T-1 and attends to cells 0 .. c0+t (the mask's pattern, checked before the call)."""
-        q, k, v, kv_idx, _ = node.inputs
+        q, k, v, kv_idx, _ = node.inputs[:5]
         key, storage = self._kv_storage(node)
         n_head_kv, n_cells, head_dim = storage.k.shape
         n_head = self.known_dim(q, 1)
@@ -719,7 +746,7 @@ class SplitTranslator:
     def _warm_shared(self, node: Node, storage: OnnxKV) -> None:
         """The values every layer's branches share, made in the outer graph (a value made inside a branch is not
         visible to the other layers' branches)."""
-        q, _, _, kv_idx, mask = node.inputs
+        q, _, _, kv_idx, mask = node.inputs[:5]
         n_head_kv = storage.k.shape[0]
         self._gqa_lengths(self.value(kv_idx))
         self._scatter_index(self.value(kv_idx), n_head_kv)
