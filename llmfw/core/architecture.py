@@ -186,9 +186,19 @@ class Architecture(ABC):
     def build_graph(self, b: "GraphBuilder") -> None:
         """Emit the graph for one ubatch into ``b.graph`` and set ``b.graph.outputs["logits"]``."""
 
+    def ubatch_inputs(self, hp: HParams, pos: np.ndarray) -> dict[str, np.ndarray]:
+        """Graph inputs of this family's own computed per ubatch from the token positions ``pos`` (int32 [T]),
+        e.g. Mistral-3's attention temperature ``attn_temp`` [T, 1, 1]. The default adds none."""
+        return {}
+
     def rope_params(self, hp: HParams, il: int) -> RopeParams:
         """RoPE attributes for layer ``il`` (override for per-layer bases, e.g. sliding-window layers)."""
         return default_rope_params(hp, self.rope_type, swa=hp.is_swa(il))
+
+    def has_rope(self, hp: HParams, il: int) -> bool:
+        """Whether layer ``il`` rotates its queries and keys (llama.cpp's ``hparams.has_rope``): False for the
+        NoPE layers of SmolLM3, Granite with rope switched off... The K-shift skips such layers."""
+        return True
 
     def rope_freq_factors(self, hp: HParams, il: int) -> str | None:
         """Name of the weight holding layer ``il``'s per-dimension-pair frequency divisors

@@ -198,6 +198,7 @@ class Context:
         elif ub.tokens is not None:
             inputs["tokens"] = ub.tokens
         inputs["out_ids"] = ub.out_ids
+        inputs.update(self.model.known_arch.ubatch_inputs(self.model.known_hparams, ub.pos))
         reserved.set_inputs(i, ub, inputs)
         outputs = self._compute(plan, inputs)
         return outputs[self._output_name].reshape(ub.n_outputs, self._output_width)

@@ -33,6 +33,7 @@ Ops (inputs in order; attributes in ``Node.attrs``):
 ==================  ===================================================================================
 ``input``           a graph input set per ubatch. attrs: ``name``. Standard names: ``tokens`` int32 [T],
                     ``embd`` f32 [T, n_embd], ``pos`` int32 [T], ``out_ids`` int32 [n_outputs],
+                    ``attn_temp`` f32 [T, 1, 1] (a per-position query scale, Architecture.ubatch_inputs),
                     ``kv_idx:<cache>`` int64 [T] (KV cells written by this ubatch), ``kq_mask:<cache>``
                     f32 [T, n_kv] (0 = visible, -inf = hidden) for each KV cache ``<cache>``.
 ``weight``          a model tensor. attrs: ``name`` (GGUF tensor name). ``layer`` says who owns it. A fused
@@ -493,6 +494,7 @@ class GraphBuilder:
             "tokens": ((p.n_tokens,), "i32"), "pos": ((p.n_tokens,), "i32"), "out_ids": ((p.n_outputs,), "i32"),
             "embd": ((p.n_tokens, self.hp.n_embd), "f32"), "kv_idx": ((p.n_tokens,), "i64"),
             "kq_mask": ((p.n_tokens, n_kv), "f32"), "k_shift": ((DYNAMIC,), "i32"),
+            "attn_temp": ((p.n_tokens, 1, 1), "f32"),
         }
         if kind not in types:
             raise ModelError(f"unknown graph input {name!r}; known: {', '.join(sorted(types))} (<kind>:<cache> "
@@ -699,6 +701,8 @@ class GraphBuilder:
         """llama.cpp's K-shift: re-rope the cached K of ``layers`` by the ``k_shift:<cache>`` input."""
         shift = self.input(f"k_shift:{cache}")
         for il in layers:
+            if not self.arch.has_rope(self.hp, il):
+                continue  # a layer without RoPE has nothing to re-rotate
             self.layer = il
             self.op("k_shift", shift, *self._rope_factors(il), layer=il, cache=cache,
                     **self.arch.rope_params(self.hp, il).attrs())

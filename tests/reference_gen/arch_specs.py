@@ -134,6 +134,40 @@ SPECS: dict[str, dict] = {
                   "attn_output": "Q4_0", "ffn_gate": "Q8_0", "ffn_up": "Q4_1", "ffn_down": "Q5_0"},
         "prompts": _BPE_PROMPTS,
     },
+    # issue 34's dense newcomers
+    "smollm3": {
+        # every fourth layer without RoPE (layer 3 of 4)
+        "arch": "smollm3", "vocab": "bpe", "pre": "smollm", "seed": 1021,
+        "n_layer": 4, "n_embd": 256, "n_head": 4, "n_head_kv": 2, "n_ff": 512, "context_length": 4096,
+        "keys": {"rope.freq_base": 50000.0, "attention.layer_norm_rms_epsilon": 1e-6},
+        "types": {"token_embd": "Q8_0", "output": "Q8_0", "attn_q": ["Q4_0", "Q5_0", "Q8_0", "Q4_1"],
+                  "attn_k": "Q8_0", "attn_v": "Q5_0", "attn_output": "Q4_1", "ffn_gate": "Q4_0", "ffn_up": "Q5_0",
+                  "ffn_down": "Q8_0"},
+        "prompts": _BPE_PROMPTS,
+    },
+    "granite": {
+        # all four multipliers set away from 1 (and from their defaults)
+        "arch": "granite", "vocab": "bpe", "pre": "smollm", "seed": 1022,
+        "n_layer": 3, "n_embd": 256, "n_head": 4, "n_head_kv": 2, "n_ff": 512, "context_length": 4096,
+        "keys": {"rope.freq_base": 10000.0, "attention.layer_norm_rms_epsilon": 1e-5, "logit_scale": 0.7,
+                 "residual_scale": 0.6, "embedding_scale": 2.5, "attention.scale": 0.2},
+        "types": {"token_embd": "Q8_0", "output": "F16", "attn_q": "Q5_0", "attn_k": "Q8_0", "attn_v": "Q4_0",
+                  "attn_output": "Q8_0", "ffn_gate": "Q4_1", "ffn_up": "Q4_0", "ffn_down": "Q5_0"},
+        "prompts": _BPE_PROMPTS,
+    },
+    "mistral3": {
+        # YaRN with the log multiplier, and the attention temperature growing every 64 positions
+        "arch": "mistral3", "vocab": "bpe", "pre": "smollm", "seed": 1023,
+        "n_layer": 3, "n_embd": 256, "n_head": 4, "n_head_kv": 2, "n_ff": 512, "context_length": 4096,
+        "keys": {"rope.freq_base": 100000.0, "attention.layer_norm_rms_epsilon": 1e-5,
+                 "rope.scaling.type": "yarn", "rope.scaling.factor": 4.0,
+                 "rope.scaling.original_context_length": 64, "rope.scaling.yarn_log_multiplier": 1.0,
+                 "rope.scaling.yarn_beta_fast": 32.0, "rope.scaling.yarn_beta_slow": 1.0,
+                 "attention.temperature_scale": 0.5},
+        "types": {"token_embd": "Q8_0", "output": "Q8_0", "attn_q": "Q8_0", "attn_k": "Q5_0", "attn_v": "Q4_1",
+                  "attn_output": "Q4_0", "ffn_gate": "Q5_0", "ffn_up": "Q8_0", "ffn_down": "Q4_0"},
+        "prompts": _BPE_PROMPTS,
+    },
 }
 
 

@@ -26,6 +26,23 @@ import llama_cpp  # noqa: E402  (the measuring stick, only here)
 N_THREADS = 2
 
 
+def _without_extra_buffer_types() -> None:
+    """Load models without ggml's extra CPU buffer types (AMX / repacked weights): the AMX matmul crashes in a
+    container that has not been granted the AMX tile state, and the plain CPU kernels are the reference anyway.
+    llama-cpp-python reads ``llama_cpp.llama_cpp.llama_model_default_params`` when it builds a model: wrap it."""
+    default = llama_cpp.llama_cpp.llama_model_default_params
+
+    def params():
+        p = default()
+        p.use_extra_bufts = False
+        return p
+
+    llama_cpp.llama_cpp.llama_model_default_params = params
+
+
+_without_extra_buffer_types()
+
+
 def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 

@@ -8,6 +8,9 @@ ARCHITECTURES = {
     "qwen2": "llmfw.plugins.architectures.qwen2:Qwen2Architecture",
     "qwen3": "llmfw.plugins.architectures.qwen3:Qwen3Architecture",
     "phi3": "llmfw.plugins.architectures.phi3:Phi3Architecture",
+    "smollm3": "llmfw.plugins.architectures.smollm3:SmolLM3Architecture",
+    "granite": "llmfw.plugins.architectures.granite:GraniteArchitecture",
+    "mistral3": "llmfw.plugins.architectures.mistral3:Mistral3Architecture",
 }
 
 

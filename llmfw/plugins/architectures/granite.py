@@ -1,0 +1,97 @@
+"""The ``granite`` architecture (IBM Granite 3.x dense), as llama.cpp's ``llama_model_granite``.
+
+A llama layer stack with four multipliers from the file:
+
+* ``embedding_scale``: the token embeddings are multiplied by it (0 / absent: not applied);
+* ``residual_scale``: each block's output (attention, then FFN) is multiplied by it before the residual add;
+* ``attention.scale``: the attention's ``q·k`` scale instead of ``1/sqrt(head_dim)``;
+* ``logit_scale`` (required): the logits are divided by it.
+
+RoPE is NORM mode and switched by ``rope.scaling.finetuned`` (default true: on for every layer). The MoE variant
+(``expert_count`` > 0, Granite MoE) is refused: it needs the mixture-of-experts block.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from llmfw.core.errors import ModelError
+from llmfw.core.graph import GraphBuilder, Node
+from llmfw.core.hparams import HParams
+from llmfw.core.loader import MetadataView
+from llmfw.plugins.architectures.llama import LlamaArchitecture
+
+
+class GraniteHParams(HParams):
+    #: logits are divided by this (``{arch}.logit_scale``)
+    f_logit_scale: float = 1.0
+    #: block outputs are multiplied by this before each residual add (0: not applied)
+    f_residual_scale: float = 0.0
+    #: token embeddings are multiplied by this (0: not applied)
+    f_embedding_scale: float = 0.0
+
+
+def read_granite_multipliers(keys: MetadataView) -> dict[str, Any]:
+    """The multipliers every Granite family shares (dense, hybrid)."""
+    return {
+        "f_logit_scale": keys.get_float("{arch}.logit_scale"),
+        "f_residual_scale": keys.get_float("{arch}.residual_scale", 0.0),
+        "f_embedding_scale": keys.get_float("{arch}.embedding_scale", 0.0),
+        # RoPE is on unless the file switches it off with rope.scaling.finetuned = false
+        "rope_finetuned": keys.get_bool("{arch}.rope.scaling.finetuned", True),
+    }
+
+
+def check_logit_scale(hp: HParams) -> None:
+    if not isinstance(hp, GraniteHParams) or hp.f_logit_scale == 0:
+        raise ModelError(f"{hp.arch}: logit_scale must be non-zero (the logits are divided by it)")
+
+
+def scaled_embeddings(b: GraphBuilder) -> Node:
+    """The input embeddings × ``embedding_scale`` when the file sets one."""
+    x = b.build_inp_embd()
+    scale = getattr(b.hp, "f_embedding_scale", 0.0)
+    return b.op("scale", x, s=scale) if scale else x
+
+
+def scaled_residual(b: GraphBuilder, block_out: Node) -> Node:
+    """A block's output × ``residual_scale`` when the file sets one (before it joins the residual)."""
+    scale = getattr(b.hp, "f_residual_scale", 0.0)
+    return b.op("scale", block_out, s=scale) if scale else block_out
+
+
+def scaled_logits(b: GraphBuilder) -> None:
+    """Divide the graph's logits by ``logit_scale`` (embeddings mode has none)."""
+    if "logits" in b.graph.outputs:
+        b.layer = b.hp.n_layer
+        b.graph.outputs["logits"] = b.op("scale", b.graph.outputs["logits"], s=1.0 / b.hp.f_logit_scale)
+
+
+class GraniteArchitecture(LlamaArchitecture):
+    name = "granite"
+    hparams_class = GraniteHParams
+
+    def own_hparams(self, keys: MetadataView, common: dict[str, Any]) -> dict[str, Any]:
+        return {**super().own_hparams(keys, common), **read_granite_multipliers(keys)}
+
+    def check_hparams(self, hp: HParams) -> None:
+        super().check_hparams(hp)
+        check_logit_scale(hp)
+
+    def has_rope(self, hp: HParams, il: int) -> bool:
+        return hp.rope_finetuned
+
+    def build_graph(self, b: GraphBuilder) -> None:
+        x = scaled_embeddings(b)
+        for il in b.layers():
+            residual = x
+            q, k, v = b.build_qkv(b.build_norm(x, f"blk.{il}.attn_norm.weight"))
+            if self.has_rope(b.hp, il):
+                q, k = b.build_rope(q), b.build_rope(k)
+            h = b.build_attn(q, k, v)
+            if il == b.hp.n_layer - 1:
+                h, residual = b.select_outputs(h, residual)
+            x = b.op("add", scaled_residual(b, h), residual)
+            h = b.build_ffn(b.build_norm(x, f"blk.{il}.ffn_norm.weight"), act="silu")
+            x = b.op("add", scaled_residual(b, h), x)
+        b.build_output(x)
+        scaled_logits(b)
