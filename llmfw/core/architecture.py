@@ -15,8 +15,10 @@ about a model family, and nothing else:
    ``build_rope``, ``build_attn``, ``build_ffn``, ``build_inp_out_ids``/``select_outputs``,
    ``build_output``); it must set ``builder.graph.outputs["logits"]``;
 4. **its memory** — :attr:`Architecture.memory` names the memory module (registry kind ``"memory"``):
-   ``"kv_cache"`` (one unified KV cache for every layer) or an interleaved sliding-window variant
-   (``"kv_cache_iswa"``), plus :meth:`rope_params` per layer, used by the graph and by the KV cache's K-shift.
+   ``"kv_cache"`` (one unified KV cache for every layer), an interleaved sliding-window variant
+   (``"kv_cache_iswa"``), ``"recurrent"`` or ``"hybrid"`` (recurrent layers, declared by
+   :meth:`recurrent_state`, beside KV-cached attention layers), plus :meth:`rope_params` per layer, used by the
+   graph and by the KV cache's K-shift.
 
 Example (a complete minimal architecture)::
 
@@ -185,6 +187,14 @@ class Architecture(ABC):
     @abstractmethod
     def build_graph(self, b: "GraphBuilder") -> None:
         """Emit the graph for one ubatch into ``b.graph`` and set ``b.graph.outputs["logits"]``."""
+
+    def recurrent_state(self, hp: HParams, il: int) -> dict[str, tuple[int, ...]] | None:
+        """The recurrent state layer ``il`` carries from one ubatch to the next, per sequence: kind → shape
+        (LFM2's short convolution: ``{"conv": (K - 1, n_embd)}``), or None for a layer without one (attention).
+        A family with recurrent layers names the memory ``"hybrid"`` (KV cache for the others) or
+        ``"recurrent"`` (every layer recurrent); the graph reads and writes the state with
+        ``GraphBuilder.build_rs`` / ``store_rs``."""
+        return None
 
     def ubatch_inputs(self, hp: HParams, pos: np.ndarray) -> dict[str, np.ndarray]:
         """Graph inputs of this family's own computed per ubatch from the token positions ``pos`` (int32 [T]),

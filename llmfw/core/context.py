@@ -132,7 +132,10 @@ class Context:
         except Exception as exc:  # noqa: BLE001 - a failed K-shift leaves the cache unusable: fatal
             log.exception("memory update failed")
             return self._fail(DECODE_COMPUTE_FAILED, f"memory update (K-shift) failed: {exc}")
-        ubatches, reserved = self.memory.init_batch(allocated, self.n_ubatch)
+        try:
+            ubatches, reserved = self.memory.init_batch(allocated, self.n_ubatch)
+        except BatchError as exc:  # a split the memory cannot make (a recurrent state: shared tokens)
+            return self._fail(DECODE_BAD_BATCH, str(exc))
         if reserved is None:
             return self._fail(DECODE_NO_SLOT, f"no KV cache slot for {allocated.n_tokens} tokens "
                                               f"({self.describe_n_ctx()}); free space with memory.seq_rm or use "
@@ -183,14 +186,18 @@ class Context:
                 self._forget_ubatch(ub)
                 self._end_outputs(n_done)
                 return self._fail(DECODE_COMPUTE_FAILED, f"computing ubatch {i} failed: {type(exc).__name__}: {exc}")
-            self._logits[n_done:n_done + ub.n_outputs] = logits
+            if ub.rows is None:
+                self._logits[n_done:n_done + ub.n_outputs] = logits
+            else:  # a ubatch regrouped by sequence: its outputs go to their batch order's rows
+                self._logits[self._output_ids[ub.rows[ub.output]]] = logits
             n_done += ub.n_outputs
         self._record_perf(allocated.n_tokens, time.perf_counter() - start)
         return DECODE_OK
 
     def _process_ubatch(self, ub: UBatch, reserved: MemoryBatch, i: int, use_embd: bool) -> np.ndarray:
         params = BuildParams(ub.n_tokens, ub.n_outputs, use_embd, tuple(sorted(reserved.n_kv().items())),
-                             n_ctx_seq=self.n_ctx // self.n_seq_max, embeddings=self.params.embeddings)
+                             n_ctx_seq=self.n_ctx // self.n_seq_max, embeddings=self.params.embeddings,
+                             n_seqs=ub.n_seqs)
         plan = self._graph_for(params)
         inputs: dict[str, np.ndarray] = {"pos": ub.pos}
         if ub.embd is not None:
@@ -201,6 +208,7 @@ class Context:
         inputs.update(self.model.known_arch.ubatch_inputs(self.model.known_hparams, ub.pos))
         reserved.set_inputs(i, ub, inputs)
         outputs = self._compute(plan, inputs)
+        reserved.take_outputs(i, ub, outputs)  # a recurrent state's new values
         return outputs[self._output_name].reshape(ub.n_outputs, self._output_width)
 
     @property

@@ -66,7 +66,19 @@ Ops (inputs in order; attributes in ``Node.attrs``):
 ``k_shift``         (shift int32 [n_kv] [, freq_factors]) → empty f32 [0]. Side effect only: rotates rows
                     ``0 .. n_kv-1`` of the K cache of (``cache``, ``layer``) in place by the positions
                     ``shift`` (llama.cpp's K-shift after ``seq_add``); same rope attrs as ``rope``.
+``ssm_conv``        (window [S, K-1, C], x [S, T, C], w [C, K]) → [S, T, C]: the short causal depthwise
+                    convolution of each of S sequences (llama.cpp's ``ggml_ssm_conv`` over
+                    ``concat(window, x)``): ``out[s, t, c] = Σ_k xx[s, t + k, c] · w[c, k]`` with
+                    ``xx = concat(window, x)`` along the time axis; ``window`` is the carried state (the
+                    K-1 inputs before this ubatch, zeros for a new sequence).
+``conv_window``     (window [S, K-1, C], x [S, T, C]) → [S, K-1, C]: the last K-1 rows of
+                    ``concat(window, x)``, the state the next ubatch carries.
 ==================  ===================================================================================
+
+Recurrent state (issue 34) travels as graph inputs and outputs, not as backend storage: the memory gathers the
+ubatch's sequences' states into the input ``rs:<kind>:<layer>`` f32 [S, ...] (S = ``BuildParams.n_seqs``
+sequences of ``n_tokens / S`` tokens each, laid out sequence after sequence: llama.cpp's equal split) and reads
+the graph output of the same name back after the compute (``GraphBuilder.build_rs`` / ``store_rs``).
 
 ``get_rows`` also selects rows of activations (``table`` is then any [N, ...] node), e.g. the output rows
 before the head. Nodes are executed even when nothing consumes them (``attention`` / ``k_shift`` write the
@@ -306,6 +318,31 @@ def _k_shift(inputs: Sequence[Node], attrs: Mapping[str, AttrValue]) -> tuple[Sh
     return (0,), "f32"
 
 
+# -- recurrent ops (issue 34) -------------------------------------------------------------------------------
+
+def _sequence_blocks(window: Node, x: Node) -> tuple[Shape, Shape]:
+    """A carried window [S, K-1, C] and a ubatch [S, T, C] of the same S sequences and channels."""
+    w = _require_float(window, "the carried window")
+    xs = _require_float(x, "the input")
+    if len(w) != 3 or len(xs) != 3 or not (_dims_match(w[0], xs[0]) and _dims_match(w[2], xs[2])):
+        raise ShapeError(f"a carried window [S, K-1, C] and an input [S, T, C] are needed, got {list(w)} "
+                         f"and {list(xs)}")
+    return w, xs
+
+
+def _ssm_conv(inputs: Sequence[Node], attrs: Mapping[str, AttrValue]) -> tuple[Shape, DType]:
+    window, x = _sequence_blocks(inputs[0], inputs[1])
+    kernel = _require_float(inputs[2], "the convolution kernel")
+    if len(kernel) != 2 or not _dims_match(kernel[0], x[2]) or not _dims_match(kernel[1], window[1] + 1):
+        raise ShapeError(f"the kernel must be [C, K] = [{x[2]}, {window[1] + 1}], got {list(kernel)}")
+    return x, "f32"
+
+
+def _conv_window(inputs: Sequence[Node], attrs: Mapping[str, AttrValue]) -> tuple[Shape, DType]:
+    window, _ = _sequence_blocks(inputs[0], inputs[1])
+    return window, "f32"
+
+
 #: every op of the IR: arity and shape rule. A backend lists the subset it implements in
 #: ``Backend.supported_ops``; ops a backend adds through its rewrite rules are not here (see core/passes.py)
 OP_TABLE: Mapping[str, OpSpec] = {
@@ -329,8 +366,13 @@ OP_TABLE: Mapping[str, OpSpec] = {
     "rope": OpSpec(2, 3, _rope),
     "attention": OpSpec(5, 5, _attention),
     "k_shift": OpSpec(1, 2, _k_shift),
+    # recurrent layers (issue 34): pure functions of the carried state, see "recurrent ops" below
+    "ssm_conv": OpSpec(3, 3, _ssm_conv),
+    "conv_window": OpSpec(2, 2, _conv_window),
 }
 OPS = frozenset(OP_TABLE)
+#: the recurrent-layer ops (issue 34): a backend without kernels for them leaves them to the host backend
+RECURRENT_OPS = frozenset({"ssm_conv", "conv_window"})
 
 
 def infer_type(node: Node) -> None:
@@ -450,6 +492,9 @@ class BuildParams:
     #: embeddings mode (llama.cpp's ``cparams.embeddings``): the graph ends at the output norm, with an ``embd``
     #: output instead of ``logits`` (the head is not computed)
     embeddings: bool = False
+    #: sequences in the ubatch, each with ``n_tokens / n_seqs`` tokens in a row (a recurrent memory's equal split;
+    #: 1 for a KV-only memory, whose ubatches are not laid out by sequence)
+    n_seqs: int = 1
 
 
 class GraphBuilder:
@@ -488,6 +533,8 @@ class GraphBuilder:
     def _input_type(self, name: str) -> tuple[Shape, DType]:
         """Shape and dtype of a standard graph input under this ubatch's build parameters."""
         p = self.params
+        if name.startswith("rs:"):
+            return self._recurrent_state_type(name)
         kind, _, cache = name.partition(":")
         n_kv = dict(p.n_kv).get(cache, DYNAMIC)
         types: dict[str, tuple[Shape, DType]] = {
@@ -500,6 +547,15 @@ class GraphBuilder:
             raise ModelError(f"unknown graph input {name!r}; known: {', '.join(sorted(types))} (<kind>:<cache> "
                              f"for kv_idx, kq_mask, k_shift)")
         return types[kind]
+
+    def _recurrent_state_type(self, name: str) -> tuple[Shape, DType]:
+        """``rs:<kind>:<layer>``: that state of each of the ubatch's sequences, [n_seqs, *shape]."""
+        _, kind, layer = (name.split(":") + ["", ""])[:3]
+        shapes = self.arch.recurrent_state(self.hp, int(layer)) if layer.isdigit() else None
+        if not shapes or kind not in shapes:
+            raise ModelError(f"graph input {name!r}: {self.hp.arch!r} declares no recurrent state {kind!r} for "
+                             f"layer {layer!r} (Architecture.recurrent_state)")
+        return (self.params.n_seqs, *shapes[kind]), "f32"
 
     def has_weight(self, name: str) -> bool:
         return self.model.has_weight(name)
@@ -695,6 +751,32 @@ class GraphBuilder:
             seen.add(id(n))
             stack.extend(n.inputs)
         return False
+
+    # -- recurrent state (issue 34) ------------------------------------------------------------------------
+    def build_rs(self, kind: str, il: int | None = None) -> Node:
+        """The carried state ``kind`` of layer ``il`` for the ubatch's sequences, f32 [n_seqs, *shape]."""
+        return self.input(f"rs:{kind}:{self.layer if il is None else il}")
+
+    def store_rs(self, kind: str, state: Node, il: int | None = None) -> None:
+        """Hand the updated state back to the memory (a graph output of the input's name)."""
+        name = f"rs:{kind}:{self.layer if il is None else il}"
+        expected = self.input(name).shape
+        if state.shape != expected:
+            raise ModelError(f"the new state {name!r} has shape {state.shape}, the memory holds {expected}")
+        self.graph.outputs[name] = state
+
+    def by_sequence(self, x: Node) -> Node:
+        """[T, C] → [n_seqs, T / n_seqs, C]: the ubatch's tokens grouped by sequence (equal split)."""
+        return self.op("reshape", x, shape=(self.params.n_seqs, -1, x.shape[-1] if x.shape else -1))
+
+    def build_short_conv(self, x: Node, kernel: str, kind: str = "conv") -> Node:
+        """A short causal convolution over each sequence's tokens with its carried window: ``x`` [T, C] →
+        [T, C]; the window (state ``kind``, [K-1, C] per sequence) moves on by the ubatch's tokens."""
+        seqs = self.by_sequence(x)
+        window = self.build_rs(kind)
+        out = self.op("ssm_conv", window, seqs, self.weight(kernel))
+        self.store_rs(kind, self.op("conv_window", window, seqs))
+        return self.op("reshape", out, shape=(-1, out.shape[-1] if out.shape else -1))
 
     # -- memory maintenance graphs -----------------------------------------------------------------------
     def build_k_shift(self, cache: str, layers: list[int]) -> Graph:

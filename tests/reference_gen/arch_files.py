@@ -40,11 +40,13 @@ DATA_DIR = _ROOT / "tests" / "data" / "arch"
 _U32_KEYS = {
     "context_length", "embedding_length", "block_count", "feed_forward_length", "attention.head_count",
     "attention.head_count_kv", "attention.key_length", "attention.value_length", "attention.sliding_window",
-    "rope.dimension_count", "rope.scaling.original_context_length",
+    "rope.dimension_count", "rope.scaling.original_context_length", "shortconv.l_cache",
 }
 
 
 def _key_type(suffix: str, value) -> GGUFValueType:
+    if isinstance(value, list):  # a per-layer value (LFM2's head_count_kv: 0 on convolution layers)
+        return GGUFValueType.ARRAY
     if suffix in _U32_KEYS:
         return GGUFValueType.UINT32
     if isinstance(value, str):
@@ -176,7 +178,38 @@ def _head_dim(spec: dict) -> int:
     return spec.get("head_dim", spec["n_embd"] // spec["n_head"])
 
 
+def _n_head_kv(spec: dict, il: int) -> int:
+    n_head_kv = spec["n_head_kv"]
+    return n_head_kv[il] if isinstance(n_head_kv, list) else n_head_kv
+
+
+def _lfm2_layer_plan(spec: dict, il: int) -> list[TensorPlan]:
+    """LFM2: an operator norm, then a short-convolution block (no KV heads) or attention with q/k norms; FFN."""
+    n_embd, n_ff, head = spec["n_embd"], spec["n_ff"], _head_dim(spec)
+    blk = f"blk.{il}."
+    plan = [TensorPlan(blk + "attn_norm.weight", (n_embd,), "norm", "norm", il)]
+    if _n_head_kv(spec, il) == 0:
+        plan += [TensorPlan(blk + "shortconv.conv.weight", (n_embd, spec["l_cache"]), "shortconv_conv", "conv", il),
+                 TensorPlan(blk + "shortconv.in_proj.weight", (3 * n_embd, n_embd), "shortconv_in", "unit", il),
+                 TensorPlan(blk + "shortconv.out_proj.weight", (n_embd, n_embd), "shortconv_out", "unit", il)]
+    else:
+        n_kv = head * _n_head_kv(spec, il)
+        plan += [TensorPlan(blk + "attn_q.weight", (n_embd, n_embd), "attn_q", "sharp", il),
+                 TensorPlan(blk + "attn_k.weight", (n_kv, n_embd), "attn_k", "sharp", il),
+                 TensorPlan(blk + "attn_v.weight", (n_kv, n_embd), "attn_v", "unit", il),
+                 TensorPlan(blk + "attn_q_norm.weight", (head,), "norm", "qk_norm", il),
+                 TensorPlan(blk + "attn_k_norm.weight", (head,), "norm", "qk_norm", il),
+                 TensorPlan(blk + "attn_output.weight", (n_embd, n_embd), "attn_output", "unit", il)]
+    plan += [TensorPlan(blk + "ffn_norm.weight", (n_embd,), "norm", "norm", il),
+             TensorPlan(blk + "ffn_gate.weight", (n_ff, n_embd), "ffn_gate", "unit", il),
+             TensorPlan(blk + "ffn_up.weight", (n_ff, n_embd), "ffn_up", "unit", il),
+             TensorPlan(blk + "ffn_down.weight", (n_embd, n_ff), "ffn_down", "down", il)]
+    return plan
+
+
 def _layer_plan(spec: dict, il: int) -> list[TensorPlan]:
+    if spec["arch"] == "lfm2":
+        return _lfm2_layer_plan(spec, il)
     arch, n_embd, n_ff = spec["arch"], spec["n_embd"], spec["n_ff"]
     head = _head_dim(spec)
     n_q, n_kv = head * spec["n_head"], head * spec["n_head_kv"]
@@ -229,7 +262,9 @@ def tensor_plan(spec: dict, n_vocab: int) -> list[TensorPlan]:
         plan.append(TensorPlan("rope_factors_short.weight", (half_rot,), "rope", "rope_short"))
     for il in range(spec["n_layer"]):
         plan += _layer_plan(spec, il)
-    if spec["arch"] != "olmo":
+    if spec["arch"] == "lfm2":  # llama.cpp's LLM_TENSOR_OUTPUT_NORM_LFM2
+        plan.append(TensorPlan("token_embd_norm.weight", (n_embd,), "norm", "norm"))
+    elif spec["arch"] != "olmo":
         plan.append(TensorPlan("output_norm.weight", (n_embd,), "norm", "norm"))
     if spec["arch"] != "gemma2":  # Gemma-2 always ties the head to token_embd
         plan.append(TensorPlan("output.weight", (n_vocab, n_embd), "output", "head"))
@@ -284,6 +319,8 @@ def _draw(spec: dict, item: TensorPlan, rng: np.random.Generator) -> np.ndarray:
         return normal(shape, 1.0 / math.sqrt(n_in)) * scale[:, None]
     if kind == "norm":
         return 1.0 + normal(shape, 0.1)
+    if kind == "conv":  # a short convolution's taps: its K products sum to about unit size
+        return normal(shape, 1.0 / math.sqrt(shape[1]))
     if kind == "qk_norm":
         return 2.0 + normal(shape, 0.2)
     if kind == "post_norm":  # Gemma's post norms set the size of each block's contribution to the residual
@@ -329,7 +366,8 @@ def build_model_file(name: str, directory: str | Path) -> Path:
     writer.add("general.architecture", arch, GGUFValueType.STRING)
     writer.add("general.name", f"llmfw random {name}", GGUFValueType.STRING)
     for suffix, value in _arch_keys(spec).items():
-        writer.add(f"{arch}.{suffix}", value, _key_type(suffix, value))
+        array_type = GGUFValueType.INT32 if isinstance(value, list) else None
+        writer.add(f"{arch}.{suffix}", value, _key_type(suffix, value), array_type=array_type)
     vocab_keys = _vocab_keys(spec)
     for key, value, vtype, array_type in vocab_keys:
         writer.add(key, value, vtype, array_type=array_type)

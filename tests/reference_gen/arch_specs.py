@@ -168,6 +168,18 @@ SPECS: dict[str, dict] = {
                   "attn_output": "Q4_0", "ffn_gate": "Q5_0", "ffn_up": "Q8_0", "ffn_down": "Q4_0"},
         "prompts": _BPE_PROMPTS,
     },
+    # issue 34's hybrids: recurrent layers beside attention
+    "lfm2": {
+        # convolution layers 0, 1, 3 (no KV heads), attention layers 2 and 4; kernel width 3
+        "arch": "lfm2", "vocab": "bpe", "pre": "smollm", "seed": 1031,
+        "n_layer": 5, "n_embd": 256, "n_head": 4, "n_head_kv": [0, 0, 2, 0, 2], "n_ff": 512,
+        "context_length": 4096, "l_cache": 3,
+        "keys": {"rope.freq_base": 1000000.0, "attention.layer_norm_rms_epsilon": 1e-5, "shortconv.l_cache": 3},
+        "types": {"token_embd": "Q8_0", "output": "Q8_0", "shortconv_conv": "F32", "shortconv_in": "F16",
+                  "shortconv_out": ["Q8_0", "Q5_0", None, "Q8_0", None], "attn_q": "Q8_0", "attn_k": "Q5_0",
+                  "attn_v": "Q8_0", "attn_output": "Q4_0", "ffn_gate": "Q4_1", "ffn_up": "Q5_0", "ffn_down": "Q8_0"},
+        "prompts": _BPE_PROMPTS,
+    },
 }
 
 

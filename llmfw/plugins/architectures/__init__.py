@@ -11,6 +11,7 @@ ARCHITECTURES = {
     "smollm3": "llmfw.plugins.architectures.smollm3:SmolLM3Architecture",
     "granite": "llmfw.plugins.architectures.granite:GraniteArchitecture",
     "mistral3": "llmfw.plugins.architectures.mistral3:Mistral3Architecture",
+    "lfm2": "llmfw.plugins.architectures.lfm2:LFM2Architecture",
 }
 
 

@@ -18,7 +18,7 @@ from llmfw.core.backend import (
     WeightSource,
     release_freed_memory,
 )
-from llmfw.core.graph import OPS
+from llmfw.core.graph import OPS, RECURRENT_OPS
 from llmfw.core.quants import dequantize_rows
 from llmfw.plugins.backends.torch.compiler import SplitCompiler
 from llmfw.plugins.backends.torch.environment import (
@@ -63,7 +63,8 @@ class TorchBackend(Backend):
 
     name: ClassVar[str] = "torch"
     pip_extra: ClassVar[str | None] = PIP_EXTRA
-    supported_ops: ClassVar[frozenset[str]] = frozenset(OPS - {"input"})
+    # no recurrent-layer kernels yet: those ops run on the host backend (numpy)
+    supported_ops: ClassVar[frozenset[str]] = frozenset(OPS - {"input"} - RECURRENT_OPS)
     is_host: ClassVar[bool] = False
     requires: ClassVar[tuple[str, ...]] = ("torch",)
     #: the default only on a CUDA GPU: on a CPU, importing torch alone costs seconds and onnx decodes faster

@@ -1,0 +1,54 @@
+"""The numpy backend's recurrent-layer ops (issue 34): the oracle for every other backend. Pure functions of
+float32 arrays plus the compiler steps that call them (:class:`RecurrentSteps`, mixed into the split compiler)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from llmfw.core.graph import Node
+
+F32 = np.float32
+
+
+def conv_input(window: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """``concat(window, x)`` along the time axis: [S, K-1 + T, C]."""
+    return np.concatenate([window.astype(F32, copy=False), x.astype(F32, copy=False)], axis=1)
+
+
+def ssm_conv(window: np.ndarray, x: np.ndarray, kernel: np.ndarray) -> np.ndarray:
+    """The short causal depthwise convolution of each sequence: ``out[s, t, c] = Σ_k xx[s, t + k, c] · w[c, k]``
+    with ``xx = concat(window, x)`` (ggml_ssm_conv sums the K products in order k = 0, 1, ... in float32)."""
+    xx = conv_input(window, x)
+    n_tokens, width = x.shape[1], kernel.shape[1]
+    out = xx[:, 0:n_tokens, :] * kernel[:, 0]
+    for k in range(1, width):
+        out += xx[:, k:k + n_tokens, :] * kernel[:, k]
+    return out
+
+
+def conv_window(window: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """The window the next ubatch carries: the last K-1 rows of ``concat(window, x)``."""
+    keep = window.shape[1]
+    return np.ascontiguousarray(conv_input(window, x)[:, x.shape[1]:x.shape[1] + keep, :]) if keep else window
+
+
+class RecurrentSteps:
+    """Compiler steps of the recurrent ops (see :class:`llmfw.plugins.backends.numpy.compiler.SplitCompiler`)."""
+
+    env: list[Any]
+
+    def _nary(self, fn: Callable[..., np.ndarray], ins: list[int], out: int) -> Callable[[], None]:
+        env = self.env
+
+        def step() -> None:
+            env[out] = fn(*(env[i] for i in ins))
+
+        return step
+
+    def _op_ssm_conv(self, node: "Node", ins: list[int], out: int) -> Callable[[], None]:
+        return self._nary(ssm_conv, ins, out)
+
+    def _op_conv_window(self, node: "Node", ins: list[int], out: int) -> Callable[[], None]:
+        return self._nary(conv_window, ins, out)
