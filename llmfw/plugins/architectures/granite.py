@@ -46,9 +46,8 @@ def check_logit_scale(hp: HParams) -> None:
         raise ModelError(f"{hp.arch}: logit_scale must be non-zero (the logits are divided by it)")
 
 
-def scaled_embeddings(b: GraphBuilder) -> Node:
+def scaled_embeddings(b: GraphBuilder, x: Node) -> Node:
     """The input embeddings × ``embedding_scale`` when the file sets one."""
-    x = b.build_inp_embd()
     scale = getattr(b.hp, "f_embedding_scale", 0.0)
     return b.op("scale", x, s=scale) if scale else x
 
@@ -80,18 +79,11 @@ class GraniteArchitecture(LlamaArchitecture):
     def has_rope(self, hp: HParams, il: int) -> bool:
         return hp.rope_finetuned
 
-    def build_graph(self, b: GraphBuilder) -> None:
-        x = scaled_embeddings(b)
-        for il in b.layers():
-            residual = x
-            q, k, v = b.build_qkv(b.build_norm(x, f"blk.{il}.attn_norm.weight"))
-            if self.has_rope(b.hp, il):
-                q, k = b.build_rope(q), b.build_rope(k)
-            h = b.build_attn(q, k, v)
-            if il == b.hp.n_layer - 1:
-                h, residual = b.select_outputs(h, residual)
-            x = b.op("add", scaled_residual(b, h), residual)
-            h = b.build_ffn(b.build_norm(x, f"blk.{il}.ffn_norm.weight"), act="silu")
-            x = b.op("add", scaled_residual(b, h), x)
-        b.build_output(x)
+    def input_embeddings(self, b: GraphBuilder) -> Node:
+        return scaled_embeddings(b, super().input_embeddings(b))
+
+    def block_output(self, b: GraphBuilder, h: Node) -> Node:
+        return scaled_residual(b, h)
+
+    def finish_output(self, b: GraphBuilder) -> None:
         scaled_logits(b)

@@ -19,7 +19,7 @@ import numpy as np
 
 from llmfw.core.architecture import Architecture, TensorSpec, attention_qkv_tensors
 from llmfw.core.errors import ModelError
-from llmfw.core.graph import GraphBuilder
+from llmfw.core.graph import GraphBuilder, Node
 from llmfw.core.hparams import HParams
 from llmfw.core.loader import MetadataView
 
@@ -96,16 +96,35 @@ class LlamaArchitecture(Architecture):
         return f"blk.{il}.rope_freqs.weight"
 
     def build_graph(self, b: GraphBuilder) -> None:
-        x = b.build_inp_embd()
+        x = self.input_embeddings(b)
         for il in b.layers():
             residual = x
             h = b.build_norm(x, f"blk.{il}.attn_norm.weight")
             q, k, v = b.build_qkv(h)
-            q, k = b.build_rope(q), b.build_rope(k)
-            h = b.build_attn(q, k, v)
+            q, k = self.position_qk(b, q, k)
+            h = self.block_output(b, b.build_attn(q, k, v))
             if il == b.hp.n_layer - 1:
                 h, residual = b.select_outputs(h, residual)
             x = b.op("add", h, residual)
             h = b.build_norm(x, f"blk.{il}.ffn_norm.weight")
-            x = b.op("add", b.build_ffn(h, act="silu"), x)
+            x = b.op("add", self.block_output(b, b.build_ffn(h, act="silu")), x)
         b.build_output(x)
+        self.finish_output(b)
+
+    # -- what llama's relatives change (smollm3, granite, mistral3) ---------------------------------------------
+    def input_embeddings(self, b: GraphBuilder) -> Node:
+        """The token embeddings entering layer 0."""
+        return b.build_inp_embd()
+
+    def position_qk(self, b: GraphBuilder, q: Node, k: Node) -> tuple[Node, Node]:
+        """Queries and keys of the current layer after position encoding: RoPE where :meth:`has_rope`."""
+        if not self.has_rope(b.hp, b.layer):
+            return q, k
+        return b.build_rope(q), b.build_rope(k)
+
+    def block_output(self, b: GraphBuilder, h: Node) -> Node:
+        """An attention or FFN block's output, as it joins the residual stream."""
+        return h
+
+    def finish_output(self, b: GraphBuilder) -> None:
+        """After the head (``b.graph.outputs`` is set): a family's last touch on the logits."""

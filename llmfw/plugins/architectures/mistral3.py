@@ -22,7 +22,7 @@ import numpy as np
 
 from llmfw.core.architecture import RopeParams
 from llmfw.core.errors import ModelError
-from llmfw.core.graph import GraphBuilder
+from llmfw.core.graph import GraphBuilder, Node
 from llmfw.core.hparams import HParams
 from llmfw.core.loader import MetadataView
 from llmfw.plugins.architectures.llama import LlamaArchitecture
@@ -68,18 +68,8 @@ class Mistral3Architecture(LlamaArchitecture):
         beta = getattr(hp, "f_attn_temp_scale", 0.0)
         return {"attn_temp": attention_temperature(pos, beta, hp.n_ctx_orig_yarn)} if beta else {}
 
-    def build_graph(self, b: GraphBuilder) -> None:
-        temperature = b.input("attn_temp") if getattr(b.hp, "f_attn_temp_scale", 0.0) else None
-        x = b.build_inp_embd()
-        for il in b.layers():
-            residual = x
-            q, k, v = b.build_qkv(b.build_norm(x, f"blk.{il}.attn_norm.weight"))
-            q, k = b.build_rope(q), b.build_rope(k)
-            if temperature is not None:
-                q = b.op("mul", q, temperature)
-            h = b.build_attn(q, k, v)
-            if il == b.hp.n_layer - 1:
-                h, residual = b.select_outputs(h, residual)
-            x = b.op("add", h, residual)
-            x = b.op("add", b.build_ffn(b.build_norm(x, f"blk.{il}.ffn_norm.weight"), act="silu"), x)
-        b.build_output(x)
+    def position_qk(self, b: GraphBuilder, q: Node, k: Node) -> tuple[Node, Node]:
+        q, k = super().position_qk(b, q, k)
+        if getattr(b.hp, "f_attn_temp_scale", 0.0):
+            q = b.op("mul", q, b.input("attn_temp"))  # after RoPE, as llama.cpp scales Qcur
+        return q, k

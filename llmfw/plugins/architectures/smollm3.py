@@ -6,7 +6,6 @@ its queries and keys carry no position, the causal mask alone orders them.
 """
 from __future__ import annotations
 
-from llmfw.core.graph import GraphBuilder
 from llmfw.core.hparams import HParams
 from llmfw.plugins.architectures.llama import LlamaArchitecture
 
@@ -24,17 +23,3 @@ class SmolLM3Architecture(LlamaArchitecture):
 
     def has_rope(self, hp: HParams, il: int) -> bool:
         return uses_rope(il)
-
-    def build_graph(self, b: GraphBuilder) -> None:
-        x = b.build_inp_embd()
-        for il in b.layers():
-            residual = x
-            q, k, v = b.build_qkv(b.build_norm(x, f"blk.{il}.attn_norm.weight"))
-            if self.has_rope(b.hp, il):
-                q, k = b.build_rope(q), b.build_rope(k)
-            h = b.build_attn(q, k, v)
-            if il == b.hp.n_layer - 1:
-                h, residual = b.select_outputs(h, residual)
-            x = b.op("add", h, residual)
-            x = b.op("add", b.build_ffn(b.build_norm(x, f"blk.{il}.ffn_norm.weight"), act="silu"), x)
-        b.build_output(x)
