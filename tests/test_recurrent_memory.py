@@ -1,7 +1,7 @@
-"""The recurrent and hybrid memory modules (issue 34) on LFM2's random-weight file (short convolutions beside
-attention): ubatch splitting by sequence, llama.cpp's seq_* semantics for a state that cannot be taken apart, a
-seq_cp fork, saved state, the prompt cache and speculative decoding — each on the numpy oracle, the bar and the
-equal-split logits also on the default onnx backend."""
+"""The recurrent and hybrid memory modules (issue 34) on the random-weight files of LFM2 (short convolutions beside
+attention) and dense Granite 4.0-H (Mamba-2 beside attention): ubatch splitting by sequence, llama.cpp's seq_*
+semantics for a state that cannot be taken apart, a seq_cp fork, saved state, the prompt cache and speculative
+decoding — on the numpy oracle; the bar in ubatches of 32 and with two sequences also on the default onnx backend."""
 from __future__ import annotations
 
 import numpy as np
@@ -18,11 +18,26 @@ from llmfw.core.recurrent import HybridMemory, RecurrentMemory
 from llmfw.core.speculative import NgramDrafter
 
 FAMILY = "lfm2"
+#: every hybrid family with a reference: the generic checks run on each
+HYBRIDS = ["lfm2", "granitehybrid"]
 
 
 @pytest.fixture(scope="module")
-def path(tmp_path_factory):
-    return model_file(FAMILY, tmp_path_factory.mktemp("recurrent"))
+def directory(tmp_path_factory):
+    return tmp_path_factory.mktemp("recurrent")
+
+
+@pytest.fixture(scope="module")
+def path(directory):
+    return model_file(FAMILY, directory)
+
+
+@pytest.fixture(scope="module", params=HYBRIDS)
+def hybrid(request, directory):
+    """(family, numpy-backend model, file) for each hybrid family."""
+    file = model_file(request.param, directory)
+    with llmfw.load_model(file, backend="numpy") as loaded:
+        yield request.param, loaded, file
 
 
 @pytest.fixture(scope="module")
@@ -64,20 +79,22 @@ def test_the_memory_is_chosen_by_the_architecture(model):
     assert "recurrent state for 3 layers" in ctx.memory.describe()
 
 
-def test_ubatches_of_32_clear_the_bar_and_match_one_ubatch(model, score):
-    record = longest(reference(FAMILY))
+def test_ubatches_of_32_clear_the_bar_and_match_one_ubatch(hybrid, score):
+    family, model, _ = hybrid
+    record = longest(reference(family))
     whole = decode_all(model, record["sequence"], n_ctx=512)
     split = decode_all(model, record["sequence"], n_ctx=512, n_ubatch=32)
-    assert_clears_bar(score, record, split, "lfm2 with n_ubatch 32")
+    assert_clears_bar(score, record, split, f"{family} with n_ubatch 32")
     assert np.abs(whole - split).max() <= SAME_LOGITS_ATOL
 
 
-def test_two_sequences_of_different_lengths_in_ubatches_of_32(model, score, sequences):
+def test_two_sequences_of_different_lengths_in_ubatches_of_32(hybrid, score):
     """An equal split of 29 + 86 tokens: both sequences share ubatches while the short one lasts."""
-    first, second = records(reference(FAMILY))[:2]
+    family, model, _ = hybrid
+    first, second = records(reference(family))[:2]
     logits_a, logits_b = decode_two_sequences(model, first["sequence"], second["sequence"], n_ctx=512, n_ubatch=32)
-    assert_clears_bar(score, first, logits_a, "lfm2, sequence 0 of 2")
-    assert_clears_bar(score, second, logits_b, "lfm2, sequence 1 of 2")
+    assert_clears_bar(score, first, logits_a, f"{family}, sequence 0 of 2")
+    assert_clears_bar(score, second, logits_b, f"{family}, sequence 1 of 2")
     assert np.abs(decode_all(model, second["sequence"], n_ctx=512) - logits_b).max() <= SAME_LOGITS_ATOL
 
 
@@ -90,9 +107,11 @@ def test_one_token_at_a_time_equals_the_whole_prompt(model, sequences):
 
 
 # -- sequence operations -----------------------------------------------------------------------------------------
-def test_seq_cp_fork_decodes_like_each_sequence_alone(model, sequences):
+def test_seq_cp_fork_decodes_like_each_sequence_alone(hybrid):
     """A prompt decoded once in sequence 0, copied to 1 (state and KV cells), then two different continuations
     decoded together in one batch: each gets the logits of decoding its whole sequence alone."""
+    family, model, _ = hybrid
+    sequences = [r["sequence"] for r in records(reference(family))]
     prompt, tail_a, tail_b = sequences[1][:40], sequences[1][40:46], sequences[2][40:46]
     ctx = model.new_context(n_ctx=1024, n_seq_max=2)
     assert ctx.decode(Batch(prompt, seq_id=0)) == 0
@@ -209,14 +228,23 @@ def test_pure_recurrent_memory_has_no_kv_cache(model):
 
 
 # -- the default backend -------------------------------------------------------------------------------------------
-def test_onnx_clears_the_bar_in_ubatches_of_32_and_two_sequences(path, score):
-    ref = reference(FAMILY)
-    with llmfw.load_model(path, backend="onnx") as onnx_model:
+def test_onnx_clears_the_bar_in_ubatches_of_32_and_two_sequences(hybrid, score):
+    family, _, file = hybrid
+    ref = reference(family)
+    with llmfw.load_model(file, backend="onnx") as onnx_model:
         record = longest(ref)
         assert_clears_bar(score, record, decode_all(onnx_model, record["sequence"], n_ctx=512, n_ubatch=32),
-                          "onnx lfm2 with n_ubatch 32")
+                          f"onnx {family} with n_ubatch 32")
         first, second = records(ref)[:2]
         logits_a, logits_b = decode_two_sequences(onnx_model, first["sequence"], second["sequence"], n_ctx=512,
                                                   n_ubatch=32)
-        assert_clears_bar(score, first, logits_a, "onnx lfm2, sequence 0 of 2")
-        assert_clears_bar(score, second, logits_b, "onnx lfm2, sequence 1 of 2")
+        assert_clears_bar(score, first, logits_a, f"onnx {family}, sequence 0 of 2")
+        assert_clears_bar(score, second, logits_b, f"onnx {family}, sequence 1 of 2")
+
+
+def test_granitehybrid_with_experts_is_refused_clearly(directory):
+    from llmfw.core.errors import ModelError
+
+    file = model_file("granitehybrid", directory)
+    with pytest.raises(ModelError, match="mixture of experts"):
+        llmfw.load_model(file, backend="numpy", kv_overrides={"granitehybrid.expert_count": 4})

@@ -73,6 +73,12 @@ Ops (inputs in order; attributes in ``Node.attrs``):
                     K-1 inputs before this ubatch, zeros for a new sequence).
 ``conv_window``     (window [S, K-1, C], x [S, T, C]) → [S, K-1, C]: the last K-1 rows of
                     ``concat(window, x)``, the state the next ubatch carries.
+``ssm_scan``        (state [S, H, P, N], x [S, T, H, P], dt [S, T, H], A [H] (any shape of H values),
+                    B [S, T, G, N], C [S, T, G, N]) → [S, T·H·P + H·P·N]: Mamba-2's selective scan
+                    (llama.cpp's ``ggml_ssm_scan`` with a scalar decay per head). Per token, with
+                    ``d = softplus(dt)`` (``dt`` itself above 20) and head h reading group ``h // (H / G)``:
+                    ``state = state · exp(d · A[h]) + B ⊗ (x · d)``, ``y = state · C`` (summed over N).
+                    Each sequence's row holds its y [T, H, P] then its final state [H, P, N], flattened.
 ==================  ===================================================================================
 
 Recurrent state (issue 34) travels as graph inputs and outputs, not as backend storage: the memory gathers the
@@ -343,6 +349,21 @@ def _conv_window(inputs: Sequence[Node], attrs: Mapping[str, AttrValue]) -> tupl
     return window, "f32"
 
 
+def _ssm_scan(inputs: Sequence[Node], attrs: Mapping[str, AttrValue]) -> tuple[Shape, DType]:
+    state = _require_float(inputs[0], "the SSM state")
+    x = _require_float(inputs[1], "x")
+    dt, a, b, c = (_require_float(n, role) for n, role in zip(inputs[2:], ("dt", "A", "B", "C")))
+    if len(state) != 4 or len(x) != 4 or len(dt) != 3 or len(b) != 4 or b != c:
+        raise ShapeError(f"ssm_scan needs state [S, H, P, N], x [S, T, H, P], dt [S, T, H], B = C [S, T, G, N]; "
+                         f"got {list(state)}, {list(x)}, {list(dt)}, {list(b)}, {list(c)}")
+    n_seqs, n_head, head_dim, d_state = state
+    if x[0] != n_seqs or x[2:] != (n_head, head_dim) or dt != x[:3] or b[:2] != x[:2] or b[3] != d_state \
+            or b[2] <= 0 or n_head % b[2] or _n_elements(a) != n_head:
+        raise ShapeError(f"ssm_scan operands disagree: state {list(state)}, x {list(x)}, dt {list(dt)}, A {list(a)}, "
+                         f"B/C {list(b)}")
+    return (n_seqs, _n_elements(x[1:]) + n_head * head_dim * d_state), "f32"
+
+
 #: every op of the IR: arity and shape rule. A backend lists the subset it implements in
 #: ``Backend.supported_ops``; ops a backend adds through its rewrite rules are not here (see core/passes.py)
 OP_TABLE: Mapping[str, OpSpec] = {
@@ -369,10 +390,13 @@ OP_TABLE: Mapping[str, OpSpec] = {
     # recurrent layers (issue 34): pure functions of the carried state, see "recurrent ops" below
     "ssm_conv": OpSpec(3, 3, _ssm_conv),
     "conv_window": OpSpec(2, 2, _conv_window),
+    "ssm_scan": OpSpec(6, 6, _ssm_scan),
 }
 OPS = frozenset(OP_TABLE)
 #: the recurrent-layer ops (issue 34): a backend without kernels for them leaves them to the host backend
-RECURRENT_OPS = frozenset({"ssm_conv", "conv_window"})
+RECURRENT_OPS = frozenset({"ssm_conv", "conv_window", "ssm_scan"})
+#: the recurrent ops whose time loop only the host backend implements yet (other backends leave them to it)
+SCAN_OPS = frozenset({"ssm_scan"})
 
 
 def infer_type(node: Node) -> None:

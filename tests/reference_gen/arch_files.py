@@ -41,6 +41,7 @@ _U32_KEYS = {
     "context_length", "embedding_length", "block_count", "feed_forward_length", "attention.head_count",
     "attention.head_count_kv", "attention.key_length", "attention.value_length", "attention.sliding_window",
     "rope.dimension_count", "rope.scaling.original_context_length", "shortconv.l_cache",
+    "ssm.conv_kernel", "ssm.inner_size", "ssm.state_size", "ssm.time_step_rank", "ssm.group_count",
 }
 
 
@@ -65,6 +66,7 @@ def _arch_keys(spec: dict) -> dict:
     }
     if "head_dim" in spec:
         keys["attention.key_length"] = keys["attention.value_length"] = spec["head_dim"]
+    keys.update({f"ssm.{k}": v for k, v in spec.get("ssm", {}).items()})
     if spec["arch"] in ("llama", "phi3"):
         keys["rope.dimension_count"] = _head_dim(spec)
     if "original_context_length" in spec:
@@ -207,9 +209,43 @@ def _lfm2_layer_plan(spec: dict, il: int) -> list[TensorPlan]:
     return plan
 
 
+def _mamba2_layer_plan(spec: dict, il: int) -> list[TensorPlan]:
+    """Granite 4.0-H: a Mamba-2 mixer (no KV heads) or attention, then a SwiGLU FFN."""
+    n_embd, ssm = spec["n_embd"], spec["ssm"]
+    d_inner, n_head, d_conv = ssm["inner_size"], ssm["time_step_rank"], ssm["conv_kernel"]
+    n_group, d_state = ssm["group_count"], ssm["state_size"]
+    channels = d_inner + 2 * n_group * d_state
+    blk = f"blk.{il}."
+    plan = [TensorPlan(blk + "attn_norm.weight", (n_embd,), "norm", "norm", il)]
+    if _n_head_kv(spec, il) == 0:
+        plan += [TensorPlan(blk + "ssm_in.weight", (2 * d_inner + 2 * n_group * d_state + n_head, n_embd), "ssm_in",
+                            "unit", il),
+                 TensorPlan(blk + "ssm_conv1d.weight", (channels, d_conv), "ssm_f32", "conv", il),
+                 TensorPlan(blk + "ssm_conv1d.bias", (channels,), "bias", "small_bias", il),
+                 TensorPlan(blk + "ssm_dt.bias", (n_head,), "bias", "dt_bias", il),
+                 TensorPlan(blk + "ssm_a", (n_head, 1), "ssm_f32", "ssm_a", il),
+                 TensorPlan(blk + "ssm_d", (n_head, 1), "ssm_f32", "norm", il),
+                 TensorPlan(blk + "ssm_norm.weight", (n_group, d_inner // n_group), "ssm_f32", "norm", il),
+                 TensorPlan(blk + "ssm_out.weight", (n_embd, d_inner), "ssm_out", "unit", il)]
+    else:
+        head = _head_dim(spec)
+        n_q, n_kv = head * spec["n_head"], head * _n_head_kv(spec, il)
+        plan += [TensorPlan(blk + "attn_q.weight", (n_q, n_embd), "attn_q", "sharp", il),
+                 TensorPlan(blk + "attn_k.weight", (n_kv, n_embd), "attn_k", "sharp", il),
+                 TensorPlan(blk + "attn_v.weight", (n_kv, n_embd), "attn_v", "unit", il),
+                 TensorPlan(blk + "attn_output.weight", (n_embd, n_q), "attn_output", "unit", il)]
+    plan += [TensorPlan(blk + "ffn_norm.weight", (n_embd,), "norm", "norm", il),
+             TensorPlan(blk + "ffn_gate.weight", (spec["n_ff"], n_embd), "ffn_gate", "unit", il),
+             TensorPlan(blk + "ffn_up.weight", (spec["n_ff"], n_embd), "ffn_up", "unit", il),
+             TensorPlan(blk + "ffn_down.weight", (n_embd, spec["n_ff"]), "ffn_down", "down", il)]
+    return plan
+
+
 def _layer_plan(spec: dict, il: int) -> list[TensorPlan]:
     if spec["arch"] == "lfm2":
         return _lfm2_layer_plan(spec, il)
+    if spec["arch"] == "granitehybrid":
+        return _mamba2_layer_plan(spec, il)
     arch, n_embd, n_ff = spec["arch"], spec["n_embd"], spec["n_ff"]
     head = _head_dim(spec)
     n_q, n_kv = head * spec["n_head"], head * spec["n_head_kv"]
@@ -319,6 +355,12 @@ def _draw(spec: dict, item: TensorPlan, rng: np.random.Generator) -> np.ndarray:
         return normal(shape, 1.0 / math.sqrt(n_in)) * scale[:, None]
     if kind == "norm":
         return 1.0 + normal(shape, 0.1)
+    if kind == "small_bias":
+        return normal(shape, 0.1)
+    if kind == "dt_bias":  # softplus(dt + bias) around 0.05 (Mamba's dt range 0.001..0.1)
+        return -3.0 + normal(shape, 0.5)
+    if kind == "ssm_a":  # A = -exp(A_log): decays from -1 to -16 across the heads
+        return -(1.0 + 15.0 * ramp).reshape(shape)
     if kind == "conv":  # a short convolution's taps: its K products sum to about unit size
         return normal(shape, 1.0 / math.sqrt(shape[1]))
     if kind == "qk_norm":

@@ -180,6 +180,19 @@ SPECS: dict[str, dict] = {
                   "attn_v": "Q8_0", "attn_output": "Q4_0", "ffn_gate": "Q4_1", "ffn_up": "Q5_0", "ffn_down": "Q8_0"},
         "prompts": _BPE_PROMPTS,
     },
+    "granitehybrid": {
+        # dense Granite 4.0-H: Mamba-2 layers 0, 1, 3 (8 heads of 64, 2 groups, state 32, conv width 4) and
+        # attention on layer 2, Granite's multipliers
+        "arch": "granitehybrid", "vocab": "bpe", "pre": "smollm", "seed": 1032,
+        "n_layer": 4, "n_embd": 256, "n_head": 4, "n_head_kv": [0, 0, 2, 0], "n_ff": 512, "context_length": 4096,
+        "ssm": {"conv_kernel": 4, "inner_size": 512, "state_size": 32, "time_step_rank": 8, "group_count": 2},
+        "keys": {"rope.freq_base": 10000.0, "attention.layer_norm_rms_epsilon": 1e-5, "logit_scale": 0.8,
+                 "residual_scale": 0.7, "embedding_scale": 2.0, "attention.scale": 0.15},
+        "types": {"token_embd": "Q8_0", "output": "Q8_0", "ssm_in": "Q8_0", "ssm_f32": "F32",
+                  "ssm_out": ["Q8_0", "Q5_0", None, "Q8_0"], "attn_q": "Q8_0", "attn_k": "Q8_0", "attn_v": "Q5_0",
+                  "attn_output": "Q8_0", "ffn_gate": "Q4_1", "ffn_up": "Q5_0", "ffn_down": "Q8_0"},
+        "prompts": _BPE_PROMPTS,
+    },
 }
 
 

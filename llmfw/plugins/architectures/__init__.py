@@ -12,6 +12,7 @@ ARCHITECTURES = {
     "granite": "llmfw.plugins.architectures.granite:GraniteArchitecture",
     "mistral3": "llmfw.plugins.architectures.mistral3:Mistral3Architecture",
     "lfm2": "llmfw.plugins.architectures.lfm2:LFM2Architecture",
+    "granitehybrid": "llmfw.plugins.architectures.granitehybrid:GraniteHybridArchitecture",
 }
 
 

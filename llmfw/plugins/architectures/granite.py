@@ -30,10 +30,11 @@ class GraniteHParams(HParams):
     f_embedding_scale: float = 0.0
 
 
-def read_granite_multipliers(keys: MetadataView) -> dict[str, Any]:
-    """The multipliers every Granite family shares (dense, hybrid)."""
+def read_granite_multipliers(keys: MetadataView, logit_scale_required: bool = True) -> dict[str, Any]:
+    """The multipliers every Granite family shares (dense: logit_scale required; hybrid: optional, 0 = off)."""
     return {
-        "f_logit_scale": keys.get_float("{arch}.logit_scale"),
+        "f_logit_scale": keys.get_float("{arch}.logit_scale") if logit_scale_required
+        else keys.get_float("{arch}.logit_scale", 0.0),
         "f_residual_scale": keys.get_float("{arch}.residual_scale", 0.0),
         "f_embedding_scale": keys.get_float("{arch}.embedding_scale", 0.0),
         # RoPE is on unless the file switches it off with rope.scaling.finetuned = false
@@ -59,8 +60,8 @@ def scaled_residual(b: GraphBuilder, block_out: Node) -> Node:
 
 
 def scaled_logits(b: GraphBuilder) -> None:
-    """Divide the graph's logits by ``logit_scale`` (embeddings mode has none)."""
-    if "logits" in b.graph.outputs:
+    """Divide the graph's logits by ``logit_scale`` when set (embeddings mode has no logits)."""
+    if "logits" in b.graph.outputs and getattr(b.hp, "f_logit_scale", 0.0):
         b.layer = b.hp.n_layer
         b.graph.outputs["logits"] = b.op("scale", b.graph.outputs["logits"], s=1.0 / b.hp.f_logit_scale)
 

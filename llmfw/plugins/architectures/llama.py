@@ -99,10 +99,7 @@ class LlamaArchitecture(Architecture):
         x = self.input_embeddings(b)
         for il in b.layers():
             residual = x
-            h = b.build_norm(x, f"blk.{il}.attn_norm.weight")
-            q, k, v = b.build_qkv(h)
-            q, k = self.position_qk(b, q, k)
-            h = self.block_output(b, b.build_attn(q, k, v))
+            h = self.block_output(b, self.mixer(b, b.build_norm(x, f"blk.{il}.attn_norm.weight")))
             if il == b.hp.n_layer - 1:
                 h, residual = b.select_outputs(h, residual)
             x = b.op("add", h, residual)
@@ -115,6 +112,13 @@ class LlamaArchitecture(Architecture):
     def input_embeddings(self, b: GraphBuilder) -> Node:
         """The token embeddings entering layer 0."""
         return b.build_inp_embd()
+
+    def mixer(self, b: GraphBuilder, h: Node) -> Node:
+        """The current layer's token mixer on the normed input: self-attention (a hybrid family puts its
+        recurrent block here for its recurrent layers)."""
+        q, k, v = b.build_qkv(h)
+        q, k = self.position_qk(b, q, k)
+        return b.build_attn(q, k, v)
 
     def position_qk(self, b: GraphBuilder, q: Node, k: Node) -> tuple[Node, Node]:
         """Queries and keys of the current layer after position encoding: RoPE where :meth:`has_rope`."""

@@ -34,6 +34,31 @@ def conv_window(window: np.ndarray, x: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(conv_input(window, x)[:, x.shape[1]:x.shape[1] + keep, :]) if keep else window
 
 
+def softplus(x: np.ndarray) -> np.ndarray:
+    """ggml's softplus: ``log(1 + exp(x))``, ``x`` itself above 20."""
+    x = x.astype(F32, copy=False)
+    return np.where(x > 20.0, x, np.log1p(np.exp(np.minimum(x, 20.0)))).astype(F32)
+
+
+def ssm_scan(state: np.ndarray, x: np.ndarray, dt: np.ndarray, a: np.ndarray, b: np.ndarray,
+             c: np.ndarray) -> np.ndarray:
+    """Mamba-2's selective scan over each sequence's tokens (see the op table): returns, per sequence, y [T, H, P]
+    then the final state [H, P, N], flattened into one row."""
+    n_seqs, n_tokens, n_head, head_dim = x.shape
+    n_group = b.shape[2]
+    group = np.arange(n_head) // (n_head // n_group)  # the group each head reads (repeat_interleave)
+    s = state.astype(F32, copy=True)
+    y = np.empty(x.shape, dtype=F32)
+    d = softplus(dt)  # [S, T, H]
+    decay = np.exp(d * a.reshape(-1)).astype(F32)  # [S, T, H]
+    for t in range(n_tokens):
+        bt, ct = b[:, t][:, group], c[:, t][:, group]  # [S, H, N]
+        xdt = x[:, t] * d[:, t, :, None]  # [S, H, P]
+        s = s * decay[:, t, :, None, None] + xdt[..., None] * bt[:, :, None, :]
+        y[:, t] = np.einsum("shpn,shn->shp", s, ct, dtype=F32)
+    return np.concatenate([y.reshape(n_seqs, -1), s.reshape(n_seqs, -1)], axis=1)
+
+
 class RecurrentSteps:
     """Compiler steps of the recurrent ops (see :class:`llmfw.plugins.backends.numpy.compiler.SplitCompiler`)."""
 
@@ -52,3 +77,6 @@ class RecurrentSteps:
 
     def _op_conv_window(self, node: "Node", ins: list[int], out: int) -> Callable[[], None]:
         return self._nary(conv_window, ins, out)
+
+    def _op_ssm_scan(self, node: "Node", ins: list[int], out: int) -> Callable[[], None]:
+        return self._nary(ssm_scan, ins, out)
