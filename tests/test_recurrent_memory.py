@@ -1,5 +1,5 @@
 """The recurrent and hybrid memory modules (issue 34) on the random-weight files of LFM2 (short convolutions beside
-attention) and dense Granite 4.0-H (Mamba-2 beside attention): ubatch splitting by sequence, llama.cpp's seq_*
+attention), dense Granite 4.0-H (Mamba-2 beside attention) and Qwen3.5 (Gated DeltaNet beside gated attention): ubatch splitting by sequence, llama.cpp's seq_*
 semantics for a state that cannot be taken apart, a seq_cp fork, saved state, the prompt cache and speculative
 decoding — on the numpy oracle; the bar in ubatches of 32 and with two sequences also on the default onnx backend."""
 from __future__ import annotations
@@ -19,7 +19,7 @@ from llmfw.core.speculative import NgramDrafter
 
 FAMILY = "lfm2"
 #: every hybrid family with a reference: the generic checks run on each
-HYBRIDS = ["lfm2", "granitehybrid"]
+HYBRIDS = ["lfm2", "granitehybrid", "qwen35"]
 
 
 @pytest.fixture(scope="module")
@@ -248,3 +248,16 @@ def test_granitehybrid_with_experts_is_refused_clearly(directory):
     file = model_file("granitehybrid", directory)
     with pytest.raises(ModelError, match="mixture of experts"):
         llmfw.load_model(file, backend="numpy", kv_overrides={"granitehybrid.expert_count": 4})
+
+
+def test_qwen35_refuses_rope_sections_it_cannot_run(directory):
+    """Interleaved M-RoPE sections that leave a rotated pair on the fourth (non-text) axis are refused clearly."""
+    from llmfw.core.errors import ModelError
+    from llmfw.plugins.architectures.qwen35 import imrope_text_axes_cover
+
+    assert imrope_text_axes_cover([11, 11, 10, 0], 64) and imrope_text_axes_cover([6, 5, 5, 0], 32)
+    assert not imrope_text_axes_cover([4, 4, 4, 4], 32)
+    with llmfw.load_model(model_file("qwen35", directory), backend="numpy") as model:
+        unsupported = model.hparams.model_copy(update={"rope_sections": [4, 4, 4, 4]})
+        with pytest.raises(ModelError, match="dimension_sections"):
+            model.arch.check_hparams(unsupported)  # what loading such a file runs

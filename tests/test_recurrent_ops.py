@@ -1,4 +1,5 @@
-"""The recurrent-layer ops of issue 34 (``ssm_conv``, ``conv_window``, ``ssm_scan``): their rows in the op table
+"""The recurrent-layer ops of issue 34 (``ssm_conv``, ``conv_window``, ``ssm_scan``, ``gated_delta``, ``sigmoid``,
+``softplus``): their rows in the op table
 (shapes, dtypes, misfits named), the numpy oracle against the definitions written out step by step, a carried
 window / state equal to processing the whole sequence at once, and the onnx backend against the oracle."""
 from __future__ import annotations
@@ -8,7 +9,7 @@ import pytest
 
 from llmfw.core.errors import ModelError
 from llmfw.core.graph import Graph
-from llmfw.plugins.backends.numpy.recurrent import conv_window, softplus, ssm_conv, ssm_scan
+from llmfw.plugins.backends.numpy.recurrent import conv_window, gated_delta, sigmoid, softplus, ssm_conv, ssm_scan
 
 RNG = np.random.default_rng(34)
 S, T, C, K = 2, 7, 12, 4
@@ -103,6 +104,60 @@ def test_ssm_scan_carried_state_equals_the_whole_sequence():
     y = np.concatenate([first[:, :4 * H * P], second[:, :5 * H * P]], axis=1)
     np.testing.assert_allclose(y, whole[:, :9 * H * P], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(second[:, 5 * H * P:], whole[:, 9 * H * P:], rtol=1e-5, atol=1e-5)
+
+
+def _delta_inputs(n_tokens: int, H: int = 4, Hk: int = 2, D: int = 6):
+    q, k = _f32(S, n_tokens, Hk, D), _f32(S, n_tokens, Hk, D)
+    q /= np.linalg.norm(q, axis=-1, keepdims=True)
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    return (_f32(S, H, D, D, scale=0.3), q, k, _f32(S, n_tokens, H, D), -np.abs(_f32(S, n_tokens, H, scale=0.5)),
+            sigmoid(_f32(S, n_tokens, H)))
+
+
+def test_gated_delta_follows_the_delta_rule():
+    state, q, k, v, g, beta = _delta_inputs(T)
+    H, Hk, D = 4, 2, 6
+    packed = gated_delta(state, q, k, v, g, beta)
+    out, final = packed[:, :T * H * D].reshape(S, T, H, D), packed[:, T * H * D:].reshape(S, H, D, D)
+    assert gated_delta(state, q, k, v, g, beta).shape == (S, T * H * D + H * D * D)
+    for s in range(S):
+        for h in range(H):
+            m = state[s, h].astype(np.float64)
+            for t in range(T):
+                kt, qt = k[s, t, h % Hk], q[s, t, h % Hk]  # value head h reads key head h % Hk
+                m = m * np.exp(g[s, t, h])
+                m = m + np.outer((v[s, t, h] - m @ kt) * beta[s, t, h], kt)
+                np.testing.assert_allclose(out[s, t, h], m @ qt / np.sqrt(D), rtol=1e-4, atol=1e-5)
+            np.testing.assert_allclose(final[s, h], m, rtol=1e-4, atol=1e-5)
+
+
+def test_gated_delta_prompt_in_pieces_equals_one_step_decode():
+    """The state carried across ubatches: a prompt cut in two pieces, then one token at a time, gives the same
+    outputs and final state as the whole sequence at once."""
+    state, q, k, v, g, beta = _delta_inputs(8)
+    H, D = 4, 6
+    whole = gated_delta(state, q, k, v, g, beta)
+    outputs, current = [], state
+    for lo, hi in ((0, 5), (5, 6), (6, 7), (7, 8)):
+        piece = gated_delta(current, q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], g[:, lo:hi], beta[:, lo:hi])
+        outputs.append(piece[:, :(hi - lo) * H * D])
+        current = piece[:, (hi - lo) * H * D:].reshape(state.shape)
+    np.testing.assert_allclose(np.concatenate(outputs, axis=1), whole[:, :8 * H * D], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(current.reshape(S, -1), whole[:, 8 * H * D:], rtol=1e-5, atol=1e-6)
+
+
+def test_gated_delta_shapes_are_checked():
+    g = Graph()
+    with pytest.raises(ModelError, match="gated_delta"):  # 3 value heads cannot read 2 key heads
+        g.add("gated_delta", g.leaf("input", "s", (S, 3, 4, 4)), g.leaf("input", "q", (S, T, 2, 4)),
+              g.leaf("input", "k", (S, T, 2, 4)), g.leaf("input", "v", (S, T, 3, 4)), g.leaf("input", "g", (S, T, 3)),
+              g.leaf("input", "b", (S, T, 3)))
+
+
+def test_sigmoid_and_softplus():
+    x = np.array([-30.0, -1.0, 0.0, 2.0, 19.0, 21.0], np.float32)
+    np.testing.assert_allclose(sigmoid(x), 1 / (1 + np.exp(-x.astype(np.float64))), rtol=1e-6)
+    np.testing.assert_allclose(softplus(x), np.where(x > 20, x, np.log1p(np.exp(x.astype(np.float64)))), rtol=1e-6)
 
 
 # -- the onnx backend ----------------------------------------------------------------------------------------------

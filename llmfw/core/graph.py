@@ -79,6 +79,13 @@ Ops (inputs in order; attributes in ``Node.attrs``):
                     ``d = softplus(dt)`` (``dt`` itself above 20) and head h reading group ``h // (H / G)``:
                     ``state = state · exp(d · A[h]) + B ⊗ (x · d)``, ``y = state · C`` (summed over N).
                     Each sequence's row holds its y [T, H, P] then its final state [H, P, N], flattened.
+``gated_delta``     (state [S, H, Dv, Dk], q [S, T, Hk, Dk], k [S, T, Hk, Dk], v [S, T, H, Dv], g [S, T, H],
+                    beta [S, T, H]) → [S, T·H·Dv + H·Dv·Dk]: the gated delta rule (Gated DeltaNet;
+                    llama.cpp's ``ggml_gated_delta_net``). Head h reads q/k head ``h % Hk``; per token
+                    ``M = M · exp(g)``, ``δ = (v - M k) · beta``, ``M = M + δ ⊗ k``, ``o = M q / √Dv``.
+                    Each sequence's row holds its o [T, H, Dv] then its final M [H, Dv, Dk].
+``sigmoid``         (x) → ``1 / (1 + exp(-x))``.
+``softplus``        (x) → ``log(1 + exp(x))`` (ggml: ``x`` itself above 20).
 ==================  ===================================================================================
 
 Recurrent state (issue 34) travels as graph inputs and outputs, not as backend storage: the memory gathers the
@@ -364,6 +371,19 @@ def _ssm_scan(inputs: Sequence[Node], attrs: Mapping[str, AttrValue]) -> tuple[S
     return (n_seqs, _n_elements(x[1:]) + n_head * head_dim * d_state), "f32"
 
 
+def _gated_delta(inputs: Sequence[Node], attrs: Mapping[str, AttrValue]) -> tuple[Shape, DType]:
+    state = _require_float(inputs[0], "the delta-rule state")
+    q, k, v, g, beta = (_require_float(n, role) for n, role in zip(inputs[1:], ("q", "k", "v", "g", "beta")))
+    if len(state) != 4 or len(q) != 4 or k != q or len(v) != 4 or g != v[:3] or beta != v[:3]:
+        raise ShapeError(f"gated_delta needs state [S, H, Dv, Dk], q = k [S, T, Hk, Dk], v [S, T, H, Dv], "
+                         f"g = beta [S, T, H]; got {list(state)}, {list(q)}, {list(k)}, {list(v)}, {list(g)}, "
+                         f"{list(beta)}")
+    n_seqs, n_head, d_v, d_k = state
+    if v[0] != n_seqs or q[:2] != v[:2] or v[2:] != (n_head, d_v) or q[3] != d_k or q[2] <= 0 or n_head % q[2]:
+        raise ShapeError(f"gated_delta operands disagree: state {list(state)}, q/k {list(q)}, v {list(v)}")
+    return (n_seqs, _n_elements(v[1:]) + n_head * d_v * d_k), "f32"
+
+
 #: every op of the IR: arity and shape rule. A backend lists the subset it implements in
 #: ``Backend.supported_ops``; ops a backend adds through its rewrite rules are not here (see core/passes.py)
 OP_TABLE: Mapping[str, OpSpec] = {
@@ -391,12 +411,15 @@ OP_TABLE: Mapping[str, OpSpec] = {
     "ssm_conv": OpSpec(3, 3, _ssm_conv),
     "conv_window": OpSpec(2, 2, _conv_window),
     "ssm_scan": OpSpec(6, 6, _ssm_scan),
+    "gated_delta": OpSpec(6, 6, _gated_delta),
+    "sigmoid": OpSpec(1, 1, _elementwise),
+    "softplus": OpSpec(1, 1, _elementwise),
 }
 OPS = frozenset(OP_TABLE)
-#: the recurrent-layer ops (issue 34): a backend without kernels for them leaves them to the host backend
-RECURRENT_OPS = frozenset({"ssm_conv", "conv_window", "ssm_scan"})
+#: the ops added for recurrent layers (issue 34): a backend without kernels for them leaves them to the host backend
+RECURRENT_OPS = frozenset({"ssm_conv", "conv_window", "ssm_scan", "gated_delta", "sigmoid", "softplus"})
 #: the recurrent ops whose time loop only the host backend implements yet (other backends leave them to it)
-SCAN_OPS = frozenset({"ssm_scan"})
+SCAN_OPS = frozenset({"ssm_scan", "gated_delta"})
 
 
 def infer_type(node: Node) -> None:

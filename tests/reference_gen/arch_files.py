@@ -42,6 +42,7 @@ _U32_KEYS = {
     "attention.head_count_kv", "attention.key_length", "attention.value_length", "attention.sliding_window",
     "rope.dimension_count", "rope.scaling.original_context_length", "shortconv.l_cache",
     "ssm.conv_kernel", "ssm.inner_size", "ssm.state_size", "ssm.time_step_rank", "ssm.group_count",
+    "full_attention_interval",
 }
 
 
@@ -241,7 +242,46 @@ def _mamba2_layer_plan(spec: dict, il: int) -> list[TensorPlan]:
     return plan
 
 
+def _qwen35_layer_plan(spec: dict, il: int) -> list[TensorPlan]:
+    """Qwen3.5: Gated DeltaNet layers, gated full attention every ``full_attention_interval``-th layer."""
+    n_embd, ssm = spec["n_embd"], spec["ssm"]
+    d_inner, d_conv, n_v = ssm["inner_size"], ssm["conv_kernel"], ssm["time_step_rank"]
+    key_dim = ssm["state_size"] * ssm["group_count"]
+    blk = f"blk.{il}."
+
+    def add(name: str, shape: tuple[int, ...], role: str, init: str) -> TensorPlan:
+        return TensorPlan(blk + name, shape, role, init, il)
+
+    plan = [add("attn_norm.weight", (n_embd,), "norm", "norm")]
+    if (il + 1) % spec["keys"]["full_attention_interval"] != 0:
+        plan += [add("attn_qkv.weight", (2 * key_dim + d_inner, n_embd), "attn_qkv", "unit"),
+                 add("attn_gate.weight", (d_inner, n_embd), "attn_gate", "unit"),
+                 add("ssm_conv1d.weight", (2 * key_dim + d_inner, d_conv), "ssm_f32", "conv"),
+                 add("ssm_dt.bias", (n_v,), "bias", "dt_bias"),
+                 add("ssm_a", (n_v,), "bias", "ssm_a"),
+                 add("ssm_beta.weight", (n_v, n_embd), "ssm_small", "unit"),
+                 add("ssm_alpha.weight", (n_v, n_embd), "ssm_small", "unit"),
+                 add("ssm_norm.weight", (ssm["state_size"],), "norm", "norm"),
+                 add("ssm_out.weight", (n_embd, d_inner), "ssm_out", "unit")]
+    else:
+        head = _head_dim(spec)
+        n_q, n_kv = head * spec["n_head"], head * _n_head_kv(spec, il)
+        plan += [add("attn_q.weight", (2 * n_q, n_embd), "attn_q", "sharp"),
+                 add("attn_k.weight", (n_kv, n_embd), "attn_k", "sharp"),
+                 add("attn_v.weight", (n_kv, n_embd), "attn_v", "unit"),
+                 add("attn_output.weight", (n_embd, n_q), "attn_output", "unit"),
+                 add("attn_q_norm.weight", (head,), "norm", "qk_norm"),
+                 add("attn_k_norm.weight", (head,), "norm", "qk_norm")]
+    plan += [add("post_attention_norm.weight", (n_embd,), "norm", "norm"),
+             add("ffn_gate.weight", (spec["n_ff"], n_embd), "ffn_gate", "unit"),
+             add("ffn_up.weight", (spec["n_ff"], n_embd), "ffn_up", "unit"),
+             add("ffn_down.weight", (n_embd, spec["n_ff"]), "ffn_down", "down")]
+    return plan
+
+
 def _layer_plan(spec: dict, il: int) -> list[TensorPlan]:
+    if spec["arch"] == "qwen35":
+        return _qwen35_layer_plan(spec, il)
     if spec["arch"] == "lfm2":
         return _lfm2_layer_plan(spec, il)
     if spec["arch"] == "granitehybrid":

@@ -193,6 +193,21 @@ SPECS: dict[str, dict] = {
                   "attn_output": "Q8_0", "ffn_gate": "Q4_1", "ffn_up": "Q5_0", "ffn_down": "Q8_0"},
         "prompts": _BPE_PROMPTS,
     },
+    "qwen35": {
+        # Gated DeltaNet layers 0-2 (4 value heads, 2 key heads of 32, conv width 4), gated attention on layer 3
+        # with partial rotary (32 of 64 dims) in interleaved M-RoPE sections [6, 5, 5, 0]
+        "arch": "qwen35", "vocab": "bpe", "pre": "qwen2", "seed": 1033,
+        "n_layer": 4, "n_embd": 256, "n_head": 4, "n_head_kv": 2, "head_dim": 64, "n_ff": 512,
+        "context_length": 4096,
+        "ssm": {"conv_kernel": 4, "inner_size": 128, "state_size": 32, "time_step_rank": 4, "group_count": 2},
+        "keys": {"rope.freq_base": 10000000.0, "attention.layer_norm_rms_epsilon": 1e-6, "rope.dimension_count": 32,
+                 "rope.dimension_sections": [6, 5, 5, 0], "full_attention_interval": 4},
+        "types": {"token_embd": "Q8_0", "output": "Q8_0", "attn_qkv": "Q8_0", "attn_gate": "Q8_0",
+                  "ssm_f32": "F32", "ssm_small": "F16", "ssm_out": ["Q8_0", "Q5_0", "Q8_0", None], "attn_q": "Q8_0",
+                  "attn_k": "Q8_0", "attn_v": "Q5_0", "attn_output": "Q8_0", "ffn_gate": "Q4_1", "ffn_up": "Q5_0",
+                  "ffn_down": "Q8_0"},
+        "prompts": _BPE_PROMPTS,
+    },
 }
 
 

@@ -13,6 +13,7 @@ ARCHITECTURES = {
     "mistral3": "llmfw.plugins.architectures.mistral3:Mistral3Architecture",
     "lfm2": "llmfw.plugins.architectures.lfm2:LFM2Architecture",
     "granitehybrid": "llmfw.plugins.architectures.granitehybrid:GraniteHybridArchitecture",
+    "qwen35": "llmfw.plugins.architectures.qwen35:Qwen35Architecture",
 }
 
 

@@ -59,6 +59,29 @@ def ssm_scan(state: np.ndarray, x: np.ndarray, dt: np.ndarray, a: np.ndarray, b:
     return np.concatenate([y.reshape(n_seqs, -1), s.reshape(n_seqs, -1)], axis=1)
 
 
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    return (1.0 / (1.0 + np.exp(-x.astype(F32, copy=False)))).astype(F32)
+
+
+def gated_delta(state: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray,
+                beta: np.ndarray) -> np.ndarray:
+    """The gated delta rule over each sequence's tokens (see the op table): per sequence, o [T, H, Dv] then the
+    final state [H, Dv, Dk], flattened into one row. One token at a time, every head and sequence at once."""
+    n_seqs, n_tokens, n_head, d_v = v.shape
+    heads = np.arange(n_head) % q.shape[2]  # llama.cpp tiles the q/k heads over the v heads
+    m = state.astype(F32, copy=True)
+    out = np.empty(v.shape, dtype=F32)
+    decay = np.exp(g.astype(F32, copy=False)).astype(F32)
+    scale = F32(1.0 / np.sqrt(d_v))
+    for t in range(n_tokens):
+        qt, kt = q[:, t][:, heads], k[:, t][:, heads]  # [S, H, Dk]
+        m *= decay[:, t, :, None, None]
+        delta = (v[:, t] - np.einsum("shvk,shk->shv", m, kt, dtype=F32)) * beta[:, t, :, None]
+        m += delta[..., None] * kt[:, :, None, :]
+        out[:, t] = np.einsum("shvk,shk->shv", m, qt, dtype=F32) * scale
+    return np.concatenate([out.reshape(n_seqs, -1), m.reshape(n_seqs, -1)], axis=1)
+
+
 class RecurrentSteps:
     """Compiler steps of the recurrent ops (see :class:`llmfw.plugins.backends.numpy.compiler.SplitCompiler`)."""
 
@@ -80,3 +103,12 @@ class RecurrentSteps:
 
     def _op_ssm_scan(self, node: "Node", ins: list[int], out: int) -> Callable[[], None]:
         return self._nary(ssm_scan, ins, out)
+
+    def _op_gated_delta(self, node: "Node", ins: list[int], out: int) -> Callable[[], None]:
+        return self._nary(gated_delta, ins, out)
+
+    def _op_sigmoid(self, node: "Node", ins: list[int], out: int) -> Callable[[], None]:
+        return self._nary(sigmoid, ins, out)
+
+    def _op_softplus(self, node: "Node", ins: list[int], out: int) -> Callable[[], None]:
+        return self._nary(softplus, ins, out)

@@ -19,7 +19,8 @@ _TIME = 1
 
 
 class RecurrentTranslation:
-    """``_op_ssm_conv`` and ``_op_conv_window`` (see the op table in :mod:`llmfw.core.graph`)."""
+    """``_op_ssm_conv``, ``_op_conv_window``, ``_op_sigmoid``, ``_op_softplus`` (see the op table in
+    :mod:`llmfw.core.graph`)."""
 
     e: Any
 
@@ -52,3 +53,10 @@ class RecurrentTranslation:
         if keep == 0:
             return self.value(node.inputs[0])
         return self._time_slice(self._conv_input(node), -keep, _END)
+
+    def _op_sigmoid(self, node: "Node") -> str:
+        return self.e.op("Sigmoid", [self.value(node.inputs[0])])
+
+    def _op_softplus(self, node: "Node") -> str:
+        # ONNX's Softplus has no threshold: above 20, log(1 + exp(x)) and x agree in float32 anyway
+        return self.e.op("Softplus", [self.value(node.inputs[0])])
