@@ -12,7 +12,7 @@ from reference_gen.arch_testing import (SAME_LOGITS_ATOL, assert_clears_bar, dec
 
 import llmfw
 from llmfw.core.batch import Batch, BatchAllocator, split_equal
-from llmfw.core.errors import ContextError
+from llmfw.core.errors import ContextError, LogitsIndexError
 from llmfw.core.generate import GenerationStats, generate
 from llmfw.core.recurrent import HybridMemory, RecurrentMemory
 from llmfw.core.speculative import NgramDrafter
@@ -166,6 +166,25 @@ def test_a_token_in_two_sequences_is_a_bad_batch(model):
     ctx = model.new_context(n_ctx=512, n_seq_max=2)
     assert ctx.decode(Batch([1, 2, 3], seq_id=[[0, 1], [0], [1]])) == -1
     assert "several sequences" in ctx.last_error and "seq_cp" in ctx.last_error
+
+
+def test_an_abort_keeps_the_rows_computed_in_batch_order(model, sequences):
+    """Two sequences split by sequence (a ubatch of 4 + 4 tokens, then the rest); aborted before the second
+    ubatch, the context keeps exactly the first ubatch's rows, each readable at its own batch index."""
+    seq_a, seq_b = sequences[0][:6], sequences[1][:10]
+    order = sorted([(i, 0) for i in range(len(seq_a))] + [(i, 1) for i in range(len(seq_b))])
+    tokens = [(seq_a, seq_b)[s][i] for i, s in order]
+    answers = iter([False, True])
+    ctx = model.new_context(n_ctx=512, n_seq_max=2, n_ubatch=8, abort_callback=lambda: next(answers, True))
+    assert ctx.decode(Batch(tokens, pos=[i for i, _ in order], seq_id=[s for _, s in order], logits=True)) == 2
+    assert ctx.n_outputs == 8
+    alone = {0: decode_all(model, seq_a, n_ctx=512), 1: decode_all(model, seq_b, n_ctx=512)}
+    for index, (i, s) in enumerate(order):
+        if i < 4:
+            assert np.abs(ctx.get_logits_ith(index) - alone[s][i]).max() <= SAME_LOGITS_ATOL
+        else:
+            with pytest.raises(LogitsIndexError, match="not marked for output"):
+                ctx.get_logits_ith(index)
 
 
 # -- saved state, the prompt cache, speculative decoding ------------------------------------------------------------

@@ -94,6 +94,7 @@ class Context:
         self._plan_params: BuildParams | None = None
         self._logits = np.zeros((0, model.n_vocab), dtype=np.float32)
         self._output_ids = np.zeros(0, dtype=np.int32)
+        self._written = np.zeros(0, dtype=bool)
         self.reset_perf()
 
     # -- set-up ------------------------------------------------------------------------------------------
@@ -176,7 +177,7 @@ class Context:
         n_done = 0
         for i, ub in enumerate(ubatches):
             if self.abort_callback is not None and self.abort_callback():
-                self._end_outputs(n_done)
+                self._end_outputs()
                 return self._fail(DECODE_ABORTED, f"aborted by abort_callback after {i} of {len(ubatches)} ubatches")
             reserved.apply(i)
             try:
@@ -184,12 +185,12 @@ class Context:
             except Exception as exc:  # noqa: BLE001 - llama.cpp reports a failed compute as a code
                 log.exception("decode failed")
                 self._forget_ubatch(ub)
-                self._end_outputs(n_done)
+                self._end_outputs()
                 return self._fail(DECODE_COMPUTE_FAILED, f"computing ubatch {i} failed: {type(exc).__name__}: {exc}")
-            if ub.rows is None:
-                self._logits[n_done:n_done + ub.n_outputs] = logits
-            else:  # a ubatch regrouped by sequence: its outputs go to their batch order's rows
-                self._logits[self._output_ids[ub.rows[ub.output]]] = logits
+            rows = (np.arange(n_done, n_done + ub.n_outputs) if ub.rows is None
+                    else self._output_ids[ub.rows[ub.output]])  # a ubatch regrouped by sequence: batch order
+            self._logits[rows] = logits
+            self._written[rows] = True
             n_done += ub.n_outputs
         self._record_perf(allocated.n_tokens, time.perf_counter() - start)
         return DECODE_OK
@@ -262,11 +263,16 @@ class Context:
         ids = np.full(allocated.n_tokens, -1, dtype=np.int32)
         ids[allocated.output] = np.arange(allocated.n_outputs, dtype=np.int32)
         self._output_ids = ids
+        #: output rows computed so far (ubatches regrouped by sequence fill them out of order)
+        self._written = np.zeros(allocated.n_outputs, dtype=bool)
 
-    def _end_outputs(self, n_done: int) -> None:
-        """Keep only the rows computed before an abort or failure."""
-        self._logits = self._logits[:n_done]
-        self._output_ids[self._output_ids >= n_done] = -1
+    def _end_outputs(self) -> None:
+        """Keep only the rows computed before an abort or failure, in batch order."""
+        kept = np.flatnonzero(self._written)
+        self._logits = self._logits[kept]
+        new_row = np.full(self._written.shape[0] + 1, -1, dtype=np.int32)  # index -1 (no output) stays -1
+        new_row[kept] = np.arange(kept.size, dtype=np.int32)
+        self._output_ids = new_row[self._output_ids]
 
     @property
     def n_outputs(self) -> int:
