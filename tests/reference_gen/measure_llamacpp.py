@@ -26,7 +26,7 @@ import llama_cpp  # noqa: E402  (the measuring stick, only here)
 N_THREADS = 2
 
 
-def _without_extra_buffer_types() -> None:
+def use_plain_cpu_buffers() -> None:
     """Load models without ggml's extra CPU buffer types (AMX / repacked weights): the AMX matmul crashes in a
     container that has not been granted the AMX tile state, and the plain CPU kernels are the reference anyway.
     llama-cpp-python reads ``llama_cpp.llama_cpp.llama_model_default_params`` when it builds a model: wrap it."""
@@ -38,9 +38,6 @@ def _without_extra_buffer_types() -> None:
         return p
 
     llama_cpp.llama_cpp.llama_model_default_params = params
-
-
-_without_extra_buffer_types()
 
 
 def _sha256(path: Path) -> str:
@@ -110,6 +107,7 @@ def measure(path: Path) -> dict:
 
 
 def main() -> None:
+    use_plain_cpu_buffers()
     out_dir = Path(sys.argv[1])
     for arg in sys.argv[2:]:
         result = measure(Path(arg))
