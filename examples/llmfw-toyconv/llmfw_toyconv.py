@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from llmfw.core.architecture import Architecture, TensorSpec
+from llmfw.core.architecture import Architecture, TensorSpec, gated_ffn_tensors, layer_tensor
 from llmfw.core.errors import ModelError
 from llmfw.core.graph import GraphBuilder
 from llmfw.core.hparams import HParams
@@ -51,15 +51,12 @@ class ToyConvArchitecture(Architecture):
         return {"conv": (getattr(hp, "conv_width", 2) - 1, hp.n_embd)}
 
     def layer_tensors(self, hp: HParams, il: int) -> list[TensorSpec]:
-        n_embd, n_ff, width = hp.n_embd, hp.n_ff(il), getattr(hp, "conv_width", 2)
-
-        def t(name: str, ne: tuple[int, ...], usage: str = "mul_mat") -> TensorSpec:
-            return TensorSpec(f"blk.{il}.{name}", ne, il, usage=usage)
-
-        return [t("attn_norm.weight", (n_embd,), "mul"), t("conv.weight", (width, n_embd), "mul"),
-                t("conv_in.weight", (n_embd, 3 * n_embd)), t("conv_out.weight", (n_embd, n_embd)),
-                t("ffn_norm.weight", (n_embd,), "mul"), t("ffn_gate.weight", (n_embd, n_ff)),
-                t("ffn_up.weight", (n_embd, n_ff)), t("ffn_down.weight", (n_ff, n_embd))]
+        n_embd, width = hp.n_embd, getattr(hp, "conv_width", 2)
+        return [layer_tensor(il, "attn_norm.weight", (n_embd,), "mul"),
+                layer_tensor(il, "conv.weight", (width, n_embd), "mul"),
+                layer_tensor(il, "conv_in.weight", (n_embd, 3 * n_embd)),
+                layer_tensor(il, "conv_out.weight", (n_embd, n_embd)),
+                layer_tensor(il, "ffn_norm.weight", (n_embd,), "mul"), *gated_ffn_tensors(hp, il)]
 
     def build_graph(self, b: GraphBuilder) -> None:
         n_embd = b.hp.n_embd

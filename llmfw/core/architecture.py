@@ -97,6 +97,18 @@ def attention_qkv_tensors(hp: HParams, il: int, n_embd: int | None = None) -> li
     return specs
 
 
+def layer_tensor(il: int, name: str, ne: tuple[int, ...], usage: str = "mul_mat") -> TensorSpec:
+    """The required tensor ``blk.{il}.{name}`` of layer ``il``."""
+    return TensorSpec(f"blk.{il}.{name}", ne, il, usage=usage)
+
+
+def gated_ffn_tensors(hp: HParams, il: int) -> list[TensorSpec]:
+    """A gated FFN's gate, down and up projections of layer ``il`` (SwiGLU / GeGLU without biases)."""
+    n_embd, n_ff = hp.n_embd, hp.n_ff(il)
+    return [layer_tensor(il, "ffn_gate.weight", (n_embd, n_ff)), layer_tensor(il, "ffn_down.weight", (n_ff, n_embd)),
+            layer_tensor(il, "ffn_up.weight", (n_embd, n_ff))]
+
+
 @dataclass(frozen=True)
 class RopeParams:
     """The attributes of a ``rope`` node for one layer (ggml_rope_ext's parameters)."""

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from llmfw.core.architecture import Architecture, TensorSpec, attention_qkv_tensors
+from llmfw.core.architecture import (Architecture, TensorSpec, attention_qkv_tensors, gated_ffn_tensors,
+                                     layer_tensor)
 from llmfw.core.errors import ModelError
 from llmfw.core.graph import GraphBuilder, Node
 from llmfw.core.hparams import HParams
@@ -76,22 +77,18 @@ class LFM2Architecture(Architecture):
                 for s in specs]
 
     def layer_tensors(self, hp: HParams, il: int) -> list[TensorSpec]:
-        n_embd, n_ff = hp.n_embd, hp.n_ff(il)
-
-        def t(name: str, ne: tuple[int, ...], usage: str = "mul_mat") -> TensorSpec:
-            return TensorSpec(f"blk.{il}.{name}", ne, il, usage=usage)
-
-        specs = [t("attn_norm.weight", (n_embd,), "mul"), t("ffn_norm.weight", (n_embd,), "mul"),
-                 t("ffn_gate.weight", (n_embd, n_ff)), t("ffn_down.weight", (n_ff, n_embd)),
-                 t("ffn_up.weight", (n_embd, n_ff))]
+        n_embd = hp.n_embd
+        specs = [layer_tensor(il, "attn_norm.weight", (n_embd,), "mul"),
+                 layer_tensor(il, "ffn_norm.weight", (n_embd,), "mul"), *gated_ffn_tensors(hp, il)]
         if is_conv_layer(hp, il):
             width = getattr(hp, "n_shortconv_l_cache", 2)
-            return specs + [t("shortconv.conv.weight", (width, n_embd), "mul"),
-                            t("shortconv.in_proj.weight", (n_embd, 3 * n_embd)),
-                            t("shortconv.out_proj.weight", (n_embd, n_embd))]
+            return specs + [layer_tensor(il, "shortconv.conv.weight", (width, n_embd), "mul"),
+                            layer_tensor(il, "shortconv.in_proj.weight", (n_embd, 3 * n_embd)),
+                            layer_tensor(il, "shortconv.out_proj.weight", (n_embd, n_embd))]
         head_dim = hp.n_embd_head_k
-        return specs + [t("attn_q_norm.weight", (head_dim,), "mul"), t("attn_k_norm.weight", (head_dim,), "mul"),
-                        *attention_qkv_tensors(hp, il), t("attn_output.weight", (n_embd, n_embd))]
+        return specs + [layer_tensor(il, "attn_q_norm.weight", (head_dim,), "mul"),
+                        layer_tensor(il, "attn_k_norm.weight", (head_dim,), "mul"), *attention_qkv_tensors(hp, il),
+                        layer_tensor(il, "attn_output.weight", (n_embd, n_embd))]
 
     def build_graph(self, b: GraphBuilder) -> None:
         x = b.build_inp_embd()

@@ -28,7 +28,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from llmfw.core.architecture import Architecture, TensorSpec
+from llmfw.core.architecture import Architecture, TensorSpec, gated_ffn_tensors, layer_tensor
 from llmfw.core.errors import ModelError
 from llmfw.core.graph import GraphBuilder, Node
 from llmfw.core.hparams import HParams
@@ -97,7 +97,8 @@ class Qwen35Architecture(Architecture):
         if keys.get_int("{arch}.expert_count", 0) > 0:
             raise ModelError(f"{keys.arch}: mixture-of-experts files (expert_count > 0) are qwen35moe's")
         n_layer = common["n_layer"]
-        dims = DeltaNetDims(d_conv=keys.get_int("{arch}.ssm.conv_kernel"), d_inner=keys.get_int("{arch}.ssm.inner_size"),
+        dims = DeltaNetDims(d_conv=keys.get_int("{arch}.ssm.conv_kernel"),
+                            d_inner=keys.get_int("{arch}.ssm.inner_size"),
                             head_dim=keys.get_int("{arch}.ssm.state_size"),
                             n_v_heads=keys.get_int("{arch}.ssm.time_step_rank"),
                             n_k_heads=keys.get_int("{arch}.ssm.group_count"))
@@ -132,25 +133,25 @@ class Qwen35Architecture(Architecture):
         return {"conv": (dims.d_conv - 1, dims.conv_channels), "delta": (dims.n_v_heads, dims.head_dim, dims.head_dim)}
 
     def layer_tensors(self, hp: HParams, il: int) -> list[TensorSpec]:
-        n_embd, n_ff = hp.n_embd, hp.n_ff(il)
-
-        def t(name: str, ne: tuple[int, ...], usage: str = "mul_mat") -> TensorSpec:
-            return TensorSpec(f"blk.{il}.{name}", ne, il, usage=usage)
-
-        specs = [t("attn_norm.weight", (n_embd,), "mul"), t("post_attention_norm.weight", (n_embd,), "mul"),
-                 t("ffn_gate.weight", (n_embd, n_ff)), t("ffn_down.weight", (n_ff, n_embd)),
-                 t("ffn_up.weight", (n_embd, n_ff))]
+        n_embd, t = hp.n_embd, layer_tensor
+        specs = [t(il, "attn_norm.weight", (n_embd,), "mul"), t(il, "post_attention_norm.weight", (n_embd,), "mul"),
+                 *gated_ffn_tensors(hp, il)]
         if is_delta_layer(hp, il):
             d = _delta(hp)
-            return specs + [t("attn_qkv.weight", (n_embd, d.conv_channels)), t("attn_gate.weight", (n_embd, d.d_inner)),
-                            t("ssm_conv1d.weight", (d.d_conv, d.conv_channels), "mul"),
-                            t("ssm_dt.bias", (d.n_v_heads,), "add"), t("ssm_a", (d.n_v_heads,), "mul"),
-                            t("ssm_beta.weight", (n_embd, d.n_v_heads)), t("ssm_alpha.weight", (n_embd, d.n_v_heads)),
-                            t("ssm_norm.weight", (d.head_dim,), "mul"), t("ssm_out.weight", (d.d_inner, n_embd))]
+            return specs + [t(il, "attn_qkv.weight", (n_embd, d.conv_channels)),
+                            t(il, "attn_gate.weight", (n_embd, d.d_inner)),
+                            t(il, "ssm_conv1d.weight", (d.d_conv, d.conv_channels), "mul"),
+                            t(il, "ssm_dt.bias", (d.n_v_heads,), "add"), t(il, "ssm_a", (d.n_v_heads,), "mul"),
+                            t(il, "ssm_beta.weight", (n_embd, d.n_v_heads)),
+                            t(il, "ssm_alpha.weight", (n_embd, d.n_v_heads)),
+                            t(il, "ssm_norm.weight", (d.head_dim,), "mul"),
+                            t(il, "ssm_out.weight", (d.d_inner, n_embd))]
         head, n_q = hp.n_embd_head_k, hp.n_embd_head_k * hp.n_head(il)
-        return specs + [t("attn_q.weight", (n_embd, 2 * n_q)), t("attn_k.weight", (n_embd, hp.n_embd_k_gqa(il))),
-                        t("attn_v.weight", (n_embd, hp.n_embd_v_gqa(il))), t("attn_output.weight", (n_q, n_embd)),
-                        t("attn_q_norm.weight", (head,), "mul"), t("attn_k_norm.weight", (head,), "mul")]
+        return specs + [t(il, "attn_q.weight", (n_embd, 2 * n_q)),
+                        t(il, "attn_k.weight", (n_embd, hp.n_embd_k_gqa(il))),
+                        t(il, "attn_v.weight", (n_embd, hp.n_embd_v_gqa(il))),
+                        t(il, "attn_output.weight", (n_q, n_embd)), t(il, "attn_q_norm.weight", (head,), "mul"),
+                        t(il, "attn_k_norm.weight", (head,), "mul")]
 
     def build_graph(self, b: GraphBuilder) -> None:
         x = b.build_inp_embd()
