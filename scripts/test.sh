@@ -15,8 +15,8 @@ PY=${PYTHON:-python3}
 "$PY" -m llmfw.cli pull smollm2
 "$PY" -m llmfw.cli pull gemma-3-270m
 
-# the example third-party architecture package, installed like any plugin, and its own tests
-"$PY" -m pip install -q --disable-pip-version-check --no-deps ./examples/llmfw-olmo
+# the example third-party architecture packages, installed like any plugin, and their own tests
+"$PY" -m pip install -q --disable-pip-version-check --no-deps ./examples/llmfw-olmo ./examples/llmfw-toyconv
 
 # the core's types first (pyproject's [tool.mypy]: strict on llmfw/core), so pytest's summary stays the last line
 "$PY" -m mypy
@@ -26,6 +26,6 @@ for arg in "$@"; do
     if [ -e "${arg%%::*}" ]; then names_a_path=true; fi
 done
 if [ "$names_a_path" = false ]; then
-    set -- tests examples/llmfw-olmo/tests "$@"
+    set -- tests examples/llmfw-olmo/tests examples/llmfw-toyconv/tests "$@"
 fi
 "$PY" -m pytest -q -p no:cacheprovider --durations=15 "$@"

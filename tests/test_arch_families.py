@@ -1,4 +1,5 @@
-"""qwen2, qwen3, phi3 and gemma2 against llama.cpp, on small random-weight files (issue 6).
+"""qwen2, qwen3, phi3, gemma2 (issue 6) and smollm3, granite, mistral3, lfm2, granitehybrid, qwen35 (issue
+34) against llama.cpp, on small random-weight files.
 
 No real model of these families is on this network, so ``tests/reference_gen`` writes each one exactly as
 llama.cpp's converter names and shapes it (2-4 layers, mixed F32/F16/Q8_0/Q4_0/Q4_1/Q5_0 tensors, a vocabulary
@@ -12,11 +13,13 @@ import numpy as np
 import pytest
 
 from reference_gen.arch_testing import (SAME_LOGITS_ATOL, assert_clears_bar, check_tokenization, decode_all,
-                                        decode_two_sequences, longest, model_file, records, reference)
+                                        decode_two_sequences, longest, model_file, records, reference,
+                                        shift_error)
 
 import llmfw
 
-FAMILIES = ["qwen2", "qwen3", "phi3", "gemma2"]
+FAMILIES = ["qwen2", "qwen3", "phi3", "gemma2", "smollm3", "granite", "mistral3", "lfm2",
+            "granitehybrid", "qwen35"]
 SMALL_UBATCH = 16
 
 
@@ -101,14 +104,7 @@ def test_phi3_k_shift_uses_the_same_rope_factors(tmp_path):
     sequence = records(reference("phi3"))[1]["sequence"]
     prompt, follower, delta = sequence[:60], sequence[60], 7
     with llmfw.load_model(path, backend="numpy", kv_overrides={"phi3.rope.scaling.attn_factor": 1.0}) as model:
-        shifted = model.new_context(n_ctx=512)
-        assert shifted.decode(llmfw.Batch(prompt)) == 0
-        shifted.memory.seq_add(0, 0, -1, delta)
-        assert shifted.decode(llmfw.Batch([follower])) == 0
-        direct = model.new_context(n_ctx=512)
-        assert direct.decode(llmfw.Batch(prompt, pos=list(range(delta, delta + len(prompt))))) == 0
-        assert direct.decode(llmfw.Batch([follower])) == 0
-        assert np.abs(shifted.get_logits_ith(-1) - direct.get_logits_ith(-1)).max() <= SAME_LOGITS_ATOL
+        assert shift_error(model, prompt, follower, delta) <= SAME_LOGITS_ATOL
 
 
 def test_unknown_architecture_names_the_known_ones(tmp_path):

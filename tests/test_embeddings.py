@@ -23,6 +23,14 @@ def llama_cpp_embeddings(which: str) -> dict:
     return json.loads((DATA / "llama_cpp_tools.json").read_text())["models"][which]["embeddings"]
 
 
+def llama_cpp_spread(which: str, pooling: str) -> float:
+    """The worst cosine between the committed vectors and llama.cpp's own builds for other instruction sets, with
+    flash attention off and on (tests/data/tools/llama_cpp_spread.json, tests/reference_gen/
+    make_embedding_spread.py): how far llama.cpp moves from its own answer when only the CPU path changes."""
+    spread = json.loads((DATA / "llama_cpp_spread.json").read_text())
+    return float(spread["models"][which][pooling]["worst_cosine"])
+
+
 #: the cosine bar per model for the float32 backends. SmolLM2 meets the issue's 0.999 with every pooling. Gemma-3's
 #: do not (cls 0.9990, mean >= 0.9987, last >= 0.9968): llama.cpp quantizes every matmul's activations to 8 bits
 #: and rounds GELU through an f16 table, and Gemma-3's hidden states amplify those roundings. The "ggml" backend,
@@ -36,10 +44,16 @@ def _worst(ours, theirs) -> float:
     return min(cosine(a, b) for a, b in zip(ours, theirs))
 
 
+def noise_floor(which: str, pooling: str, ref: dict) -> float:
+    """llama.cpp's own disagreement with the committed vectors: its flash-attention path, and its builds for
+    other instruction sets (a margin read off one machine's digits fails on the next machine kind)."""
+    return min(_worst(ref["flash_attn"]["one_by_one"], ref["one_by_one"]), llama_cpp_spread(which, pooling))
+
+
 def pooled_bar(which: str, ref: dict) -> float:
-    """The model's bar, or llama.cpp's own flash-attention-vs-not distance for this pooling where that is lower
-    (Gemma-3's last token: one flipped 8-bit rounding decides where it lands, for llama.cpp as for us)."""
-    return min(BAR[which], _worst(ref["flash_attn"]["one_by_one"], ref["one_by_one"]))
+    """The model's bar, or llama.cpp's own noise floor for this pooling where that is lower (Gemma-3's last
+    token: one flipped 8-bit rounding decides where it lands, for llama.cpp as for us)."""
+    return min(BAR[which], noise_floor(which, ref["pooling"], ref))
 
 
 def cosine(a, b) -> float:
@@ -79,13 +93,14 @@ def test_per_token_embeddings_match_llama_cpp(which_model):
         assert np.mean(similarities) >= BAR[which] and min(similarities) >= BAR[which] - 0.001
 
 
-def test_last_token_vectors_are_as_close_as_llama_cpps_own_two_attention_paths(which_model):
+def test_last_token_vectors_are_as_close_as_llama_cpps_own_paths(which_model):
     """The last-token state is where the roundings of every layer pile up; llama.cpp with flash attention on (its
-    tools' default on a CPU) is as far from llama.cpp without it (llama-cpp-python's default) as we may be."""
+    tools' default on a CPU) or built for another instruction set is as far from the committed vectors as we may
+    be."""
     which, model = which_model
     ref = llama_cpp_embeddings(which)["last"]
-    floor = _worst(ref["flash_attn"]["one_by_one"], ref["one_by_one"])
-    assert floor < 0.9995  # llama.cpp's two paths really differ: this test measures something
+    floor = noise_floor(which, "last", ref)
+    assert floor < 0.9995  # llama.cpp's paths really differ: this test measures something
     assert _worst([model.embed(t, pooling="last") for t in ref["texts"]], ref["one_by_one"]) >= floor
     assert _worst(model.embed(ref["texts"], pooling="last"), ref["batched"]) >= floor
 
@@ -102,6 +117,7 @@ def test_ggml_backend_meets_the_bar_on_gemma3(gemma3_ggml, pooling, bar):
     """With llama.cpp's roundings (8-bit activations, f16 GELU table, f16 KV and attention) Gemma-3's vectors meet
     the issue's bar; the first token's state (cls: no attention mixing yet) is reproduced to float32 noise."""
     ref = llama_cpp_embeddings("gemma3")[pooling]
+    bar = min(bar, llama_cpp_spread("gemma3", pooling))  # llama.cpp's own builds move this far: so may we
     batched = gemma3_ggml.embed(ref["texts"], pooling=pooling)
     assert _worst(batched, ref["batched"]) >= bar
     assert _worst([gemma3_ggml.embed(t, pooling=pooling) for t in ref["texts"]], ref["one_by_one"]) >= bar
@@ -119,7 +135,7 @@ def test_the_f16_gelu_table_is_part_of_llama_cpps_answer(gemma3_path):
 
 def test_ggml_backend_last_token_is_within_llama_cpps_own_paths_on_gemma3(gemma3_ggml):
     ref = llama_cpp_embeddings("gemma3")["last"]
-    floor = _worst(ref["flash_attn"]["one_by_one"], ref["one_by_one"])
+    floor = noise_floor("gemma3", "last", ref)
     assert _worst([gemma3_ggml.embed(t, pooling="last") for t in ref["texts"]], ref["one_by_one"]) >= floor
 
 

@@ -103,3 +103,13 @@ def test_errors_are_clear(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert exit_info.value.code == 1
     err = capsys.readouterr().err
     assert err.startswith("llmfw: error:") and "magic b'NOPE'" in err and "Traceback" not in err
+
+
+def test_names_the_memory_module(tmp_path: Path, smollm2_path: Path) -> None:
+    """Issue 34: the memory module the architecture's plugin needs, for a hybrid family and a KV-cache one."""
+    from reference_gen.arch_files import build_model_file
+
+    lfm2 = build_model_file("lfm2", tmp_path)
+    assert inspect_json(str(lfm2))["memory"] == "hybrid"
+    assert "memory:          hybrid" in invoke(str(lfm2)).output
+    assert inspect_json(str(smollm2_path))["memory"] == "kv_cache"

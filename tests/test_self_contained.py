@@ -54,14 +54,15 @@ def test_test_script_arguments_replace_the_default_paths(tmp_path):
     assert pytest_call[:2] == ["-m", "pytest"]
     assert pytest_call[-2:] == ["tests/test_run_cli.py", "-x"]
     assert "tests" not in pytest_call and "examples/llmfw-olmo/tests" not in pytest_call
+    assert "examples/llmfw-toyconv/tests" not in pytest_call
 
 
 def test_test_script_runs_every_suite_without_paths(tmp_path):
     calls = _run_test_script(tmp_path)
-    assert calls[-1][-2:] == ["tests", "examples/llmfw-olmo/tests"]
+    assert calls[-1][-3:] == ["tests", "examples/llmfw-olmo/tests", "examples/llmfw-toyconv/tests"]
     assert ["-m", "llmfw.cli", "pull", "smollm2"] in calls  # the models are fetched before the tests run
     options_only = _run_test_script(tmp_path, "-x")[-1]
-    assert options_only[-3:] == ["tests", "examples/llmfw-olmo/tests", "-x"]
+    assert options_only[-4:] == ["tests", "examples/llmfw-olmo/tests", "examples/llmfw-toyconv/tests", "-x"]
 
 
 #: a clone has no design notes or shared folder beside it: the repository must not send a reader there

@@ -120,6 +120,19 @@ def _experts_text(experts: dict[str, Any]) -> str:
     return f"{experts['count']} ({', '.join(parts)})" if parts else str(experts["count"])
 
 
+def memory_module(architecture: str | None) -> str | None:
+    """The memory module the architecture's plugin names (``kv_cache``, ``kv_cache_iswa``, ``recurrent``,
+    ``hybrid``...), or None for an architecture no installed plugin serves."""
+    from ..core.arch.architecture import Architecture
+    from ..core.errors import LLMFWError
+    from ..core.plugins import registry
+
+    try:
+        return registry("architectures").get_class(str(architecture), Architecture).memory
+    except (LLMFWError, ImportError):
+        return None
+
+
 def summarize(g: GGUFFile, *, with_tensors: bool = False) -> dict[str, Any]:
     """Everything `llmfw inspect` shows, as a JSON-ready dict."""
     n_params = g.n_parameters
@@ -132,6 +145,7 @@ def summarize(g: GGUFFile, *, with_tensors: bool = False) -> dict[str, Any]:
         "gguf_version": g.version,
         "alignment": g.alignment,
         "architecture": g.architecture,
+        "memory": memory_module(g.architecture),
         "general": {k: _value(g, f"general.{k}") for k in _GENERAL_KEYS if f"general.{k}" in g.metadata},
         "hyperparameters": hyperparameters(g),
         "experts": experts_summary(g),
@@ -177,7 +191,8 @@ def _special_tokens_text(tok: dict[str, Any]) -> str:
 def format_text(s: dict[str, Any]) -> str:
     lines = [f"file:            {', '.join(s['files'])}",
              f"GGUF version:    {s['gguf_version']} (alignment {s['alignment']}, {s['metadata_keys']} keys)",
-             f"architecture:    {s['architecture']}"]
+             f"architecture:    {s['architecture']}",
+             f"memory:          {s['memory'] or 'unknown (no installed plugin serves this architecture)'}"]
     lines += [f"{k + ':':16} {v}" for k, v in s["general"].items()]
     lines.append("hyperparameters:")
     width = max((len(k) for k in s["hyperparameters"]), default=0)

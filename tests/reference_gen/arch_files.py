@@ -44,10 +44,15 @@ _U32_KEYS = {
     "expert_feed_forward_length", "expert_shared_count", "expert_shared_feed_forward_length",
     "expert_group_count", "expert_group_used_count", "leading_dense_block_count", "expert_gating_func",
     "attention.key_length_mla", "attention.value_length_mla", "attention.q_lora_rank", "attention.kv_lora_rank",
+    "shortconv.l_cache",
+    "ssm.conv_kernel", "ssm.inner_size", "ssm.state_size", "ssm.time_step_rank", "ssm.group_count",
+    "full_attention_interval",
 }
 
 
 def _key_type(suffix: str, value) -> GGUFValueType:
+    if isinstance(value, list):  # a per-layer value (LFM2's head_count_kv: 0 on convolution layers)
+        return GGUFValueType.ARRAY
     if suffix in _U32_KEYS:
         return GGUFValueType.UINT32
     if isinstance(value, str):
@@ -66,6 +71,7 @@ def _arch_keys(spec: dict) -> dict:
     }
     if "head_dim" in spec:
         keys["attention.key_length"] = keys["attention.value_length"] = spec["head_dim"]
+    keys.update({f"ssm.{k}": v for k, v in spec.get("ssm", {}).items()})
     if spec["arch"] in ("llama", "phi3", "gpt-oss"):
         keys["rope.dimension_count"] = _head_dim(spec)
     if "original_context_length" in spec:
@@ -183,7 +189,111 @@ def _head_dim(spec: dict) -> int:
     return spec.get("head_dim", spec["n_embd"] // spec["n_head"])
 
 
+def _n_head_kv(spec: dict, il: int) -> int:
+    n_head_kv = spec["n_head_kv"]
+    return n_head_kv[il] if isinstance(n_head_kv, list) else n_head_kv
+
+
+def _lfm2_layer_plan(spec: dict, il: int) -> list[TensorPlan]:
+    """LFM2: an operator norm, then a short-convolution block (no KV heads) or attention with q/k norms; FFN."""
+    n_embd, n_ff, head = spec["n_embd"], spec["n_ff"], _head_dim(spec)
+    blk = f"blk.{il}."
+    plan = [TensorPlan(blk + "attn_norm.weight", (n_embd,), "norm", "norm", il)]
+    if _n_head_kv(spec, il) == 0:
+        plan += [TensorPlan(blk + "shortconv.conv.weight", (n_embd, spec["l_cache"]), "shortconv_conv", "conv", il),
+                 TensorPlan(blk + "shortconv.in_proj.weight", (3 * n_embd, n_embd), "shortconv_in", "unit", il),
+                 TensorPlan(blk + "shortconv.out_proj.weight", (n_embd, n_embd), "shortconv_out", "unit", il)]
+    else:
+        n_kv = head * _n_head_kv(spec, il)
+        plan += [TensorPlan(blk + "attn_q.weight", (n_embd, n_embd), "attn_q", "sharp", il),
+                 TensorPlan(blk + "attn_k.weight", (n_kv, n_embd), "attn_k", "sharp", il),
+                 TensorPlan(blk + "attn_v.weight", (n_kv, n_embd), "attn_v", "unit", il),
+                 TensorPlan(blk + "attn_q_norm.weight", (head,), "norm", "qk_norm", il),
+                 TensorPlan(blk + "attn_k_norm.weight", (head,), "norm", "qk_norm", il),
+                 TensorPlan(blk + "attn_output.weight", (n_embd, n_embd), "attn_output", "unit", il)]
+    plan += [TensorPlan(blk + "ffn_norm.weight", (n_embd,), "norm", "norm", il),
+             TensorPlan(blk + "ffn_gate.weight", (n_ff, n_embd), "ffn_gate", "unit", il),
+             TensorPlan(blk + "ffn_up.weight", (n_ff, n_embd), "ffn_up", "unit", il),
+             TensorPlan(blk + "ffn_down.weight", (n_embd, n_ff), "ffn_down", "down", il)]
+    return plan
+
+
+def _mamba2_layer_plan(spec: dict, il: int) -> list[TensorPlan]:
+    """Granite 4.0-H: a Mamba-2 mixer (no KV heads) or attention, then a SwiGLU FFN."""
+    n_embd, ssm = spec["n_embd"], spec["ssm"]
+    d_inner, n_head, d_conv = ssm["inner_size"], ssm["time_step_rank"], ssm["conv_kernel"]
+    n_group, d_state = ssm["group_count"], ssm["state_size"]
+    channels = d_inner + 2 * n_group * d_state
+    blk = f"blk.{il}."
+    plan = [TensorPlan(blk + "attn_norm.weight", (n_embd,), "norm", "norm", il)]
+    if _n_head_kv(spec, il) == 0:
+        plan += [TensorPlan(blk + "ssm_in.weight", (2 * d_inner + 2 * n_group * d_state + n_head, n_embd), "ssm_in",
+                            "unit", il),
+                 TensorPlan(blk + "ssm_conv1d.weight", (channels, d_conv), "ssm_f32", "conv", il),
+                 TensorPlan(blk + "ssm_conv1d.bias", (channels,), "bias", "small_bias", il),
+                 TensorPlan(blk + "ssm_dt.bias", (n_head,), "bias", "dt_bias", il),
+                 TensorPlan(blk + "ssm_a", (n_head, 1), "ssm_f32", "ssm_a", il),
+                 TensorPlan(blk + "ssm_d", (n_head, 1), "ssm_f32", "norm", il),
+                 TensorPlan(blk + "ssm_norm.weight", (n_group, d_inner // n_group), "ssm_f32", "norm", il),
+                 TensorPlan(blk + "ssm_out.weight", (n_embd, d_inner), "ssm_out", "unit", il)]
+    else:
+        head = _head_dim(spec)
+        n_q, n_kv = head * spec["n_head"], head * _n_head_kv(spec, il)
+        plan += [TensorPlan(blk + "attn_q.weight", (n_q, n_embd), "attn_q", "sharp", il),
+                 TensorPlan(blk + "attn_k.weight", (n_kv, n_embd), "attn_k", "sharp", il),
+                 TensorPlan(blk + "attn_v.weight", (n_kv, n_embd), "attn_v", "unit", il),
+                 TensorPlan(blk + "attn_output.weight", (n_embd, n_q), "attn_output", "unit", il)]
+    plan += [TensorPlan(blk + "ffn_norm.weight", (n_embd,), "norm", "norm", il),
+             TensorPlan(blk + "ffn_gate.weight", (spec["n_ff"], n_embd), "ffn_gate", "unit", il),
+             TensorPlan(blk + "ffn_up.weight", (spec["n_ff"], n_embd), "ffn_up", "unit", il),
+             TensorPlan(blk + "ffn_down.weight", (n_embd, spec["n_ff"]), "ffn_down", "down", il)]
+    return plan
+
+
+def _qwen35_layer_plan(spec: dict, il: int) -> list[TensorPlan]:
+    """Qwen3.5: Gated DeltaNet layers, gated full attention every ``full_attention_interval``-th layer."""
+    n_embd, ssm = spec["n_embd"], spec["ssm"]
+    d_inner, d_conv, n_v = ssm["inner_size"], ssm["conv_kernel"], ssm["time_step_rank"]
+    key_dim = ssm["state_size"] * ssm["group_count"]
+    blk = f"blk.{il}."
+
+    def add(name: str, shape: tuple[int, ...], role: str, init: str) -> TensorPlan:
+        return TensorPlan(blk + name, shape, role, init, il)
+
+    plan = [add("attn_norm.weight", (n_embd,), "norm", "norm")]
+    if (il + 1) % spec["keys"]["full_attention_interval"] != 0:
+        plan += [add("attn_qkv.weight", (2 * key_dim + d_inner, n_embd), "attn_qkv", "unit"),
+                 add("attn_gate.weight", (d_inner, n_embd), "attn_gate", "unit"),
+                 add("ssm_conv1d.weight", (2 * key_dim + d_inner, d_conv), "ssm_f32", "conv"),
+                 add("ssm_dt.bias", (n_v,), "bias", "dt_bias"),
+                 add("ssm_a", (n_v,), "bias", "ssm_a"),
+                 add("ssm_beta.weight", (n_v, n_embd), "ssm_small", "unit"),
+                 add("ssm_alpha.weight", (n_v, n_embd), "ssm_small", "unit"),
+                 add("ssm_norm.weight", (ssm["state_size"],), "norm", "norm"),
+                 add("ssm_out.weight", (n_embd, d_inner), "ssm_out", "unit")]
+    else:
+        head = _head_dim(spec)
+        n_q, n_kv = head * spec["n_head"], head * _n_head_kv(spec, il)
+        plan += [add("attn_q.weight", (2 * n_q, n_embd), "attn_q", "sharp"),
+                 add("attn_k.weight", (n_kv, n_embd), "attn_k", "sharp"),
+                 add("attn_v.weight", (n_kv, n_embd), "attn_v", "unit"),
+                 add("attn_output.weight", (n_embd, n_q), "attn_output", "unit"),
+                 add("attn_q_norm.weight", (head,), "norm", "qk_norm"),
+                 add("attn_k_norm.weight", (head,), "norm", "qk_norm")]
+    plan += [add("post_attention_norm.weight", (n_embd,), "norm", "norm"),
+             add("ffn_gate.weight", (spec["n_ff"], n_embd), "ffn_gate", "unit"),
+             add("ffn_up.weight", (spec["n_ff"], n_embd), "ffn_up", "unit"),
+             add("ffn_down.weight", (n_embd, spec["n_ff"]), "ffn_down", "down")]
+    return plan
+
+
 def _layer_plan(spec: dict, il: int) -> list[TensorPlan]:
+    if spec["arch"] == "qwen35":
+        return _qwen35_layer_plan(spec, il)
+    if spec["arch"] == "lfm2":
+        return _lfm2_layer_plan(spec, il)
+    if spec["arch"] == "granitehybrid":
+        return _mamba2_layer_plan(spec, il)
     arch, n_embd, n_ff = spec["arch"], spec["n_embd"], spec["n_ff"]
     head = _head_dim(spec)
     n_q, n_kv = head * spec["n_head"], head * spec["n_head_kv"]
@@ -303,7 +413,9 @@ def tensor_plan(spec: dict, n_vocab: int) -> list[TensorPlan]:
         plan.append(TensorPlan("rope_factors_short.weight", (half_rot,), "rope", "rope_short"))
     for il in range(spec["n_layer"]):
         plan += _layer_plan(spec, il)
-    if spec["arch"] != "olmo":
+    if spec["arch"] == "lfm2":  # llama.cpp's LLM_TENSOR_OUTPUT_NORM_LFM2
+        plan.append(TensorPlan("token_embd_norm.weight", (n_embd,), "norm", "norm"))
+    elif spec["arch"] != "olmo":
         plan.append(TensorPlan("output_norm.weight", (n_embd,), "norm", "norm"))
     if spec["arch"] != "gemma2":  # Gemma-2 always ties the head to token_embd
         plan.append(TensorPlan("output.weight", (n_vocab, n_embd), "output", "head"))
@@ -368,6 +480,14 @@ def _draw(spec: dict, item: TensorPlan, rng: np.random.Generator) -> np.ndarray:
         return normal(shape, 1.0 / math.sqrt(n_in)) * scale[:, None]
     if kind == "norm":
         return 1.0 + normal(shape, 0.1)
+    if kind == "small_bias":
+        return normal(shape, 0.1)
+    if kind == "dt_bias":  # softplus(dt + bias) around 0.05 (Mamba's dt range 0.001..0.1)
+        return -3.0 + normal(shape, 0.5)
+    if kind == "ssm_a":  # A = -exp(A_log): decays from -1 to -16 across the heads
+        return -(1.0 + 15.0 * ramp).reshape(shape)
+    if kind == "conv":  # a short convolution's taps: its K products sum to about unit size
+        return normal(shape, 1.0 / math.sqrt(shape[1]))
     if kind == "qk_norm":
         return 2.0 + normal(shape, 0.2)
     if kind == "post_norm":  # Gemma's post norms set the size of each block's contribution to the residual
@@ -452,7 +572,8 @@ def build_model_file(name: str, directory: str | Path) -> Path:
     writer.add("general.architecture", arch, GGUFValueType.STRING)
     writer.add("general.name", f"llmfw random {name}", GGUFValueType.STRING)
     for suffix, value in _arch_keys(spec).items():
-        writer.add(f"{arch}.{suffix}", value, _key_type(suffix, value))
+        array_type = GGUFValueType.INT32 if isinstance(value, list) else None
+        writer.add(f"{arch}.{suffix}", value, _key_type(suffix, value), array_type=array_type)
     vocab_keys = _vocab_keys(spec)
     for key, value, vtype, array_type in vocab_keys:
         writer.add(key, value, vtype, array_type=array_type)

@@ -226,6 +226,78 @@ SPECS: dict[str, dict] = {
                   "ffn_gate_up_exps": [None, None, "Q4_K"], "ffn_down_exps": [None, "F16", "Q6_K"],
                   "ffn_gate_shexp": [None, "F16", "Q8_0"], "ffn_up_shexp": [None, "F16", "Q4_0"],
                   "ffn_down_shexp": [None, "F16", "Q5_0"]},
+    # issue 34's dense newcomers
+    "smollm3": {
+        # every fourth layer without RoPE (layer 3 of 4)
+        "arch": "smollm3", "vocab": "bpe", "pre": "smollm", "seed": 1021,
+        "n_layer": 4, "n_embd": 256, "n_head": 4, "n_head_kv": 2, "n_ff": 512, "context_length": 4096,
+        "keys": {"rope.freq_base": 50000.0, "attention.layer_norm_rms_epsilon": 1e-6},
+        "types": {"token_embd": "Q8_0", "output": "Q8_0", "attn_q": ["Q4_0", "Q5_0", "Q8_0", "Q4_1"],
+                  "attn_k": "Q8_0", "attn_v": "Q5_0", "attn_output": "Q4_1", "ffn_gate": "Q4_0", "ffn_up": "Q5_0",
+                  "ffn_down": "Q8_0"},
+        "prompts": _BPE_PROMPTS,
+    },
+    "granite": {
+        # all four multipliers set away from 1 (and from their defaults)
+        "arch": "granite", "vocab": "bpe", "pre": "smollm", "seed": 1022,
+        "n_layer": 3, "n_embd": 256, "n_head": 4, "n_head_kv": 2, "n_ff": 512, "context_length": 4096,
+        "keys": {"rope.freq_base": 10000.0, "attention.layer_norm_rms_epsilon": 1e-5, "logit_scale": 0.7,
+                 "residual_scale": 0.6, "embedding_scale": 2.5, "attention.scale": 0.2},
+        "types": {"token_embd": "Q8_0", "output": "F16", "attn_q": "Q5_0", "attn_k": "Q8_0", "attn_v": "Q4_0",
+                  "attn_output": "Q8_0", "ffn_gate": "Q4_1", "ffn_up": "Q4_0", "ffn_down": "Q5_0"},
+        "prompts": _BPE_PROMPTS,
+    },
+    "mistral3": {
+        # YaRN with the log multiplier, and the attention temperature growing every 64 positions
+        "arch": "mistral3", "vocab": "bpe", "pre": "smollm", "seed": 1023,
+        "n_layer": 3, "n_embd": 256, "n_head": 4, "n_head_kv": 2, "n_ff": 512, "context_length": 4096,
+        "keys": {"rope.freq_base": 100000.0, "attention.layer_norm_rms_epsilon": 1e-5,
+                 "rope.scaling.type": "yarn", "rope.scaling.factor": 4.0,
+                 "rope.scaling.original_context_length": 64, "rope.scaling.yarn_log_multiplier": 1.0,
+                 "rope.scaling.yarn_beta_fast": 32.0, "rope.scaling.yarn_beta_slow": 1.0,
+                 "attention.temperature_scale": 0.5},
+        "types": {"token_embd": "Q8_0", "output": "Q8_0", "attn_q": "Q8_0", "attn_k": "Q5_0", "attn_v": "Q4_1",
+                  "attn_output": "Q4_0", "ffn_gate": "Q5_0", "ffn_up": "Q8_0", "ffn_down": "Q4_0"},
+        "prompts": _BPE_PROMPTS,
+    },
+    # issue 34's hybrids: recurrent layers beside attention
+    "lfm2": {
+        # convolution layers 0, 1, 3 (no KV heads), attention layers 2 and 4; kernel width 3
+        "arch": "lfm2", "vocab": "bpe", "pre": "smollm", "seed": 1031,
+        "n_layer": 5, "n_embd": 256, "n_head": 4, "n_head_kv": [0, 0, 2, 0, 2], "n_ff": 512,
+        "context_length": 4096, "l_cache": 3,
+        "keys": {"rope.freq_base": 1000000.0, "attention.layer_norm_rms_epsilon": 1e-5, "shortconv.l_cache": 3},
+        "types": {"token_embd": "Q8_0", "output": "Q8_0", "shortconv_conv": "F32", "shortconv_in": "F16",
+                  "shortconv_out": ["Q8_0", "Q5_0", None, "Q8_0", None], "attn_q": "Q8_0", "attn_k": "Q5_0",
+                  "attn_v": "Q8_0", "attn_output": "Q4_0", "ffn_gate": "Q4_1", "ffn_up": "Q5_0", "ffn_down": "Q8_0"},
+        "prompts": _BPE_PROMPTS,
+    },
+    "granitehybrid": {
+        # dense Granite 4.0-H: Mamba-2 layers 0, 1, 3 (8 heads of 64, 2 groups, state 32, conv width 4) and
+        # attention on layer 2, Granite's multipliers
+        "arch": "granitehybrid", "vocab": "bpe", "pre": "smollm", "seed": 1032,
+        "n_layer": 4, "n_embd": 256, "n_head": 4, "n_head_kv": [0, 0, 2, 0], "n_ff": 512, "context_length": 4096,
+        "ssm": {"conv_kernel": 4, "inner_size": 512, "state_size": 32, "time_step_rank": 8, "group_count": 2},
+        "keys": {"rope.freq_base": 10000.0, "attention.layer_norm_rms_epsilon": 1e-5, "logit_scale": 0.8,
+                 "residual_scale": 0.7, "embedding_scale": 2.0, "attention.scale": 0.15},
+        "types": {"token_embd": "Q8_0", "output": "Q8_0", "ssm_in": "Q8_0", "ssm_f32": "F32",
+                  "ssm_out": ["Q8_0", "Q5_0", None, "Q8_0"], "attn_q": "Q8_0", "attn_k": "Q8_0", "attn_v": "Q5_0",
+                  "attn_output": "Q8_0", "ffn_gate": "Q4_1", "ffn_up": "Q5_0", "ffn_down": "Q8_0"},
+        "prompts": _BPE_PROMPTS,
+    },
+    "qwen35": {
+        # Gated DeltaNet layers 0-2 (4 value heads, 2 key heads of 32, conv width 4), gated attention on layer 3
+        # with partial rotary (32 of 64 dims) in interleaved M-RoPE sections [6, 5, 5, 0]
+        "arch": "qwen35", "vocab": "bpe", "pre": "qwen2", "seed": 1033,
+        "n_layer": 4, "n_embd": 256, "n_head": 4, "n_head_kv": 2, "head_dim": 64, "n_ff": 512,
+        "context_length": 4096,
+        "ssm": {"conv_kernel": 4, "inner_size": 128, "state_size": 32, "time_step_rank": 4, "group_count": 2},
+        "keys": {"rope.freq_base": 10000000.0, "attention.layer_norm_rms_epsilon": 1e-6, "rope.dimension_count": 32,
+                 "rope.dimension_sections": [6, 5, 5, 0], "full_attention_interval": 4},
+        "types": {"token_embd": "Q8_0", "output": "Q8_0", "attn_qkv": "Q8_0", "attn_gate": "Q8_0",
+                  "ssm_f32": "F32", "ssm_small": "F16", "ssm_out": ["Q8_0", "Q5_0", "Q8_0", None], "attn_q": "Q8_0",
+                  "attn_k": "Q8_0", "attn_v": "Q5_0", "attn_output": "Q8_0", "ffn_gate": "Q4_1", "ffn_up": "Q5_0",
+                  "ffn_down": "Q8_0"},
         "prompts": _BPE_PROMPTS,
     },
 }

@@ -26,21 +26,18 @@ import llama_cpp  # noqa: E402  (the measuring stick, only here)
 N_THREADS = 2
 
 
-def _without_extra_buffer_types() -> None:
-    """Load models without ggml's extra CPU buffer types (AMX, repacked layouts): on a CPU that reports AMX but
-    whose kernel does not grant the tile state, ggml's AMX matmul crashes the process."""
-    bindings = llama_cpp.llama_cpp  # the module the Llama class reads the defaults from
-    default = bindings.llama_model_default_params
+def use_plain_cpu_buffers() -> None:
+    """Load models without ggml's extra CPU buffer types (AMX / repacked weights): the AMX matmul crashes in a
+    container that has not been granted the AMX tile state, and the plain CPU kernels are the reference anyway.
+    llama-cpp-python reads ``llama_cpp.llama_cpp.llama_model_default_params`` when it builds a model: wrap it."""
+    default = llama_cpp.llama_cpp.llama_model_default_params
 
     def params():
         p = default()
         p.use_extra_bufts = False
         return p
 
-    bindings.llama_model_default_params = params
-
-
-_without_extra_buffer_types()
+    llama_cpp.llama_cpp.llama_model_default_params = params
 
 
 def _sha256(path: Path) -> str:
@@ -110,6 +107,7 @@ def measure(path: Path) -> dict:
 
 
 def main() -> None:
+    use_plain_cpu_buffers()
     out_dir = Path(sys.argv[1])
     for arg in sys.argv[2:]:
         result = measure(Path(arg))

@@ -237,6 +237,10 @@ def generate(ctx: Context, prompt: str | Sequence[int], sampler: Sampler | None 
         raise LLMFWError(f"max_tokens must be >= 0 or None, got {max_tokens}")
     stats = stats if stats is not None else GenerationStats()
     n_ctx, n_batch = ctx.n_ctx, ctx.n_batch
+    if draft is not None and not ctx.memory.can_drop_suffix(draft.n_max):
+        raise ContextError(f"speculative decoding is not available for {ctx.model.arch_name!r}: its "
+                           f"{type(ctx.memory).__name__} keeps a recurrent state that cannot drop a rejected draft "
+                           "(llama.cpp's recurrent memory cannot roll back either); generate without a draft")
 
     tokens = tokenize_prompt(model, prompt, parse_special=parse_special, add_special=add_special)
     n_keep, new_tokens = _prepare_prompt(ctx, tokens, n_ctx)

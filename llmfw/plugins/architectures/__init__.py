@@ -14,6 +14,12 @@ ARCHITECTURES = {
     "gpt-oss": "llmfw.plugins.architectures.gpt_oss:GptOssArchitecture",
     "glm4moe": "llmfw.plugins.architectures.glm4moe:Glm4MoeArchitecture",
     "deepseek2": "llmfw.plugins.architectures.deepseek2:Deepseek2Architecture",
+    "smollm3": "llmfw.plugins.architectures.smollm3:SmolLM3Architecture",
+    "granite": "llmfw.plugins.architectures.granite:GraniteArchitecture",
+    "mistral3": "llmfw.plugins.architectures.mistral3:Mistral3Architecture",
+    "lfm2": "llmfw.plugins.architectures.lfm2:LFM2Architecture",
+    "granitehybrid": "llmfw.plugins.architectures.granitehybrid:GraniteHybridArchitecture",
+    "qwen35": "llmfw.plugins.architectures.qwen35:Qwen35Architecture",
 }
 
 

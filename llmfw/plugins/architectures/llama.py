@@ -129,22 +129,46 @@ class LlamaArchitecture(Architecture):
         return f"blk.{il}.rope_freqs.weight"
 
     def build_graph(self, b: GraphBuilder) -> None:
-        x = b.build_inp_embd()
+        x = self.input_embeddings(b)
         for il in b.layers():
             residual = x
-            h = b.build_norm(x, f"blk.{il}.attn_norm.weight")
-            q, k, v = b.build_qkv(h)
-            q, k = b.build_rope(q), b.build_rope(k)
-            h = b.build_attn(q, k, v)
+            h = self.block_output(b, self.mixer(b, b.build_norm(x, f"blk.{il}.attn_norm.weight")))
             if il == b.hp.n_layer - 1:
                 h, residual = b.select_outputs(h, residual)
             x = b.op("add", h, residual)
             h = b.build_norm(x, f"blk.{il}.ffn_norm.weight")
-            x = b.op("add", self.build_feed_forward(b, h, il), x)
+            x = b.op("add", self.block_output(b, self.build_feed_forward(b, h, il)), x)
         b.build_output(x)
+        self.finish_output(b)
 
     def build_feed_forward(self, b: GraphBuilder, h: Node, il: int) -> Node:
         """The layer's FFN on the normed ``h``: SwiGLU, or Mixtral's routed experts when the layer has a router."""
         if b.has_weight(f"blk.{il}.ffn_gate_inp.weight"):
             return b.build_moe_ffn(h, il, gating="softmax", norm_w=self.norm_expert_weights, act="silu")
         return b.build_ffn(h, act="silu")
+
+
+    # -- what llama's relatives change (smollm3, granite, mistral3) ---------------------------------------------
+    def input_embeddings(self, b: GraphBuilder) -> Node:
+        """The token embeddings entering layer 0."""
+        return b.build_inp_embd()
+
+    def mixer(self, b: GraphBuilder, h: Node) -> Node:
+        """The current layer's token mixer on the normed input: self-attention (a hybrid family puts its
+        recurrent block here for its recurrent layers)."""
+        q, k, v = b.build_qkv(h)
+        q, k = self.position_qk(b, q, k)
+        return b.build_attn(q, k, v)
+
+    def position_qk(self, b: GraphBuilder, q: Node, k: Node) -> tuple[Node, Node]:
+        """Queries and keys of the current layer after position encoding: RoPE where :meth:`has_rope`."""
+        if not self.has_rope(b.hp, b.layer):
+            return q, k
+        return b.build_rope(q), b.build_rope(k)
+
+    def block_output(self, b: GraphBuilder, h: Node) -> Node:
+        """An attention or FFN block's output, as it joins the residual stream."""
+        return h
+
+    def finish_output(self, b: GraphBuilder) -> None:
+        """After the head (``b.graph.outputs`` is set): a family's last touch on the logits."""

@@ -1,9 +1,12 @@
-"""Built-in memory modules: the unified KV cache and its interleaved sliding-window variant."""
+"""Built-in memory modules: the unified KV cache, its interleaved sliding-window variant, the recurrent state and
+the hybrid of a KV cache and a recurrent state (issue 34)."""
 from llmfw.core.plugins import hookimpl
 
 MEMORY = {
     "kv_cache": "llmfw.core.runtime.memory:KVCache",
     "kv_cache_iswa": "llmfw.core.runtime.memory:KVCacheISWA",
+    "recurrent": "llmfw.core.runtime.recurrent:RecurrentMemory",
+    "hybrid": "llmfw.core.runtime.recurrent:HybridMemory",
 }
 
 

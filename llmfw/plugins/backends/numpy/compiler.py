@@ -12,13 +12,14 @@ from llmfw.core.ir.rope import rope_cos_sin
 from llmfw.plugins.backends.numpy.kernels import (F32, NumpyKV, attention, gelu, layer_norm, rms_norm, rope_apply,
                                                   rope_apply_full, rope_table, silu, visible_limits, write_kv)
 from llmfw.plugins.backends.numpy.moe import MoeSteps
+from llmfw.plugins.backends.numpy.recurrent import RecurrentSteps
 from llmfw.plugins.backends.numpy.weights import get_rows
 
 #: a compiled step: reads its inputs from the slot list and stores its value in its own slot
 Step = Callable[[], None]
 
 
-class SplitCompiler(MoeSteps):
+class SplitCompiler(MoeSteps, RecurrentSteps):
     """Maps a split's nodes to kernels: ``run(inputs) -> outputs`` is a flat list of closures over a list of
     value slots (no dict look-ups per op).
 

@@ -33,6 +33,7 @@ from llmfw.plugins.backends.onnx.emit import (
 from llmfw.plugins.backends.onnx.fused import USE_GQA, AttentionForm, fusable_rope, kv_cells, packed_qkv
 from llmfw.plugins.backends.onnx.moe import MoeTranslation
 from llmfw.plugins.backends.onnx.ort import OnnxKV, import_onnxruntime
+from llmfw.plugins.backends.onnx.recurrent import RecurrentTranslation
 from llmfw.plugins.backends.onnx.weights import F32, BlockWeight, DenseWeight
 
 if TYPE_CHECKING:
@@ -61,7 +62,7 @@ def score_slice(head_dim: int) -> int:
 # split → ONNX model
 # ---------------------------------------------------------------------------------------------------------------
 
-class SplitTranslator(MoeTranslation):
+class SplitTranslator(MoeTranslation, RecurrentTranslation):
     """Translates one split into ONNX nodes. The IR's node shapes (those of the first run's graph) guide choices
     that do not depend on the token count or the KV length (head sizes, rotated dims); the model itself keeps
     those axes dynamic."""

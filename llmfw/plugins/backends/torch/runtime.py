@@ -19,7 +19,7 @@ from llmfw.core.exec.backend import (
     release_freed_memory,
 )
 from llmfw.core.errors import ModelError
-from llmfw.core.ir.graph import MOE_OP_TABLE, OPS
+from llmfw.core.ir.graph import MOE_OP_TABLE, OPS, RECURRENT_OPS
 from llmfw.core.format.quants import dequantize_rows
 from llmfw.plugins.backends.torch.compiler import SplitCompiler
 from llmfw.plugins.backends.torch.environment import (
@@ -65,8 +65,9 @@ class TorchBackend(Backend):
     name: ClassVar[str] = "torch"
     pip_extra: ClassVar[str | None] = PIP_EXTRA
     #: the mixture-of-experts ops are not implemented here: an MoE model's expert layers cannot be placed on torch
-    #: (the scheduler names the op), numpy and onnx run them
-    supported_ops: ClassVar[frozenset[str]] = frozenset(OPS - {"input"} - MOE_OP_TABLE.keys())
+    #: (the scheduler names the op), numpy and onnx run them; no recurrent-layer kernels yet: those ops run on
+    #: the host backend (numpy)
+    supported_ops: ClassVar[frozenset[str]] = frozenset(OPS - {"input"} - MOE_OP_TABLE.keys() - RECURRENT_OPS)
     is_host: ClassVar[bool] = False
     requires: ClassVar[tuple[str, ...]] = ("torch",)
     #: the default only on a CUDA GPU: on a CPU, importing torch alone costs seconds and onnx decodes faster
