@@ -1,0 +1,9 @@
+#ifndef LLMFW_NATIVE_POOL_H
+#define LLMFW_NATIVE_POOL_H
+typedef struct nat_pool nat_pool;
+typedef void (*nat_task)(void *ctx, int ith, int nth);
+nat_pool *nat_pool_new(int n_threads);
+int nat_pool_threads(const nat_pool *pool);
+void nat_pool_run(nat_pool *pool, nat_task fn, void *ctx);
+void nat_pool_free(nat_pool *pool);
+#endif
