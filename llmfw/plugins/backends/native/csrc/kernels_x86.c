@@ -18,12 +18,6 @@ TARGET static inline __m256i load_codes(const nat_weight *w, const uint8_t *code
     return _mm256_shuffle_epi8(table, _mm256_set_m128i(high, low));
 }
 
-/* products of 4 consecutive elements summed into each int32 lane (lanes 0-3: elements 0-15, 4-7: 16-31) */
-TARGET static inline __m256i dot4(__m256i wq, __m256i aq) {
-    __m256i prod = _mm256_maddubs_epi16(_mm256_sign_epi8(wq, wq), _mm256_sign_epi8(aq, wq));
-    return _mm256_madd_epi16(prod, _mm256_set1_epi16(1));
-}
-
 /* per-row half sums of 8 rows' lane vectors: (i0 of rows 0-7, i1 of rows 0-7) */
 TARGET static inline void half_sums(const __m256i p[8], __m256i *i0, __m256i *i1) {
     __m256i q0 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
@@ -53,25 +47,44 @@ TARGET static inline void store_rows(float *y, int64_t n, int64_t i, int64_t g, 
     for (int r = 0; g * NAT_ROWS + r < n; r++) y[i * n + g * NAT_ROWS + r] = lanes[r];
 }
 
+/* activation rows per tile: their accumulators stay in L1 while a block's unpacked codes are reused by each */
+#define M_TILE 16
+
+TARGET static inline void store_tile(float *y, int64_t n, int64_t i0, int64_t rows, int64_t g, const __m256 *acc) {
+    for (int64_t t = 0; t < rows; t++) store_rows(y, n, i0 + t, g, acc[t]);
+}
+
 TARGET void nat_qgemm_avx2(const nat_weight *w, const nat_qact *a, int64_t m, float *y, int64_t g0, int64_t g1) {
     int64_t nb = w->n_cols / NAT_BLOCK, n = w->n_rows;
     size_t cb = nat_code_bytes(w), bb = nat_block_bytes(w);
     __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)w->table));
     for (int64_t g = g0; g < g1; g++) {
         const uint8_t *group = w->data + (size_t)g * nb * bb;
-        for (int64_t i = 0; i < m; i++) {
-            __m256 acc = _mm256_setzero_ps();
+        for (int64_t i0 = 0; i0 < m; i0 += M_TILE) {
+            int64_t rows = m - i0 < M_TILE ? m - i0 : M_TILE;
+            __m256 acc[M_TILE];
+            for (int t = 0; t < M_TILE; t++) acc[t] = _mm256_setzero_ps();
             for (int64_t b = 0; b < nb; b++) {
                 const uint8_t *blk = group + b * bb;
-                __m256i aq = _mm256_loadu_si256((const __m256i *)(a->q + i * w->n_cols + b * NAT_BLOCK));
-                __m256i p[NAT_ROWS], i0, i1;
-                for (int r = 0; r < NAT_ROWS; r++) p[r] = dot4(load_codes(w, blk + r * cb, table), aq);
-                half_sums(p, &i0, &i1);
-                const int32_t *sums = a->sums + (i * nb + b) * 2;
-                acc = combine(acc, nat_block_params(w, (const float *)(blk + NAT_ROWS * cb)), i0, i1, a->d[i * nb + b], (float)sums[0],
-                              (float)sums[1]);
+                __m256i codes[NAT_ROWS], magnitude[NAT_ROWS];  /* unpacked once, used by every activation row */
+                for (int r = 0; r < NAT_ROWS; r++) {
+                    codes[r] = load_codes(w, blk + r * cb, table);
+                    magnitude[r] = _mm256_sign_epi8(codes[r], codes[r]);
+                }
+                nat_params par = nat_block_params(w, (const float *)(blk + NAT_ROWS * cb));
+                for (int64_t t = 0; t < rows; t++) {
+                    int64_t i = i0 + t;
+                    __m256i aq = _mm256_loadu_si256((const __m256i *)(a->q + i * w->n_cols + b * NAT_BLOCK));
+                    __m256i p[NAT_ROWS], h0, h1;
+                    for (int r = 0; r < NAT_ROWS; r++)
+                        p[r] = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude[r], _mm256_sign_epi8(aq, codes[r])),
+                                                 _mm256_set1_epi16(1));
+                    half_sums(p, &h0, &h1);
+                    const int32_t *sums = a->sums + (i * nb + b) * 2;
+                    acc[t] = combine(acc[t], par, h0, h1, a->d[i * nb + b], (float)sums[0], (float)sums[1]);
+                }
             }
-            store_rows(y, n, i, g, acc);
+            store_tile(y, n, i0, rows, g, acc);
         }
     }
 }
@@ -129,30 +142,44 @@ TARGET void nat_fgemm_avx2(const nat_weight *w, const float *x, int64_t m, float
 /* ---- AVX-512 (F/BW/VL + VNNI): vpdpbusd for the integer products, 512-bit float lanes ---- */
 #define TARGET512 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
 
-TARGET512 static inline __m256i dot4_vnni(__m256i wq, __m256i aq) {
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(wq, wq), _mm256_sign_epi8(aq, wq));
-}
-
+/* The activation codes enter vpdpbusd as unsigned bytes a + 128 (one xor); the weight codes stay signed, and
+ * 128 * (sum of the weight codes) comes off again: the same exact integers as the AVX2 and scalar paths. */
 TARGET512 void nat_qgemm_avx512(const nat_weight *w, const nat_qact *a, int64_t m, float *y, int64_t g0,
                                 int64_t g1) {
     int64_t nb = w->n_cols / NAT_BLOCK, n = w->n_rows;
     size_t cb = nat_code_bytes(w), bb = nat_block_bytes(w);
     __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)w->table));
+    const __m256i bias = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi8(1);
     for (int64_t g = g0; g < g1; g++) {
         const uint8_t *group = w->data + (size_t)g * nb * bb;
-        for (int64_t i = 0; i < m; i++) {
-            __m256 acc = _mm256_setzero_ps();
+        for (int64_t i0 = 0; i0 < m; i0 += M_TILE) {
+            int64_t rows = m - i0 < M_TILE ? m - i0 : M_TILE;
+            __m256 acc[M_TILE];
+            for (int t = 0; t < M_TILE; t++) acc[t] = _mm256_setzero_ps();
             for (int64_t b = 0; b < nb; b++) {
                 const uint8_t *blk = group + b * bb;
-                __m256i aq = _mm256_loadu_si256((const __m256i *)(a->q + i * w->n_cols + b * NAT_BLOCK));
-                __m256i p[NAT_ROWS], i0, i1;
-                for (int r = 0; r < NAT_ROWS; r++) p[r] = dot4_vnni(load_codes(w, blk + r * cb, table), aq);
-                half_sums(p, &i0, &i1);
-                const int32_t *sums = a->sums + (i * nb + b) * 2;
-                acc = combine(acc, nat_block_params(w, (const float *)(blk + NAT_ROWS * cb)), i0, i1, a->d[i * nb + b], (float)sums[0],
-                              (float)sums[1]);
+                __m256i codes[NAT_ROWS], wsum[NAT_ROWS], w0, w1;
+                for (int r = 0; r < NAT_ROWS; r++) {
+                    codes[r] = load_codes(w, blk + r * cb, table);
+                    wsum[r] = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, codes[r]);
+                }
+                half_sums(wsum, &w0, &w1);
+                w0 = _mm256_slli_epi32(w0, 7);
+                w1 = _mm256_slli_epi32(w1, 7);
+                nat_params par = nat_block_params(w, (const float *)(blk + NAT_ROWS * cb));
+                for (int64_t t = 0; t < rows; t++) {
+                    int64_t i = i0 + t;
+                    __m256i au = _mm256_xor_si256(
+                        _mm256_loadu_si256((const __m256i *)(a->q + i * w->n_cols + b * NAT_BLOCK)), bias);
+                    __m256i p[NAT_ROWS], h0, h1;
+                    for (int r = 0; r < NAT_ROWS; r++) p[r] = _mm256_dpbusd_epi32(_mm256_setzero_si256(), au, codes[r]);
+                    half_sums(p, &h0, &h1);
+                    const int32_t *sums = a->sums + (i * nb + b) * 2;
+                    acc[t] = combine(acc[t], par, _mm256_sub_epi32(h0, w0), _mm256_sub_epi32(h1, w1),
+                                     a->d[i * nb + b], (float)sums[0], (float)sums[1]);
+                }
             }
-            store_rows(y, n, i, g, acc);
+            store_tile(y, n, i0, rows, g, acc);
         }
     }
 }
