@@ -4,17 +4,18 @@ compiler): the flat C program of every op is not built yet, so this backend is n
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Hashable, Literal, Mapping
 
 import numpy as np
 
-from llmfw.core.backend import BackendOptions, CompiledSplit, Split, WeightSource, release_freed_memory
+from llmfw.core.backend import Backend, BackendOptions, CompiledSplit, Split, WeightSource, release_freed_memory
 from llmfw.core.errors import BackendUnavailable, ModelError
 from llmfw.core.graph import Node
 from llmfw.core.quants import GGMLType
 from llmfw.plugins.backends.native import kernels
 from llmfw.plugins.backends.native.repack import ROWS, SUPPORTED_TYPES, PackedWeight, repack
+from llmfw.plugins.backends.numpy.blas import set_blas_threads
 from llmfw.plugins.backends.numpy.compiler import SplitCompiler, Step
 from llmfw.plugins.backends.numpy.runtime import NumpyBackend
 from llmfw.plugins.backends.numpy.weights import QuantizedTable, get_rows
@@ -114,7 +115,10 @@ class NativeBackend(NumpyBackend):
         return self._pool
 
     def set_n_threads(self, n_threads: int | None) -> None:
-        super().set_n_threads(n_threads)
+        """The pool's thread count. numpy's BLAS (the attention products this backend still leaves to numpy) runs
+        one thread: its threads spinning next to the pool's would take turns on the same cores."""
+        Backend.set_n_threads(self, n_threads)
+        set_blas_threads(1)
         if self._pool is not None and self._pool.n_threads != (n_threads or os.cpu_count() or 1):
             self._pool.close()
             self._pool = None
@@ -148,14 +152,29 @@ class NativeBackend(NumpyBackend):
         packed = [m.packed for m in members if isinstance(m, NativeMatrix)]
         if len({self.fusion_key(n) for n in parts}) != 1 or self.fusion_key(parts[0]) is None:
             return False
-        first = packed[0]
-        # the layout is row-group major, so stacking whole groups is stacking their bytes
+        # the layout is row-group major, so stacking whole groups is stacking their bytes; each part then becomes a
+        # view of its bytes in the fused copy, and its own copy is freed
         data = np.concatenate([p.data for p in packed])
-        fused = PackedWeight(first.kind, sum(p.n_rows for p in packed), first.n_cols, first.n_scales,
-                             first.has_offsets, first.table, data, first.ggml_type)
-        self.weights[name] = native_matrix(fused)
+        start = 0
+        for part_name, part in zip(parts, packed):
+            view = data[start:start + part.data.size]
+            start += part.data.size
+            self.weights[part_name] = native_matrix(replace(part, data=view))
+        self.weights[name] = native_matrix(replace(packed[0], n_rows=sum(p.n_rows for p in packed), data=data))
         release_freed_memory()
         return True
+
+    def weight_nbytes(self) -> int:
+        """The numpy arrays (norm weights, lookup tables) plus each buffer of repacked matrices once (a fused
+        matrix and its parts' views share one)."""
+        buffers = {}
+        for handle in self.weights.values():
+            if isinstance(handle, NativeMatrix):
+                owner = handle.packed.data
+                while isinstance(owner.base, np.ndarray):
+                    owner = owner.base
+                buffers[id(owner)] = int(owner.nbytes)
+        return super().weight_nbytes() + sum(buffers.values())
 
     def free_weights(self) -> None:
         super().free_weights()

@@ -2,18 +2,21 @@
  * caller is thread 0) and returns when all finished. Workers spin a while for the next job, then sleep on a
  * condition variable, so back-to-back ops of one token do not pay a wake-up each. */
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 
 #include "pool.h"
 
-#define SPIN_ROUNDS 20000
+#define SPIN_ROUNDS 4000
+#define YIELD_EVERY 64  /* an oversubscribed CPU: let the thread we wait for run */
 
 struct nat_pool {
     int n_threads;
     pthread_t *threads;
     pthread_mutex_t mutex;
     pthread_cond_t wake;
+    pthread_cond_t done;
     atomic_uint generation;   /* bumped per job */
     atomic_int pending;       /* workers still running the current job */
     atomic_int stop;
@@ -31,7 +34,10 @@ static void *worker_main(void *raw) {
     for (;;) {
         int spins = 0;
         while (atomic_load(&pool->generation) == seen && !atomic_load(&pool->stop)) {
-            if (++spins < SPIN_ROUNDS) continue;
+            if (++spins < SPIN_ROUNDS) {
+                if (spins % YIELD_EVERY == 0) sched_yield();
+                continue;
+            }
             pthread_mutex_lock(&pool->mutex);
             while (atomic_load(&pool->generation) == seen && !atomic_load(&pool->stop))
                 pthread_cond_wait(&pool->wake, &pool->mutex);
@@ -40,7 +46,11 @@ static void *worker_main(void *raw) {
         if (atomic_load(&pool->stop)) return NULL;
         seen = atomic_load(&pool->generation);
         pool->fn(pool->ctx, arg.ith, pool->n_threads);
-        atomic_fetch_sub(&pool->pending, 1);
+        if (atomic_fetch_sub(&pool->pending, 1) == 1) {  /* the last one: wake the caller if it sleeps */
+            pthread_mutex_lock(&pool->mutex);
+            pthread_cond_signal(&pool->done);
+            pthread_mutex_unlock(&pool->mutex);
+        }
     }
 }
 
@@ -51,6 +61,7 @@ nat_pool *nat_pool_new(int n_threads) {
     pool->n_threads = n_threads;
     pthread_mutex_init(&pool->mutex, NULL);
     pthread_cond_init(&pool->wake, NULL);
+    pthread_cond_init(&pool->done, NULL);
     pool->threads = calloc((size_t)n_threads, sizeof(pthread_t));
     if (!pool->threads) { free(pool); return NULL; }
     for (int i = 1; i < n_threads; i++) {
@@ -77,9 +88,11 @@ void nat_pool_run(nat_pool *pool, nat_task fn, void *ctx) {
     pthread_cond_broadcast(&pool->wake);
     pthread_mutex_unlock(&pool->mutex);
     fn(ctx, 0, pool->n_threads);
-    while (atomic_load(&pool->pending) > 0) {
-        /* the workers finish within one op: spinning here is the short wait */
-    }
+    for (int spins = 1; atomic_load(&pool->pending) > 0 && spins < SPIN_ROUNDS; spins++)
+        if (spins % YIELD_EVERY == 0) sched_yield();
+    pthread_mutex_lock(&pool->mutex);
+    while (atomic_load(&pool->pending) > 0) pthread_cond_wait(&pool->done, &pool->mutex);
+    pthread_mutex_unlock(&pool->mutex);
 }
 
 void nat_pool_free(nat_pool *pool) {
@@ -91,6 +104,7 @@ void nat_pool_free(nat_pool *pool) {
     for (int i = 1; i < pool->n_threads; i++) pthread_join(pool->threads[i], NULL);
     pthread_mutex_destroy(&pool->mutex);
     pthread_cond_destroy(&pool->wake);
+    pthread_cond_destroy(&pool->done);
     free(pool->threads);
     free(pool);
 }

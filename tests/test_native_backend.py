@@ -1,0 +1,98 @@
+"""The native backend on the real models: llama.cpp's reference prompts within the bar, greedy tokens equal to
+llama.cpp's up to its first close call, the tg path (one token per decode), and the kernels' construction
+property on a whole model (every ISA path gives the same logits, bit for bit)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import llmfw
+from llmfw.core.backend import WeightSource
+from llmfw.core.errors import ModelError
+from llmfw.core.quants import GGMLType
+
+from native_support import kernels_or_skip
+from test_onnx_reference import assert_within_bar, teacher_forced_logits
+
+kernels_or_skip()
+SHORT = 1000  # the reference files' long prompts (2,700 tokens) are for the slow suites
+
+
+@pytest.fixture(scope="module")
+def smollm2_native(smollm2_path):
+    model = llmfw.load_model(smollm2_path, backend="native")
+    yield model
+    model.close()
+
+
+@pytest.fixture(scope="module")
+def gemma3_native(gemma3_path):
+    model = llmfw.load_model(gemma3_path, backend="native")
+    yield model
+    model.close()
+
+
+def check_prompts(model, ref: dict, score, confident_prefix) -> None:
+    for index, record in enumerate(ref["prompts"]):
+        if len(record["sequence"]) > SHORT:
+            continue
+        logits = teacher_forced_logits(model, record["sequence"])
+        assert_within_bar(score(record, logits), f"prompt {index}")
+        start, n_sure = len(record["prompt_ids"]) - 1, confident_prefix(record)
+        greedy = logits[start:start + n_sure].argmax(axis=-1).tolist()
+        assert greedy == record["sequence"][start + 1:start + 1 + n_sure], f"prompt {index}: greedy tokens"
+
+
+def test_smollm2_prompts_within_bar_and_greedy_as_llama_cpp(smollm2_native, smollm2_ref, score, confident_prefix):
+    check_prompts(smollm2_native, smollm2_ref, score, confident_prefix)
+
+
+def test_gemma3_prompts_within_bar_and_greedy_as_llama_cpp(gemma3_native, gemma3_ref, score, confident_prefix):
+    check_prompts(gemma3_native, gemma3_ref, score, confident_prefix)
+
+
+def test_smollm2_token_by_token_decode_within_bar(smollm2_native, smollm2_ref, score):
+    record = smollm2_ref["prompts"][0]
+    prompt, sequence = record["prompt_ids"], record["sequence"]
+    ctx = smollm2_native.new_context(n_ctx=512)
+    assert ctx.decode(llmfw.Batch(tokens=prompt, logits=True)) == 0
+    rows = [ctx.get_logits()]
+    for token in sequence[len(prompt):]:
+        assert ctx.decode(llmfw.Batch(tokens=[token])) == 0
+        rows.append(ctx.get_logits_ith(-1)[None, :])
+    ctx.close()
+    assert_within_bar(score(record, np.concatenate(rows)), "token by token")
+
+
+def test_every_isa_path_gives_the_same_logits(smollm2_path, smollm2_ref):
+    """The kernels' paths differ in instructions, never in results (csrc/native.h), so forcing the portable C
+    path changes no bit of a model's logits."""
+    tokens = smollm2_ref["prompts"][2]["prompt_ids"][:12]
+    logits = {}
+    for isa in kernels_or_skip().available_isas():
+        model = llmfw.load_model(smollm2_path, backend="native", backend_options={"native": {"isa": isa}})
+        assert model.backends["native"].isa == isa
+        ctx = model.new_context(n_ctx=64)
+        assert ctx.decode(llmfw.Batch(tokens=tokens, logits=True)) == 0
+        logits[isa] = ctx.get_logits().copy()
+        model.close()
+    for isa, values in logits.items():
+        assert np.array_equal(values, logits["scalar"]), isa
+
+
+def test_a_weight_type_without_a_kernel_is_declined_with_the_reason():
+    from llmfw.plugins.backends.native import NativeBackend
+
+    backend = NativeBackend()
+    source = WeightSource("blk.0.ffn_up.weight", "blk.0.ffn_up.weight", int(GGMLType.IQ2_XXS), (256, 4),
+                          np.zeros(4 * 66, dtype=np.uint8), frozenset({"mul_mat"}))
+    with pytest.raises(ModelError, match="no kernel for IQ2_XXS weights"):
+        backend.load_weight(source)
+
+
+def test_weights_are_counted_in_their_repacked_size(smollm2_native):
+    backend = smollm2_native.backends["native"]
+    # the matrices as loaded (a fused matrix "a+b+c" shares its parts' bytes: counted once)
+    packed = sum(h.packed.nbytes for name, h in backend.weights.items() if hasattr(h, "packed") and "+" not in name)
+    assert packed > 50 * 2**20  # SmolLM2-135M's matrices, 4-8 bits a weight
+    assert packed <= backend.weight_nbytes() < 2 * packed
