@@ -9,10 +9,8 @@ import pytest
 
 from llmfw.core.quants import TYPE_INFO, GGMLType, quantize
 
-#: byte offsets of each block type's f16 scale fields (a random byte there could be any f16, NaN included)
-F16_FIELDS = {GGMLType.Q4_0: (0,), GGMLType.Q4_1: (0, 2), GGMLType.Q5_0: (0,), GGMLType.Q5_1: (0, 2),
-              GGMLType.Q8_0: (0,), GGMLType.Q2_K: (80, 82), GGMLType.Q3_K: (108,), GGMLType.Q4_K: (0, 2),
-              GGMLType.Q5_K: (0, 2), GGMLType.Q6_K: (208,)}
+from test_quants import F16_FIELDS  # byte offsets of each block type's f16 scale fields
+
 BLOCK_TYPES = tuple(F16_FIELDS)
 FLOAT_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)
 

@@ -11,8 +11,8 @@ from typing import Callable
 import numpy as np
 
 from llmfw.core.errors import QuantError
-from llmfw.core.quants import (GGMLType, _f16_at, _five_bit_quants, _k4_scales_mins, _q3_k_scales, _unpack_fields,
-                               block_view)
+from llmfw.core.quants import (IQ4_LEVELS, GGMLType, _f16_at, _five_bit_quants, _k4_scales_mins, _q3_k_scales,
+                               _unpack_fields, block_view, iq4_xs_scales)
 
 ROWS = 8  # NAT_ROWS
 BLOCK = 32  # NAT_BLOCK
@@ -137,6 +137,18 @@ def _q6_k(blocks: np.ndarray) -> Codes:
     return Codes(q.reshape(rows, -1), _per_half(dl.reshape(rows, -1), nb * 256), None)
 
 
+def _iq4_nl(blocks: np.ndarray) -> Codes:
+    flat, rows, nb = _flat(blocks)
+    return Codes(_unpack_fields(flat[:, 2:], 4, 16).reshape(rows, -1), _f16_at(flat, 0).reshape(rows, nb, 1), None)
+
+
+def _iq4_xs(blocks: np.ndarray) -> Codes:
+    flat, rows, nb = _flat(blocks)
+    dl = _f16_at(flat, 0) * iq4_xs_scales(flat).astype(np.float32)
+    codes = _unpack_fields(flat[:, 8:].reshape(-1, 16), 4, 16).reshape(rows, -1)
+    return Codes(codes, _per_half(dl.reshape(rows, -1), nb * 256), None)
+
+
 LAYOUTS: dict[GGMLType, Layout] = {
     GGMLType.Q4_0: Layout(KIND_QNIB, 1, False, _IDENTITY - np.int8(8), _q4_0),
     GGMLType.Q4_1: Layout(KIND_QNIB, 1, True, _IDENTITY, _q4_1),
@@ -148,6 +160,8 @@ LAYOUTS: dict[GGMLType, Layout] = {
     GGMLType.Q4_K: Layout(KIND_QNIB, 1, True, _IDENTITY, _q4_k),
     GGMLType.Q5_K: Layout(KIND_QBYTE, 1, True, _IDENTITY, _q5_k),
     GGMLType.Q6_K: Layout(KIND_QBYTE, 2, False, _IDENTITY, _q6_k),
+    GGMLType.IQ4_NL: Layout(KIND_QNIB, 1, False, IQ4_LEVELS, _iq4_nl),
+    GGMLType.IQ4_XS: Layout(KIND_QNIB, 1, False, IQ4_LEVELS, _iq4_xs),
 }
 
 #: every GGML type the native matmul takes
