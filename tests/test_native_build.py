@@ -41,6 +41,17 @@ def test_a_build_with_the_compiler_makes_a_loadable_extension(tmp_path):
     assert lib.nat_cpu_isas() & 1  # the scalar path is always there
 
 
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler on this machine")
+def test_the_scalar_only_build_of_other_architectures_runs_only_the_scalar_path(tmp_path):
+    """What setup.py builds on aarch64 (LLMFW_NATIVE_SCALAR_ONLY), compiled here: the x86 kernels are left out."""
+    result = build_ext(tmp_path, CFLAGS="-DLLMFW_NATIVE_SCALAR_ONLY")
+    assert result.returncode == 0, result.stderr
+    (extension,) = built_extensions(tmp_path)
+    lib = ctypes.CDLL(str(extension))
+    assert lib.nat_cpu_isas() == 1
+    assert not hasattr(lib, "nat_qgemm_avx2")
+
+
 def test_without_the_extension_the_backend_is_unavailable_with_the_reason(tmp_path):
     """A copy of the package without the built extension (what an install without a compiler leaves)."""
     shutil.copytree(ROOT / "llmfw", tmp_path / "llmfw", ignore=shutil.ignore_patterns("*.so", "__pycache__"))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import importlib.util
+import os
 from typing import Any
 
 import numpy as np
@@ -18,6 +19,9 @@ from llmfw.plugins.backends.native.repack import BLOCK, KIND_QBYTE, KIND_QNIB, P
 
 EXTENSION = "llmfw.plugins.backends.native._native"
 ABI_VERSION = 1
+#: the path of a build of the extension to load instead of the installed one (the sanitizer run,
+#: benchmarks/native_sanitizers.sh)
+LIBRARY_VARIABLE = "LLMFW_NATIVE_LIBRARY"
 #: what to do when the extension is missing
 BUILD_HINT = "its C extension is not built: install gcc and the Python headers, then reinstall llmfw (pip install -e .)"
 ISAS = ("scalar", "avx2", "avx512")  # the index is enum nat_isa
@@ -40,14 +44,25 @@ class NativeError(LLMFWError):
 @functools.lru_cache(maxsize=1)
 def load_library() -> Any:
     """The extension as a ctypes library with typed functions (BackendUnavailable when it is not built)."""
+    override = os.environ.get(LIBRARY_VARIABLE)
+    if override:
+        return _typed(_open(override))
     spec = importlib.util.find_spec(EXTENSION)
     if spec is None or not spec.origin:
         raise BackendUnavailable(f"native backend: {BUILD_HINT} (the install found no working C compiler, or the "
                                  "build failed)")
+    return _typed(_open(spec.origin))
+
+
+def _open(path: str) -> Any:
     try:
-        lib = ctypes.CDLL(spec.origin)
+        return ctypes.CDLL(path)
     except OSError as exc:
         raise BackendUnavailable(f"the native backend's C extension cannot be loaded: {exc}") from None
+
+
+def _typed(lib: Any) -> Any:
+    """``lib`` with the argument and result types of the functions this module calls."""
     lib.nat_abi_version.restype = ctypes.c_int
     if lib.nat_abi_version() != ABI_VERSION:
         raise BackendUnavailable("the native backend's C extension is stale (ABI version "

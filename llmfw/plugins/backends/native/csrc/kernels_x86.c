@@ -54,39 +54,51 @@ TARGET static inline void store_tile(float *y, int64_t n, int64_t i0, int64_t ro
     for (int64_t t = 0; t < rows; t++) store_rows(y, n, i0 + t, g, acc[t]);
 }
 
-TARGET void nat_qgemm_avx2(const nat_weight *w, const nat_qact *a, int64_t m, float *y, int64_t g0, int64_t g1) {
-    int64_t nb = w->n_cols / NAT_BLOCK, n = w->n_rows;
-    size_t cb = nat_code_bytes(w), bb = nat_block_bytes(w);
-    __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)w->table));
-    for (int64_t g = g0; g < g1; g++) {
-        const uint8_t *group = w->data + (size_t)g * nb * bb;
-        for (int64_t i0 = 0; i0 < m; i0 += M_TILE) {
-            int64_t rows = m - i0 < M_TILE ? m - i0 : M_TILE;
-            __m256 acc[M_TILE];
-            for (int t = 0; t < M_TILE; t++) acc[t] = _mm256_setzero_ps();
-            for (int64_t b = 0; b < nb; b++) {
-                const uint8_t *blk = group + b * bb;
-                __m256i codes[NAT_ROWS], magnitude[NAT_ROWS];  /* unpacked once, used by every activation row */
-                for (int r = 0; r < NAT_ROWS; r++) {
-                    codes[r] = load_codes(w, blk + r * cb, table);
-                    magnitude[r] = _mm256_sign_epi8(codes[r], codes[r]);
-                }
-                nat_params par = nat_block_params(w, (const float *)(blk + NAT_ROWS * cb));
-                for (int64_t t = 0; t < rows; t++) {
-                    int64_t i = i0 + t;
-                    __m256i aq = _mm256_loadu_si256((const __m256i *)(a->q + i * w->n_cols + b * NAT_BLOCK));
-                    __m256i p[NAT_ROWS], h0, h1;
-                    for (int r = 0; r < NAT_ROWS; r++)
-                        p[r] = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude[r], _mm256_sign_epi8(aq, codes[r])),
-                                                 _mm256_set1_epi16(1));
-                    half_sums(p, &h0, &h1);
-                    const int32_t *sums = a->sums + (i * nb + b) * 2;
-                    acc[t] = combine(acc[t], par, h0, h1, a->d[i * nb + b], (float)sums[0], (float)sums[1]);
-                }
-            }
-            store_tile(y, n, i0, rows, g, acc);
-        }
+/* The tiled quantized matmul of both x86 paths: per row group, per tile of M_TILE activation rows, per block, the
+ * 8 rows' codes are unpacked once (with AUX, what the ISA's dot product needs per row, and FIX0/FIX1, a per-block
+ * correction of the half sums) and reused by every activation row of the tile. ACT prepares an activation block,
+ * DOT(act, r) gives row r's int32 lane vector. Exact integers throughout: only the instructions differ. */
+#define QGEMM_TILED(ROW_PREP, BLOCK_PREP, ACT, DOT)                                                                \
+    int64_t nb = w->n_cols / NAT_BLOCK, n = w->n_rows;                                                             \
+    size_t cb = nat_code_bytes(w), bb = nat_block_bytes(w);                                                        \
+    __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)w->table));                       \
+    for (int64_t g = g0; g < g1; g++) {                                                                            \
+        const uint8_t *group = w->data + (size_t)g * nb * bb;                                                      \
+        for (int64_t i0 = 0; i0 < m; i0 += M_TILE) {                                                               \
+            int64_t rows = m - i0 < M_TILE ? m - i0 : M_TILE;                                                      \
+            __m256 acc[M_TILE];                                                                                    \
+            for (int t = 0; t < M_TILE; t++) acc[t] = _mm256_setzero_ps();                                         \
+            for (int64_t b = 0; b < nb; b++) {                                                                     \
+                const uint8_t *blk = group + b * bb;                                                               \
+                __m256i codes[NAT_ROWS], aux[NAT_ROWS], fix0 = _mm256_setzero_si256(), fix1 = fix0;                \
+                for (int r = 0; r < NAT_ROWS; r++) {                                                               \
+                    codes[r] = load_codes(w, blk + r * cb, table);                                                 \
+                    ROW_PREP;                                                                                      \
+                }                                                                                                  \
+                BLOCK_PREP;                                                                                        \
+                nat_params par = nat_block_params(w, (const float *)(blk + NAT_ROWS * cb));                        \
+                for (int64_t t = 0; t < rows; t++) {                                                               \
+                    int64_t i = i0 + t;                                                                            \
+                    __m256i act = ACT(_mm256_loadu_si256((const __m256i *)(a->q + i * w->n_cols + b * NAT_BLOCK))); \
+                    __m256i p[NAT_ROWS], h0, h1;                                                                   \
+                    for (int r = 0; r < NAT_ROWS; r++) p[r] = DOT(act, r);                                         \
+                    half_sums(p, &h0, &h1);                                                                        \
+                    const int32_t *sums = a->sums + (i * nb + b) * 2;                                              \
+                    acc[t] = combine(acc[t], par, _mm256_sub_epi32(h0, fix0), _mm256_sub_epi32(h1, fix1),          \
+                                     a->d[i * nb + b], (float)sums[0], (float)sums[1]);                            \
+                }                                                                                                  \
+            }                                                                                                      \
+            store_tile(y, n, i0, rows, g, acc);                                                                    \
+        }                                                                                                          \
     }
+
+/* AVX2: vpmaddubsw takes |w| (unsigned) and a with w's sign; aux = |w| */
+#define AVX2_ACT(v) (v)
+#define AVX2_DOT(act, r) \
+    _mm256_madd_epi16(_mm256_maddubs_epi16(aux[r], _mm256_sign_epi8(act, codes[r])), _mm256_set1_epi16(1))
+
+TARGET void nat_qgemm_avx2(const nat_weight *w, const nat_qact *a, int64_t m, float *y, int64_t g0, int64_t g1) {
+    QGEMM_TILED(aux[r] = _mm256_sign_epi8(codes[r], codes[r]), (void)0, AVX2_ACT, AVX2_DOT)
 }
 
 /* 8 weights from element j of a row as float (zero past n_cols) */
@@ -119,95 +131,74 @@ TARGET static inline __m256 load_x8(const float *x, int64_t j, int64_t k) {
 
 float nat_reduce16(float *lanes);
 
-TARGET void nat_fgemm_avx2(const nat_weight *w, const float *x, int64_t m, float *y, int64_t r0, int64_t r1) {
-    int64_t k = w->n_cols, n = w->n_rows;
-    size_t esize = w->kind == NAT_F32 ? 4 : 2;
-    for (int64_t r = r0; r < r1; r++) {
-        const uint8_t *row = w->data + (size_t)r * k * esize;
-        for (int64_t i = 0; i < m; i++) {
-            const float *xi = x + i * k;
-            __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
-            for (int64_t j = 0; j < k; j += 16) {
-                lo = _mm256_add_ps(lo, _mm256_mul_ps(load_x8(xi, j, k), load_weights8(w, row, j, k)));
-                hi = _mm256_add_ps(hi, _mm256_mul_ps(load_x8(xi, j + 8, k), load_weights8(w, row, j + 8, k)));
-            }
-            float lanes[16];
-            _mm256_storeu_ps(lanes, lo);
-            _mm256_storeu_ps(lanes + 8, hi);
-            y[i * n + r] = nat_reduce16(lanes);
-        }
+/* The float-weight matmul of both x86 paths: LANES(w, x_row, w_row, k, lanes) leaves the 16 canonical partial sums
+ * (native.h) of one row pair in lanes. */
+#define FGEMM_ROWS(LANES)                                                   \
+    int64_t k = w->n_cols, n = w->n_rows;                                   \
+    size_t esize = w->kind == NAT_F32 ? 4 : 2;                              \
+    for (int64_t r = r0; r < r1; r++) {                                     \
+        const uint8_t *row = w->data + (size_t)r * k * esize;               \
+        for (int64_t i = 0; i < m; i++) {                                   \
+            float lanes[16];                                                \
+            LANES(w, x + i * k, row, k, lanes);                             \
+            y[i * n + r] = nat_reduce16(lanes);                             \
+        }                                                                   \
     }
+
+TARGET static inline void avx2_lanes(const nat_weight *w, const float *xi, const uint8_t *row, int64_t k,
+                                     float *lanes) {
+    __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+    for (int64_t j = 0; j < k; j += 16) {
+        lo = _mm256_add_ps(lo, _mm256_mul_ps(load_x8(xi, j, k), load_weights8(w, row, j, k)));
+        hi = _mm256_add_ps(hi, _mm256_mul_ps(load_x8(xi, j + 8, k), load_weights8(w, row, j + 8, k)));
+    }
+    _mm256_storeu_ps(lanes, lo);
+    _mm256_storeu_ps(lanes + 8, hi);
+}
+
+TARGET void nat_fgemm_avx2(const nat_weight *w, const float *x, int64_t m, float *y, int64_t r0, int64_t r1) {
+    FGEMM_ROWS(avx2_lanes)
 }
 
 /* ---- AVX-512 (F/BW/VL + VNNI): vpdpbusd for the integer products, 512-bit float lanes ---- */
 #define TARGET512 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
 
 /* The activation codes enter vpdpbusd as unsigned bytes a + 128 (one xor); the weight codes stay signed, and
- * 128 * (sum of the weight codes) comes off again: the same exact integers as the AVX2 and scalar paths. */
+ * 128 * (sum of the weight codes) comes off again (aux: the code sums, fix: their half sums times 128). */
+#define VNNI_ACT(v) _mm256_xor_si256((v), _mm256_set1_epi8((char)0x80))
+#define VNNI_DOT(act, r) _mm256_dpbusd_epi32(_mm256_setzero_si256(), act, codes[r])
+#define VNNI_FIX                                       \
+    do {                                               \
+        half_sums(aux, &fix0, &fix1);                  \
+        fix0 = _mm256_slli_epi32(fix0, 7);             \
+        fix1 = _mm256_slli_epi32(fix1, 7);             \
+    } while (0)
+
 TARGET512 void nat_qgemm_avx512(const nat_weight *w, const nat_qact *a, int64_t m, float *y, int64_t g0,
                                 int64_t g1) {
-    int64_t nb = w->n_cols / NAT_BLOCK, n = w->n_rows;
-    size_t cb = nat_code_bytes(w), bb = nat_block_bytes(w);
-    __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)w->table));
-    const __m256i bias = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi8(1);
-    for (int64_t g = g0; g < g1; g++) {
-        const uint8_t *group = w->data + (size_t)g * nb * bb;
-        for (int64_t i0 = 0; i0 < m; i0 += M_TILE) {
-            int64_t rows = m - i0 < M_TILE ? m - i0 : M_TILE;
-            __m256 acc[M_TILE];
-            for (int t = 0; t < M_TILE; t++) acc[t] = _mm256_setzero_ps();
-            for (int64_t b = 0; b < nb; b++) {
-                const uint8_t *blk = group + b * bb;
-                __m256i codes[NAT_ROWS], wsum[NAT_ROWS], w0, w1;
-                for (int r = 0; r < NAT_ROWS; r++) {
-                    codes[r] = load_codes(w, blk + r * cb, table);
-                    wsum[r] = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, codes[r]);
-                }
-                half_sums(wsum, &w0, &w1);
-                w0 = _mm256_slli_epi32(w0, 7);
-                w1 = _mm256_slli_epi32(w1, 7);
-                nat_params par = nat_block_params(w, (const float *)(blk + NAT_ROWS * cb));
-                for (int64_t t = 0; t < rows; t++) {
-                    int64_t i = i0 + t;
-                    __m256i au = _mm256_xor_si256(
-                        _mm256_loadu_si256((const __m256i *)(a->q + i * w->n_cols + b * NAT_BLOCK)), bias);
-                    __m256i p[NAT_ROWS], h0, h1;
-                    for (int r = 0; r < NAT_ROWS; r++) p[r] = _mm256_dpbusd_epi32(_mm256_setzero_si256(), au, codes[r]);
-                    half_sums(p, &h0, &h1);
-                    const int32_t *sums = a->sums + (i * nb + b) * 2;
-                    acc[t] = combine(acc[t], par, _mm256_sub_epi32(h0, w0), _mm256_sub_epi32(h1, w1),
-                                     a->d[i * nb + b], (float)sums[0], (float)sums[1]);
-                }
-            }
-            store_tile(y, n, i0, rows, g, acc);
+    QGEMM_TILED(aux[r] = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8(1), codes[r]), VNNI_FIX,
+                VNNI_ACT, VNNI_DOT)
+}
+
+TARGET512 static inline void avx512_lanes(const nat_weight *w, const float *xi, const uint8_t *row, int64_t k,
+                                         float *lanes) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t j = 0; j < k; j += 16) {
+        __mmask16 keep = j + 16 <= k ? (__mmask16)0xffff : (__mmask16)((1u << (k - j)) - 1);
+        __m512 xv = _mm512_maskz_loadu_ps(keep, xi + j), wv;
+        if (w->kind == NAT_F32) {
+            wv = _mm512_maskz_loadu_ps(keep, row + 4 * j);
+        } else {
+            __m256i h = _mm256_maskz_loadu_epi16(keep, row + 2 * j);
+            wv = w->kind == NAT_F16 ? _mm512_cvtph_ps(h)
+                                    : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
         }
+        acc = _mm512_add_ps(acc, _mm512_mul_ps(xv, wv));
     }
+    _mm512_storeu_ps(lanes, acc);
 }
 
 TARGET512 void nat_fgemm_avx512(const nat_weight *w, const float *x, int64_t m, float *y, int64_t r0, int64_t r1) {
-    int64_t k = w->n_cols, n = w->n_rows;
-    size_t esize = w->kind == NAT_F32 ? 4 : 2;
-    for (int64_t r = r0; r < r1; r++) {
-        const uint8_t *row = w->data + (size_t)r * k * esize;
-        for (int64_t i = 0; i < m; i++) {
-            const float *xi = x + i * k;
-            __m512 acc = _mm512_setzero_ps();
-            for (int64_t j = 0; j < k; j += 16) {
-                __mmask16 keep = j + 16 <= k ? (__mmask16)0xffff : (__mmask16)((1u << (k - j)) - 1);
-                __m512 xv = _mm512_maskz_loadu_ps(keep, xi + j), wv;
-                if (w->kind == NAT_F32) {
-                    wv = _mm512_maskz_loadu_ps(keep, row + 4 * j);
-                } else {
-                    __m256i h = _mm256_maskz_loadu_epi16(keep, row + 2 * j);
-                    wv = w->kind == NAT_F16 ? _mm512_cvtph_ps(h)
-                                            : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-                }
-                acc = _mm512_add_ps(acc, _mm512_mul_ps(xv, wv));
-            }
-            float lanes[16];
-            _mm512_storeu_ps(lanes, acc);
-            y[i * n + r] = nat_reduce16(lanes);
-        }
-    }
+    FGEMM_ROWS(avx512_lanes)
 }
 #endif

@@ -25,22 +25,16 @@ int nat_cpu_isas(void) {
 
 int nat_abi_version(void) { return 1; }
 
-static nat_qgemm_fn qgemm_for(int isa) {
-#ifdef NAT_HAVE_X86
-    if (isa == NAT_ISA_AVX512) return nat_qgemm_avx512;
-    if (isa == NAT_ISA_AVX2) return nat_qgemm_avx2;
-#endif
-    (void)isa;
-    return nat_qgemm_scalar;
-}
+/* the kernels of each ISA path, by enum nat_isa (a path not compiled in falls back to the scalar one) */
+typedef struct { nat_qgemm_fn qgemm; nat_fgemm_fn fgemm; } isa_kernels;
 
-static nat_fgemm_fn fgemm_for(int isa) {
+static isa_kernels kernels_for(int isa) {
 #ifdef NAT_HAVE_X86
-    if (isa == NAT_ISA_AVX512) return nat_fgemm_avx512;
-    if (isa == NAT_ISA_AVX2) return nat_fgemm_avx2;
+    if (isa == NAT_ISA_AVX512) return (isa_kernels){nat_qgemm_avx512, nat_fgemm_avx512};
+    if (isa == NAT_ISA_AVX2) return (isa_kernels){nat_qgemm_avx2, nat_fgemm_avx2};
 #endif
     (void)isa;
-    return nat_fgemm_scalar;
+    return (isa_kernels){nat_qgemm_scalar, nat_fgemm_scalar};
 }
 
 typedef struct {
@@ -83,7 +77,8 @@ static void fgemm_task(void *raw, int ith, int nth) {
 /* y[m, n_rows] = x[m, n_cols] @ w^T. Returns 0, or -1 when the activation buffers cannot be allocated, -2 for a
  * weight the kernels do not know (the Python side validated shapes and sizes before). */
 int nat_mul_mat(nat_pool *pool, int isa, const nat_weight *w, const float *x, int64_t m, float *y) {
-    mul_mat_job job = {w, x, m, y, {NULL, NULL, NULL}, qgemm_for(isa), fgemm_for(isa)};
+    isa_kernels paths = kernels_for(isa);
+    mul_mat_job job = {w, x, m, y, {NULL, NULL, NULL}, paths.qgemm, paths.fgemm};
     if (w->kind == NAT_F32 || w->kind == NAT_F16 || w->kind == NAT_BF16) {
         nat_pool_run(pool, fgemm_task, &job);
         return 0;
@@ -105,7 +100,7 @@ int nat_mul_mat(nat_pool *pool, int isa, const nat_weight *w, const float *x, in
     return status;
 }
 
-static struct PyModuleDef native_module = {PyModuleDef_HEAD_INIT, "_native",
-                                           "llmfw native kernels (called through ctypes)", -1, NULL};
+static struct PyModuleDef native_module = {PyModuleDef_HEAD_INIT, .m_name = "_native",
+                                           .m_doc = "llmfw native kernels (called through ctypes)", .m_size = -1};
 
 PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&native_module); }
