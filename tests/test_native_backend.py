@@ -64,6 +64,35 @@ def test_smollm2_token_by_token_decode_within_bar(smollm2_native, smollm2_ref, s
     assert_within_bar(score(record, np.concatenate(rows)), "token by token")
 
 
+@pytest.mark.parametrize("which", ["smollm2", "gemma3"])
+def test_a_sequence_gives_the_same_logits_bit_for_bit_alone_token_by_token_and_beside_another(which, smollm2_native,
+                                                                                              gemma3_native):
+    """Batch invariance on a whole model: the native ops compute each row alone in a fixed order (the numpy ops
+    this backend still uses are elementwise), so neither the batch, nor its neighbours, nor the thread count
+    changes a bit of a sequence's logits."""
+    model = smollm2_native if which == "smollm2" else gemma3_native
+    rng = np.random.default_rng(0)
+    tokens = [int(t) for t in rng.integers(100, 5000, 20)]
+    other = [int(t) for t in rng.integers(100, 5000, 9)]
+
+    def decode(batches, n_threads=2):
+        ctx = model.new_context(n_ctx=256, n_seq_max=2, n_threads=n_threads)
+        rows = []
+        for batch, keep in batches:
+            assert ctx.decode(batch) == 0
+            rows.append(ctx.get_logits()[keep].copy())
+        ctx.close()
+        return np.concatenate(rows)
+
+    together = decode([(llmfw.Batch(tokens=tokens, logits=True), slice(None))])
+    one_by_one = decode([(llmfw.Batch(tokens=[t], logits=True), slice(None)) for t in tokens], n_threads=1)
+    beside = decode([(llmfw.Batch(tokens=other + tokens, seq_id=[1] * len(other) + [0] * len(tokens),
+                                  pos=list(range(len(other))) + list(range(len(tokens))), logits=True),
+                      slice(len(other), None))], n_threads=3)
+    assert np.array_equal(one_by_one, together)
+    assert np.array_equal(beside, together)
+
+
 def test_every_isa_path_gives_the_same_logits(smollm2_path, smollm2_ref):
     """The kernels' paths differ in instructions, never in results (csrc/native.h), so forcing the portable C
     path changes no bit of a model's logits."""

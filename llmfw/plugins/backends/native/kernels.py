@@ -72,6 +72,11 @@ def _typed(lib: Any) -> Any:
     lib.nat_pool_new.argtypes = [ctypes.c_int]
     lib.nat_pool_free.argtypes = [ctypes.c_void_p]
     lib.nat_pool_free.restype = None
+    lib.nat_rms_norm.restype = None
+    lib.nat_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                 ctypes.c_int64, ctypes.c_float]
+    lib.nat_attention.restype = ctypes.c_int
+    lib.nat_attention.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float] * 2
     lib.nat_mul_mat.restype = ctypes.c_int
     lib.nat_mul_mat.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(NatWeight), ctypes.c_void_p,
                                 ctypes.c_int64, ctypes.c_void_p]
@@ -140,3 +145,45 @@ def mul_mat(weight: PackedWeight, x: np.ndarray, pool: ThreadPool, isa: str,
         if status != 0:
             raise NativeError(f"native mul_mat failed (status {status}: out of memory for its activation buffers)")
     return out.reshape(*x.shape[:-1], weight.n_rows)
+
+
+def _f32(array: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(array, dtype=np.float32)
+
+
+def rms_norm(x: np.ndarray, eps: float, weight: np.ndarray | None, pool: ThreadPool) -> np.ndarray:
+    """``x / sqrt(mean(x²) + eps)`` over the last axis (× weight), each row alone (sum of squares in double)."""
+    x = _f32(x)
+    n = x.shape[-1]
+    if weight is not None:
+        weight = _f32(weight)
+        if weight.shape != (n,):
+            raise ValueError(f"native rms_norm: weight of shape {weight.shape} for rows of {n}")
+    out = np.empty_like(x)
+    load_library().nat_rms_norm(pool.handle, x.ctypes.data, None if weight is None else weight.ctypes.data,
+                                out.ctypes.data, x.size // max(n, 1), n, eps)
+    return out
+
+
+def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, mask: np.ndarray, scale: float,
+              softcap: float, pool: ThreadPool) -> np.ndarray:
+    """softmax(softcap(scale·q·Kᵀ) + mask)·V over the cache's first ``mask.shape[1]`` cells, GQA by head groups:
+    q [T, H, Dk], caches [Hkv, n_cells, D] (float32, C-contiguous), mask [T, n_kv] → [T, H*Dv]."""
+    q, mask = _f32(q), _f32(mask)
+    n_tokens, n_head, dk = q.shape
+    n_head_kv, n_cells, dv = v_cache.shape
+    n_kv = mask.shape[1]
+    for cache in (k_cache, v_cache):  # the C code indexes them directly: no copy, so check before it reads
+        if cache.dtype != np.float32 or not cache.flags.c_contiguous:
+            raise ValueError("native attention: the KV cache must be C-contiguous float32")
+    if (k_cache.shape != (n_head_kv, n_cells, dk) or mask.shape[0] != n_tokens or n_kv > n_cells
+            or n_head_kv == 0 or n_head % n_head_kv):
+        raise ValueError(f"native attention: q {q.shape}, K {k_cache.shape}, V {v_cache.shape}, mask {mask.shape} "
+                         "do not fit")
+    out = np.empty((n_tokens, n_head * dv), dtype=np.float32)
+    status = load_library().nat_attention(pool.handle, q.ctypes.data, k_cache.ctypes.data, v_cache.ctypes.data,
+                                          mask.ctypes.data, out.ctypes.data, n_tokens, n_head, n_head_kv, dk, dv,
+                                          n_kv, n_cells, scale, softcap)
+    if status != 0:
+        raise NativeError("native attention: out of memory for its score buffers")
+    return out

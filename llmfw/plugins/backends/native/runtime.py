@@ -17,6 +17,7 @@ from llmfw.plugins.backends.native import kernels
 from llmfw.plugins.backends.native.repack import ROWS, SUPPORTED_TYPES, PackedWeight, repack
 from llmfw.plugins.backends.numpy.blas import set_blas_threads
 from llmfw.plugins.backends.numpy.compiler import SplitCompiler, Step
+from llmfw.plugins.backends.numpy.kernels import NumpyKV
 from llmfw.plugins.backends.numpy.runtime import NumpyBackend
 from llmfw.plugins.backends.numpy.weights import QuantizedTable, get_rows
 
@@ -64,6 +65,14 @@ class NativeCompiler(SplitCompiler):
             env[out] = kernels.mul_mat(weight.packed, env[x_slot], backend.pool, backend.isa, weight.c_struct)
 
         return step
+
+    def _op_rms_norm(self, node: Node, ins: list[int], out: int) -> Step:
+        eps, backend = float(node.attrs["eps"]), self.backend
+        return self._norm_step(lambda x, w: kernels.rms_norm(x, eps, w, backend.pool), ins, out)
+
+    def _attend(self, q: np.ndarray, storage: NumpyKV, mask: np.ndarray, scale: float, softcap: float,
+                limits: list[tuple[int, int, int]]) -> np.ndarray:
+        return kernels.attention(q, storage.k, storage.v, mask, scale, softcap, self.backend.pool)
 
     def _op_get_rows(self, node: Node, ins: list[int], out: int) -> Step:
         env, table_slot, ids_slot = self.env, ins[0], ins[1]

@@ -47,30 +47,24 @@ typedef struct {
     nat_fgemm_fn fgemm;
 } mul_mat_job;
 
-/* [start, stop) of thread ith's equal share of n items */
-static void share(int64_t n, int ith, int nth, int64_t *start, int64_t *stop) {
-    *start = n * ith / nth;
-    *stop = n * (ith + 1) / nth;
-}
-
 static void quantize_task(void *raw, int ith, int nth) {
     mul_mat_job *job = raw;
     int64_t m0, m1;
-    share(job->m, ith, nth, &m0, &m1);
+    nat_share(job->m, ith, nth, &m0, &m1);
     nat_quantize_rows(job->x, job->m, job->w->n_cols, &job->act, m0, m1);
 }
 
 static void qgemm_task(void *raw, int ith, int nth) {
     mul_mat_job *job = raw;
     int64_t g0, g1;
-    share((job->w->n_rows + NAT_ROWS - 1) / NAT_ROWS, ith, nth, &g0, &g1);
+    nat_share((job->w->n_rows + NAT_ROWS - 1) / NAT_ROWS, ith, nth, &g0, &g1);
     job->qgemm(job->w, &job->act, job->m, job->y, g0, g1);
 }
 
 static void fgemm_task(void *raw, int ith, int nth) {
     mul_mat_job *job = raw;
     int64_t r0, r1;
-    share(job->w->n_rows, ith, nth, &r0, &r1);
+    nat_share(job->w->n_rows, ith, nth, &r0, &r1);
     job->fgemm(job->w, job->x, job->m, job->y, r0, r1);
 }
 
