@@ -15,21 +15,21 @@ typedef struct {
     float eps;
 } rms_job;
 
+static void normalise_row(const float *x, const float *w, float *out, int64_t n, float eps) {
+    double sum = 0.0;  /* the sum of squares in double, like ggml */
+    for (int64_t j = 0; j < n; j++) sum += (double)x[j] * (double)x[j];
+    float scale = (float)(1.0 / sqrt(sum / (double)n + (double)eps));
+    for (int64_t j = 0; j < n; j++) {
+        float v = x[j] * scale;
+        out[j] = w ? v * w[j] : v;
+    }
+}
+
 static void rms_task(void *raw, int ith, int nth) {
     rms_job *job = raw;
     int64_t r0, r1;
     nat_share(job->rows, ith, nth, &r0, &r1);
-    for (int64_t r = r0; r < r1; r++) {
-        const float *x = job->x + r * job->n;
-        float *out = job->out + r * job->n;
-        double sum = 0.0;  /* the sum of squares in double, like ggml */
-        for (int64_t j = 0; j < job->n; j++) sum += (double)x[j] * (double)x[j];
-        float scale = (float)(1.0 / sqrt(sum / (double)job->n + (double)job->eps));
-        for (int64_t j = 0; j < job->n; j++) {
-            float v = x[j] * scale;
-            out[j] = job->w ? v * job->w[j] : v;
-        }
-    }
+    for (int64_t r = r0; r < r1; r++) normalise_row(job->x + r * job->n, job->w, job->out + r * job->n, job->n, job->eps);
 }
 
 /* out[rows, n] = x / sqrt(mean(x^2) + eps) (* w[n] when w is not NULL) */
