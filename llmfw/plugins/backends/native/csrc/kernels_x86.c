@@ -129,8 +129,6 @@ TARGET static inline __m256 load_x8(const float *x, int64_t j, int64_t k) {
     return _mm256_loadu_ps(tmp);
 }
 
-float nat_reduce16(float *lanes);
-
 /* The float-weight matmul of both x86 paths: LANES(w, x_row, w_row, k, lanes) leaves the 16 canonical partial sums
  * (native.h) of one row pair in lanes. */
 #define FGEMM_ROWS(LANES)                                                   \

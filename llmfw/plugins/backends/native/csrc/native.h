@@ -82,6 +82,7 @@ void nat_fgemm_avx512(const nat_weight *w, const float *x, int64_t m, float *y, 
 #endif
 
 float nat_f16_to_f32(uint16_t h);
+float nat_reduce16(float *lanes);
 void nat_quantize_rows(const float *x, int64_t m, int64_t k, nat_qact *a, int64_t m0, int64_t m1);
 
 #endif

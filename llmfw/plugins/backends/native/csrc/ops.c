@@ -45,34 +45,43 @@ typedef struct {
     float scale, softcap;
 } attn_job;
 
+/* q . k in native.h's canonical 16-lane order (independent lanes: the compiler may vectorise them) */
+static float dot16(const float *q, const float *k, int64_t n) {
+    float lanes[16] = {0};
+    int64_t full = n & ~(int64_t)15;
+    for (int64_t d = 0; d < full; d += 16)
+        for (int l = 0; l < 16; l++) lanes[l] = lanes[l] + q[d + l] * k[d + l];
+    for (int64_t d = full; d < n; d++) lanes[d - full] = lanes[d - full] + q[d] * k[d];
+    return nat_reduce16(lanes);
+}
+
+static int hidden(float mask) { return isinf(mask) && mask < 0; }
+
 /* one query row of one head: softmax(softcap(scale q . k_j) + mask_j) . v_j over the visible cells j, in cell
- * order; hidden cells (mask -inf) are skipped, which is what their zero probability does to the sums */
-static void attend_one(const attn_job *job, int64_t t, int64_t h, float *scores) {
+ * order; hidden cells (mask -inf) are skipped, which is what their zero probability does to the sums.
+ * scratch: n_kv + dk floats */
+static void attend_one(const attn_job *job, int64_t t, int64_t h, float *scratch) {
     int64_t kvh = h / (job->n_head / job->n_head_kv);
     const float *q = job->q + (t * job->n_head + h) * job->dk;
     const float *mask = job->mask + t * job->n_kv;
-    float *out = job->out + (t * job->n_head + h) * job->dv;
+    float *out = job->out + (t * job->n_head + h) * job->dv, *qs = scratch, *scores = scratch + job->dk;
+    for (int64_t d = 0; d < job->dk; d++) qs[d] = q[d] * job->scale;  /* the scale on q, as the oracle */
     float best = -INFINITY;
     int any = 0;
     for (int64_t j = 0; j < job->n_kv; j++) {
-        if (isinf(mask[j]) && mask[j] < 0) continue;
-        const float *k = job->k + (kvh * job->n_cells + j) * job->dk;
-        float s = 0.0f;
-        for (int64_t d = 0; d < job->dk; d++) s = s + (q[d] * job->scale) * k[d];
+        if (hidden(mask[j])) continue;
+        float s = dot16(qs, job->k + (kvh * job->n_cells + j) * job->dk, job->dk);
         if (job->softcap != 0.0f) s = tanhf(s / job->softcap) * job->softcap;
         s = s + mask[j];
         scores[j] = s;
         if (!any || s > best) best = s;
         any = 1;
     }
-    for (int64_t d = 0; d < job->dv; d++) out[d] = 0.0f;
-    if (!any) {
-        for (int64_t d = 0; d < job->dv; d++) out[d] = NAN;  /* no visible cell: 0/0, as the float computation */
-        return;
-    }
+    for (int64_t d = 0; d < job->dv; d++) out[d] = any ? 0.0f : NAN;  /* no visible cell: 0/0 */
+    if (!any) return;
     float total = 0.0f;
     for (int64_t j = 0; j < job->n_kv; j++) {
-        if (isinf(mask[j]) && mask[j] < 0) continue;
+        if (hidden(mask[j])) continue;
         float p = expf(scores[j] - best);
         total = total + p;
         const float *v = job->v + (kvh * job->n_cells + j) * job->dv;
@@ -92,10 +101,10 @@ static void attn_task(void *raw, int ith, int nth) {
     int64_t i0, i1;
     nat_share(job->n_tokens * job->n_head, ith, nth, &i0, &i1);
     if (i0 == i1) return;
-    float *scores = malloc((size_t)(job->n_kv > 0 ? job->n_kv : 1) * sizeof(float));
-    if (!scores) { atomic_store(&ctx->failed, 1); return; }
-    for (int64_t i = i0; i < i1; i++) attend_one(job, i / job->n_head, i % job->n_head, scores);
-    free(scores);
+    float *scratch = malloc((size_t)(job->n_kv + job->dk + 1) * sizeof(float));
+    if (!scratch) { atomic_store(&ctx->failed, 1); return; }
+    for (int64_t i = i0; i < i1; i++) attend_one(job, i / job->n_head, i % job->n_head, scratch);
+    free(scratch);
 }
 
 /* q [T, H, Dk], k cache [Hkv, n_cells, Dk], v cache [Hkv, n_cells, Dv], mask [T, n_kv] -> out [T, H * Dv].
