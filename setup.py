@@ -33,7 +33,7 @@ class OptionalBuildExt(build_ext):
 
 def native_extension():
     # -ffp-contract=off: no fused multiply-adds anywhere, so every ISA path rounds like the scalar one (csrc/native.h)
-    flags = ["-std=c11", "-O2", "-ffp-contract=off", "-fno-strict-aliasing", "-Wall"]
+    flags = ["-std=c11", "-O3", "-ffp-contract=off", "-fno-strict-aliasing", "-Wall"]
     if platform.machine().lower() not in ("x86_64", "amd64"):
         flags.append("-DLLMFW_NATIVE_SCALAR_ONLY")
     return Extension("llmfw.plugins.backends.native._native",
