@@ -4,6 +4,7 @@
 #include <math.h>
 #include <stdatomic.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "native.h"
 #include "pool.h"
@@ -45,49 +46,85 @@ typedef struct {
     float scale, softcap;
 } attn_job;
 
-/* q . k in native.h's canonical 16-lane order (independent lanes: the compiler may vectorise them) */
+/* four lanes of native.h's canonical sixteen (GCC/clang vector extension: SSE on x86-64, NEON on aarch64) */
+typedef float lanes4 __attribute__((vector_size(16)));
+
+static inline lanes4 load4(const float *p) {
+    lanes4 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* q . k in the canonical 16-lane order: element d into lane d % 16, then the fixed reduction */
 static float dot16(const float *q, const float *k, int64_t n) {
-    float lanes[16] = {0};
+    lanes4 acc[4] = {{0}};
     int64_t full = n & ~(int64_t)15;
     for (int64_t d = 0; d < full; d += 16)
-        for (int l = 0; l < 16; l++) lanes[l] = lanes[l] + q[d + l] * k[d + l];
+        for (int part = 0; part < 4; part++) acc[part] = acc[part] + load4(q + d + 4 * part) * load4(k + d + 4 * part);
+    float lanes[16];
+    memcpy(lanes, acc, sizeof lanes);
     for (int64_t d = full; d < n; d++) lanes[d - full] = lanes[d - full] + q[d] * k[d];
     return nat_reduce16(lanes);
 }
 
 static int hidden(float mask) { return isinf(mask) && mask < 0; }
 
-/* one query row of one head: softmax(softcap(scale q . k_j) + mask_j) . v_j over the visible cells j, in cell
- * order; hidden cells (mask -inf) are skipped, which is what their zero probability does to the sums.
- * scratch: n_kv + dk floats */
-static void attend_one(const attn_job *job, int64_t t, int64_t h, float *scratch) {
-    int64_t kvh = h / (job->n_head / job->n_head_kv);
-    const float *q = job->q + (t * job->n_head + h) * job->dk;
-    const float *mask = job->mask + t * job->n_kv;
-    float *out = job->out + (t * job->n_head + h) * job->dv, *qs = scratch, *scores = scratch + job->dk;
-    for (int64_t d = 0; d < job->dk; d++) qs[d] = q[d] * job->scale;  /* the scale on q, as the oracle */
-    float best = -INFINITY;
-    int any = 0;
-    for (int64_t j = 0; j < job->n_kv; j++) {
-        if (hidden(mask[j])) continue;
-        float s = dot16(qs, job->k + (kvh * job->n_cells + j) * job->dk, job->dk);
-        if (job->softcap != 0.0f) s = tanhf(s / job->softcap) * job->softcap;
-        s = s + mask[j];
-        scores[j] = s;
-        if (!any || s > best) best = s;
-        any = 1;
+/* query rows per attention work item: each K and V row read serves TILE_T rows x the heads of its group */
+#define TILE_T 4
+
+/* Rows t0.. (up to TILE_T) of every query head h of KV head kvh: for each (t, h) alone,
+ * softmax(softcap(scale q . k_j) + mask_j) . v_j over the visible cells j in cell order; hidden cells (mask -inf)
+ * are skipped, which is what their zero probability does to the sums. The tile only shares the loads: a row's
+ * operations are the same whatever tile (or thread) it is in. scratch: TILE_T * group * (dk + n_kv + 2) floats */
+static void attend_tile(const attn_job *job, int64_t t0, int64_t kvh, float *scratch) {
+    int64_t group = job->n_head / job->n_head_kv, rows = job->n_tokens - t0 < TILE_T ? job->n_tokens - t0 : TILE_T;
+    int64_t n = rows * group, dk = job->dk, dv = job->dv;
+    float *qs = scratch, *scores = qs + n * dk, *best = scores + n * job->n_kv, *total = best + n;
+    for (int64_t i = 0; i < n; i++) {  /* i = row * group + head in group; the scale on q, as the oracle */
+        const float *q = job->q + ((t0 + i / group) * job->n_head + kvh * group + i % group) * dk;
+        for (int64_t d = 0; d < dk; d++) qs[i * dk + d] = q[d] * job->scale;
+        best[i] = -INFINITY;
+        total[i] = 0.0f;
     }
-    for (int64_t d = 0; d < job->dv; d++) out[d] = any ? 0.0f : NAN;  /* no visible cell: 0/0 */
-    if (!any) return;
-    float total = 0.0f;
+    int seen[TILE_T] = {0};
     for (int64_t j = 0; j < job->n_kv; j++) {
-        if (hidden(mask[j])) continue;
-        float p = expf(scores[j] - best);
-        total = total + p;
-        const float *v = job->v + (kvh * job->n_cells + j) * job->dv;
-        for (int64_t d = 0; d < job->dv; d++) out[d] = out[d] + p * v[d];
+        const float *k = job->k + (kvh * job->n_cells + j) * dk;
+        for (int64_t r = 0; r < rows; r++) {
+            float mask = job->mask[(t0 + r) * job->n_kv + j];
+            if (hidden(mask)) continue;
+            for (int64_t g = 0; g < group; g++) {
+                int64_t i = r * group + g;
+                float s = dot16(qs + i * dk, k, dk);
+                if (job->softcap != 0.0f) s = tanhf(s / job->softcap) * job->softcap;
+                s = s + mask;
+                scores[i * job->n_kv + j] = s;
+                if (!seen[r] || s > best[i]) best[i] = s;
+            }
+            seen[r] = 1;
+        }
     }
-    for (int64_t d = 0; d < job->dv; d++) out[d] = out[d] / total;
+    for (int64_t i = 0; i < n; i++) {
+        float *out = job->out + ((t0 + i / group) * job->n_head + kvh * group + i % group) * dv;
+        for (int64_t d = 0; d < dv; d++) out[d] = seen[i / group] ? 0.0f : NAN;  /* no visible cell: 0/0 */
+    }
+    for (int64_t j = 0; j < job->n_kv; j++) {
+        const float *v = job->v + (kvh * job->n_cells + j) * dv;
+        for (int64_t r = 0; r < rows; r++) {
+            if (hidden(job->mask[(t0 + r) * job->n_kv + j])) continue;
+            for (int64_t g = 0; g < group; g++) {
+                int64_t i = r * group + g;
+                float *out = job->out + ((t0 + r) * job->n_head + kvh * group + g) * dv;
+                float p = expf(scores[i * job->n_kv + j] - best[i]);
+                total[i] = total[i] + p;
+                for (int64_t d = 0; d < dv; d++) out[d] = out[d] + p * v[d];
+            }
+        }
+    }
+    for (int64_t i = 0; i < n; i++) {
+        if (!seen[i / group]) continue;
+        float *out = job->out + ((t0 + i / group) * job->n_head + kvh * group + i % group) * dv;
+        for (int64_t d = 0; d < dv; d++) out[d] = out[d] / total[i];
+    }
 }
 
 typedef struct {
@@ -98,12 +135,13 @@ typedef struct {
 static void attn_task(void *raw, int ith, int nth) {
     attn_ctx *ctx = raw;
     attn_job *job = ctx->job;
-    int64_t i0, i1;
-    nat_share(job->n_tokens * job->n_head, ith, nth, &i0, &i1);
+    int64_t tiles = (job->n_tokens + TILE_T - 1) / TILE_T, i0, i1;
+    nat_share(tiles * job->n_head_kv, ith, nth, &i0, &i1);
     if (i0 == i1) return;
-    float *scratch = malloc((size_t)(job->n_kv + job->dk + 1) * sizeof(float));
+    int64_t group = job->n_head / job->n_head_kv;
+    float *scratch = malloc((size_t)(TILE_T * group * (job->dk + job->n_kv + 2)) * sizeof(float));
     if (!scratch) { atomic_store(&ctx->failed, 1); return; }
-    for (int64_t i = i0; i < i1; i++) attend_one(job, i / job->n_head, i % job->n_head, scratch);
+    for (int64_t i = i0; i < i1; i++) attend_tile(job, (i / job->n_head_kv) * TILE_T, i % job->n_head_kv, scratch);
     free(scratch);
 }
 
