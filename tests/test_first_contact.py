@@ -86,22 +86,43 @@ def test_context_padding_is_visible(smollm2_path):
 def test_help_states_the_default_backend_rule():
     for command in ("run", "chat"):
         text = " ".join(llmfw(command, "--help").stdout.split())
-        assert "Default: torch:cuda when a CUDA GPU and torch are present, else onnx (onnxruntime importable), " \
-               "else numpy" in text
+        assert "Default: torch:cuda when a CUDA GPU and torch are present, else native (its C extension built), " \
+               "else onnx (onnxruntime importable), else numpy" in text
         assert "-t, --threads" in text
 
 
-def test_default_backend_is_onnx_on_a_cpu_and_run_says_why(smollm2_path):
+#: an environment variable that points the native backend at a library that does not exist: its extension unusable
+NO_NATIVE = {"LLMFW_NATIVE_LIBRARY": "/nonexistent/_native.so"}
+
+
+def native_built() -> bool:
+    from llmfw.core.backend import backend_class
+
+    return backend_class("native").default_unavailable_reason("cpu") is None
+
+
+def test_default_backend_is_native_on_a_cpu_and_run_says_why(smollm2_path):
     result = llmfw("run", "-m", str(smollm2_path), "Hi", "-n", "1", "-v", "--no-progress")
     assert result.returncode == 0, result.stderr
     line = next(x for x in result.stderr.splitlines() if x.startswith("backend: "))
-    assert line.startswith("backend: onnx (the default: the highest-priority backend usable here (priority 200)")
+    expected = "native" if native_built() else "onnx"
+    priority = {"native": 250, "onnx": 200}[expected]
+    assert line.startswith(f"backend: {expected} (the default: the highest-priority backend usable here "
+                           f"(priority {priority})")
     if not os.path.exists("/proc/driver/nvidia/version"):
         assert "skipped torch:cuda: no CUDA GPU" in line
 
 
+def test_default_backend_is_onnx_when_the_native_extension_cannot_load(smollm2_path):
+    result = llmfw("run", "-m", str(smollm2_path), "Hi", "-n", "1", "-v", "--no-progress",
+                   env=console_env(**NO_NATIVE))
+    assert result.returncode == 0, result.stderr
+    line = next(x for x in result.stderr.splitlines() if x.startswith("backend: "))
+    assert line.startswith("backend: onnx (the default") and "native: " in line and "cannot be loaded" in line
+
+
 def test_default_backend_is_numpy_without_onnxruntime(smollm2_path, tmp_path):
-    env = console_env(without_modules(tmp_path, "onnxruntime"))
+    env = console_env(without_modules(tmp_path, "onnxruntime"), **NO_NATIVE)
     result = llmfw("run", "-m", str(smollm2_path), "Hi", "-n", "1", "-v", "--no-progress", env=env)
     assert result.returncode == 0, result.stderr
     line = next(x for x in result.stderr.splitlines() if x.startswith("backend: "))
@@ -295,7 +316,7 @@ def test_the_default_follows_the_backends_declarations():
     assert "priority 500" in choice.reason
     assert "broken: its availability check failed: RuntimeError: driver exploded" in choice.reason
     assert "unavailable: llmfw_no_such_library not installed" in choice.reason
-    assert choose_default_backend().spec in ("onnx", "torch:cuda")  # the built-ins again
+    assert choose_default_backend().spec in ("native", "onnx", "torch:cuda")  # the built-ins again
 
 
 @pytest.mark.cuda

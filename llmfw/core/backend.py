@@ -504,7 +504,8 @@ def _default_candidates() -> list[tuple[int, str, str]]:
 def choose_default_backend(*, devices_only: bool = False) -> BackendChoice:
     """The backend ``backend=None`` means: among the registered backends' declarations
     (:attr:`Backend.default_priority`), the highest priority that can run here. Built in: ``torch:cuda`` (a
-    CUDA GPU and torch), then ``onnx`` on the CPU (onnxruntime importable), then ``numpy``. ``devices_only``:
+    CUDA GPU and torch), then ``native`` on the CPU (its C extension built), then ``onnx`` (onnxruntime
+    importable), then ``numpy``. ``devices_only``:
     only declarations for a device other than the CPU (where ``n_gpu_layers`` offloads)."""
     skipped: list[str] = []
     for priority, name, device in _default_candidates():

@@ -1,6 +1,7 @@
-"""The native Backend class: quantized matmuls in the C kernels (csrc/), weights repacked at load in their own
-bits (repack.py). The other ops still run the numpy backend's kernels (this backend extends the numpy split
-compiler): the flat C program of every op is not built yet, so this backend is never the default."""
+"""The native Backend class: matmuls, RMS norm and attention in the C kernels (csrc/), weights repacked at load in
+their own bits (repack.py). The elementwise ops, rope and row lookups still run the numpy backend's kernels (this
+backend extends the numpy split compiler, one Python step per op): the flat C program of every op is not built
+yet."""
 from __future__ import annotations
 
 import os
@@ -97,8 +98,8 @@ class NativeBackend(NumpyBackend):
     environment_options = {"LLMFW_NATIVE_ISA": "isa"}
     #: the built extension: missing when the install could not compile it (``llmfw plugins`` says so)
     requires = (kernels.EXTENSION,)
-    #: not a default until every op runs in the C program (the numpy kernels still run the other ops)
-    default_priority: Mapping[str, int] = {}
+    #: the default on a CPU when the extension is built (above onnx's 200; torch:cuda's 300 stays first with a GPU)
+    default_priority: Mapping[str, int] = {"cpu": 250}
 
     def __init__(self, device: str | None = None, options: BackendOptions | None = None):
         super().__init__(device, options)
