@@ -125,3 +125,17 @@ def test_weights_are_counted_in_their_repacked_size(smollm2_native):
     packed = sum(h.packed.nbytes for name, h in backend.weights.items() if hasattr(h, "packed") and "+" not in name)
     assert packed > 50 * 2**20  # SmolLM2-135M's matrices, 4-8 bits a weight
     assert packed <= backend.weight_nbytes() < 2 * packed
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "phi3", "gemma2", "olmo", "llama-rope-linear",
+                                    "llama-rope-llama3", "llama-rope-yarn"])
+def test_every_random_weight_family_clears_the_bar(family, tmp_path, score):
+    """The families of tests/data/arch (mixed F32/F16/Q8_0/Q4_0/Q4_1/Q5_0 tensors, biases, fused QKV, soft-caps,
+    sliding windows, rope scalings) against llama.cpp's logits for the same bytes."""
+    from reference_gen.arch_testing import assert_clears_bar, decode_all, model_file, records, reference
+
+    if family == "olmo":
+        pytest.importorskip("llmfw_olmo")
+    with llmfw.load_model(model_file(family, tmp_path), backend="native") as model:
+        for record in records(reference(family)):
+            assert_clears_bar(score, record, decode_all(model, record["sequence"], n_ctx=record["n_ctx"]), family)
