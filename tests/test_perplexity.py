@@ -41,13 +41,17 @@ def test_token_nll_is_minus_log_softmax():
     assert np.isfinite(token_nll(np.array([[1e4, -1e4]], dtype=np.float32), np.array([1]))).all()
 
 
-@pytest.mark.parametrize("backend", ["numpy", "torch", "onnx"])
+@pytest.mark.parametrize("backend", ["numpy", "torch", "onnx", "native"])
 @pytest.mark.parametrize("which", ["smollm2", "gemma3"])
 def test_perplexity_within_one_percent_of_llama_cpp(which, backend, smollm2_path, gemma3_path):
     import llmfw
 
     if backend == "onnx":
         pytest.importorskip("onnxruntime")
+    if backend == "native":
+        from native_support import kernels_or_skip
+
+        kernels_or_skip()
     model = llmfw.load_model(smollm2_path if which == "smollm2" else gemma3_path, backend=backend)
     tokens = perplexity_tokens(model, TEXT)
     ref = llama_cpp_ppl(which, N_CTX)

@@ -614,7 +614,7 @@ def bytecode_note(environ: Mapping[str, str]) -> str | None:
 @click.option("-ub", "--ubatch-size", "n_ubatch", type=click.IntRange(min=1), default=512, show_default=True,
               help="Physical batch size.")
 @click.option("--backend", "backends", multiple=True,
-              help="Backend(s) to measure, comma-separated or repeated: numpy, torch, torch:cuda, onnx "
+              help="Backend(s) to measure, comma-separated or repeated: numpy, torch, torch:cuda, onnx, native "
                    "(default: the one a plain load picks: onnx on a CPU, see llmfw run -v).")
 @click.option("-t", "--threads", "n_threads", type=click.IntRange(min=1), default=2, show_default=True,
               help="CPU threads (llmfw and the peers alike).")

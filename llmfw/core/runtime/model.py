@@ -39,7 +39,7 @@ class ModelParams(BaseModel):
 
     #: None = the default backend, chosen from the backends' declarations (core/exec/backend.py
     #: choose_default_backend; built in: "torch:cuda" with a CUDA GPU and torch, else "onnx" when onnxruntime
-    #: imports, else "numpy"); or a spec: "numpy", "torch", "torch:cuda", "onnx", ...
+    #: imports, else "numpy"); or a spec: "numpy", "torch", "torch:cuda", "onnx", "native", ...
     backend: str | None = None
     #: the last n layers go to the highest-priority device (GPU) backend that runs here (built in: "torch:cuda";
     #: n > n_layer: the output head too; -1: everything), like llama.cpp
