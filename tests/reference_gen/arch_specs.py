@@ -226,6 +226,8 @@ SPECS: dict[str, dict] = {
                   "ffn_gate_up_exps": [None, None, "Q4_K"], "ffn_down_exps": [None, "F16", "Q6_K"],
                   "ffn_gate_shexp": [None, "F16", "Q8_0"], "ffn_up_shexp": [None, "F16", "Q4_0"],
                   "ffn_down_shexp": [None, "F16", "Q5_0"]},
+        "prompts": _BPE_PROMPTS,
+    },
     # issue 34's dense newcomers
     "smollm3": {
         # every fourth layer without RoPE (layer 3 of 4)
