@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import install_example_package
+from support.plugins import install_example_package
 
 from reference_gen.arch_testing import (SAME_LOGITS_ATOL, assert_clears_bar, decode_all, decode_two_sequences,
                                         longest, model_file, records, reference)

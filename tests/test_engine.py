@@ -16,6 +16,7 @@ import llmfw
 from llmfw.core.errors import (
     ConfigError, ContextError, LoadCancelled, LogitsIndexError, ModelError, UnknownArchitecture, UnknownBackend,
 )
+from support.models import TINY_N_VOCAB, write_tiny_llama
 
 PROMPT_A = [1, 504, 3458, 282, 4649, 314]  # token ids of a short prompt
 PROMPT_B = [1, 9690, 28, 2053, 30, 4582, 253]
@@ -343,75 +344,24 @@ def test_vocab_only_and_unknown_backend(smollm2_path):
         llmfw.load_model(smollm2_path, not_a_field=1)
 
 
-def _copy_tokenizer(writer, metadata):
-    for key, value in metadata.items():
-        if key.startswith("tokenizer."):
-            writer.add(key, value)
-
-
-def write_tiny_llama(path, metadata_source, *, arch="llama", q_shape=None, drop=(), n_vocab=49152):
-    """A 2-layer random llama with SmolLM2's tokenizer."""
-    from llmfw.core.gguf import GGUFValueType, GGUFWriter
-
-    n_embd, n_head, n_head_kv, n_ff, n_layer = 32, 4, 2, 64, 2
-    head = n_embd // n_head
-    rng = np.random.default_rng(0)
-    w = GGUFWriter(path)
-    w.add("general.architecture", arch)
-    for key, value in {"context_length": 128, "embedding_length": n_embd, "block_count": n_layer,
-                       "feed_forward_length": n_ff, "attention.head_count": n_head,
-                       "attention.head_count_kv": n_head_kv}.items():
-        w.add(f"{arch}.{key}", value, GGUFValueType.UINT32)
-    w.add(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5, GGUFValueType.FLOAT32)
-    _copy_tokenizer(w, metadata_source)
-
-    def t(name, *shape):
-        if name not in drop:
-            w.add_tensor(name, (rng.standard_normal(shape) * 0.1).astype(np.float32))
-
-    t("token_embd.weight", n_vocab, n_embd)
-    t("output_norm.weight", n_embd)
-    for il in range(n_layer):
-        p = f"blk.{il}"
-        t(f"{p}.attn_norm.weight", n_embd)
-        t(f"{p}.attn_q.weight", *(q_shape or (n_head * head, n_embd)))
-        t(f"{p}.attn_k.weight", n_head_kv * head, n_embd)
-        t(f"{p}.attn_v.weight", n_head_kv * head, n_embd)
-        t(f"{p}.attn_output.weight", n_embd, n_head * head)
-        t(f"{p}.ffn_norm.weight", n_embd)
-        t(f"{p}.ffn_gate.weight", n_ff, n_embd)
-        t(f"{p}.ffn_up.weight", n_ff, n_embd)
-        t(f"{p}.ffn_down.weight", n_embd, n_ff)
-    w.write()
-    return path
-
-
-@pytest.fixture(scope="module")
-def smollm2_metadata(smollm2_path):
-    from llmfw.core.gguf import open_gguf
-
-    with open_gguf(smollm2_path) as f:
-        return dict(f.metadata)
-
-
-def test_unknown_architecture_lists_known(tmp_path, smollm2_metadata):
-    path = write_tiny_llama(tmp_path / "odd.gguf", smollm2_metadata, arch="not-a-real-arch")
+def test_unknown_architecture_lists_known(tmp_path):
+    path = write_tiny_llama(tmp_path / "odd.gguf", arch="not-a-real-arch")
     with pytest.raises(UnknownArchitecture, match="not-a-real-arch") as info:
         llmfw.load_model(path, backend="numpy")
     assert "llama" in str(info.value)
 
 
-def test_shape_mismatch_and_missing_tensor(tmp_path, smollm2_metadata):
-    path = write_tiny_llama(tmp_path / "bad.gguf", smollm2_metadata, q_shape=(16, 32))
+def test_shape_mismatch_and_missing_tensor(tmp_path):
+    path = write_tiny_llama(tmp_path / "bad.gguf", q_shape=(16, 32))
     with pytest.raises(ModelError, match=r"blk\.0\.attn_q\.weight.*\[32, 16\].*\[32, 32\]"):
         llmfw.load_model(path, backend="numpy")
-    path = write_tiny_llama(tmp_path / "missing.gguf", smollm2_metadata, drop=("blk.1.ffn_up.weight",))
+    path = write_tiny_llama(tmp_path / "missing.gguf", drop=("blk.1.ffn_up.weight",))
     with pytest.raises(ModelError, match=r"missing tensor 'blk\.1\.ffn_up\.weight'"):
         llmfw.load_model(path, backend="numpy")
 
 
-def test_tiny_model_tied_head_and_kv_override(tmp_path, smollm2_metadata):
-    path = write_tiny_llama(tmp_path / "tiny.gguf", smollm2_metadata)
+def test_tiny_model_tied_head_and_kv_override(tmp_path):
+    path = write_tiny_llama(tmp_path / "tiny.gguf")
     with llmfw.load_model(path, backend="numpy", kv_overrides={"llama.rope.freq_base": 500.0}) as m:
         assert m.hparams.rope_freq_base_train == 500.0
         assert m.has_weight("output.weight")  # tied to token_embd
@@ -419,7 +369,7 @@ def test_tiny_model_tied_head_and_kv_override(tmp_path, smollm2_metadata):
         assert ctx.n_ctx == 256  # n_ctx_train 128 padded to 256
         assert ctx.decode(llmfw.Batch([1, 2, 3], logits=True)) == 0
         logits = ctx.get_logits()
-        assert logits.shape == (3, 49152) and np.isfinite(logits).all()
+        assert logits.shape == (3, TINY_N_VOCAB) and np.isfinite(logits).all()
 
 
 # -- placement across backends ----------------------------------------------------------------------------------

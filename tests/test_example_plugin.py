@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import install_example_package
+from support.plugins import install_example_package
 
 ROOT = Path(__file__).resolve().parent.parent
 PLUGIN_DIR = ROOT / "examples" / "llmfw-example-plugin"

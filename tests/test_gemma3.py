@@ -28,10 +28,10 @@ import pytest
 import llmfw
 from llmfw.core.errors import ModelError
 from llmfw.core.memory import ISWA_BASE_CACHE, ISWA_SWA_CACHE
+from support.scores import CONFIDENT_GAP, combine_scores
 
 ROOT = Path(__file__).resolve().parent.parent
 BAR = {"top1": 0.93, "top5": 0.98, "mean_lp_err": 0.25}
-CONFIDENT_GAP = 0.1  # compare.py's: llama.cpp's top-1 must beat its top-2 by this much to count for top1
 UBATCH_TOL = 1e-3
 N_BATCH = 512
 N_CTX = 2048
@@ -46,21 +46,6 @@ TAIL = 17  # logits rows kept from teacher forcing: the last prompt token's and 
 def model(gemma3_path):
     with llmfw.load_model(gemma3_path, backend="numpy") as m:
         yield m
-
-
-def combine_scores(parts: list[tuple[dict, list[dict]]]) -> dict:
-    """One score from per-slice scores: each slice's shares weighted by what compare.py divides by."""
-    n = sum(r["n"] for r, _ in parts)
-    n_ids = [sum(len(p["top_ids"]) for p in positions) for _, positions in parts]
-    confident = [sum(p["top_logits"][0] - p["top_logits"][1] >= CONFIDENT_GAP for p in positions)
-                 for _, positions in parts]
-    return {
-        "n": n,
-        "top1": sum(r["top1"] * c for (r, _), c in zip(parts, confident)) / max(sum(confident), 1),
-        "top5": sum(r["top5"] * r["n"] for r, _ in parts) / n,
-        "max_lp_err": max(r["max_lp_err"] for r, _ in parts),
-        "mean_lp_err": sum(r["mean_lp_err"] * k for (r, _), k in zip(parts, n_ids)) / sum(n_ids),
-    }
 
 
 def teacher_forced(model, record, score, ubatch_sizes=UBATCH_SIZES) -> dict:

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from llmfw.core.errors import LLMFWError
 from llmfw.core.gguf import open_gguf
 
-from test_gguf import write_small_model
+from support.gguf_files import write_small_model
 
 #: the most one open may allocate for a mutated input of at most 64 KiB (tracemalloc peak)
 ALLOCATION_LIMIT = 8 << 20

@@ -8,24 +8,19 @@ import pytest
 import llmfw
 from llmfw.core.batch import Batch, BatchAllocator
 from llmfw.core.memory import CompositeMemory, KVCache
+from support.models import TINY_N_EMBD, TINY_N_VOCAB, write_tiny_llama
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory, smollm2_path):
-    from test_engine import write_tiny_llama
-
-    from llmfw.core.gguf import open_gguf
-
-    with open_gguf(smollm2_path) as f:
-        metadata = dict(f.metadata)
-    path = write_tiny_llama(tmp_path_factory.mktemp("kv") / "tiny.gguf", metadata)
+def tiny_model(tmp_path_factory):
+    path = write_tiny_llama(tmp_path_factory.mktemp("kv") / "tiny.gguf")
     with llmfw.load_model(path, backend="numpy") as m:
         yield m
 
 
 def reserve(cache, tokens, seq_id=0, n_ubatch=512, pos=None):
     """Allocate a batch against the cache, reserve and apply it; returns (ubatches, reservation)."""
-    allocator = BatchAllocator(n_vocab=49152, n_embd=32, n_seq_max=cache.n_seq_max)
+    allocator = BatchAllocator(n_vocab=TINY_N_VOCAB, n_embd=TINY_N_EMBD, n_seq_max=cache.n_seq_max)
     batch = allocator.init(Batch(tokens, seq_id=seq_id, pos=pos), cache)
     ubatches, reserved = cache.init_batch(batch, n_ubatch)
     if reserved is not None:

@@ -14,6 +14,7 @@ import pytest
 import llmfw
 from llmfw.core.rope import rope_cos_sin, yarn_corr_dims
 from llmfw.plugins.backends.numpy import rope_apply
+from support.models import write_tiny_llama
 
 BASE = dict(n_dims=64, freq_base=10000.0, freq_scale=1.0, ext_factor=0.0, attn_factor=1.0, beta_fast=32.0,
             beta_slow=1.0, n_ctx_orig=2048)
@@ -95,16 +96,6 @@ def test_llama3_factors_match_the_converter():
     np.testing.assert_allclose(factors[band], 1 / ((1 - smooth) / 8 + smooth), rtol=1e-5)
 
 
-def _tiny(tmp_path, smollm2_path, **extra):
-    from test_engine import write_tiny_llama
-
-    from llmfw.core.gguf import open_gguf
-
-    with open_gguf(smollm2_path) as f:
-        metadata = dict(f.metadata)
-    return write_tiny_llama(tmp_path / "tiny.gguf", metadata)
-
-
 @pytest.mark.parametrize("overrides, expected_scale, has_factors", [
     ({"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0}, 0.25, False),
     ({"llama.rope.scale_linear": 2.0}, 0.5, False),
@@ -113,8 +104,8 @@ def _tiny(tmp_path, smollm2_path, **extra):
     ({"llama.rope.scaling.type": "llama3", "llama.rope.scaling.factor": 8.0,
       "llama.rope.scaling.original_context_length": 64}, 1.0, True),
 ])
-def test_scaling_keys_reach_the_graph(tmp_path, smollm2_path, overrides, expected_scale, has_factors):
-    path = _tiny(tmp_path, smollm2_path)
+def test_scaling_keys_reach_the_graph(tmp_path, overrides, expected_scale, has_factors):
+    path = write_tiny_llama(tmp_path / "tiny.gguf")
     with llmfw.load_model(path, backend="numpy", kv_overrides=overrides) as m:
         hp = m.hparams
         params = m.arch.rope_params(hp, 0)

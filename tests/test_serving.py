@@ -24,7 +24,7 @@ import llmfw
 from llmfw.core.chat import apply_chat_template
 from llmfw.serving import Engine
 from llmfw.serving.app import MAX_BODY_BYTES, create_app
-from live_server import TIMEOUT, LiveServer, free_port, get, post
+from support.live_server import TIMEOUT, LiveServer, free_port, get, post
 
 ROOT = Path(__file__).resolve().parent.parent
 API_KEY = "test-secret"

@@ -19,7 +19,7 @@ import llmfw
 from llmfw.core.chat import apply_chat_template
 from llmfw.serving import Engine
 from llmfw.serving.app import create_app
-from live_server import TIMEOUT, LiveServer, post
+from support.live_server import TIMEOUT, LiveServer, post
 
 TEMPLATE = (Path(__file__).parent / "data" / "tool_templates" / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text()
 OK_PROMPT = [{"role": "user", "content": 'Reply with the JSON object {"ok": true} and nothing else.'}]

@@ -137,8 +137,6 @@ def test_gemma3_teacher_forced_clears_the_bar(gemma3_path, gemma3_ref, score) ->
 def test_gemma3_long_prompt_crosses_the_sliding_window(gemma3_path, gemma3_ref, score) -> None:
     """The 1,196-token prompt, past the 512-token window, in batches of 512 scored slice by slice (Gemma's
     262k-row head makes the whole logits matrix 1.25 GB)."""
-    from test_gemma3 import combine_scores
-
     record = max(gemma3_ref["prompts"], key=lambda r: len(r["sequence"]))
     sequence = record["sequence"]
     assert len(sequence) > 2 * N_UBATCH
