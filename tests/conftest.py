@@ -1,13 +1,55 @@
-"""Shared fixtures: the real models (fetched through the catalog, cached) and llama.cpp's reference outputs
-(``tests/data/reference/``, inside the repository)."""
+"""Shared fixtures: the real models (fetched through the catalog, cached; loaded once per session and backend)
+and llama.cpp's reference outputs (``tests/data/reference/``, inside the repository); the test tiers.
+
+Tiers are folders (docs/testing.md): ``unit/`` (no model file), ``tiny/`` (random-weight models built on the fly
+by ``support/models.py``), ``cli/`` (the command line), ``reference/`` (the real models). Every test in ``unit/``
+and ``tiny/`` is marked ``fast``, and so is a ``cli/`` test that carries ``@pytest.mark.fast`` itself;
+``bash scripts/test.sh --fast`` runs ``-m fast``. A fast test may not ask for a real model."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+TESTS = ROOT / "tests"
+# whatever folder a test module sits in: ``support`` and ``reference_gen`` import from tests/, ``benchmarks``
+# from the checkout's root
+for _folder in (TESTS, ROOT):
+    if str(_folder) not in sys.path:
+        sys.path.insert(0, str(_folder))
+
+#: the folders whose every test is in the fast tier (no download)
+FAST_TIERS = ("unit", "tiny")
+#: the fixtures that need a real model's file
+REAL_MODEL_FIXTURES = frozenset({"smollm2_path", "gemma3_path"})
+
+
+def _tier(item: pytest.Item) -> str | None:
+    try:
+        parts = Path(str(item.fspath)).resolve().relative_to(ROOT).parts
+    except ValueError:  # a test outside the checkout
+        return None
+    return parts[1] if len(parts) > 2 and parts[0] == "tests" else None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark each test with its tier's name (``-m tiny``) and the fast ones ``fast``; a fast test that asks
+    for a real model is a mistake in its folder, reported at collection."""
+    misplaced = []
+    for item in items:
+        tier = _tier(item)
+        if tier is not None:
+            item.add_marker(tier)
+        if tier in FAST_TIERS:
+            item.add_marker("fast")
+        if item.get_closest_marker("fast") and REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            misplaced.append(item.nodeid)
+    if misplaced:
+        raise pytest.UsageError("fast-tier tests that need a real model (move them to tests/reference/ or "
+                                "drop their `fast` mark): " + ", ".join(misplaced))
 
 
 #: llama.cpp's reference outputs, copied into the repository (provenance: tests/data/reference/README.md);
