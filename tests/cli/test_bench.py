@@ -58,6 +58,7 @@ def test_bench_json_structure(smollm2_path, backends) -> None:
     assert sum(line.startswith("| llmfw |") for line in table.splitlines()) == 2 * len(backends)
 
 
+@pytest.mark.fast
 def test_bench_table_with_a_reference_has_ratios() -> None:
     record = {"engine": "llmfw", "backend": "torch", "n_threads": 2, "load_s": 1.0, "rss_base": 1 << 20,
               "rss_after_load": 2 << 20, "rss_peak": 3 << 20, "weight_bytes": 1 << 20, "kv_bytes": 1 << 20,
@@ -73,6 +74,7 @@ def test_bench_table_with_a_reference_has_ratios() -> None:
 
 @pytest.mark.parametrize("peer, import_line", [("llama_cpp", "from llama_cpp import Llama"),
                                                  ("transformers", "from transformers import AutoModelForCausalLM")])
+@pytest.mark.fast
 def test_peer_scripts_are_self_contained(peer: str, import_line: str) -> None:
     """The script for the other interpreter must compile and must not import llmfw."""
     source = peer_script(PEERS[peer])
@@ -165,6 +167,7 @@ def test_no_interleave_runs_the_engines_one_after_another(smollm2_path) -> None:
     assert order == ["numpy"] * 4 + ["onnx"] * 4
 
 
+@pytest.mark.fast
 def test_a_job_that_fails_while_others_take_turns_is_a_clear_error_not_a_hang() -> None:
     waits_twice = (f"import sys\nfor _ in range(2):\n    print({TURN_MARK!r}, flush=True)\n"
                    "    sys.stdin.readline()\nprint('{\"ok\": 1}')")
@@ -175,6 +178,7 @@ def test_a_job_that_fails_while_others_take_turns_is_a_clear_error_not_a_hang() 
     assert run_taking_turns(jobs[:1]) == [{"ok": 1}]
 
 
+@pytest.mark.fast
 def test_a_load_clock_without_pyc_files_is_pointed_out():
     from llmfw.commands.bench import bytecode_note
 

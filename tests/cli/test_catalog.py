@@ -25,6 +25,7 @@ def test_aliases_and_paths(smollm2_path):
     assert catalog.resolve_model(None) == smollm2_path  # the default model
 
 
+@pytest.mark.fast
 def test_unknown_name_lists_catalog():
     with pytest.raises(CatalogError, match="smollm2"):
         catalog.resolve_model("no-such-model")
@@ -32,6 +33,7 @@ def test_unknown_name_lists_catalog():
         catalog.pull("no-such-model")
 
 
+@pytest.mark.fast
 def test_missing_cache_without_pull_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("LLMFW_MODELS_DIR", str(tmp_path))
     with pytest.raises(CatalogError, match="llmfw pull smollm2"):

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from support.cli import llmfw_in_process
+
 ROOT = Path(__file__).resolve().parents[2]
 #: the console script pip installed beside this interpreter (scripts/test.sh installs the project)
 CONSOLE_SCRIPT = Path(sys.executable).with_name("llmfw")
@@ -54,9 +56,10 @@ def without_modules(tmp_path: Path, *modules: str) -> Path:
 
 
 # -- limits --------------------------------------------------------------------------------------------------
+@pytest.mark.fast
 @pytest.mark.parametrize("value", ["-3", "-5", "-100"])
 def test_n_below_minus_two_is_an_error_not_no_limit(value):
-    result = llmfw("run", "hi", "-n", value, "--no-progress")
+    result = llmfw_in_process("run", "hi", "-n", value, "--no-progress")
     assert result.returncode == 2
     assert f"{value} is not a token limit: use N >= 0, -1 (until end of generation) or -2" in result.stderr
     assert result.stdout == "" and "Traceback" not in result.stderr
@@ -72,7 +75,7 @@ def test_n_minus_two_runs_until_the_context_is_full(smollm2_path):
 
 
 def test_context_padding_is_visible(smollm2_path):
-    help_text = llmfw("run", "--help").stdout
+    help_text = llmfw_in_process("run", "--help").stdout
     assert "rounded up to a multiple of 256" in " ".join(help_text.split())
     result = llmfw("run", "-m", str(smollm2_path), "Hi", "-n", "1", "-c", "64", "-v", "--no-progress")
     assert result.returncode == 0, result.stderr
@@ -83,9 +86,10 @@ def test_context_padding_is_visible(smollm2_path):
 
 
 # -- the default backend ---------------------------------------------------------------------------------------
+@pytest.mark.fast
 def test_help_states_the_default_backend_rule():
     for command in ("run", "chat"):
-        text = " ".join(llmfw(command, "--help").stdout.split())
+        text = " ".join(llmfw_in_process(command, "--help").stdout.split())
         assert "Default: torch:cuda when a CUDA GPU and torch are present, else onnx (onnxruntime importable), " \
                "else numpy" in text
         assert "-t, --threads" in text
@@ -127,7 +131,7 @@ def test_threads_reach_the_backend(smollm2_path, tmp_path):
     assert {b.n_threads for b in model.backends.values()} == {None}  # creating a context sets nothing shared
     assert ctx.decode(Batch([1, 2])) == 0
     assert {b.n_threads for b in model.backends.values()} == {1}  # its compute calls run with its threads
-    bad = llmfw("run", "hi", "-t", "0", "--no-progress")
+    bad = llmfw_in_process("run", "hi", "-t", "0", "--no-progress")
     assert bad.returncode == 2 and "-t" in bad.stderr
 
 
@@ -230,6 +234,7 @@ def test_inspect_text_shows_special_tokens_and_chat_template(smollm2_path, gemma
     assert "chat template:   no" in gemma
 
 
+@pytest.mark.fast
 def test_plugins_marks_backends_whose_libraries_are_missing(tmp_path):
     env = console_env(without_modules(tmp_path, "torch"))
     result = llmfw("plugins", env=env)
@@ -241,16 +246,17 @@ def test_plugins_marks_backends_whose_libraries_are_missing(tmp_path):
     assert "not installed" not in numpy_line and "not installed" not in onnx_line
 
 
+@pytest.mark.fast
 def test_yaml_errors_through_the_cli_name_the_file(tmp_path):
     config = tmp_path / "p.yaml"
     config.write_text("sampling: {top_pp: 0.5, repeat_penalty: 0}\n")
-    result = llmfw("run", "--config", str(config), "hi", "--no-progress")
+    result = llmfw_in_process("run", "--config", str(config), "hi", "--no-progress")
     assert result.returncode == 1
     assert result.stderr.strip() == (f"llmfw: error: {config}: 2 problems: sampling.repeat_penalty: must be > 0.0 "
                                      "(got 0); sampling.top_pp: unknown key, did you mean `top_p`?")
     empty = tmp_path / "empty.yaml"
     empty.write_text("")
-    assert f"{empty}: the pipeline file is empty" in llmfw("run", "--config", str(empty), "hi").stderr
+    assert f"{empty}: the pipeline file is empty" in llmfw_in_process("run", "--config", str(empty), "hi").stderr
 
 
 def test_tokenize_counts_in_the_singular_too(smollm2_path):
@@ -259,6 +265,7 @@ def test_tokenize_counts_in_the_singular_too(smollm2_path):
     assert result.stderr.strip().splitlines()[-1] == "1 token"
 
 
+@pytest.mark.fast
 def test_the_default_follows_the_backends_declarations():
     """The core names no backend: a plugin declaring a higher priority wins where it can run, and one that
     cannot is skipped with its reason."""
@@ -299,6 +306,7 @@ def test_the_default_follows_the_backends_declarations():
 
 
 @pytest.mark.cuda
+@pytest.mark.fast
 def test_default_backend_is_torch_cuda_on_a_gpu():
     if not os.path.exists("/proc/driver/nvidia/version"):
         pytest.skip("needs a CUDA GPU (no NVIDIA driver loaded)")  # without importing torch for seconds

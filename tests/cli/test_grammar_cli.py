@@ -15,6 +15,7 @@ import pytest
 
 from llmfw.core.errors import ConfigError
 from llmfw.core.pipeline import Pipeline, load_pipeline
+from support.cli import llmfw_in_process
 
 ROOT = Path(__file__).resolve().parents[2]
 GRAMMARS = Path(__file__).parents[1] / "data" / "grammars"
@@ -76,18 +77,20 @@ def test_run_with_json_gives_an_object():
     (["--json", "--regex", "a"], "at most one output constraint"),
 ])
 def test_bad_constraints_are_one_line_errors(args, words):
-    result = llmfw("run", "-m", "smollm2", "--no-progress", "-n", "4", *args, "hi")
+    result = llmfw_in_process("run", "-m", "smollm2", "--no-progress", "-n", "4", *args, "hi")
     assert result.returncode != 0
     assert words in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.fast
 def test_help_lists_the_flags():
-    result = llmfw("run", "--help")
+    result = llmfw_in_process("run", "--help")
     for flag in ("--grammar", "--grammar-file", "--json-schema", "-jf", "--json", "--regex"):
         assert flag in result.stdout
 
 
 # -- YAML ------------------------------------------------------------------------------------------------------
+@pytest.mark.fast
 def test_yaml_grammar_and_schema_files_are_relative_to_the_yaml_file(tmp_path):
     (tmp_path / "g").mkdir()
     (tmp_path / "g" / "yes.gbnf").write_text('root ::= "yes" | "no"\n')
@@ -98,6 +101,7 @@ def test_yaml_grammar_and_schema_files_are_relative_to_the_yaml_file(tmp_path):
     assert json.loads(load_pipeline(tmp_path / "b.yaml").config.sampling.json_schema) == SCHEMA
 
 
+@pytest.mark.fast
 def test_yaml_inline_schema_mapping_and_grammar_text(tmp_path):
     path = tmp_path / "p.yaml"
     path.write_text("sampling:\n  json_schema:\n    type: object\n    properties: {n: {type: integer}}\n")
@@ -107,6 +111,7 @@ def test_yaml_inline_schema_mapping_and_grammar_text(tmp_path):
     assert pipeline.config.sampling.grammar_spec().kind == "gbnf"
 
 
+@pytest.mark.fast
 def test_yaml_bad_grammar_or_missing_file_names_the_key(tmp_path):
     (tmp_path / "a.yaml").write_text("sampling:\n  grammar: missing.gbnf\n")
     with pytest.raises(ConfigError, match=r"sampling\.grammar: cannot read"):
@@ -136,5 +141,5 @@ def test_bench_with_a_json_schema_reports_constrained_tg(smollm2_path):
 def test_bench_refuses_a_bad_schema_before_loading(tmp_path, smollm2_path):
     bad = tmp_path / "bad.json"
     bad.write_text('{"type": "nope"}')
-    result = llmfw("bench", str(smollm2_path), "-n", "4", "-p", "0", "-jf", str(bad))
+    result = llmfw_in_process("bench", str(smollm2_path), "-n", "4", "-p", "0", "-jf", str(bad))
     assert result.returncode != 0 and "Invalid type" in result.stderr and "Traceback" not in result.stderr

@@ -75,6 +75,7 @@ def test_text_output(smollm2_path: Path) -> None:
     assert out.count("blk.") == 270  # 30 layers x 9 tensors, one table row each
 
 
+@pytest.mark.fast
 def test_written_model_and_split(tmp_path: Path) -> None:
     writer = GGUFWriter(tmp_path / "tiny.gguf", n_splits=2)
     writer.add("general.architecture", "tiny")
@@ -92,6 +93,7 @@ def test_written_model_and_split(tmp_path: Path) -> None:
     assert [t["file"] for t in s["tensors"]] == [0, 1]
 
 
+@pytest.mark.fast
 def test_errors_are_clear(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"NOPE" + bytes(40))

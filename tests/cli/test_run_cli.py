@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from support.cli import llmfw_in_process
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -24,14 +26,16 @@ def llmfw(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
     (["--mirostat", "3"], "sampling.mirostat"),
     (["--config", "/nonexistent.yaml"], "cannot read"),
 ])
+@pytest.mark.fast
 def test_bad_flags_are_one_line_errors(args, message):
-    result = llmfw("run", "hi", "--no-progress", *args)
+    result = llmfw_in_process("run", "hi", "--no-progress", *args)
     assert result.returncode != 0
     assert message in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.fast
 def test_help_documents_greedy_default_and_flags():
-    result = llmfw("run", "--help")
+    result = llmfw_in_process("run", "--help")
     assert result.returncode == 0
     for flag in ("--temp", "--top-k", "--top-p", "--min-p", "--repeat-penalty", "--seed", "--sampler-seq",
                  "--chat", "--config", "-n"):

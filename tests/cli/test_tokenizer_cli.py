@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from click.testing import CliRunner
 
 from llmfw.cli import cli
@@ -40,6 +41,7 @@ def test_text_from_stdin(smollm2_path):
     assert json.loads(result.output) == [19556, 905]
 
 
+@pytest.mark.fast
 def test_bad_model_is_a_clear_error():
     result = run("/no/such/model.gguf", "x")
     assert result.exit_code != 0
