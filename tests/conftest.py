@@ -24,7 +24,7 @@ for _folder in (TESTS, ROOT):
 #: the folders whose every test is in the fast tier (no download)
 FAST_TIERS = ("unit", "tiny")
 #: the fixtures that need a real model's file
-REAL_MODEL_FIXTURES = frozenset({"smollm2_path", "gemma3_path"})
+REAL_MODEL_FIXTURES = frozenset({"smollm2_path", "gemma3_path", "shared_models"})
 
 
 def _tier(item: pytest.Item) -> str | None:
@@ -104,6 +104,19 @@ def gemma3_path() -> Path:
     from llmfw.core.catalog import resolve_model
 
     return resolve_model("gemma-3-270m")
+
+
+@pytest.fixture(scope="session")
+def shared_models(request):
+    """The real models loaded once for the whole session (``shared_models.get("smollm2", "numpy")``), one per
+    name, backend and vocab_only; closed at the session's end. Only for tests that leave the model as they
+    found it (contexts of their own are fine)."""
+    from support.real_models import SharedModels
+
+    fixture_of = {"smollm2": "smollm2_path", "gemma3": "gemma3_path"}
+    models = SharedModels(lambda name: request.getfixturevalue(fixture_of[name]))
+    yield models
+    models.close()
 
 
 @pytest.fixture(scope="session")

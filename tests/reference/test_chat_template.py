@@ -19,10 +19,8 @@ MESSAGES = [
 
 
 @pytest.fixture(scope="module")
-def smollm2_vocab_model(smollm2_path):
-    import llmfw
-
-    return llmfw.load_model(smollm2_path, vocab_only=True)
+def smollm2_vocab_model(shared_models):
+    return shared_models.get("smollm2", vocab_only=True)
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ import pytest
 
 from llmfw.core.embedding import embed_texts, model_pooling
 from llmfw.core.errors import ConfigError, ContextError
+from support.cli import llmfw_in_process
 
 DATA = Path(__file__).parents[1] / "data" / "tools"
 
@@ -48,10 +49,8 @@ def cosine(a, b) -> float:
 
 
 @pytest.fixture(scope="module", params=["smollm2", "gemma3"])
-def which_model(request, smollm2_path, gemma3_path):
-    import llmfw
-
-    return request.param, llmfw.load_model(smollm2_path if request.param == "smollm2" else gemma3_path)
+def which_model(request, shared_models):
+    return request.param, shared_models.get(request.param)
 
 
 @pytest.mark.parametrize("pooling", ["mean", "cls", "last"])
@@ -91,10 +90,8 @@ def test_last_token_vectors_are_as_close_as_llama_cpps_own_two_attention_paths(w
 
 
 @pytest.fixture(scope="module")
-def gemma3_ggml(gemma3_path):
-    import llmfw
-
-    return llmfw.load_model(gemma3_path, backend="ggml")
+def gemma3_ggml(shared_models):
+    return shared_models.get("gemma3", "ggml")
 
 
 @pytest.mark.parametrize("pooling, bar", [("mean", 0.999), ("cls", 0.99999)])
@@ -166,5 +163,5 @@ def test_embed_cli_prints_openai_shaped_json(smollm2_path):
     ref = llama_cpp_embeddings("smollm2")["mean"]
     assert cosine(out["data"][0]["embedding"], ref["one_by_one"][0]) >= 0.999
     assert out["usage"]["prompt_tokens"] == sum(ref["n_tokens"][:2])
-    bad = subprocess.run(cmd[:6] + ["--pooling", "max", "x"], capture_output=True, text=True, timeout=600)
+    bad = llmfw_in_process(*cmd[3:6], "--pooling", "max", "x")
     assert bad.returncode != 0 and "max" in bad.stderr

@@ -24,9 +24,8 @@ TOL = 1e-3
 
 
 @pytest.fixture(scope="module")
-def model(smollm2_path):
-    with llmfw.load_model(smollm2_path, backend="numpy") as m:
-        yield m
+def model(shared_models):
+    return shared_models.get("smollm2", "numpy")
 
 
 def new_ctx(model, **kw):

@@ -43,9 +43,8 @@ TAIL = 17  # logits rows kept from teacher forcing: the last prompt token's and 
 
 
 @pytest.fixture(scope="module")
-def model(gemma3_path):
-    with llmfw.load_model(gemma3_path, backend="numpy") as m:
-        yield m
+def model(shared_models):
+    return shared_models.get("gemma3", "numpy")
 
 
 def teacher_forced(model, record, score, ubatch_sizes=UBATCH_SIZES) -> dict:

@@ -13,17 +13,13 @@ from llmfw.core.sampling import SamplerChain, SamplerParams
 
 
 @pytest.fixture(scope="module")
-def vocab_model(smollm2_path):
-    import llmfw
-
-    return llmfw.load_model(smollm2_path, vocab_only=True)
+def vocab_model(shared_models):
+    return shared_models.get("smollm2", vocab_only=True)
 
 
 @pytest.fixture(scope="module")
-def model(smollm2_path):
-    import llmfw
-
-    return llmfw.load_model(smollm2_path)
+def model(shared_models):
+    return shared_models.get("smollm2")
 
 
 @pytest.fixture(scope="module")

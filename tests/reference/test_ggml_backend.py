@@ -154,9 +154,8 @@ def test_q4_1_matmul_equals_ggml_integer_dot_product(smollm2_path):
 # ---------------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def model(smollm2_path):
-    with llmfw.load_model(smollm2_path, backend="ggml") as m:
-        yield m
+def model(shared_models):
+    return shared_models.get("smollm2", "ggml")
 
 
 #: the 2,727-token prompt takes ~2x the numpy backend's time (f16 roundings of the attention probabilities)

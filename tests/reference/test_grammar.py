@@ -13,17 +13,16 @@ from llmfw.core.grammar import (MAX_GRAMMAR_CHARS, MAX_SCHEMA_DEPTH, GrammarMatc
                                 check_text_matches, gbnf_to_lark, grammar_tokenizer, json_depth, token_bytes)
 from llmfw.core.response_format import constraint_from_request
 from llmfw.core.sampling import SamplerParams
-from llmfw.core.vocab import Vocab
 
 
 @pytest.fixture(scope="module")
-def smollm2_vocab(smollm2_path):
-    return Vocab.from_file(smollm2_path)
+def smollm2_vocab(shared_models):
+    return shared_models.get("smollm2", vocab_only=True).vocab
 
 
 @pytest.fixture(scope="module")
-def gemma3_vocab(gemma3_path):
-    return Vocab.from_file(gemma3_path)
+def gemma3_vocab(shared_models):
+    return shared_models.get("gemma3", vocab_only=True).vocab
 
 
 # -- errors with their place ---------------------------------------------------------------------------------

@@ -16,7 +16,6 @@ import jsonschema
 import pytest
 import regex
 
-import llmfw
 from llmfw.core.batch import Batch
 from llmfw.core.errors import GrammarError
 from llmfw.core.generate import GenerationStats, generate
@@ -28,15 +27,13 @@ MAX_TOKENS = 48
 
 
 @pytest.fixture(scope="module")
-def smollm2(smollm2_path):
-    with llmfw.load_model(smollm2_path) as model:
-        yield model
+def smollm2(shared_models):
+    return shared_models.get("smollm2")
 
 
 @pytest.fixture(scope="module")
-def gemma3(gemma3_path):
-    with llmfw.load_model(gemma3_path) as model:
-        yield model
+def gemma3(shared_models):
+    return shared_models.get("gemma3")
 
 
 def sample_together(model, prompt: str, params: list[SamplerParams], max_tokens: int = MAX_TOKENS):

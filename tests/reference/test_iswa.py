@@ -25,9 +25,9 @@ CELL_BYTES = 4 * (256 + 256)  # one KV head of 256 for K and for V, float32
 
 
 @pytest.fixture(scope="module")
-def model(gemma3_path):
+def model(shared_models):
     # the hyperparameters are all these tests need: no weights
-    return llmfw.load_model(gemma3_path, vocab_only=True)
+    return shared_models.get("gemma3", vocab_only=True)
 
 
 def pad(n: int) -> int:

@@ -20,9 +20,8 @@ UBATCH_TOL = 1e-3
 
 
 @pytest.fixture(scope="module")
-def model(smollm2_path):
-    with llmfw.load_model(smollm2_path, backend="numpy") as m:
-        yield m
+def model(shared_models):
+    return shared_models.get("smollm2", "numpy")
 
 
 def teacher_forced_logits(model, sequence, n_ubatch):

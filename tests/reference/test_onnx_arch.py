@@ -88,9 +88,8 @@ def test_llama_cpp_bar_with_int8_activations(files, score, name):
 # ---------------------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def gemma3_onnx(gemma3_path):
-    with llmfw.load_model(gemma3_path, backend="onnx") as model:
-        yield model
+def gemma3_onnx(shared_models):
+    return shared_models.get("gemma3", "onnx")
 
 
 def test_gemma3_prompts_within_bar(gemma3_onnx, gemma3_ref, score):

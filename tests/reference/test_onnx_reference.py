@@ -28,10 +28,8 @@ def teacher_forced_logits(model, sequence: list[int], n_ubatch: int = 512) -> np
 
 
 @pytest.fixture(scope="module")
-def smollm2_onnx(smollm2_path):
-    model = llmfw.load_model(smollm2_path, backend="onnx")
-    yield model
-    model.close()
+def smollm2_onnx(shared_models):
+    return shared_models.get("smollm2", "onnx")
 
 
 def _prompt_ids(ref: dict, long: bool) -> list[int]:

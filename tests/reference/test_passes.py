@@ -30,9 +30,8 @@ def randn(*shape: int) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def smollm2(smollm2_path):
-    with llmfw.load_model(smollm2_path, backend="numpy") as model:
-        yield model
+def smollm2(shared_models):
+    return shared_models.get("smollm2", "numpy")
 
 
 def decode_plan(model, n_tokens: int):

@@ -19,6 +19,7 @@ import pytest
 
 from llmfw.core.errors import ContextError
 from llmfw.core.perplexity import perplexity, perplexity_of_tokens, perplexity_tokens, token_nll
+from support.cli import llmfw_in_process
 
 DATA = Path(__file__).parents[1] / "data" / "tools"
 TEXT = (DATA / "lighthouses.txt").read_text(encoding="utf-8")
@@ -43,12 +44,10 @@ def test_token_nll_is_minus_log_softmax():
 
 @pytest.mark.parametrize("backend", ["numpy", "torch", "onnx"])
 @pytest.mark.parametrize("which", ["smollm2", "gemma3"])
-def test_perplexity_within_one_percent_of_llama_cpp(which, backend, smollm2_path, gemma3_path):
-    import llmfw
-
+def test_perplexity_within_one_percent_of_llama_cpp(which, backend, shared_models):
     if backend == "onnx":
         pytest.importorskip("onnxruntime")
-    model = llmfw.load_model(smollm2_path if which == "smollm2" else gemma3_path, backend=backend)
+    model = shared_models.get(which, backend)
     tokens = perplexity_tokens(model, TEXT)
     ref = llama_cpp_ppl(which, N_CTX)
     assert len(tokens) == ref["n_tokens"]  # llama.cpp's tokenization, BOS included where the vocabulary adds it
@@ -60,10 +59,8 @@ def test_perplexity_within_one_percent_of_llama_cpp(which, backend, smollm2_path
     assert abs(result.stderr / ref["stderr"] - 1) < 0.05
 
 
-def test_batches_smaller_than_a_chunk_give_the_same_estimate(smollm2_path):
-    import llmfw
-
-    model = llmfw.load_model(smollm2_path, backend="numpy")
+def test_batches_smaller_than_a_chunk_give_the_same_estimate(shared_models):
+    model = shared_models.get("smollm2", "numpy")
     whole = perplexity(model, TEXT, n_ctx=N_CTX, n_chunks=2)
     split = perplexity(model, TEXT, n_ctx=N_CTX, n_batch=48, n_chunks=2)  # 48 < n_ctx/2: a batch with no output
     assert math.isclose(whole[0], split[0], rel_tol=1e-4) and math.isclose(whole[1], split[1], rel_tol=1e-3)
@@ -82,20 +79,18 @@ def test_cli_prints_running_estimates_and_llama_perplexitys_final_line(smollm2_p
     assert abs(float(final.group(1)) / ref - 1) < 0.02  # 2 chunks, 126 scored tokens
 
 
-def test_bad_input_is_a_clear_error(smollm2_path, tmp_path):
-    import llmfw
-
-    model = llmfw.load_model(smollm2_path, backend="numpy")
+def test_bad_input_is_a_clear_error(smollm2_path, shared_models, tmp_path):
+    model = shared_models.get("smollm2", "numpy")
     with pytest.raises(ContextError, match="at least 2\\*n_ctx"):
         perplexity(model, "too short", n_ctx=128)
     with pytest.raises(ContextError, match="n_ctx must be at least"):
         perplexity(model, TEXT, n_ctx=2)
-    base = [sys.executable, "-m", "llmfw.cli", "perplexity", "-m", str(smollm2_path), "--no-progress"]
+    base = ["perplexity", "-m", str(smollm2_path), "--no-progress"]
     binary = tmp_path / "b.txt"
     binary.write_bytes(b"\xff\xfe\x00bad")
     for args, message in [(["-f", str(tmp_path / "none.txt")], "cannot read"), (["-f", str(binary)], "not UTF-8"),
                           (["-f", str(DATA / "lighthouses.txt"), "--chunks", "0"], "--chunks"),
                           (["-f", str(DATA / "lighthouses.txt"), "-c", "4096"], "2*n_ctx")]:
-        result = subprocess.run(base + args, capture_output=True, text=True, timeout=600)
+        result = llmfw_in_process(*base, *args)
         assert result.returncode != 0 and message in result.stderr, result.stderr
         assert "Traceback" not in result.stderr

@@ -9,10 +9,8 @@ from llmfw.plugins.samplers.dry import DRY, breakers_from_strings
 
 
 @pytest.fixture(scope="module")
-def vocab_model(smollm2_path):
-    import llmfw
-
-    return llmfw.load_model(smollm2_path, vocab_only=True)
+def vocab_model(shared_models):
+    return shared_models.get("smollm2", vocab_only=True)
 
 
 def test_breakers_from_strings_like_llama_cpp(vocab_model):

@@ -10,9 +10,8 @@ from llmfw.core.generate import GenerationStats
 
 
 @pytest.fixture(scope="module")
-def model(smollm2_path):
-    with llmfw.load_model(smollm2_path, backend="numpy") as m:
-        yield m
+def model(shared_models):
+    return shared_models.get("smollm2", "numpy")
 
 
 def test_decode_and_every_sequence_operation_update_the_records(model) -> None:

@@ -20,7 +20,6 @@ import httpx
 import openai
 import pytest
 
-import llmfw
 from llmfw.core.chat import apply_chat_template
 from llmfw.serving import Engine
 from llmfw.serving.app import MAX_BODY_BYTES, create_app
@@ -33,8 +32,8 @@ PROMPT = "The capital of France is"
 
 
 @pytest.fixture(scope="module")
-def model(smollm2_path):
-    return llmfw.load_model(str(smollm2_path), backend="numpy")
+def model(shared_models):
+    return shared_models.get("smollm2", "numpy")
 
 
 @pytest.fixture(scope="module")

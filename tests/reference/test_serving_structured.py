@@ -15,7 +15,6 @@ import jsonschema
 import openai
 import pytest
 
-import llmfw
 from llmfw.core.chat import apply_chat_template
 from llmfw.serving import Engine
 from llmfw.serving.app import create_app
@@ -42,8 +41,8 @@ ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def model(smollm2_path):
-    return llmfw.load_model(str(smollm2_path), backend="numpy")
+def model(shared_models):
+    return shared_models.get("smollm2", "numpy")
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ from llmfw.core.errors import ConfigError
 from llmfw.core.generate import GenerationStats, generate
 from llmfw.core.pipeline import Pipeline
 from llmfw.core.speculative import DraftModelDrafter, NgramDrafter
+from support.cli import llmfw_in_process
 
 
 def llama_cpp_ngram_simple(tokens: list[int], sampled: int, n: int, m: int) -> list[int]:
@@ -68,11 +69,9 @@ def _greedy(ctx, prompt_ids, n, draft=None):
 
 @pytest.mark.parametrize("which", ["smollm2", "gemma3"])
 def test_greedy_output_is_unchanged_by_ngram_drafting_on_every_reference_prompt(
-        which, request, smollm2_path, gemma3_path):
-    import llmfw
-
+        which, request, shared_models):
     ref = request.getfixturevalue(f"{which}_ref")
-    model = llmfw.load_model(smollm2_path if which == "smollm2" else gemma3_path)
+    model = shared_models.get(which)
     ctx = model.new_context(n_ctx=4096)
     drafted = rejected = 0
     for record in ref["prompts"]:
@@ -89,10 +88,8 @@ def test_greedy_output_is_unchanged_by_ngram_drafting_on_every_reference_prompt(
     assert drafted > 0 and rejected > 0  # both the accept and the rollback paths ran
 
 
-def test_draft_model_mode_with_the_same_model_accepts_everything(smollm2_path, smollm2_ref):
-    import llmfw
-
-    model = llmfw.load_model(smollm2_path)
+def test_draft_model_mode_with_the_same_model_accepts_everything(shared_models, smollm2_ref):
+    model = shared_models.get("smollm2")
     record = smollm2_ref["prompts"][1]
     n = 12
     plain_text, plain = _greedy(model.new_context(n_ctx=256), record["prompt_ids"], n)
@@ -103,11 +100,9 @@ def test_draft_model_mode_with_the_same_model_accepts_everything(smollm2_path, s
     assert spec.n_verify_batches <= n // 4 + 1  # 4 drafted + 1 sampled per batch: few target decodes
 
 
-def test_draft_model_with_another_vocabulary_is_refused(smollm2_path, gemma3_path):
-    import llmfw
-
-    target = llmfw.load_model(smollm2_path, vocab_only=True)
-    draft = llmfw.load_model(gemma3_path, vocab_only=True)
+def test_draft_model_with_another_vocabulary_is_refused(shared_models):
+    target = shared_models.get("smollm2", vocab_only=True)
+    draft = shared_models.get("gemma3", vocab_only=True)
     with pytest.raises(ConfigError, match="vocabulary"):
         DraftModelDrafter(target, draft)
 
@@ -132,5 +127,5 @@ def test_run_draft_max_flag_drafts_and_reports_acceptance(smollm2_path):
     assert plain.returncode == 0 and spec.returncode == 0, spec.stderr
     assert spec.stdout == plain.stdout
     assert "accepted" in spec.stderr and "accepted" not in plain.stderr
-    bad = subprocess.run(cmd[:4] + ["--draft-max", "0"] + cmd[4:], capture_output=True, text=True, timeout=600)
+    bad = llmfw_in_process(*cmd[3:4], "--draft-max", "0", *cmd[4:])
     assert bad.returncode != 0 and "draft-max" in bad.stderr

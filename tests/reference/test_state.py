@@ -21,10 +21,8 @@ TEXT = "The keepers wrote everything down, and every light was inspected every y
 
 
 @pytest.fixture(scope="module", params=["smollm2", "gemma3"])
-def model(request, smollm2_path, gemma3_path):
-    import llmfw
-
-    return llmfw.load_model(smollm2_path if request.param == "smollm2" else gemma3_path, backend="numpy")
+def model(request, shared_models):
+    return shared_models.get(request.param, "numpy")
 
 
 def _decode(ctx, tokens, start=0, seq=0):

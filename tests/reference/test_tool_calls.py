@@ -156,10 +156,8 @@ def test_stream_holds_back_only_a_possible_tag():
 
 # -- a real model under the grammar -----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def smollm2_vocab(smollm2_path):
-    from llmfw.core.vocab import Vocab
-
-    return Vocab.from_file(smollm2_path)
+def smollm2_vocab(shared_models):
+    return shared_models.get("smollm2", vocab_only=True).vocab
 
 
 def test_forced_call_from_a_real_model_parses_and_validates(smollm2_path):
