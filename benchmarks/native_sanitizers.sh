@@ -22,4 +22,4 @@ fi
 # the sanitizer runtimes must be loaded before the interpreter's own allocations; Python's arenas "leak" by design
 LD_PRELOAD="$("$CC" -print-file-name=libasan.so) $("$CC" -print-file-name=libubsan.so)" \
 ASAN_OPTIONS=detect_leaks=0 LLMFW_NATIVE_LIBRARY="$SO" \
-    "$PY" -m pytest -q -p no:cacheprovider tests/test_native_kernels.py "$@"
+    "$PY" -m pytest -q -p no:cacheprovider tests/unit/test_native_kernels.py "$@"

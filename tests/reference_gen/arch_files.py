@@ -565,8 +565,12 @@ def _add_tensor(writer: GGUFWriter, name: str, values: np.ndarray, ggml_type: GG
 
 def build_model_file(name: str, directory: str | Path) -> Path:
     """Write ``SPECS[name]`` as ``directory/<name>.gguf`` and return its path."""
-    spec = SPECS[name]
-    path = Path(directory) / file_name(name)
+    return write_spec_file(SPECS[name], name, Path(directory) / file_name(name))
+
+
+def write_spec_file(spec: dict, name: str, path: Path) -> Path:
+    """Write the model ``spec`` describes (``arch_specs.SPECS``' format) as ``path``; the tests' own tiny
+    models (tests/support/models.py) come from here too, so there is one builder of random-weight files."""
     writer = GGUFWriter(path)
     arch = spec["arch"]
     writer.add("general.architecture", arch, GGUFValueType.STRING)

@@ -1,5 +1,5 @@
 """llama.cpp's teacher-forced logits of one model file for one token sequence, for the opt-in comparisons of
-tests/test_optional_tensors.py (run under the interpreter named by ``LLMFW_LLAMA_PYTHON``; never imported by llmfw).
+tests/tiny/test_optional_tensors.py (run under the interpreter named by ``LLMFW_LLAMA_PYTHON``; never imported by llmfw).
 
     LLAMA_PY llamacpp_logits.py MODEL.gguf N_CTX TOKENS_JSON OUT.npy
 """
