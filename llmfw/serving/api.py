@@ -20,11 +20,11 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from ..core.chat import CHATML_TEMPLATE, apply_chat_template, model_chat_template
 from ..core.errors import ConfigError, ContextError, EngineStopped, LLMFWError, RequestError
 from ..core.generate import tokenize_prompt
 from ..core.sampling import SamplerChain
 from ..core.tool_calls import ToolCallFormat, ToolCallStream, parse_tool_calls
+from .chat_options import chat_template_of, render_chat_prompt
 from .constraints import Constraint, request_constraint
 from .engine import Cancel, Engine, ErrorEvent, Event, FinishEvent, Job, TokenEvent
 from .protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, GenerationFields, parse_request
@@ -159,9 +159,11 @@ class ChatShape(ResponseShape):
     id_prefix = "chatcmpl"
 
     def __init__(self, engine: Engine, request: ChatCompletionRequest, n_choices: int,
-                 tool_format: ToolCallFormat | None = None):
+                 tool_format: ToolCallFormat | None = None, warnings: list[str] | None = None):
         super().__init__(engine, request, n_choices)
         self.tool_format = tool_format
+        #: sent as a top-level "warnings" list in the response and the first chunk (clients ignore unknown keys)
+        self.warnings = list(warnings or [])
         #: per choice, the parser turning a streamed reply into content and tool-call deltas
         self.tool_streams = [ToolCallStream(tool_format) for _ in range(n_choices)] if tool_format else []
 
@@ -180,7 +182,8 @@ class ChatShape(ResponseShape):
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
 
     def start_chunks(self, index: int) -> list[dict[str, Any]]:
-        return [self.chunk([self._choice(index, {"role": "assistant", "content": ""}, None, None)])]
+        first = self.chunk([self._choice(index, {"role": "assistant", "content": ""}, None, None)])
+        return [{**first, "warnings": self.warnings} if self.warnings and index == 0 else first]
 
     def token_chunks(self, event: TokenEvent) -> list[dict[str, Any]]:
         with_lp = event.token is not None and bool(self.request.logprobs)  # type: ignore[attr-defined]
@@ -218,6 +221,8 @@ class ChatShape(ResponseShape):
                                 "finish_reason": reason})
         out = self._envelope(self.object_name, out_choices)
         out["usage"] = usage
+        if self.warnings:
+            out["warnings"] = self.warnings
         return out
 
 
@@ -333,7 +338,8 @@ class RequestRun:
 def _execute(engine: Engine, shape: ResponseShape, prompts: list[list[int]], n_logprobs: int | None,
              constraint: Constraint) -> Any:
     request = shape.request
-    limits = [engine.check_fits(len(p), request.token_limit()) for p in prompts]
+    param = "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
+    limits = [engine.check_fits(len(p), request.token_limit(), param) for p in prompts]
     run = RequestRun(engine, shape, prompts, limits, n_logprobs, constraint)
     run.start()
     return ChunkStream(run) if request.stream else run.result()
@@ -360,13 +366,12 @@ def run_completion(engine: Engine, params: dict[str, Any]) -> Any:
 
 def run_chat_completion(engine: Engine, params: dict[str, Any]) -> Any:
     request: ChatCompletionRequest = parse_request(ChatCompletionRequest, params)
-    template = engine.chat_template or model_chat_template(engine.model) or CHATML_TEMPLATE
-    constraint = request_constraint(request, engine.model, template, chat=True)
-    extra = {"tools": request.tools} if request.tools else {}  # tools reach the template as transformers passes them
-    text = apply_chat_template(engine.model, request.template_messages(), template=template, **extra)
+    template, template_name = chat_template_of(engine)
+    constraint = request_constraint(request, engine.model, template, chat=True, template_name=template_name)
+    text = render_chat_prompt(engine, request.template_messages(), request.tools, request.chat_template_kwargs)
     tokens = tokenize_request_text(engine, text, "messages")
-    return _execute(engine, ChatShape(engine, request, request.n, constraint.tool_format), [tokens],
-                    request.n_top_logprobs(), constraint)
+    shape = ChatShape(engine, request, request.n, constraint.tool_format, constraint.warnings)
+    return _execute(engine, shape, [tokens], request.n_top_logprobs(), constraint)
 
 
 # -- embeddings ------------------------------------------------------------------------------------------------------

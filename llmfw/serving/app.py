@@ -32,6 +32,7 @@ from starlette.routing import Route
 
 from ..core.errors import ChatTemplateError, ConfigError, ContextError, EngineBusy, EngineLoading, EngineStopped, \
     LLMFWError, RequestError, SamplerError, TokenizerError
+from .chat_options import chat_options_from_config
 from .engine import Engine
 from .metrics import CONTENT_TYPE
 from .protocol import parse_request
@@ -316,17 +317,23 @@ class ReplicaAndAuth:
 
 
 def create_app(engine: Engine | Callable[[], Engine], *, api_key: str | None = None,
-               cors_origins: list[str] | None = None, thread_tokens: int | None = None) -> Any:
+               cors_origins: list[str] | None = None, thread_tokens: int | None = None,
+               on_load_error: Callable[[str], None] | None = None) -> Any:
     """The ASGI app. ``engine``: a ready Engine, or a callable that builds one (run in a thread at startup,
-    /health answers 503 until it returns)."""
+    /health answers 503 until it returns). ``on_load_error`` hears why building it failed (``llmfw serve``
+    then exits); without it the failure is logged with its traceback and every request answers 503."""
     state = ServerState(api_key=api_key or None)
 
     def load() -> None:
         try:
             state.engine = engine()  # type: ignore[operator]
         except Exception as exc:  # noqa: BLE001 - reported by /health and every request
-            log.exception("loading the model failed")
-            state.load_error = str(exc)
+            state.load_error = str(exc) or type(exc).__name__
+            if on_load_error is None:
+                log.exception("loading the model failed")
+            else:
+                log.debug("loading the model failed", exc_info=exc)
+                on_load_error(state.load_error)
 
     import contextlib
 
@@ -355,7 +362,8 @@ def create_app(engine: Engine | Callable[[], Engine], *, api_key: str | None = N
 
 
 def pipeline_app(pipeline: Any, *, eager: bool = False, load_model: Callable[[], Any] | None = None,
-                 on_ready: Callable[[Engine], None] | None = None) -> Any:
+                 on_ready: Callable[[Engine], None] | None = None,
+                 on_load_error: Callable[[str], None] | None = None) -> Any:
     """The app for a pipeline's ``server`` settings: its engine over ``load_model()`` (default: the pipeline's
     own model). ``eager`` builds the engine now (a Ray replica, ready only once loaded); otherwise it loads in
     the background while ``/health`` answers 503 (``llmfw serve``). ``on_ready`` sees the engine once built."""
@@ -366,13 +374,13 @@ def pipeline_app(pipeline: Any, *, eager: bool = False, load_model: Callable[[],
         model = (load_model or pipeline.load_model)()
         engine = Engine(model, server.parallel, n_ctx=cfg.context.n_ctx, n_threads=cfg.context.n_threads,
                         max_queue=server.max_queue, alias=server.alias,
-                        chat_template=pipeline.chat_template())
+                        chat_template=pipeline.chat_template(), chat_options=chat_options_from_config(pipeline))
         if on_ready is not None:
             on_ready(engine)
         return engine
 
     return create_app(build() if eager else build, api_key=read_api_key(server), cors_origins=server.cors_origin,
-                      thread_tokens=server.max_queue + server.parallel + 16)
+                      thread_tokens=server.max_queue + server.parallel + 16, on_load_error=on_load_error)
 
 
 def read_api_key(server: Any) -> str | None:

@@ -235,6 +235,8 @@ class ChatCompletionRequest(GenerationFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     parallel_tool_calls: bool = False  # llama-server's default: one call per reply
+    #: variables for this request's template render (over the server's --chat-template-kwargs)
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
