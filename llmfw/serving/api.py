@@ -16,18 +16,19 @@ import queue
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
 from ..core.errors import ConfigError, ContextError, EngineStopped, LLMFWError, RequestError
 from ..core.generate import tokenize_prompt
-from ..core.sampling import SamplerChain
+from ..core.sampling import Sampler, SamplerChain
 from ..core.tool_calls import ToolCallFormat, ToolCallStream, parse_tool_calls
 from .chat_options import chat_template_of, render_chat_prompt
 from .constraints import Constraint, request_constraint
 from .engine import Cancel, Engine, ErrorEvent, Event, FinishEvent, Job, TokenEvent
 from .protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, GenerationFields, parse_request
+from .reasoning import ReasoningSetup, reasoning_setup, split_reasoning
 
 #: how often a waiting consumer checks that the engine is still alive, seconds
 POLL_S = 1.0
@@ -159,9 +160,13 @@ class ChatShape(ResponseShape):
     id_prefix = "chatcmpl"
 
     def __init__(self, engine: Engine, request: ChatCompletionRequest, n_choices: int,
-                 tool_format: ToolCallFormat | None = None, warnings: list[str] | None = None):
+                 tool_format: ToolCallFormat | None = None, warnings: list[str] | None = None,
+                 reasoning: ReasoningSetup | None = None):
         super().__init__(engine, request, n_choices)
         self.tool_format = tool_format
+        self.reasoning = reasoning
+        #: per choice, the splitter of thinking from answer (none with --reasoning-format none)
+        self.splitters = [reasoning.splitter() for _ in range(n_choices)] if reasoning else [None] * n_choices
         #: sent as a top-level "warnings" list in the response and the first chunk (clients ignore unknown keys)
         self.warnings = list(warnings or [])
         #: per choice, the parser turning a streamed reply into content and tool-call deltas
@@ -188,30 +193,49 @@ class ChatShape(ResponseShape):
     def token_chunks(self, event: TokenEvent) -> list[dict[str, Any]]:
         with_lp = event.token is not None and bool(self.request.logprobs)  # type: ignore[attr-defined]
         logprobs = self._logprobs([event]) if with_lp else None
-        deltas = self.tool_streams[event.index].feed(event.text) if self.tool_streams else \
-            [{"content": event.text}] if event.text else []
+        deltas = self._deltas(event.index, event.text)
         if not deltas and logprobs is not None:
             deltas = [{"content": ""}]  # the token's logprobs still go out, with the text it held back
         # the logprobs ride on the first delta of their token
         return [self.chunk([self._choice(event.index, d, logprobs if k == 0 else None, None)])
                 for k, d in enumerate(deltas)]
 
+    def _content_deltas(self, index: int, text: str) -> list[dict[str, Any]]:
+        if self.tool_streams:
+            return self.tool_streams[index].feed(text)
+        return [{"content": text}] if text else []
+
+    def _deltas(self, index: int, text: str, last: bool = False) -> list[dict[str, Any]]:
+        """The deltas of a piece of reply text: thinking as ``reasoning_content``, the rest as content or
+        tool-call pieces (``last``: the reply ended, flush what the splitter held back)."""
+        splitter = self.splitters[index]
+        if splitter is None:
+            return self._content_deltas(index, text)
+        deltas: list[dict[str, Any]] = []
+        for kind, piece in splitter.feed(text) + (splitter.finish() if last else []):
+            deltas += [{"reasoning_content": piece}] if kind == "reasoning" else self._content_deltas(index, piece)
+        return deltas
+
     def finish_chunks(self, index: int, reason: str) -> list[dict[str, Any]]:
-        chunks = []
+        chunks = [self.chunk([self._choice(index, d, None, None)]) for d in self._deltas(index, "", last=True)]
         if self.tool_streams:
             stream = self.tool_streams[index]
-            chunks = [self.chunk([self._choice(index, d, None, None)]) for d in stream.finish()]
+            chunks += [self.chunk([self._choice(index, d, None, None)]) for d in stream.finish()]
             reason = "tool_calls" if stream.calls and reason == "stop" else reason  # cut short: "length"
         return chunks + [self.chunk([self._choice(index, {}, None, reason)])]
 
     def _message(self, choice: ChoiceState) -> tuple[dict[str, Any], str | None]:
         """The assistant message of a whole reply and its finish reason (``tool_calls`` when it made calls)."""
-        content, calls = parse_tool_calls("".join(choice.text), self.tool_format)
+        text, reasoning = "".join(choice.text), None
+        if self.reasoning is not None and self.reasoning.split:
+            reasoning, text = split_reasoning(text, self.reasoning.tags, self.reasoning.inside)
+        thought = {"reasoning_content": reasoning} if reasoning is not None else {}
+        content, calls = parse_tool_calls(text, self.tool_format)
         if not calls:
-            return {"role": "assistant", "content": content}, choice.finish_reason
+            return {"role": "assistant", "content": content, **thought}, choice.finish_reason
         reason = "tool_calls" if choice.finish_reason == "stop" else choice.finish_reason  # cut short: "length"
-        return ({"role": "assistant", "content": content or None, "tool_calls": [c.to_openai() for c in calls]},
-                reason)
+        return ({"role": "assistant", "content": content or None, **thought,
+                 "tool_calls": [c.to_openai() for c in calls]}, reason)
 
     def response(self, choices: list[ChoiceState], usage: dict[str, int]) -> dict[str, Any]:
         out_choices = []
@@ -269,7 +293,8 @@ class RequestRun:
     """The jobs of one request and the event queue they share."""
 
     def __init__(self, engine: Engine, shape: ResponseShape, prompts: list[list[int]], limits: list[int],
-                 n_logprobs: int | None, constraint: Constraint):
+                 n_logprobs: int | None, constraint: Constraint,
+                 more_samplers: Callable[[], list[Sampler]] | None = None):
         self.engine, self.shape = engine, shape
         self.cancel = Cancel()
         self.queue: "queue.Queue[Event]" = queue.Queue()
@@ -281,7 +306,9 @@ class RequestRun:
                 index = p * request.n + i
                 chain = SamplerChain.from_params(request.sampler_params(engine.model.n_vocab, index),
                                                  model=engine.model, n_ctx=engine.n_ctx_slot)
-                chain.samplers[:0] = constraint.samplers(engine.model, engine.n_ctx_slot)
+                # the grammar first (it sees the raw output, thinking tags included), then e.g. the thinking budget
+                chain.samplers[:0] = [*constraint.samplers(engine.model, engine.n_ctx_slot),
+                                      *(more_samplers() if more_samplers else [])]
                 self.jobs.append(Job(index, tokens, chain, limit, list(request.stop or []), n_logprobs,
                                      self.queue, self.cancel))
         self.choices = [ChoiceState() for _ in self.jobs]
@@ -336,11 +363,11 @@ class RequestRun:
 
 
 def _execute(engine: Engine, shape: ResponseShape, prompts: list[list[int]], n_logprobs: int | None,
-             constraint: Constraint) -> Any:
+             constraint: Constraint, more_samplers: Callable[[], list[Sampler]] | None = None) -> Any:
     request = shape.request
     param = "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
     limits = [engine.check_fits(len(p), request.token_limit(), param) for p in prompts]
-    run = RequestRun(engine, shape, prompts, limits, n_logprobs, constraint)
+    run = RequestRun(engine, shape, prompts, limits, n_logprobs, constraint, more_samplers)
     run.start()
     return ChunkStream(run) if request.stream else run.result()
 
@@ -368,10 +395,15 @@ def run_chat_completion(engine: Engine, params: dict[str, Any]) -> Any:
     request: ChatCompletionRequest = parse_request(ChatCompletionRequest, params)
     template, template_name = chat_template_of(engine)
     constraint = request_constraint(request, engine.model, template, chat=True, template_name=template_name)
-    text = render_chat_prompt(engine, request.template_messages(), request.tools, request.chat_template_kwargs)
+    text = render_chat_prompt(engine, request.template_messages(), request.tools, request.template_kwargs())
     tokens = tokenize_request_text(engine, text, "messages")
-    shape = ChatShape(engine, request, request.n, constraint.tool_format, constraint.warnings)
-    return _execute(engine, shape, [tokens], request.n_top_logprobs(), constraint)
+    options = engine.chat_options
+    reasoning = reasoning_setup(template, text, request.reasoning_format or options.reasoning_format,
+                                options.reasoning_budget if request.reasoning_budget is None
+                                else request.reasoning_budget)
+    shape = ChatShape(engine, request, request.n, constraint.tool_format, constraint.warnings, reasoning)
+    return _execute(engine, shape, [tokens], request.n_top_logprobs(), constraint,
+                    lambda: reasoning.budget_sampler(engine.model.vocab))
 
 
 # -- embeddings ------------------------------------------------------------------------------------------------------
