@@ -63,6 +63,7 @@ class ChoiceState:
     logprobs: list[TokenEvent] = field(default_factory=list)
     finish_reason: str | None = None
     n_generated: int = 0
+    stop_sequence: str | None = None  # the stop string that ended it (None: end of generation, length)
 
 
 def _piece(engine: Engine, token: int) -> bytes:
@@ -82,6 +83,8 @@ class ResponseShape:
         self.n_choices = n_choices
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
+        #: the choices' progress, set by the run that uses this shape
+        self.choices: list[ChoiceState] = []
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.engine.alias,
@@ -312,6 +315,7 @@ class RequestRun:
                 self.jobs.append(Job(index, tokens, chain, limit, list(request.stop or []), n_logprobs,
                                      self.queue, self.cancel))
         self.choices = [ChoiceState() for _ in self.jobs]
+        shape.choices = self.choices  # a shape may report what a finished choice did (its stop string)
 
     def start(self) -> None:
         self.engine.submit(self.jobs)
@@ -345,6 +349,7 @@ class RequestRun:
                     choice.logprobs.append(event)
             else:
                 choice.finish_reason, choice.n_generated = event.reason, event.n_generated
+                choice.stop_sequence = event.stop_sequence
                 n_open -= 1
             yield event
 
@@ -391,8 +396,18 @@ def run_completion(engine: Engine, params: dict[str, Any]) -> Any:
                     request.logprobs, constraint)
 
 
-def run_chat_completion(engine: Engine, params: dict[str, Any]) -> Any:
-    request: ChatCompletionRequest = parse_request(ChatCompletionRequest, params)
+@dataclass
+class ChatPlan:
+    """A chat request made ready to run: its prompt tokens, constraint and reasoning handling."""
+
+    request: ChatCompletionRequest
+    tokens: list[int]
+    constraint: Constraint
+    reasoning: ReasoningSetup
+
+
+def plan_chat(engine: Engine, request: ChatCompletionRequest) -> ChatPlan:
+    """Render, tokenize and check a chat request (shared by every API with a chat endpoint)."""
     template, template_name = chat_template_of(engine)
     constraint = request_constraint(request, engine.model, template, chat=True, template_name=template_name)
     text = render_chat_prompt(engine, request.template_messages(), request.tools, request.template_kwargs())
@@ -401,9 +416,21 @@ def run_chat_completion(engine: Engine, params: dict[str, Any]) -> Any:
     reasoning = reasoning_setup(template, text, request.reasoning_format or options.reasoning_format,
                                 options.reasoning_budget if request.reasoning_budget is None
                                 else request.reasoning_budget)
-    shape = ChatShape(engine, request, request.n, constraint.tool_format, constraint.warnings, reasoning)
-    return _execute(engine, shape, [tokens], request.n_top_logprobs(), constraint,
-                    lambda: reasoning.budget_sampler(engine.model.vocab))
+    return ChatPlan(request, tokens, constraint, reasoning)
+
+
+def execute_chat(engine: Engine, plan: ChatPlan, shape: ResponseShape) -> Any:
+    """Run a planned chat with ``shape`` making its responses (a dict, or a chunk iterator when streaming)."""
+    return _execute(engine, shape, [plan.tokens], plan.request.n_top_logprobs(), plan.constraint,
+                    lambda: plan.reasoning.budget_sampler(engine.model.vocab))
+
+
+def run_chat_completion(engine: Engine, params: dict[str, Any]) -> Any:
+    request: ChatCompletionRequest = parse_request(ChatCompletionRequest, params)
+    plan = plan_chat(engine, request)
+    shape = ChatShape(engine, request, request.n, plan.constraint.tool_format, plan.constraint.warnings,
+                      plan.reasoning)
+    return execute_chat(engine, plan, shape)
 
 
 # -- embeddings ------------------------------------------------------------------------------------------------------

@@ -4,7 +4,8 @@ Handlers never touch the model's context: they hand the parsed JSON body to ``en
 ``engine.chat_completion`` (run in a worker thread) and stream the chunks it yields as server-sent events.
 Every failure is an OpenAI-shaped JSON error ``{"error": {"message", "type", "param", "code"}}``; every response
 carries ``x-llmfw-replica``; with an API key every ``/v1/*``, ``/tokenize``, ``/detokenize`` and ``/metrics``
-request needs ``Authorization: Bearer KEY`` (compared in constant time).
+request needs ``Authorization: Bearer KEY`` or ``x-api-key: KEY`` (compared in constant time). Anthropic's
+``/v1/messages`` endpoints (:mod:`llmfw.serving.anthropic`) answer in Anthropic's error shape instead.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from starlette.routing import Route
 
 from ..core.errors import ChatTemplateError, ConfigError, ContextError, EngineBusy, EngineLoading, EngineStopped, \
     LLMFWError, RequestError, SamplerError, TokenizerError
+from . import anthropic
 from .chat_options import chat_options_from_config
 from .engine import Engine
 from .metrics import CONTENT_TYPE
@@ -275,6 +277,9 @@ ROUTES = [
     ("/tokenize", tokenize, ["POST"]),
     ("/detokenize", detokenize, ["POST"]),
     ("/metrics", metrics, ["GET"]),
+    # Anthropic's Messages API (its own error shape: llmfw.serving.anthropic)
+    ("/v1/messages", anthropic.messages_endpoint, ["POST"]),
+    ("/v1/messages/count_tokens", anthropic.count_tokens_endpoint, ["POST"]),
 ]
 
 
@@ -297,8 +302,11 @@ class ReplicaAndAuth:
             await send(message)
 
         if not self._authorized(scope):
-            response = error_response(401, "a valid API key is required: send 'Authorization: Bearer KEY'",
-                                      code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            message = "a valid API key is required: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'"
+            headers = {"WWW-Authenticate": "Bearer"}
+            response = anthropic.error_response(401, message, headers) \
+                if anthropic.is_anthropic_path(scope.get("path", "")) else \
+                error_response(401, message, code="invalid_api_key", headers=headers)
             await response(scope, receive, send_with_replica)
             return
         await self.app(scope, receive, send_with_replica)
@@ -308,12 +316,14 @@ class ReplicaAndAuth:
         path = scope.get("path", "")
         if not key or not (path.startswith("/v1/") or path in PROTECTED):
             return True
-        given = b""
+        given, given_key = b"", b""
         for name, value in scope.get("headers", []):
             if name == b"authorization":
                 given = value
-        expected = b"Bearer " + key.encode()
-        return hmac.compare_digest(given, expected)
+            elif name == b"x-api-key":  # Anthropic's header, beside OpenAI's Bearer
+                given_key = value
+        bearer = hmac.compare_digest(given, b"Bearer " + key.encode())
+        return hmac.compare_digest(given_key, key.encode()) or bearer
 
 
 def create_app(engine: Engine | Callable[[], Engine], *, api_key: str | None = None,

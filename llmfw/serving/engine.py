@@ -56,6 +56,7 @@ class FinishEvent:
     reason: str  # "stop" | "length"
     n_prompt: int
     n_generated: int
+    stop_sequence: str | None = None  # the stop string that ended the choice
 
 
 @dataclass
@@ -378,7 +379,7 @@ class Engine:
         if rest:
             job.events.put(TokenEvent(job.index, rest))
         self._release(job)
-        job.events.put(FinishEvent(job.index, reason, len(job.tokens), job.n_generated))
+        job.events.put(FinishEvent(job.index, reason, len(job.tokens), job.n_generated, job.text.stopped_by))
 
     def _release(self, job: Job) -> None:
         with self._cond:
