@@ -23,7 +23,7 @@ import numpy as np
 from ..core.errors import ConfigError, ContextError, EngineStopped, LLMFWError, RequestError
 from ..core.generate import tokenize_prompt
 from ..core.sampling import Sampler, SamplerChain
-from ..core.tool_calls import ToolCallFormat, ToolCallStream, parse_tool_calls
+from ..core.tool_calls import ToolCallFormat, parse_tool_calls, tool_call_stream
 from .chat_options import chat_template_of, render_chat_prompt
 from .constraints import Constraint, request_constraint
 from .engine import Cancel, Engine, ErrorEvent, Event, FinishEvent, Job, TokenEvent
@@ -173,7 +173,7 @@ class ChatShape(ResponseShape):
         #: sent as a top-level "warnings" list in the response and the first chunk (clients ignore unknown keys)
         self.warnings = list(warnings or [])
         #: per choice, the parser turning a streamed reply into content and tool-call deltas
-        self.tool_streams = [ToolCallStream(tool_format) for _ in range(n_choices)] if tool_format else []
+        self.tool_streams = [tool_call_stream(tool_format) for _ in range(n_choices)] if tool_format else []
 
     def _entry(self, token: int, logprob: float) -> dict[str, Any]:
         piece = _piece(self.engine, token)

@@ -1,0 +1,206 @@
+"""Tool-call formats whose calls sit between the family's own markers, around a JSON arguments object:
+
+* ``mistral`` — Mistral Small 3.2 / Devstral / Ministral: ``[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}``
+  (``[CALL_ID]id`` before ``[ARGS]`` allowed);
+* ``mistral_nemo`` — Mistral Nemo: ``[TOOL_CALLS][{"name": "get_weather", "arguments": {...}}, ...]``;
+* ``deepseek_r1`` — DeepSeek V3 / R1 and its distills: ``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>
+  get_weather`` + a fenced ``json`` block + ``<｜tool▁call▁end｜><｜tool▁calls▁end｜>``;
+* ``deepseek_v31`` — DeepSeek V3.1: ``<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{...}<｜tool▁call▁end｜>``;
+* ``harmony`` — gpt-oss: ``<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{...}<|call|>``.
+
+Each format is a :class:`MarkedFormat`: the marker that may begin a call, a regular expression for the call's
+head (which names the function), the arguments as a JSON value (followed character by character, so they stream
+as they arrive), and the text that closes the call. :class:`MarkedCallStream` has the interface of
+:class:`llmfw.core.tool_calls.ToolCallStream` (``feed`` / ``finish`` / ``calls``, OpenAI ``delta`` objects out);
+:func:`marked_call_grammar` forces a call in the family's own format.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+#: how far past a call's marker the head may still be arriving before the marker is taken as plain text
+MAX_HEAD_CHARS = 256
+
+
+@dataclass(frozen=True)
+class MarkedFormat:
+    name: str
+    #: literal text that may begin a call (content before it is emitted, a partial marker held back)
+    marker: str
+    #: matched at the marker: group "name" is the function
+    head: re.Pattern[str]
+    #: skipped after the arguments (the rest of the call), a literal
+    tail: str
+    #: text that may follow the last call and is dropped (a section's closer)
+    section_end: str = ""
+    #: Lark pieces to force a call of ``name`` with ``args`` (a rule name): before and after the arguments
+    forced_prefix: str = ""
+    forced_suffix: str = ""
+    #: another call may follow directly after ``next_call`` (Mistral Nemo's JSON array)
+    next_call: str = ""
+
+
+DS_CALLS_BEGIN, DS_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+DS_CALL_BEGIN, DS_CALL_END, DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+
+FORMATS: dict[str, MarkedFormat] = {f.name: f for f in (
+    MarkedFormat("mistral", "[TOOL_CALLS]", re.compile(r"\[TOOL_CALLS\]\s*(?P<name>[^\[\s]+)(?:\[CALL_ID\][^\[]*)?\[ARGS\]"), "",
+                 forced_prefix='"[TOOL_CALLS]" {name} "[ARGS]"'),
+    MarkedFormat("mistral_nemo", "[TOOL_CALLS]",
+                 re.compile(r'(?:\[TOOL_CALLS\]\s*\[|\s*,)\s*\{\s*"name"\s*:\s*"(?P<name>[^"]+)"\s*,'
+                            r'\s*"arguments"\s*:\s*'), "}", section_end="]", next_call=",",
+                 forced_prefix='"[TOOL_CALLS][{\\"name\\": \\"" {bare} "\\", \\"arguments\\": "',
+                 forced_suffix='", \\"id\\": \\"" /[a-zA-Z0-9]{9}/ "\\"}]"'),  # Nemo writes a 9-character id
+    MarkedFormat("deepseek_r1", DS_CALL_BEGIN,
+                 re.compile(re.escape(DS_CALL_BEGIN) + r"function" + re.escape(DS_SEP) + r"(?P<name>[^\n]+)\n```json\n"),
+                 "```" + DS_CALL_END, section_end=DS_CALLS_END,
+                 forced_prefix=f'"{DS_CALLS_BEGIN}{DS_CALL_BEGIN}function{DS_SEP}" {{name}} "\\n```json\\n"',
+                 forced_suffix=f'"\\n```{DS_CALL_END}{DS_CALLS_END}"'),
+    MarkedFormat("deepseek_v31", DS_CALL_BEGIN,
+                 re.compile(re.escape(DS_CALL_BEGIN) + r"(?P<name>[^<\n]+?)" + re.escape(DS_SEP)), DS_CALL_END,
+                 section_end=DS_CALLS_END,
+                 forced_prefix=f'"{DS_CALLS_BEGIN}{DS_CALL_BEGIN}" {{name}} "{DS_SEP}"',
+                 forced_suffix=f'"{DS_CALL_END}{DS_CALLS_END}"'),
+    MarkedFormat("harmony", "to=functions.",
+                 re.compile(r"to=functions\.(?P<name>[\w.\-]+)(?:(?!<\|message\|>)[^\n])*<\|message\|>"), "<|call|>",
+                 forced_prefix='"<|channel|>commentary to=functions." {name} " <|constrain|>json<|message|>"',
+                 forced_suffix='"<|call|>"'),
+)}
+
+
+def detect_marked_format(template: str) -> MarkedFormat | None:
+    """The marked format a chat template teaches (None: none of these)."""
+    if "[TOOL_CALLS]" in template:
+        return FORMATS["mistral"] if "[ARGS]" in template else FORMATS["mistral_nemo"]
+    if "tool▁call▁begin" in template:
+        return FORMATS["deepseek_r1"] if "```json" in template else FORMATS["deepseek_v31"]
+    if "to=functions." in template or '"functions." + tool_call.name' in template:
+        return FORMATS["harmony"]
+    return None
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
+class MarkedCallStream:
+    """Incremental parser of a reply in a :class:`MarkedFormat` (the interface of ``ToolCallStream``)."""
+
+    def __init__(self, fmt: MarkedFormat):
+        from .tool_calls import ToolCall, _ArgumentsScanner
+
+        self.fmt = fmt
+        self.calls: list[ToolCall] = []
+        self._new_call = ToolCall
+        self._new_scanner = _ArgumentsScanner
+        self._scanner: Any = None
+        self._buffer = ""
+        self._state = "text"
+
+    def feed(self, piece: str) -> list[dict[str, Any]]:
+        from .tool_calls import _merged
+
+        self._buffer += piece
+        deltas: list[dict[str, Any]] = []
+        while True:
+            before = (self._state, len(self._buffer))
+            deltas += getattr(self, f"_step_{self._state}")()
+            if (self._state, len(self._buffer)) == before:
+                return _merged(deltas)
+
+    def finish(self) -> list[dict[str, Any]]:
+        from .tool_calls import _merged
+
+        rest, self._buffer = self._buffer, ""
+        deltas = [{"content": rest}] if rest and self._state in ("text", "head") else []
+        self._state = "done"
+        return _merged(deltas)
+
+    # -- states ------------------------------------------------------------------------------------------------
+    def _step_text(self) -> list[dict[str, Any]]:
+        at = self._buffer.find(self.fmt.marker)
+        if at >= 0:
+            content, self._buffer = self._buffer[:at], self._buffer[at:]
+            self._state = "head"
+            return [{"content": content}] if content else []
+        keep = _partial_suffix(self._buffer, self.fmt.marker)
+        content = self._buffer[:len(self._buffer) - keep]
+        self._buffer = self._buffer[len(content):]
+        return [{"content": content}] if content else []
+
+    def _step_head(self) -> list[dict[str, Any]]:
+        head = self.fmt.head.match(self._buffer)
+        if head is None:
+            if len(self._buffer) > MAX_HEAD_CHARS:  # never became a call: it was text
+                content, self._buffer = self._buffer[:len(self.fmt.marker)], self._buffer[len(self.fmt.marker):]
+                self._state = "text"
+                return [{"content": content}]
+            return []
+        call = self._new_call(name=head.group("name").strip(), arguments="")
+        self.calls.append(call)
+        self._buffer = self._buffer[head.end():]
+        self._scanner = self._new_scanner()
+        self._state = "arguments"
+        return [{"tool_calls": [{"index": len(self.calls) - 1, "id": call.id, "type": "function",
+                                 "function": {"name": call.name, "arguments": ""}}]}]
+
+    def _step_arguments(self) -> list[dict[str, Any]]:
+        if not self._scanner.started:
+            self._buffer = self._buffer.lstrip()
+        taken = self._scanner.feed(self._buffer)
+        fragment, self._buffer = self._buffer[:taken], self._buffer[taken:]
+        self.calls[-1].arguments += fragment
+        if self._scanner.ended:
+            self._state = "tail"
+        return [{"tool_calls": [{"index": len(self.calls) - 1, "function": {"arguments": fragment}}]}] \
+            if fragment else []
+
+    def _step_tail(self) -> list[dict[str, Any]]:
+        tail = self.fmt.tail
+        if tail:
+            at = self._buffer.find(tail)
+            if at < 0:
+                return []
+            self._buffer = self._buffer[at + len(tail):]
+        self._state = "between"
+        return []
+
+    def _step_between(self) -> list[dict[str, Any]]:
+        """After a call: the next call of an array, the section's closer (dropped), or text again."""
+        text = self._buffer.lstrip()
+        if not text:
+            return []
+        if self.fmt.next_call and text.startswith(self.fmt.next_call):
+            self._buffer, self._state = text, "head"
+            return []
+        if self.fmt.section_end and self.fmt.section_end.startswith(text) and text != self.fmt.section_end:
+            return []  # the closer may be arriving
+        if self.fmt.section_end and text.startswith(self.fmt.section_end):
+            text = text[len(self.fmt.section_end):]
+        self._buffer, self._state = text, "text"
+        return []
+
+    def _step_done(self) -> list[dict[str, Any]]:
+        return []
+
+
+def marked_call_grammar(fmt: MarkedFormat, tools_params: Mapping[str, Mapping[str, Any]], names: Sequence[str],
+                        schema_text: Any) -> str:
+    """A Lark grammar forcing one call of one of ``names`` in ``fmt``'s own text (``tools_params``: name ->
+    parameters schema; ``schema_text`` checks and writes a schema)."""
+    rules, options = [], []
+    for i, name in enumerate(names):
+        rules.append(f"args_{i}: %json {schema_text(dict(tools_params[name]))}")
+        prefix = fmt.forced_prefix.replace("{name}", json.dumps(name)).replace(
+            "{bare}", json.dumps(json.dumps(name)[1:-1]))
+        options.append(f"{prefix} args_{i} {fmt.forced_suffix}".strip())
+    return "%llguidance {}\nstart: " + " | ".join(options) + "\n" + "\n".join(rules) + "\n"
+
+
+__all__ = ["FORMATS", "MarkedCallStream", "MarkedFormat", "detect_marked_format", "marked_call_grammar"]
