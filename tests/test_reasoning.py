@@ -69,7 +69,7 @@ def test_tags_and_where_a_reply_starts():
     assert not starts_inside_thinking("<|im_start|>assistant\n<think>\n\n</think>\n\n", THINK)
 
 
-# -- the budget, over SmolLM2's vocabulary ------------------------------------------------------------------------------
+# -- the budget, over SmolLM2's vocabulary -----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def model(smollm2_path):
     return llmfw.load_model(str(smollm2_path), backend="numpy")
@@ -95,7 +95,7 @@ def test_thinking_budget_forces_the_closing_tag(model):
     assert vocab.detokenize(chosen[2:]) == "</think>" and not budget.inside
 
 
-# -- end to end ----------------------------------------------------------------------------------------------------------
+# -- end to end --------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def qwen3_server(model):
     with Engine(model, parallel=2, n_ctx=2048, alias="smol", chat_template=QWEN3) as engine:

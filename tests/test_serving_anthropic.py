@@ -35,33 +35,26 @@ def model(smollm2_path):
 
 
 def serve(model, template, api_key=None):
-    engine = Engine(model, parallel=2, n_ctx=2048, alias="smol", chat_template=template)
-    return engine, LiveServer(create_app(engine, api_key=api_key))
+    with Engine(model, parallel=2, n_ctx=2048, alias="smol", chat_template=template) as engine:
+        live = LiveServer(create_app(engine, api_key=api_key))
+        yield live
+        live.stop()
 
 
 @pytest.fixture(scope="module")
 def plain(model):
     """SmolLM2's own template, an API key."""
-    engine, live = serve(model, None, KEY)
-    yield live
-    live.stop()
-    engine.close()
+    yield from serve(model, None, KEY)
 
 
 @pytest.fixture(scope="module")
 def tools_server(model):
-    engine, live = serve(model, QWEN25)
-    yield live
-    live.stop()
-    engine.close()
+    yield from serve(model, QWEN25)
 
 
 @pytest.fixture(scope="module")
 def thinking_server(model):
-    engine, live = serve(model, R1)
-    yield live
-    live.stop()
-    engine.close()
+    yield from serve(model, R1)
 
 
 def client_for(live, key=KEY):
@@ -108,7 +101,7 @@ def test_stop_sequences_report_which_one_stopped(plain):
     assert word not in stopped.content[0].text
 
 
-# -- tools --------------------------------------------------------------------------------------------------------------
+# -- tools -------------------------------------------------------------------------------------------------------------
 def test_forced_tool_use_whole_streamed_and_answered(tools_server):
     client = client_for(tools_server)
     ask = [{"role": "user", "content": "What is the weather in Paris?"}]

@@ -45,7 +45,8 @@ def template(name: str) -> str:
 
 def written_call(name: str, start: str) -> str:
     """The text the template writes for the assistant's call (from its first marker on), as a model would."""
-    messages = [{"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "content": "", "tool_calls": [CALL]}]
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": "", "tool_calls": [CALL]}]
     text = render_chat_template(template(name), messages, add_generation_prompt=False, tools=TOOLS,
                                 bos_token="<s>", eos_token="</s>")
     last_user = text.rindex("Paris?")

@@ -21,6 +21,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+from .tool_calls import ToolCall, ToolCallStream, _ArgumentsScanner, _merged, _partial_suffix
+
 #: how far past a call's marker the head may still be arriving before the marker is taken as plain text
 MAX_HEAD_CHARS = 256
 
@@ -47,7 +49,8 @@ DS_CALLS_BEGIN, DS_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls
 DS_CALL_BEGIN, DS_CALL_END, DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
 
 FORMATS: dict[str, MarkedFormat] = {f.name: f for f in (
-    MarkedFormat("mistral", "[TOOL_CALLS]", re.compile(r"\[TOOL_CALLS\]\s*(?P<name>[^\[\s]+)(?:\[CALL_ID\][^\[]*)?\[ARGS\]"), "",
+    MarkedFormat("mistral", "[TOOL_CALLS]",
+                 re.compile(r"\[TOOL_CALLS\]\s*(?P<name>[^\[\s]+)(?:\[CALL_ID\][^\[]*)?\[ARGS\]"), "",
                  forced_prefix='"[TOOL_CALLS]" {name} "[ARGS]"'),
     MarkedFormat("mistral_nemo", "[TOOL_CALLS]",
                  re.compile(r'(?:\[TOOL_CALLS\]\s*\[|\s*,)\s*\{\s*"name"\s*:\s*"(?P<name>[^"]+)"\s*,'
@@ -55,7 +58,7 @@ FORMATS: dict[str, MarkedFormat] = {f.name: f for f in (
                  forced_prefix='"[TOOL_CALLS][{\\"name\\": \\"" {bare} "\\", \\"arguments\\": "',
                  forced_suffix='", \\"id\\": \\"" /[a-zA-Z0-9]{9}/ "\\"}]"'),  # Nemo writes a 9-character id
     MarkedFormat("deepseek_r1", DS_CALL_BEGIN,
-                 re.compile(re.escape(DS_CALL_BEGIN) + r"function" + re.escape(DS_SEP) + r"(?P<name>[^\n]+)\n```json\n"),
+                 re.compile(re.escape(DS_CALL_BEGIN + "function" + DS_SEP) + r"(?P<name>[^\n]+)\n```json\n"),
                  "```" + DS_CALL_END, section_end=DS_CALLS_END,
                  forced_prefix=f'"{DS_CALLS_BEGIN}{DS_CALL_BEGIN}function{DS_SEP}" {{name}} "\\n```json\\n"',
                  forced_suffix=f'"\\n```{DS_CALL_END}{DS_CALLS_END}"'),
@@ -82,87 +85,54 @@ def detect_marked_format(template: str) -> MarkedFormat | None:
     return None
 
 
-def _partial_suffix(text: str, tag: str) -> int:
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
+class MarkedCallStream(ToolCallStream):
+    """Incremental parser of a reply in a :class:`MarkedFormat`: ``ToolCallStream``'s interface and its
+    arguments state (the JSON value followed character by character); its own states around them."""
 
-
-class MarkedCallStream:
-    """Incremental parser of a reply in a :class:`MarkedFormat` (the interface of ``ToolCallStream``)."""
-
-    def __init__(self, fmt: MarkedFormat):
-        from .tool_calls import ToolCall, _ArgumentsScanner
-
-        self.fmt = fmt
+    def __init__(self, fmt: MarkedFormat):  # noqa: D107 - not ToolCallStream's format enum
+        self.marked = fmt
         self.calls: list[ToolCall] = []
-        self._new_call = ToolCall
-        self._new_scanner = _ArgumentsScanner
-        self._scanner: Any = None
         self._buffer = ""
         self._state = "text"
-
-    def feed(self, piece: str) -> list[dict[str, Any]]:
-        from .tool_calls import _merged
-
-        self._buffer += piece
-        deltas: list[dict[str, Any]] = []
-        while True:
-            before = (self._state, len(self._buffer))
-            deltas += getattr(self, f"_step_{self._state}")()
-            if (self._state, len(self._buffer)) == before:
-                return _merged(deltas)
+        self._scanner: _ArgumentsScanner | None = None
 
     def finish(self) -> list[dict[str, Any]]:
-        from .tool_calls import _merged
-
         rest, self._buffer = self._buffer, ""
         deltas = [{"content": rest}] if rest and self._state in ("text", "head") else []
         self._state = "done"
         return _merged(deltas)
 
-    # -- states ------------------------------------------------------------------------------------------------
+    # -- states (the arguments state is ToolCallStream's; it moves on to "after_call") -------------------------
     def _step_text(self) -> list[dict[str, Any]]:
-        at = self._buffer.find(self.fmt.marker)
+        at = self._buffer.find(self.marked.marker)
         if at >= 0:
             content, self._buffer = self._buffer[:at], self._buffer[at:]
             self._state = "head"
             return [{"content": content}] if content else []
-        keep = _partial_suffix(self._buffer, self.fmt.marker)
+        keep = _partial_suffix(self._buffer, self.marked.marker)
         content = self._buffer[:len(self._buffer) - keep]
         self._buffer = self._buffer[len(content):]
         return [{"content": content}] if content else []
 
     def _step_head(self) -> list[dict[str, Any]]:
-        head = self.fmt.head.match(self._buffer)
+        head = self.marked.head.match(self._buffer)
         if head is None:
             if len(self._buffer) > MAX_HEAD_CHARS:  # never became a call: it was text
-                content, self._buffer = self._buffer[:len(self.fmt.marker)], self._buffer[len(self.fmt.marker):]
+                marker = self.marked.marker
+                content, self._buffer = self._buffer[:len(marker)], self._buffer[len(marker):]
                 self._state = "text"
                 return [{"content": content}]
             return []
-        call = self._new_call(name=head.group("name").strip(), arguments="")
+        call = ToolCall(name=head.group("name").strip(), arguments="")
         self.calls.append(call)
         self._buffer = self._buffer[head.end():]
-        self._scanner = self._new_scanner()
+        self._scanner = _ArgumentsScanner()
         self._state = "arguments"
         return [{"tool_calls": [{"index": len(self.calls) - 1, "id": call.id, "type": "function",
                                  "function": {"name": call.name, "arguments": ""}}]}]
 
-    def _step_arguments(self) -> list[dict[str, Any]]:
-        if not self._scanner.started:
-            self._buffer = self._buffer.lstrip()
-        taken = self._scanner.feed(self._buffer)
-        fragment, self._buffer = self._buffer[:taken], self._buffer[taken:]
-        self.calls[-1].arguments += fragment
-        if self._scanner.ended:
-            self._state = "tail"
-        return [{"tool_calls": [{"index": len(self.calls) - 1, "function": {"arguments": fragment}}]}] \
-            if fragment else []
-
-    def _step_tail(self) -> list[dict[str, Any]]:
-        tail = self.fmt.tail
+    def _step_after_call(self) -> list[dict[str, Any]]:
+        tail = self.marked.tail
         if tail:
             at = self._buffer.find(tail)
             if at < 0:
@@ -176,17 +146,15 @@ class MarkedCallStream:
         text = self._buffer.lstrip()
         if not text:
             return []
-        if self.fmt.next_call and text.startswith(self.fmt.next_call):
+        fmt = self.marked
+        if fmt.next_call and text.startswith(fmt.next_call):
             self._buffer, self._state = text, "head"
             return []
-        if self.fmt.section_end and self.fmt.section_end.startswith(text) and text != self.fmt.section_end:
+        if fmt.section_end and fmt.section_end.startswith(text) and text != fmt.section_end:
             return []  # the closer may be arriving
-        if self.fmt.section_end and text.startswith(self.fmt.section_end):
-            text = text[len(self.fmt.section_end):]
+        if fmt.section_end and text.startswith(fmt.section_end):
+            text = text[len(fmt.section_end):]
         self._buffer, self._state = text, "text"
-        return []
-
-    def _step_done(self) -> list[dict[str, Any]]:
         return []
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Any, AsyncIterator, Callable, Literal, Union
+from typing import Any, Callable, Literal, Union
 
 from pydantic import Field
 
@@ -229,8 +229,8 @@ class MessagesShape(ChatShape):
         events = self._events(deltas) + self._close_block()
         choice = self.choices[index] if self.choices else ChoiceState()
         stop_reason, stop_sequence = _stop(reason, choice)
-        return events + [{"type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                          "usage": {"output_tokens": choice.n_generated}},
+        delta = {"stop_reason": stop_reason, "stop_sequence": stop_sequence}
+        return events + [{"type": "message_delta", "delta": delta, "usage": {"output_tokens": choice.n_generated}},
                          {"type": "message_stop"}]
 
     def _events(self, deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -323,25 +323,18 @@ def count_tokens(engine: Engine, params: dict[str, Any]) -> dict[str, Any]:
     return {"input_tokens": len(plan_chat(engine, chat_request(request)).tokens)}
 
 
-async def sse_events(stream: Any, next_chunk: Callable[[Any], Any]) -> AsyncIterator[str]:
-    """``event: TYPE`` / ``data: {...}`` per event; a failure mid-stream becomes an ``error`` event. A client
-    that goes away cancels this generator, which closes the stream (the slot is freed next step)."""
-    import anyio.to_thread
+def sse_event(event: dict[str, Any]) -> str:
+    """One Anthropic server-sent event: ``event: TYPE`` and its JSON."""
+    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
 
+
+def sse_error(exc: BaseException) -> str:
+    """A failure after the stream started, as Anthropic's ``error`` event."""
     from .app import response_for_error
 
-    try:
-        while True:
-            event = await anyio.to_thread.run_sync(next_chunk, stream, abandon_on_cancel=True)
-            if event is None:
-                break
-            yield f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
-    except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band, as Anthropic does
-        failed = response_for_error(exc)
-        message = json.loads(failed.body)["error"]["message"]
-        yield f"event: error\ndata: {json.dumps(error_body(failed.status_code, message))}\n\n"
-    finally:
-        stream.close()
+    failed = response_for_error(exc)
+    message = json.loads(failed.body)["error"]["message"]
+    return sse_event(error_body(failed.status_code, message))
 
 
 # -- HTTP ------------------------------------------------------------------------------------------------------------
@@ -382,7 +375,8 @@ async def messages_endpoint(request: Any) -> Any:
     result = await http._in_thread(run_messages, engine, body)
     if isinstance(result, dict):
         return Response(http._finite_json(result), media_type="application/json")
-    return StreamingResponse(sse_events(result, http._next_chunk), media_type="text/event-stream",
+    events = http.sse_events(result, sse_event, sse_error, done="")
+    return StreamingResponse(events, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 

@@ -161,19 +161,30 @@ def _next_chunk(stream: Any) -> dict[str, Any] | None:
     return next(stream, None)
 
 
-async def sse_events(stream: Any) -> AsyncIterator[str]:
-    """``data: {chunk}`` per chunk, then ``data: [DONE]``; a failure mid-stream becomes an error event. A client
-    that goes away cancels this generator, which closes the stream (the engine frees the slot next step)."""
+def _openai_event(chunk: dict[str, Any]) -> str:
+    return f"data: {_finite_json(chunk)}\n\n"
+
+
+def _openai_error_event(exc: BaseException) -> str:
+    return f"data: {response_for_error(exc).body.decode()}\n\n"
+
+
+async def sse_events(stream: Any, render: Callable[[dict[str, Any]], str] = _openai_event,
+                     render_error: Callable[[BaseException], str] = _openai_error_event,
+                     done: str = "data: [DONE]\n\n") -> AsyncIterator[str]:
+    """``data: {chunk}`` per chunk, then ``data: [DONE]``; a failure mid-stream becomes an error event (another
+    API's events: ``render``, ``render_error``, ``done``). A client that goes away cancels this generator, which
+    closes the stream (the engine frees the slot next step)."""
     try:
         while True:
             chunk = await anyio.to_thread.run_sync(_next_chunk, stream, abandon_on_cancel=True)
             if chunk is None:
                 break
-            yield f"data: {_finite_json(chunk)}\n\n"
-        yield "data: [DONE]\n\n"
+            yield render(chunk)
+        if done:
+            yield done
     except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band, as llama-server does
-        response = response_for_error(exc)
-        yield f"data: {response.body.decode()}\n\n"
+        yield render_error(exc)
     finally:
         stream.close()
 
