@@ -348,10 +348,10 @@ def _anthropic_guarded(handler: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """Every failure of an Anthropic endpoint in Anthropic's error shape (status as the OpenAI side decides)."""
     import functools
 
-    from . import app as http
-
     @functools.wraps(handler)
     async def run(request: Any) -> Any:
+        from . import app as http  # here, not above: app imports this module for its routes
+
         try:
             return await handler(request)
         except http._BadBody as exc:

@@ -37,6 +37,7 @@ from . import anthropic
 from .chat_options import chat_options_from_config
 from .engine import Engine
 from .metrics import CONTENT_TYPE
+from .openapi import openapi_endpoint
 from .protocol import parse_request
 
 log = logging.getLogger(__name__)
@@ -291,6 +292,7 @@ ROUTES = [
     # Anthropic's Messages API (its own error shape: llmfw.serving.anthropic)
     ("/v1/messages", anthropic.messages_endpoint, ["POST"]),
     ("/v1/messages/count_tokens", anthropic.count_tokens_endpoint, ["POST"]),
+    ("/openapi.json", openapi_endpoint, ["GET"]),
 ]
 
 
