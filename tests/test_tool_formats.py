@@ -1,5 +1,5 @@
 """Tool calls in each family's own format (issue "agent-ready serving", item 3): Mistral ``[TOOL_CALLS]`` (Small 3.2
-and Nemo), DeepSeek R1 / V3.1 tool-call tokens, gpt-oss Harmony ``to=functions.NAME``.
+and Nemo), DeepSeek R1 / V3.1 tool-call tokens, gpt-oss Harmony ``to=functions.NAME``, Qwen3-Coder's XML.
 
 The scripted model outputs are what llama.cpp's copies of the real templates (tests/data/tool_templates/) write
 for an assistant's call: the parser must read back, from pieces of any size, the call the template wrote, with
@@ -36,6 +36,7 @@ CASES = {
     "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B": (ToolCallFormat.DEEPSEEK_R1, "<｜tool▁calls▁begin｜>"),
     "deepseek-ai-DeepSeek-V3.1": (ToolCallFormat.DEEPSEEK_V31, "<｜tool▁calls▁begin｜>"),
     "openai-gpt-oss-120b": (ToolCallFormat.HARMONY, "<|channel|>"),
+    "Qwen3-Coder": (ToolCallFormat.QWEN3_CODER, "<tool_call>"),
 }
 
 
@@ -51,6 +52,8 @@ def written_call(name: str, start: str) -> str:
                                 bos_token="<s>", eos_token="</s>")
     last_user = text.rindex("Paris?")
     at = text.index(start, last_user) if start != "<|channel|>" else text.index("to=functions", last_user)
+    if start == "<tool_call>":  # Qwen3-Coder's prompt explains the format first: the call is the last one
+        at = text.rindex(start)
     return text[at:]
 
 
@@ -91,11 +94,12 @@ def vocab(smollm2_path):
 
 
 @pytest.mark.parametrize("name", ["Mistral-Small-3.2-24B-Instruct-2506", "mistralai-Mistral-Nemo-Instruct-2407",
-                                  "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B", "deepseek-ai-DeepSeek-V3.1"])
+                                  "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B", "deepseek-ai-DeepSeek-V3.1",
+                                  "Qwen3-Coder"])
 def test_forcing_grammar_accepts_the_templates_call(name, vocab):
     fmt, start = CASES[name]
     text = written_call(name, start)
-    for end in ("</s>", "<｜end▁of▁sentence｜>"):
+    for end in ("</s>", "<｜end▁of▁sentence｜>", "<|im_end|>"):
         text = text.split(end)[0]
     text = re.sub(r"\[CALL_ID\][^\[]*", "", text)  # the id is the server's to give, not the model's to write
     grammar = tool_call_grammar(TOOLS, "required", fmt)
@@ -126,3 +130,12 @@ def test_server_forces_and_streams_a_mistral_call(smollm2_path):
             assert len(pieces) > 1 and "".join(pieces) == call.function.arguments
         finally:
             live.stop()
+
+
+def test_qwen3_coder_values_take_their_json_types():
+    """Qwen3-Coder's template writes strings raw and other values as JSON; read back, each has its type."""
+    text = ("<tool_call>\n<function=plan>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n"
+            "<parameter=tags>\n[\"a\", \"b\"]\n</parameter>\n<parameter=zip>\n02139\n</parameter>\n</function>\n"
+            "</tool_call>")
+    _, [call] = parse_tool_calls(text, ToolCallFormat.QWEN3_CODER)
+    assert json.loads(call.arguments) == {"city": "Paris", "days": 3, "tags": ["a", "b"], "zip": "02139"}

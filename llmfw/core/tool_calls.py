@@ -35,6 +35,7 @@ class ToolCallFormat(str, Enum):
     DEEPSEEK_R1 = "deepseek_r1"
     DEEPSEEK_V31 = "deepseek_v31"
     HARMONY = "harmony"
+    QWEN3_CODER = "qwen3_coder"  # <function=NAME><parameter=KEY>value</parameter> (llmfw.core.tool_formats)
 
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
@@ -48,8 +49,10 @@ def detect_tool_call_format(template: str | None) -> ToolCallFormat | None:
     """The tool-call format a chat template teaches its model (None when it knows no tools)."""
     if not template:
         return None
-    from .tool_formats import detect_marked_format
+    from .tool_formats import detect_marked_format, is_xml_call_template
 
+    if is_xml_call_template(template):
+        return ToolCallFormat.QWEN3_CODER
     marked = detect_marked_format(template)
     if marked is not None:
         return ToolCallFormat(marked.name)
@@ -124,6 +127,11 @@ def tool_call_grammar(tools: Sequence[Mapping[str, Any]] | None, tool_choice: An
     names = forced_function_names(tools, tool_choice)
     if names is None:
         return None
+    if fmt == ToolCallFormat.QWEN3_CODER:
+        from .tool_formats import xml_call_grammar
+
+        return xml_call_grammar(tool_functions(tools), names, lambda schema: schema_text({**schema, "x-guidance": {
+            "whitespace_pattern": JSON_WHITESPACE}}))
     if fmt.value in _marked_formats():
         from .tool_formats import FORMATS, marked_call_grammar
 
@@ -379,6 +387,10 @@ def _marked_formats() -> set[str]:
 
 def tool_call_stream(fmt: ToolCallFormat) -> Any:
     """The incremental parser for ``fmt``: ``feed`` / ``finish`` giving OpenAI deltas, ``calls``."""
+    if fmt == ToolCallFormat.QWEN3_CODER:
+        from .tool_formats import XmlCallStream
+
+        return XmlCallStream()
     if fmt.value in _marked_formats():
         from .tool_formats import FORMATS, MarkedCallStream
 

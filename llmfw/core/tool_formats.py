@@ -6,7 +6,9 @@
 * ``deepseek_r1`` — DeepSeek V3 / R1 and its distills: ``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>
   get_weather`` + a fenced ``json`` block + ``<｜tool▁call▁end｜><｜tool▁calls▁end｜>``;
 * ``deepseek_v31`` — DeepSeek V3.1: ``<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{...}<｜tool▁call▁end｜>``;
-* ``harmony`` — gpt-oss: ``<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{...}<|call|>``.
+* ``harmony`` — gpt-oss: ``<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{...}<|call|>``;
+* ``qwen3_coder`` — Qwen3-Coder: ``<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n
+  </function>\n</tool_call>`` (:class:`XmlCallStream`, :func:`xml_call_grammar`).
 
 Each format is a :class:`MarkedFormat`: the marker that may begin a call, a regular expression for the call's
 head (which names the function), the arguments as a JSON value (followed character by character, so they stream
@@ -172,3 +174,118 @@ def marked_call_grammar(fmt: MarkedFormat, tools_params: Mapping[str, Mapping[st
 
 
 __all__ = ["FORMATS", "MarkedCallStream", "MarkedFormat", "detect_marked_format", "marked_call_grammar"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Qwen3-Coder: XML-like calls whose parameter values are raw text
+# ---------------------------------------------------------------------------------------------------------------
+XML_CALL_OPEN, XML_CALL_CLOSE = "<tool_call>", "</tool_call>"
+_XML_FUNCTION = re.compile(r"\s*<function=(?P<name>[^>\n]+)>\s*")
+_XML_PARAMETER = re.compile(r"\s*<parameter=(?P<key>[^>\n]+)>\n?")
+XML_PARAMETER_CLOSE = "</parameter>"
+
+
+def is_xml_call_template(template: str) -> bool:
+    """Qwen3-Coder's template: ``<function=NAME>`` with ``<parameter=KEY>`` lines inside ``<tool_call>``."""
+    return "<function=" in template and "<parameter=" in template
+
+
+def xml_value_json(text: str) -> str:
+    """A parameter's raw text as JSON: the template writes objects, arrays, numbers and booleans as JSON and
+    strings as they are, so text that parses as a non-string JSON value is that value, anything else a string."""
+    value = text[:-1] if text.endswith("\n") else text
+    try:
+        parsed = json.loads(value)
+    except ValueError:
+        return json.dumps(value, ensure_ascii=False)
+    return value.strip() if not isinstance(parsed, str) else json.dumps(value, ensure_ascii=False)
+
+
+class XmlCallStream(ToolCallStream):
+    """Qwen3-Coder's calls, turned into OpenAI deltas: the call starts at ``<function=NAME>``; each parameter's
+    ``"KEY": VALUE`` piece of the arguments object is sent when its ``</parameter>`` arrives (the value's JSON
+    type is known only then); ``}`` at ``</function>``."""
+
+    def __init__(self) -> None:  # noqa: D107 - no format enum: one format
+        self.calls: list[ToolCall] = []
+        self._buffer = ""
+        self._state = "text"
+        self._scanner = None
+        self._n_params = 0
+        self._key = ""  # the parameter whose value is arriving
+
+    def finish(self) -> list[dict[str, Any]]:
+        rest, self._buffer = self._buffer, ""
+        deltas = [{"content": rest}] if rest and self._state == "text" else []
+        if self._state in ("params", "value") and self.calls:  # cut short inside a call: close its object
+            deltas.append(self._arguments("}"))
+        self._state = "done"
+        return _merged(deltas)
+
+    def _arguments(self, fragment: str) -> dict[str, Any]:
+        self.calls[-1].arguments += fragment
+        return {"tool_calls": [{"index": len(self.calls) - 1, "function": {"arguments": fragment}}]}
+
+    def _step_text(self) -> list[dict[str, Any]]:
+        at = self._buffer.find(XML_CALL_OPEN)
+        if at >= 0:
+            content, self._buffer = self._buffer[:at], self._buffer[at + len(XML_CALL_OPEN):]
+            self._state = "function"
+            return [{"content": content}] if content.strip() else []
+        keep = _partial_suffix(self._buffer, XML_CALL_OPEN)
+        content = self._buffer[:len(self._buffer) - keep]
+        self._buffer = self._buffer[len(content):]
+        return [{"content": content}] if content else []
+
+    def _step_function(self) -> list[dict[str, Any]]:
+        head = _XML_FUNCTION.match(self._buffer)
+        if head is None:
+            return []
+        call = ToolCall(name=head.group("name").strip(), arguments="")
+        self.calls.append(call)
+        self._buffer, self._state, self._n_params = self._buffer[head.end():], "params", 0
+        return [{"tool_calls": [{"index": len(self.calls) - 1, "id": call.id, "type": "function",
+                                 "function": {"name": call.name, "arguments": ""}}]}]
+
+    def _step_params(self) -> list[dict[str, Any]]:
+        parameter = _XML_PARAMETER.match(self._buffer)
+        if parameter is not None:
+            self._key = parameter.group("key").strip()
+            self._buffer, self._state = self._buffer[parameter.end():], "value"
+            return []
+        text = self._buffer.lstrip()
+        if text.startswith("</function>"):
+            end = text.find(XML_CALL_CLOSE)
+            if end < 0:
+                return []
+            self._buffer, self._state = text[end + len(XML_CALL_CLOSE):], "text"
+            return [self._arguments("{}" if self._n_params == 0 else "}")]
+        return []
+
+    def _step_value(self) -> list[dict[str, Any]]:
+        end = self._buffer.find(XML_PARAMETER_CLOSE)
+        if end < 0:
+            return []
+        value, self._buffer = self._buffer[:end], self._buffer[end + len(XML_PARAMETER_CLOSE):]
+        opener = "{" if self._n_params == 0 else ", "
+        self._n_params += 1
+        self._state = "params"
+        return [self._arguments(f"{opener}{json.dumps(self._key)}: {xml_value_json(value)}")]
+
+
+def xml_call_grammar(tools_params: Mapping[str, Mapping[str, Any]], names: Sequence[str], schema_text: Any) -> str:
+    """A Lark grammar forcing one Qwen3-Coder call of one of ``names``: its required parameters in order, each a
+    raw line of text (strings) or JSON (other types)."""
+    rules, options = ["text_value: /[^<\\n]{1,200}/"], []
+    for i, name in enumerate(names):
+        params = tools_params[name]
+        properties = params.get("properties") or {}
+        items = []
+        for j, key in enumerate(params.get("required") or []):
+            sub = properties.get(key, {})
+            value = "text_value" if sub.get("type", "string") == "string" else f"v_{i}_{j}"
+            if value != "text_value":
+                rules.append(f"v_{i}_{j}: %json {schema_text(dict(sub))}")
+            items.append(f'"<parameter={key}>\\n" {value} "\\n</parameter>\\n"')
+        options.append(f'"<tool_call>\\n<function={name}>\\n" {" ".join(items)} "</function>\\n</tool_call>"')
+    return "%llguidance {}\nstart: " + " | ".join(options) + "\n" + "\n".join(rules) + "\n"
