@@ -21,7 +21,7 @@ from llmfw.core.sampling import Candidates
 from llmfw.serving import Engine
 from llmfw.serving.app import create_app
 from llmfw.serving.chat_options import ChatOptions
-from llmfw.serving.reasoning import COMMAND_R, THINK, ReasoningSplitter, ThinkingBudget, split_reasoning, \
+from llmfw.serving.reasoning import COMMAND_R, HARMONY, THINK, ReasoningSplitter, ThinkingBudget, split_reasoning, \
     starts_inside_thinking, thinking_tags_for
 from live_server import TIMEOUT, LiveServer, post
 
@@ -47,6 +47,17 @@ def test_split_reasoning(text, inside, reasoning, content):
     assert split_reasoning(text, THINK, inside) == (reasoning, content)
 
 
+def test_harmony_analysis_channel_is_the_reasoning():
+    """gpt-oss writes its thinking in the analysis channel and the answer in the final channel."""
+    reply = "<|channel|>analysis<|message|>User greets.<|end|><|start|>assistant<|channel|>final<|message|>Hello!"
+    assert split_reasoning(reply, HARMONY) == ("User greets.", "Hello!")
+    splitter, pieces = ReasoningSplitter(HARMONY), []
+    for i in range(0, len(reply), 3):
+        pieces += splitter.feed(reply[i:i + 3])
+    pieces += splitter.finish()
+    assert "".join(t for k, t in pieces if k == "content") == "Hello!"
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.sampled_from(["<think>why not</think>\n\nBecause.", "No tags at all.", "<think>a<b</think>c</thi",
                         " <thin", "x</think>y"]),
@@ -65,6 +76,7 @@ def test_streamed_split_joins_up_to_the_whole_split(text, cuts, inside):
 
 def test_tags_and_where_a_reply_starts():
     assert thinking_tags_for(QWEN3) == THINK and thinking_tags_for("{{ '<|START_THINKING|>' }}") == COMMAND_R
+    assert thinking_tags_for((TEMPLATES / "openai-gpt-oss-120b.jinja").read_text()) == HARMONY
     assert starts_inside_thinking("<|Assistant|><think>\n", THINK)
     assert not starts_inside_thinking("<|im_start|>assistant\n<think>\n\n</think>\n\n", THINK)
 

@@ -85,6 +85,8 @@ class ResponseShape:
         self.created = int(time.time())
         #: the choices' progress, set by the run that uses this shape
         self.choices: list[ChoiceState] = []
+        #: the reply's text must show control tokens (markers the parsers look for)
+        self.renders_special = False
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.engine.alias,
@@ -170,6 +172,11 @@ class ChatShape(ResponseShape):
         self.reasoning = reasoning
         #: per choice, the splitter of thinking from answer (none with --reasoning-format none)
         self.splitters = [reasoning.splitter() for _ in range(n_choices)] if reasoning else [None] * n_choices
+        # markers that may be control tokens (DeepSeek's, Mistral's, Harmony's): the parsers must see them, as
+        # llama-server keeps a format's "preserved tokens"
+        self.renders_special = bool(tool_format and tool_format not in (ToolCallFormat.HERMES,
+                                                                        ToolCallFormat.LLAMA3_JSON)) \
+            or bool(reasoning and reasoning.tags.special)
         #: sent as a top-level "warnings" list in the response and the first chunk (clients ignore unknown keys)
         self.warnings = list(warnings or [])
         #: per choice, the parser turning a streamed reply into content and tool-call deltas
@@ -313,7 +320,7 @@ class RequestRun:
                 chain.samplers[:0] = [*constraint.samplers(engine.model, engine.n_ctx_slot),
                                       *(more_samplers() if more_samplers else [])]
                 self.jobs.append(Job(index, tokens, chain, limit, list(request.stop or []), n_logprobs,
-                                     self.queue, self.cancel))
+                                     self.queue, self.cancel, special=shape.renders_special))
         self.choices = [ChoiceState() for _ in self.jobs]
         shape.choices = self.choices  # a shape may report what a finished choice did (its stop string)
 

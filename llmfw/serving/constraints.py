@@ -72,9 +72,10 @@ def tool_constraint(request: GenerationFields, model: Any, template: str | None)
     fmt = detect_tool_call_format(template)
     if fmt is None:
         if forced:
-            raise RequestError("this model's chat template shows no tool-call format (Hermes/Qwen <tool_call> or "
-                               "Llama-3.1 JSON), so a tool call cannot be forced; serve it with a tool-capable "
-                               "chat template (the pipeline's chat.template / chat.template_file)", "tool_choice")
+            raise RequestError("this model's chat template shows no tool-call format (Hermes/Qwen <tool_call>, "
+                               "Llama-3.1 JSON, Mistral, DeepSeek, gpt-oss, Qwen3-Coder), so a tool call cannot be "
+                               "forced; serve it with a tool-capable chat template (llmfw serve --chat-template FILE, "
+                               "the pipeline's chat.template / chat.template_file)", "tool_choice")
         return None, None  # "auto" with a template that knows no tools: the reply is plain content (warned)
     try:
         grammar = tool_call_grammar(tools, request.tool_choice, fmt, vocab=model.vocab,

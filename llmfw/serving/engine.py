@@ -95,6 +95,8 @@ class Job:
     n_logprobs: int | None  # None: no logprobs; k: the chosen token's logprob plus k alternatives
     events: "queue.Queue[Event]"
     cancel: Cancel
+    #: render control tokens in the text (a chat whose tool-call or thinking markers are special tokens)
+    special: bool = False
     # progress, touched only by the engine thread
     seq: int = -1
     pending: list[int] = field(default_factory=list)  # tokens still to decode (prompt rest or the last sample)
@@ -319,7 +321,7 @@ class Engine:
         job.seq = seq
         n_keep = reuse_cached_prefix(self.ctx, job.tokens, seq)
         job.n_past, job.pending = n_keep, job.tokens[n_keep:]
-        job.text = TextStream(self.model.vocab, job.stops)
+        job.text = TextStream(self.model.vocab, job.stops, special=job.special)
         accept_prompt_tokens(job.chain, job.tokens)
         self.metrics.prompt_tokens.inc(len(job.tokens))
         if job.max_tokens == 0:

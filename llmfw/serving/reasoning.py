@@ -23,18 +23,28 @@ from ..core.sampling import Candidates, Sampler
 
 @dataclass(frozen=True)
 class ThinkingTags:
+    """The pair a family thinks between; ``after``: markers dropped from the start of the answer (in order,
+    each when present); ``special``: the tags are control tokens, which the reply's text must show."""
+
     open: str
     close: str
+    after: tuple[str, ...] = ()
+    special: bool = False
 
 
 THINK = ThinkingTags("<think>", "</think>")
-COMMAND_R = ThinkingTags("<|START_THINKING|>", "<|END_THINKING|>")
+COMMAND_R = ThinkingTags("<|START_THINKING|>", "<|END_THINKING|>", special=True)
+#: gpt-oss: the analysis channel is the thinking, the final channel the answer
+HARMONY = ThinkingTags("<|channel|>analysis<|message|>", "<|end|>",
+                       after=("<|start|>assistant", "<|channel|>final<|message|>"), special=True)
 
 
 def thinking_tags_for(template: str | None) -> ThinkingTags:
     """The tags a chat template's model thinks between (``<think>`` unless the template shows another pair)."""
     if template and COMMAND_R.open in template:
         return COMMAND_R
+    if template and "<|channel|>" in template and "analysis" in template:
+        return HARMONY
     return THINK
 
 
@@ -113,6 +123,12 @@ class ReasoningSplitter:
 
     def _step_after(self) -> tuple[str, str] | None:
         text = self._buffer.lstrip()
+        for marker in self.tags.after:  # the answer's own markers (Harmony's final channel)
+            if marker.startswith(text):
+                self._buffer = text
+                return None  # the marker may be arriving
+            if text.startswith(marker):
+                text = text[len(marker):].lstrip()
         self._buffer = text
         if text:
             self._state = "content"
