@@ -203,3 +203,11 @@ def test_x_api_key_and_bearer(plain):
     openai_side = post(plain.url + "/v1/models".replace("/v1/models", "/v1/completions"),
                        json={"prompt": "x", "max_tokens": 1}, headers={"x-api-key": KEY})
     assert openai_side.status_code == 200  # x-api-key works on every protected path
+
+
+def test_tools_offered_to_a_template_without_tools_are_warned_about(plain):
+    """SmolLM2's own template shows no tools: the message says so (and names the tool and the template)."""
+    reply = client_for(plain).messages.create(model="smol", max_tokens=2, messages=HI, tools=[WEATHER],
+                                              extra_body=GREEDY)
+    [warning] = reply.model_extra["warnings"]
+    assert "get_weather" in warning and "tokenizer.chat_template" in warning

@@ -216,6 +216,8 @@ class MessagesShape(ChatShape):
         message = {"id": self.id, "type": "message", "role": "assistant", "model": self.engine.alias,
                    "content": [], "stop_reason": None, "stop_sequence": None,
                    "usage": {"input_tokens": self.n_prompt, "output_tokens": 0}}
+        if self.warnings:  # e.g. tools offered to a template without tools (clients ignore unknown keys)
+            message["warnings"] = self.warnings
         return [{"type": "message_start", "message": message}]
 
     def token_chunks(self, event: TokenEvent) -> list[dict[str, Any]]:
@@ -283,9 +285,10 @@ class MessagesShape(ChatShape):
             content.append({"type": "tool_use", "id": _tool_id(call["id"]), "name": call["function"]["name"],
                             "input": _arguments(call["function"]["arguments"])})
         stop_reason, stop_sequence = _stop(reason or "stop", choice)
-        return {"id": self.id, "type": "message", "role": "assistant", "model": self.engine.alias,
-                "content": content, "stop_reason": stop_reason, "stop_sequence": stop_sequence,
-                "usage": {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"]}}
+        out = {"id": self.id, "type": "message", "role": "assistant", "model": self.engine.alias,
+               "content": content, "stop_reason": stop_reason, "stop_sequence": stop_sequence,
+               "usage": {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"]}}
+        return {**out, "warnings": self.warnings} if self.warnings else out
 
 
 def _tool_id(call_id: str) -> str:
