@@ -19,11 +19,10 @@ from hypothesis import strategies as st
 import llmfw
 from llmfw.core.sampling import Candidates
 from llmfw.serving import Engine
-from llmfw.serving.app import create_app
 from llmfw.serving.chat_options import ChatOptions
 from llmfw.serving.reasoning import COMMAND_R, HARMONY, THINK, ReasoningSplitter, ThinkingBudget, split_reasoning, \
     starts_inside_thinking, thinking_tags_for
-from live_server import TIMEOUT, LiveServer, post
+from live_server import TIMEOUT, post, serve_engine
 
 TEMPLATES = Path(__file__).parent / "data" / "tool_templates"
 QWEN3 = (TEMPLATES / "Qwen-Qwen3-0.6B.jinja").read_text()
@@ -110,10 +109,7 @@ def test_thinking_budget_forces_the_closing_tag(model):
 # -- end to end --------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def qwen3_server(model):
-    with Engine(model, parallel=2, n_ctx=2048, alias="smol", chat_template=QWEN3) as engine:
-        live = LiveServer(create_app(engine))
-        yield live
-        live.stop()
+    yield from serve_engine(model, parallel=2, n_ctx=2048, alias="smol", chat_template=QWEN3)
 
 
 @pytest.fixture(scope="module")

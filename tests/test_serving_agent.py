@@ -16,9 +16,7 @@ import pytest
 
 import llmfw
 from llmfw.core.gguf import GGUFWriter
-from llmfw.serving import Engine
-from llmfw.serving.app import create_app
-from live_server import TIMEOUT, LiveServer, free_port, get, post
+from live_server import TIMEOUT, free_port, get, post, serve_engine
 
 ROOT = Path(__file__).resolve().parent.parent
 TEMPLATES = ROOT / "tests" / "data" / "tool_templates"
@@ -35,10 +33,7 @@ def model(smollm2_path):
 @pytest.fixture(scope="module")
 def tiny_slot_server(model):
     """One small slot (the context is rounded up to 256 tokens): a reply reaches the slot's end quickly."""
-    with Engine(model, parallel=1, n_ctx=64, alias="smol") as engine:
-        live = LiveServer(create_app(engine))
-        yield live
-        live.stop()
+    yield from serve_engine(model, parallel=1, n_ctx=64, alias="smol")
 
 
 def serve_command(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -13,9 +13,7 @@ import pytest
 
 import llmfw
 from llmfw.core.chat import apply_chat_template
-from llmfw.serving import Engine
-from llmfw.serving.app import create_app
-from live_server import TIMEOUT, LiveServer, post
+from live_server import TIMEOUT, post, serve_engine
 
 TEMPLATES = Path(__file__).parent / "data" / "tool_templates"
 QWEN25 = (TEMPLATES / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text()
@@ -35,10 +33,7 @@ def model(smollm2_path):
 
 
 def serve(model, template, api_key=None):
-    with Engine(model, parallel=2, n_ctx=2048, alias="smol", chat_template=template) as engine:
-        live = LiveServer(create_app(engine, api_key=api_key))
-        yield live
-        live.stop()
+    yield from serve_engine(model, api_key, parallel=2, n_ctx=2048, alias="smol", chat_template=template)
 
 
 @pytest.fixture(scope="module")

@@ -11,9 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import llmfw
-from llmfw.serving import Engine
-from llmfw.serving.app import ROUTES, create_app
-from live_server import TIMEOUT, LiveServer, get
+from llmfw.serving.app import ROUTES
+from live_server import TIMEOUT, get, serve_engine
 
 GOOD = {
     "/v1/completions": {"prompt": "Hi", "max_tokens": 1},
@@ -31,10 +30,7 @@ GENERATING = {"/v1/completions", "/v1/chat/completions", "/v1/messages"}
 @pytest.fixture(scope="module")
 def server(smollm2_path):
     model = llmfw.load_model(str(smollm2_path), backend="numpy")
-    with Engine(model, parallel=2, n_ctx=512, alias="smol") as engine:
-        live = LiveServer(create_app(engine))
-        yield live
-        live.stop()
+    yield from serve_engine(model, parallel=2, n_ctx=512, alias="smol")
 
 
 @pytest.fixture(scope="module")
