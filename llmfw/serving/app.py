@@ -4,7 +4,8 @@ Handlers never touch the model's context: they hand the parsed JSON body to ``en
 ``engine.chat_completion`` (run in a worker thread) and stream the chunks it yields as server-sent events.
 Every failure is an OpenAI-shaped JSON error ``{"error": {"message", "type", "param", "code"}}``; every response
 carries ``x-llmfw-replica``; with an API key every ``/v1/*``, ``/tokenize``, ``/detokenize`` and ``/metrics``
-request needs ``Authorization: Bearer KEY`` (compared in constant time).
+request needs ``Authorization: Bearer KEY`` or ``x-api-key: KEY`` (compared in constant time). Anthropic's
+``/v1/messages`` endpoints (:mod:`llmfw.serving.anthropic`) answer in Anthropic's error shape instead.
 """
 from __future__ import annotations
 
@@ -32,8 +33,11 @@ from starlette.routing import Route
 
 from ..core.errors import ChatTemplateError, ConfigError, ContextError, EngineBusy, EngineLoading, EngineStopped, \
     LLMFWError, RequestError, SamplerError, TokenizerError
+from . import anthropic
+from .chat_options import chat_options_from_config
 from .engine import Engine
 from .metrics import CONTENT_TYPE
+from .openapi import openapi_endpoint
 from .protocol import parse_request
 from .webui import webui_routes
 
@@ -159,19 +163,30 @@ def _next_chunk(stream: Any) -> dict[str, Any] | None:
     return next(stream, None)
 
 
-async def sse_events(stream: Any) -> AsyncIterator[str]:
-    """``data: {chunk}`` per chunk, then ``data: [DONE]``; a failure mid-stream becomes an error event. A client
-    that goes away cancels this generator, which closes the stream (the engine frees the slot next step)."""
+def _openai_event(chunk: dict[str, Any]) -> str:
+    return f"data: {_finite_json(chunk)}\n\n"
+
+
+def _openai_error_event(exc: BaseException) -> str:
+    return f"data: {response_for_error(exc).body.decode()}\n\n"
+
+
+async def sse_events(stream: Any, render: Callable[[dict[str, Any]], str] = _openai_event,
+                     render_error: Callable[[BaseException], str] = _openai_error_event,
+                     done: str = "data: [DONE]\n\n") -> AsyncIterator[str]:
+    """``data: {chunk}`` per chunk, then ``data: [DONE]``; a failure mid-stream becomes an error event (another
+    API's events: ``render``, ``render_error``, ``done``). A client that goes away cancels this generator, which
+    closes the stream (the engine frees the slot next step)."""
     try:
         while True:
             chunk = await anyio.to_thread.run_sync(_next_chunk, stream, abandon_on_cancel=True)
             if chunk is None:
                 break
-            yield f"data: {_finite_json(chunk)}\n\n"
-        yield "data: [DONE]\n\n"
+            yield render(chunk)
+        if done:
+            yield done
     except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band, as llama-server does
-        response = response_for_error(exc)
-        yield f"data: {response.body.decode()}\n\n"
+        yield render_error(exc)
     finally:
         stream.close()
 
@@ -275,6 +290,10 @@ ROUTES = [
     ("/tokenize", tokenize, ["POST"]),
     ("/detokenize", detokenize, ["POST"]),
     ("/metrics", metrics, ["GET"]),
+    # Anthropic's Messages API (its own error shape: llmfw.serving.anthropic)
+    ("/v1/messages", anthropic.messages_endpoint, ["POST"]),
+    ("/v1/messages/count_tokens", anthropic.count_tokens_endpoint, ["POST"]),
+    ("/openapi.json", openapi_endpoint, ["GET"]),
 ]
 
 
@@ -297,8 +316,11 @@ class ReplicaAndAuth:
             await send(message)
 
         if not self._authorized(scope):
-            response = error_response(401, "a valid API key is required: send 'Authorization: Bearer KEY'",
-                                      code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            message = "a valid API key is required: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'"
+            headers = {"WWW-Authenticate": "Bearer"}
+            response = anthropic.error_response(401, message, headers) \
+                if anthropic.is_anthropic_path(scope.get("path", "")) else \
+                error_response(401, message, code="invalid_api_key", headers=headers)
             await response(scope, receive, send_with_replica)
             return
         await self.app(scope, receive, send_with_replica)
@@ -308,27 +330,35 @@ class ReplicaAndAuth:
         path = scope.get("path", "")
         if not key or not (path.startswith("/v1/") or path in PROTECTED):
             return True
-        given = b""
+        given, given_key = b"", b""
         for name, value in scope.get("headers", []):
             if name == b"authorization":
                 given = value
-        expected = b"Bearer " + key.encode()
-        return hmac.compare_digest(given, expected)
+            elif name == b"x-api-key":  # Anthropic's header, beside OpenAI's Bearer
+                given_key = value
+        bearer = hmac.compare_digest(given, b"Bearer " + key.encode())
+        return hmac.compare_digest(given_key, key.encode()) or bearer
 
 
 def create_app(engine: Engine | Callable[[], Engine], *, api_key: str | None = None,
-               cors_origins: list[str] | None = None, thread_tokens: int | None = None, webui: bool = True) -> Any:
+               cors_origins: list[str] | None = None, thread_tokens: int | None = None, webui: bool = True,
+               on_load_error: Callable[[str], None] | None = None) -> Any:
     """The ASGI app. ``engine``: a ready Engine, or a callable that builds one (run in a thread at startup,
     /health answers 503 until it returns). ``webui``: serve the browser chat page at ``/``
-    (:mod:`llmfw.serving.webui`)."""
+    (:mod:`llmfw.serving.webui`). ``on_load_error`` hears why building the engine failed (``llmfw serve`` then
+    exits); without it the failure is logged with its traceback and every request answers 503."""
     state = ServerState(api_key=api_key or None)
 
     def load() -> None:
         try:
             state.engine = engine()  # type: ignore[operator]
         except Exception as exc:  # noqa: BLE001 - reported by /health and every request
-            log.exception("loading the model failed")
-            state.load_error = str(exc)
+            state.load_error = str(exc) or type(exc).__name__
+            if on_load_error is None:
+                log.exception("loading the model failed")
+            else:
+                log.debug("loading the model failed", exc_info=exc)
+                on_load_error(state.load_error)
 
     import contextlib
 
@@ -360,7 +390,8 @@ def create_app(engine: Engine | Callable[[], Engine], *, api_key: str | None = N
 
 
 def pipeline_app(pipeline: Any, *, eager: bool = False, load_model: Callable[[], Any] | None = None,
-                 on_ready: Callable[[Engine], None] | None = None) -> Any:
+                 on_ready: Callable[[Engine], None] | None = None,
+                 on_load_error: Callable[[str], None] | None = None) -> Any:
     """The app for a pipeline's ``server`` settings: its engine over ``load_model()`` (default: the pipeline's
     own model). ``eager`` builds the engine now (a Ray replica, ready only once loaded); otherwise it loads in
     the background while ``/health`` answers 503 (``llmfw serve``). ``on_ready`` sees the engine once built."""
@@ -371,13 +402,14 @@ def pipeline_app(pipeline: Any, *, eager: bool = False, load_model: Callable[[],
         model = (load_model or pipeline.load_model)()
         engine = Engine(model, server.parallel, n_ctx=cfg.context.n_ctx, n_threads=cfg.context.n_threads,
                         max_queue=server.max_queue, alias=server.alias,
-                        chat_template=pipeline.chat_template())
+                        chat_template=pipeline.chat_template(), chat_options=chat_options_from_config(pipeline))
         if on_ready is not None:
             on_ready(engine)
         return engine
 
     return create_app(build() if eager else build, api_key=read_api_key(server), cors_origins=server.cors_origin,
-                      thread_tokens=server.max_queue + server.parallel + 16, webui=server.webui)
+                      thread_tokens=server.max_queue + server.parallel + 16, webui=server.webui,
+                      on_load_error=on_load_error)
 
 
 def read_api_key(server: Any) -> str | None:

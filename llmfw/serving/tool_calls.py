@@ -29,6 +29,13 @@ from ..core.generation.grammar import JSON_WHITESPACE, schema_text
 class ToolCallFormat(str, Enum):
     HERMES = "hermes"
     LLAMA3_JSON = "llama3_json"
+    # formats with the family's own markers around a JSON arguments object (llmfw.serving.tool_formats)
+    MISTRAL = "mistral"
+    MISTRAL_NEMO = "mistral_nemo"
+    DEEPSEEK_R1 = "deepseek_r1"
+    DEEPSEEK_V31 = "deepseek_v31"
+    HARMONY = "harmony"
+    QWEN3_CODER = "qwen3_coder"  # <function=NAME><parameter=KEY>value</parameter> (llmfw.serving.tool_formats)
 
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
@@ -42,6 +49,13 @@ def detect_tool_call_format(template: str | None) -> ToolCallFormat | None:
     """The tool-call format a chat template teaches its model (None when it knows no tools)."""
     if not template:
         return None
+    from .tool_formats import detect_marked_format, is_xml_call_template
+
+    if is_xml_call_template(template):
+        return ToolCallFormat.QWEN3_CODER
+    marked = detect_marked_format(template)
+    if marked is not None:
+        return ToolCallFormat(marked.name)
     if HERMES_OPEN in template:
         return ToolCallFormat.HERMES
     if '"parameters"' in template and ("function name" in template or PYTHON_TAG in template):
@@ -113,6 +127,17 @@ def tool_call_grammar(tools: Sequence[Mapping[str, Any]] | None, tool_choice: An
     names = forced_function_names(tools, tool_choice)
     if names is None:
         return None
+    if fmt == ToolCallFormat.QWEN3_CODER:
+        from .tool_formats import xml_call_grammar
+
+        return xml_call_grammar(tool_functions(tools), names, lambda schema: schema_text({**schema, "x-guidance": {
+            "whitespace_pattern": JSON_WHITESPACE}}))
+    if fmt.value in _marked_formats():
+        from .tool_formats import FORMATS, marked_call_grammar
+
+        return marked_call_grammar(FORMATS[fmt.value], tool_functions(tools), names,
+                                   lambda schema: schema_text({**schema, "x-guidance": {
+                                       "whitespace_pattern": JSON_WHITESPACE}}))
     call = schema_text(call_schema(tools, names, fmt))  # checked for size and nesting
     if fmt == ToolCallFormat.HERMES:
         return ("%llguidance {}\n"
@@ -354,15 +379,35 @@ def _merged(deltas: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def _marked_formats() -> set[str]:
+    from .tool_formats import FORMATS
+
+    return set(FORMATS)
+
+
+def tool_call_stream(fmt: ToolCallFormat) -> Any:
+    """The incremental parser for ``fmt``: ``feed`` / ``finish`` giving OpenAI deltas, ``calls``."""
+    if fmt == ToolCallFormat.QWEN3_CODER:
+        from .tool_formats import XmlCallStream
+
+        return XmlCallStream()
+    if fmt.value in _marked_formats():
+        from .tool_formats import FORMATS, MarkedCallStream
+
+        return MarkedCallStream(FORMATS[fmt.value])
+    return ToolCallStream(fmt)
+
+
 def parse_tool_calls(text: str, fmt: ToolCallFormat | None) -> tuple[str, list[ToolCall]]:
     """(content, tool calls) of a whole reply; with no format, all of it is content."""
     if fmt is None:
         return text, []
-    stream = ToolCallStream(fmt)
+    stream = tool_call_stream(fmt)
     deltas = stream.feed(text) + stream.finish()
     content = "".join(d["content"] for d in deltas if "content" in d)
     return content.strip() if stream.calls else content, stream.calls
 
 
 __all__ = ["ARGUMENTS_KEY", "ToolCall", "ToolCallFormat", "ToolCallStream", "call_schema", "detect_tool_call_format",
-           "forced_function_names", "new_tool_call_id", "parse_tool_calls", "tool_call_grammar", "tool_functions"]
+           "forced_function_names", "new_tool_call_id", "parse_tool_calls", "tool_call_grammar", "tool_call_stream",
+           "tool_functions"]

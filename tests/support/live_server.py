@@ -45,3 +45,14 @@ class LiveServer:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(10)
+
+
+def serve_engine(model, api_key=None, **engine_kwargs):
+    """A fixture body (``yield from serve_engine(model, ...)``): an Engine over ``model`` behind a LiveServer."""
+    from llmfw.serving import Engine
+    from llmfw.serving.app import create_app
+
+    with Engine(model, **engine_kwargs) as engine:
+        live = LiveServer(create_app(engine, api_key=api_key))
+        yield live
+        live.stop()

@@ -157,6 +157,8 @@ class TextStream:
         self.stop = [s for s in stop if s]
         self.pending = ""
         self.stopped = False
+        #: the stop string found (None until one is)
+        self.stopped_by: str | None = None
 
     def _held_back(self, text: str) -> int:
         """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
@@ -170,8 +172,9 @@ class TextStream:
 
     def feed(self, token: int) -> str:
         text = self.pending + self.detokenizer.feed(token)
-        cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(i, s) for s, i in ((s, text.find(s)) for s in self.stop) if i >= 0]
+        if found:
+            cut, self.stopped_by = min(found)
             self.stopped, self.pending = True, ""
             return text[:cut]
         keep = self._held_back(text)
