@@ -402,7 +402,7 @@ def fuzz_quants(rng_seed: int) -> Tally:
 
 # ------------------------------------------------------------------------------------------------ main
 def default_models() -> list[Path]:
-    from llmfw.app.catalog import resolve_model
+    from llmfw.core.format.catalog import resolve_model
 
     return [Path(resolve_model("smollm2")), Path(resolve_model("gemma-3-270m"))]
 

@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 import llmfw
-from llmfw.app.catalog import resolve_model
+from llmfw.core.format.catalog import resolve_model
 
 
 def timed(fn) -> tuple[float, float]:

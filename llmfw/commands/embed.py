@@ -1,4 +1,4 @@
-"""`llmfw embed -m MODEL TEXT...`: embeddings as JSON on stdout (llama.cpp pooling; see core/generation/embedding.py).
+"""`llmfw embed -m MODEL TEXT...`: embeddings as JSON on stdout (llama.cpp pooling; see core/runtime/embedding.py).
 
 The JSON has the shape of an OpenAI embeddings response: ``{"object": "list", "model": ..., "pooling": ...,
 "data": [{"object": "embedding", "index": i, "embedding": [...]}, ...], "usage": {"prompt_tokens": n,
@@ -28,7 +28,7 @@ from .perplexity import load_tool_model
 def embed_cmd(texts: tuple[str, ...], model: str | None, pooling: str | None, no_normalize: bool,
               n_batch: int | None, backend: str | None, no_progress: bool) -> None:
     """Embed each TEXT ('-' reads one text from stdin) and print the vectors as JSON."""
-    from ..core.generation.embedding import embed_texts
+    from ..core.runtime.embedding import embed_texts
 
     inputs = [sys.stdin.read() if text == "-" else text for text in texts]
     llm = load_tool_model(model, backend, not no_progress)

@@ -20,15 +20,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator, Protocol, Sequence
 
 from ..errors import ContextError, LLMFWError
+from ..runtime.batch import tokenize_prompt as tokenize_prompt  # its home before embedding needed it
 from .sampling import Sampler, SamplerChain
 
 if TYPE_CHECKING:
     from ..runtime.context import Context
     from ..runtime.model import Model
-    from .speculative import Drafter
     from ..tokenizer.vocab import Vocab
 
 
@@ -135,16 +135,12 @@ def accept_prompt_tokens(chain: SamplerChain, tokens: Sequence[int]) -> None:
 
 
 # -- helpers ---------------------------------------------------------------------------------------------------
-def tokenize_prompt(model: Model, prompt: str | Sequence[int], parse_special: bool = True,
-                    add_special: bool = True) -> list[int]:
-    if isinstance(prompt, str):
-        return list(model.vocab.tokenize(prompt, add_special=add_special, parse_special=parse_special))
-    tokens = [int(t) for t in prompt]
-    n_vocab = model.n_vocab
-    bad = [t for t in tokens if not 0 <= t < n_vocab]
-    if bad:
-        raise ContextError(f"prompt token {bad[0]} is outside the vocabulary (n_vocab {n_vocab})")
-    return tokens
+class Drafter(Protocol):
+    """Proposes tokens to follow ``history + [sampled]`` (``history``: the tokens in the target's cache)."""
+
+    n_max: int
+
+    def draft(self, history: Sequence[int], sampled: int, limit: int | None = None) -> list[int]: ...
 
 
 class TextStream:

@@ -77,13 +77,12 @@ Graph outputs are named: ``logits`` f32 [n_outputs, n_vocab], or in embeddings m
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Collection, Iterator, Literal, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Collection, Iterator, Literal, Mapping, Protocol, Sequence
 
 from ..errors import ModelError
 
 if TYPE_CHECKING:
-    from ..arch.architecture import Architecture
-    from ..arch.hparams import HParams
+    from .hparams import HParams
 
 #: a dimension: a concrete size, or ``DYNAMIC`` when only the running graph knows it (a graph input whose length
 #: the builder cannot see, e.g. the K-shift's ``n_kv``)
@@ -413,6 +412,23 @@ def last_uses(nodes: Sequence[Node], keep: Collection[int]) -> dict[int, tuple[i
     return {index: tuple(ids) for index, ids in dead.items()}
 
 
+class RopeAttrs(Protocol):
+    """A layer's RoPE parameters, as the attributes of its ``rope`` node."""
+
+    def attrs(self) -> dict[str, Any]: ...
+
+
+class GraphArchitecture(Protocol):
+    """What the builder calls back into a model family for (:class:`llmfw.core.arch.architecture.Architecture`,
+    one layer up, fills it in)."""
+
+    def build_graph(self, b: "GraphBuilder") -> None: ...
+
+    def rope_params(self, hp: "HParams", il: int) -> RopeAttrs: ...
+
+    def rope_factors_for(self, b: "GraphBuilder", il: int) -> str | None: ...
+
+
 class GraphModel(Protocol):
     """What the graph builder needs of a model: hyperparameters, architecture, and its weights' types."""
 
@@ -420,7 +436,7 @@ class GraphModel(Protocol):
     def known_hparams(self) -> "HParams": ...
 
     @property
-    def known_arch(self) -> "Architecture": ...
+    def known_arch(self) -> GraphArchitecture: ...
 
     def has_weight(self, name: str) -> bool: ...
 

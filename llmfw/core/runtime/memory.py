@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol
 
 import numpy as np
 
@@ -34,10 +34,21 @@ from ..exec.backend import KVLayerShape
 from ..errors import ContextError
 
 if TYPE_CHECKING:
-    from .context import Context
-    from .model import Model
     from .batch import AllocatedBatch, UBatch
-    from ..ir.graph import Graph
+    from ..ir.graph import Graph, GraphModel
+
+
+class MemoryParams(Protocol):
+    """The context settings a memory is sized by (:class:`~.context.Context`, one module up, has them)."""
+
+    @property
+    def n_ctx(self) -> int: ...
+
+    @property
+    def n_seq_max(self) -> int: ...
+
+    @property
+    def n_ubatch(self) -> int: ...
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +89,7 @@ class Memory(ABC):
 
     @classmethod
     @abstractmethod
-    def create(cls, model: Model, cparams: Context) -> "Memory":
+    def create(cls, model: GraphModel, cparams: MemoryParams) -> "Memory":
         """Build the memory for ``model`` with the context parameters (n_ctx, n_seq_max, ...)."""
 
     #: names of the KV caches (inputs ``kv_idx:<name>`` / ``kq_mask:<name>``)
@@ -242,7 +253,7 @@ class CellsState:
 class KVCache(Memory):
     """One KV cache over a set of layers (llama.cpp's ``llama_kv_cache``)."""
 
-    def __init__(self, model: Model, n_ctx: int, n_seq_max: int = 1, *, name: str = "kv",
+    def __init__(self, model: GraphModel, n_ctx: int, n_seq_max: int = 1, *, name: str = "kv",
                  layers: Iterable[int] | None = None, n_swa: int = 0, swa_type: str = "none",
                  n_pad: int = KV_PAD):
         if not 1 <= n_seq_max <= MAX_SEQ:
@@ -269,7 +280,7 @@ class KVCache(Memory):
         self._backends: dict[int, Any] = {}
 
     @classmethod
-    def create(cls, model: Model, cparams: Context) -> "KVCache":
+    def create(cls, model: GraphModel, cparams: MemoryParams) -> "KVCache":
         return cls(model, cparams.n_ctx, cparams.n_seq_max, n_swa=model.known_hparams.n_swa if _all_swa(model) else 0,
                    swa_type=model.known_hparams.swa_type)
 
@@ -509,7 +520,7 @@ class KVCache(Memory):
         # written again, and written values are finite.
 
 
-def _all_swa(model: Model) -> bool:
+def _all_swa(model: GraphModel) -> bool:
     """A single cache may only be windowed when every layer uses the window."""
     hp = model.known_hparams
     return hp.n_swa > 0 and hp.swa_type != "none" and bool(hp.swa_layers) and all(hp.swa_layers)
@@ -549,7 +560,7 @@ class CompositeMemory(Memory):
         self._layer_part = {il: p for p in parts for il in p.layers}
 
     @classmethod
-    def create(cls, model: Model, cparams: Context) -> Memory:
+    def create(cls, model: GraphModel, cparams: MemoryParams) -> Memory:
         raise NotImplementedError("subclasses decide how to split the layers into caches")
 
     def cache_of_layer(self, il: int) -> str:
@@ -649,7 +660,7 @@ class KVCacheISWA(CompositeMemory):
     applies to both. ``swa_full=True`` gives the SWA cache the full context size (llama.cpp's ``--swa-full``).
     """
 
-    def __init__(self, model: Model, n_ctx: int, n_seq_max: int = 1, n_ubatch: int = 512, *, swa_full: bool = False):
+    def __init__(self, model: GraphModel, n_ctx: int, n_seq_max: int = 1, n_ubatch: int = 512, *, swa_full: bool = False):
         hp = model.known_hparams
         if hp.n_swa <= 0 or hp.swa_type == "none" or not any(hp.swa_layers):
             raise ContextError(f"the interleaved sliding-window cache needs sliding-window layers; arch "
@@ -668,7 +679,7 @@ class KVCacheISWA(CompositeMemory):
                  self.base.n_cells, len(self.base.layers), self.swa.n_cells, len(self.swa.layers), hp.n_swa)
 
     @classmethod
-    def create(cls, model: Model, cparams: Context) -> Memory:
+    def create(cls, model: GraphModel, cparams: MemoryParams) -> Memory:
         """The iSWA cache, or one plain :class:`KVCache` when the model has no sliding-window layer (llama.cpp
         picks its memory the same way)."""
         hp = model.known_hparams

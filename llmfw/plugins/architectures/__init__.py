@@ -1,5 +1,5 @@
 """Built-in architectures: one module per family, registered lazily by `general.architecture` name."""
-from llmfw.core.plugins import hookimpl
+from llmfw.sdk import hookimpl
 
 ARCHITECTURES = {
     "llama": "llmfw.plugins.architectures.llama:LlamaArchitecture",

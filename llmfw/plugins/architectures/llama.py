@@ -17,11 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from llmfw.core.arch.architecture import Architecture, TensorSpec, attention_qkv_tensors
-from llmfw.core.errors import ModelError
-from llmfw.core.ir.graph import GraphBuilder
-from llmfw.core.arch.hparams import HParams
-from llmfw.core.runtime.loader import MetadataView
+from llmfw.sdk import Architecture, GraphBuilder, HParams, MetadataView, ModelError, TensorSpec, attention_qkv_tensors
 
 
 def llama3_rope_factors(hp: HParams) -> np.ndarray:

@@ -1,5 +1,5 @@
 """Built-in backends, registered lazily so that listing them never imports torch or onnxruntime."""
-from llmfw.core.plugins import hookimpl
+from llmfw.sdk import hookimpl
 
 BACKENDS = {
     "numpy": "llmfw.plugins.backends.numpy:NumpyBackend",

@@ -1,5 +1,5 @@
 """Built-in model-file loaders (GGUF), by format name."""
-from llmfw.core.plugins import hookimpl
+from llmfw.sdk import hookimpl
 
 LOADERS = {
     "gguf": "llmfw.core.runtime.loader:GGUFLoader",

@@ -1,5 +1,5 @@
 """Built-in memory modules: the unified KV cache and its interleaved sliding-window variant."""
-from llmfw.core.plugins import hookimpl
+from llmfw.sdk import hookimpl
 
 MEMORY = {
     "kv_cache": "llmfw.core.runtime.memory:KVCache",

@@ -1,5 +1,5 @@
 """Built-in samplers, by the names used in sampler chains and YAML pipelines."""
-from llmfw.core.plugins import hookimpl
+from llmfw.sdk import hookimpl
 
 _PKG = "llmfw.plugins.samplers"
 

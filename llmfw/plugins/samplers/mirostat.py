@@ -6,16 +6,8 @@ from typing import Any
 
 import numpy as np
 
-from llmfw.core.errors import SamplerError
+from llmfw.sdk import SamplerError
 from llmfw.core.generation.sampling import (
-    Candidates,
-    MT19937Rng,
-    Sampler,
-    SamplerEnv,
-    SamplerParams,
-    keep_top_k,
-    resolve_seed,
-)
 
 
 class _MirostatBase(Sampler):

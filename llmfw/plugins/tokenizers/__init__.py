@@ -1,5 +1,5 @@
 """Built-in tokenizers, by `tokenizer.ggml.model` value."""
-from llmfw.core.plugins import hookimpl
+from llmfw.sdk import hookimpl
 
 TOKENIZERS = {
     "gpt2": "llmfw.plugins.tokenizers.bpe:BPETokenizer",

@@ -31,8 +31,7 @@ from operator import itemgetter
 
 import regex
 
-from llmfw.core.errors import TokenizerError, VocabError
-from llmfw.core.tokenizer.vocab import Tokenizer, TokenizerDefaults, Vocab
+from llmfw.sdk import Tokenizer, TokenizerDefaults, TokenizerError, Vocab, VocabError
 
 
 # ----------------------------------------------------------------------------------------------- byte alphabet

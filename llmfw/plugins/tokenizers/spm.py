@@ -20,8 +20,7 @@ import re
 from itertools import repeat
 from operator import add
 
-from llmfw.core.errors import TokenizerError
-from llmfw.core.tokenizer.vocab import Tokenizer, TokenizerDefaults, Vocab
+from llmfw.sdk import Tokenizer, TokenizerDefaults, TokenizerError, Vocab
 
 SPACE = "▁"
 _SMALL_WORD = 256  # up to this many symbols a C-level rescan per merge beats a heap

@@ -22,8 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from llmfw.core.errors import TokenizerError, VocabError
-from llmfw.core.tokenizer.vocab import Tokenizer, TokenizerDefaults, TokenAttr, Vocab
+from llmfw.sdk import TokenAttr, Tokenizer, TokenizerDefaults, TokenizerError, Vocab, VocabError
 
 SPACE = "\u2581"
 _SPACE_BYTES = SPACE.encode()

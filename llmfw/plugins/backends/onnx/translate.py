@@ -19,7 +19,7 @@ the sum is its 4th output for the later residual).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -32,10 +32,24 @@ from llmfw.plugins.backends.onnx.emit import (
 )
 from llmfw.plugins.backends.onnx.fused import USE_GQA, AttentionForm, fusable_rope, kv_cells, packed_qkv
 from llmfw.plugins.backends.onnx.ort import OnnxKV, import_onnxruntime
-from llmfw.plugins.backends.onnx.weights import F32, BlockWeight, DenseWeight
+from llmfw.plugins.backends.onnx.weights import F32, BlockWeight, DenseWeight, Weight
 
-if TYPE_CHECKING:
-    from llmfw.plugins.backends.onnx.runtime import OnnxBackend
+
+
+class OnnxWeightSource(Protocol):
+    """What translating reads of the backend (:class:`~llmfw.plugins.backends.onnx.runtime.OnnxBackend`)."""
+
+    accuracy_level: int
+
+    def weight(self, name: str) -> Weight: ...
+
+    def dense_copy(self, name: str) -> np.ndarray: ...
+
+    def transposed(self, name: str) -> np.ndarray: ...
+
+    def offsets_transposed(self, key: str, weight: BlockWeight) -> np.ndarray: ...
+
+    def derived(self, name: str, kind: str, make: Callable[[], np.ndarray]) -> np.ndarray: ...
 
 #: the most key values one attention score sums in one go: MLAS's default reduction slice, which it only ever
 #: widens (see :meth:`SplitTranslator._scores`)
@@ -65,7 +79,7 @@ class SplitTranslator:
     that do not depend on the token count or the KV length (head sizes, rotated dims); the model itself keeps
     those axes dynamic."""
 
-    def __init__(self, backend: "OnnxBackend", split: Split, inputs: Sequence[np.ndarray],
+    def __init__(self, backend: OnnxWeightSource, split: Split, inputs: Sequence[np.ndarray],
                  kv: Mapping[tuple[str, int], Any], attention: AttentionForm = "op"):
         import_onnxruntime()
         from onnx import helper, numpy_helper

@@ -11,13 +11,14 @@ their first reader. No source text is generated.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from llmfw.core.arch.architecture import RopeParams
 from llmfw.core.exec.backend import Split
 from llmfw.core.errors import ModelError
 from llmfw.core.ir.graph import Node
 from llmfw.plugins.backends.torch.environment import import_torch
+from llmfw.plugins.backends.torch.weights import Linear, TorchWeight
 from llmfw.plugins.backends.torch.kernels import (
     KVStorage,
     attention,
@@ -30,8 +31,20 @@ from llmfw.plugins.backends.torch.kernels import (
     softcap_op,
 )
 
-if TYPE_CHECKING:
-    from llmfw.plugins.backends.torch.runtime import TorchBackend
+
+
+class TorchWeightSource(Protocol):
+    """What compiling reads of the backend (:class:`~llmfw.plugins.backends.torch.runtime.TorchBackend`)."""
+
+    @property
+    def spec(self) -> str: ...
+
+    @property
+    def weights(self) -> Mapping[str, TorchWeight]: ...
+
+    def dense_tensor(self, name: str) -> Any: ...
+
+    def linear(self, name: str) -> Linear: ...
 
 #: the value table of one run: one slot per node (and per shared table), weights filled in at compile time
 Env = list[Any]
@@ -79,7 +92,7 @@ def release_step(slots: Sequence[int]) -> Step:
 class SplitCompiler:
     """Maps a split's nodes to torch kernels; :attr:`plan` describes the steps (``-v`` dumps, tests)."""
 
-    def __init__(self, backend: "TorchBackend", split: Split, kv: Mapping[tuple[str, int], Any]):
+    def __init__(self, backend: TorchWeightSource, split: Split, kv: Mapping[tuple[str, int], Any]):
         self.backend = backend
         self.split = split
         self.kv = kv

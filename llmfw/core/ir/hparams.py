@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ..errors import MissingMetadataKey, ModelError
 
 if TYPE_CHECKING:
-    from ..runtime.loader import MetadataView
+    from ..format.metadata import MetadataView
 
 RopeScaling = Literal["none", "linear", "yarn", "longrope", "llama3"]
 SWAType = Literal["none", "standard", "chunked", "symmetric"]
