@@ -20,7 +20,7 @@ from .core.exec.backend import (Backend, BackendOptions, CompiledSplit, KVLayerS
 from .core.format.metadata import MetadataView
 from .core.format.quants import GGMLType, dequantize, dequantize_rows
 from .core.generation.sampling import (Candidates, MT19937Rng, RingHistory, Sampler, SamplerChain, SamplerEnv,
-                                       SamplerParams, apply_temperature, ids_lookup, resolve_seed)
+                                       SamplerParams, apply_temperature, ids_lookup, keep_top_k, resolve_seed)
 from .core.ir.graph import DYNAMIC, OPS, BuildParams, Graph, GraphBuilder, Node, Shape
 from .core.ir.hparams import HParams
 from .core.ir.passes import ANY, Pattern, RewriteRule
@@ -46,7 +46,7 @@ __all__ = [
     "Tokenizer", "TokenizerDefaults", "TokenAttr", "TokenType", "Vocab",
     # samplers
     "Sampler", "SamplerChain", "SamplerEnv", "SamplerParams", "Candidates", "MT19937Rng", "RingHistory",
-    "apply_temperature", "ids_lookup", "resolve_seed",
+    "apply_temperature", "ids_lookup", "keep_top_k", "resolve_seed",
     # the exception hierarchy
     "LLMFWError", "GGUFError", "QuantError", "PluginError", "UnknownPluginName", "UnknownArchitecture",
     "UnknownBackend", "BackendUnavailable", "ModelError", "MissingMetadataKey", "LoadCancelled", "VocabError",

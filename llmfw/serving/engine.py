@@ -195,9 +195,9 @@ class Engine:
             calls = list(self._calls)
             self._calls.clear()
             self._waiting.clear()
+            self._slots = [None] * self.parallel
         for _, future in calls:
             future.set_exception(EngineStopped(message))
-            self._slots = [None] * self.parallel
         for job in jobs:
             job.events.put(ErrorEvent(job.index, message, stopped=True))
 

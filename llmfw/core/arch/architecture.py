@@ -26,7 +26,7 @@ Example (a complete minimal architecture)::
             return [TensorSpec("token_embd.weight", (hp.n_embd, hp.n_vocab), layer=INPUT_LAYER), ...]
         def build_graph(self, b):
             x = b.build_inp_embd()
-            for il in range(b.hp.n_layer):
+            for il in b.layers():  # each node made inside belongs to layer il (placement)
                 ...
             b.build_output(x)
 """
