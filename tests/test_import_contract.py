@@ -20,6 +20,7 @@ PACKAGE = ROOT / "llmfw"
 #: the same rank are siblings and may not import each other.
 LAYERS: Mapping[str, int] = {
     "llmfw.core.errors": 0,
+    "llmfw.core.validation": 0,
     "llmfw.core.plugins": 1,
     "llmfw.core.format": 2,
     "llmfw.core.tokenizer": 3,

@@ -53,6 +53,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..errors import BackendUnavailable, ConfigError, LLMFWError, UnknownBackend
+from ..validation import validation_error_message
 from ..ir.graph import Node
 from ..ir.passes import RewriteRule
 
@@ -411,18 +412,8 @@ def parse_backend_options(cls: type[Backend], raw: Mapping[str, Any]) -> Backend
     try:
         return schema.model_validate(dict(raw))
     except ValidationError as exc:
-        problems = "; ".join(_describe_option_problem(schema, error) for error in exc.errors())
+        problems = validation_error_message(exc, known_keys=schema.model_fields, key_noun="option")
         raise ConfigError(f"invalid options for backend {cls.name!r}: {problems}") from None
-
-
-def _describe_option_problem(schema: type[BackendOptions], error: Mapping[str, Any]) -> str:
-    key = ".".join(map(str, error["loc"])) or "(options)"
-    if error["type"] != "extra_forbidden":
-        return f"{key}: {error['msg']}"
-    known = sorted(schema.model_fields)
-    match = difflib.get_close_matches(str(error["loc"][-1]), known, n=1, cutoff=0.6)
-    hint = f"did you mean {match[0]!r}?" if match else f"known options: {', '.join(known) or '(none)'}"
-    return f"{key}: unknown option, {hint}"
 
 
 def check_backend_options(options: BackendOptionsByName) -> None:

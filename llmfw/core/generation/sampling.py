@@ -34,6 +34,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Mapping, Sequence
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
+from ..validation import validation_error_message as validation_error_message
+from ..validation import validation_problems as validation_problems
 from ..errors import GrammarError, SamplerError
 
 if TYPE_CHECKING:
@@ -334,49 +336,6 @@ class SamplerParamsError(SamplerError):
     def __init__(self, problems: list[tuple[str, str]]):
         self.problems = problems
         super().__init__("invalid sampling parameters: " + "; ".join(f"{k}: {m}" for k, m in problems))
-
-
-def _plain_wording(err: Mapping[str, Any]) -> str:
-    """pydantic's error as a person would say it: "must be <= 1", "unknown key", "must be an integer"."""
-    kind, ctx = err.get("type", ""), err.get("ctx") or {}
-    bounds = {"greater_than_equal": (">=", "ge"), "greater_than": (">", "gt"), "less_than_equal": ("<=", "le"),
-              "less_than": ("<", "lt")}
-    if kind in bounds:
-        symbol, key = bounds[kind]
-        return f"must be {symbol} {ctx.get(key)}"
-    if kind == "literal_error":
-        return f"must be one of {ctx.get('expected')}"
-    fixed = {"extra_forbidden": "unknown key", "missing": "is required", "int_parsing": "must be an integer",
-             "int_type": "must be an integer", "int_from_float": "must be an integer", "float_parsing":
-             "must be a number", "float_type": "must be a number", "bool_parsing": "must be true or false",
-             "bool_type": "must be true or false", "string_type": "must be a string", "list_type": "must be a list",
-             "dict_type": "must be a mapping (key: value)", "model_type": "must be a mapping (key: value)",
-             "model_attributes_type": "must be a mapping (key: value)"}
-    return fixed.get(kind) or err.get("msg", "invalid value").removeprefix("Value error, ")
-
-
-def validation_problems(exc: ValidationError, prefix: str = "") -> list[tuple[str, str]]:
-    """(``key.path``, ``what was wrong (got VALUE)``) for every error; nested SamplerParams errors are
-    expanded under their own path."""
-    problems = []
-    for err in exc.errors():
-        path = ".".join(str(part) for part in (prefix, *err.get("loc", ())) if part != "")
-        nested = (err.get("ctx") or {}).get("error")
-        if isinstance(nested, SamplerParamsError):
-            problems += [(".".join(p for p in (path, key) if p), msg) for key, msg in nested.problems]
-            continue
-        msg = _plain_wording(err)
-        shown = ""
-        if "input" in err and err.get("type") not in ("missing", "extra_forbidden") \
-                and not isinstance(err["input"], dict):
-            shown = f" (got {err['input']!r})"
-        problems.append((path or "(top level)", f"{msg}{shown}"))
-    return problems
-
-
-def validation_error_message(exc: ValidationError, prefix: str = "") -> str:
-    """One clause per problem: ``key.path: what was wrong (got VALUE)``."""
-    return "; ".join(f"{path}: {msg}" for path, msg in validation_problems(exc, prefix))
 
 
 class SamplerParams(BaseModel):

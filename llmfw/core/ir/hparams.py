@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..errors import MissingMetadataKey, ModelError
+from ..validation import validation_error_message
 
 if TYPE_CHECKING:
     from ..format.metadata import MetadataView
@@ -219,7 +220,5 @@ def make_hparams(cls: type[HParams], values: dict[str, Any]) -> HParams:
     try:
         return cls(**values)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or 'hparams'}: {err['msg']}" for err in exc.errors()
-        )
+        problems = validation_error_message(exc)
         raise ModelError(f"invalid hyperparameters for arch {values.get('arch')!r}: {problems}") from None

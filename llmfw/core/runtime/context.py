@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .batch import AllocatedBatch, Batch, BatchAllocator, BatchError, UBatch, sequences_of
 from ..errors import ConfigError, ContextError, LogitsIndexError
+from ..validation import validation_error_message
 from ..ir.graph import BuildParams, Graph, GraphBuilder, GraphModel
 from .memory import KV_PAD, Memory, MemoryBatch, SeqTokens, pad_to
 from ..exec.scheduler import PlacedModel, Plan, Scheduler
@@ -365,5 +366,5 @@ def _context_params(params: ContextParams | None, kw: dict[str, Any]) -> Context
     try:
         return ContextParams(**{**base, **kw})
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        problems = validation_error_message(exc, known_keys=ContextParams.model_fields)
         raise ConfigError(f"invalid context parameters: {problems}") from None

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ..arch.architecture import INPUT_LAYER, OUTPUT_LAYER, Architecture, TensorSpec, get_architecture
 from ..exec.backend import Backend, check_backend_options, choose_default_backend, choose_host_backend, create_backend
 from ..errors import MissingMetadataKey, ModelError
+from ..validation import validation_error_message
 from ..ir.hparams import HParams, make_hparams, read_common_hparams
 from .loader import ModelFileLoader, WeightLoad, open_loader
 from ..ir.passes import prepare_fused_weights
@@ -285,7 +286,7 @@ def _model_params(params: ModelParams | None, kw: dict[str, Any]) -> ModelParams
     try:
         return ModelParams(**{**base, **kw})
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        problems = validation_error_message(exc, known_keys=ModelParams.model_fields)
         raise ConfigError(f"invalid model parameters: {problems}") from None
 
 
