@@ -27,8 +27,8 @@ import numpy as np
 
 from ..core.runtime.batch import Batch
 from ..core.errors import EngineBusy, EngineStopped, LLMFWError, RequestError
-from ..core.generation.generate import TextStream, accept_prompt_tokens, common_prefix_length, forget_cache, \
-    reuse_cached_prefix
+from ..core.generation.generate import FINISH_REASONS, TextStream, accept_prompt_tokens, common_prefix_length, \
+    forget_cache, reuse_cached_prefix, stop_reason
 from ..core.generation.sampling import SamplerChain
 from .jobs import Cancel as Cancel, ErrorEvent as ErrorEvent, Event as Event, FinishEvent, Job, TokenEvent
 from .metrics import EngineMetrics
@@ -298,10 +298,9 @@ class Engine:
         if job.n_logprobs is not None:
             event.logprob, event.top = _token_logprobs(logits, token, job.n_logprobs)
         job.events.put(event)
-        if job.text.stopped or job.chain.done():  # a stop string, or the grammar is complete
-            self._finish(job, "stop")
-        elif job.n_generated >= job.max_tokens or job.n_past + 1 > self.n_ctx_slot:
-            self._finish(job, "length")
+        reason = stop_reason(job.text, job.chain, job.n_generated, job.max_tokens, job.n_past, self.n_ctx_slot)
+        if reason:
+            self._finish(job, FINISH_REASONS[reason])
         else:
             job.pending = [token]
 
