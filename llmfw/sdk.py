@@ -8,7 +8,7 @@ Importing it imports the core's contracts (numpy, pydantic), never a backend's r
 """
 from __future__ import annotations
 
-from .core.arch.architecture import (INPUT_LAYER, OUTPUT_LAYER, Architecture, RopeParams, TensorSpec,
+from .core.arch.architecture import (INPUT_LAYER, OUTPUT_LAYER, Architecture, RopeParams, RopeType, TensorSpec,
                                      attention_qkv_tensors, default_rope_params)
 from .core.errors import (LLMFWError, GGUFError, QuantError, PluginError, UnknownPluginName, UnknownArchitecture,
                           UnknownBackend, BackendUnavailable, ModelError, MissingMetadataKey, LoadCancelled,
@@ -34,7 +34,7 @@ __all__ = [
     # plugin hooks
     "hookimpl", "registry",
     # architectures: hyperparameters, tensors, the graph
-    "Architecture", "TensorSpec", "attention_qkv_tensors", "INPUT_LAYER", "OUTPUT_LAYER", "RopeParams",
+    "Architecture", "TensorSpec", "attention_qkv_tensors", "INPUT_LAYER", "OUTPUT_LAYER", "RopeParams", "RopeType",
     "default_rope_params", "HParams", "MetadataView", "GraphBuilder", "Graph", "Node", "BuildParams", "Shape",
     "DYNAMIC", "OPS", "rope_cos_sin", "rope_angle_slopes", "yarn_corr_dims",
     # backends

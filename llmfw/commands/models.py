@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import click
 
-from ..core import catalog
+from ..core.format import catalog
 from .progress import ProgressBar
 
 

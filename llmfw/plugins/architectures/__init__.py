@@ -1,4 +1,6 @@
 """Built-in architectures: one module per family, registered lazily by `general.architecture` name."""
+from collections.abc import Callable
+
 from llmfw.sdk import hookimpl
 
 ARCHITECTURES = {
@@ -12,6 +14,6 @@ ARCHITECTURES = {
 
 
 @hookimpl
-def register_architectures(register):
+def register_architectures(register: Callable[[str, str], None]) -> None:
     for name, ref in ARCHITECTURES.items():
         register(name, ref)

@@ -13,11 +13,12 @@ Biases (``attn_q.bias``...) are used when present. RoPE is NORM mode; scaling ``
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
-from llmfw.sdk import Architecture, GraphBuilder, HParams, MetadataView, ModelError, TensorSpec, attention_qkv_tensors
+from llmfw.sdk import (Architecture, GraphBuilder, HParams, MetadataView, ModelError, RopeType, TensorSpec,
+                       attention_qkv_tensors)
 
 
 def llama3_rope_factors(hp: HParams) -> np.ndarray:
@@ -48,7 +49,7 @@ def llama3_rope_factors(hp: HParams) -> np.ndarray:
 
 class LlamaArchitecture(Architecture):
     name = "llama"
-    rope_type = "norm"
+    rope_type: ClassVar[RopeType] = "norm"
 
     def own_hparams(self, keys: MetadataView, common: dict[str, Any]) -> dict[str, Any]:
         if keys.get_int("{arch}.expert_count", 0) > 0:
@@ -65,7 +66,8 @@ class LlamaArchitecture(Architecture):
         n_q = hp.n_embd_head_k * hp.n_head(il)
         p = f"blk.{il}"
 
-        def t(name: str, ne: tuple[int, ...], usage: str = "mul_mat", optional: bool = False, **kw: Any):
+        def t(name: str, ne: tuple[int, ...], usage: str = "mul_mat", optional: bool = False,
+              **kw: Any) -> TensorSpec:
             return TensorSpec(f"{p}.{name}", ne, il, optional=optional, usage=usage, **kw)
 
         specs = [

@@ -1,4 +1,6 @@
 """Built-in backends, registered lazily so that listing them never imports torch or onnxruntime."""
+from collections.abc import Callable
+
 from llmfw.sdk import hookimpl
 
 BACKENDS = {
@@ -10,6 +12,6 @@ BACKENDS = {
 
 
 @hookimpl
-def register_backends(register):
+def register_backends(register: Callable[[str, str], None]) -> None:
     for name, ref in BACKENDS.items():
         register(name, ref)

@@ -1,4 +1,6 @@
 """Built-in model-file loaders (GGUF), by format name."""
+from collections.abc import Callable
+
 from llmfw.sdk import hookimpl
 
 LOADERS = {
@@ -7,6 +9,6 @@ LOADERS = {
 
 
 @hookimpl
-def register_loaders(register):
+def register_loaders(register: Callable[[str, str], None]) -> None:
     for name, ref in LOADERS.items():
         register(name, ref)

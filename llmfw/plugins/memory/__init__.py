@@ -1,4 +1,6 @@
 """Built-in memory modules: the unified KV cache and its interleaved sliding-window variant."""
+from collections.abc import Callable
+
 from llmfw.sdk import hookimpl
 
 MEMORY = {
@@ -8,6 +10,6 @@ MEMORY = {
 
 
 @hookimpl
-def register_memory(register):
+def register_memory(register: Callable[[str, str], None]) -> None:
     for name, ref in MEMORY.items():
         register(name, ref)

@@ -1,4 +1,6 @@
 """Built-in tokenizers, by `tokenizer.ggml.model` value."""
+from collections.abc import Callable
+
 from llmfw.sdk import hookimpl
 
 TOKENIZERS = {
@@ -11,6 +13,6 @@ TOKENIZERS = {
 
 
 @hookimpl
-def register_tokenizers(register):
+def register_tokenizers(register: Callable[[str, str], None]) -> None:
     for name, ref in TOKENIZERS.items():
         register(name, ref)

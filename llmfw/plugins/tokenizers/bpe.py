@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import repeat
 from operator import itemgetter
@@ -65,10 +66,10 @@ SPM_SPACE = "\u2581"  # what SPM-style vocabularies write for a space
 _TRANSLATION_CACHE_LIMIT = 1 << 16
 
 
-class _LazyTranslation(dict):
+class _LazyTranslation(dict[int, int]):
     """A ``str.translate`` table filled on first use of each code point (ASCII maps to itself)."""
 
-    def __init__(self, rule):
+    def __init__(self, rule: Callable[[str], int]) -> None:
         super().__init__((c, c) for c in range(128))
         self._rule = rule
 

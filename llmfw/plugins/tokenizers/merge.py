@@ -10,7 +10,7 @@ import heapq
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from itertools import repeat
 from operator import add
-from typing import Union
+from typing import Any, Union
 
 #: up to this many symbols a C-level rescan per merge beats a heap
 SMALL_WORD = 256
@@ -24,7 +24,7 @@ def _pair(left: str, right: str) -> tuple[str, str]:
 class PairCosts:
     """The cost of merging two adjacent symbols: ``table[a + b]`` (``joined``) or ``table[(a, b)]``."""
 
-    def __init__(self, table: Mapping[Hashable, Cost], joined: bool, none: Cost):
+    def __init__(self, table: Mapping[Any, Cost], joined: bool, none: Cost):
         self.get = table.get
         self.joined = joined
         #: the cost of a pair that does not merge, above every real one
