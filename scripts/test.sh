@@ -18,7 +18,8 @@ PY=${PYTHON:-python3}
 # the example third-party architecture package, installed like any plugin, and its own tests
 "$PY" -m pip install -q --disable-pip-version-check --no-deps ./examples/llmfw-olmo
 
-# the core's types first (pyproject's [tool.mypy]: strict on llmfw/core), so pytest's summary stays the last line
+# lint and types first (pyproject's [tool.ruff] and [tool.mypy]), so pytest's summary stays the last line
+"$PY" -m ruff check .
 "$PY" -m mypy
 
 names_a_path=false

@@ -35,6 +35,6 @@ def test_the_example_iterates_the_builders_layers() -> None:
 
 def test_the_example_defines_an_architecture() -> None:
     namespace = dict(vars(architecture))
-    exec(compile(example_source(), "<architecture example>", "exec"), namespace)  # noqa: S102 - our own docstring
+    exec(compile(example_source(), "<architecture example>", "exec"), namespace)  # our own docstring
     arch_class = namespace["MyArch"]
     assert issubclass(arch_class, architecture.Architecture) and arch_class.name == "myarch"

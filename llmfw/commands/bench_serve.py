@@ -15,7 +15,6 @@ from __future__ import annotations
 import http.client
 import json
 import socket
-import statistics
 import subprocess
 import sys
 import threading

@@ -29,7 +29,6 @@ from ..core.runtime.batch import Batch
 from ..core.errors import EngineBusy, EngineStopped, LLMFWError, RequestError
 from ..core.generation.generate import FINISH_REASONS, TextStream, accept_prompt_tokens, common_prefix_length, \
     forget_cache, reuse_cached_prefix, stop_reason
-from ..core.generation.sampling import SamplerChain
 from .jobs import Cancel as Cancel, ErrorEvent as ErrorEvent, Event as Event, FinishEvent, Job, TokenEvent
 from .metrics import EngineMetrics
 

@@ -28,7 +28,6 @@ from .sampling import Sampler, SamplerChain
 
 if TYPE_CHECKING:
     from ..runtime.context import Context
-    from ..runtime.model import Model
     from ..tokenizer.vocab import Vocab
 
 

@@ -33,11 +33,11 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 
 from ..errors import TokenizerError, VocabError
-from .tokens import (ATTR_BY_TYPE as _ATTR_BY_TYPE, ATTR_BYTE as _BYTE, ATTR_CONTROL as _CONTROL,
-                     ATTR_LSTRIP as _LSTRIP, ATTR_NORMAL as _NORMAL, ATTR_RSTRIP as _RSTRIP, ATTR_UNKNOWN as _UNKNOWN,
-                     ATTR_UNUSED as _UNUSED, ATTR_USER as _USER, HIDDEN_ATTRS as _HIDDEN_ATTRS, KEY_PREFIX as KEY_PREFIX,
-                     SPECIAL_ID_NAMES as SPECIAL_ID_NAMES, SPECIAL_SPLIT_ATTRS as _SPECIAL_SPLIT_ATTRS,
-                     TokenAttr as TokenAttr, TokenizerDefaults as TokenizerDefaults, TokenType as TokenType)
+from .tokens import (ATTR_BYTE as _BYTE, ATTR_CONTROL as _CONTROL, ATTR_LSTRIP as _LSTRIP, ATTR_NORMAL as _NORMAL,
+                     ATTR_RSTRIP as _RSTRIP, ATTR_UNUSED as _UNUSED, ATTR_USER as _USER, HIDDEN_ATTRS as _HIDDEN_ATTRS,
+                     KEY_PREFIX as KEY_PREFIX, SPECIAL_ID_NAMES as SPECIAL_ID_NAMES,
+                     SPECIAL_SPLIT_ATTRS as _SPECIAL_SPLIT_ATTRS, TokenAttr as TokenAttr,
+                     TokenizerDefaults as TokenizerDefaults, TokenType as TokenType)
 from .vocab_loader import VocabContents, VocabLoader
 
 log = logging.getLogger(__name__)
