@@ -24,9 +24,6 @@ class MetadataView:
     def expand(self, key: str) -> str:
         return key.replace("{arch}", self.arch)
 
-    def has(self, key: str) -> bool:
-        return self.expand(key) in self.metadata
-
     def get(self, key: str, default: Any = _MISSING) -> Any:
         full = self.expand(key)
         if full in self.metadata:

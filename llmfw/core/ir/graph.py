@@ -529,9 +529,6 @@ class GraphBuilder:
             self._weights[name] = node
         return node
 
-    def opt_weight(self, name: str) -> Node | None:
-        return self.weight(name) if self.model.has_weight(name) else None
-
     def layers(self) -> Iterator[int]:
         """Iterate layer indices, making each the owner of the nodes created in its iteration."""
         for il in range(self.hp.n_layer):

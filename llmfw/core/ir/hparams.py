@@ -102,9 +102,6 @@ class HParams(BaseModel):
     def n_ff(self, il: int = 0) -> int:
         return self.n_ff_arr[il]
 
-    def n_gqa(self, il: int = 0) -> int:
-        return self.n_head(il) // max(self.n_head_kv(il), 1)
-
     def n_embd_k_gqa(self, il: int = 0) -> int:
         return self.n_embd_head_k * self.n_head_kv(il)
 

@@ -231,9 +231,6 @@ class Vocab:
     def is_unused(self, token: int) -> bool:
         return bool(self._attr(token) & _UNUSED)
 
-    def is_normal(self, token: int) -> bool:
-        return bool(self._attr(token) & _NORMAL)
-
     def text_to_token(self, text: str) -> int | None:
         return self.token_to_id.get(text)
 
