@@ -26,11 +26,11 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol
+from typing import TYPE_CHECKING, Callable, Iterable, Protocol
 
 import numpy as np
 
-from ..exec.backend import KVLayerShape
+from ..exec.backend import Backend, KVHandle, KVLayerShape
 from ..errors import ContextError
 
 if TYPE_CHECKING:
@@ -100,7 +100,7 @@ class Memory(ABC):
         """Name of the cache layer ``il`` reads and writes."""
 
     @abstractmethod
-    def allocate(self, backend_of_layer: Callable[[int], Any]) -> dict[tuple[str, int], Any]:
+    def allocate(self, backend_of_layer: Callable[[int], Backend]) -> dict[tuple[str, int], KVHandle]:
         """Allocate storage on each layer's backend; returns (cache, layer) → backend KV handle."""
 
     def init_batch(self, batch: "AllocatedBatch", n_ubatch: int) -> tuple[list["UBatch"], MemoryBatch | None]:
@@ -276,8 +276,8 @@ class KVCache(Memory):
             shift=np.zeros(self.n_cells, dtype=np.int64),
         )
         self.has_shift = False
-        self.storage: dict[tuple[str, int], Any] = {}
-        self._backends: dict[int, Any] = {}
+        self.storage: dict[tuple[str, int], KVHandle] = {}
+        self._backends: dict[int, Backend] = {}
 
     @classmethod
     def create(cls, model: GraphModel, cparams: MemoryParams) -> "KVCache":
@@ -292,7 +292,7 @@ class KVCache(Memory):
         hp = self.hp
         return KVLayerShape(self.name, il, self.n_cells, hp.n_head_kv(il), hp.n_embd_head_k, hp.n_embd_head_v)
 
-    def allocate(self, backend_of_layer: Callable[[int], Any]) -> dict[tuple[str, int], Any]:
+    def allocate(self, backend_of_layer: Callable[[int], Backend]) -> dict[tuple[str, int], KVHandle]:
         for il in self.layers:
             backend = backend_of_layer(il)
             self._backends[il] = backend
@@ -566,8 +566,8 @@ class CompositeMemory(Memory):
     def cache_of_layer(self, il: int) -> str:
         return self._layer_part[il].name
 
-    def allocate(self, backend_of_layer: Callable[[int], Any]) -> dict[tuple[str, int], Any]:
-        storage: dict[tuple[str, int], Any] = {}
+    def allocate(self, backend_of_layer: Callable[[int], Backend]) -> dict[tuple[str, int], KVHandle]:
+        storage: dict[tuple[str, int], KVHandle] = {}
         for part in self.parts:
             storage.update(part.allocate(backend_of_layer))
         return storage
