@@ -268,7 +268,7 @@ def test_closing_the_engine_frees_every_slot(model):
     """A request still generating when the engine stops ends with an error, and its slot is free again (the
     reset once sat inside the loop over pending engine calls, so with none pending the slot stayed taken)."""
     engine = Engine(model, parallel=2, n_ctx=256)
-    stream = engine.completion(prompt=PROMPT, max_tokens=200, stream=True, temperature=0)
+    stream = engine.completion(prompt=PROMPT, max_tokens=100, stream=True, temperature=0)
     next(stream)  # the request holds a slot now
     assert _gauge(engine, "llmfw_requests_running") == 1
     engine.close()
