@@ -1,5 +1,5 @@
 """Fuzzing at scale (issue 17): mutated headers, tensor tables and vocabularies of the two real models, and
-quantized blocks with NaN / inf scales. Not a timed test; tests/test_fuzz_sample.py runs a small sample.
+quantized blocks with NaN / inf scales. Not a timed test; tests/reference/test_fuzz_sample.py runs a small sample.
 
     python benchmarks/fuzz_gguf.py                              # 10,000 headers + 1,000 vocabs + every quant type
     python benchmarks/fuzz_gguf.py --headers 500 --vocabs 50 --json /tmp/fuzz.json

@@ -3,13 +3,13 @@
 Run with an interpreter that has llama-cpp-python (a throw-away one, never a project dependency):
 
     /tmp/lcpp/bin/python benchmarks/llama_cpp_vs_reference.py \
-        ~/.cache/llmfw/models/SmolLM2-135M-Instruct.Q4_1.gguf ../shared/reference/smollm2-135m-instruct-q4_1.json
+        ~/.cache/llmfw/models/SmolLM2-135M-Instruct.Q4_1.gguf tests/data/reference/smollm2-135m-instruct-q4_1.json
 
 For every reference prompt it (1) decodes greedily token by token, as the reference's ``sequence`` was made,
 and reports where the result first differs from the reference and llama.cpp's top-2 gap *in the reference* at
 that position; (2) evaluates the reference ``sequence`` teacher-forced in one batch and reports this build's own
 top-2 gap at that position, and its mean log-prob error against the reference (the score of
-``shared/reference/compare.py``). It imports nothing from llmfw.
+``tests/data/reference/compare.py``). It imports nothing from llmfw.
 
 Measured with llama-cpp-python 0.3.36 (the version the reference names) built on the project's AVX2 VM, 2 threads:
 

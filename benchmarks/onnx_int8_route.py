@@ -1,5 +1,5 @@
 """Prefill through ONNX Runtime's int8 GEMM instead of ``MatMulNBits``: the speed it would give and the accuracy it
-costs (README, Benchmarks: why Gemma-3's pp512 stays below 2.0x llama.cpp's).
+costs (docs/backends.md, "What ONNX Runtime 1.32 does not offer").
 
     PYTHONPATH=. python3 benchmarks/onnx_int8_route.py [--models smollm2,gemma-3-270m] [--routes rows,rows2,weights]
                                                        [--only ffn_gate] [--reps 4]

@@ -1,5 +1,5 @@
 """What ONNX Runtime's ``MatMulNBits`` leaves the onnx backend for an affine 4-bit block (Q4_1, Q4_K: ``w = d*q +
-m``), and why neither a faster form nor a shortcut at load is open (README, Benchmarks: what would close the gaps).
+m``), and why neither a faster form nor a shortcut at load is open (docs/backends.md, "What ONNX Runtime 1.32 does not offer").
 
     python3 benchmarks/onnx_matmul_limits.py [--k 576] [--n 1536] [--rows 1,64] [--reps 200] [--json]
 

@@ -1,7 +1,7 @@
 """Speculative decoding speed: greedy tokens/s with n-gram (prompt-lookup) drafts vs without, same outputs.
 
     python benchmarks/speculative_bench.py [--model smollm2] [--backend BACKEND] [--draft-max 16] [--ngram-n 3]
-        [-n 128] [--repeat 2] [--json OUT]
+        [-n 128] [--repeat 2] [--json OUT] [--backend-options JSON]
 
 The prompts are input-grounded ("repeat / edit this code"): the answer copies long stretches of the prompt,
 which is where prompt lookup pays off. For each prompt both runs start from the same cached prompt (only the
@@ -58,12 +58,14 @@ def main() -> None:
     parser.add_argument("-n", type=int, default=128)
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--backend-options", type=json.loads, default={}, metavar="JSON",
+                        help='per-backend options, e.g. \'{"onnx": {"row_padding": "always"}}\'')
     args = parser.parse_args()
 
     import llmfw
     from llmfw.core.generation.speculative import NgramDrafter
 
-    model = llmfw.load_model(args.model, backend=args.backend)
+    model = llmfw.load_model(args.model, backend=args.backend, backend_options=args.backend_options)
     ctx = model.new_context(n_ctx=2048)
     rows, same = [], True
     for prompt in PROMPTS:

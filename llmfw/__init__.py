@@ -1,6 +1,6 @@
 """llmfw — run GGUF language models the way llama.cpp does, in Python, built from plugins.
 
-The public API (pinned in DESIGN.md) is imported lazily so that ``import llmfw`` and ``llmfw --help`` stay
+The public API (pinned: docs/design.md, "Public API") is imported lazily so that ``import llmfw`` and ``llmfw --help`` stay
 fast and never import torch or onnxruntime.
 """
 from __future__ import annotations

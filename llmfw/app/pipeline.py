@@ -144,7 +144,14 @@ class ServerConfig(_Section):
     max_queue: int = Field(64, ge=0)
     alias: str | None = None
     cors_origin: list[str] = Field(default_factory=list)
+    webui: bool = True  # the browser chat page at / (--no-webui: off)
     ray: RayConfig | None = None  # present (or --ray): serve as a Ray Serve application
+    #: thinking text: "deepseek" splits it into reasoning_content, "none" leaves it in the content
+    reasoning_format: Literal["deepseek", "none"] = "deepseek"
+    #: most thinking tokens before the closing tag is forced (-1: no limit, 0: no thinking)
+    reasoning_budget: int = Field(-1, ge=-1)
+    #: variables for every chat template render (a mapping, or its JSON text from the command line)
+    chat_template_kwargs: dict[str, Any] | str | None = None
 
 
 class SpeculativeConfig(_Section):

@@ -33,6 +33,7 @@ from typing import Any, Mapping
 import click
 from pydantic import BaseModel, Field
 
+from llmfw.commands.model_arg import model_from, model_option
 from llmfw.core.errors import LLMFWError
 
 from .bench_measure import (TOKEN_SEED as TOKEN_SEED, TURN_MARK as TURN_MARK, TURN_SETTLE_S as TURN_SETTLE_S,
@@ -356,7 +357,8 @@ def bytecode_note(environ: Mapping[str, str]) -> str | None:
 
 
 @click.command("bench")
-@click.argument("model")
+@click.argument("model_arg", metavar="[MODEL]", required=False)
+@model_option
 @click.option("-p", "--n-prompt", "n_prompt", type=click.IntRange(min=0), default=512, show_default=True,
               help="Prompt tokens of the pp test (0 = skip it).")
 @click.option("-n", "--n-gen", "n_gen", type=click.IntRange(min=0), default=128, show_default=True,
@@ -366,7 +368,7 @@ def bytecode_note(environ: Mapping[str, str]) -> str | None:
 @click.option("-ub", "--ubatch-size", "n_ubatch", type=click.IntRange(min=1), default=512, show_default=True,
               help="Physical batch size.")
 @click.option("--backend", "backends", multiple=True,
-              help="Backend(s) to measure, comma-separated or repeated: numpy, torch, torch:cuda, onnx "
+              help="Backend(s) to measure, comma-separated or repeated: numpy, torch, torch:cuda, onnx, native "
                    "(default: the one a plain load picks: onnx on a CPU, see llmfw run -v).")
 @click.option("-t", "--threads", "n_threads", type=click.IntRange(min=1), default=2, show_default=True,
               help="CPU threads (llmfw and the peers alike).")
@@ -387,13 +389,15 @@ def bytecode_note(environ: Mapping[str, str]) -> str | None:
 @click.option("-jf", "--json-schema", "json_schema_file", type=click.Path(dir_okay=False), default=None,
               help="Also measure tg with sampling, and with sampling constrained by this JSON schema file "
                    "(mask time per token, grammar compile time).")
-def bench(model: str, n_prompt: int, n_gen: int, repetitions: int, n_ubatch: int, backends: tuple[str, ...],
-          n_threads: int, batch_seqs: int, as_json: bool, interleave: bool, llama_python: str | None,
-          transformers_python: str | None, verbose: bool, json_schema_file: str | None) -> None:
-    """Benchmark prompt processing (pp) and generation (tg) like llama-bench."""
+def bench(model_arg: str | None, model: str | None, n_prompt: int, n_gen: int, repetitions: int, n_ubatch: int,
+          backends: tuple[str, ...], n_threads: int, batch_seqs: int, as_json: bool, interleave: bool,
+          llama_python: str | None, transformers_python: str | None, verbose: bool,
+          json_schema_file: str | None) -> None:
+    """Benchmark prompt processing (pp) and generation (tg) like llama-bench, on -m MODEL (or MODEL)."""
+    from llmfw.core.format.catalog import DEFAULT_MODEL
     from llmfw.core.runtime.model import resolve_model_path
 
-    path = str(resolve_model_path(model))
+    path = str(resolve_model_path(model_from(model_arg, model) or DEFAULT_MODEL))
     schema = None
     if json_schema_file is not None:
         from llmfw.core.generation.grammar import GrammarSpec, read_constraint_file
@@ -420,7 +424,9 @@ def bench(model: str, n_prompt: int, n_gen: int, repetitions: int, n_ubatch: int
     records = results[:len(names)]
     measured: dict[str, Any] = dict(zip(peers, results[len(names):]))
     if as_json:
-        click.echo(json.dumps({"params": params.model_dump(), "llmfw": records,
+        from llmfw.commands.machine import describe_machine
+
+        click.echo(json.dumps({"params": params.model_dump(), "machine": describe_machine(), "llmfw": records,
                                "llama_cpp": measured.get("llama_cpp"), "transformers": measured.get("transformers")},
                               indent=2))
     else:

@@ -12,12 +12,14 @@ partial answer stays in the conversation); at the prompt, Ctrl-C twice in a row 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Any, Callable, TextIO
 
 import click
 
 from ..core.errors import LLMFWError
-from .run import build_pipeline, describe_setup, load_model_with_progress, model_and_sampling_options
+from .run import (build_pipeline, describe_setup, draw_random_seed, load_model_with_progress,
+                  model_and_sampling_options)
 
 PROMPT = "> "
 EXIT_COMMANDS = ("/exit", "/quit")
@@ -138,6 +140,16 @@ def run_command(text: str, session: ChatSession, out: TextIO) -> bool:
     return True
 
 
+def warn_without_chat_template(pipeline: Any, model: Any) -> None:
+    """A model whose file has no chat template (most often a base model) is chatted with through ChatML, which
+    it was not trained on: say so, and point to `run`, which continues a text."""
+    if pipeline.chat_template() is not None or model.metadata.get("tokenizer.chat_template"):
+        return
+    name = Path(str(model.path)).name
+    click.echo(f"warning: {name} has no chat template (a base model?): its answers come through ChatML, which it "
+               f"was not trained on; `llmfw run -m {model.path} \"TEXT\"` continues a text instead", err=True)
+
+
 @click.command("chat")
 @model_and_sampling_options
 def chat(**opts: Any) -> None:
@@ -149,10 +161,12 @@ def chat(**opts: Any) -> None:
     """
     pipeline = build_pipeline(opts, {"chat.enabled": True}, greedy_default=False)
     model = load_model_with_progress(pipeline, not opts["no_progress"], verbose=opts["verbose"])
+    warn_without_chat_template(pipeline, model)
     out = sys.stdout
+    seed_drawn = draw_random_seed(pipeline)
     session = ChatSession(pipeline, model, out)
     if opts["verbose"]:
-        describe_setup(model, session.ctx, session.sampler, pipeline)
+        describe_setup(model, session.ctx, session.sampler, pipeline, seed_drawn=seed_drawn)
     click.echo("llmfw chat: /help lists the commands, /exit or Ctrl-D quits, Ctrl-C stops an answer.", err=True)
     enable_line_editing()
     read_line = LineReader(out)

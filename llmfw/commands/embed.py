@@ -12,12 +12,22 @@ from pathlib import Path
 
 import click
 
+from .model_arg import model_option, names_a_model
 from .perplexity import load_tool_model
+
+
+def check_texts(texts: tuple[str, ...], model: str | None) -> None:
+    """``llmfw embed smollm2 hello`` would embed the word "smollm2": without -m, a first text that names a model
+    while more texts follow is a usage error that shows the -m spelling."""
+    if model is None and len(texts) > 1 and names_a_model(texts[0]):
+        rest = " ".join(repr(t) for t in texts[1:])
+        raise click.UsageError(f"{texts[0]!r} names a model, and every argument is a text to embed: "
+                               f"llmfw embed -m {texts[0]} {rest}")
 
 
 @click.command("embed")
 @click.argument("texts", nargs=-1, required=True)
-@click.option("-m", "--model", "model", default=None, help="Catalog name or GGUF path (default: smollm2).")
+@model_option
 @click.option("--pooling", type=click.Choice(["none", "mean", "cls", "last"]), default=None,
               help="Pooling (default: the GGUF's pooling_type; none when it has none).")
 @click.option("--no-normalize", is_flag=True, help="Do not divide each vector by its Euclidean norm.")
@@ -27,9 +37,10 @@ from .perplexity import load_tool_model
 @click.option("--no-progress", is_flag=True, help="No progress bars.")
 def embed_cmd(texts: tuple[str, ...], model: str | None, pooling: str | None, no_normalize: bool,
               n_batch: int | None, backend: str | None, no_progress: bool) -> None:
-    """Embed each TEXT ('-' reads one text from stdin) and print the vectors as JSON."""
+    """Embed each TEXT ('-' reads one text from stdin) with -m MODEL and print the vectors as JSON."""
     from ..core.runtime.embedding import embed_texts
 
+    check_texts(texts, model)
     inputs = [sys.stdin.read() if text == "-" else text for text in texts]
     llm = load_tool_model(model, backend, not no_progress)
     result = embed_texts(llm, inputs, pooling, not no_normalize, n_batch)

@@ -1,4 +1,4 @@
-"""`llmfw inspect MODEL [--tensors] [--json]`: a GGUF model's header at a glance.
+"""`llmfw inspect [-m] MODEL [--tensors] [--json]`: a GGUF model's header at a glance.
 
 :func:`summarize` builds a JSON-ready dict from an open :class:`~llmfw.core.format.gguf.GGUFFile`; the command prints it
 as text or JSON. Nothing here reads tensor data, so inspecting is as fast as opening.
@@ -12,9 +12,10 @@ from typing import Any
 import click
 import numpy as np
 
-from ..core.format.catalog import resolve_model
+from ..core.format.catalog import DEFAULT_MODEL, resolve_model
 from ..core.format.gguf import GGUFFile, GGUFValueType, most_common_type, open_gguf
 from ..core.format.quants import GGMLType
+from .model_arg import model_from, model_option
 from .progress import ProgressBar
 
 #: llama.cpp's `general.file_type` ids (enum llama_ftype) -> names, as llama.cpp prints them
@@ -94,6 +95,44 @@ def type_breakdown(g: GGUFFile) -> dict[str, dict[str, int]]:
             for t, _ in elements.most_common()}
 
 
+#: ``{arch}.*`` expert keys → the names ``experts`` uses for them
+_EXPERT_KEYS = {"expert_count": "count", "expert_used_count": "used", "expert_shared_count": "shared",
+                "expert_group_count": "groups", "expert_group_used_count": "groups_used",
+                "expert_feed_forward_length": "feed_forward_length"}
+
+
+def experts_summary(g: GGUFFile) -> dict[str, Any] | None:
+    """A mixture-of-experts file's expert counts (None for a dense model)."""
+    found = {name: _value(g, f"{g.architecture}.{key}") for key, name in _EXPERT_KEYS.items()
+             if f"{g.architecture}.{key}" in g.metadata}
+    return found if found.get("count") else None
+
+
+def _experts_text(experts: dict[str, Any]) -> str:
+    """``8 (2 used per token, 1 shared, 4 groups of which 2 used, 256 wide)``."""
+    parts = [f"{experts['used']} used per token"] if "used" in experts else []
+    if experts.get("shared"):
+        parts.append(f"{experts['shared']} shared")
+    if experts.get("groups"):
+        parts.append(f"{experts['groups']} groups of which {experts.get('groups_used', '?')} used")
+    if experts.get("feed_forward_length"):
+        parts.append(f"{experts['feed_forward_length']} wide")
+    return f"{experts['count']} ({', '.join(parts)})" if parts else str(experts["count"])
+
+
+def memory_module(architecture: str | None) -> str | None:
+    """The memory module the architecture's plugin names (``kv_cache``, ``kv_cache_iswa``, ``recurrent``,
+    ``hybrid``...), or None for an architecture no installed plugin serves."""
+    from ..core.arch.architecture import Architecture
+    from ..core.errors import LLMFWError
+    from ..core.plugins import registry
+
+    try:
+        return registry("architectures").get_class(str(architecture), Architecture).memory
+    except (LLMFWError, ImportError):
+        return None
+
+
 def summarize(g: GGUFFile, *, with_tensors: bool = False) -> dict[str, Any]:
     """Everything `llmfw inspect` shows, as a JSON-ready dict."""
     n_params = g.n_parameters
@@ -106,8 +145,10 @@ def summarize(g: GGUFFile, *, with_tensors: bool = False) -> dict[str, Any]:
         "gguf_version": g.version,
         "alignment": g.alignment,
         "architecture": g.architecture,
+        "memory": memory_module(g.architecture),
         "general": {k: _value(g, f"general.{k}") for k in _GENERAL_KEYS if f"general.{k}" in g.metadata},
         "hyperparameters": hyperparameters(g),
+        "experts": experts_summary(g),
         "tokenizer": tokenizer_summary(g),
         "file_type": main_type.name if main_type is not None else None,
         "general_file_type": ({"id": ftype_id, "name": LLAMA_FTYPE_NAMES.get(ftype_id, "unknown")}
@@ -118,6 +159,7 @@ def summarize(g: GGUFFile, *, with_tensors: bool = False) -> dict[str, Any]:
         "parameters": n_params,
         "bits_per_weight": round(8 * total / n_params, 4) if n_params else None,
         "types": type_breakdown(g),
+        "cut_tensors": list(g.cut_tensors),  # their data lies past the end of the file
     }
     if with_tensors:
         summary["tensors"] = [{"name": t.name, "type": t.ggml_type.name, "shape": list(t.shape), "bytes": t.nbytes,
@@ -138,7 +180,7 @@ def _human_count(n: int) -> str:
 
 
 def _special_tokens_text(tok: dict[str, Any]) -> str:
-    """``bos 1, eos 2, unknown 0, padding 2; add_bos_token false`` — what the text view promises (README)."""
+    """``bos 1, eos 2, unknown 0, padding 2; add_bos_token false`` — what the text view promises (docs/models.md)."""
     ids = [f"{label} {tok[key]}" for key, label in (("bos_token_id", "bos"), ("eos_token_id", "eos"),
                                                      ("unknown_token_id", "unknown"), ("padding_token_id", "padding"))
            if key in tok]
@@ -149,11 +191,14 @@ def _special_tokens_text(tok: dict[str, Any]) -> str:
 def format_text(s: dict[str, Any]) -> str:
     lines = [f"file:            {', '.join(s['files'])}",
              f"GGUF version:    {s['gguf_version']} (alignment {s['alignment']}, {s['metadata_keys']} keys)",
-             f"architecture:    {s['architecture']}"]
+             f"architecture:    {s['architecture']}",
+             f"memory:          {s['memory'] or 'unknown (no installed plugin serves this architecture)'}"]
     lines += [f"{k + ':':16} {v}" for k, v in s["general"].items()]
     lines.append("hyperparameters:")
     width = max((len(k) for k in s["hyperparameters"]), default=0)
     lines += [f"  {k:{width}}  {v}" for k, v in s["hyperparameters"].items()]
+    if s.get("experts"):
+        lines.append(f"experts:         {_experts_text(s['experts'])}")
     tok = s["tokenizer"]
     merges = f", {tok['merges']} merges" if tok["merges"] is not None else ""
     lines.append(f"tokenizer:       {tok['model']} (pre {tok['pre']}), {tok['vocab_size']} tokens{merges}")
@@ -166,6 +211,9 @@ def format_text(s: dict[str, Any]) -> str:
     bpw = f", {s['bits_per_weight']:.2f} bits per weight" if s["bits_per_weight"] else ""
     lines.append(f"tensors:         {s['tensor_count']}, {_human_bytes(s['tensor_bytes'])}, "
                  f"{_human_count(s['parameters'])} parameters{bpw}")
+    if s["cut_tensors"]:
+        lines.append(f"cut short:       the data of {len(s['cut_tensors'])} of {s['tensor_count']} tensors lies past "
+                     "the end of the file (an interrupted download?): it cannot be loaded")
     for name, t in s["types"].items():
         lines.append(f"  {name:8} {t['tensors']:5} tensors {_human_count(t['elements']):>10} elements "
                      f"{_human_bytes(t['bytes']):>12}")
@@ -179,16 +227,20 @@ def format_text(s: dict[str, Any]) -> str:
 
 
 @click.command("inspect")
-@click.argument("model")
+@click.argument("model_arg", metavar="[MODEL]", required=False)
+@model_option
 @click.option("--tensors", "with_tensors", is_flag=True, help="List every tensor: name, type, shape, bytes.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def inspect_cmd(model: str, with_tensors: bool, as_json: bool) -> None:
+def inspect_cmd(model_arg: str | None, model: str | None, with_tensors: bool, as_json: bool) -> None:
     """Show MODEL's GGUF version, architecture, hyperparameters, tokenizer, file type and size.
 
-    MODEL is a path to a .gguf file (the first part of a split model) or a catalog name.
+    MODEL (-m MODEL, or the first argument) is a path to a .gguf file (the first part of a split model) or a
+    catalog name. A file whose tensor data is cut short (an interrupted download) is still shown, with the
+    tensors past its end counted.
     """
+    model = model_from(model_arg, model) or DEFAULT_MODEL
     with ProgressBar(f"pull {model}") as bar:
         path = resolve_model(model, progress=lambda done, total, what: bar.update(done / total, what))
-    with open_gguf(path) as g:
+    with open_gguf(path, allow_cut_data=True) as g:
         summary = summarize(g, with_tensors=with_tensors)
     click.echo(json.dumps(summary, indent=2, ensure_ascii=False) if as_json else format_text(summary))

@@ -10,6 +10,7 @@ from typing import Any
 
 import click
 
+from .model_arg import model_option
 from .progress import ProgressBar
 
 
@@ -36,7 +37,7 @@ def read_text_file(path: str) -> str:
 
 
 @click.command("perplexity")
-@click.option("-m", "--model", "model", default=None, help="Catalog name or GGUF path (default: smollm2).")
+@model_option
 @click.option("-f", "--file", "file", required=True, help="The text file to score.")
 @click.option("-c", "--ctx-size", "n_ctx", type=click.IntRange(min=4), default=512, show_default=True,
               help="Chunk length in tokens (llama-perplexity's n_ctx).")

@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 import click
 
+from .model_arg import model_option
 from .progress import ProgressBar
 
 #: flag -> (SamplerParams field, click type, help)
@@ -40,8 +41,8 @@ SAMPLING_FLAGS: dict[str, tuple[str, Any, str]] = {
 
 #: what --backend's help says about the default (core/exec/backend.py choose_default_backend: the backends'
 #: declared priorities; these are the built-in ones)
-BACKEND_HELP = ("numpy, onnx, torch, torch:cuda, ggml. Default: torch:cuda when a CUDA GPU and torch are present, "
-                "else onnx (onnxruntime importable), else numpy; -v says which and why.")
+BACKEND_HELP = ("numpy, onnx, native, torch, torch:cuda, ggml. Default: torch:cuda when a CUDA GPU and torch are "
+                "present, else onnx (onnxruntime importable), else numpy; -v says which and why.")
 #: llama.cpp's -n values below 0 (llmfw has no context shift, so both run until the context is full at most)
 N_PREDICT_UNTIL_EOG, N_PREDICT_UNTIL_FULL = -1, -2
 
@@ -69,7 +70,7 @@ def threads_option(func: Callable[..., Any]) -> Callable[..., Any]:
 def model_and_sampling_options(func: Callable[..., Any]) -> Callable[..., Any]:
     """The options `run` and `chat` share: model, placement, context, sampling, config, verbosity."""
     options = [
-        click.option("-m", "--model", "model", default=None, help="Catalog name or GGUF path (default: smollm2)."),
+        model_option,
         click.option("--backend", default=None, help=BACKEND_HELP),
         click.option("-ngl", "--n-gpu-layers", "n_gpu_layers", type=int, default=None,
                      help="Layers on the GPU (-1 = all)."),
@@ -200,7 +201,29 @@ def load_model_with_progress(pipeline: Any, show: bool, verbose: bool = False) -
         return pipeline.load_model(progress=lambda fraction: bar.update(fraction))
 
 
-def describe_setup(model: Any, ctx: Any, sampler: Any, pipeline: Any) -> None:
+def draw_random_seed(pipeline: Any) -> bool:
+    """A random seed (the default, or -1) drawn once, before the chain is built, so every sampler of the chain
+    uses it, ``-v`` can print it and ``--seed N`` repeats the run; True when one was drawn."""
+    from ..core.generation.sampling import DEFAULT_SEED, resolve_seed
+
+    sampling = pipeline.config.sampling
+    if sampling.seed not in (DEFAULT_SEED, -1):
+        return False
+    sampling.seed = resolve_seed(sampling.seed)
+    return True
+
+
+def describe_seed(sampler: Any, drawn: bool) -> str:
+    """The seed the chain's random samplers were seeded with (each keeps its generator as ``rng``)."""
+    seeds = sorted({int(s.rng.seed) for s in getattr(sampler, "samplers", []) if getattr(s, "rng", None) is not None})
+    if not seeds:
+        return "seed: not used (no sampler of the chain draws at random)"
+    note = f" (drawn at random; --seed {seeds[0]} repeats it)" if drawn and len(seeds) == 1 else \
+        " (drawn at random)" if drawn else ""
+    return f"seed: {', '.join(map(str, seeds))}{note}"
+
+
+def describe_setup(model: Any, ctx: Any, sampler: Any, pipeline: Any, *, seed_drawn: bool = False) -> None:
     describe = getattr(model, "describe", None)
     click.echo(describe() if callable(describe) else repr(model), err=True)
     click.echo(f"backend: {getattr(model, 'backend_choice', '') or '?'}", err=True)
@@ -209,8 +232,14 @@ def describe_setup(model: Any, ctx: Any, sampler: Any, pipeline: Any) -> None:
     click.echo(f"context: {size}, threads {threads if threads else 'backend default'}", err=True)
     click.echo(f"sampler chain: {' -> '.join(sampler.names)}", err=True)
     params = pipeline.config.sampling.model_dump(exclude={"samplers", "dry_sequence_breakers", "options", "grammar",
-                                                          "json_schema", "regex"})
+                                                          "json_schema", "regex", "seed"})
     click.echo("sampling: " + ", ".join(f"{k} = {v}" for k, v in params.items()), err=True)
+    from ..core.generation.sampling import DEFAULT_SEED
+
+    sampling = pipeline.config.sampling
+    greedy = sampling.greedy and sampling.mirostat == 0 and sampling.xtc_probability == 0
+    click.echo("seed: not used (greedy)" if greedy else
+               describe_seed(sampler, seed_drawn or sampling.seed in (DEFAULT_SEED, -1)), err=True)
     spec = pipeline.config.sampling.grammar_spec()
     if spec is not None:
         click.echo(f"output constraint: {spec.describe()}", err=True)
@@ -247,9 +276,10 @@ def run(prompt: str | None, use_chat: bool, prompt_cache: str | None, draft_max:
         raise click.UsageError("give a PROMPT (or set generation.prompt in --config)")
     model = load_model_with_progress(pipeline, not opts["no_progress"], verbose=opts["verbose"])
     ctx = pipeline.new_context(model)
+    seed_drawn = draw_random_seed(pipeline)
     sampler = pipeline.make_sampler(model, ctx.n_ctx)
     if opts["verbose"]:
-        describe_setup(model, ctx, sampler, pipeline)
+        describe_setup(model, ctx, sampler, pipeline, seed_drawn=seed_drawn)
     if prompt_cache:
         from .prompt_cache import prime_prompt_cache
 

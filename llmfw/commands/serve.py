@@ -14,11 +14,16 @@ from typing import Any
 
 import click
 
+from .model_arg import model_option
+
 #: flag name -> dotted key in the pipeline file
 SERVE_KEYS = {
     "model": "model", "backend": "backend", "n_ctx": "context.n_ctx", "threads": "context.n_threads",
     "host": "server.host", "port": "server.port", "parallel": "server.parallel", "api_key": "server.api_key",
     "api_key_file": "server.api_key_file", "max_queue": "server.max_queue", "alias": "server.alias",
+    "webui": "server.webui",
+    "chat_template": "chat.template_file", "reasoning_format": "server.reasoning_format",
+    "reasoning_budget": "server.reasoning_budget", "chat_template_kwargs": "server.chat_template_kwargs",
 }
 #: seconds uvicorn waits for open connections after a stop signal
 GRACEFUL_SHUTDOWN_S = 3
@@ -95,7 +100,7 @@ def make_server(app: Any, host: str, port: int, verbose: bool) -> Any:
 
 
 @click.command("serve")
-@click.option("-m", "--model", default=None, help="Catalog name or GGUF path (default: smollm2).")
+@model_option
 @click.option("--host", default=None, help="Address to listen on (default 127.0.0.1).")
 @click.option("--port", type=int, default=None, help="Port (default 8080).")
 @click.option("-np", "--parallel", type=int, default=None, help="Sequences decoded together (default 4).")
@@ -107,7 +112,16 @@ def make_server(app: Any, host: str, port: int, verbose: bool) -> Any:
 @click.option("--api-key-file", default=None, type=click.Path(dir_okay=False), help="Read the API key from a file.")
 @click.option("--max-queue", type=int, default=None, help="Most requests waiting for a slot (default 64).")
 @click.option("--alias", default=None, help="Model name in /v1/models and responses (default: the file name).")
+@click.option("--chat-template", "chat_template", default=None, type=click.Path(dir_okay=False),
+              help="Jinja chat template FILE overriding the model's (e.g. one that knows tools).")
+@click.option("--chat-template-kwargs", default=None, metavar="JSON",
+              help='Variables for every chat template render, e.g. \'{"enable_thinking": false}\'.')
+@click.option("--reasoning-format", type=click.Choice(["deepseek", "none"]), default=None,
+              help="deepseek (default): thinking goes to reasoning_content; none: it stays in the content.")
+@click.option("--reasoning-budget", type=int, default=None,
+              help="Most thinking tokens before the closing tag is forced (-1 = no limit, 0 = no thinking).")
 @click.option("--cors-origin", multiple=True, help="Allow browser requests from this origin (repeatable).")
+@click.option("--webui/--no-webui", default=None, help="Serve the browser chat page at / (default: on).")
 @click.option("--config", type=click.Path(dir_okay=False), default=None, help="YAML file (its server: section).")
 @click.option("--ray", "use_ray", is_flag=True,
               help="Serve as a Ray Serve application (replicas behind Ray's router; needs llmfw[ray]).")
@@ -121,6 +135,7 @@ def serve(**opts: Any) -> None:
     """Serve a model over an OpenAI-compatible HTTP API with continuous batching."""
     from ..serving.app import pipeline_app, read_api_key
     from ..serving.engine import Engine
+    from ..serving.webui import page_url
     from .run import load_model_with_progress
 
     pipeline = serve_pipeline(opts)
@@ -132,19 +147,52 @@ def serve(**opts: Any) -> None:
         run_ray_server(pipeline, lambda line: click.echo(line, err=True))
         return
     read_api_key(server_cfg)  # a bad key file fails before the model loads
+    preflight(pipeline)
     url = f"http://{server_cfg.host}:{server_cfg.port}"
+    failed: list[str] = []
 
     def announce(engine: Engine) -> None:
         click.echo(f"llmfw: serving {engine.alias} at {url} (parallel {engine.parallel}, "
                    f"{engine.n_ctx_slot} tokens per slot)", err=True)
+        if server_cfg.webui:
+            click.echo(f"llmfw: chat in a browser at {page_url(server_cfg.host, server_cfg.port)}", err=True)
         sys.stderr.flush()
 
-    app = pipeline_app(pipeline, load_model=lambda: load_model_with_progress(pipeline, True), on_ready=announce)
+    def give_up(message: str) -> None:  # the model failed to load: a 503 server is no use to anyone
+        failed.append(message)
+        server.should_exit = True
+
+    app = pipeline_app(pipeline, load_model=lambda: load_model_with_progress(pipeline, True), on_ready=announce,
+                       on_load_error=give_up)
     server = make_server(app, server_cfg.host, server_cfg.port, opts["verbose"])
     try:
         server.run()
     finally:
         if app.state.engine is not None:
             app.state.engine.close()
+    if failed:
+        raise LoadFailed(f"the model failed to load: {failed[0]}")
     if not server.started:
         raise click.ClickException(f"could not listen on {url}")
+
+
+def preflight(pipeline: Any) -> None:
+    """Fail now, with one line, on what would otherwise only fail once the server listens: the model (exists,
+    is a GGUF of a known architecture; a catalog model is pulled here), the chat template file and the
+    ``server`` settings that need parsing."""
+    from ..serving.chat_options import chat_options_from_config
+    from ..serving.startup import preflight_model
+    from .progress import ProgressBar
+
+    location = pipeline.model_location()
+    with ProgressBar(f"pull {location}") as bar:
+        path = preflight_model(location, progress=lambda done, total, what: bar.update(done / max(total, 1), what))
+    pipeline.config.model = str(path)
+    chat_options_from_config(pipeline)
+
+
+class LoadFailed(click.ClickException):
+    """Printed as ``llmfw: error: ...`` like every other project error; exit code 1."""
+
+    def show(self, file: Any = None) -> None:
+        click.echo(f"llmfw: error: {self.message}", err=True)

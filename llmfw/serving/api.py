@@ -16,18 +16,19 @@ import queue
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Generator, Iterator
+from typing import Any, Callable, Generator, Iterator
 
 import numpy as np
 
-from ..core.tokenizer.chat import CHATML_TEMPLATE, apply_chat_template, model_chat_template
 from ..core.errors import ConfigError, ContextError, EngineStopped, LLMFWError, RequestError
 from ..core.generation.generate import tokenize_prompt
-from ..core.generation.sampling import SamplerChain
-from .tool_calls import ToolCallFormat, ToolCallStream, parse_tool_calls
+from ..core.generation.sampling import Sampler, SamplerChain
+from .tool_calls import ToolCallFormat, parse_tool_calls, tool_call_stream
+from .chat_options import chat_template_of, render_chat_prompt
 from .constraints import Constraint, request_constraint
 from .jobs import Cancel, ErrorEvent, Event, FinishEvent, Job, ServedEngine, TokenEvent
 from .protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, GenerationFields, parse_request
+from .reasoning import ReasoningSetup, reasoning_setup, split_reasoning
 
 #: how often a waiting consumer checks that the engine is still alive, seconds
 POLL_S = 1.0
@@ -62,6 +63,7 @@ class ChoiceState:
     logprobs: list[TokenEvent] = field(default_factory=list)
     finish_reason: str | None = None
     n_generated: int = 0
+    stop_sequence: str | None = None  # the stop string that ended it (None: end of generation, length)
 
 
 def _piece(engine: ServedEngine, token: int) -> bytes:
@@ -81,6 +83,10 @@ class ResponseShape:
         self.n_choices = n_choices
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
+        #: the choices' progress, set by the run that uses this shape
+        self.choices: list[ChoiceState] = []
+        #: the reply's text must show control tokens (markers the parsers look for)
+        self.renders_special = False
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.engine.alias,
@@ -159,11 +165,22 @@ class ChatShape(ResponseShape):
     id_prefix = "chatcmpl"
 
     def __init__(self, engine: ServedEngine, request: ChatCompletionRequest, n_choices: int,
-                 tool_format: ToolCallFormat | None = None):
+                 tool_format: ToolCallFormat | None = None, warnings: list[str] | None = None,
+                 reasoning: ReasoningSetup | None = None):
         super().__init__(engine, request, n_choices)
         self.tool_format = tool_format
+        self.reasoning = reasoning
+        #: per choice, the splitter of thinking from answer (none with --reasoning-format none)
+        self.splitters = [reasoning.splitter() for _ in range(n_choices)] if reasoning else [None] * n_choices
+        # markers that may be control tokens (DeepSeek's, Mistral's, Harmony's): the parsers must see them, as
+        # llama-server keeps a format's "preserved tokens"
+        self.renders_special = bool(tool_format and tool_format not in (ToolCallFormat.HERMES,
+                                                                        ToolCallFormat.LLAMA3_JSON)) \
+            or bool(reasoning and reasoning.tags.special)
+        #: sent as a top-level "warnings" list in the response and the first chunk (clients ignore unknown keys)
+        self.warnings = list(warnings or [])
         #: per choice, the parser turning a streamed reply into content and tool-call deltas
-        self.tool_streams = [ToolCallStream(tool_format) for _ in range(n_choices)] if tool_format else []
+        self.tool_streams = [tool_call_stream(tool_format) for _ in range(n_choices)] if tool_format else []
 
     def _entry(self, token: int, logprob: float) -> dict[str, Any]:
         piece = _piece(self.engine, token)
@@ -180,35 +197,56 @@ class ChatShape(ResponseShape):
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
 
     def start_chunks(self, index: int) -> list[dict[str, Any]]:
-        return [self.chunk([self._choice(index, {"role": "assistant", "content": ""}, None, None)])]
+        first = self.chunk([self._choice(index, {"role": "assistant", "content": ""}, None, None)])
+        return [{**first, "warnings": self.warnings} if self.warnings and index == 0 else first]
 
     def token_chunks(self, event: TokenEvent) -> list[dict[str, Any]]:
         with_lp = event.token is not None and bool(self.request.logprobs)  # type: ignore[attr-defined]
         logprobs = self._logprobs([event]) if with_lp else None
-        deltas = self.tool_streams[event.index].feed(event.text) if self.tool_streams else \
-            [{"content": event.text}] if event.text else []
+        deltas = self._deltas(event.index, event.text)
         if not deltas and logprobs is not None:
             deltas = [{"content": ""}]  # the token's logprobs still go out, with the text it held back
         # the logprobs ride on the first delta of their token
         return [self.chunk([self._choice(event.index, d, logprobs if k == 0 else None, None)])
                 for k, d in enumerate(deltas)]
 
+    def _content_deltas(self, index: int, text: str) -> list[dict[str, Any]]:
+        if self.tool_streams:
+            deltas: list[dict[str, Any]] = self.tool_streams[index].feed(text)
+            return deltas
+        return [{"content": text}] if text else []
+
+    def _deltas(self, index: int, text: str, last: bool = False) -> list[dict[str, Any]]:
+        """The deltas of a piece of reply text: thinking as ``reasoning_content``, the rest as content or
+        tool-call pieces (``last``: the reply ended, flush what the splitter held back)."""
+        splitter = self.splitters[index]
+        if splitter is None:
+            return self._content_deltas(index, text)
+        deltas: list[dict[str, Any]] = []
+        for kind, piece in splitter.feed(text) + (splitter.finish() if last else []):
+            deltas += [{"reasoning_content": piece}] if kind == "reasoning" else self._content_deltas(index, piece)
+        return deltas
+
     def finish_chunks(self, index: int, reason: str) -> list[dict[str, Any]]:
-        chunks = []
+        chunks = [self.chunk([self._choice(index, d, None, None)]) for d in self._deltas(index, "", last=True)]
         if self.tool_streams:
             stream = self.tool_streams[index]
-            chunks = [self.chunk([self._choice(index, d, None, None)]) for d in stream.finish()]
+            chunks += [self.chunk([self._choice(index, d, None, None)]) for d in stream.finish()]
             reason = "tool_calls" if stream.calls and reason == "stop" else reason  # cut short: "length"
         return chunks + [self.chunk([self._choice(index, {}, None, reason)])]
 
     def _message(self, choice: ChoiceState) -> tuple[dict[str, Any], str | None]:
         """The assistant message of a whole reply and its finish reason (``tool_calls`` when it made calls)."""
-        content, calls = parse_tool_calls("".join(choice.text), self.tool_format)
+        text, reasoning = "".join(choice.text), None
+        if self.reasoning is not None and self.reasoning.split:
+            reasoning, text = split_reasoning(text, self.reasoning.tags, self.reasoning.inside)
+        thought = {"reasoning_content": reasoning} if reasoning is not None else {}
+        content, calls = parse_tool_calls(text, self.tool_format)
         if not calls:
-            return {"role": "assistant", "content": content}, choice.finish_reason
+            return {"role": "assistant", "content": content, **thought}, choice.finish_reason
         reason = "tool_calls" if choice.finish_reason == "stop" else choice.finish_reason  # cut short: "length"
-        return ({"role": "assistant", "content": content or None, "tool_calls": [c.to_openai() for c in calls]},
-                reason)
+        return ({"role": "assistant", "content": content or None, **thought,
+                 "tool_calls": [c.to_openai() for c in calls]}, reason)
 
     def response(self, choices: list[ChoiceState], usage: dict[str, int]) -> dict[str, Any]:
         out_choices = []
@@ -218,6 +256,8 @@ class ChatShape(ResponseShape):
                                 "finish_reason": reason})
         out = self._envelope(self.object_name, out_choices)
         out["usage"] = usage
+        if self.warnings:
+            out["warnings"] = self.warnings
         return out
 
 
@@ -264,7 +304,8 @@ class RequestRun:
     """The jobs of one request and the event queue they share."""
 
     def __init__(self, engine: ServedEngine, shape: ResponseShape, prompts: list[list[int]], limits: list[int],
-                 n_logprobs: int | None, constraint: Constraint):
+                 n_logprobs: int | None, constraint: Constraint,
+                 more_samplers: Callable[[], list[Sampler]] | None = None):
         self.engine, self.shape = engine, shape
         self.cancel = Cancel()
         self.queue: "queue.Queue[Event]" = queue.Queue()
@@ -276,10 +317,13 @@ class RequestRun:
                 index = p * request.n + i
                 chain = SamplerChain.from_params(request.sampler_params(engine.model.n_vocab, index),
                                                  model=engine.model, n_ctx=engine.n_ctx_slot)
-                chain.samplers[:0] = constraint.samplers(engine.model, engine.n_ctx_slot)
+                # the grammar first (it sees the raw output, thinking tags included), then e.g. the thinking budget
+                chain.samplers[:0] = [*constraint.samplers(engine.model, engine.n_ctx_slot),
+                                      *(more_samplers() if more_samplers else [])]
                 self.jobs.append(Job(index, tokens, chain, limit, list(request.stop or []), n_logprobs,
-                                     self.queue, self.cancel))
+                                     self.queue, self.cancel, special=shape.renders_special))
         self.choices = [ChoiceState() for _ in self.jobs]
+        shape.choices = self.choices  # a shape may report what a finished choice did (its stop string)
 
     def start(self) -> None:
         self.engine.submit(self.jobs)
@@ -313,6 +357,7 @@ class RequestRun:
                     choice.logprobs.append(event)
             else:
                 choice.finish_reason, choice.n_generated = event.reason, event.n_generated
+                choice.stop_sequence = event.stop_sequence
                 n_open -= 1
             yield event
 
@@ -331,10 +376,11 @@ class RequestRun:
 
 
 def _execute(engine: ServedEngine, shape: ResponseShape, prompts: list[list[int]], n_logprobs: int | None,
-             constraint: Constraint) -> Any:
+             constraint: Constraint, more_samplers: Callable[[], list[Sampler]] | None = None) -> Any:
     request = shape.request
-    limits = [engine.check_fits(len(p), request.token_limit()) for p in prompts]
-    run = RequestRun(engine, shape, prompts, limits, n_logprobs, constraint)
+    param = "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
+    limits = [engine.check_fits(len(p), request.token_limit(), param) for p in prompts]
+    run = RequestRun(engine, shape, prompts, limits, n_logprobs, constraint, more_samplers)
     run.start()
     return ChunkStream(run) if request.stream else run.result()
 
@@ -358,15 +404,41 @@ def run_completion(engine: ServedEngine, params: dict[str, Any]) -> Any:
                     request.logprobs, constraint)
 
 
+@dataclass
+class ChatPlan:
+    """A chat request made ready to run: its prompt tokens, constraint and reasoning handling."""
+
+    request: ChatCompletionRequest
+    tokens: list[int]
+    constraint: Constraint
+    reasoning: ReasoningSetup
+
+
+def plan_chat(engine: ServedEngine, request: ChatCompletionRequest) -> ChatPlan:
+    """Render, tokenize and check a chat request (shared by every API with a chat endpoint)."""
+    template, template_name = chat_template_of(engine)
+    constraint = request_constraint(request, engine.model, template, chat=True, template_name=template_name)
+    text = render_chat_prompt(engine, request.template_messages(), request.tools, request.template_kwargs())
+    tokens = tokenize_request_text(engine, text, "messages")
+    options = engine.chat_options
+    reasoning = reasoning_setup(template, text, request.reasoning_format or options.reasoning_format,
+                                options.reasoning_budget if request.reasoning_budget is None
+                                else request.reasoning_budget)
+    return ChatPlan(request, tokens, constraint, reasoning)
+
+
+def execute_chat(engine: ServedEngine, plan: ChatPlan, shape: ResponseShape) -> Any:
+    """Run a planned chat with ``shape`` making its responses (a dict, or a chunk iterator when streaming)."""
+    return _execute(engine, shape, [plan.tokens], plan.request.n_top_logprobs(), plan.constraint,
+                    lambda: plan.reasoning.budget_sampler(engine.model.vocab))
+
+
 def run_chat_completion(engine: ServedEngine, params: dict[str, Any]) -> Any:
     request: ChatCompletionRequest = parse_request(ChatCompletionRequest, params)
-    template = engine.chat_template or model_chat_template(engine.model) or CHATML_TEMPLATE
-    constraint = request_constraint(request, engine.model, template, chat=True)
-    extra = {"tools": request.tools} if request.tools else {}  # tools reach the template as transformers passes them
-    text = apply_chat_template(engine.model, request.template_messages(), template=template, **extra)
-    tokens = tokenize_request_text(engine, text, "messages")
-    return _execute(engine, ChatShape(engine, request, request.n, constraint.tool_format), [tokens],
-                    request.n_top_logprobs(), constraint)
+    plan = plan_chat(engine, request)
+    shape = ChatShape(engine, request, request.n, plan.constraint.tool_format, plan.constraint.warnings,
+                      plan.reasoning)
+    return execute_chat(engine, plan, shape)
 
 
 # -- embeddings ------------------------------------------------------------------------------------------------------

@@ -4,12 +4,13 @@
 on chat, ``tools`` / ``tool_choice`` (:mod:`llmfw.serving.tool_calls`) are read here and nowhere else.
 :func:`request_constraint` checks and compiles the constraint once per request; :meth:`Constraint.samplers`
 gives each choice its own grammar sampler (its own matcher), which the engine puts at the *front* of the
-choice's chain (a grammar's token mask must come before the other samplers, DESIGN.md "Structured output").
+choice's chain (a grammar's token mask must come before the other samplers, as in llama.cpp).
 Every bad field answers 400 with ``param`` naming it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.errors import GrammarError, RequestError
@@ -17,6 +18,8 @@ from .response_format import constraint_from_request
 from ..core.generation.sampling import Sampler, SamplerEnv, SamplerParams, build_sampler
 from .tool_calls import ToolCallFormat, detect_tool_call_format, forced_function_names, tool_call_grammar
 from .protocol import GenerationFields
+
+log = logging.getLogger(__name__)
 
 #: the output-format fields, in the order a conflict between them is reported
 FORMAT_FIELDS = ("response_format", "json_schema", "grammar")
@@ -29,6 +32,8 @@ class Constraint:
 
     params: SamplerParams | None = None
     tool_format: ToolCallFormat | None = None
+    #: what the client should know about how its request was read (sent back beside the reply, and logged)
+    warnings: list[str] = field(default_factory=list)
 
     def samplers(self, model: Any, n_ctx: int) -> list[Sampler]:
         """A fresh grammar sampler for one choice (the compiled grammar is shared, the matcher is not)."""
@@ -67,10 +72,11 @@ def tool_constraint(request: GenerationFields, model: Any, template: str | None)
     fmt = detect_tool_call_format(template)
     if fmt is None:
         if forced:
-            raise RequestError("this model's chat template shows no tool-call format (Hermes/Qwen <tool_call> or "
-                               "Llama-3.1 JSON), so a tool call cannot be forced; serve it with a tool-capable "
-                               "chat template (the pipeline's chat.template / chat.template_file)", "tool_choice")
-        return None, None  # "auto" with a template that knows no tools: the reply is plain content
+            raise RequestError("this model's chat template shows no tool-call format (Hermes/Qwen <tool_call>, "
+                               "Llama-3.1 JSON, Mistral, DeepSeek, gpt-oss, Qwen3-Coder), so a tool call cannot be "
+                               "forced; serve it with a tool-capable chat template (llmfw serve --chat-template FILE, "
+                               "the pipeline's chat.template / chat.template_file)", "tool_choice")
+        return None, None  # "auto" with a template that knows no tools: the reply is plain content (warned)
     try:
         grammar = tool_call_grammar(tools, request.tool_choice, fmt, vocab=model.vocab,
                                     parallel=bool(getattr(request, "parallel_tool_calls", False)))
@@ -89,14 +95,30 @@ def _check_tools(tools: Any, tool_choice: Any) -> bool:
         raise RequestError(str(exc), "tool_choice" if "tool_choice" in str(exc) else "tools") from None
 
 
+def tools_ignored_warning(request: GenerationFields, template: str | None, template_name: str) -> str | None:
+    """The warning for tools offered (``tool_choice`` auto) to a template that shows no tool-call format: the
+    model answers in prose and no call is parsed. It names the tools and the template."""
+    if not request.tools or request.tool_choice not in (None, "auto") or detect_tool_call_format(template):
+        return None
+    names = ", ".join(str((t.get("function") or {}).get("name", "?")) for t in request.tools if isinstance(t, dict))
+    return (f"tools ({names}) were offered with tool_choice auto, but {template_name} shows no tool-call format "
+            "(Hermes/Qwen <tool_call>, Llama-3.1 JSON, ...): the model was not taught to call them and no call is "
+            "parsed from its reply; serve it with a tool-capable template (llmfw serve --chat-template FILE)")
+
+
 def request_constraint(request: GenerationFields, model: Any, template: str | None = None,
-                       chat: bool = False) -> Constraint:
+                       chat: bool = False, template_name: str = "the chat template") -> Constraint:
     """The request's constraint, checked and compiled once (RequestError naming the field when it is bad)."""
     fields = format_constraint(request)
     param = next((f for f in FORMAT_FIELDS if _asks_for_format(f, getattr(request, f))), "grammar")
     tool_format = None
+    warnings = []
     if chat:
         grammar, tool_format = tool_constraint(request, model, template)
+        warning = tools_ignored_warning(request, template, template_name)
+        if warning:
+            log.warning("%s", warning)
+            warnings.append(warning)
         if grammar is not None:
             if fields:
                 raise RequestError("a forced tool call (tool_choice required or a named function) cannot be "
@@ -105,8 +127,8 @@ def request_constraint(request: GenerationFields, model: Any, template: str | No
     elif request.tools:
         raise RequestError("tools are only supported on /v1/chat/completions", "tools")
     if not fields:
-        return Constraint(None, tool_format)
+        return Constraint(None, tool_format, warnings)
     try:
-        return Constraint(SamplerParams(**fields), tool_format)
+        return Constraint(SamplerParams(**fields), tool_format, warnings)
     except GrammarError as exc:
         raise RequestError(str(exc), param) from None

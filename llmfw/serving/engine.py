@@ -30,6 +30,7 @@ from ..core.errors import EngineBusy, EngineStopped, LLMFWError, RequestError
 from ..core.generation.generate import FINISH_REASONS, TextStream, accept_prompt_tokens, common_prefix_length, \
     forget_cache, reuse_cached_prefix, stop_reason
 from .jobs import Cancel as Cancel, ErrorEvent as ErrorEvent, Event as Event, FinishEvent, Job, TokenEvent
+from .chat_options import ChatOptions
 from .metrics import EngineMetrics
 
 if TYPE_CHECKING:
@@ -50,18 +51,21 @@ class Engine:
     ``n_ctx``: total KV cache size (0 = the model's default); each slot gets ``n_ctx / parallel``.
     ``n_batch``: most tokens one decode step holds. ``max_queue``: most jobs waiting for a slot (more are
     refused with :class:`EngineBusy`). ``alias``: the model name reported in responses. ``chat_template``:
-    a Jinja chat template overriding the model's (e.g. one that knows tools).
+    a Jinja chat template overriding the model's (e.g. one that knows tools). ``chat_options``: template
+    variables, reasoning format and budget for every chat.
     """
 
     def __init__(self, model: Model, parallel: int = 4, *, n_ctx: int = 0, n_batch: int = 512,
                  n_threads: int | None = None, max_queue: int = 64, alias: str | None = None,
-                 chat_template: str | None = None):
+                 chat_template: str | None = None, chat_options: ChatOptions | None = None):
         if parallel < 1:
             raise RequestError(f"parallel must be >= 1, got {parallel}", "parallel")
         self.model = model
         self.alias = alias or _model_name(model)
         #: Jinja source chats are rendered with (None: the model's own, else ChatML)
         self.chat_template = chat_template
+        #: reasoning format and budget, template variables (llmfw.serving.chat_options)
+        self.chat_options = chat_options or ChatOptions()
         self.parallel = parallel
         self.max_queue = max_queue
         self._stopping = threading.Event()
@@ -112,17 +116,18 @@ class Engine:
         return future.result()
 
     # -- submitting ------------------------------------------------------------------------------------------
-    def check_fits(self, n_prompt: int, max_tokens: int | None) -> int:
-        """The job's token limit; a :class:`RequestError` naming the context when it cannot fit in a slot."""
+    def check_fits(self, n_prompt: int, max_tokens: int | None, param: str = "prompt") -> int:
+        """The job's token limit: ``max_tokens`` capped at the room the prompt leaves in a slot (llama-server's
+        rule: a reply that reaches it finishes with ``length``); a :class:`RequestError` naming the context only
+        when the prompt itself leaves no room."""
         if n_prompt == 0:
-            raise RequestError("the prompt is empty: nothing to generate from", "prompt")
+            raise RequestError("the prompt is empty: nothing to generate from", param)
         room = self.n_ctx_slot - n_prompt
-        wanted = 1 if max_tokens is None else max_tokens
-        if wanted > room:
-            raise RequestError(f"the prompt ({n_prompt} tokens) plus max_tokens ({wanted}) exceeds the context "
-                               f"of a slot ({self.n_ctx_slot} tokens = n_ctx {self.ctx.n_ctx} / parallel "
-                               f"{self.parallel}); shorten the prompt or lower max_tokens", "max_tokens")
-        return room if max_tokens is None else max_tokens
+        if room < 1:
+            raise RequestError(f"the prompt ({n_prompt} tokens) does not fit the context of a slot "
+                               f"({self.n_ctx_slot} tokens = n_ctx {self.ctx.n_ctx} / parallel {self.parallel}) "
+                               "with room for a reply; shorten the prompt", param)
+        return room if max_tokens is None else min(max_tokens, room)
 
     def submit(self, jobs: list[Job]) -> None:
         """Queue the jobs of one request together (all or none: :class:`EngineBusy` when the queue is full)."""
@@ -250,7 +255,7 @@ class Engine:
         job.seq = seq
         n_keep = reuse_cached_prefix(self.ctx, job.tokens, seq)
         job.n_past, job.pending = n_keep, job.tokens[n_keep:]
-        job.text = TextStream(self.model.vocab, job.stops)
+        job.text = TextStream(self.model.vocab, job.stops, special=job.special)
         accept_prompt_tokens(job.chain, job.tokens)
         self.metrics.prompt_tokens.inc(len(job.tokens))
         if job.max_tokens == 0:
@@ -309,7 +314,7 @@ class Engine:
         if rest:
             job.events.put(TokenEvent(job.index, rest))
         self._release(job)
-        job.events.put(FinishEvent(job.index, reason, len(job.tokens), job.n_generated))
+        job.events.put(FinishEvent(job.index, reason, len(job.tokens), job.n_generated, job.text.stopped_by))
 
     def _release(self, job: Job) -> None:
         with self._cond:

@@ -17,6 +17,7 @@ from ..core.generation.sampling import SamplerChain
 
 if TYPE_CHECKING:
     from ..core.runtime.model import Model
+    from .chat_options import ChatOptions
 
 
 # -- what a job reports -------------------------------------------------------------------------------------
@@ -37,6 +38,7 @@ class FinishEvent:
     reason: str  # "stop" | "length"
     n_prompt: int
     n_generated: int
+    stop_sequence: str | None = None  # the stop string that ended the choice
 
 
 @dataclass
@@ -75,6 +77,8 @@ class Job:
     n_logprobs: int | None  # None: no logprobs; k: the chosen token's logprob plus k alternatives
     events: "queue.Queue[Event]"
     cancel: Cancel
+    #: render control tokens in the text (a chat whose tool-call or thinking markers are special tokens)
+    special: bool = False
     # progress, touched only by the engine thread
     seq: int = -1
     pending: list[int] = field(default_factory=list)  # tokens still to decode (prompt rest or the last sample)
@@ -90,13 +94,14 @@ class ServedEngine(Protocol):
     model: Model
     alias: str
     chat_template: str | None
+    chat_options: ChatOptions
     n_ctx_slot: int
     max_piece_bytes: int
 
     @property
     def running(self) -> bool: ...
 
-    def check_fits(self, n_prompt: int, max_tokens: int | None) -> int: ...
+    def check_fits(self, n_prompt: int, max_tokens: int | None, param: str = "prompt") -> int: ...
 
     def submit(self, jobs: list[Job]) -> None: ...
 

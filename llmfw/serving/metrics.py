@@ -1,6 +1,6 @@
 """Prometheus metrics of one engine, in a registry of its own (no process-global state).
 
-Names are pinned (DESIGN.md): ``llmfw_requests_running``, ``llmfw_requests_waiting`` (gauges),
+Names are pinned (docs/design.md, "Public API"): ``llmfw_requests_running``, ``llmfw_requests_waiting`` (gauges),
 ``llmfw_prompt_tokens_total``, ``llmfw_generated_tokens_total`` (counters), ``llmfw_time_to_first_token_seconds``
 (histogram). Requests are counted per choice (a request with ``n = 2`` runs two sequences).
 """

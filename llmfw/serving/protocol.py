@@ -235,6 +235,21 @@ class ChatCompletionRequest(GenerationFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     parallel_tool_calls: bool = False  # llama-server's default: one call per reply
+    #: variables for this request's template render (over the server's --chat-template-kwargs)
+    chat_template_kwargs: dict[str, Any] | None = None
+    #: thinking: split into reasoning_content ("deepseek") or left in the content ("none"); None: the server's
+    reasoning_format: Literal["deepseek", "none"] | None = None
+    #: most thinking tokens before the closing tag is forced (-1: no limit); None: the server's
+    reasoning_budget: int | None = Field(None, ge=-1)
+    #: gpt-oss: handed to the chat template as ``reasoning_effort``
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """The request's own template variables (``chat_template_kwargs``, ``reasoning_effort``)."""
+        extra = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            extra.setdefault("reasoning_effort", self.reasoning_effort)
+        return extra
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -267,3 +282,16 @@ def parse_request(model: type[_Body], params: dict[str, Any]) -> Any:
         problems = validation_problems(exc)
         param = problems[0][0].split(".")[0] if problems else None
         raise RequestError("invalid request: " + "; ".join(f"{k}: {m}" for k, m in problems), param) from None
+
+
+# -- llama-server's tokenizer endpoints ----------------------------------------------------------------------
+class TokenizeBody(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    content: str
+    add_special: bool = False
+    parse_special: bool = True
+
+
+class DetokenizeBody(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    tokens: list[int] = Field(max_length=1 << 20)

@@ -128,6 +128,10 @@ def run_ray_server(pipeline: Pipeline, echo: Callable[[str], None],
     echo(f"llmfw: deploying {deployment_summary(ray_cfg)} on Ray (each loads the model) ...")
     serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
     echo(f"llmfw: serving at http://{server.host}:{server.port} through Ray Serve")
+    if server.webui:
+        from .webui import page_url
+
+        echo(f"llmfw: chat in a browser at {page_url(server.host, server.port)}")
     stop = stop or threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:

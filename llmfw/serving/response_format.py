@@ -3,7 +3,8 @@ sampler's input (``SamplerParams(grammar=...)`` / ``SamplerParams(json_schema=..
 
 * ``response_format``: ``{"type": "text"}`` (no constraint), ``{"type": "json_object"}`` (any JSON object;
   llama-server also reads a ``schema`` next to it), ``{"type": "json_schema", "json_schema": {"name", "schema",
-  "strict"}}`` (the schema; ``strict`` changes nothing here: the output always matches the schema exactly);
+  "strict"}}`` (the schema; with or without ``strict``, an object that lists ``properties`` and does not
+  mention ``additionalProperties`` admits no other keys — llama.cpp's reading, :mod:`llmfw.core.generation.schema_closed`);
 * llama-server's own fields: ``grammar`` (GBNF or Lark text) and ``json_schema`` (a schema object or its text).
 
 :func:`constraint_from_request` checks the constraint by compiling it, so a bad schema or grammar raises

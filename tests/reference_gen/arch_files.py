@@ -40,11 +40,19 @@ DATA_DIR = _ROOT / "tests" / "data" / "arch"
 _U32_KEYS = {
     "context_length", "embedding_length", "block_count", "feed_forward_length", "attention.head_count",
     "attention.head_count_kv", "attention.key_length", "attention.value_length", "attention.sliding_window",
-    "rope.dimension_count", "rope.scaling.original_context_length",
+    "rope.dimension_count", "rope.scaling.original_context_length", "expert_count", "expert_used_count",
+    "expert_feed_forward_length", "expert_shared_count", "expert_shared_feed_forward_length",
+    "expert_group_count", "expert_group_used_count", "leading_dense_block_count", "expert_gating_func",
+    "attention.key_length_mla", "attention.value_length_mla", "attention.q_lora_rank", "attention.kv_lora_rank",
+    "shortconv.l_cache",
+    "ssm.conv_kernel", "ssm.inner_size", "ssm.state_size", "ssm.time_step_rank", "ssm.group_count",
+    "full_attention_interval",
 }
 
 
 def _key_type(suffix: str, value) -> GGUFValueType:
+    if isinstance(value, list):  # a per-layer value (LFM2's head_count_kv: 0 on convolution layers)
+        return GGUFValueType.ARRAY
     if suffix in _U32_KEYS:
         return GGUFValueType.UINT32
     if isinstance(value, str):
@@ -63,12 +71,17 @@ def _arch_keys(spec: dict) -> dict:
     }
     if "head_dim" in spec:
         keys["attention.key_length"] = keys["attention.value_length"] = spec["head_dim"]
-    if spec["arch"] in ("llama", "phi3"):
+    keys.update({f"ssm.{k}": v for k, v in spec.get("ssm", {}).items()})
+    if spec["arch"] in ("llama", "phi3", "gpt-oss"):
         keys["rope.dimension_count"] = _head_dim(spec)
     if "original_context_length" in spec:
         keys["rope.scaling.original_context_length"] = spec["original_context_length"]
     if "sliding_window" in spec:
         keys["attention.sliding_window"] = spec["sliding_window"]
+    if "n_expert" in spec:
+        keys["expert_count"], keys["expert_used_count"] = spec["n_expert"], spec["n_expert_used"]
+        if "n_ff_exp" in spec:
+            keys["expert_feed_forward_length"] = spec["n_ff_exp"]
     if spec["arch"] == "phi3":
         # Phi3MiniModel writes LongRoPE's attention factor; scale = n_ctx_train / original context
         scale = spec["context_length"] / spec["original_context_length"]
@@ -176,7 +189,111 @@ def _head_dim(spec: dict) -> int:
     return spec.get("head_dim", spec["n_embd"] // spec["n_head"])
 
 
+def _n_head_kv(spec: dict, il: int) -> int:
+    n_head_kv = spec["n_head_kv"]
+    return n_head_kv[il] if isinstance(n_head_kv, list) else n_head_kv
+
+
+def _lfm2_layer_plan(spec: dict, il: int) -> list[TensorPlan]:
+    """LFM2: an operator norm, then a short-convolution block (no KV heads) or attention with q/k norms; FFN."""
+    n_embd, n_ff, head = spec["n_embd"], spec["n_ff"], _head_dim(spec)
+    blk = f"blk.{il}."
+    plan = [TensorPlan(blk + "attn_norm.weight", (n_embd,), "norm", "norm", il)]
+    if _n_head_kv(spec, il) == 0:
+        plan += [TensorPlan(blk + "shortconv.conv.weight", (n_embd, spec["l_cache"]), "shortconv_conv", "conv", il),
+                 TensorPlan(blk + "shortconv.in_proj.weight", (3 * n_embd, n_embd), "shortconv_in", "unit", il),
+                 TensorPlan(blk + "shortconv.out_proj.weight", (n_embd, n_embd), "shortconv_out", "unit", il)]
+    else:
+        n_kv = head * _n_head_kv(spec, il)
+        plan += [TensorPlan(blk + "attn_q.weight", (n_embd, n_embd), "attn_q", "sharp", il),
+                 TensorPlan(blk + "attn_k.weight", (n_kv, n_embd), "attn_k", "sharp", il),
+                 TensorPlan(blk + "attn_v.weight", (n_kv, n_embd), "attn_v", "unit", il),
+                 TensorPlan(blk + "attn_q_norm.weight", (head,), "norm", "qk_norm", il),
+                 TensorPlan(blk + "attn_k_norm.weight", (head,), "norm", "qk_norm", il),
+                 TensorPlan(blk + "attn_output.weight", (n_embd, n_embd), "attn_output", "unit", il)]
+    plan += [TensorPlan(blk + "ffn_norm.weight", (n_embd,), "norm", "norm", il),
+             TensorPlan(blk + "ffn_gate.weight", (n_ff, n_embd), "ffn_gate", "unit", il),
+             TensorPlan(blk + "ffn_up.weight", (n_ff, n_embd), "ffn_up", "unit", il),
+             TensorPlan(blk + "ffn_down.weight", (n_embd, n_ff), "ffn_down", "down", il)]
+    return plan
+
+
+def _mamba2_layer_plan(spec: dict, il: int) -> list[TensorPlan]:
+    """Granite 4.0-H: a Mamba-2 mixer (no KV heads) or attention, then a SwiGLU FFN."""
+    n_embd, ssm = spec["n_embd"], spec["ssm"]
+    d_inner, n_head, d_conv = ssm["inner_size"], ssm["time_step_rank"], ssm["conv_kernel"]
+    n_group, d_state = ssm["group_count"], ssm["state_size"]
+    channels = d_inner + 2 * n_group * d_state
+    blk = f"blk.{il}."
+    plan = [TensorPlan(blk + "attn_norm.weight", (n_embd,), "norm", "norm", il)]
+    if _n_head_kv(spec, il) == 0:
+        plan += [TensorPlan(blk + "ssm_in.weight", (2 * d_inner + 2 * n_group * d_state + n_head, n_embd), "ssm_in",
+                            "unit", il),
+                 TensorPlan(blk + "ssm_conv1d.weight", (channels, d_conv), "ssm_f32", "conv", il),
+                 TensorPlan(blk + "ssm_conv1d.bias", (channels,), "bias", "small_bias", il),
+                 TensorPlan(blk + "ssm_dt.bias", (n_head,), "bias", "dt_bias", il),
+                 TensorPlan(blk + "ssm_a", (n_head, 1), "ssm_f32", "ssm_a", il),
+                 TensorPlan(blk + "ssm_d", (n_head, 1), "ssm_f32", "norm", il),
+                 TensorPlan(blk + "ssm_norm.weight", (n_group, d_inner // n_group), "ssm_f32", "norm", il),
+                 TensorPlan(blk + "ssm_out.weight", (n_embd, d_inner), "ssm_out", "unit", il)]
+    else:
+        head = _head_dim(spec)
+        n_q, n_kv = head * spec["n_head"], head * _n_head_kv(spec, il)
+        plan += [TensorPlan(blk + "attn_q.weight", (n_q, n_embd), "attn_q", "sharp", il),
+                 TensorPlan(blk + "attn_k.weight", (n_kv, n_embd), "attn_k", "sharp", il),
+                 TensorPlan(blk + "attn_v.weight", (n_kv, n_embd), "attn_v", "unit", il),
+                 TensorPlan(blk + "attn_output.weight", (n_embd, n_q), "attn_output", "unit", il)]
+    plan += [TensorPlan(blk + "ffn_norm.weight", (n_embd,), "norm", "norm", il),
+             TensorPlan(blk + "ffn_gate.weight", (spec["n_ff"], n_embd), "ffn_gate", "unit", il),
+             TensorPlan(blk + "ffn_up.weight", (spec["n_ff"], n_embd), "ffn_up", "unit", il),
+             TensorPlan(blk + "ffn_down.weight", (n_embd, spec["n_ff"]), "ffn_down", "down", il)]
+    return plan
+
+
+def _qwen35_layer_plan(spec: dict, il: int) -> list[TensorPlan]:
+    """Qwen3.5: Gated DeltaNet layers, gated full attention every ``full_attention_interval``-th layer."""
+    n_embd, ssm = spec["n_embd"], spec["ssm"]
+    d_inner, d_conv, n_v = ssm["inner_size"], ssm["conv_kernel"], ssm["time_step_rank"]
+    key_dim = ssm["state_size"] * ssm["group_count"]
+    blk = f"blk.{il}."
+
+    def add(name: str, shape: tuple[int, ...], role: str, init: str) -> TensorPlan:
+        return TensorPlan(blk + name, shape, role, init, il)
+
+    plan = [add("attn_norm.weight", (n_embd,), "norm", "norm")]
+    if (il + 1) % spec["keys"]["full_attention_interval"] != 0:
+        plan += [add("attn_qkv.weight", (2 * key_dim + d_inner, n_embd), "attn_qkv", "unit"),
+                 add("attn_gate.weight", (d_inner, n_embd), "attn_gate", "unit"),
+                 add("ssm_conv1d.weight", (2 * key_dim + d_inner, d_conv), "ssm_f32", "conv"),
+                 add("ssm_dt.bias", (n_v,), "bias", "dt_bias"),
+                 add("ssm_a", (n_v,), "bias", "ssm_a"),
+                 add("ssm_beta.weight", (n_v, n_embd), "ssm_small", "unit"),
+                 add("ssm_alpha.weight", (n_v, n_embd), "ssm_small", "unit"),
+                 add("ssm_norm.weight", (ssm["state_size"],), "norm", "norm"),
+                 add("ssm_out.weight", (n_embd, d_inner), "ssm_out", "unit")]
+    else:
+        head = _head_dim(spec)
+        n_q, n_kv = head * spec["n_head"], head * _n_head_kv(spec, il)
+        plan += [add("attn_q.weight", (2 * n_q, n_embd), "attn_q", "sharp"),
+                 add("attn_k.weight", (n_kv, n_embd), "attn_k", "sharp"),
+                 add("attn_v.weight", (n_kv, n_embd), "attn_v", "unit"),
+                 add("attn_output.weight", (n_embd, n_q), "attn_output", "unit"),
+                 add("attn_q_norm.weight", (head,), "norm", "qk_norm"),
+                 add("attn_k_norm.weight", (head,), "norm", "qk_norm")]
+    plan += [add("post_attention_norm.weight", (n_embd,), "norm", "norm"),
+             add("ffn_gate.weight", (spec["n_ff"], n_embd), "ffn_gate", "unit"),
+             add("ffn_up.weight", (spec["n_ff"], n_embd), "ffn_up", "unit"),
+             add("ffn_down.weight", (n_embd, spec["n_ff"]), "ffn_down", "down")]
+    return plan
+
+
 def _layer_plan(spec: dict, il: int) -> list[TensorPlan]:
+    if spec["arch"] == "qwen35":
+        return _qwen35_layer_plan(spec, il)
+    if spec["arch"] == "lfm2":
+        return _lfm2_layer_plan(spec, il)
+    if spec["arch"] == "granitehybrid":
+        return _mamba2_layer_plan(spec, il)
     arch, n_embd, n_ff = spec["arch"], spec["n_embd"], spec["n_ff"]
     head = _head_dim(spec)
     n_q, n_kv = head * spec["n_head"], head * spec["n_head_kv"]
@@ -186,6 +303,11 @@ def _layer_plan(spec: dict, il: int) -> list[TensorPlan]:
     def add(name: str, shape: tuple[int, ...], role: str, init: str) -> None:
         plan.append(TensorPlan(blk + name, shape, role, init, il))
 
+    if arch == "deepseek2":
+        return _mla_plan(spec, il) + (_expert_plan(spec, il) if il >= spec.get("n_dense_lead", 0) else [
+            TensorPlan(blk + "ffn_gate.weight", (n_ff, n_embd), "ffn_gate", "unit", il),
+            TensorPlan(blk + "ffn_up.weight", (n_ff, n_embd), "ffn_up", "unit", il),
+            TensorPlan(blk + "ffn_down.weight", (n_embd, n_ff), "ffn_down", "down", il)])
     if arch != "olmo":  # OLMo's layer norms have no parameters
         add("attn_norm.weight", (n_embd,), "norm", "norm")
     if arch == "phi3":
@@ -194,26 +316,88 @@ def _layer_plan(spec: dict, il: int) -> list[TensorPlan]:
         add("attn_q.weight", (n_q, n_embd), "attn_q", "sharp")
         add("attn_k.weight", (n_kv, n_embd), "attn_k", "sharp")
         add("attn_v.weight", (n_kv, n_embd), "attn_v", "unit")
-    if arch == "qwen2":
+    if arch in ("qwen2", "gpt-oss", "glm4moe"):
         add("attn_q.bias", (n_q,), "bias", "bias")
         add("attn_k.bias", (n_kv,), "bias", "bias")
         add("attn_v.bias", (n_kv,), "bias", "bias")
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3moe", "glm4moe"):
         add("attn_q_norm.weight", (head,), "norm", "qk_norm")
         add("attn_k_norm.weight", (head,), "norm", "qk_norm")
+    if arch == "olmoe":  # normalised over the whole width, before the head split
+        add("attn_q_norm.weight", (n_q,), "norm", "qk_norm")
+        add("attn_k_norm.weight", (n_kv,), "norm", "qk_norm")
     add("attn_output.weight", (n_embd, n_q), "attn_output", "unit")
     if arch == "gemma2":
         add("post_attention_norm.weight", (n_embd,), "norm", "post_norm")
-    if arch != "olmo":
+    if arch == "gpt-oss":  # attention has an output bias and a sink per head
+        add("attn_output.bias", (n_embd,), "bias", "bias")
+        add("attn_sinks.weight", (spec["n_head"],), "bias", "sinks")
+    if arch in ("gpt-oss", "glm4moe"):  # their FFN norm is called the post-attention norm
+        add("post_attention_norm.weight", (n_embd,), "norm", "norm")
+    elif arch != "olmo":
         add("ffn_norm.weight", (n_embd,), "norm", "norm")
-    if arch == "phi3":  # gate and up fused, gate first (ggml_swiglu's order)
+    moe_layer = "n_expert" in spec and il >= spec.get("n_dense_lead", 0)
+    if moe_layer:
+        plan += _expert_plan(spec, il)
+    elif arch == "phi3":  # gate and up fused, gate first (ggml_swiglu's order)
         add("ffn_up.weight", (2 * n_ff, n_embd), "ffn_up", "unit")
     else:
         add("ffn_gate.weight", (n_ff, n_embd), "ffn_gate", "unit")
         add("ffn_up.weight", (n_ff, n_embd), "ffn_up", "unit")
-    add("ffn_down.weight", (n_embd, n_ff), "ffn_down", "down")
+    if not moe_layer:
+        add("ffn_down.weight", (n_embd, n_ff), "ffn_down", "down")
     if arch == "gemma2":
         add("post_ffw_norm.weight", (n_embd,), "norm", "post_norm")
+    return plan
+
+
+def _mla_plan(spec: dict, il: int) -> list[TensorPlan]:
+    """DeepSeek-V2/V3's multi-head latent attention as llama.cpp's converter splits it (absorbed ``attn_k_b`` /
+    ``attn_v_b``, numpy [H, n_out, n_in]), plus the layer's two norms."""
+    n_embd, n_head, mla = spec["n_embd"], spec["n_head"], spec["mla"]
+    q_width = n_head * (mla["nope"] + mla["rope"])
+    blk = f"blk.{il}."
+    return [TensorPlan(blk + name, shape, role, init, il) for name, shape, role, init in (
+        ("attn_norm.weight", (n_embd,), "norm", "norm"),
+        ("attn_q_a.weight", (mla["q_lora"], n_embd), "attn_q_a", "unit"),
+        ("attn_q_a_norm.weight", (mla["q_lora"],), "norm", "norm"),
+        ("attn_q_b.weight", (q_width, mla["q_lora"]), "attn_q_b", "sharp"),
+        ("attn_kv_a_mqa.weight", (mla["kv_lora"] + mla["rope"], n_embd), "attn_kv_a_mqa", "sharp"),
+        ("attn_kv_a_norm.weight", (mla["kv_lora"],), "norm", "norm"),
+        ("attn_k_b.weight", (n_head, mla["kv_lora"], mla["nope"]), "attn_k_b", "sharp"),
+        ("attn_v_b.weight", (n_head, mla["v"], mla["kv_lora"]), "attn_v_b", "unit"),
+        ("attn_output.weight", (n_embd, n_head * mla["v"]), "attn_output", "unit"),
+        ("ffn_norm.weight", (n_embd,), "norm", "norm"))]
+
+
+def _expert_plan(spec: dict, il: int) -> list[TensorPlan]:
+    """A router [E, n_embd] sharp enough that the choice of experts matters (logits of std ~3) and 3-D expert
+    matrices (numpy [E, n_out, n_in]); the experts' outputs are larger than a dense FFN's so that their weighting
+    (normalised or not) moves the logits."""
+    n_embd, n_expert = spec["n_embd"], spec["n_expert"]
+    n_ff = spec.get("n_ff_exp", spec["n_ff"])
+    blk = f"blk.{il}."
+    plan = [TensorPlan(blk + "ffn_gate_inp.weight", (n_expert, n_embd), "ffn_gate_inp", "router", il)]
+    if il in spec.get("fused_gate_up_layers", ()):  # gate rows, then up rows, of each expert
+        plan.append(TensorPlan(blk + "ffn_gate_up_exps.weight", (n_expert, 2 * n_ff, n_embd), "ffn_gate_up_exps",
+                               "unit", il))
+    else:
+        plan += [TensorPlan(blk + "ffn_gate_exps.weight", (n_expert, n_ff, n_embd), "ffn_gate_exps", "unit", il),
+                 TensorPlan(blk + "ffn_up_exps.weight", (n_expert, n_ff, n_embd), "ffn_up_exps", "unit", il)]
+    plan.append(TensorPlan(blk + "ffn_down_exps.weight", (n_expert, n_embd, n_ff), "ffn_down_exps", "expert_down",
+                           il))
+    if spec.get("expert_biases"):  # gpt-oss: the router and every expert matrix have biases
+        plan += [TensorPlan(blk + "ffn_gate_inp.bias", (n_expert,), "bias", "router_bias", il),
+                 TensorPlan(blk + "ffn_gate_exps.bias", (n_expert, n_ff), "bias", "bias", il),
+                 TensorPlan(blk + "ffn_up_exps.bias", (n_expert, n_ff), "bias", "bias", il),
+                 TensorPlan(blk + "ffn_down_exps.bias", (n_expert, n_embd), "bias", "bias", il)]
+    if spec.get("exp_probs_b"):  # DeepSeek-V3 / GLM-4.5: a per-expert bias on the selection scores only
+        plan.append(TensorPlan(blk + "exp_probs_b.bias", (n_expert,), "bias", "probs_bias", il))
+    if spec.get("n_shared"):
+        n_shexp = n_ff * spec["n_shared"]
+        plan += [TensorPlan(blk + "ffn_gate_shexp.weight", (n_shexp, n_embd), "ffn_gate_shexp", "unit", il),
+                 TensorPlan(blk + "ffn_up_shexp.weight", (n_shexp, n_embd), "ffn_up_shexp", "unit", il),
+                 TensorPlan(blk + "ffn_down_shexp.weight", (n_embd, n_shexp), "ffn_down_shexp", "down", il)]
     return plan
 
 
@@ -229,7 +413,9 @@ def tensor_plan(spec: dict, n_vocab: int) -> list[TensorPlan]:
         plan.append(TensorPlan("rope_factors_short.weight", (half_rot,), "rope", "rope_short"))
     for il in range(spec["n_layer"]):
         plan += _layer_plan(spec, il)
-    if spec["arch"] != "olmo":
+    if spec["arch"] == "lfm2":  # llama.cpp's LLM_TENSOR_OUTPUT_NORM_LFM2
+        plan.append(TensorPlan("token_embd_norm.weight", (n_embd,), "norm", "norm"))
+    elif spec["arch"] != "olmo":
         plan.append(TensorPlan("output_norm.weight", (n_embd,), "norm", "norm"))
     if spec["arch"] != "gemma2":  # Gemma-2 always ties the head to token_embd
         plan.append(TensorPlan("output.weight", (n_vocab, n_embd), "output", "head"))
@@ -278,12 +464,30 @@ def _draw(spec: dict, item: TensorPlan, rng: np.random.Generator) -> np.ndarray:
         return normal(shape, 1.0 / math.sqrt(n_in))
     if kind == "down":
         return normal(shape, 1.5 / math.sqrt(n_in))
+    if kind == "expert_down":
+        return normal(shape, 3.0 / math.sqrt(n_in))
+    if kind == "router":  # router logits of std ~3: a clear best expert, a runner-up that still counts
+        return normal(shape, 3.0 / math.sqrt(n_in))
+    if kind == "router_bias":  # as large as the logits: without it other experts win
+        return normal(shape, 3.0)
+    if kind == "probs_bias":  # sigmoid probabilities are in (0, 1): a bias of this size reorders many of them
+        return normal(shape, 0.5)
+    if kind == "sinks":  # about the size of a token's best attention logit: a sink takes a good part of it
+        return 3.0 + normal(shape, 1.0)
     if kind == "qkv":  # Phi-3: LongRoPE's attn_factor (1.22 on q and k) sharpens the scores 1.5x, so q/k start
         n_q, n_kv = (int(p) for p in params.split(":"))  # a little smaller than "sharp"
         scale = np.concatenate([np.full(n_q + n_kv, 1.4), np.full(n_kv, 1.0)]).astype(np.float32)
         return normal(shape, 1.0 / math.sqrt(n_in)) * scale[:, None]
     if kind == "norm":
         return 1.0 + normal(shape, 0.1)
+    if kind == "small_bias":
+        return normal(shape, 0.1)
+    if kind == "dt_bias":  # softplus(dt + bias) around 0.05 (Mamba's dt range 0.001..0.1)
+        return -3.0 + normal(shape, 0.5)
+    if kind == "ssm_a":  # A = -exp(A_log): decays from -1 to -16 across the heads
+        return -(1.0 + 15.0 * ramp).reshape(shape)
+    if kind == "conv":  # a short convolution's taps: its K products sum to about unit size
+        return normal(shape, 1.0 / math.sqrt(shape[1]))
     if kind == "qk_norm":
         return 2.0 + normal(shape, 0.2)
     if kind == "post_norm":  # Gemma's post norms set the size of each block's contribution to the residual
@@ -300,7 +504,7 @@ def _draw(spec: dict, item: TensorPlan, rng: np.random.Generator) -> np.ndarray:
 
 
 def _tensor_type(spec: dict, item: TensorPlan) -> GGMLType:
-    if len(item.shape) == 1:
+    if len(item.shape) == 1 or item.role == "bias":
         return GGMLType.F32
     chosen = spec["types"][item.role]
     if isinstance(chosen, list):
@@ -308,8 +512,47 @@ def _tensor_type(spec: dict, item: TensorPlan) -> GGMLType:
     return GGMLType[chosen]
 
 
-def _add_tensor(writer: GGUFWriter, name: str, values: np.ndarray, ggml_type: GGMLType) -> None:
-    if ggml_type == GGMLType.F32:
+#: K-quant types the project cannot encode: written as random blocks of the drawn values' size (llama.cpp and
+#: llmfw both decode whatever blocks the file holds)
+_RANDOM_BLOCK_TYPES = {GGMLType.Q4_K, GGMLType.Q6_K}
+
+
+def _random_k_blocks(values: np.ndarray, ggml_type: GGMLType, rng: np.random.Generator) -> np.ndarray:
+    """Valid Q4_K / Q6_K blocks of random codes whose values have about the std of ``values``, centred on zero.
+
+    Q4_K (144 bytes: d, dmin, 12 bytes of 6-bit scales/mins, 128 bytes of nibbles): value = d·sc·q - dmin·m with
+    q uniform in 0..15, m ≈ 7.5·sc·d/dmin. Q6_K (210 bytes: 128 low bits, 64 high bits, 16 int8 scales, d):
+    value = d·scale·(q - 32), q uniform in 0..63."""
+    n_blocks = values.size // 256
+    std = float(values.std())
+    raw = rng.integers(0, 256, size=(n_blocks, 144 if ggml_type == GGMLType.Q4_K else 210), dtype=np.uint8)
+    if ggml_type == GGMLType.Q4_K:
+        d = std / 240.0
+        sc = rng.integers(40, 64, size=(n_blocks, 8))
+        m = np.rint(sc * 7.5 / 8.0).astype(np.int64)  # dmin = 8 d
+        raw[:, 0:2] = np.full((n_blocks, 1), d, dtype=np.float16).view(np.uint8)
+        raw[:, 2:4] = np.full((n_blocks, 1), 8 * d, dtype=np.float16).view(np.uint8)
+        raw[:, 4:8] = (sc[:, :4] | ((sc[:, 4:] >> 4) << 6)).astype(np.uint8)
+        raw[:, 8:12] = (m[:, :4] | ((m[:, 4:] >> 4) << 6)).astype(np.uint8)
+        raw[:, 12:16] = ((sc[:, 4:] & 0xF) | ((m[:, 4:] & 0xF) << 4)).astype(np.uint8)
+    else:
+        raw[:, 192:208] = rng.integers(16, 49, size=(n_blocks, 16)).astype(np.int8).view(np.uint8)
+        raw[:, 208:210] = np.full((n_blocks, 1), std / 592.0, dtype=np.float16).view(np.uint8)
+    return raw
+
+
+def _add_tensor(writer: GGUFWriter, name: str, values: np.ndarray, ggml_type: GGMLType,
+                rng: np.random.Generator | None = None) -> None:
+    if ggml_type == GGMLType.MXFP4:  # the gguf package's MXFP4 encoder (the project has none)
+        import gguf
+
+        raw = gguf.quants.quantize(values.astype(np.float32), gguf.GGMLQuantizationType.MXFP4)
+        writer.add_tensor(name, raw.reshape(-1), ggml_type, shape=tuple(reversed(values.shape)))
+    elif ggml_type in _RANDOM_BLOCK_TYPES:
+        assert rng is not None
+        writer.add_tensor(name, _random_k_blocks(values, ggml_type, rng), ggml_type,
+                          shape=tuple(reversed(values.shape)))
+    elif ggml_type == GGMLType.F32:
         writer.add_tensor(name, values.astype(np.float32))
     elif ggml_type == GGMLType.F16:
         writer.add_tensor(name, values.astype(np.float16))
@@ -322,21 +565,26 @@ def _add_tensor(writer: GGUFWriter, name: str, values: np.ndarray, ggml_type: GG
 
 def build_model_file(name: str, directory: str | Path) -> Path:
     """Write ``SPECS[name]`` as ``directory/<name>.gguf`` and return its path."""
-    spec = SPECS[name]
-    path = Path(directory) / file_name(name)
+    return write_spec_file(SPECS[name], name, Path(directory) / file_name(name))
+
+
+def write_spec_file(spec: dict, name: str, path: Path) -> Path:
+    """Write the model ``spec`` describes (``arch_specs.SPECS``' format) as ``path``; the tests' own tiny
+    models (tests/support/models.py) come from here too, so there is one builder of random-weight files."""
     writer = GGUFWriter(path)
     arch = spec["arch"]
     writer.add("general.architecture", arch, GGUFValueType.STRING)
     writer.add("general.name", f"llmfw random {name}", GGUFValueType.STRING)
     for suffix, value in _arch_keys(spec).items():
-        writer.add(f"{arch}.{suffix}", value, _key_type(suffix, value))
+        array_type = GGUFValueType.INT32 if isinstance(value, list) else None
+        writer.add(f"{arch}.{suffix}", value, _key_type(suffix, value), array_type=array_type)
     vocab_keys = _vocab_keys(spec)
     for key, value, vtype, array_type in vocab_keys:
         writer.add(key, value, vtype, array_type=array_type)
     n_vocab = len(next(value for key, value, _, _ in vocab_keys if key == "tokenizer.ggml.tokens"))
     for index, item in enumerate(tensor_plan(spec, n_vocab)):
         rng = np.random.default_rng([spec["seed"], index])  # one stream per tensor: stable under plan edits
-        _add_tensor(writer, item.name, _draw(spec, item, rng), _tensor_type(spec, item))
+        _add_tensor(writer, item.name, _draw(spec, item, rng), _tensor_type(spec, item), rng)
     writer.write()
     return path
 

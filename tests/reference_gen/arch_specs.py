@@ -134,7 +134,179 @@ SPECS: dict[str, dict] = {
                   "attn_output": "Q4_0", "ffn_gate": "Q8_0", "ffn_up": "Q4_1", "ffn_down": "Q5_0"},
         "prompts": _BPE_PROMPTS,
     },
+    # mixture-of-experts families (issue 33), 8-16 experts. Which experts a token gets flips at a near-tie when
+    # the hidden state moves by the rounding of llama.cpp's quantized activations (Q8 blocks, ~0.4%), and a flip
+    # swaps a whole expert's output: every tensor a router's input depends on is F16/F32 (llama.cpp rounds those
+    # activations to f16 only), the router itself F32. The quantized blocks — K-quants (Q4_K, Q6_K) and
+    # legacy ones — are where a rounding difference cannot change a routing decision: the embedding (looked
+    # up exactly), the last layer's experts (after its router) and the output head.
+    "qwen3moe": {
+        "arch": "qwen3moe", "vocab": "bpe", "pre": "qwen2", "seed": 1033,
+        "n_layer": 3, "n_embd": 256, "n_head": 4, "n_head_kv": 2, "head_dim": 64, "n_ff": 768,
+        "n_expert": 8, "n_expert_used": 2, "n_ff_exp": 256, "context_length": 4096,
+        "keys": {"rope.freq_base": 1000000.0, "attention.layer_norm_rms_epsilon": 1e-6},
+        "types": {"token_embd": "Q4_K", "output": "Q6_K", "attn_q": "F16", "attn_k": "F16", "attn_v": "F16",
+                  "attn_output": "F16", "ffn_gate_inp": "F32", "ffn_gate_exps": ["F16", "F16", "Q4_K"],
+                  "ffn_up_exps": ["F16", "F16", "Q8_0"], "ffn_down_exps": ["F16", "F16", "Q6_K"]},
+        "prompts": _BPE_PROMPTS,
+    },
+    "olmoe": {
+        "arch": "olmoe", "vocab": "bpe", "pre": "olmo", "seed": 1034,
+        "n_layer": 3, "n_embd": 256, "n_head": 4, "n_head_kv": 4, "n_ff": 256,
+        "n_expert": 16, "n_expert_used": 4, "context_length": 4096,
+        "keys": {"rope.freq_base": 10000.0, "attention.layer_norm_rms_epsilon": 1e-5},
+        "types": {"token_embd": "Q8_0", "output": "Q4_K", "attn_q": "F16", "attn_k": "F16", "attn_v": "F16",
+                  "attn_output": "F16", "ffn_gate_inp": "F32", "ffn_gate_exps": ["F16", "F16", "Q4_0"],
+                  "ffn_up_exps": ["F16", "F16", "Q4_K"], "ffn_down_exps": ["F16", "F16", "Q5_0"]},
+        "prompts": _BPE_PROMPTS,
+    },
+    "llama-moe": {
+        # Mixtral-style llama: 8 experts, 2 used, the chosen weights renormalised
+        "arch": "llama", "vocab": "bpe", "pre": "smollm", "seed": 1035,
+        "n_layer": 2, "n_embd": 256, "n_head": 4, "n_head_kv": 2, "n_ff": 256,
+        "n_expert": 8, "n_expert_used": 2, "context_length": 4096,
+        "keys": {"rope.freq_base": 1000000.0, "attention.layer_norm_rms_epsilon": 1e-5},
+        "types": {"token_embd": "Q4_K", "output": "Q8_0", "attn_q": "F16", "attn_k": "F16", "attn_v": "F16",
+                  "attn_output": "F16", "ffn_gate_inp": "F32", "ffn_gate_exps": ["F16", "Q4_1"],
+                  "ffn_up_exps": ["F16", "Q4_K"], "ffn_down_exps": ["F16", "Q6_K"]},
+        "prompts": _BPE_PROMPTS,
+    },
+    "gpt-oss": {
+        # attention sinks, a 32-token window on even layers, YaRN, biases everywhere, softmax after top-k,
+        # clamped SwiGLU; MXFP4 experts in the last layer
+        "arch": "gpt-oss", "vocab": "bpe", "pre": "gpt-4o", "seed": 1036,
+        "n_layer": 3, "n_embd": 256, "n_head": 8, "n_head_kv": 2, "head_dim": 32, "n_ff": 256,
+        "n_expert": 8, "n_expert_used": 2, "n_ff_exp": 256, "context_length": 4096, "sliding_window": 32,
+        "original_context_length": 64, "expert_biases": True,
+        "keys": {"rope.freq_base": 150000.0, "attention.layer_norm_rms_epsilon": 1e-5,
+                 "rope.scaling.type": "yarn", "rope.scaling.factor": 4.0},
+        "types": {"token_embd": "Q8_0", "output": "Q6_K", "attn_q": "F16", "attn_k": "F16", "attn_v": "F16",
+                  "attn_output": "F16", "ffn_gate_inp": "F32", "ffn_gate_exps": ["F16", "F16", "MXFP4"],
+                  "ffn_up_exps": ["F16", "F16", "MXFP4"], "ffn_down_exps": ["F16", "F16", "MXFP4"]},
+        "prompts": _BPE_PROMPTS,
+    },
+    "glm4moe": {
+        # a dense first layer, then 16 experts in 4 groups (the best 2 groups' experts eligible), sigmoid
+        # gating with a selection bias, top-4 renormalised and scaled by 2.5, one shared expert, per-head Q/K
+        # norms, Q/K/V biases, rope on half of each head
+        "arch": "glm4moe", "vocab": "bpe", "pre": "glm4", "seed": 1037,
+        "n_layer": 3, "n_embd": 256, "n_head": 4, "n_head_kv": 2, "head_dim": 64, "n_ff": 512,
+        "n_expert": 16, "n_expert_used": 4, "n_ff_exp": 256, "n_dense_lead": 1, "n_shared": 1, "exp_probs_b": True,
+        "context_length": 4096,
+        "keys": {"rope.freq_base": 1000000.0, "attention.layer_norm_rms_epsilon": 1e-5, "rope.dimension_count": 32,
+                 "leading_dense_block_count": 1, "expert_shared_count": 1, "expert_weights_scale": 2.5,
+                 "expert_weights_norm": True, "expert_gating_func": 2, "expert_group_count": 4,
+                 "expert_group_used_count": 2},
+        "types": {"token_embd": "Q6_K", "output": "Q4_K", "attn_q": "F16", "attn_k": "F16", "attn_v": "F16",
+                  "attn_output": "F16", "ffn_gate": "F16", "ffn_up": "F16", "ffn_down": "F16",
+                  "ffn_gate_inp": "F32", "ffn_gate_exps": [None, "F16", "Q4_K"], "ffn_up_exps": [None, "F16", "Q5_0"],
+                  "ffn_down_exps": [None, "F16", "Q6_K"], "ffn_gate_shexp": [None, "F16", "Q8_0"],
+                  "ffn_up_shexp": [None, "F16", "Q4_K"], "ffn_down_shexp": [None, "F16", "Q4_1"]},
+        "prompts": _BPE_PROMPTS,
+    },
+    "deepseek2": {
+        # DeepSeek-V3 style: multi-head latent attention (q_lora 128, kv_lora 128, rope 32 + nope 64 per head,
+        # values 64), a dense first layer, 16 experts in 4 groups (2 used), sigmoid gating with a selection bias,
+        # top-4 renormalised and scaled by 2.5, a shared expert, the last layer's gate/up experts fused
+        "arch": "deepseek2", "vocab": "bpe", "pre": "deepseek-v3", "seed": 1038,
+        "n_layer": 3, "n_embd": 256, "n_head": 4, "n_head_kv": 1, "n_ff": 512,
+        "mla": {"q_lora": 128, "kv_lora": 128, "rope": 32, "nope": 64, "v": 64},
+        "n_expert": 16, "n_expert_used": 4, "n_ff_exp": 256, "n_dense_lead": 1, "n_shared": 1, "exp_probs_b": True,
+        "fused_gate_up_layers": [2], "context_length": 4096,
+        "keys": {"rope.freq_base": 10000.0, "attention.layer_norm_rms_epsilon": 1e-6, "rope.dimension_count": 32,
+                 "attention.key_length": 160, "attention.value_length": 128, "attention.key_length_mla": 96,
+                 "attention.value_length_mla": 64, "attention.q_lora_rank": 128, "attention.kv_lora_rank": 128,
+                 "leading_dense_block_count": 1, "expert_shared_count": 1, "expert_weights_scale": 2.5,
+                 "expert_weights_norm": True, "expert_gating_func": 2, "expert_group_count": 4,
+                 "expert_group_used_count": 2},
+        "types": {"token_embd": "Q8_0", "output": "Q6_K", "attn_q_a": "F16", "attn_q_b": "F16",
+                  "attn_kv_a_mqa": "F16", "attn_k_b": "F16", "attn_v_b": "F16", "attn_output": "F16",
+                  "ffn_gate": "F16", "ffn_up": "F16", "ffn_down": "F16", "ffn_gate_inp": "F32",
+                  "ffn_gate_exps": [None, "F16", None], "ffn_up_exps": [None, "F16", None],
+                  "ffn_gate_up_exps": [None, None, "Q4_K"], "ffn_down_exps": [None, "F16", "Q6_K"],
+                  "ffn_gate_shexp": [None, "F16", "Q8_0"], "ffn_up_shexp": [None, "F16", "Q4_0"],
+                  "ffn_down_shexp": [None, "F16", "Q5_0"]},
+        "prompts": _BPE_PROMPTS,
+    },
+    # issue 34's dense newcomers
+    "smollm3": {
+        # every fourth layer without RoPE (layer 3 of 4)
+        "arch": "smollm3", "vocab": "bpe", "pre": "smollm", "seed": 1021,
+        "n_layer": 4, "n_embd": 256, "n_head": 4, "n_head_kv": 2, "n_ff": 512, "context_length": 4096,
+        "keys": {"rope.freq_base": 50000.0, "attention.layer_norm_rms_epsilon": 1e-6},
+        "types": {"token_embd": "Q8_0", "output": "Q8_0", "attn_q": ["Q4_0", "Q5_0", "Q8_0", "Q4_1"],
+                  "attn_k": "Q8_0", "attn_v": "Q5_0", "attn_output": "Q4_1", "ffn_gate": "Q4_0", "ffn_up": "Q5_0",
+                  "ffn_down": "Q8_0"},
+        "prompts": _BPE_PROMPTS,
+    },
+    "granite": {
+        # all four multipliers set away from 1 (and from their defaults)
+        "arch": "granite", "vocab": "bpe", "pre": "smollm", "seed": 1022,
+        "n_layer": 3, "n_embd": 256, "n_head": 4, "n_head_kv": 2, "n_ff": 512, "context_length": 4096,
+        "keys": {"rope.freq_base": 10000.0, "attention.layer_norm_rms_epsilon": 1e-5, "logit_scale": 0.7,
+                 "residual_scale": 0.6, "embedding_scale": 2.5, "attention.scale": 0.2},
+        "types": {"token_embd": "Q8_0", "output": "F16", "attn_q": "Q5_0", "attn_k": "Q8_0", "attn_v": "Q4_0",
+                  "attn_output": "Q8_0", "ffn_gate": "Q4_1", "ffn_up": "Q4_0", "ffn_down": "Q5_0"},
+        "prompts": _BPE_PROMPTS,
+    },
+    "mistral3": {
+        # YaRN with the log multiplier, and the attention temperature growing every 64 positions
+        "arch": "mistral3", "vocab": "bpe", "pre": "smollm", "seed": 1023,
+        "n_layer": 3, "n_embd": 256, "n_head": 4, "n_head_kv": 2, "n_ff": 512, "context_length": 4096,
+        "keys": {"rope.freq_base": 100000.0, "attention.layer_norm_rms_epsilon": 1e-5,
+                 "rope.scaling.type": "yarn", "rope.scaling.factor": 4.0,
+                 "rope.scaling.original_context_length": 64, "rope.scaling.yarn_log_multiplier": 1.0,
+                 "rope.scaling.yarn_beta_fast": 32.0, "rope.scaling.yarn_beta_slow": 1.0,
+                 "attention.temperature_scale": 0.5},
+        "types": {"token_embd": "Q8_0", "output": "Q8_0", "attn_q": "Q8_0", "attn_k": "Q5_0", "attn_v": "Q4_1",
+                  "attn_output": "Q4_0", "ffn_gate": "Q5_0", "ffn_up": "Q8_0", "ffn_down": "Q4_0"},
+        "prompts": _BPE_PROMPTS,
+    },
+    # issue 34's hybrids: recurrent layers beside attention
+    "lfm2": {
+        # convolution layers 0, 1, 3 (no KV heads), attention layers 2 and 4; kernel width 3
+        "arch": "lfm2", "vocab": "bpe", "pre": "smollm", "seed": 1031,
+        "n_layer": 5, "n_embd": 256, "n_head": 4, "n_head_kv": [0, 0, 2, 0, 2], "n_ff": 512,
+        "context_length": 4096, "l_cache": 3,
+        "keys": {"rope.freq_base": 1000000.0, "attention.layer_norm_rms_epsilon": 1e-5, "shortconv.l_cache": 3},
+        "types": {"token_embd": "Q8_0", "output": "Q8_0", "shortconv_conv": "F32", "shortconv_in": "F16",
+                  "shortconv_out": ["Q8_0", "Q5_0", None, "Q8_0", None], "attn_q": "Q8_0", "attn_k": "Q5_0",
+                  "attn_v": "Q8_0", "attn_output": "Q4_0", "ffn_gate": "Q4_1", "ffn_up": "Q5_0", "ffn_down": "Q8_0"},
+        "prompts": _BPE_PROMPTS,
+    },
+    "granitehybrid": {
+        # dense Granite 4.0-H: Mamba-2 layers 0, 1, 3 (8 heads of 64, 2 groups, state 32, conv width 4) and
+        # attention on layer 2, Granite's multipliers
+        "arch": "granitehybrid", "vocab": "bpe", "pre": "smollm", "seed": 1032,
+        "n_layer": 4, "n_embd": 256, "n_head": 4, "n_head_kv": [0, 0, 2, 0], "n_ff": 512, "context_length": 4096,
+        "ssm": {"conv_kernel": 4, "inner_size": 512, "state_size": 32, "time_step_rank": 8, "group_count": 2},
+        "keys": {"rope.freq_base": 10000.0, "attention.layer_norm_rms_epsilon": 1e-5, "logit_scale": 0.8,
+                 "residual_scale": 0.7, "embedding_scale": 2.0, "attention.scale": 0.15},
+        "types": {"token_embd": "Q8_0", "output": "Q8_0", "ssm_in": "Q8_0", "ssm_f32": "F32",
+                  "ssm_out": ["Q8_0", "Q5_0", None, "Q8_0"], "attn_q": "Q8_0", "attn_k": "Q8_0", "attn_v": "Q5_0",
+                  "attn_output": "Q8_0", "ffn_gate": "Q4_1", "ffn_up": "Q5_0", "ffn_down": "Q8_0"},
+        "prompts": _BPE_PROMPTS,
+    },
+    "qwen35": {
+        # Gated DeltaNet layers 0-2 (4 value heads, 2 key heads of 32, conv width 4), gated attention on layer 3
+        # with partial rotary (32 of 64 dims) in interleaved M-RoPE sections [6, 5, 5, 0]
+        "arch": "qwen35", "vocab": "bpe", "pre": "qwen2", "seed": 1033,
+        "n_layer": 4, "n_embd": 256, "n_head": 4, "n_head_kv": 2, "head_dim": 64, "n_ff": 512,
+        "context_length": 4096,
+        "ssm": {"conv_kernel": 4, "inner_size": 128, "state_size": 32, "time_step_rank": 4, "group_count": 2},
+        "keys": {"rope.freq_base": 10000000.0, "attention.layer_norm_rms_epsilon": 1e-6, "rope.dimension_count": 32,
+                 "rope.dimension_sections": [6, 5, 5, 0], "full_attention_interval": 4},
+        "types": {"token_embd": "Q8_0", "output": "Q8_0", "attn_qkv": "Q8_0", "attn_gate": "Q8_0",
+                  "ssm_f32": "F32", "ssm_small": "F16", "ssm_out": ["Q8_0", "Q5_0", "Q8_0", None], "attn_q": "Q8_0",
+                  "attn_k": "Q8_0", "attn_v": "Q5_0", "attn_output": "Q8_0", "ffn_gate": "Q4_1", "ffn_up": "Q5_0",
+                  "ffn_down": "Q8_0"},
+        "prompts": _BPE_PROMPTS,
+    },
 }
+
+#: the mixture-of-experts models, by the family the tests name them
+MOE_MODELS = {"qwen3moe": "qwen3moe", "olmoe": "olmoe", "llama (Mixtral)": "llama-moe", "gpt-oss": "gpt-oss",
+              "glm4moe": "glm4moe", "deepseek2": "deepseek2"}
 
 
 def prompt_text(key: str) -> str:

@@ -69,6 +69,19 @@ def decode_two_sequences(model, seq_a: list[int], seq_b: list[int], *, n_ctx: in
     return logits[rows == 0].copy(), logits[rows == 1].copy()
 
 
+def shift_error(model, prompt: list[int], follower: int, delta: int) -> float:
+    """max |logits| difference, for ``follower``, between decoding ``prompt`` then shifting it by ``delta``
+    positions (``seq_add``: the K-shift re-ropes the cached keys) and decoding it at those positions directly."""
+    shifted = model.new_context(n_ctx=512)
+    assert shifted.decode(llmfw.Batch(prompt)) == 0
+    shifted.memory.seq_add(0, 0, -1, delta)
+    assert shifted.decode(llmfw.Batch([follower])) == 0
+    direct = model.new_context(n_ctx=512)
+    assert direct.decode(llmfw.Batch(prompt, pos=list(range(delta, delta + len(prompt))))) == 0
+    assert direct.decode(llmfw.Batch([follower])) == 0
+    return float(np.abs(shifted.get_logits_ith(-1) - direct.get_logits_ith(-1)).max())
+
+
 def assert_clears_bar(score, record: dict, logits: np.ndarray, what: str) -> dict:
     result = score(record, logits)
     failed = [k for k, limit in BAR.items() if (result[k] > limit if k == "mean_lp_err" else result[k] < limit)]
@@ -82,4 +95,4 @@ def check_tokenization(model, record: dict) -> None:
 
 
 __all__ = ["BAR", "SAME_LOGITS_ATOL", "SPECS", "assert_clears_bar", "check_tokenization", "decode_all",
-           "decode_two_sequences", "longest", "model_file", "records", "reference"]
+           "decode_two_sequences", "longest", "model_file", "records", "reference", "shift_error"]

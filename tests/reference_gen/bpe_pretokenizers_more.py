@@ -1,5 +1,5 @@
 """Produce tests/data/bpe_pretokenizers_more.json: llama.cpp's tokenization under the pre-tokenizers that
-shared/reference/bpe-pretokenizers.json does not cover (the ones issue 17 added), with SmolLM2's BPE vocabulary.
+tests/data/reference/bpe-pretokenizers.json does not cover (the ones issue 17 added), with SmolLM2's BPE vocabulary.
 
 Two steps, two interpreters (llama-cpp-python is only the measuring stick, never a dependency of llmfw):
 

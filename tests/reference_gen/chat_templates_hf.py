@@ -1,5 +1,5 @@
 """Render llama.cpp's chat-template collection with Hugging Face transformers: the expected strings of
-tests/test_chat_template_zoo.py (tests/data/chat_templates/expected.json).
+tests/unit/test_chat_template_zoo.py (tests/data/chat_templates/expected.json).
 
 Run once, in a throw-away environment (transformers is never a dependency of llmfw or its tests):
 

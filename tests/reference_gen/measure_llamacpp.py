@@ -6,7 +6,7 @@
 For every prompt of the model's spec: llama.cpp's tokens (``add_special=True, parse_special=True``), a greedy
 continuation of ``N_CONTINUATION`` tokens (stopping at an end-of-generation token), then the whole sequence
 evaluated at once with ``logits_all``; each position keeps its top-``N_TOP`` ids and logits and the
-log-sum-exp over the vocabulary, the format of ``shared/reference`` (so ``tests/conftest.py``'s ``score``
+log-sum-exp over the vocabulary, the format of ``tests/data/reference`` (so ``tests/conftest.py``'s ``score``
 applies). Writes ``OUT_DIR/<name>.json``.
 """
 from __future__ import annotations
@@ -24,6 +24,20 @@ from arch_specs import N_CONTINUATION, N_CTX, N_TOP, SPECS, prompt_text, referen
 import llama_cpp  # noqa: E402  (the measuring stick, only here)
 
 N_THREADS = 2
+
+
+def use_plain_cpu_buffers() -> None:
+    """Load models without ggml's extra CPU buffer types (AMX / repacked weights): the AMX matmul crashes in a
+    container that has not been granted the AMX tile state, and the plain CPU kernels are the reference anyway.
+    llama-cpp-python reads ``llama_cpp.llama_cpp.llama_model_default_params`` when it builds a model: wrap it."""
+    default = llama_cpp.llama_cpp.llama_model_default_params
+
+    def params():
+        p = default()
+        p.use_extra_bufts = False
+        return p
+
+    llama_cpp.llama_cpp.llama_model_default_params = params
 
 
 def _sha256(path: Path) -> str:
@@ -93,6 +107,7 @@ def measure(path: Path) -> dict:
 
 
 def main() -> None:
+    use_plain_cpu_buffers()
     out_dir = Path(sys.argv[1])
     for arg in sys.argv[2:]:
         result = measure(Path(arg))

@@ -15,8 +15,10 @@ about a model family, and nothing else:
    ``build_rope``, ``build_attn``, ``build_ffn``, ``build_inp_out_ids``/``select_outputs``,
    ``build_output``); it must set ``builder.graph.outputs["logits"]``;
 4. **its memory** — :attr:`Architecture.memory` names the memory module (registry kind ``"memory"``):
-   ``"kv_cache"`` (one unified KV cache for every layer) or an interleaved sliding-window variant
-   (``"kv_cache_iswa"``), plus :meth:`rope_params` per layer, used by the graph and by the KV cache's K-shift.
+   ``"kv_cache"`` (one unified KV cache for every layer), an interleaved sliding-window variant
+   (``"kv_cache_iswa"``), ``"recurrent"`` or ``"hybrid"`` (recurrent layers, declared by
+   :meth:`recurrent_state`, beside KV-cached attention layers), plus :meth:`rope_params` per layer, used by the
+   graph and by the KV cache's K-shift.
 
 Example (a complete minimal architecture)::
 
@@ -38,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Literal, Mapping
 
 import numpy as np
 
-from ..errors import ModelError
+from ..errors import ModelError, UnknownArchitecture
 from ..ir.hparams import HParams
 
 if TYPE_CHECKING:
@@ -93,6 +95,18 @@ def attention_qkv_tensors(hp: HParams, il: int, n_embd: int | None = None) -> li
     specs += [TensorSpec(f"blk.{il}.attn_{part}.bias", (size,), il, optional=True, usage="add")
               for part, size in sizes.items()]
     return specs
+
+
+def layer_tensor(il: int, name: str, ne: tuple[int, ...], usage: str = "mul_mat") -> TensorSpec:
+    """The required tensor ``blk.{il}.{name}`` of layer ``il``."""
+    return TensorSpec(f"blk.{il}.{name}", ne, il, usage=usage)
+
+
+def gated_ffn_tensors(hp: HParams, il: int) -> list[TensorSpec]:
+    """A gated FFN's gate, down and up projections of layer ``il`` (SwiGLU / GeGLU without biases)."""
+    n_embd, n_ff = hp.n_embd, hp.n_ff(il)
+    return [layer_tensor(il, "ffn_gate.weight", (n_embd, n_ff)), layer_tensor(il, "ffn_down.weight", (n_ff, n_embd)),
+            layer_tensor(il, "ffn_up.weight", (n_embd, n_ff))]
 
 
 @dataclass(frozen=True)
@@ -186,9 +200,27 @@ class Architecture(ABC):
     def build_graph(self, b: "GraphBuilder") -> None:
         """Emit the graph for one ubatch into ``b.graph`` and set ``b.graph.outputs["logits"]``."""
 
+    def recurrent_state(self, hp: HParams, il: int) -> dict[str, tuple[int, ...]] | None:
+        """The recurrent state layer ``il`` carries from one ubatch to the next, per sequence: kind → shape
+        (LFM2's short convolution: ``{"conv": (K - 1, n_embd)}``), or None for a layer without one (attention).
+        A family with recurrent layers names the memory ``"hybrid"`` (KV cache for the others) or
+        ``"recurrent"`` (every layer recurrent); the graph reads and writes the state with
+        ``GraphBuilder.build_rs`` / ``store_rs``."""
+        return None
+
+    def ubatch_inputs(self, hp: HParams, pos: np.ndarray) -> dict[str, np.ndarray]:
+        """Graph inputs of this family's own computed per ubatch from the token positions ``pos`` (int32 [T]),
+        e.g. Mistral-3's attention temperature ``attn_temp`` [T, 1, 1]. The default adds none."""
+        return {}
+
     def rope_params(self, hp: HParams, il: int) -> RopeParams:
         """RoPE attributes for layer ``il`` (override for per-layer bases, e.g. sliding-window layers)."""
         return default_rope_params(hp, self.rope_type, swa=hp.is_swa(il))
+
+    def has_rope(self, hp: HParams, il: int) -> bool:
+        """Whether layer ``il`` rotates its queries and keys (llama.cpp's ``hparams.has_rope``): False for the
+        NoPE layers of SmolLM3, Granite with rope switched off... The K-shift skips such layers."""
+        return True
 
     def rope_freq_factors(self, hp: HParams, il: int) -> str | None:
         """Name of the weight holding layer ``il``'s per-dimension-pair frequency divisors
@@ -220,8 +252,17 @@ def default_rope_params(hp: HParams, mode: RopeType, *, swa: bool = False) -> Ro
     )
 
 
+#: where an author of a new family starts (the message of an unknown architecture points there)
+PLUGIN_DOCS = "docs/plugins.md#an-architecture-plugin"
+
+
 def get_architecture(name: str) -> Architecture:
-    """An instance of the architecture registered as ``name`` (UnknownArchitecture lists the known ones)."""
+    """An instance of the architecture registered as ``name``; UnknownArchitecture lists the known ones and says
+    how to add one."""
     from ..plugins import registry
 
-    return registry("architectures").get_class(name, Architecture)()
+    try:
+        return registry("architectures").get_class(name, Architecture)()
+    except UnknownArchitecture as exc:
+        raise UnknownArchitecture(f"{exc}. An architecture plugin adds a family (one file and one entry point): "
+                                  f"see {PLUGIN_DOCS}") from None

@@ -253,6 +253,13 @@ class Backend(ABC):
         return [module for module in cls.requires if not _module_installed(module)]
 
     @classmethod
+    def cache_dirs(cls, environ: Mapping[str, str]) -> list[Path]:
+        """Folders of files this backend derives from model files and rebuilds when they are missing (converted
+        weights): `llmfw models` lists their entries with their size and `llmfw models --prune` removes them.
+        ``environ`` is the CLI's environment (:attr:`environment_options` may move them). Default: none."""
+        return []
+
+    @classmethod
     def default_unavailable_reason(cls, device: str) -> str | None:
         """Why this backend cannot be the default on ``device`` here (None: it can). Cheap checks first, so
         that ruling a backend out never imports a large library it does not need."""

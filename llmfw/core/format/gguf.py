@@ -152,13 +152,18 @@ class GGUFFile:
     string arrays as ``list[str]`` and nested arrays as lists. ``metadata_types`` gives each key's value type,
     ``metadata_array_types`` the element type of each ARRAY key. For a split model, metadata come from the
     first file (the other files only carry ``split.*`` keys). ``tensors`` keeps file order.
+
+    ``allow_cut_data=True`` opens a file whose header (metadata and tensor infos) is whole but whose tensor data
+    is cut short, as an interrupted download leaves it: ``cut_tensors`` names the tensors past the end, and
+    reading one raises :class:`GGUFError`. A file cut inside its header is an error either way.
     """
 
-    def __init__(self, path: str | os.PathLike[str], mode: Mode = "mmap"):
+    def __init__(self, path: str | os.PathLike[str], mode: Mode = "mmap", *, allow_cut_data: bool = False):
         if mode not in ("mmap", "read"):
             raise GGUFError(f"mode must be 'mmap' or 'read', got {mode!r}")
         self.path = Path(path)
         self.mode: Mode = mode
+        self._allow_cut_data = allow_cut_data
         self._files: list[_OpenFile] = []
         #: file index → the mapping :meth:`lasting_tensor_bytes` views (never closed here: its views own it)
         self._lasting: dict[int, mmap.mmap] = {}
@@ -172,7 +177,7 @@ class GGUFFile:
     def _open(self, path: Path) -> None:
         first = self._open_file(path)
         seen: set[str] = set()
-        headers = [_parse_header(first.cursor(), 0, seen)]
+        headers = [_parse_header(first.cursor(), 0, seen, self._allow_cut_data)]
         split_count = _split_count(headers[0])
         if split_count > 1:
             self._files.clear()
@@ -187,6 +192,7 @@ class GGUFFile:
         self.metadata_types: dict[str, GGUFValueType] = main.metadata_types
         self.metadata_array_types: dict[str, GGUFValueType] = main.metadata_array_types
         self.tensors: dict[str, TensorInfo] = {t.name: t for h in headers for t in h.tensors}
+        self.cut_tensors: list[str] = [name for h in headers for name in h.cut]
 
     def _open_file(self, path: Path) -> _OpenFile:
         opened = _OpenFile(path, self.mode)
@@ -202,7 +208,8 @@ class GGUFFile:
         if missing:
             raise GGUFError(f"{path}: split model of {split_count} files is missing {', '.join(missing)}")
         seen: set[str] = set()
-        headers = [_parse_header(self._open_file(p).cursor(), i, seen) for i, p in enumerate(paths)]
+        headers = [_parse_header(self._open_file(p).cursor(), i, seen, self._allow_cut_data)
+                   for i, p in enumerate(paths)]
         _check_split_consistency(headers, split_count)
         return headers
 
@@ -218,9 +225,15 @@ class GGUFFile:
         except KeyError:
             raise GGUFError(f"{self.path}: no tensor named {name!r} ({len(self.tensors)} tensors)") from None
 
+    def _readable(self, name: str) -> TensorInfo:
+        info = self.tensor_info(name)
+        if self.cut_tensors and name in self.cut_tensors:
+            raise GGUFError(f"{self.path}: the data of tensor {name!r} lies past the end of the file (file cut short)")
+        return info
+
     def tensor_bytes(self, name: str) -> np.ndarray:
         """The raw bytes of a tensor as uint8: a view of the mapping (mmap mode) or a fresh array (read mode)."""
-        info = self.tensor_info(name)
+        info = self._readable(name)
         if not self._files:
             raise GGUFError(f"{self.path}: file is closed")
         return self._files[info.file_index].read(info.offset, info.nbytes)
@@ -229,7 +242,7 @@ class GGUFFile:
         """The raw bytes of a tensor as a read-only view that outlives :meth:`close`: it maps the file anew (once
         per file), so only the pages read through it become resident — a table kept for row lookups costs the
         rows looked up, not the whole tensor. None in read mode (the caller copies :meth:`tensor_bytes`)."""
-        info = self.tensor_info(name)
+        info = self._readable(name)
         if self.mode != "mmap" or not self._files:
             return None
         mapping = self._lasting.get(info.file_index)
@@ -333,9 +346,10 @@ def _check_split_consistency(headers: list[_FileHeader], split_count: int) -> No
                         f"{found} tensors")
 
 
-def open_gguf(path: str | os.PathLike[str], mode: Mode = "mmap") -> GGUFFile:
-    """Open a GGUF model (the first file of a split model opens all of them)."""
-    return GGUFFile(path, mode)
+def open_gguf(path: str | os.PathLike[str], mode: Mode = "mmap", *, allow_cut_data: bool = False) -> GGUFFile:
+    """Open a GGUF model (the first file of a split model opens all of them); ``allow_cut_data``: see
+    :class:`GGUFFile`."""
+    return GGUFFile(path, mode, allow_cut_data=allow_cut_data)
 
 
 def most_common_type(tensors: Iterable[TensorInfo]) -> GGMLType | None:

@@ -244,6 +244,8 @@ class FileHeader:
     metadata_types: dict[str, GGUFValueType] = field(default_factory=dict)
     metadata_array_types: dict[str, GGUFValueType] = field(default_factory=dict)
     tensors: list[TensorInfo] = field(default_factory=list)
+    #: tensors whose data lies past the end of the file (kept only when the caller allows cut data)
+    cut: list[str] = field(default_factory=list)
 
 
 def _read_preamble(cur: Cursor) -> tuple[int, int, int]:
@@ -338,7 +340,7 @@ def _tensor_nbytes(cur: Cursor, name: str, shape: tuple[int, ...], tensor_type: 
 
 
 def _read_tensor_infos(cur: Cursor, n_tensors: int, header: FileHeader, file_index: int,
-                       seen: set[str]) -> None:
+                       seen: set[str], allow_cut_data: bool = False) -> None:
     raw: list[tuple[str, tuple[int, ...], GGMLType, int, int]] = []
     for index in range(n_tensors):
         name, shape, tensor_type, offset = _read_tensor_info(cur, index, seen)
@@ -350,7 +352,9 @@ def _read_tensor_infos(cur: Cursor, n_tensors: int, header: FileHeader, file_ind
         if offset % header.alignment:
             raise cur.fail(f"tensor {name!r} data offset {offset} is not a multiple of the alignment "
                            f"{header.alignment}")
-        if offset + nbytes > data_size:
+        if offset + nbytes > data_size and allow_cut_data:
+            header.cut.append(name)
+        elif offset + nbytes > data_size:
             raise cur.fail(f"tensor {name!r} ({nbytes} bytes at data offset {offset}, absolute "
                            f"{header.data_offset + offset}) lies outside the file: the data section has "
                            f"{max(data_size, 0)} bytes (file truncated?)")
@@ -366,10 +370,10 @@ def _check_no_overlap(cur: Cursor, tensors: list[TensorInfo]) -> None:
                            f"{after.name!r} [{after.offset}, {after.offset + after.nbytes}) overlap")
 
 
-def parse_header(cur: Cursor, file_index: int, seen_names: set[str]) -> FileHeader:
+def parse_header(cur: Cursor, file_index: int, seen_names: set[str], allow_cut_data: bool = False) -> FileHeader:
     version, n_tensors, n_kv = _read_preamble(cur)
     header = FileHeader(cur.path, cur.size, version, DEFAULT_ALIGNMENT, 0)
     _read_metadata(cur, n_kv, header)
     header.alignment = _alignment_of(cur, header.metadata, header.metadata_types)
-    _read_tensor_infos(cur, n_tensors, header, file_index, seen_names)
+    _read_tensor_infos(cur, n_tensors, header, file_index, seen_names, allow_cut_data)
     return header

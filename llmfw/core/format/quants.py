@@ -281,7 +281,55 @@ def _decode_q6_k(blocks: np.ndarray, out: np.ndarray) -> None:
     _scale_blocks(out, dl, q)
 
 
+#: MXFP4's E2M1 code → value, doubled as ggml stores it (ggml's ``kvalues_mxfp4``); the block scale is halved
+MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.float32)
+
+
+def mxfp4_scales(exponents: np.ndarray) -> np.ndarray:
+    """E8M0 block exponents → float32 scales ``2**(e - 127) / 2`` (ggml_e8m0_to_fp32_half; exact, denormals too)."""
+    return np.ldexp(np.float64(1.0), exponents.astype(np.int32) - 128).astype(np.float32)
+
+
+def mxfp4_codes(blocks: np.ndarray) -> np.ndarray:
+    """The 4-bit codes of MXFP4 blocks [n, 17] (e | 16 bytes: element j in the low nibble of byte j, element j+16
+    in its high nibble), uint8 [n, 32]."""
+    qs = blocks[:, 1:]
+    return np.concatenate([qs & np.uint8(0x0F), qs >> np.uint8(4)], axis=1)
+
+
+def _decode_mxfp4(blocks: np.ndarray, out: np.ndarray) -> None:
+    out[:] = MXFP4_VALUES[mxfp4_codes(blocks)] * mxfp4_scales(blocks[:, 0])[:, None]
+
+
+#: the 16 non-uniform levels of IQ4_NL / IQ4_XS codes (ggml's kvalues_iq4nl)
+IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
+
+
+def _decode_iq4_nl(blocks: np.ndarray, out: np.ndarray) -> None:
+    # d | 16 nibble bytes as Q4_0, each nibble an index into IQ4_LEVELS; value d * level
+    levels = IQ4_LEVELS[_unpack_fields(blocks[:, 2:], 4, 16)].astype(np.float32)
+    np.multiply(levels, _f16_at(blocks, 0), out=out)
+
+
+def iq4_xs_scales(blocks: np.ndarray) -> np.ndarray:
+    """IQ4_XS's eight 6-bit sub-block scales, minus 32: low nibbles from scales_l (bytes 4-7, two a byte), the top
+    two bits from the 16-bit scales_h (bytes 2-3, two bits a sub-block). Returns (n, 8) int8."""
+    low = _unpack_fields(blocks[:, 4:8], 4, 1)  # byte i -> sub-blocks 2i (low nibble), 2i+1 (high)
+    high = _unpack_fields(blocks[:, 2:4], 2, 1)  # bits 2i..2i+1 of the little-endian uint16 -> sub-block i
+    scales = (low | (high << np.uint8(4))).view(np.int8)
+    scales -= np.int8(32)
+    return scales
+
+
+def _decode_iq4_xs(blocks: np.ndarray, out: np.ndarray) -> None:
+    # d | scales_h (u16) | scales_l[4] | qs[128]: eight sub-blocks of 32 as IQ4_NL's, each scaled by d * (ls - 32)
+    dl = _f16_at(blocks, 0) * iq4_xs_scales(blocks).astype(np.float32)
+    levels = IQ4_LEVELS[_unpack_fields(blocks[:, 8:].reshape(-1, 16), 4, 16)].astype(np.float32)
+    _scale_blocks(out, dl, levels.reshape(blocks.shape[0], -1))
+
+
 _BLOCK_DECODERS: dict[GGMLType, _BlockDecoder] = {
+    GGMLType.MXFP4: _decode_mxfp4,
     GGMLType.Q4_0: _decode_q4_0,
     GGMLType.Q4_1: _decode_q4_1,
     GGMLType.Q5_0: _decode_q5_0,
@@ -292,6 +340,8 @@ _BLOCK_DECODERS: dict[GGMLType, _BlockDecoder] = {
     GGMLType.Q4_K: _decode_q4_k,
     GGMLType.Q5_K: _decode_q5_k,
     GGMLType.Q6_K: _decode_q6_k,
+    GGMLType.IQ4_NL: _decode_iq4_nl,
+    GGMLType.IQ4_XS: _decode_iq4_xs,
 }
 
 

@@ -152,6 +152,8 @@ class TextStream:
         self.stop = [s for s in stop if s]
         self.pending = ""
         self.stopped = False
+        #: the stop string found (None until one is)
+        self.stopped_by: str | None = None
 
     def _held_back(self, text: str) -> int:
         """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
@@ -165,8 +167,9 @@ class TextStream:
 
     def feed(self, token: int) -> str:
         text = self.pending + self.detokenizer.feed(token)
-        cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(i, s) for s, i in ((s, text.find(s)) for s in self.stop) if i >= 0]
+        if found:
+            cut, self.stopped_by = min(found)
             self.stopped, self.pending = True, ""
             return text[:cut]
         keep = self._held_back(text)
@@ -232,6 +235,10 @@ def generate(ctx: Context, prompt: str | Sequence[int], sampler: Sampler | None 
         raise LLMFWError(f"max_tokens must be >= 0 or None, got {max_tokens}")
     stats = stats if stats is not None else GenerationStats()
     n_ctx, n_batch = ctx.n_ctx, ctx.n_batch
+    if draft is not None and not ctx.memory.can_drop_suffix(draft.n_max):
+        raise ContextError(f"speculative decoding is not available for {ctx.model.arch_name!r}: its "
+                           f"{type(ctx.memory).__name__} keeps a recurrent state that cannot drop a rejected draft "
+                           "(llama.cpp's recurrent memory cannot roll back either); generate without a draft")
 
     tokens = tokenize_prompt(model, prompt, parse_special=parse_special, add_special=add_special)
     n_keep, new_tokens = _prepare_prompt(ctx, tokens, n_ctx)

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from ..errors import GrammarError
+from .schema_closed import closed_schema
 
 if TYPE_CHECKING:
     from ..tokenizer.vocab import Vocab
@@ -157,6 +158,7 @@ def schema_text(schema: str | dict[str, Any] | bool) -> str:
     depth = json_depth(value)
     if depth > MAX_SCHEMA_DEPTH:
         raise GrammarError(f"the JSON schema is nested {depth} levels deep; the limit is {MAX_SCHEMA_DEPTH}")
+    value = closed_schema(value)  # llama.cpp's reading: listed properties and no others
     try:
         text = json.dumps(value, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError) as exc:

@@ -31,7 +31,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Sequence
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
 from ..validation import validation_error_message as validation_error_message
 from .rng import DEFAULT_SEED as DEFAULT_SEED, MT19937Rng as MT19937Rng, resolve_seed as resolve_seed
@@ -49,6 +50,9 @@ DEFAULT_SAMPLER_ORDER: tuple[str, ...] = (
 )
 
 #: names accepted in ``samplers`` lists besides the registered ones (llama.cpp's spellings)
+#: the samplers a chain adds around ``samplers`` by itself (a constraint, a bias, the selecting sampler, mirostat's
+#: pair): ``options`` may configure them too
+CHAIN_ADDED_SAMPLERS = frozenset({"grammar", "logit_bias", "dist", "greedy", "temperature", "mirostat", "mirostat_v2"})
 SAMPLER_ALIASES: dict[str, str] = {
     "typ_p": "typical", "typical_p": "typical", "typ": "typical",
     "temp": "temperature", "nsigma": "top_n_sigma",
@@ -321,6 +325,21 @@ class SamplerParams(BaseModel):
             if grammar_errors:  # keep its class, line and column (a server answers 400 with it)
                 raise grammar_errors[0] from None
             raise SamplerParamsError(validation_problems(exc)) from None
+
+    @field_validator("options")
+    @classmethod
+    def _options_name_chain_samplers(cls, options: dict[str, dict[str, Any]],
+                                     info: ValidationInfo) -> dict[str, dict[str, Any]]:
+        """Options for a sampler the chain does not hold would never be used: most likely a sampler left out of
+        ``samplers`` or a misspelt name, so say so instead of ignoring them."""
+        if "samplers" not in info.data:  # the order itself was invalid: that error is reported
+            return options
+        chain = [normalize_sampler_name(name) for name in info.data["samplers"]]
+        stray = [name for name in options if normalize_sampler_name(name) not in {*chain, *CHAIN_ADDED_SAMPLERS}]
+        if stray:
+            raise ValueError(f"options for {', '.join(map(repr, stray))}, which the sampler chain does not hold "
+                             f"(samplers: {', '.join(chain) or 'none'}); add it to samplers or drop its options")
+        return options
 
     @model_validator(mode="after")
     def _check_grammar(self) -> "SamplerParams":

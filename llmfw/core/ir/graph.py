@@ -33,6 +33,7 @@ Ops (inputs in order; attributes in ``Node.attrs``):
 ==================  ===================================================================================
 ``input``           a graph input set per ubatch. attrs: ``name``. Standard names: ``tokens`` int32 [T],
                     ``embd`` f32 [T, n_embd], ``pos`` int32 [T], ``out_ids`` int32 [n_outputs],
+                    ``attn_temp`` f32 [T, 1, 1] (a per-position query scale, Architecture.ubatch_inputs),
                     ``kv_idx:<cache>`` int64 [T] (KV cells written by this ubatch), ``kq_mask:<cache>``
                     f32 [T, n_kv] (0 = visible, -inf = hidden) for each KV cache ``<cache>``.
 ``weight``          a model tensor. attrs: ``name`` (GGUF tensor name). ``layer`` says who owns it. A fused
@@ -62,10 +63,58 @@ Ops (inputs in order; attributes in ``Node.attrs``):
                     (n_kv = mask.shape[1]). attrs: ``layer``, ``cache``, ``scale``, ``softcap`` (0 = off),
                     ``window``: the standard sliding window the mask applies (llama.cpp's n_swa; 0 = none).
                     The mask decides what is seen; ``window`` lets a fused kernel know it in advance.
+                    An optional 6th input ``sinks`` [H] (gpt-oss's attention sinks) adds ``exp(sinks[h])`` to
+                    each row's softmax denominator: a logit that takes probability but has no value.
 ``k_shift``         (shift int32 [n_kv] [, freq_factors]) → empty f32 [0]. Side effect only: rotates rows
                     ``0 .. n_kv-1`` of the K cache of (``cache``, ``layer``) in place by the positions
                     ``shift`` (llama.cpp's K-shift after ``seq_add``); same rope attrs as ``rope``.
+``ssm_conv``        (window [S, K-1, C], x [S, T, C], w [C, K]) → [S, T, C]: the short causal depthwise
+                    convolution of each of S sequences (llama.cpp's ``ggml_ssm_conv`` over
+                    ``concat(window, x)``): ``out[s, t, c] = Σ_k xx[s, t + k, c] · w[c, k]`` with
+                    ``xx = concat(window, x)`` along the time axis; ``window`` is the carried state (the
+                    K-1 inputs before this ubatch, zeros for a new sequence).
+``conv_window``     (window [S, K-1, C], x [S, T, C]) → [S, K-1, C]: the last K-1 rows of
+                    ``concat(window, x)``, the state the next ubatch carries.
+``ssm_scan``        (state [S, H, P, N], x [S, T, H, P], dt [S, T, H], A [H] (any shape of H values),
+                    B [S, T, G, N], C [S, T, G, N]) → [S, T·H·P + H·P·N]: Mamba-2's selective scan
+                    (llama.cpp's ``ggml_ssm_scan`` with a scalar decay per head). Per token, with
+                    ``d = softplus(dt)`` (``dt`` itself above 20) and head h reading group ``h // (H / G)``:
+                    ``state = state · exp(d · A[h]) + B ⊗ (x · d)``, ``y = state · C`` (summed over N).
+                    Each sequence's row holds its y [T, H, P] then its final state [H, P, N], flattened.
+``gated_delta``     (state [S, H, Dv, Dk], q [S, T, Hk, Dk], k [S, T, Hk, Dk], v [S, T, H, Dv], g [S, T, H],
+                    beta [S, T, H]) → [S, T·H·Dv + H·Dv·Dk]: the gated delta rule (Gated DeltaNet;
+                    llama.cpp's ``ggml_gated_delta_net``). Head h reads q/k head ``h % Hk``; per token
+                    ``M = M · exp(g)``, ``δ = (v - M k) · beta``, ``M = M + δ ⊗ k``, ``o = M q / √Dv``.
+                    Each sequence's row holds its o [T, H, Dv] then its final M [H, Dv, Dk].
+``sigmoid``         (x) → ``1 / (1 + exp(-x))``.
+``softplus``        (x) → ``log(1 + exp(x))`` (ggml: ``x`` itself above 20).
 ==================  ===================================================================================
+
+Mixture-of-experts ops (``build_moe_ffn``, :mod:`llmfw.core.ir.moe`; ids are int32, ``E`` experts, ``K`` chosen):
+
+==================  ============================================================================
+``softmax``         (x) → softmax over the last axis.
+``sigmoid``         (x) → ``1 / (1 + exp(-x))``.
+``div``             (a, b) elementwise with numpy broadcasting.
+``sum_rows``        (x [..., n]) → [..., 1], the sum over the last axis (ggml_sum_rows).
+``top_k``           (x [..., n]) → i32 [..., k]: the indices of the ``attrs["k"]`` largest entries of each row,
+                    largest first (ggml_argsort_top_k).
+``take``            (x [..., n], ids [..., k]) → [..., k]: ``take_along_axis(x, ids, -1)`` (leading dims equal).
+``id_mask``         (x [..., n], ids [..., k]) → [..., n]: 0 at the columns ``ids`` names, -inf elsewhere.
+``mul_mat_id``      (w [E, n_out, n_in], x [T, n_in] or [T, K, n_in], ids [T, K]) → [T, K, n_out]: row (t, j)
+                    is ``x[t(, j)] @ w[ids[t, j]].T`` (ggml_mul_mat_id); only the chosen experts are computed.
+``add_id``          (a [T, K, n], b [E, n], ids [T, K]) → ``a + b[ids]`` (ggml_add_id: per-expert biases).
+``swiglu_oai``      (gate, up) → ``g * sigmoid(alpha * g) * (u + 1)`` with ``g = min(gate, limit)``,
+                    ``u = clip(up, -limit, limit)``; attrs ``alpha``, ``limit`` (gpt-oss's experts).
+``concat``          (a, b) → the two joined along the last axis (other dims equal; DeepSeek's MLA).
+``mul_mat_heads``   (w [H, n_out, n_in], x [T, H, n_in]) → [T, H, n_out]: head h's rows times its own matrix
+                    (MLA's absorbed ``attn_k_b`` / ``attn_v_b``).
+==================  ===================================================================================
+=======
+Recurrent state (issue 34) travels as graph inputs and outputs, not as backend storage: the memory gathers the
+ubatch's sequences' states into the input ``rs:<kind>:<layer>`` f32 [S, ...] (S = ``BuildParams.n_seqs``
+sequences of ``n_tokens / S`` tokens each, laid out sequence after sequence: llama.cpp's equal split) and reads
+the graph output of the same name back after the compute (``GraphBuilder.build_rs`` / ``store_rs``).
 
 ``get_rows`` also selects rows of activations (``table`` is then any [N, ...] node), e.g. the output rows
 before the head. Nodes are executed even when nothing consumes them (``attention`` / ``k_shift`` write the
@@ -80,6 +129,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Collection, Iterator, Literal, Mapping, Protocol, Sequence
 
 from ..errors import ModelError
+from .moe import build_moe_ffn
 
 if TYPE_CHECKING:
     from .hparams import HParams
@@ -296,12 +346,161 @@ def _attention(inputs: Sequence[Node], attrs: Mapping[str, AttrValue]) -> tuple[
         raise ShapeError(f"attention inputs disagree on the token count: {q}, {k}, {v}, [{n_idx}], {mask}")
     if not (_dims_match(q[2], k[2]) and _dims_match(k[1], v[1])) or k[1] <= 0 or q[1] % k[1]:
         raise ShapeError(f"attention heads do not match: q {list(q)}, k {list(k)}, v {list(v)}")
+    if len(inputs) > 5 and _require_float(inputs[5], "the sinks") != (q[1],):
+        raise ShapeError(f"attention sinks must be one per query head ({q[1]}), got {list(_typed(inputs[5])[0])}")
     return (n_tokens, q[1] * v[2]), "f32"
 
 
 def _k_shift(inputs: Sequence[Node], attrs: Mapping[str, AttrValue]) -> tuple[Shape, DType]:
     _require_int(inputs[0], "the shift", 1)
     return (0,), "f32"
+
+
+# -- mixture-of-experts ops (see the MoE table in the module docstring) -------------------------------------
+
+def _reduce_rows(inputs: Sequence[Node], attrs: Mapping[str, AttrValue]) -> tuple[Shape, DType]:
+    shape = _require_float(inputs[0], "the summed input")
+    if not shape:
+        raise ShapeError("cannot sum the rows of a scalar")
+    return shape[:-1] + (1,), "f32"
+
+
+def _top_k(inputs: Sequence[Node], attrs: Mapping[str, AttrValue]) -> tuple[Shape, DType]:
+    shape = _require_float(inputs[0], "the ranked input")
+    k = attrs.get("k")
+    too_many = bool(shape) and isinstance(k, int) and shape[-1] != DYNAMIC and k > shape[-1]
+    if not shape or not isinstance(k, int) or k <= 0 or too_many:
+        raise ShapeError(f"top_k needs 0 < k <= {shape[-1:]} entries per row, got k={k!r}")
+    return shape[:-1] + (k,), "i32"
+
+
+def _id_operands(inputs: Sequence[Node]) -> tuple[Shape, Shape]:
+    """(x, ids) of ``take`` / ``id_mask``: ids integer, leading dims equal to x's."""
+    x = _require_float(inputs[0], "the table")
+    ids, dtype = _typed(inputs[1])
+    if dtype == "f32" or len(ids) != len(x) or not all(_dims_match(a, b) for a, b in zip(x[:-1], ids[:-1])):
+        raise ShapeError(f"ids {dtype}{list(ids)} do not index the rows of {list(x)}")
+    return x, ids
+
+
+def _take(inputs: Sequence[Node], attrs: Mapping[str, AttrValue]) -> tuple[Shape, DType]:
+    _, ids = _id_operands(inputs)
+    return ids, "f32"
+
+
+def _id_mask(inputs: Sequence[Node], attrs: Mapping[str, AttrValue]) -> tuple[Shape, DType]:
+    x, _ = _id_operands(inputs)
+    return x, "f32"
+
+
+def _mul_mat_id(inputs: Sequence[Node], attrs: Mapping[str, AttrValue]) -> tuple[Shape, DType]:
+    w = _require_float(inputs[0], "the expert matrices")
+    x = _require_float(inputs[1], "the activations")
+    n_tokens, n_used = _require_int(inputs[2], "the expert ids", 2)
+    if len(w) != 3:
+        raise ShapeError(f"mul_mat_id needs expert matrices [E, n_out, n_in], got {list(w)}")
+    fits = (len(x) == 2 or (len(x) == 3 and _dims_match(x[1], n_used))) and _dims_match(x[0], n_tokens)
+    if not fits or not _dims_match(x[-1], w[2]):
+        raise ShapeError(f"mul_mat_id: activations {list(x)} do not fit matrices {list(w)} and ids "
+                         f"[{n_tokens}, {n_used}]")
+    return (x[0], n_used, w[1]), "f32"
+
+
+def _add_id(inputs: Sequence[Node], attrs: Mapping[str, AttrValue]) -> tuple[Shape, DType]:
+    a = _require_float(inputs[0], "the expert outputs")
+    b = _require_float(inputs[1], "the per-expert rows")
+    ids = _require_int(inputs[2], "the expert ids", 2)
+    if len(a) != 3 or len(b) != 2 or not _dims_match(a[2], b[1]) or \
+            not all(_dims_match(x, y) for x, y in zip(a[:2], ids)):
+        raise ShapeError(f"add_id needs a [T, K, n], b [E, n], ids [T, K]; got {list(a)}, {list(b)}, {list(ids)}")
+    return a, "f32"
+
+
+def _concat(inputs: Sequence[Node], attrs: Mapping[str, AttrValue]) -> tuple[Shape, DType]:
+    a = _require_float(inputs[0], "the first part")
+    b = _require_float(inputs[1], "the second part")
+    if len(a) != len(b) or not a or not all(_dims_match(x, y) for x, y in zip(a[:-1], b[:-1])):
+        raise ShapeError(f"concat needs equal leading dims, got {list(a)} and {list(b)}")
+    last = DYNAMIC if DYNAMIC in (a[-1], b[-1]) else a[-1] + b[-1]
+    return a[:-1] + (last,), "f32"
+
+
+def _mul_mat_heads(inputs: Sequence[Node], attrs: Mapping[str, AttrValue]) -> tuple[Shape, DType]:
+    w = _require_float(inputs[0], "the per-head matrices")
+    x = _require_float(inputs[1], "the activations")
+    if len(w) != 3 or len(x) != 3 or not _dims_match(w[0], x[1]) or not _dims_match(w[2], x[2]):
+        raise ShapeError(f"mul_mat_heads needs w [H, n_out, n_in] and x [T, H, n_in], got {list(w)} and {list(x)}")
+    return (x[0], x[1], w[1]), "f32"
+
+
+#: the MoE ops, a block of their own in :data:`OP_TABLE`
+MOE_OP_TABLE: Mapping[str, OpSpec] = {
+    "softmax": OpSpec(1, 1, _elementwise),
+    "sigmoid": OpSpec(1, 1, _elementwise),
+    "div": OpSpec(2, 2, _elementwise),
+    "sum_rows": OpSpec(1, 1, _reduce_rows),
+    "top_k": OpSpec(1, 1, _top_k),
+    "take": OpSpec(2, 2, _take),
+    "id_mask": OpSpec(2, 2, _id_mask),
+    "mul_mat_id": OpSpec(3, 3, _mul_mat_id),
+    "add_id": OpSpec(3, 3, _add_id),
+    "swiglu_oai": OpSpec(2, 2, _elementwise),
+    "concat": OpSpec(2, 2, _concat),
+    "mul_mat_heads": OpSpec(2, 2, _mul_mat_heads),
+}
+
+
+# -- recurrent ops (issue 34) -------------------------------------------------------------------------------
+
+def _sequence_blocks(window: Node, x: Node) -> tuple[Shape, Shape]:
+    """A carried window [S, K-1, C] and a ubatch [S, T, C] of the same S sequences and channels."""
+    w = _require_float(window, "the carried window")
+    xs = _require_float(x, "the input")
+    if len(w) != 3 or len(xs) != 3 or not (_dims_match(w[0], xs[0]) and _dims_match(w[2], xs[2])):
+        raise ShapeError(f"a carried window [S, K-1, C] and an input [S, T, C] are needed, got {list(w)} "
+                         f"and {list(xs)}")
+    return w, xs
+
+
+def _ssm_conv(inputs: Sequence[Node], attrs: Mapping[str, AttrValue]) -> tuple[Shape, DType]:
+    window, x = _sequence_blocks(inputs[0], inputs[1])
+    kernel = _require_float(inputs[2], "the convolution kernel")
+    if len(kernel) != 2 or not _dims_match(kernel[0], x[2]) or not _dims_match(kernel[1], window[1] + 1):
+        raise ShapeError(f"the kernel must be [C, K] = [{x[2]}, {window[1] + 1}], got {list(kernel)}")
+    return x, "f32"
+
+
+def _conv_window(inputs: Sequence[Node], attrs: Mapping[str, AttrValue]) -> tuple[Shape, DType]:
+    window, _ = _sequence_blocks(inputs[0], inputs[1])
+    return window, "f32"
+
+
+def _ssm_scan(inputs: Sequence[Node], attrs: Mapping[str, AttrValue]) -> tuple[Shape, DType]:
+    state = _require_float(inputs[0], "the SSM state")
+    x = _require_float(inputs[1], "x")
+    dt, a, b, c = (_require_float(n, role) for n, role in zip(inputs[2:], ("dt", "A", "B", "C")))
+    if len(state) != 4 or len(x) != 4 or len(dt) != 3 or len(b) != 4 or b != c:
+        raise ShapeError(f"ssm_scan needs state [S, H, P, N], x [S, T, H, P], dt [S, T, H], B = C [S, T, G, N]; "
+                         f"got {list(state)}, {list(x)}, {list(dt)}, {list(b)}, {list(c)}")
+    n_seqs, n_head, head_dim, d_state = state
+    if x[0] != n_seqs or x[2:] != (n_head, head_dim) or dt != x[:3] or b[:2] != x[:2] or b[3] != d_state \
+            or b[2] <= 0 or n_head % b[2] or _n_elements(a) != n_head:
+        raise ShapeError(f"ssm_scan operands disagree: state {list(state)}, x {list(x)}, dt {list(dt)}, A {list(a)}, "
+                         f"B/C {list(b)}")
+    return (n_seqs, _n_elements(x[1:]) + n_head * head_dim * d_state), "f32"
+
+
+def _gated_delta(inputs: Sequence[Node], attrs: Mapping[str, AttrValue]) -> tuple[Shape, DType]:
+    state = _require_float(inputs[0], "the delta-rule state")
+    q, k, v, g, beta = (_require_float(n, role) for n, role in zip(inputs[1:], ("q", "k", "v", "g", "beta")))
+    if len(state) != 4 or len(q) != 4 or k != q or len(v) != 4 or g != v[:3] or beta != v[:3]:
+        raise ShapeError(f"gated_delta needs state [S, H, Dv, Dk], q = k [S, T, Hk, Dk], v [S, T, H, Dv], "
+                         f"g = beta [S, T, H]; got {list(state)}, {list(q)}, {list(k)}, {list(v)}, {list(g)}, "
+                         f"{list(beta)}")
+    n_seqs, n_head, d_v, d_k = state
+    if v[0] != n_seqs or q[:2] != v[:2] or v[2:] != (n_head, d_v) or q[3] != d_k or q[2] <= 0 or n_head % q[2]:
+        raise ShapeError(f"gated_delta operands disagree: state {list(state)}, q/k {list(q)}, v {list(v)}")
+    return (n_seqs, _n_elements(v[1:]) + n_head * d_v * d_k), "f32"
 
 
 #: every op of the IR: arity and shape rule. A backend lists the subset it implements in
@@ -325,10 +524,21 @@ OP_TABLE: Mapping[str, OpSpec] = {
     "reshape": OpSpec(1, 1, _reshape),
     "slice": OpSpec(1, 1, _slice),
     "rope": OpSpec(2, 3, _rope),
-    "attention": OpSpec(5, 5, _attention),
+    "attention": OpSpec(5, 6, _attention),
     "k_shift": OpSpec(1, 2, _k_shift),
+    **MOE_OP_TABLE,
+    # recurrent layers (issue 34): pure functions of the carried state, see "recurrent ops" below
+    "ssm_conv": OpSpec(3, 3, _ssm_conv),
+    "conv_window": OpSpec(2, 2, _conv_window),
+    "ssm_scan": OpSpec(6, 6, _ssm_scan),
+    "gated_delta": OpSpec(6, 6, _gated_delta),
+    "softplus": OpSpec(1, 1, _elementwise),
 }
 OPS = frozenset(OP_TABLE)
+#: the ops added for recurrent layers (issue 34): a backend without kernels for them leaves them to the host backend
+RECURRENT_OPS = frozenset({"ssm_conv", "conv_window", "ssm_scan", "gated_delta", "sigmoid", "softplus"})
+#: the recurrent ops whose time loop only the host backend implements yet (other backends leave them to it)
+SCAN_OPS = frozenset({"ssm_scan", "gated_delta"})
 
 
 def infer_type(node: Node) -> None:
@@ -428,6 +638,10 @@ class GraphArchitecture(Protocol):
 
     def rope_factors_for(self, b: "GraphBuilder", il: int) -> str | None: ...
 
+    def recurrent_state(self, hp: "HParams", il: int) -> Mapping[str, tuple[int, ...]] | None: ...
+
+    def has_rope(self, hp: "HParams", il: int) -> bool: ...
+
 
 class GraphModel(Protocol):
     """What the graph builder needs of a model: hyperparameters, architecture, and its weights' types."""
@@ -465,6 +679,9 @@ class BuildParams:
     #: embeddings mode (llama.cpp's ``cparams.embeddings``): the graph ends at the output norm, with an ``embd``
     #: output instead of ``logits`` (the head is not computed)
     embeddings: bool = False
+    #: sequences in the ubatch, each with ``n_tokens / n_seqs`` tokens in a row (a recurrent memory's equal split;
+    #: 1 for a KV-only memory, whose ubatches are not laid out by sequence)
+    n_seqs: int = 1
 
 
 class GraphBuilder:
@@ -503,17 +720,29 @@ class GraphBuilder:
     def _input_type(self, name: str) -> tuple[Shape, DType]:
         """Shape and dtype of a standard graph input under this ubatch's build parameters."""
         p = self.params
+        if name.startswith("rs:"):
+            return self._recurrent_state_type(name)
         kind, _, cache = name.partition(":")
         n_kv = dict(p.n_kv).get(cache, DYNAMIC)
         types: dict[str, tuple[Shape, DType]] = {
             "tokens": ((p.n_tokens,), "i32"), "pos": ((p.n_tokens,), "i32"), "out_ids": ((p.n_outputs,), "i32"),
             "embd": ((p.n_tokens, self.hp.n_embd), "f32"), "kv_idx": ((p.n_tokens,), "i64"),
             "kq_mask": ((p.n_tokens, n_kv), "f32"), "k_shift": ((DYNAMIC,), "i32"),
+            "attn_temp": ((p.n_tokens, 1, 1), "f32"),
         }
         if kind not in types:
             raise ModelError(f"unknown graph input {name!r}; known: {', '.join(sorted(types))} (<kind>:<cache> "
                              f"for kv_idx, kq_mask, k_shift)")
         return types[kind]
+
+    def _recurrent_state_type(self, name: str) -> tuple[Shape, DType]:
+        """``rs:<kind>:<layer>``: that state of each of the ubatch's sequences, [n_seqs, *shape]."""
+        _, kind, layer = (name.split(":") + ["", ""])[:3]
+        shapes = self.arch.recurrent_state(self.hp, int(layer)) if layer.isdigit() else None
+        if not shapes or kind not in shapes:
+            raise ModelError(f"graph input {name!r}: {self.hp.arch!r} declares no recurrent state {kind!r} for "
+                             f"layer {layer!r} (Architecture.recurrent_state)")
+        return (self.params.n_seqs, *shapes[kind]), "f32"
 
     def has_weight(self, name: str) -> bool:
         return self.model.has_weight(name)
@@ -611,17 +840,19 @@ class GraphBuilder:
         return q, k, v
 
     def build_attn(self, q: Node, k: Node, v: Node, il: int | None = None, *, out_weight: str | None = None,
-                   out_bias: str | None = None, kq_scale: float | None = None, softcap: float | None = None
-                   ) -> Node:
+                   out_bias: str | None = None, kq_scale: float | None = None, softcap: float | None = None,
+                   sinks: str | None = None) -> Node:
         """Attention over the KV cache (GQA, mask, optional soft-capping), then the output projection.
 
         Writes k, v into the layer's cache cells for this ubatch; ``out_weight`` defaults to
-        ``blk.{il}.attn_output.weight`` (pass ``""`` to skip the projection).
+        ``blk.{il}.attn_output.weight`` (pass ``""`` to skip the projection); ``sinks`` names a per-head
+        attention-sink weight (gpt-oss).
         """
         il = self.layer if il is None else il
         cache = self.cache_of_layer(il)
         out = self.op(
             "attention", q, k, v, self.input(f"kv_idx:{cache}"), self.input(f"kq_mask:{cache}"),
+            *([self.weight(sinks)] if sinks else []),
             layer=il, cache=cache, scale=self.hp.kq_scale if kq_scale is None else kq_scale,
             softcap=self.hp.f_attn_logit_softcapping if softcap is None else softcap, window=self._window(il),
         )
@@ -659,6 +890,12 @@ class GraphBuilder:
             h = self.op(act, h)
         return self.mul_mat(down, h, _bias_of(down))
 
+    def build_moe_ffn(self, x: Node, il: int | None = None, **options: "object") -> Node:
+        """Mixture-of-experts feed-forward of ``x`` [T, n_embd] (llama.cpp's ``build_moe_ffn``): router, top-k,
+        the chosen experts' FFNs weighted and summed, plus shared experts. See :func:`llmfw.core.ir.moe.build_moe_ffn`
+        for the options (gating, weight normalisation and scale, activation, tensor names)."""
+        return build_moe_ffn(self, x, self.layer if il is None else il, **options)  # type: ignore[arg-type]
+
     def build_inp_out_ids(self) -> Node:
         """The ``out_ids`` input (rows to output). Unlike llama.cpp it is there even when every token is an
         output: the prompt and decode graphs then have one structure, so a backend that compiles (and prepacks
@@ -666,6 +903,14 @@ class GraphBuilder:
         if self._out_ids is None:
             self._out_ids = self.input("out_ids")
         return self._out_ids
+
+    def add_residual(self, h: Node, residual: Node, il: int | None = None) -> Node:
+        """``h + residual`` after layer ``il``'s attention; in the last layer only the output rows of both are
+        kept first (llama.cpp selects them there, before the FFN)."""
+        il = self.layer if il is None else il
+        if il == self.hp.n_layer - 1:
+            h, residual = self.select_outputs(h, residual)
+        return self.op("add", h, residual)
 
     def select_outputs(self, *nodes: Node) -> tuple[Node, ...]:
         """Keep only the output rows of each node (llama.cpp does it in the last layer, before the FFN)."""
@@ -707,11 +952,39 @@ class GraphBuilder:
             stack.extend(n.inputs)
         return False
 
+    # -- recurrent state (issue 34) ------------------------------------------------------------------------
+    def build_rs(self, kind: str, il: int | None = None) -> Node:
+        """The carried state ``kind`` of layer ``il`` for the ubatch's sequences, f32 [n_seqs, *shape]."""
+        return self.input(f"rs:{kind}:{self.layer if il is None else il}")
+
+    def store_rs(self, kind: str, state: Node, il: int | None = None) -> None:
+        """Hand the updated state back to the memory (a graph output of the input's name)."""
+        name = f"rs:{kind}:{self.layer if il is None else il}"
+        expected = self.input(name).shape
+        if state.shape != expected:
+            raise ModelError(f"the new state {name!r} has shape {state.shape}, the memory holds {expected}")
+        self.graph.outputs[name] = state
+
+    def by_sequence(self, x: Node) -> Node:
+        """[T, C] → [n_seqs, T / n_seqs, C]: the ubatch's tokens grouped by sequence (equal split)."""
+        return self.op("reshape", x, shape=(self.params.n_seqs, -1, x.shape[-1] if x.shape else -1))
+
+    def build_short_conv(self, x: Node, kernel: str, kind: str = "conv") -> Node:
+        """A short causal convolution over each sequence's tokens with its carried window: ``x`` [T, C] →
+        [T, C]; the window (state ``kind``, [K-1, C] per sequence) moves on by the ubatch's tokens."""
+        seqs = self.by_sequence(x)
+        window = self.build_rs(kind)
+        out = self.op("ssm_conv", window, seqs, self.weight(kernel))
+        self.store_rs(kind, self.op("conv_window", window, seqs))
+        return self.op("reshape", out, shape=(-1, out.shape[-1] if out.shape else -1))
+
     # -- memory maintenance graphs -----------------------------------------------------------------------
     def build_k_shift(self, cache: str, layers: list[int]) -> Graph:
         """llama.cpp's K-shift: re-rope the cached K of ``layers`` by the ``k_shift:<cache>`` input."""
         shift = self.input(f"k_shift:{cache}")
         for il in layers:
+            if not self.arch.has_rope(self.hp, il):
+                continue  # a layer without RoPE has nothing to re-rotate
             self.layer = il
             self.op("k_shift", shift, *self._rope_factors(il), layer=il, cache=cache,
                     **self.arch.rope_params(self.hp, il).attrs())

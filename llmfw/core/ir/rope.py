@@ -50,7 +50,7 @@ def rope_angle_slopes(n_dims: int, freq_base: float, freq_scale: float, ext_fact
     ggml's angle is linear in the position for every pair (``theta = pos * slope_i``): ``freq_scale``
     interpolation, the YaRN ramp and the frequency factors only change the slope. Returns the float32 slopes
     [n_dims/2] and the magnitude factor. The slopes use an exact power where ggml repeats float32 products:
-    the angles differ from :func:`rope_cos_sin`'s by float32 rounding only (``tests/test_llama_rope.py``).
+    the angles differ from :func:`rope_cos_sin`'s by float32 rounding only (``tests/tiny/test_llama_rope.py``).
     """
     half = n_dims // 2
     extrap = float(freq_base) ** (-2.0 * np.arange(half, dtype=np.float64) / n_dims)

@@ -114,6 +114,16 @@ class UBatch(_TokenRows):
     seq_first: np.ndarray
     seq_bits: np.ndarray
     output: np.ndarray
+    #: batch index of each token when the ubatch is not a slice of the batch (an equal split regroups the
+    #: tokens by sequence); None: tokens ``start, start + 1, ...``
+    rows: np.ndarray | None = None
+    #: an equal split's sequences, one block of ``n_tokens / len(seqs)`` tokens each, in this order
+    seqs: tuple[int, ...] = ()
+
+    @property
+    def n_seqs(self) -> int:
+        """Sequences laid out in equal blocks (1 for a slice ubatch, which is not laid out by sequence)."""
+        return len(self.seqs) or 1
 
     @property
     def out_ids(self) -> np.ndarray:
@@ -284,3 +294,37 @@ def tokenize_prompt(model: PromptModel, prompt: str | Sequence[int], parse_speci
     if bad:
         raise ContextError(f"prompt token {bad[0]} is outside the vocabulary (n_vocab {n_vocab})")
     return tokens
+
+
+def split_equal(batch: AllocatedBatch, n_ubatch: int) -> list[UBatch]:
+    """Ubatches in which every sequence present has the same number of tokens, laid out sequence after sequence
+    in position order (llama.cpp's ``split_equal``, which a recurrent state needs: its update runs over
+    [n_seqs, n_seq_tokens]). Each ubatch takes the sequences that still have tokens (at most ``n_ubatch`` of
+    them) and as many tokens of each as the shortest has left, within ``n_ubatch`` in all. A token shared by
+    several sequences cannot be split this way (BatchError)."""
+    shared = [i for i, bits in enumerate(batch.seq_bits.tolist()) if bits & (bits - 1)]
+    if shared:
+        raise BatchError(f"batch index {shared[0]} belongs to several sequences; a recurrent memory needs one "
+                         "sequence per token (decode the shared tokens once per sequence, or copy the state "
+                         "with seq_cp)")
+    pending: dict[int, list[int]] = {}
+    for s in sequences_of(batch.seq_first):
+        rows = np.flatnonzero(batch.seq_first == s)
+        pending[s] = rows[np.argsort(batch.pos[rows], kind="stable")].tolist()
+    ubatches = []
+    while pending:
+        seqs = list(pending)[:n_ubatch]
+        n_each = min(min(len(pending[s]) for s in seqs), max(n_ubatch // len(seqs), 1))
+        rows = np.array([r for s in seqs for r in pending[s][:n_each]], dtype=np.int64)
+        for s in seqs:
+            del pending[s][:n_each]
+            if not pending[s]:
+                del pending[s]
+        ubatches.append(UBatch(
+            start=int(rows[0]),
+            tokens=batch.tokens[rows] if batch.tokens is not None else None,
+            embd=batch.embd[rows] if batch.embd is not None else None,
+            pos=batch.pos[rows], seq_first=batch.seq_first[rows], seq_bits=batch.seq_bits[rows],
+            output=batch.output[rows], rows=rows, seqs=tuple(seqs),
+        ))
+    return ubatches

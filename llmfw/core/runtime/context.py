@@ -128,6 +128,7 @@ class Context:
         self._plan_params: BuildParams | None = None
         self._logits = np.zeros((0, model.n_vocab), dtype=np.float32)
         self._output_ids = np.zeros(0, dtype=np.int32)
+        self._written = np.zeros(0, dtype=bool)
 
     # -- set-up ------------------------------------------------------------------------------------------
     def _create_memory(self) -> Memory:
@@ -165,7 +166,10 @@ class Context:
         except Exception as exc:  # noqa: BLE001 - a failed K-shift leaves the cache unusable: fatal
             log.exception("memory update failed")
             return self._fail(DECODE_COMPUTE_FAILED, f"memory update (K-shift) failed: {exc}")
-        ubatches, reserved = self.memory.init_batch(allocated, self.n_ubatch)
+        try:
+            ubatches, reserved = self.memory.init_batch(allocated, self.n_ubatch)
+        except BatchError as exc:  # a split the memory cannot make (a recurrent state: shared tokens)
+            return self._fail(DECODE_BAD_BATCH, str(exc))
         if reserved is None:
             return self._fail(DECODE_NO_SLOT, f"no KV cache slot for {allocated.n_tokens} tokens "
                                               f"({self.describe_n_ctx()}); free space with memory.seq_rm or use "
@@ -205,7 +209,7 @@ class Context:
         n_done = 0
         for i, ub in enumerate(ubatches):
             if self.abort_callback is not None and self.abort_callback():
-                self._end_outputs(n_done)
+                self._end_outputs()
                 return self._fail(DECODE_ABORTED, f"aborted by abort_callback after {i} of {len(ubatches)} ubatches")
             reserved.apply(i)
             try:
@@ -213,15 +217,19 @@ class Context:
             except Exception as exc:  # noqa: BLE001 - llama.cpp reports a failed compute as a code
                 log.exception("decode failed")
                 self._forget_ubatch(ub)
-                self._end_outputs(n_done)
+                self._end_outputs()
                 return self._fail(DECODE_COMPUTE_FAILED, f"computing ubatch {i} failed: {type(exc).__name__}: {exc}")
-            self._logits[n_done:n_done + ub.n_outputs] = logits
+            rows = (np.arange(n_done, n_done + ub.n_outputs) if ub.rows is None
+                    else self._output_ids[ub.rows[ub.output]])  # a ubatch regrouped by sequence: batch order
+            self._logits[rows] = logits
+            self._written[rows] = True
             n_done += ub.n_outputs
         return DECODE_OK
 
     def _process_ubatch(self, ub: UBatch, reserved: MemoryBatch, i: int, use_embd: bool) -> np.ndarray:
         params = BuildParams(ub.n_tokens, ub.n_outputs, use_embd, tuple(sorted(reserved.n_kv().items())),
-                             n_ctx_seq=self.n_ctx // self.n_seq_max, embeddings=self.params.embeddings)
+                             n_ctx_seq=self.n_ctx // self.n_seq_max, embeddings=self.params.embeddings,
+                             n_seqs=ub.n_seqs)
         plan = self._graph_for(params)
         inputs: dict[str, np.ndarray] = {"pos": ub.pos}
         if ub.embd is not None:
@@ -229,8 +237,10 @@ class Context:
         elif ub.tokens is not None:
             inputs["tokens"] = ub.tokens
         inputs["out_ids"] = ub.out_ids
+        inputs.update(self.model.known_arch.ubatch_inputs(self.model.known_hparams, ub.pos))
         reserved.set_inputs(i, ub, inputs)
         outputs = self._compute(plan, inputs)
+        reserved.take_outputs(i, ub, outputs)  # a recurrent state's new values
         return outputs[self._output_name].reshape(ub.n_outputs, self._output_width)
 
     @property
@@ -284,11 +294,16 @@ class Context:
         ids = np.full(allocated.n_tokens, -1, dtype=np.int32)
         ids[allocated.output] = np.arange(allocated.n_outputs, dtype=np.int32)
         self._output_ids = ids
+        #: output rows computed so far (ubatches regrouped by sequence fill them out of order)
+        self._written = np.zeros(allocated.n_outputs, dtype=bool)
 
-    def _end_outputs(self, n_done: int) -> None:
-        """Keep only the rows computed before an abort or failure."""
-        self._logits = self._logits[:n_done]
-        self._output_ids[self._output_ids >= n_done] = -1
+    def _end_outputs(self) -> None:
+        """Keep only the rows computed before an abort or failure, in batch order."""
+        kept = np.flatnonzero(self._written)
+        self._logits = self._logits[kept]
+        new_row = np.full(self._written.shape[0] + 1, -1, dtype=np.int32)  # index -1 (no output) stays -1
+        new_row[kept] = np.arange(kept.size, dtype=np.int32)
+        self._output_ids = new_row[self._output_ids]
 
     @property
     def n_outputs(self) -> int:

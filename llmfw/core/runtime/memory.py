@@ -82,6 +82,10 @@ class MemoryBatch(ABC):
     def set_inputs(self, i: int, ubatch: "UBatch", inputs: dict[str, np.ndarray]) -> None:
         """Fill ``kv_idx:<cache>`` and ``kq_mask:<cache>`` for ubatch ``i``."""
 
+    def take_outputs(self, i: int, ubatch: "UBatch", outputs: dict[str, np.ndarray]) -> None:
+        """Read what ubatch ``i``'s graph computed for the memory (a recurrent state's ``rs:*`` outputs) once it
+        ran; a KV cache has nothing to read (its ``attention`` nodes wrote the cells)."""
+
 
 class Memory(ABC):
     """What a context keeps between decodes. Sequence operations follow llama.cpp's ``llama_memory_*``:
@@ -136,6 +140,12 @@ class Memory(ABC):
         if removed and self.records is not None:
             self.records.cut(seq_id, p0)
         return removed
+
+    def can_drop_suffix(self, n_tokens: int) -> bool:
+        """Whether ``seq_rm(seq, p, -1)`` can drop a sequence's last ``n_tokens`` positions (what speculative
+        decoding does with a rejected draft). A KV cache always can; a recurrent state only as far back as
+        it keeps snapshots."""
+        return True
 
     def seq_cp(self, seq_id_src: int, seq_id_dst: int, p0: int = -1, p1: int = -1) -> None:
         self._seq_cp(seq_id_src, seq_id_dst, p0, p1)
@@ -632,6 +642,10 @@ class _CompositeBatch(MemoryBatch):
     def set_inputs(self, i: int, ubatch: "UBatch", inputs: dict[str, np.ndarray]) -> None:
         for mb in self.batches:
             mb.set_inputs(i, ubatch, inputs)
+
+    def take_outputs(self, i: int, ubatch: "UBatch", outputs: dict[str, np.ndarray]) -> None:
+        for mb in self.batches:
+            mb.take_outputs(i, ubatch, outputs)
 
 
 # ---------------------------------------------------------------------------------------------------------

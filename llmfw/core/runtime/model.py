@@ -1,6 +1,6 @@
 """Loading a model: ``llmfw.load_model(path_or_name, params)`` → :class:`Model`.
 
-The steps (DESIGN.md 1-6): open the file through its loader (kv overrides applied) → pick the architecture
+The steps (docs/design.md, "The flow", 1-6): open the file through its loader (kv overrides applied) → pick the architecture
 from ``general.architecture`` → read the hyperparameters (common, then the architecture's own) → build the
 vocabulary → check the architecture's tensor list against the file → place each layer on a backend
 (``backend`` / ``n_gpu_layers`` / ``placement``) → convert every weight once on its backend, reporting
@@ -40,7 +40,7 @@ class ModelParams(BaseModel):
 
     #: None = the default backend, chosen from the backends' declarations (core/exec/backend.py
     #: choose_default_backend; built in: "torch:cuda" with a CUDA GPU and torch, else "onnx" when onnxruntime
-    #: imports, else "numpy"); or a spec: "numpy", "torch", "torch:cuda", "onnx", ...
+    #: imports, else "numpy"); or a spec: "numpy", "torch", "torch:cuda", "onnx", "native", ...
     backend: str | None = None
     #: the last n layers go to the highest-priority device (GPU) backend that runs here (built in: "torch:cuda";
     #: n > n_layer: the output head too; -1: everything), like llama.cpp

@@ -11,7 +11,9 @@ Layout::
                                      and the list of arrays that follow (name, dtype, shape)
     arrays                           raw little-endian arrays, in the header's order: per cache the used cells'
                                      indices, positions, sequence bits and pending shifts, then per layer the K
-                                     and V rows of those cells (float32 [n_head_kv, n_used, head_dim])
+                                     and V rows of those cells (float32 [n_head_kv, n_used, head_dim]); then, for
+                                     a recurrent or hybrid memory, each sequence's last position (``rs.pos``) and
+                                     every recurrent state whole (``rs.<kind>.<layer>``, [n_seq_max, ...])
     sha256 of the arrays             32 bytes
 
 Only cells that hold a token are written, so a 1,000-token prompt costs 1,000 cells whatever n_ctx is.
@@ -33,6 +35,7 @@ import numpy as np
 
 from ..errors import ContextError
 from .memory import CompositeMemory, KVCache, Memory
+from .recurrent import HybridMemory, RecurrentMemory
 
 
 
@@ -93,13 +96,25 @@ _DIGEST_BYTES = 32
 
 # -- what is saved -------------------------------------------------------------------------------------------
 def _caches(ctx: SavedContext) -> list[KVCache]:
-    """The context's KV caches (one, or the parts of a composite memory such as iSWA)."""
+    """The context's KV caches (one, or the parts of a composite memory such as iSWA, or a hybrid's)."""
     memory = ctx.memory
     if isinstance(memory, CompositeMemory):
         return list(memory.parts)
     if isinstance(memory, KVCache):
         return [memory]
+    if isinstance(memory, HybridMemory):
+        return [memory.kv] if memory.kv.layers else []
+    if isinstance(memory, RecurrentMemory):
+        return []
     raise ContextError(f"saving the state of a {type(memory).__name__} memory is not supported")
+
+
+def _recurrent(ctx: SavedContext) -> RecurrentMemory | None:
+    """The context's recurrent states (saved whole: one row per sequence per state), if it has any."""
+    memory = ctx.memory
+    if isinstance(memory, HybridMemory):
+        return memory.recurrent
+    return memory if isinstance(memory, RecurrentMemory) else None
 
 
 def _shape(ctx: SavedContext) -> dict[str, Any]:
@@ -124,6 +139,9 @@ def _arrays(ctx: SavedContext) -> list[tuple[str, np.ndarray]]:
             k, v = cache._backends[il].read_kv_cells(cache.storage[(cache.name, il)], used)
             arrays += [(f"{cache.name}.{il}.k", np.asarray(k, dtype=np.float32)),
                        (f"{cache.name}.{il}.v", np.asarray(v, dtype=np.float32))]
+    recurrent = _recurrent(ctx)
+    if recurrent is not None:
+        arrays += recurrent.state_arrays()
     return arrays
 
 
@@ -203,6 +221,9 @@ def _expected_arrays(path: Path, header: dict[str, Any], ctx: SavedContext) -> l
             shape = cache.layer_shape(il)
             expected += [(f"{cache.name}.{il}.k", np.dtype("<f4"), (shape.n_head_kv, n_used, shape.head_dim_k)),
                          (f"{cache.name}.{il}.v", np.dtype("<f4"), (shape.n_head_kv, n_used, shape.head_dim_v))]
+    recurrent = _recurrent(ctx)
+    if recurrent is not None:
+        expected += [(name, a.dtype.newbyteorder("<"), a.shape) for name, a in recurrent.state_arrays()]
     found = [(a.get("name"), a.get("dtype"), tuple(a.get("shape", ()))) for a in header.get("arrays", [])
              if isinstance(a, dict)]
     if found != [(n, d.str, s) for n, d, s in expected]:
@@ -261,6 +282,9 @@ def _apply(ctx: SavedContext, header: dict[str, Any], arrays: dict[str, np.ndarr
         for il in cache.layers:
             cache._backends[il].write_kv_cells(cache.storage[(cache.name, il)], cells,
                                                arrays[f"{cache.name}.{il}.k"], arrays[f"{cache.name}.{il}.v"])
+    recurrent = _recurrent(ctx)
+    if recurrent is not None:
+        recurrent.load_state_arrays(arrays)
 
 
 def _restore_rng(path: Path, header: dict[str, Any], sampler: SamplerChainState | None) -> None:

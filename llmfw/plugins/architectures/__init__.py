@@ -10,6 +10,18 @@ ARCHITECTURES = {
     "qwen2": "llmfw.plugins.architectures.qwen2:Qwen2Architecture",
     "qwen3": "llmfw.plugins.architectures.qwen3:Qwen3Architecture",
     "phi3": "llmfw.plugins.architectures.phi3:Phi3Architecture",
+    # mixture-of-experts families (issue 33)
+    "qwen3moe": "llmfw.plugins.architectures.qwen3moe:Qwen3MoeArchitecture",
+    "olmoe": "llmfw.plugins.architectures.olmoe:OlmoeArchitecture",
+    "gpt-oss": "llmfw.plugins.architectures.gpt_oss:GptOssArchitecture",
+    "glm4moe": "llmfw.plugins.architectures.glm4moe:Glm4MoeArchitecture",
+    "deepseek2": "llmfw.plugins.architectures.deepseek2:Deepseek2Architecture",
+    "smollm3": "llmfw.plugins.architectures.smollm3:SmolLM3Architecture",
+    "granite": "llmfw.plugins.architectures.granite:GraniteArchitecture",
+    "mistral3": "llmfw.plugins.architectures.mistral3:Mistral3Architecture",
+    "lfm2": "llmfw.plugins.architectures.lfm2:LFM2Architecture",
+    "granitehybrid": "llmfw.plugins.architectures.granitehybrid:GraniteHybridArchitecture",
+    "qwen35": "llmfw.plugins.architectures.qwen35:Qwen35Architecture",
 }
 
 

@@ -14,6 +14,7 @@ from llmfw.plugins.architectures.llama import LlamaArchitecture
 class Qwen2Architecture(LlamaArchitecture):
     name = "qwen2"
     rope_type = "neox"
+    experts = False  # qwen2moe is a family of its own in llama.cpp
 
     def tensors(self, hp: HParams) -> list[TensorSpec]:
         head_bias = TensorSpec("output.bias", (hp.n_vocab,), OUTPUT_LAYER, optional=True, usage="add")

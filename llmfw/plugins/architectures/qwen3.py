@@ -12,7 +12,7 @@ is 64), so ``attn_q`` maps n_embd to head_dim * n_head and ``attn_output`` maps 
 """
 from __future__ import annotations
 
-from llmfw.sdk import GraphBuilder, HParams, ModelError, TensorSpec
+from llmfw.sdk import GraphBuilder, HParams, ModelError, Node, TensorSpec
 from llmfw.plugins.architectures.qwen2 import Qwen2Architecture
 
 
@@ -25,9 +25,15 @@ class Qwen3Architecture(Qwen2Architecture):
             raise ModelError(f"qwen3: rope.dimension_count {hp.n_rot} must equal the head size {hp.n_embd_head_k}")
 
     def layer_tensors(self, hp: HParams, il: int) -> list[TensorSpec]:
-        head_dim = hp.n_embd_head_k
-        norms = [TensorSpec(f"blk.{il}.attn_{qk}_norm.weight", (head_dim,), il, usage="mul") for qk in "qk"]
-        return super().layer_tensors(hp, il) + norms
+        return super().layer_tensors(hp, il) + self.qk_norm_tensors(hp, il)
+
+    def qk_norm_tensors(self, hp: HParams, il: int) -> list[TensorSpec]:
+        """The Q and K norm weights: one head wide (applied per head)."""
+        return [TensorSpec(f"blk.{il}.attn_{qk}_norm.weight", (hp.n_embd_head_k,), il, usage="mul") for qk in "qk"]
+
+    def qk_norm(self, b: GraphBuilder, x: Node, weight: str) -> Node:
+        """RMS norm of q or k [T, H, D] by ``weight``, per head."""
+        return b.build_norm(x, weight)
 
     def build_graph(self, b: GraphBuilder) -> None:
         x = b.build_inp_embd()
@@ -35,11 +41,9 @@ class Qwen3Architecture(Qwen2Architecture):
             p = f"blk.{il}"
             residual = x
             q, k, v = b.build_qkv(b.build_norm(x, f"{p}.attn_norm.weight"))
-            q = b.build_rope(b.build_norm(q, f"{p}.attn_q_norm.weight"))
-            k = b.build_rope(b.build_norm(k, f"{p}.attn_k_norm.weight"))
+            q = b.build_rope(self.qk_norm(b, q, f"{p}.attn_q_norm.weight"))
+            k = b.build_rope(self.qk_norm(b, k, f"{p}.attn_k_norm.weight"))
             h = b.build_attn(q, k, v)
-            if il == b.hp.n_layer - 1:
-                h, residual = b.select_outputs(h, residual)
-            x = b.op("add", h, residual)
-            x = b.op("add", b.build_ffn(b.build_norm(x, f"{p}.ffn_norm.weight"), act="silu"), x)
+            x = b.add_residual(h, residual)
+            x = b.op("add", self.build_feed_forward(b, b.build_norm(x, f"{p}.ffn_norm.weight"), il), x)
         b.build_output(x)

@@ -8,6 +8,7 @@ BACKENDS = {
     "ggml": "llmfw.plugins.backends.ggml_cpu:GgmlBackend",
     "torch": "llmfw.plugins.backends.torch:TorchBackend",
     "onnx": "llmfw.plugins.backends.onnx:OnnxBackend",
+    "native": "llmfw.plugins.backends.native:NativeBackend",
 }
 
 

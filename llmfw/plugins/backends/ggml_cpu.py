@@ -26,16 +26,16 @@ This backend reproduces them; every other op is the numpy backend's:
 3. **GELU through an f16 table** (``GGML_GELU_FP16``, on in every CPU build: ``ggml_vec_gelu_f32`` and the
    ``geglu`` of a gated FFN): ``gelu(x) = f16(gelu(f16(x)))`` for ``-10 < x < 10``, ``0`` below, ``x`` above.
    For a GELU model (Gemma) this is the largest of the roundings: without it even the first token's state differs
-   from llama.cpp's (cosine 0.9997 on Gemma-3-270M), with it the first tokens agree to float32 noise.
+   from llama.cpp's measurably, with it the first tokens agree to float32 noise.
 4. **Attention without flash attention** (llama-cpp-python 0.3.36 passes ``flash_attn=False``, i.e.
    ``LLAMA_FLASH_ATTN_TYPE_DISABLED``): ``KQ = mul_mat(K_f16, q)`` rounds q to f16 (the scale is applied later, in
    ``soft_max_ext``, in float32), the soft-max is normalised in float32 (sum in double), and the probabilities are
    rounded to f16 for ``KQV = mul_mat(Vᵀ_f16, KQ)``.
 
-What it does and does not buy (measured on SmolLM2-135M Q4_1, see the README): each emulated kernel matches
-ggml's output to float32 noise (~1e-6) when fed llama.cpp's own inputs, but the network as a whole is *chaotic*
+What it does and does not buy (docs/backends.md, ggml): each emulated kernel matches ggml's output to
+float32 noise when fed llama.cpp's own inputs, but the network as a whole is *chaotic*
 under 8-bit activations: a ±1-ulp difference anywhere flips a few roundings, and the flips grow through the layers
-to log-prob changes of ~0.1 on average — the same size as numpy-vs-llama.cpp, and as llama.cpp-vs-llama.cpp on two
+to log-prob changes the same size as numpy-vs-llama.cpp, and as llama.cpp-vs-llama.cpp on two
 builds. So its logits are no closer to llama.cpp's than the numpy backend's; it reproduces the *kind and size* of
 llama.cpp's rounding noise, not its bits. Use it to study that noise (e.g. how robust a greedy choice is to it),
 not as a more exact engine; the class attributes ``quantize_activations``, ``f16_kv_cache``, ``f16_attention``

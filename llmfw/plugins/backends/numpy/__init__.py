@@ -5,13 +5,13 @@ quantized form and rows are decoded on demand (``dequantize_rows``), which saves
 not tied to it (or lives on another backend). The KV cache of a layer is two preallocated float32 arrays
 ``[n_head_kv, n_cells, head_dim]`` written in place, so a decode step allocates nothing cache-sized.
 
-Speed (measured on a 2-core AVX2 machine with OpenBLAS, see ``benchmarks/numpy_decode.py``):
+Why it is laid out as it is (the profile: ``benchmarks/numpy_decode.py``; docs/backends.md, numpy):
 
 * a matrix multiplied with activations that has at least as many outputs as inputs (Q, gate/up, the output
   head) is stored *transposed*, ``Wt = W.T`` C-contiguous ``[n_in, n_out]``; its handle is the view ``Wt.T``,
   so it still has the contract's shape ``[n_out, n_in]``. For one token ``x @ Wt`` (OpenBLAS ``gemv_n``)
-  streams such a matrix up to 1.7x faster than ``x @ W.T`` (``gemv_t``), which in turn is ~1.4x faster for
-  the narrow ``ffn_down`` (n_in > n_out), kept as in the file. Both are equally fast for a prefill.
+  streams such a matrix faster than ``x @ W.T`` (``gemv_t``), which in turn is faster for the narrow
+  ``ffn_down`` (n_in > n_out), kept as in the file. Both are equally fast for a prefill.
 * :meth:`NumpyBackend.compile` maps the core's optimised graph to kernels: a flat list of closures over a slot
   list (no dict look-ups per op). The core passes (``llmfw.core.ir.passes``) already fused the matmuls that share an
   input (Q/K/V, gate/up) into one GEMM over a weight this backend concatenated once at load
@@ -21,9 +21,7 @@ Speed (measured on a 2-core AVX2 machine with OpenBLAS, see ``benchmarks/numpy_d
 * attention skips the KV cells that no query of a block of rows can see (the causal half of a prefill, the
   padding of ``n_kv``): their probabilities are exactly zero, so the result is the same.
 
-With one BLAS thread, a SmolLM2-135M decode step is now ~90% weight streaming (the 536 MB of float32 weights at
-~11-14 GB/s, ~48 ms of CPU) — the bound of an exact float32 engine on one core; the rest is ~5 ms of attention,
-norms, rope and Python. A 512-token prefill is ~70% GEMM (~65 GFLOP/s), ~20% attention.
+A decode step is mostly weight streaming — the bound of an exact float32 engine — and a prefill mostly GEMM.
 
 Modules: ``kernels`` (the op kernels: pure functions of numpy arrays, also the oracle of other backends' tests),
 ``weights`` (float32 weight storage, lookup-only quantized tables, ``fuse_weights``), ``blas`` (BLAS threads),

@@ -33,7 +33,7 @@ def _find_blas_setter() -> Any:
 
 def set_blas_threads(n_threads: int) -> bool:
     """Limit numpy's BLAS to ``n_threads`` (process-wide). On an oversubscribed CPU, BLAS threads that spin
-    while waiting for each other make small matmuls 10x slower; one thread per context avoids that."""
+    while waiting for each other make small matmuls many times slower; one thread per context avoids that."""
     setter = _find_blas_setter()
     if setter is None:
         return False

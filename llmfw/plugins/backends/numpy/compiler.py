@@ -11,13 +11,15 @@ from llmfw.core.ir.graph import Node
 from llmfw.core.ir.rope import rope_cos_sin
 from llmfw.plugins.backends.numpy.kernels import (F32, NumpyKV, attention, gelu, layer_norm, rms_norm, rope_apply,
                                                   rope_apply_full, rope_table, silu, visible_limits, write_kv)
+from llmfw.plugins.backends.numpy.moe import MoeSteps
+from llmfw.plugins.backends.numpy.recurrent import RecurrentSteps
 from llmfw.plugins.backends.numpy.weights import get_rows
 
 #: a compiled step: reads its inputs from the slot list and stores its value in its own slot
 Step = Callable[[], None]
 
 
-class SplitCompiler(SplitCompilerBase[NumpyKV]):
+class SplitCompiler(MoeSteps, RecurrentSteps, SplitCompilerBase[NumpyKV]):
     """Maps a split's nodes to kernels: ``run(inputs) -> outputs`` is a flat list of closures over a list of
     value slots (no dict look-ups per op); the slots, the walk and the checks are the core's
     :class:`~llmfw.core.exec.compiler.SplitCompilerBase`.
@@ -25,7 +27,8 @@ class SplitCompiler(SplitCompilerBase[NumpyKV]):
     Each node gets a slot; ``weight`` slots are filled once, at compile time. The graph arrives optimised by the
     core passes (fused matmuls on fused weights, norms with their weight, this backend's rewrite rules); after
     each node the values the core's liveness (``split.release_after``) marks dead are cleared, so a prefill holds
-    only the live activations. Rope angles are computed once per run and shared.
+    only the live activations. Rope angles are computed once per run and shared. The MoE ops' steps come from
+    :class:`~llmfw.plugins.backends.numpy.moe.MoeSteps`.
     """
 
     backend_name = "numpy"
@@ -227,11 +230,16 @@ class SplitCompiler(SplitCompilerBase[NumpyKV]):
         """Attention of ``q`` over the cache (a subclass may use its own arithmetic)."""
         return attention(q, storage, mask.shape[1], mask, scale, softcap, limits)
 
+    def _attend_with_sinks(self, q: np.ndarray, storage: NumpyKV, mask: np.ndarray, scale: float, softcap: float,
+                           limits: list[tuple[int, int, int]], sinks: np.ndarray) -> np.ndarray:
+        return attention(q, storage, mask.shape[1], mask, scale, softcap, limits, sinks=sinks)
+
     def _op_attention(self, node: Node, ins: list[int], out: int) -> Step:
-        q_slot, k_slot, v_slot, idx_slot, mask_slot = ins
+        q_slot, k_slot, v_slot, idx_slot, mask_slot = ins[:5]
         storage = self.kv_storage(node)
         scale, softcap = float(node.attrs["scale"]), float(node.attrs.get("softcap", 0.0) or 0.0)
         env, memo, write, attend = self.env, self.memo, self._write_kv, self._attend
+        sinks_slot, attend_with_sinks = (ins[5] if len(ins) > 5 else None), self._attend_with_sinks
         key = ("attn_limits", mask_slot)
 
         def step() -> None:
@@ -240,7 +248,10 @@ class SplitCompiler(SplitCompilerBase[NumpyKV]):
             limits = memo.get(key)
             if limits is None:
                 limits = memo[key] = visible_limits(mask)
-            env[out] = attend(env[q_slot], storage, mask, scale, softcap, limits)
+            if sinks_slot is None:
+                env[out] = attend(env[q_slot], storage, mask, scale, softcap, limits)
+            else:  # attention sinks (gpt-oss): an extra softmax term per head
+                env[out] = attend_with_sinks(env[q_slot], storage, mask, scale, softcap, limits, env[sinks_slot])
 
         return step
 

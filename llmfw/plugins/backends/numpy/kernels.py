@@ -27,7 +27,7 @@ class NumpyKV:
 def rms_norm(x: np.ndarray, eps: float, weight: np.ndarray | None = None) -> np.ndarray:
     """``x / sqrt(mean(x²) + eps)`` (then ``* weight`` when given, rounded after the normalisation like ggml).
 
-    ggml accumulates the sum of squares in double; a batched float64 matmul does the same and is ~10x faster
+    ggml accumulates the sum of squares in double; a batched float64 matmul does the same and is much faster
     than ``einsum(..., dtype=float64)``."""
     n = x.shape[-1]
     if x.size == n:  # one row (a decode step): the scale in Python floats (doubles), 4 array ops in all
@@ -147,11 +147,12 @@ def visible_limits(mask: np.ndarray, block: int = ATTN_BLOCK_ROWS) -> list[tuple
 
 
 def attention(q: np.ndarray, kv: NumpyKV, n_kv: int, mask: np.ndarray, scale: float,
-              softcap: float, limits: list[tuple[int, int, int]] | None = None) -> np.ndarray:
+              softcap: float, limits: list[tuple[int, int, int]] | None = None,
+              sinks: np.ndarray | None = None) -> np.ndarray:
     """softmax(softcap(scale·q·Kᵀ) + mask)·V over cells 0..n_kv-1, GQA by head groups → [T, H*Dv].
 
     ``limits`` (from :func:`visible_limits` of ``mask``; computed when omitted) lets each block of query rows
-    skip the cells none of its rows can see."""
+    skip the cells none of its rows can see. ``sinks`` [H]: per-head logits that only add to the denominator."""
     n_tokens, n_head, _ = q.shape
     dv = kv.v.shape[-1]
     if limits is None:
@@ -159,20 +160,23 @@ def attention(q: np.ndarray, kv: NumpyKV, n_kv: int, mask: np.ndarray, scale: fl
     # the scale is applied to q (small) rather than to the scores (large): the same product up to rounding
     q = np.multiply(q, F32(scale), dtype=F32)
     if n_tokens == 1:
-        return _attention_block(q, kv, limits[0][2], mask, softcap).reshape(1, n_head * dv)
+        return _attention_block(q, kv, limits[0][2], mask, softcap, sinks).reshape(1, n_head * dv)
     out = np.empty((n_tokens, n_head * dv), dtype=F32)
     for start, stop, n_cols in limits:
-        out[start:stop] = _attention_block(q[start:stop], kv, n_cols, mask[start:stop], softcap)
+        out[start:stop] = _attention_block(q[start:stop], kv, n_cols, mask[start:stop], softcap, sinks)
     return out
 
 
-def _attention_block(q: np.ndarray, kv: NumpyKV, n_cols: int, mask: np.ndarray, softcap: float) -> np.ndarray:
+def _attention_block(q: np.ndarray, kv: NumpyKV, n_cols: int, mask: np.ndarray, softcap: float,
+                     sinks: np.ndarray | None = None) -> np.ndarray:
     """Attention of the (already scaled) query rows ``q`` [t, H, Dk] over cache cells ``0..n_cols-1`` → [t, H*Dv]."""
     n_tokens, n_head, _ = q.shape
     qg = group_queries(q, kv.k.shape[0])
     scores = np.matmul(qg, kv.k[:, :n_cols].transpose(0, 2, 1))  # [Hkv, G*t, n]
-    masked_exp(scores, mask[:, :n_cols], softcap, n_tokens)
+    sink_terms = masked_exp(scores, mask[:, :n_cols], softcap, n_tokens, sinks)
     denominators = scores.sum(axis=-1, keepdims=True)
+    if sink_terms is not None:
+        denominators += sink_terms
     out = np.matmul(scores, kv.v[:, :n_cols])  # [Hkv, G*t, Dv]
     out /= denominators  # normalise after the product: Dv columns instead of n_kv
     return ungroup_heads(out, n_tokens)
@@ -197,9 +201,11 @@ def ungroup_heads(out: np.ndarray, n_tokens: int) -> np.ndarray:
     return out.reshape(n_head_kv, rows // n_tokens, n_tokens, dv).transpose(2, 0, 1, 3).reshape(n_tokens, -1)
 
 
-def masked_exp(scores: np.ndarray, mask: np.ndarray, softcap: float, n_tokens: int) -> None:
+def masked_exp(scores: np.ndarray, mask: np.ndarray, softcap: float, n_tokens: int,
+               sinks: np.ndarray | None = None) -> np.ndarray | None:
     """In place: ``exp(softcap(scores) + mask - rowmax)`` — the unnormalised softmax of grouped scores
-    [Hkv, G*t, n] under the mask [t, n]."""
+    [Hkv, G*t, n] under the mask [t, n]. With ``sinks`` [H] the row maximum includes the head's sink and the
+    sink's own term ``exp(sink - max)`` [Hkv, G*t, 1] is returned (it belongs to the denominator only)."""
     if softcap:
         scores /= F32(softcap)
         np.tanh(scores, out=scores)
@@ -207,8 +213,16 @@ def masked_exp(scores: np.ndarray, mask: np.ndarray, softcap: float, n_tokens: i
     n_head_kv, rows, n_cols = scores.shape
     scores4 = scores.reshape(n_head_kv, rows // n_tokens, n_tokens, n_cols)
     scores4 += mask
-    scores4 -= scores4.max(axis=-1, keepdims=True)
+    peak = scores4.max(axis=-1, keepdims=True)
+    if sinks is None:
+        scores4 -= peak
+        np.exp(scores, out=scores)
+        return None
+    sink4 = np.asarray(sinks, dtype=F32).reshape(n_head_kv, rows // n_tokens, 1, 1)
+    peak = np.maximum(peak, sink4)
+    scores4 -= peak
     np.exp(scores, out=scores)
+    return np.exp(sink4 - peak).reshape(n_head_kv, rows, 1)
 
 
 def write_kv(kv: NumpyKV, k: np.ndarray, v: np.ndarray, idx: np.ndarray) -> None:

@@ -2,8 +2,8 @@
 
 An embedding table used only for row lookups stays in its quantized form (:class:`QuantizedTable`) and rows are
 decoded on demand; tensors with the same file source (a tied output head and embedding) share one float32 copy;
-:meth:`NumpyWeights.fuse_weights` lays the parts of a fused matmul side by side (see the package docstring for
-the measured reasons).
+:meth:`NumpyWeights.fuse_weights` lays the parts of a fused matmul side by side (the package docstring
+says why).
 """
 from __future__ import annotations
 

@@ -139,7 +139,9 @@ def _not_fusable(split: Split, attentions: list[Node]) -> str:
         return "the split also shifts K"
     inputs = set(split.input_ids)
     for node in attentions:
-        q, k, v, kv_idx, mask = node.inputs
+        q, k, v, kv_idx, mask = node.inputs[:5]
+        if len(node.inputs) > 5:
+            return f"layer {node.attrs.get('layer')}: attention sinks (GroupQueryAttention has none here)"
         if kv_idx.id not in inputs or mask.id not in inputs:
             return f"layer {node.attrs.get('layer')}: kv_idx / mask are computed in the split"
         if q.shape is None or k.shape is None or v.shape is None:

@@ -7,7 +7,7 @@ groups are ``S`` consecutive blocks of ``T / S`` rows) and masks them with ``[T,
 
 - one group (``S = 1``) listing cells ``0 .. L-1`` (in a few big blocks) under the core's own mask cut to its
   first L columns: a plain prefix, the form of every batch of one sequence (prompt chunks, speculative verify
-  batches: their rows get the bits of one-token decodes, see tests/test_onnx_fused.py). L is the last cell any
+  batches: their rows get the bits of one-token decodes, see tests/reference/test_onnx_fused.py). L is the last cell any
   row sees, padded to :data:`CELL_PAD`, not the core's ``n_kv`` (padded to 256 like llama.cpp's): a one-token
   decode early in a context copies and scores the cells it sees, not a whole 256-cell block;
 - one group per row (``S = T``) listing the cells that row sees (blocks of one cell; padded to :data:`CELL_PAD`
@@ -46,7 +46,7 @@ def attention_cells(mask: np.ndarray, n_cells: int) -> tuple[np.ndarray, np.ndar
 def _prefix(mask: np.ndarray, visible: np.ndarray, n_cells: int) -> tuple[np.ndarray, np.ndarray]:
     """One group over cells ``0 .. L-1``, L the last cell a row sees padded to :data:`CELL_PAD` (at most
     ``n_kv``): the columns past it are masked for every row, and a row's bits do not depend on how many masked
-    cells follow the ones it sees (tests/test_onnx_groups.py), so they are neither copied nor scored."""
+    cells follow the ones it sees (tests/reference/test_onnx_groups.py), so they are neither copied nor scored."""
     n_kv = mask.shape[1]
     seen = np.flatnonzero(visible.any(axis=0))
     width = min(n_kv, max(CELL_PAD, pad_to(int(seen[-1]) + 1 if seen.size else 0, CELL_PAD)))

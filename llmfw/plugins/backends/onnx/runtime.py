@@ -14,20 +14,22 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Hashable, Mapping, Sequence
+from typing import Any, Callable, Hashable, Literal, Mapping, Sequence
 
 import numpy as np
 
 from llmfw.core.exec.backend import Backend, BackendOptions, CompiledSplit, KVLayerShape, Split, WeightSource
 from llmfw.core.errors import ModelError
-from llmfw.core.ir.graph import OPS
+from llmfw.core.ir.graph import OPS, SCAN_OPS
 from llmfw.plugins.backends.onnx.cache import CachedLoad, ConvertedCache, MappedBlob, default_cache_root
 from llmfw.plugins.backends.onnx.emit import external_tensor_proto, split_signature
 from llmfw.plugins.backends.onnx.fused import (
     USE_GQA, AttentionForm, FusedAttentionPlan, fused_attention_plan, kv_cells,
 )
 from llmfw.plugins.backends.onnx.groups import attention_cells
+from llmfw.plugins.backends.onnx.moe import ExpertWeights, is_expert_source, load_experts
 from llmfw.plugins.backends.onnx.ort import OnnxKV, execution_providers, import_onnxruntime
+from llmfw.plugins.backends.onnx.rows import one_row_product_differs
 from llmfw.plugins.backends.onnx.translate import SplitTranslator
 from llmfw.plugins.backends.onnx.weights import (
     F32, BlockWeight, DenseWeight, Weight, convert_weight, dequantize_block_weight, fuse_block_weights, share_rows,
@@ -59,7 +61,7 @@ class _Program:
 class OnnxOptions(BackendOptions):
     """``backend_options={"onnx": {...}}``; the CLI maps ``OnnxBackend.environment_options`` onto them."""
 
-    #: ONNX Runtime's per-node trace, one JSON file per session, under this path prefix (README, Profiling)
+    #: ONNX Runtime's per-node trace, one JSON file per session, under this path prefix (docs/backends.md, onnx options)
     profile: str | None = None
     #: intra-op threads busy-wait between kernels (faster decode; False frees the cores between calls)
     spin: bool = True
@@ -77,6 +79,10 @@ class OnnxOptions(BackendOptions):
     #: those batches get a session of their own (GQA only) instead of an If per layer in the one session:
     #: faster decode, but a second session, with its own prepacked weights, once other batches come
     gqa_session: bool = False
+    #: append a row to each block product's input so that it never runs on MLAS's one-row kernel: ``auto`` where
+    #: that kernel gives a row other bits than the many-row one on this CPU (rows.py; AVX2 without AVX-512),
+    #: ``always``, or ``never`` (faster decode, but a token's logits may then depend on the batch it came in)
+    row_padding: Literal["auto", "always", "never"] = "auto"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -87,16 +93,18 @@ class OnnxBackend(Backend):
     """ONNX Runtime execution of the graph IR (CPU execution provider; CUDA when asked and present)."""
 
     name = "onnx"
-    supported_ops = OPS
+    # the scans' time loops run on the host backend (numpy) for now
+    supported_ops = OPS - SCAN_OPS
     is_host = False
     requires = ("onnxruntime", "onnx")
-    #: the default on a CPU: it decodes about twice as fast as numpy or torch there (README, Benchmarks)
+    #: the default on a CPU: it decodes about twice as fast as numpy or torch there (docs/benchmarks.md)
     default_priority = {"cpu": 200}
 
     options_schema = OnnxOptions
     environment_options = {"LLMFW_ONNX_PROFILE": "profile", "LLMFW_ONNX_SPIN": "spin", "LLMFW_ONNX_DUMP": "dump",
                            "LLMFW_ONNX_CACHE": "cache", "LLMFW_ONNX_CACHE_DIR": "cache_dir",
-                           "LLMFW_ONNX_FUSED_ATTENTION": "fused_attention", "LLMFW_ONNX_GQA_SESSION": "gqa_session"}
+                           "LLMFW_ONNX_FUSED_ATTENTION": "fused_attention", "LLMFW_ONNX_GQA_SESSION": "gqa_session",
+                           "LLMFW_ONNX_ROW_PADDING": "row_padding"}
 
     #: MatMulNBits accuracy level: 4 = int8 activations (llama.cpp's own quantized dot products)
     accuracy_level: int = 4
@@ -121,10 +129,32 @@ class OnnxBackend(Backend):
         #: runs of fused-attention models by branch: GroupQueryAttention / op by op (tests, diagnostics)
         self.gqa_runs = 0
         self.op_by_op_runs = 0
+        self._pads_one_row_products: bool | None = None
+
+    @property
+    def pads_one_row_products(self) -> bool:
+        """Whether block products get an extra input row (``row_padding``; ``auto`` probes this CPU once)."""
+        if self._pads_one_row_products is None:
+            mode = self.onnx_options.row_padding
+            if mode == "auto":
+                ort, onnx = import_onnxruntime()
+                self._pads_one_row_products = one_row_product_differs(ort, onnx, self.accuracy_level, self.providers)
+                log.info("onnx: this CPU's one-row block product %s the many-row one's bits%s",
+                         "differs from" if self._pads_one_row_products else "keeps",
+                         ": block products get a second row" if self._pads_one_row_products else "")
+            else:
+                self._pads_one_row_products = mode == "always"
+        return self._pads_one_row_products
 
     @classmethod
     def check_available(cls, device: str | None = None) -> None:
         execution_providers(device)
+
+    @classmethod
+    def cache_dirs(cls, environ: Mapping[str, str]) -> list[Path]:
+        """The converted-weight cache (``LLMFW_ONNX_CACHE_DIR`` moves it, as the ``cache_dir`` option does)."""
+        moved = environ.get("LLMFW_ONNX_CACHE_DIR")
+        return [Path(moved).expanduser() if moved else default_cache_root()]
 
     # -- weights ------------------------------------------------------------------------------------------
     def begin_loading(self, model_file: Path) -> None:
@@ -137,7 +167,12 @@ class OnnxBackend(Backend):
             return None
         return Path(opts.cache_dir).expanduser() if opts.cache_dir else default_cache_root()
 
-    def load_weight(self, source: WeightSource) -> Weight:
+    def load_weight(self, source: WeightSource) -> Weight | ExpertWeights:
+        if is_expert_source(source):  # E matrices of their own (see moe.py), each converted like a dense one
+            return load_experts(source, self._convert, self.weights.__setitem__)
+        return self._convert(source)
+
+    def _convert(self, source: WeightSource) -> Weight:
         if self._load is None:  # a weight outside a file's load (tests build backends by hand)
             return convert_weight(source)
         return self._load.load(source, convert_weight)
@@ -324,7 +359,7 @@ class OnnxBackend(Backend):
         if not opts.spin:
             options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         options.log_severity_level = 3  # unused-initializer notes are expected (e.g. weights of fused matmuls)
-        if opts.profile:  # ORT's per-node timings, a JSON trace per session (see the README section)
+        if opts.profile:  # ORT's per-node timings, a JSON trace per session (docs/backends.md, onnx options)
             options.enable_profiling = True
             options.profile_file_prefix = opts.profile
         if opts.dump:  # the graph after ORT's fusions, to check what it made of a split

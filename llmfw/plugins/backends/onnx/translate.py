@@ -32,7 +32,9 @@ from llmfw.plugins.backends.onnx.emit import (
     ONNX_BOOL, ONNX_FLOAT, ONNX_INT32, ONNX_INT64, OPSET, Emitter, external_tensor_proto, freeze, kv_name, live_nodes,
 )
 from llmfw.plugins.backends.onnx.fused import USE_GQA, AttentionForm, fusable_rope, kv_cells, packed_qkv
+from llmfw.plugins.backends.onnx.moe import MoeTranslation
 from llmfw.plugins.backends.onnx.ort import OnnxKV, import_onnxruntime
+from llmfw.plugins.backends.onnx.recurrent import RecurrentTranslation
 from llmfw.plugins.backends.onnx.weights import F32, BlockWeight, DenseWeight, Weight
 
 
@@ -41,6 +43,9 @@ class OnnxWeightSource(Protocol):
     """What translating reads of the backend (:class:`~llmfw.plugins.backends.onnx.runtime.OnnxBackend`)."""
 
     accuracy_level: int
+
+    @property
+    def pads_one_row_products(self) -> bool: ...
 
     def weight(self, name: str) -> Weight: ...
 
@@ -75,7 +80,7 @@ def score_slice(head_dim: int) -> int:
 # split → ONNX model
 # ---------------------------------------------------------------------------------------------------------------
 
-class SplitTranslator(SplitCompilerBase[OnnxKV]):
+class SplitTranslator(MoeTranslation, RecurrentTranslation, SplitCompilerBase[OnnxKV]):
     """Translates one split into ONNX nodes. The IR's node shapes (those of the first run's graph) guide choices
     that do not depend on the token count or the KV length (head sizes, rotated dims); the model itself keeps
     those axes dynamic. The op dispatch and the KV look-up are the core's
@@ -194,11 +199,13 @@ class SplitTranslator(SplitCompilerBase[OnnxKV]):
     def _declare_outputs(self) -> list[str]:
         helper = self.e.helper
         output_names = []
+        dtypes = {node.id: node.dtype for node in self.split.nodes}
         for node_id in self.split.output_ids:
             name = f"out_{node_id}"
             self.e.nodes.append(helper.make_node("Identity", [self.names[node_id]], [name]))
             output_names.append(name)
-            self.graph_outputs.append(helper.make_tensor_value_info(name, ONNX_FLOAT, None))
+            elem = ONNX_INT32 if dtypes.get(node_id) == "i32" else ONNX_FLOAT  # expert ids (top_k) are int32
+            self.graph_outputs.append(helper.make_tensor_value_info(name, elem, None))
         for (key, which), current in self._kv_current.items():
             # the last update's own output is the graph output: bound to the input's buffer, ScatterND skips
             # its copy (an Identity here would copy the whole cache)
@@ -261,7 +268,10 @@ class SplitTranslator(SplitCompilerBase[OnnxKV]):
         if w_node.op != "weight":
             # activation × activation (no current architecture emits it): x @ w.T
             return self.e.op("MatMul", [x, self.e.op("Transpose", [self.value(w_node)], perm=[1, 0])])
-        name = w_node.attrs["name"]
+        return self.matmul_weight(x, x_shape, w_node.attrs["name"])
+
+    def matmul_weight(self, x: str, x_shape: Shape, name: str) -> str:
+        """``x @ W.T`` for the backend weight ``name`` (a dense matrix or MatMulNBits blocks)."""
         weight = self.backend.weight(name)
         if isinstance(weight, DenseWeight):
             if len(x_shape) == 2:  # Gemm reads W [n_out, n_in] as it is: no transposed copy
@@ -271,9 +281,23 @@ class SplitTranslator(SplitCompilerBase[OnnxKV]):
         return self._matmul_nbits(x, x_shape, name, weight)
 
     def _matmul_nbits(self, x: str, x_shape: Shape, key: str, weight: BlockWeight) -> str:
+        """The block product; where this CPU's one-row kernel rounds otherwise than the many-row one (rows.py), a
+        row of ones is appended to a 2-D input and its result dropped, so that every product runs on the
+        many-row kernel and a token's logits do not depend on the batch it came in."""
         n_out, n_in = weight.shape
         if x_shape[-1] not in (n_in, DYNAMIC):
             raise ModelError(f"onnx backend: mul_mat of {key} expects inputs with {n_in} columns, got {x_shape}")
+        # a session serves every row count (the IR's is the first run's), so a 2-D input always gets the row
+        padded = len(x_shape) == 2 and self.backend.pads_one_row_products
+        if padded:
+            x = self.e.op("Concat", [x, self.e.const(np.ones((1, n_in)), np.float32)], axis=0, hint="rows")
+        out = self._block_product(x, x_shape, key, weight)
+        if padded:
+            out = self.e.op("Slice", [out, self.e.const([0]), self.e.const([-1]), self.e.const([0])], hint="mmq")
+        return out
+
+    def _block_product(self, x: str, x_shape: Shape, key: str, weight: BlockWeight) -> str:
+        n_out, n_in = weight.shape
         b = self.e.external(f"q:{key}", weight.packed)
         s = self.e.external(f"s:{key}", weight.scales)
         out = self.e.op("MatMulNBits", [x, b, s], domain="com.microsoft", hint="mmq", K=n_in, N=n_out,
@@ -282,7 +306,7 @@ class SplitTranslator(SplitCompilerBase[OnnxKV]):
             return out
         # per-block offsets: W = codes*scales + offsets ⇒ x @ W.T += blocksum(x) @ offsets.T, the block sums a
         # ReduceSum over x seen as [..., n_blocks, block]: a node more than one MatMul by a 0/1 matrix, yet the
-        # decode step is faster (the README's onnx section has the measurement)
+        # decode step is faster (docs/benchmarks.md, generation)
         blocked = self.e.op("Reshape", [x, self.e.const([0] * (len(x_shape) - 1) + [weight.n_blocks, weight.block])])
         sums = self.e.op("ReduceSum", [blocked, self.e.const([-1])], keepdims=0, hint="blocksum")
         offsets_t = self.e.external(f"oT:{key}", self.backend.offsets_transposed(key, weight))
@@ -573,7 +597,7 @@ class SplitTranslator(SplitCompilerBase[OnnxKV]):
 
     def _attention_op_by_op(self, node: Node) -> str:
         """Each row group (see groups.py) scores the cells it lists: [Hkv, S, G*T/S, L] scores per KV head."""
-        q, k, v, kv_idx, mask = node.inputs
+        q, k, v, kv_idx, mask = node.inputs[:5]
         key, storage = self._kv_storage(node)
         n_head_kv, _, head_dim_k = storage.k.shape
         head_dim_v = storage.v.shape[2]
@@ -593,13 +617,34 @@ class SplitTranslator(SplitCompilerBase[OnnxKV]):
         softcap = float(node.attrs.get("softcap", 0.0) or 0.0)
         if softcap:
             scores = self._softcap(scores, softcap)
-        probs = self.e.op("Softmax", [self.e.op("Add", [scores, self._grouped_mask(mask, rows)])], axis=-1)
+        logits = self.e.op("Add", [scores, self._grouped_mask(mask, rows)])
+        if len(node.inputs) > 5:
+            probs = self._softmax_with_sinks(logits, node.inputs[5], n_head_kv, group, rows)
+        else:
+            probs = self.e.op("Softmax", [logits], axis=-1)
         out = self.e.op("MatMul", [probs, values], hint="kqv")                 # [Hkv, S, R*T/S, Dv]
         out = self.e.op("Reshape", [out, self.e.const([n_head_kv, 0, rows, -1, head_dim_v])])
         if rows != group:  # the query rows repeated for MLAS's sake (score_rows): the first copy
             out = self.e.op("Slice", [out, self.e.const([0]), self.e.const([group]), self.e.const([2])])
         out = self.e.op("Transpose", [out], perm=[1, 3, 0, 2, 4])               # [S, T/S, Hkv, G, Dv]
         return self.e.op("Reshape", [out, self.e.const([-1, n_head * head_dim_v])], hint="attn")
+
+    def _softmax_with_sinks(self, logits: str, sinks: Node, n_head_kv: int, group: int, rows: int) -> str:
+        """Softmax of the logits [Hkv, S, R*T/S, L] with each head's sink logit as one more column (dropped
+        after): row g*(T/S) + t of KV head j belongs to query head j*G + g (repeated when R > G)."""
+        per_row = self.backend.dense_copy(sinks.attrs["name"]).reshape(n_head_kv, group)
+        per_row = np.repeat(per_row, rows // group, axis=1) if rows != group else per_row
+        column = self.e.const(per_row.reshape(n_head_kv, 1, rows, 1).astype(F32), F32)
+        shape = self.e.op("Shape", [logits])
+        per_group = self.e.op("Div", [self.e.op("Slice", [shape, self.e.const([2]), self.e.const([3])]),
+                                      self.e.const([rows])])
+        column = self.e.op("Expand", [column, self.e.op("Concat", [self.e.const([n_head_kv, 1, rows]), per_group],
+                                                        axis=0)])
+        column = self.e.op("Reshape", [column, self.e.const([n_head_kv, 1, -1, 1])])
+        column = self.e.op("Expand", [column, self.e.op("Concat", [self.e.op("Slice", [
+            shape, self.e.const([0]), self.e.const([3])]), self.e.const([1])], axis=0)])
+        probs = self.e.op("Softmax", [self.e.op("Concat", [logits, column], axis=-1)], axis=-1)
+        return self.e.op("Slice", [probs, self.e.const([0]), self.e.const([-1]), self.e.const([-1])], hint="sinks")
 
     def _scores(self, q: str, cells: str, keys: str, n_head_kv: int, group: int, head_dim: int,
                 scale: float) -> str:
@@ -650,7 +695,7 @@ class SplitTranslator(SplitCompilerBase[OnnxKV]):
     def _group_query_attention(self, node: Node) -> str:
         """One GQA over the layer's cache, past and present bound to the same memory: it writes the ubatch's K/V
         at cells c0 .. c0+T-1 and attends to cells 0 .. c0+t (the mask's pattern, checked before the call)."""
-        q, k, v, kv_idx, _ = node.inputs
+        q, k, v, kv_idx, _ = node.inputs[:5]
         key, storage = self._kv_storage(node)
         n_head_kv, n_cells, head_dim = storage.k.shape
         n_head = self.known_dim(q, 1)
@@ -716,7 +761,7 @@ class SplitTranslator(SplitCompilerBase[OnnxKV]):
     def _warm_shared(self, node: Node, storage: OnnxKV) -> None:
         """The values every layer's branches share, made in the outer graph (a value made inside a branch is not
         visible to the other layers' branches)."""
-        q, _, _, kv_idx, mask = node.inputs
+        q, _, _, kv_idx, mask = node.inputs[:5]
         n_head_kv = storage.k.shape[0]
         self._gqa_lengths(self.value(kv_idx))
         self._scatter_index(self.value(kv_idx), n_head_kv)

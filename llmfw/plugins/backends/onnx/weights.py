@@ -5,8 +5,9 @@
   of the real models: Q4_0 → 4-bit codes; Q8_0, Q5_0 → 8-bit codes; Q4_1, Q4_K → 4-bit codes plus a per-block
   *offset* applied as ``blocksum(x) @ offsets.T`` (llama.cpp's Q8_1 block sums do the same; ORT's float zero
   points take a path ~50x slower); Q5_1, Q5_K → 8-bit codes plus offsets; Q6_K → 8-bit codes in blocks of 16
-  (its sub-block scales). Other quantized types (Q2_K, Q3_K, IQ...) are requantized once to 8-bit blocks of 32,
-  an error far below the type's own quantization step.
+  (its sub-block scales); MXFP4 → 8-bit codes (its E2M1 values doubled are the integers -12..12). Other
+  quantized types (Q2_K, Q3_K, IQ...) are requantized once to 8-bit blocks of 32, an error far below the type's
+  own quantization step.
 * Float matrices stay float32 (``Gemm`` / ``MatMul``); norms, biases and rope factors are float32 initializers.
 * An embedding table used by ``get_rows`` keeps one byte per element (int8 codes + per-block scales) and rows
   are decoded in the graph.
@@ -20,12 +21,14 @@ import numpy as np
 
 from llmfw.core.exec.backend import WeightSource
 from llmfw.core.errors import ModelError
-from llmfw.core.format.quants import GGMLType, block_view, dequantize, k4_sub_block_params
+from llmfw.core.format.quants import (TYPE_INFO, GGMLType, MXFP4_VALUES, block_view, dequantize, k4_sub_block_params,
+                               mxfp4_codes, mxfp4_scales)
 
 F32 = np.float32
 
 #: elements per MatMulNBits block (ggml's 32-element blocks map onto it one to one)
 BLOCK = 32
+TYPE_SIZE_MXFP4 = TYPE_INFO[GGMLType.MXFP4].type_size
 
 
 @dataclass
@@ -104,6 +107,8 @@ def block_codes(source: WeightSource) -> BlockWeight:
         raise ModelError(f"onnx backend: {source.name} rows have {n_in} elements, not a multiple of {BLOCK}")
     n_out = int(np.prod(source.ne[1:], dtype=np.int64))
     shape = (n_out, n_in)
+    if qtype == GGMLType.MXFP4:
+        return _mxfp4_block_weight(source, shape)
     direct = _stored_codes(source, qtype, shape)
     if direct is not None:  # Q4_0 / Q4_1 / Q8_0: the codes are in the bytes, no float round trip
         return _stored_block_weight(source, shape, codes=direct)
@@ -124,6 +129,15 @@ def block_codes(source: WeightSource) -> BlockWeight:
                                  source_type=qtype.name)
     return requantize_8bit(values.reshape(n_out, -1, BLOCK), shape, asymmetric=qtype in _AFFINE_REQUANT,
                            source_type=qtype.name)
+
+
+def _mxfp4_block_weight(source: WeightSource, shape: tuple[int, int]) -> BlockWeight:
+    """MXFP4 exactly as 8-bit codes: ggml's doubled E2M1 values are the integers -12..12, times the block's
+    halved power-of-two scale."""
+    blocks = block_view(source.raw, source.ggml_type, source.ne).reshape(-1, TYPE_SIZE_MXFP4)
+    codes = MXFP4_VALUES[mxfp4_codes(blocks)].astype(np.int8)
+    scales = mxfp4_scales(blocks[:, 0]).reshape(shape[0], -1)
+    return _finish(shape, 8, codes, scales, None, True, "MXFP4", BLOCK)
 
 
 def _stored_block_weight(source: WeightSource, shape: tuple[int, int], *, codes: np.ndarray | None = None,

@@ -6,9 +6,8 @@ Weights are converted once, at load, into the fastest form for the device that s
 
 * CPU: fp16 matmul weights for fbgemm's fp16 linear (``quantized::linear_dynamic_fp16``: float32 activations
   and accumulation, weights widened inside the kernel). Per-row int8 for fbgemm's dynamic quantized linear
-  (``quantized::linear_dynamic``) is faster but measured *outside* the bar on SmolLM2 (mean log-prob error
-  0.45 / 0.74 on prompts 0 / 1 vs 0.25: per-row re-quantization of Q4_1 blocks plus one activation scale per
-  token), so it is opt-in. Without fbgemm: float32 (bf16 matmuls have no fast path on AVX2 CPUs).
+  (``quantized::linear_dynamic``) is faster but falls outside the reference bar (per-row re-quantization of Q4_1 blocks plus one activation
+  scale per token; docs/backends.md), so it is opt-in. Without fbgemm: float32 (bf16 matmuls have no fast path on AVX2 CPUs).
 * CUDA: bf16 weights; activations are cast to bf16 for the matmul and back to float32 after it (unverified: no
   GPU was available when this was written).
 

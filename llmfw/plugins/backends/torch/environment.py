@@ -15,8 +15,8 @@ PIP_EXTRA = "torch"
 INSTALL_HINT = f"pip install 'llmfw[{PIP_EXTRA}]'"
 
 #: what the CLI maps onto the ``spin`` option (``LLMFW_TORCH_SPIN=0``: torch's OpenMP threads sleep at once when
-#: idle instead of spinning). Measured on the 2-core VM (SmolLM2 one-token decodes): quiet machine 40 → 45
-#: ms/token, next to one busy process 122 → 53 ms.
+#: idle instead of spinning): a little slower on an idle machine, much faster beside busy processes
+#: (docs/backends.md, torch).
 SPIN_ENV = "LLMFW_TORCH_SPIN"
 
 

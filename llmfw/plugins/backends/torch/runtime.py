@@ -18,7 +18,8 @@ from llmfw.core.exec.backend import (
     WeightSource,
     release_freed_memory,
 )
-from llmfw.core.ir.graph import OPS
+from llmfw.core.errors import ModelError
+from llmfw.core.ir.graph import MOE_OP_TABLE, OPS, RECURRENT_OPS
 from llmfw.core.format.quants import dequantize_rows
 from llmfw.plugins.backends.torch.compiler import SplitCompiler
 from llmfw.plugins.backends.torch.environment import (
@@ -63,7 +64,10 @@ class TorchBackend(Backend):
 
     name: ClassVar[str] = "torch"
     pip_extra: ClassVar[str | None] = PIP_EXTRA
-    supported_ops: ClassVar[frozenset[str]] = frozenset(OPS - {"input"})
+    #: the mixture-of-experts ops are not implemented here: an MoE model's expert layers cannot be placed on torch
+    #: (the scheduler names the op), numpy and onnx run them; no recurrent-layer kernels yet: those ops run on
+    #: the host backend (numpy)
+    supported_ops: ClassVar[frozenset[str]] = frozenset(OPS - {"input"} - MOE_OP_TABLE.keys() - RECURRENT_OPS)
     is_host: ClassVar[bool] = False
     requires: ClassVar[tuple[str, ...]] = ("torch",)
     #: the default only on a CUDA GPU: on a CPU, importing torch alone costs seconds and onnx decodes faster
@@ -123,6 +127,9 @@ class TorchBackend(Backend):
 
     # -- weights ----------------------------------------------------------------------------------------
     def load_weight(self, source: WeightSource) -> TorchWeight:
+        if "mul_mat_id" in source.usage:
+            raise ModelError(f"the torch backend does not run mixture-of-experts layers ({source.name}); use "
+                             "--backend onnx or numpy for this model")
         torch = import_torch()
         shape = source.numpy_shape
         weight = TorchWeight(source.name, shape, ggml_type=int(source.ggml_type), ne=tuple(source.ne))

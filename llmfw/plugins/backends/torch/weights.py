@@ -53,7 +53,7 @@ def default_matmul_form(device: str, forced: str | None = None) -> str:
                                      f"{device!r}, kernels present: {available()}")
         return forced
     if device == "cpu":
-        # fp16 weights keep llama.cpp's accuracy (int8 per-row does not: see the README); without fbgemm, f32
+        # fp16 weights keep llama.cpp's accuracy (int8 per-row does not: docs/backends.md, torch); without fbgemm, f32
         # (bf16 matmuls have no fast path on AVX2 CPUs: ~10x slower prefill than f32 measured here)
         return "fp16" if has_fbgemm_fp16() else "f32"
     return "bf16"

@@ -1,0 +1,150 @@
+/* Portable C kernels: the canonical arithmetic of native.h, written out one operation at a time. Every other ISA
+ * path must give exactly these bits (tests compare them). */
+#include <math.h>
+#include <string.h>
+
+#include "native.h"
+
+float nat_f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ffu, bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (mant << 13);          /* inf / NaN */
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112) << 23) | (mant << 13);  /* normal: rebias 15 -> 127 */
+    } else if (mant == 0) {
+        bits = sign;                                        /* zero */
+    } else {                                                /* subnormal: normalise */
+        exp = 113;
+        while (!(mant & 0x400u)) { mant <<= 1; exp--; }
+        bits = sign | (exp << 23) | ((mant & 0x3ffu) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static float bf16_to_f32(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* Activation rows [m0, m1) to 8-bit blocks: d = amax/127, q = round-half-even(x * 127/amax). A block with a NaN
+ * or inf gets d = NaN (its products are NaN, as in float arithmetic), codes 0. One implementation for every ISA:
+ * this is where the bits of the activations are decided. */
+void nat_quantize_rows(const float *x, int64_t m, int64_t k, nat_qact *a, int64_t m0, int64_t m1) {
+    (void)m;
+    int64_t nb = k / NAT_BLOCK;
+    for (int64_t i = m0; i < m1; i++) {
+        for (int64_t b = 0; b < nb; b++) {
+            const float *xb = x + i * k + b * NAT_BLOCK;
+            int8_t *q = a->q + i * k + b * NAT_BLOCK;
+            int32_t *sums = a->sums + (i * nb + b) * 2;
+            float amax = 0.0f;
+            int finite = 1;
+            for (int j = 0; j < NAT_BLOCK; j++) {
+                float v = fabsf(xb[j]);
+                if (!(v <= 3.0e38f)) finite = 0;   /* NaN or inf (or beyond: nothing finite is that large) */
+                else if (v > amax) amax = v;
+            }
+            if (!finite) {
+                memset(q, 0, NAT_BLOCK);
+                a->d[i * nb + b] = NAN;
+                sums[0] = sums[1] = 0;
+                continue;
+            }
+            /* the reciprocal in double: it cannot overflow for a subnormal amax */
+            double inv = amax > 0.0f ? 127.0 / (double)amax : 0.0;
+            int32_t s0 = 0, s1 = 0;
+            for (int j = 0; j < NAT_BLOCK; j++) {
+                double r = nearbyint((double)xb[j] * inv);
+                int32_t c = (int32_t)(r > 127.0 ? 127.0 : r < -127.0 ? -127.0 : r);
+                q[j] = (int8_t)c;
+                if (j < 16) s0 += c; else s1 += c;
+            }
+            sums[0] = s0;
+            sums[1] = s1;
+            a->d[i * nb + b] = amax / 127.0f;
+        }
+    }
+}
+
+static inline int8_t weight_code(const nat_weight *w, const uint8_t *codes, int j) {
+    if (w->kind == NAT_QBYTE) return (int8_t)codes[j];
+    uint8_t byte = codes[j & 15];
+    return w->table[j < 16 ? (byte & 15) : (byte >> 4)];
+}
+
+void nat_qgemm_scalar(const nat_weight *w, const nat_qact *a, int64_t m, float *y, int64_t g0, int64_t g1) {
+    int64_t nb = w->n_cols / NAT_BLOCK, n = w->n_rows;
+    size_t cb = nat_code_bytes(w), bb = nat_block_bytes(w);
+    for (int64_t g = g0; g < g1; g++) {
+        const uint8_t *group = w->data + (size_t)g * nb * bb;
+        for (int64_t i = 0; i < m; i++) {
+            float acc[NAT_ROWS] = {0};
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *blk = group + b * bb;
+                float par[4 * NAT_ROWS];
+                memcpy(par, blk + NAT_ROWS * cb, bb - NAT_ROWS * cb);
+                nat_params p = nat_block_params(w, par);
+                const int8_t *aq = a->q + i * w->n_cols + b * NAT_BLOCK;
+                float da = a->d[i * nb + b];
+                float a0 = (float)a->sums[(i * nb + b) * 2], a1 = (float)a->sums[(i * nb + b) * 2 + 1];
+                for (int r = 0; r < NAT_ROWS; r++) {
+                    const uint8_t *codes = blk + r * cb;
+                    int32_t i0 = 0, i1 = 0;
+                    for (int j = 0; j < 16; j++) i0 += weight_code(w, codes, j) * aq[j];
+                    for (int j = 16; j < 32; j++) i1 += weight_code(w, codes, j) * aq[j];
+                    float v = p.s0[r] * (float)i0;
+                    float t = p.s1[r] * (float)i1;
+                    v = v + t;
+                    if (p.o0) {
+                        t = p.o0[r] * a0;
+                        v = v + t;
+                        t = p.o1[r] * a1;
+                        v = v + t;
+                    }
+                    t = da * v;
+                    acc[r] = acc[r] + t;
+                }
+            }
+            for (int r = 0; r < NAT_ROWS; r++) {
+                int64_t row = g * NAT_ROWS + r;
+                if (row < n) y[i * n + row] = acc[r];
+            }
+        }
+    }
+}
+
+static inline float weight_value(const nat_weight *w, const uint8_t *row, int64_t j) {
+    switch (w->kind) {
+    case NAT_F16: { uint16_t h; memcpy(&h, row + 2 * j, 2); return nat_f16_to_f32(h); }
+    case NAT_BF16: { uint16_t h; memcpy(&h, row + 2 * j, 2); return bf16_to_f32(h); }
+    default: { float f; memcpy(&f, row + 4 * j, 4); return f; }
+    }
+}
+
+/* the canonical 16-lane reduction (native.h) */
+float nat_reduce16(float *lanes) {
+    for (int step = 8; step >= 1; step >>= 1)
+        for (int l = 0; l < step; l++) lanes[l] = lanes[l] + lanes[l + step];
+    return lanes[0];
+}
+
+void nat_fgemm_scalar(const nat_weight *w, const float *x, int64_t m, float *y, int64_t r0, int64_t r1) {
+    int64_t k = w->n_cols, n = w->n_rows, padded = (k + 15) / 16 * 16;
+    size_t esize = w->kind == NAT_F32 ? 4 : 2;
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = w->data + (size_t)r * k * esize;
+        for (int64_t i = 0; i < m; i++) {
+            const float *xi = x + i * k;
+            float lanes[16] = {0};
+            for (int64_t j = 0; j < padded; j++) {
+                float p = j < k ? xi[j] * weight_value(w, row, j) : 0.0f * 0.0f;
+                lanes[j & 15] = lanes[j & 15] + p;
+            }
+            y[i * n + r] = nat_reduce16(lanes);
+        }
+    }
+}

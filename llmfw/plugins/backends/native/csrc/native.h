@@ -1,0 +1,88 @@
+/* llmfw native kernels: shared declarations.
+ *
+ * Canonical arithmetic (every ISA path computes exactly these float operations, in this order, so all paths give
+ * the same bits and a row's result never depends on the batch size M or on the thread split):
+ *
+ *  quantized weights (kind NAT_QNIB / NAT_QBYTE), per output row r, per 32-element block b:
+ *      i0, i1 = integer dot products of the block's weight codes with the activation codes, elements 0-15 / 16-31
+ *      v = s0*i0 + s1*i1;  [v = v + o0*A0;  v = v + o1*A1;]  acc = acc + da*v
+ *    (A0/A1: sums of the activation codes of each half, da: the activation block's scale; the bracket only for a
+ *    weight with offsets; s1 = s0 and o1 = o0 for a weight with one scale per block); blocks in order.
+ *  float weights (NAT_F32 / NAT_F16 / NAT_BF16): 16 lanes, element i into lane i % 16 (acc = acc + x*w; the row
+ *    padded with zeros to a multiple of 16), then lanes l + l+8, l + l+4, l + l+2, l + l+1.
+ * Products and sums are separate roundings (compiled with -ffp-contract=off: never a fused multiply-add).
+ */
+#ifndef LLMFW_NATIVE_H
+#define LLMFW_NATIVE_H
+
+#include <stdint.h>
+#include <stddef.h>
+
+#define NAT_ROWS 8        /* output rows per interleaved row group */
+#define NAT_BLOCK 32      /* elements per quantized block */
+
+enum nat_kind { NAT_QNIB = 0, NAT_QBYTE = 1, NAT_F32 = 2, NAT_F16 = 3, NAT_BF16 = 4 };
+enum nat_isa { NAT_ISA_SCALAR = 0, NAT_ISA_AVX2 = 1, NAT_ISA_AVX512 = 2 };
+
+/* A repacked weight [n_rows, n_cols].
+ * Quantized kinds: n_groups = ceil(n_rows / 8) groups, each n_cols/32 blocks of
+ *   codes  [8 rows][16 bytes (QNIB: element j low nibble of byte j, j+16 high nibble) or 32 int8 (QBYTE)]
+ *   scales [n_scales][8 rows] float, then (has_offsets) offsets [n_scales][8 rows] float
+ * (n_scales 2: one scale per 16 elements, 1: per 32)
+ * a weight value is scale * table[code] + offset (QNIB) or scale * code + offset (QBYTE).
+ * Float kinds: plain row-major rows of n_cols elements. */
+typedef struct {
+    int32_t kind;
+    int32_t n_scales;
+    int32_t has_offsets;
+    int32_t pad_;
+    int64_t n_rows;
+    int64_t n_cols;
+    const uint8_t *data;
+    int8_t table[16];
+} nat_weight;
+
+/* activations quantized to 8 bits: per row, n_cols/32 blocks */
+typedef struct {
+    int8_t *q;        /* [M][n_cols] codes */
+    float *d;         /* [M][n_blocks] scales */
+    int32_t *sums;    /* [M][n_blocks][2] code sums of each half */
+} nat_qact;
+
+static inline size_t nat_code_bytes(const nat_weight *w) { return w->kind == NAT_QNIB ? 16 : 32; }
+
+static inline size_t nat_block_bytes(const nat_weight *w) {
+    return (size_t)NAT_ROWS * nat_code_bytes(w) + (size_t)w->n_scales * (1 + w->has_offsets) * NAT_ROWS * sizeof(float);
+}
+
+/* the parameter rows of a block: scale of each half, offset of each half (NULL without offsets) */
+typedef struct { const float *s0, *s1, *o0, *o1; } nat_params;
+
+static inline nat_params nat_block_params(const nat_weight *w, const float *par) {
+    nat_params p;
+    p.s0 = par;
+    p.s1 = par + (w->n_scales - 1) * NAT_ROWS;
+    p.o0 = w->has_offsets ? par + w->n_scales * NAT_ROWS : NULL;
+    p.o1 = w->has_offsets ? p.o0 + (w->n_scales - 1) * NAT_ROWS : NULL;
+    return p;
+}
+
+/* one ISA's kernels: rows [g0, g1) of groups (quantized) or of rows (float), for all M activation rows */
+typedef void (*nat_qgemm_fn)(const nat_weight *w, const nat_qact *a, int64_t m, float *y, int64_t g0, int64_t g1);
+typedef void (*nat_fgemm_fn)(const nat_weight *w, const float *x, int64_t m, float *y, int64_t r0, int64_t r1);
+
+void nat_qgemm_scalar(const nat_weight *w, const nat_qact *a, int64_t m, float *y, int64_t g0, int64_t g1);
+void nat_fgemm_scalar(const nat_weight *w, const float *x, int64_t m, float *y, int64_t r0, int64_t r1);
+#if (defined(__x86_64__) || defined(_M_X64)) && !defined(LLMFW_NATIVE_SCALAR_ONLY)
+#define NAT_HAVE_X86 1
+void nat_qgemm_avx2(const nat_weight *w, const nat_qact *a, int64_t m, float *y, int64_t g0, int64_t g1);
+void nat_fgemm_avx2(const nat_weight *w, const float *x, int64_t m, float *y, int64_t r0, int64_t r1);
+void nat_qgemm_avx512(const nat_weight *w, const nat_qact *a, int64_t m, float *y, int64_t g0, int64_t g1);
+void nat_fgemm_avx512(const nat_weight *w, const float *x, int64_t m, float *y, int64_t r0, int64_t r1);
+#endif
+
+float nat_f16_to_f32(uint16_t h);
+float nat_reduce16(float *lanes);
+void nat_quantize_rows(const float *x, int64_t m, int64_t k, nat_qact *a, int64_t m0, int64_t m1);
+
+#endif

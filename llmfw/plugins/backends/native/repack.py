@@ -1,0 +1,257 @@
+"""Weights repacked for the native kernels, values exact: every GGUF block type becomes 8-bit (or 4-bit indexed)
+codes with a float scale (and offset) per 16 or 32 elements, computed with the oracle's own float32 operations, so
+``scale * code + offset`` is the value ``llmfw.core.format.quants.dequantize`` gives, bit for bit — no requantization.
+Rows are interleaved in groups of 8 (csrc/native.h) so one activation load feeds eight output rows."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+from typing import Callable
+
+import numpy as np
+
+from llmfw.core.errors import QuantError
+from llmfw.core.format.quants import (IQ4_LEVELS, GGMLType, _f16_at, _five_bit_quants, _k4_scales_mins, _q3_k_scales,
+                               _unpack_fields, block_view, iq4_xs_scales)
+
+ROWS = 8  # NAT_ROWS
+BLOCK = 32  # NAT_BLOCK
+KIND_QNIB, KIND_QBYTE, KIND_F32, KIND_F16, KIND_BF16 = range(5)
+FLOAT_KINDS = {GGMLType.F32: KIND_F32, GGMLType.F16: KIND_F16, GGMLType.BF16: KIND_BF16}
+#: rows decoded per step while repacking: bounds the temporaries of a large table (Gemma-3's 262144-row head)
+_CHUNK_ROWS = 4096
+
+_IDENTITY = np.arange(16, dtype=np.int8)
+
+
+@dataclass(frozen=True)
+class Codes:
+    """One chunk of rows decoded into the kernels' terms: ``value = scales * table[codes] + offsets`` (QNIB) or
+    ``scales * codes + offsets`` (QBYTE), scales/offsets per ``16 * (2 // n_scales)`` elements."""
+
+    codes: np.ndarray  # (rows, n_cols) uint8 nibble indices (QNIB) or int8 values (QBYTE)
+    scales: np.ndarray  # (rows, n_cols // 32, n_scales) float32
+    offsets: np.ndarray | None  # same shape, or None
+
+
+@dataclass(frozen=True)
+class Layout:
+    kind: int
+    n_scales: int
+    has_offsets: bool
+    table: np.ndarray  # 16 int8 (QNIB)
+    decode: Callable[[np.ndarray], Codes]  # (rows, blocks, type_size) uint8 -> Codes
+
+
+def _per_half(values: np.ndarray, n_cols: int) -> np.ndarray:
+    """(rows, n_values) sub-block parameters -> (rows, n_cols // 32, n_scales)."""
+    rows = values.shape[0]
+    per_block = values.shape[1] * BLOCK // n_cols  # 1 (per 32) or 2 (per 16)
+    return np.ascontiguousarray(values.reshape(rows, n_cols // BLOCK, per_block), dtype=np.float32)
+
+
+def _flat(blocks: np.ndarray) -> tuple[np.ndarray, int, int]:
+    rows, n_blocks, size = blocks.shape
+    return blocks.reshape(rows * n_blocks, size), rows, n_blocks
+
+
+def _q4_0(blocks: np.ndarray) -> Codes:
+    flat, rows, nb = _flat(blocks)
+    d = _f16_at(flat, 0).reshape(rows, nb, 1)
+    return Codes(_unpack_fields(flat[:, 2:], 4, 16).reshape(rows, -1), d, None)
+
+
+def _q4_1(blocks: np.ndarray) -> Codes:
+    flat, rows, nb = _flat(blocks)
+    d, m = _f16_at(flat, 0).reshape(rows, nb, 1), _f16_at(flat, 2).reshape(rows, nb, 1)
+    return Codes(_unpack_fields(flat[:, 4:], 4, 16).reshape(rows, -1), d, m)
+
+
+def _q5_0(blocks: np.ndarray) -> Codes:
+    flat, rows, nb = _flat(blocks)
+    q = _five_bit_quants(flat[:, 2:6], flat[:, 6:]).view(np.int8)
+    q -= np.int8(16)
+    return Codes(q.reshape(rows, -1), _f16_at(flat, 0).reshape(rows, nb, 1), None)
+
+
+def _q5_1(blocks: np.ndarray) -> Codes:
+    flat, rows, nb = _flat(blocks)
+    q = _five_bit_quants(flat[:, 4:8], flat[:, 8:]).view(np.int8)
+    return Codes(q.reshape(rows, -1), _f16_at(flat, 0).reshape(rows, nb, 1), _f16_at(flat, 2).reshape(rows, nb, 1))
+
+
+def _q8_0(blocks: np.ndarray) -> Codes:
+    flat, rows, nb = _flat(blocks)
+    return Codes(np.ascontiguousarray(flat[:, 2:]).view(np.int8).reshape(rows, -1),
+                 _f16_at(flat, 0).reshape(rows, nb, 1), None)
+
+
+def _q2_k(blocks: np.ndarray) -> Codes:
+    flat, rows, nb = _flat(blocks)
+    n_cols = nb * 256
+    scales = flat[:, :16]
+    dl = _f16_at(flat, 80) * (scales & np.uint8(0x0F)).astype(np.float32)
+    ml = _f16_at(flat, 82) * (scales >> np.uint8(4)).astype(np.float32)
+    codes = _unpack_fields(flat[:, 16:80], 2, 32).reshape(rows, -1)
+    return Codes(codes, _per_half(dl.reshape(rows, -1), n_cols), _per_half(-ml.reshape(rows, -1), n_cols))
+
+
+def _q3_k(blocks: np.ndarray) -> Codes:
+    flat, rows, nb = _flat(blocks)
+    high_bit_clear = _unpack_fields(flat[:, :32], 1, 32) ^ np.uint8(1)
+    q = _unpack_fields(flat[:, 32:96], 2, 32)
+    q += np.uint8(4)
+    q -= high_bit_clear << np.uint8(2)  # code + 4 in 0..7: the table subtracts the 4 again
+    dl = _f16_at(flat, 108) * _q3_k_scales(flat[:, 96:108]).astype(np.float32)
+    return Codes(q.reshape(rows, -1), _per_half(dl.reshape(rows, -1), nb * 256), None)
+
+
+def _k4_params(flat: np.ndarray, rows: int, nb: int) -> tuple[np.ndarray, np.ndarray]:
+    scales, mins = _k4_scales_mins(flat[:, 4:16])
+    d1 = _f16_at(flat, 0) * scales.astype(np.float32)
+    m1 = _f16_at(flat, 2) * mins.astype(np.float32)
+    return _per_half(d1.reshape(rows, -1), nb * 256), _per_half(-m1.reshape(rows, -1), nb * 256)
+
+
+def _q4_k(blocks: np.ndarray) -> Codes:
+    flat, rows, nb = _flat(blocks)
+    d1, m1 = _k4_params(flat, rows, nb)
+    return Codes(_unpack_fields(flat[:, 16:], 4, 32).reshape(rows, -1), d1, m1)
+
+
+def _q5_k(blocks: np.ndarray) -> Codes:
+    flat, rows, nb = _flat(blocks)
+    d1, m1 = _k4_params(flat, rows, nb)
+    q = _unpack_fields(flat[:, 48:], 4, 32)
+    q |= _unpack_fields(flat[:, 16:48], 1, 32) << np.uint8(4)
+    return Codes(q.view(np.int8).reshape(rows, -1), d1, m1)
+
+
+def _q6_k(blocks: np.ndarray) -> Codes:
+    flat, rows, nb = _flat(blocks)
+    q = _unpack_fields(flat[:, :128], 4, 64)
+    q |= _unpack_fields(flat[:, 128:192], 2, 32) << np.uint8(4)
+    q = q.view(np.int8)
+    q -= np.int8(32)
+    dl = _f16_at(flat, 208) * flat[:, 192:208].view(np.int8).astype(np.float32)
+    return Codes(q.reshape(rows, -1), _per_half(dl.reshape(rows, -1), nb * 256), None)
+
+
+def _iq4_nl(blocks: np.ndarray) -> Codes:
+    flat, rows, nb = _flat(blocks)
+    return Codes(_unpack_fields(flat[:, 2:], 4, 16).reshape(rows, -1), _f16_at(flat, 0).reshape(rows, nb, 1), None)
+
+
+def _iq4_xs(blocks: np.ndarray) -> Codes:
+    flat, rows, nb = _flat(blocks)
+    dl = _f16_at(flat, 0) * iq4_xs_scales(flat).astype(np.float32)
+    codes = _unpack_fields(flat[:, 8:].reshape(-1, 16), 4, 16).reshape(rows, -1)
+    return Codes(codes, _per_half(dl.reshape(rows, -1), nb * 256), None)
+
+
+LAYOUTS: dict[GGMLType, Layout] = {
+    GGMLType.Q4_0: Layout(KIND_QNIB, 1, False, _IDENTITY - np.int8(8), _q4_0),
+    GGMLType.Q4_1: Layout(KIND_QNIB, 1, True, _IDENTITY, _q4_1),
+    GGMLType.Q5_0: Layout(KIND_QBYTE, 1, False, _IDENTITY, _q5_0),
+    GGMLType.Q5_1: Layout(KIND_QBYTE, 1, True, _IDENTITY, _q5_1),
+    GGMLType.Q8_0: Layout(KIND_QBYTE, 1, False, _IDENTITY, _q8_0),
+    GGMLType.Q2_K: Layout(KIND_QNIB, 2, True, _IDENTITY, _q2_k),
+    GGMLType.Q3_K: Layout(KIND_QNIB, 2, False, _IDENTITY - np.int8(4), _q3_k),
+    GGMLType.Q4_K: Layout(KIND_QNIB, 1, True, _IDENTITY, _q4_k),
+    GGMLType.Q5_K: Layout(KIND_QBYTE, 1, True, _IDENTITY, _q5_k),
+    GGMLType.Q6_K: Layout(KIND_QBYTE, 2, False, _IDENTITY, _q6_k),
+    GGMLType.IQ4_NL: Layout(KIND_QNIB, 1, False, IQ4_LEVELS, _iq4_nl),
+    GGMLType.IQ4_XS: Layout(KIND_QNIB, 1, False, IQ4_LEVELS, _iq4_xs),
+}
+
+#: every GGML type the native matmul takes
+SUPPORTED_TYPES: frozenset[GGMLType] = frozenset(LAYOUTS) | frozenset(FLOAT_KINDS)
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A weight in the kernels' layout: ``data`` is what ``nat_weight.data`` points at (kept alive here)."""
+
+    kind: int
+    n_rows: int
+    n_cols: int
+    n_scales: int
+    has_offsets: bool
+    table: np.ndarray
+    data: np.ndarray
+    ggml_type: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.n_rows, self.n_cols)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+
+def block_bytes(kind: int, n_scales: int, has_offsets: bool) -> int:
+    """nat_block_bytes (csrc/native.h): one block of one row group."""
+    return ROWS * (16 if kind == KIND_QNIB else 32) + n_scales * (1 + int(has_offsets)) * ROWS * 4
+
+
+def repack(raw: np.ndarray, ggml_type: int, ne: tuple[int, ...]) -> PackedWeight:
+    """The kernels' form of a 2-D weight of ggml shape ``ne`` (QuantError for a type or shape they do not take)."""
+    qtype = GGMLType(ggml_type)
+    if qtype not in SUPPORTED_TYPES:
+        raise QuantError(f"the native backend has no kernel for {qtype.name} weights")
+    n_cols, n_rows = int(ne[0]), prod(int(d) for d in ne[1:])
+    blocks = block_view(raw, qtype, ne)  # validates the byte length
+    if qtype in FLOAT_KINDS:
+        data = np.array(blocks, dtype=np.uint8, copy=True).reshape(-1)
+        return PackedWeight(FLOAT_KINDS[qtype], n_rows, n_cols, 0, False, _IDENTITY, data, int(qtype))
+    layout = LAYOUTS[qtype]
+    if n_cols % BLOCK:
+        raise QuantError(f"{qtype.name}: row length {n_cols} is not a multiple of {BLOCK}")
+    per_row = blocks.reshape(n_rows, -1, blocks.shape[-1])  # (rows, blocks of the file's type, type_size)
+    n_groups = (n_rows + ROWS - 1) // ROWS
+    nb = n_cols // BLOCK
+    out = np.zeros((n_groups, nb, block_bytes(layout.kind, layout.n_scales, layout.has_offsets)), dtype=np.uint8)
+    for start in range(0, n_rows, _CHUNK_ROWS):
+        stop = min(start + _CHUNK_ROWS, n_rows)
+        with np.errstate(invalid="ignore", over="ignore"):  # NaN/inf scales stay NaN/inf, as in the oracle
+            codes = layout.decode(per_row[start:stop])
+        _place(out, start, codes, layout, nb)
+    return PackedWeight(layout.kind, n_rows, n_cols, layout.n_scales, layout.has_offsets,
+                        np.ascontiguousarray(layout.table, dtype=np.int8), out.reshape(-1), int(qtype))
+
+
+def _place(out: np.ndarray, start: int, codes: Codes, layout: Layout, nb: int) -> None:
+    """Write the decoded rows ``start..`` (a multiple of 8) into their row groups of ``out``."""
+    rows = codes.codes.shape[0]
+    padded = (rows + ROWS - 1) // ROWS * ROWS
+    code_bytes = _code_bytes(codes.codes, layout.kind, nb)  # (rows, nb, cb)
+    params = [codes.scales] + ([codes.offsets] if layout.has_offsets and codes.offsets is not None else [])
+    if padded != rows:
+        pad = ((0, padded - rows), (0, 0), (0, 0))
+        code_bytes = np.pad(code_bytes, pad)
+        params = [np.pad(p, pad) for p in params]
+    groups = padded // ROWS
+    g0 = start // ROWS
+    cb = code_bytes.shape[-1]
+    # codes: [group][block][row][cb]
+    out[g0:g0 + groups, :, :ROWS * cb] = code_bytes.reshape(groups, ROWS, nb, cb).transpose(0, 2, 1, 3).reshape(
+        groups, nb, ROWS * cb)
+    at = ROWS * cb
+    for p in params:  # each (padded, nb, n_scales) -> [group][block][half][row] float32
+        n_scales = p.shape[-1]
+        arranged = p.reshape(groups, ROWS, nb, n_scales).transpose(0, 2, 3, 1)
+        width = n_scales * ROWS * 4
+        out[g0:g0 + groups, :, at:at + width] = np.ascontiguousarray(arranged, dtype=np.float32).view(
+            np.uint8).reshape(groups, nb, width)
+        at += width
+
+
+def _code_bytes(codes: np.ndarray, kind: int, nb: int) -> np.ndarray:
+    """(rows, n_cols) codes -> (rows, nb, 16) nibble bytes (element j low nibble of byte j, j+16 high) or
+    (rows, nb, 32) int8 bytes."""
+    rows = codes.shape[0]
+    by_block = codes.reshape(rows, nb, BLOCK).view(np.uint8)
+    if kind == KIND_QBYTE:
+        return by_block
+    return (by_block[:, :, :16] & np.uint8(15)) | (by_block[:, :, 16:] << np.uint8(4))

@@ -1,0 +1,141 @@
+"""The native backend on the real models: llama.cpp's reference prompts within the bar, greedy tokens equal to
+llama.cpp's up to its first close call, the tg path (one token per decode), and the kernels' construction
+property on a whole model (every ISA path gives the same logits, bit for bit)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import llmfw
+from llmfw.core.backend import WeightSource
+from llmfw.core.errors import ModelError
+from llmfw.core.quants import GGMLType
+
+from support.native import kernels_or_skip
+from reference.test_onnx_reference import assert_within_bar, teacher_forced_logits
+
+kernels_or_skip()
+SHORT = 1000  # the reference files' long prompts (2,700 tokens) are for the slow suites
+
+
+@pytest.fixture(scope="module")
+def smollm2_native(smollm2_path):
+    model = llmfw.load_model(smollm2_path, backend="native")
+    yield model
+    model.close()
+
+
+@pytest.fixture(scope="module")
+def gemma3_native(gemma3_path):
+    model = llmfw.load_model(gemma3_path, backend="native")
+    yield model
+    model.close()
+
+
+def check_prompts(model, ref: dict, score, confident_prefix) -> None:
+    for index, record in enumerate(ref["prompts"]):
+        if len(record["sequence"]) > SHORT:
+            continue
+        logits = teacher_forced_logits(model, record["sequence"])
+        assert_within_bar(score(record, logits), f"prompt {index}")
+        start, n_sure = len(record["prompt_ids"]) - 1, confident_prefix(record)
+        greedy = logits[start:start + n_sure].argmax(axis=-1).tolist()
+        assert greedy == record["sequence"][start + 1:start + 1 + n_sure], f"prompt {index}: greedy tokens"
+
+
+def test_smollm2_prompts_within_bar_and_greedy_as_llama_cpp(smollm2_native, smollm2_ref, score, confident_prefix):
+    check_prompts(smollm2_native, smollm2_ref, score, confident_prefix)
+
+
+def test_gemma3_prompts_within_bar_and_greedy_as_llama_cpp(gemma3_native, gemma3_ref, score, confident_prefix):
+    check_prompts(gemma3_native, gemma3_ref, score, confident_prefix)
+
+
+def test_smollm2_token_by_token_decode_within_bar(smollm2_native, smollm2_ref, score):
+    record = smollm2_ref["prompts"][0]
+    prompt, sequence = record["prompt_ids"], record["sequence"]
+    ctx = smollm2_native.new_context(n_ctx=512)
+    assert ctx.decode(llmfw.Batch(tokens=prompt, logits=True)) == 0
+    rows = [ctx.get_logits()]
+    for token in sequence[len(prompt):]:
+        assert ctx.decode(llmfw.Batch(tokens=[token])) == 0
+        rows.append(ctx.get_logits_ith(-1)[None, :])
+    ctx.close()
+    assert_within_bar(score(record, np.concatenate(rows)), "token by token")
+
+
+@pytest.mark.parametrize("which", ["smollm2", "gemma3"])
+def test_a_sequence_gives_the_same_logits_bit_for_bit_alone_token_by_token_and_beside_another(which, smollm2_native,
+                                                                                              gemma3_native):
+    """Batch invariance on a whole model: the native ops compute each row alone in a fixed order (the numpy ops
+    this backend still uses are elementwise), so neither the batch, nor its neighbours, nor the thread count
+    changes a bit of a sequence's logits."""
+    model = smollm2_native if which == "smollm2" else gemma3_native
+    rng = np.random.default_rng(0)
+    tokens = [int(t) for t in rng.integers(100, 5000, 20)]
+    other = [int(t) for t in rng.integers(100, 5000, 9)]
+
+    def decode(batches, n_threads=2):
+        ctx = model.new_context(n_ctx=256, n_seq_max=2, n_threads=n_threads)
+        rows = []
+        for batch, keep in batches:
+            assert ctx.decode(batch) == 0
+            rows.append(ctx.get_logits()[keep].copy())
+        ctx.close()
+        return np.concatenate(rows)
+
+    together = decode([(llmfw.Batch(tokens=tokens, logits=True), slice(None))])
+    one_by_one = decode([(llmfw.Batch(tokens=[t], logits=True), slice(None)) for t in tokens], n_threads=1)
+    beside = decode([(llmfw.Batch(tokens=other + tokens, seq_id=[1] * len(other) + [0] * len(tokens),
+                                  pos=list(range(len(other))) + list(range(len(tokens))), logits=True),
+                      slice(len(other), None))], n_threads=3)
+    assert np.array_equal(one_by_one, together)
+    assert np.array_equal(beside, together)
+
+
+def test_every_isa_path_gives_the_same_logits(smollm2_path, smollm2_ref):
+    """The kernels' paths differ in instructions, never in results (csrc/native.h), so forcing the portable C
+    path changes no bit of a model's logits."""
+    tokens = smollm2_ref["prompts"][2]["prompt_ids"][:12]
+    logits = {}
+    for isa in kernels_or_skip().available_isas():
+        model = llmfw.load_model(smollm2_path, backend="native", backend_options={"native": {"isa": isa}})
+        assert model.backends["native"].isa == isa
+        ctx = model.new_context(n_ctx=64)
+        assert ctx.decode(llmfw.Batch(tokens=tokens, logits=True)) == 0
+        logits[isa] = ctx.get_logits().copy()
+        model.close()
+    for isa, values in logits.items():
+        assert np.array_equal(values, logits["scalar"]), isa
+
+
+def test_a_weight_type_without_a_kernel_is_declined_with_the_reason():
+    from llmfw.plugins.backends.native import NativeBackend
+
+    backend = NativeBackend()
+    source = WeightSource("blk.0.ffn_up.weight", "blk.0.ffn_up.weight", int(GGMLType.IQ2_XXS), (256, 4),
+                          np.zeros(4 * 66, dtype=np.uint8), frozenset({"mul_mat"}))
+    with pytest.raises(ModelError, match="no kernel for IQ2_XXS weights"):
+        backend.load_weight(source)
+
+
+def test_weights_are_counted_in_their_repacked_size(smollm2_native):
+    backend = smollm2_native.backends["native"]
+    # the matrices as loaded (a fused matrix "a+b+c" shares its parts' bytes: counted once)
+    packed = sum(h.packed.nbytes for name, h in backend.weights.items() if hasattr(h, "packed") and "+" not in name)
+    assert packed > 50 * 2**20  # SmolLM2-135M's matrices, 4-8 bits a weight
+    assert packed <= backend.weight_nbytes() < 2 * packed
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "phi3", "gemma2", "olmo", "llama-rope-linear",
+                                    "llama-rope-llama3", "llama-rope-yarn"])
+def test_every_random_weight_family_clears_the_bar(family, tmp_path, score):
+    """The families of tests/data/arch (mixed F32/F16/Q8_0/Q4_0/Q4_1/Q5_0 tensors, biases, fused QKV, soft-caps,
+    sliding windows, rope scalings) against llama.cpp's logits for the same bytes."""
+    from reference_gen.arch_testing import assert_clears_bar, decode_all, model_file, records, reference
+
+    if family == "olmo":
+        pytest.importorskip("llmfw_olmo")
+    with llmfw.load_model(model_file(family, tmp_path), backend="native") as model:
+        for record in records(reference(family)):
+            assert_clears_bar(score, record, decode_all(model, record["sequence"], n_ctx=record["n_ctx"]), family)

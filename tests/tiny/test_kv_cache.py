@@ -1,0 +1,108 @@
+"""The KV cache's cell bookkeeping on a real (tiny, random-weight) llama model: slot search, all-or-nothing
+reservation, masks per sequence, llama.cpp's sliding-window rules and SWA cell reuse, the composite memory."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import llmfw
+from llmfw.core.batch import Batch, BatchAllocator
+from llmfw.core.memory import CompositeMemory, KVCache
+from support.models import TINY_N_EMBD, TINY_N_VOCAB, write_tiny_llama
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    path = write_tiny_llama(tmp_path_factory.mktemp("kv") / "tiny.gguf")
+    with llmfw.load_model(path, backend="numpy") as m:
+        yield m
+
+
+def reserve(cache, tokens, seq_id=0, n_ubatch=512, pos=None):
+    """Allocate a batch against the cache, reserve and apply it; returns (ubatches, reservation)."""
+    allocator = BatchAllocator(n_vocab=TINY_N_VOCAB, n_embd=TINY_N_EMBD, n_seq_max=cache.n_seq_max)
+    batch = allocator.init(Batch(tokens, seq_id=seq_id, pos=pos), cache)
+    ubatches, reserved = cache.init_batch(batch, n_ubatch)
+    if reserved is not None:
+        for i in range(len(ubatches)):
+            reserved.apply(i)
+    return ubatches, reserved
+
+
+def test_slots_and_mask_per_sequence(tiny_model):
+    cache = KVCache(tiny_model, n_ctx=256, n_seq_max=2)
+    reserve(cache, [1, 2, 3], seq_id=0)
+    ubatches, reserved = reserve(cache, [4, 5], seq_id=1)
+    assert (cache.seq_pos_max(0), cache.seq_pos_max(1)) == (2, 1)
+    assert cache.get_n_kv() == 256 and cache.n_used == 5
+    inputs = {}
+    reserved.set_inputs(0, ubatches[0], inputs)
+    mask = inputs["kq_mask:kv"]
+    assert mask.shape == (2, 256)
+    visible = np.isfinite(mask)
+    assert visible[0].tolist()[:6] == [False, False, False, True, False, False]  # seq 1 pos 0 sees itself only
+    assert visible[1].tolist()[:6] == [False, False, False, True, True, False]
+    assert inputs["kv_idx:kv"].tolist() == [3, 4]
+
+
+def test_reservation_is_all_or_nothing(tiny_model):
+    cache = KVCache(tiny_model, n_ctx=256)
+    reserve(cache, list(range(200)))
+    before = (cache.cells.pos.copy(), cache.cells.seq.copy())
+    _, reserved = reserve(cache, list(range(60)), n_ubatch=16)  # 4 ubatches, 56 free cells
+    assert reserved is None
+    assert np.array_equal(cache.cells.pos, before[0]) and np.array_equal(cache.cells.seq, before[1])
+    cache.seq_rm(0, 0, 10)  # free 10 cells at the start: the search wraps around to them
+    _, reserved = reserve(cache, list(range(60)), n_ubatch=16)
+    assert reserved is not None and cache.n_used == 250
+
+
+@pytest.mark.parametrize("swa_type, token_pos, expected_visible", [
+    ("standard", 9, [6, 7, 8, 9]),  # p - cell_pos < n_swa
+    ("chunked", 9, [8, 9]),  # same chunk of n_swa positions
+    ("symmetric", 5, [3, 4, 5]),  # |p - cell_pos| <= n_swa / 2, causal on top
+])
+def test_sliding_window_masks(tiny_model, swa_type, token_pos, expected_visible):
+    cache = KVCache(tiny_model, n_ctx=256, n_swa=4, swa_type=swa_type)
+    reserve(cache, list(range(1, token_pos + 1)))
+    ubatches, reserved = reserve(cache, [99])
+    inputs = {}
+    reserved.set_inputs(0, ubatches[0], inputs)
+    visible_cells = np.flatnonzero(np.isfinite(inputs["kq_mask:kv"][0]))
+    assert cache.cells.pos[visible_cells].tolist() == expected_visible
+
+
+def test_sliding_window_reuses_cells(tiny_model):
+    cache = KVCache(tiny_model, n_ctx=256, n_swa=8, swa_type="standard")
+    for start in range(0, 600, 50):  # 600 tokens through 256 cells: cells out of the window are reused
+        _, reserved = reserve(cache, list(range(start, start + 50)))
+        assert reserved is not None, start
+    assert cache.seq_pos_max(0) == 599
+    # positions kept stay contiguous and cover at least the window
+    assert cache.seq_pos_min(0) <= 599 - 8
+    kept = np.sort(cache.cells.pos[cache.cells.seq != 0])
+    assert np.array_equal(kept, np.arange(kept[0], 600))
+
+
+def test_plain_cache_does_not_reuse_cells(tiny_model):
+    cache = KVCache(tiny_model, n_ctx=256)
+    reserve(cache, list(range(250)))
+    _, reserved = reserve(cache, list(range(10)))
+    assert reserved is None
+
+
+def test_composite_memory_reserves_in_every_part(tiny_model):
+    base = KVCache(tiny_model, n_ctx=512, name="base", layers=[0])
+    swa = KVCache(tiny_model, n_ctx=256, name="swa", layers=[1], n_swa=4, swa_type="standard")
+    memory = CompositeMemory([base, swa])
+    assert memory.cache_of_layer(0) == "base" and memory.cache_of_layer(1) == "swa"
+    ubatches, reserved = reserve(memory, list(range(300)), n_ubatch=64)  # the window part reuses cells
+    assert reserved is not None
+    inputs = {}
+    reserved.set_inputs(0, ubatches[0], inputs)
+    assert {"kq_mask:base", "kq_mask:swa", "kv_idx:base", "kv_idx:swa"} <= set(inputs)
+    assert memory.seq_pos_max(0) == 299
+    memory.seq_rm(0, 100, -1)
+    assert base.seq_pos_max(0) == 99 and swa.seq_pos_max(0) == 99
+    memory.clear()
+    assert memory.seq_pos_max(0) == -1

@@ -1,0 +1,167 @@
+"""The native backend's matmul kernels against the numpy oracle (llmfw.core.quants dequantizers), for every block
+type x every ISA path this CPU runs: exact repacking, error within the 8-bit activation bound, NaN/inf blocks,
+and the kernels' own construction properties (every ISA path and every batch/thread split give the same bits)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from llmfw.core.errors import ConfigError, QuantError
+from llmfw.core.quants import TYPE_INFO, GGMLType, dequantize
+from llmfw.plugins.backends.native import repack as rp
+
+from support.native import BLOCK_TYPES, F16_FIELDS, FLOAT_TYPES, kernels_or_skip, random_blocks, random_float_tensor
+
+kernels = kernels_or_skip()
+ISAS = kernels.available_isas()
+
+
+@pytest.fixture(scope="module")
+def pools():
+    made = {n: kernels.ThreadPool(n) for n in (1, 2, 3)}
+    yield made
+    for pool in made.values():
+        pool.close()
+
+
+def unpack_values(packed: rp.PackedWeight) -> np.ndarray:
+    """The values the kernels multiply with, read back from the repacked layout in numpy: scale*code + offset."""
+    nb, n_groups = packed.n_cols // rp.BLOCK, -(-packed.n_rows // rp.ROWS)
+    cb = 16 if packed.kind == rp.KIND_QNIB else 32
+    blocks = packed.data.reshape(n_groups, nb, -1)
+    codes = blocks[:, :, :rp.ROWS * cb].reshape(n_groups, nb, rp.ROWS, cb)
+    if packed.kind == rp.KIND_QNIB:
+        nibbles = np.concatenate([codes & 15, codes >> 4], axis=-1)
+        values = packed.table[nibbles].astype(np.float32)
+    else:
+        values = codes.view(np.int8).astype(np.float32)
+    params = blocks[:, :, rp.ROWS * cb:].copy().view(np.float32).reshape(n_groups, nb, -1, packed.n_scales, rp.ROWS)
+    halves = values.reshape(n_groups, nb, rp.ROWS, 2, 16)
+    scale = params[:, :, 0].transpose(0, 1, 3, 2)  # [g, b, row, n_scales]
+    scale = np.repeat(scale, 2 // packed.n_scales, axis=-1)[..., None]
+    with np.errstate(invalid="ignore", over="ignore"):
+        out = scale * halves
+        if packed.has_offsets:
+            offset = np.repeat(params[:, :, 1].transpose(0, 1, 3, 2), 2 // packed.n_scales, axis=-1)[..., None]
+            out = out + offset
+    return out.transpose(0, 2, 1, 3, 4).reshape(n_groups * rp.ROWS, packed.n_cols)[:packed.n_rows]
+
+
+def activation_bound(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """|x·w - x̂·w| <= Σ_blocks (amax/254) Σ|w| (round to nearest of 127 levels), plus float32 accumulation."""
+    m, k = x.shape
+    amax = np.abs(x.reshape(m, k // 32, 32)).max(axis=-1).astype(np.float64)
+    wsum = np.abs(w).reshape(w.shape[0], k // 32, 32).sum(axis=-1)
+    magnitude = np.abs(x.astype(np.float64)) @ np.abs(w).T
+    return (amax / 254.0) @ wsum.T * 1.001 + magnitude * 1e-5 + 1e-30
+
+
+@pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda t: t.name)
+def test_repacking_keeps_every_value_bit_exact(qtype):
+    rng = np.random.default_rng(int(qtype))
+    n_blocks = 2 if TYPE_INFO[qtype].block_size == 256 else 5
+    raw = random_blocks(qtype, 21, n_blocks, rng)
+    ne = (n_blocks * TYPE_INFO[qtype].block_size, 21)
+    packed = rp.repack(raw, qtype, ne)
+    np.testing.assert_array_equal(unpack_values(packed), dequantize(raw, qtype, ne))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda t: t.name)
+def test_quantized_matmul_within_the_activation_rounding_bound(qtype, isa, pools):
+    rng = np.random.default_rng(100 + int(qtype))
+    n_rows, n_blocks = 37, 3 if TYPE_INFO[qtype].block_size == 32 else 2  # a partial row group, odd block counts
+    k = n_blocks * TYPE_INFO[qtype].block_size
+    raw = random_blocks(qtype, n_rows, n_blocks, rng)
+    w = dequantize(raw, qtype, (k, n_rows)).astype(np.float64)
+    x = (rng.standard_normal((5, k)) * rng.uniform(0.1, 10, (5, 1))).astype(np.float32)
+    got = kernels.mul_mat(rp.repack(raw, qtype, (k, n_rows)), x, pools[2], isa)
+    err = np.abs(got - x.astype(np.float64) @ w.T)
+    assert (err <= activation_bound(x, w)).all(), float(err.max())
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("qtype", FLOAT_TYPES, ids=lambda t: t.name)
+def test_float_weight_matmul_matches_the_oracle(qtype, isa, pools):
+    rng = np.random.default_rng(7)
+    n_rows, k = 13, 77  # no multiple of 8 or 16 anywhere
+    raw = random_float_tensor(qtype, n_rows, k, rng)
+    w = dequantize(raw, qtype, (k, n_rows)).astype(np.float64)
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    got = kernels.mul_mat(rp.repack(raw, qtype, (k, n_rows)), x, pools[1], isa)
+    bound = (np.abs(x.astype(np.float64)) @ np.abs(w).T) * 1e-6
+    assert (np.abs(got - x.astype(np.float64) @ w.T) <= bound).all()
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda t: t.name)
+def test_nan_and_inf_blocks_give_non_finite_results_where_the_oracle_does(qtype, isa, pools):
+    rng = np.random.default_rng(300 + int(qtype))
+    info = TYPE_INFO[qtype]
+    n_rows, n_blocks = 11, 2
+    k = n_blocks * info.block_size
+    raw = random_blocks(qtype, n_rows, n_blocks, rng).reshape(n_rows, n_blocks, info.type_size)
+    offset = F16_FIELDS[qtype][-1]  # the offset/min field where there is one, else the scale
+    raw[2, 1, offset:offset + 2] = np.array([np.nan], dtype=np.float16).view(np.uint8)
+    raw[9, 0, offset:offset + 2] = np.array([np.inf], dtype=np.float16).view(np.uint8)
+    raw = raw.reshape(-1)
+    x = rng.standard_normal((4, k)).astype(np.float32)
+    x[1, 5] = np.inf
+    x[3, k - 1] = np.nan
+    with np.errstate(invalid="ignore", over="ignore"):
+        expected = x.astype(np.float64) @ dequantize(raw, qtype, (k, n_rows)).astype(np.float64).T
+    got = kernels.mul_mat(rp.repack(raw, qtype, (k, n_rows)), x, pools[2], isa)
+    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(expected))
+    assert np.isfinite(got).sum() == 2 * (n_rows - 2)  # rows 0 and 2 of x, minus the two bad weight rows
+
+
+@pytest.mark.parametrize("qtype", BLOCK_TYPES + FLOAT_TYPES, ids=lambda t: t.name)
+def test_every_isa_path_gives_the_same_bits(qtype, pools):
+    """By construction (csrc/native.h: one order of float operations, no fused multiply-add): scalar, AVX2 and
+    AVX-512 differ in instructions, not in results."""
+    rng = np.random.default_rng(500 + int(qtype))
+    raw, ne = _weight(qtype, rng)
+    packed = rp.repack(raw, qtype, ne)
+    x = rng.standard_normal((6, ne[0])).astype(np.float32)
+    results = [kernels.mul_mat(packed, x, pools[2], isa) for isa in ISAS]
+    for isa, result in zip(ISAS, results):
+        assert np.array_equal(result, results[0]), isa
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("qtype", (GGMLType.Q4_1, GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.F16), ids=lambda t: t.name)
+def test_a_row_is_bit_identical_alone_and_inside_any_batch_and_thread_split(qtype, isa, pools):
+    rng = np.random.default_rng(900 + int(qtype))
+    raw, ne = _weight(qtype, rng)
+    packed = rp.repack(raw, qtype, ne)
+    row = rng.standard_normal((1, ne[0])).astype(np.float32)
+    alone = kernels.mul_mat(packed, row, pools[1], isa)
+    for batch, place in ((2, 1), (3, 0), (8, 5), (17, 16)):
+        x = rng.standard_normal((batch, ne[0])).astype(np.float32)
+        x[place] = row[0]
+        for n_threads, pool in pools.items():
+            got = kernels.mul_mat(packed, x, pool, isa)
+            assert np.array_equal(got[place], alone[0]), (batch, place, n_threads)
+
+
+def _weight(qtype: GGMLType, rng: np.random.Generator) -> tuple[np.ndarray, tuple[int, int]]:
+    n_rows = 45
+    if qtype in FLOAT_TYPES:
+        return random_float_tensor(qtype, n_rows, 100, rng), (100, n_rows)
+    n_blocks = 4 if TYPE_INFO[qtype].block_size == 32 else 2
+    return random_blocks(qtype, n_rows, n_blocks, rng), (n_blocks * TYPE_INFO[qtype].block_size, n_rows)
+
+
+def test_unsupported_types_and_shapes_are_refused():
+    with pytest.raises(QuantError, match="no kernel for IQ2_XXS"):
+        rp.repack(np.zeros(66, np.uint8), GGMLType.IQ2_XXS, (256, 1))
+    with pytest.raises(QuantError):
+        rp.repack(np.zeros(17, np.uint8), GGMLType.Q4_0, (32, 1))  # one byte short
+
+
+def test_isa_option_picks_a_path_this_cpu_runs_and_refuses_others():
+    assert kernels.resolve_isa("auto") in ISAS
+    assert kernels.resolve_isa("scalar") == "scalar"
+    for isa in set(kernels.ISAS) - set(ISAS):
+        with pytest.raises(ConfigError, match="cannot run on this CPU"):
+            kernels.resolve_isa(isa)
