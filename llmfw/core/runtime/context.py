@@ -11,6 +11,7 @@ these; the reason is in ``ctx.last_error`` and the log.
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
 
 import numpy as np
@@ -129,6 +130,7 @@ class Context:
         self._logits = np.zeros((0, model.n_vocab), dtype=np.float32)
         self._output_ids = np.zeros(0, dtype=np.int32)
         self._written = np.zeros(0, dtype=bool)
+        self.reset_perf()
 
     # -- set-up ------------------------------------------------------------------------------------------
     def _create_memory(self) -> Memory:
@@ -205,6 +207,7 @@ class Context:
         return f"n_ctx {self.n_ctx}" + (f" ({note})" if note else "")
 
     def _run_ubatches(self, allocated: AllocatedBatch, ubatches: list[UBatch], reserved: MemoryBatch) -> int:
+        start = time.perf_counter()
         self._begin_outputs(allocated)
         n_done = 0
         for i, ub in enumerate(ubatches):
@@ -224,6 +227,7 @@ class Context:
             self._logits[rows] = logits
             self._written[rows] = True
             n_done += ub.n_outputs
+        self._record_perf(allocated.n_tokens, time.perf_counter() - start)
         return DECODE_OK
 
     def _process_ubatch(self, ub: UBatch, reserved: MemoryBatch, i: int, use_embd: bool) -> np.ndarray:
@@ -354,6 +358,22 @@ class Context:
         from .state import load_state_file
 
         return load_state_file(self, path, sampler)
+
+    # -- performance counters (llama.cpp's llama_perf_context) ---------------------------------------------
+    def reset_perf(self) -> None:
+        self.perf_data: dict[str, float] = {"n_p_eval": 0, "t_p_eval": 0.0, "n_eval": 0, "t_eval": 0.0}
+
+    def _record_perf(self, n_tokens: int, seconds: float) -> None:
+        key = "eval" if n_tokens == 1 else "p_eval"
+        self.perf_data[f"n_{key}"] += n_tokens
+        self.perf_data[f"t_{key}"] += seconds
+
+    def perf(self) -> dict[str, float]:
+        """Prompt (multi-token decodes) and generation (one-token decodes) counts, seconds and tokens/s."""
+        d = dict(self.perf_data)
+        d["prompt_tps"] = d["n_p_eval"] / d["t_p_eval"] if d["t_p_eval"] else 0.0
+        d["eval_tps"] = d["n_eval"] / d["t_eval"] if d["t_eval"] else 0.0
+        return d
 
 
 def _context_params(params: ContextParams | None, kw: dict[str, Any]) -> ContextParams:
