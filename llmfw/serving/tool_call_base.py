@@ -149,12 +149,22 @@ class ToolCallStream:
 
     def _step_text(self) -> list[dict[str, Any]]:
         """hermes: content up to ``<tool_call>``; a possible start of the tag is held back."""
-        at = self._buffer.find(HERMES_OPEN)
+        return self._text_until(HERMES_OPEN, "call_head")
+
+    def _text_until(self, tag: str, next_state: str) -> list[dict[str, Any]]:
+        """Content up to ``tag`` (blanks alone before it are the call's layout, dropped), then ``next_state`` with
+        the buffer past the tag; while the tag has not come, :meth:`_text_before` it."""
+        at = self._buffer.find(tag)
         if at >= 0:
-            content, self._buffer = self._buffer[:at], self._buffer[at + len(HERMES_OPEN):]
-            self._state = "call_head"
+            content, self._buffer = self._buffer[:at], self._buffer[at + len(tag):]
+            self._state = next_state
             return [{"content": content}] if content.strip() else []
-        keep = partial_suffix(self._buffer, HERMES_OPEN)
+        return self._text_before(tag)
+
+    def _text_before(self, tag: str) -> list[dict[str, Any]]:
+        """The buffer (which holds no ``tag``) as content, less a suffix that may be the start of ``tag``: that
+        part is held back until the next piece tells."""
+        keep = partial_suffix(self._buffer, tag)
         content = self._buffer[:len(self._buffer) - keep]
         self._buffer = self._buffer[len(content):]
         return [{"content": content}] if content else []

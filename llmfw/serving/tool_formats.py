@@ -23,7 +23,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from .tool_call_base import ArgumentsScanner, ToolCall, ToolCallStream, merged_deltas, partial_suffix
+from .tool_call_base import ArgumentsScanner, ToolCall, ToolCallStream, merged_deltas
 
 #: how far past a call's marker the head may still be arriving before the marker is taken as plain text
 MAX_HEAD_CHARS = 256
@@ -111,10 +111,7 @@ class MarkedCallStream(ToolCallStream):
             content, self._buffer = self._buffer[:at], self._buffer[at:]
             self._state = "head"
             return [{"content": content}] if content else []
-        keep = partial_suffix(self._buffer, self.marked.marker)
-        content = self._buffer[:len(self._buffer) - keep]
-        self._buffer = self._buffer[len(content):]
-        return [{"content": content}] if content else []
+        return self._text_before(self.marked.marker)
 
     def _step_head(self) -> list[dict[str, Any]]:
         head = self.marked.head.match(self._buffer)
@@ -227,15 +224,7 @@ class XmlCallStream(ToolCallStream):
         return {"tool_calls": [{"index": len(self.calls) - 1, "function": {"arguments": fragment}}]}
 
     def _step_text(self) -> list[dict[str, Any]]:
-        at = self._buffer.find(XML_CALL_OPEN)
-        if at >= 0:
-            content, self._buffer = self._buffer[:at], self._buffer[at + len(XML_CALL_OPEN):]
-            self._state = "function"
-            return [{"content": content}] if content.strip() else []
-        keep = partial_suffix(self._buffer, XML_CALL_OPEN)
-        content = self._buffer[:len(self._buffer) - keep]
-        self._buffer = self._buffer[len(content):]
-        return [{"content": content}] if content else []
+        return self._text_until(XML_CALL_OPEN, "function")
 
     def _step_function(self) -> list[dict[str, Any]]:
         head = _XML_FUNCTION.match(self._buffer)
