@@ -172,13 +172,8 @@ class ToolCallStream:
     def _step_call_head(self) -> list[dict[str, Any]]:
         head = _CALL_HEAD.match(self._buffer)
         if head:
-            call = ToolCall(name=json.loads(f'"{head.group(1)}"'), arguments="")
-            self.calls.append(call)
             self._buffer = self._buffer[head.end():]
-            self._scanner = ArgumentsScanner()
-            self._state = "arguments"
-            return [{"tool_calls": [{"index": len(self.calls) - 1, "id": call.id, "type": "function",
-                                     "function": {"name": call.name, "arguments": ""}}]}]
+            return self._start_arguments(json.loads(f'"{head.group(1)}"'))
         closed = self._closing_at()
         if closed is not None:  # a call whose keys came in another order: parse it whole
             body, self._buffer = self._buffer[:closed], self._buffer[closed:]
@@ -208,17 +203,33 @@ class ToolCallStream:
             self._buffer = self._buffer[end + 1:].lstrip(" \t\n;")
             self._state = "start"
             return []
-        end = self._buffer.find(HERMES_CLOSE)
-        if end < 0:
-            return []
-        self._buffer = self._buffer[end + len(HERMES_CLOSE):]
-        self._state = "text"
-        return []
+        return self._skip_past(HERMES_CLOSE, "text")
 
     def _step_done(self) -> list[dict[str, Any]]:
         return []
 
     # -- helpers -------------------------------------------------------------------------------------------------
+    def _new_call(self, name: str, arguments: str = "") -> list[dict[str, Any]]:
+        """A call joins :attr:`calls`: the delta that announces it (its id, name and the arguments known so far)."""
+        call = ToolCall(name=name, arguments=arguments)
+        self.calls.append(call)
+        return [{"tool_calls": [{"index": len(self.calls) - 1, "id": call.id, "type": "function",
+                                 "function": {"name": call.name, "arguments": call.arguments}}]}]
+
+    def _start_arguments(self, name: str) -> list[dict[str, Any]]:
+        """A call of ``name`` whose JSON arguments follow in the buffer: on to the arguments state."""
+        self._scanner = ArgumentsScanner()
+        self._state = "arguments"
+        return self._new_call(name)
+
+    def _skip_past(self, tag: str, next_state: str) -> list[dict[str, Any]]:
+        """Drop the buffer up to and including ``tag``, then ``next_state``; nothing while the tag has not come."""
+        end = self._buffer.find(tag)
+        if end >= 0:
+            self._buffer = self._buffer[end + len(tag):]
+            self._state = next_state
+        return []
+
     def _closing_at(self) -> int | None:
         """Where a call object that did not start with "name" ends (None while it is incomplete)."""
         text = self._buffer.lstrip()
@@ -237,10 +248,7 @@ class ToolCallStream:
         key = ARGUMENTS_KEY[self.fmt]
         if isinstance(value, dict) and isinstance(value.get("name"), str) and isinstance(
                 value.get(key, value.get("arguments")), dict):
-            call = ToolCall(name=value["name"], arguments=json.dumps(value.get(key, value.get("arguments"))))
-            self.calls.append(call)
-            return [{"tool_calls": [{"index": len(self.calls) - 1, "id": call.id, "type": "function",
-                                     "function": {"name": call.name, "arguments": call.arguments}}]}]
+            return self._new_call(value["name"], json.dumps(value.get(key, value.get("arguments"))))
         prefix = HERMES_OPEN if self.fmt == ToolCallFormat.HERMES else ""
         return [{"content": prefix + body}]
 

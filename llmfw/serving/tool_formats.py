@@ -122,21 +122,12 @@ class MarkedCallStream(ToolCallStream):
                 self._state = "text"
                 return [{"content": content}]
             return []
-        call = ToolCall(name=head.group("name").strip(), arguments="")
-        self.calls.append(call)
         self._buffer = self._buffer[head.end():]
-        self._scanner = ArgumentsScanner()
-        self._state = "arguments"
-        return [{"tool_calls": [{"index": len(self.calls) - 1, "id": call.id, "type": "function",
-                                 "function": {"name": call.name, "arguments": ""}}]}]
+        return self._start_arguments(head.group("name").strip())
 
     def _step_after_call(self) -> list[dict[str, Any]]:
-        tail = self.marked.tail
-        if tail:
-            at = self._buffer.find(tail)
-            if at < 0:
-                return []
-            self._buffer = self._buffer[at + len(tail):]
+        if self.marked.tail:
+            return self._skip_past(self.marked.tail, "between")
         self._state = "between"
         return []
 
@@ -230,11 +221,8 @@ class XmlCallStream(ToolCallStream):
         head = _XML_FUNCTION.match(self._buffer)
         if head is None:
             return []
-        call = ToolCall(name=head.group("name").strip(), arguments="")
-        self.calls.append(call)
         self._buffer, self._state, self._n_params = self._buffer[head.end():], "params", 0
-        return [{"tool_calls": [{"index": len(self.calls) - 1, "id": call.id, "type": "function",
-                                 "function": {"name": call.name, "arguments": ""}}]}]
+        return self._new_call(head.group("name").strip())
 
     def _step_params(self) -> list[dict[str, Any]]:
         parameter = _XML_PARAMETER.match(self._buffer)
