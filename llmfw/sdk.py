@@ -9,7 +9,7 @@ Importing it imports the core's contracts (numpy, pydantic), never a backend's r
 from __future__ import annotations
 
 from .core.arch.architecture import (INPUT_LAYER, OUTPUT_LAYER, Architecture, RopeParams, RopeType, TensorSpec,
-                                     attention_qkv_tensors, default_rope_params)
+                                     attention_qkv_tensors, default_rope_params, gated_ffn_tensors, layer_tensor)
 from .core.errors import (LLMFWError, GGUFError, QuantError, PluginError, UnknownPluginName, UnknownArchitecture,
                           UnknownBackend, BackendUnavailable, ModelError, MissingMetadataKey, LoadCancelled,
                           VocabError, TokenizerError, ContextError, LogitsIndexError, SamplerError, ConfigError,
@@ -34,8 +34,9 @@ __all__ = [
     # plugin hooks
     "hookimpl", "registry",
     # architectures: hyperparameters, tensors, the graph
-    "Architecture", "TensorSpec", "attention_qkv_tensors", "INPUT_LAYER", "OUTPUT_LAYER", "RopeParams", "RopeType",
-    "default_rope_params", "HParams", "MetadataView", "GraphBuilder", "Graph", "Node", "BuildParams", "Shape",
+    "Architecture", "TensorSpec", "attention_qkv_tensors", "gated_ffn_tensors", "layer_tensor", "INPUT_LAYER",
+    "OUTPUT_LAYER", "RopeParams", "RopeType", "default_rope_params", "HParams", "MetadataView", "GraphBuilder", "Graph",
+    "Node", "BuildParams", "Shape",
     "DYNAMIC", "OPS", "rope_cos_sin", "rope_angle_slopes", "yarn_corr_dims",
     # backends
     "Backend", "BackendOptions", "CompiledSplit", "KVLayerShape", "Split", "WeightSource", "release_freed_memory",
