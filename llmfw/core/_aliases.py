@@ -54,12 +54,18 @@ class _AliasLoader(importlib.abc.Loader):
 
     def __init__(self, new_name: str) -> None:
         self.new_name = new_name
+        self.own_spec: importlib.machinery.ModuleSpec | None = None
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
-        return importlib.import_module(self.new_name)
+        module = importlib.import_module(self.new_name)
+        self.own_spec = module.__spec__
+        return module
 
     def exec_module(self, module: types.ModuleType) -> None:
-        """Nothing to run: the new module is already executed."""
+        """Nothing to run: the new module is already executed. The import system has just set its ``__spec__``
+        to the old name's; it gets its own back, or a relative import inside it would see a ``__spec__.parent``
+        other than its ``__package__`` (an ImportWarning, an error where warnings are errors)."""
+        module.__spec__ = self.own_spec
 
 
 class MovedModuleFinder(importlib.abc.MetaPathFinder):
