@@ -73,11 +73,16 @@ def test_a_module_first_imported_by_its_old_name_keeps_its_own_spec() -> None:
     """Importing an old name first must not hand the module the old name's spec: a relative import inside it
     (vocab's function-local ``from .vocab_loader import``) would then warn, and fail where warnings are errors."""
     code = ("import warnings, llmfw.core.vocab as old\n"
+            "from llmfw.core.errors import LLMFWError\n"
             "assert old.__spec__.name == 'llmfw.core.tokenizer.vocab', old.__spec__.name\n"
             "warnings.simplefilter('error')\n"
-            "old.Vocab.from_metadata({})\n")
+            "try:\n"
+            "    old.Vocab.from_metadata({})\n"
+            "except LLMFWError:\n"
+            "    pass\n"
+            "print('ok')\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert "ImportWarning" not in done.stderr and "__spec__" not in done.stderr, done.stderr
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
 
 
 def test_the_package_names_only_new_modules() -> None:
