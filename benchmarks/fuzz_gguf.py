@@ -358,9 +358,9 @@ def fuzz_vocabs(bases: list[tuple[dict[str, Any], int]], n_cases: int, rng: rand
         for name in rng.sample(names, rng.randint(1, 3)):
             VOCAB_MUTATIONS[name](keys, rng)
         seed = rng.getrandbits(32)
-        outcome, seconds, detail = run_guarded(lambda: use_vocab(keys, seed))
+        outcome, seconds, detail = run_guarded(lambda keys=keys, seed=seed: use_vocab(keys, seed))
         if i % VOCAB_TRACE_EVERY == 0 and outcome not in ("crash", "hang"):
-            peak = traced_peak(lambda: use_vocab(keys, seed))
+            peak = traced_peak(lambda keys=keys, seed=seed: use_vocab(keys, seed))
             tally.traced += 1
             tally.max_peak_fraction = max(tally.max_peak_fraction, peak / size)
             if peak > size:
@@ -402,7 +402,7 @@ def fuzz_quants(rng_seed: int) -> Tally:
 
 # ------------------------------------------------------------------------------------------------ main
 def default_models() -> list[Path]:
-    from llmfw.app.catalog import resolve_model
+    from llmfw.core.format.catalog import resolve_model
 
     return [Path(resolve_model("smollm2")), Path(resolve_model("gemma-3-270m"))]
 

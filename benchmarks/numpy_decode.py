@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 import llmfw
-from llmfw.app.catalog import resolve_model
+from llmfw.core.format.catalog import resolve_model
 
 
 def timed(fn) -> tuple[float, float]:
@@ -57,7 +57,7 @@ def main() -> None:
         ctx.memory.clear()
 
     def decode_steps() -> None:
-        for i in range(args.tg):
+        for _ in range(args.tg):
             assert ctx.decode(llmfw.Batch([int(rng.integers(0, model.n_vocab))])) == 0
 
     ctx.decode(llmfw.Batch([1]))  # warm-up and graph build

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 import llmfw  # noqa: E402
 from benchmarks.reference_scores import REFERENCE_DIR, REFERENCES, load_score  # noqa: E402
-from llmfw.app.catalog import resolve_model  # noqa: E402
+from llmfw.core.format.catalog import resolve_model  # noqa: E402
 from llmfw.plugins.backends.onnx.translate import SplitTranslator  # noqa: E402
 from llmfw.plugins.backends.onnx.weights import F32, BlockWeight, dequantize_block_weight  # noqa: E402
 

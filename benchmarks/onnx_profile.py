@@ -86,7 +86,7 @@ def profile_prompt(model, args, repetitions: int) -> float:
 
 def main() -> None:
     import llmfw
-    from llmfw.app.catalog import resolve_model
+    from llmfw.core.format.catalog import resolve_model
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-m", "--model", default="smollm2")

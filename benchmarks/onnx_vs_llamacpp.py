@@ -81,7 +81,7 @@ def main() -> None:
     args = parser.parse_args()
 
     import llmfw
-    from llmfw.app.catalog import resolve_model
+    from llmfw.core.format.catalog import resolve_model
 
     path = Path(args.model) if Path(args.model).exists() else resolve_model(args.model)
     model = llmfw.load_model(path, backend=args.backend)

@@ -38,7 +38,7 @@ def main() -> None:
     args = parser.parse_args()
 
     import llmfw
-    from llmfw.app.catalog import resolve_model
+    from llmfw.core.format.catalog import resolve_model
     from llmfw.core.generation.perplexity import perplexity_of_tokens, perplexity_tokens
 
     text = Path(args.text).read_text(encoding="utf-8")

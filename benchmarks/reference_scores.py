@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 import llmfw
-from llmfw.app.catalog import resolve_model
+from llmfw.core.format.catalog import resolve_model
 
 REFERENCE_DIR = Path(__file__).resolve().parent.parent / "tests" / "data" / "reference"
 REFERENCES = {"smollm2": "smollm2-135m-instruct-q4_1.json", "gemma-3-270m": "gemma-3-270m-q4_k_m.json"}

@@ -16,7 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
-from llmfw.app.catalog import resolve_model  # noqa: E402
+from llmfw.core.format.catalog import resolve_model  # noqa: E402
 from llmfw.core.tokenizer.vocab import Vocab  # noqa: E402
 
 LLAMA_CPP_MS = {"smollm2": 120.0, "gemma-3-270m": 178.0}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+from typing import Any
 
 import click
 
@@ -44,7 +45,7 @@ _HELP = {
 class LazyGroup(click.Group):
     """A group whose built-in commands are imported on first use; plugin commands are added eagerly."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._plugins_added = False
 
@@ -68,7 +69,8 @@ class LazyGroup(click.Group):
             return self.commands.get(name)
         module_name, _, attr = ref.partition(":")
         try:
-            return getattr(importlib.import_module(module_name), attr)
+            command: click.Command = getattr(importlib.import_module(module_name), attr)
+            return command
         except (ImportError, AttributeError):
             return None
 

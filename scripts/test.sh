@@ -36,7 +36,8 @@ fi
 # the example third-party architecture packages, installed like any plugin, and their own tests
 "$PY" -m pip install -q --disable-pip-version-check --no-deps ./examples/llmfw-olmo ./examples/llmfw-toyconv
 
-# the core's types first (pyproject's [tool.mypy]: strict on llmfw/core), so pytest's summary stays the last line
+# lint and types first (pyproject's [tool.ruff] and [tool.mypy]), so pytest's summary stays the last line
+"$PY" -m ruff check .
 "$PY" -m mypy
 
 if with_default_paths "$@"; then set -- tests examples/llmfw-olmo/tests examples/llmfw-toyconv/tests "$@"; fi

@@ -15,12 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from llmfw.core.arch.architecture import INPUT_LAYER, OUTPUT_LAYER, Architecture, TensorSpec
-from llmfw.core.errors import ModelError
-from llmfw.core.ir.graph import GraphBuilder, Node
-from llmfw.core.arch.hparams import HParams
-from llmfw.core.runtime.loader import MetadataView
-from llmfw.core.plugins import hookimpl
+from llmfw.sdk import (Architecture, GraphBuilder, HParams, INPUT_LAYER, MetadataView, ModelError, Node, OUTPUT_LAYER,
+                       TensorSpec, hookimpl)
 
 __version__ = "0.1.0"
 

@@ -18,12 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from llmfw.core.architecture import Architecture, TensorSpec, gated_ffn_tensors, layer_tensor
-from llmfw.core.errors import ModelError
-from llmfw.core.graph import GraphBuilder
-from llmfw.core.hparams import HParams
-from llmfw.core.loader import MetadataView
-from llmfw.core.plugins import hookimpl
+from llmfw.sdk import (Architecture, GraphBuilder, HParams, MetadataView, ModelError, TensorSpec, gated_ffn_tensors,
+                       hookimpl, layer_tensor)
 
 __version__ = "0.1.0"
 

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, Mapping, Seq
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from .catalog import DEFAULT_MODEL, lookup
+from ..core.format.catalog import DEFAULT_MODEL, lookup
 from ..core.errors import BackendUnavailable, ConfigError, UnknownBackend
 from ..core.generation.sampling import SamplerChain, SamplerParams, validation_problems
 

@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
-import statistics
 import subprocess
 import sys
 import time
@@ -36,16 +34,15 @@ import click
 from pydantic import BaseModel, Field
 
 from llmfw.commands.model_arg import model_from, model_option
-from llmfw.core.errors import ConfigError, LLMFWError
+from llmfw.core.errors import LLMFWError
 
-#: random tokens come from this seed so every backend and llama.cpp see the same ones
-TOKEN_SEED = 1234
+from .bench_measure import (TOKEN_SEED as TOKEN_SEED, TURN_MARK as TURN_MARK, TURN_SETTLE_S as TURN_SETTLE_S,
+                            TURNS_ENV as TURNS_ENV, current_rss, peak_rss, random_tokens, summarize,
+                            timed_repetitions, wait_for_turn)
+from .bench_peers import PEERS as PEERS, Peer, check_peer, peer_script as peer_script
+from .bench_table import format_table as format_table
+
 WORKER_FLAG = "--worker"
-#: set in the environment of workers that take turns; the line a worker prints when it waits for its turn
-TURNS_ENV = "LLMFW_BENCH_TURNS"
-TURN_MARK = "@@bench worker: waiting for my turn"
-#: pause before each turn: the engine before it may keep its threads spinning for a moment after a run
-TURN_SETTLE_S = 0.05
 
 
 class BenchParams(BaseModel):
@@ -64,65 +61,6 @@ class BenchParams(BaseModel):
     @property
     def n_ctx(self) -> int:
         return max(self.n_prompt + self.n_gen, self.batch_seqs * self.n_gen, 1)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# measuring (shared by the llmfw worker and, as source text, by the llama.cpp script)
-# ---------------------------------------------------------------------------------------------------------------
-
-def current_rss() -> int:
-    """Resident set size of this process now, in bytes."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def peak_rss() -> int:
-    """Peak resident set size of this process so far, in bytes (ru_maxrss is KiB on Linux)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def summarize(n_tokens: int, runs: list[tuple[float, float]]) -> dict[str, Any]:
-    """tokens/s of each repetition (wall-clock start, seconds) → median, spread (sample stdev), min, max; the
-    starts as ``runs_wall`` (Unix time, comparable across processes)."""
-    seconds = [s for _, s in runs]
-    rates = [n_tokens / s if s > 0 else 0.0 for s in seconds]
-    return {"n_tokens": n_tokens, "runs_s": seconds, "runs_wall": [[start, start + s] for start, s in runs],
-            "tps_median": statistics.median(rates),
-            "tps_std": statistics.stdev(rates) if len(rates) > 1 else 0.0, "tps_min": min(rates), "tps_max": max(rates)}
-
-
-def random_tokens(n_vocab: int, count: int) -> list[int]:
-    import numpy as np
-
-    return [int(t) for t in np.random.default_rng(TOKEN_SEED).integers(0, n_vocab, size=count)]
-
-
-def wait_for_turn() -> None:
-    """Between two measured pieces of a worker that takes turns: say so on stdout and wait until the parent
-    answers on stdin (the other engines measure meanwhile). A no-op in a worker that runs alone."""
-    if os.environ.get(TURNS_ENV) != "1":
-        return
-    print(TURN_MARK, flush=True)
-    if not sys.stdin.readline():  # the parent is gone
-        sys.exit(1)
-
-
-def timed_repetitions(repetitions: int, reset, run_once, after_warm_up=None) -> list[tuple[float, float]]:
-    """A warm-up, then ``repetitions`` timed runs, each after ``reset()`` and each in its own turn; each run's
-    wall-clock start and seconds."""
-    wait_for_turn()
-    reset()
-    run_once()
-    if after_warm_up is not None:
-        after_warm_up()
-    runs = []
-    for _ in range(repetitions):
-        wait_for_turn()
-        reset()
-        wall, start = time.time(), time.perf_counter()
-        run_once()
-        runs.append((wall, time.perf_counter() - start))
-    return runs
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -396,192 +334,8 @@ def run_taking_turns(jobs: list[Job]) -> list[dict[str, Any]]:
             taker.stop()
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# peers in other interpreters: llama.cpp (llama-cpp-python) and Hugging Face transformers
-# ---------------------------------------------------------------------------------------------------------------
-
-#: run by ``PYTHON -c`` with the params JSON as argv[1]; each peer script defines the same measurements from
-#: source text so that the other interpreter needs nothing from llmfw
-LLAMA_CPP_SCRIPT = r'''
-import json, os, resource, statistics, sys, time
-from typing import Any
-import numpy as np
-from llama_cpp import Llama, __version__
-p = json.loads(sys.argv[1])
-{helpers}
-wait_for_turn()
-rss_base = current_rss()
-start = time.perf_counter()
-llm = Llama(model_path=p["model"], n_ctx=max(p["n_prompt"] + p["n_gen"], 1), n_batch=max(p["n_prompt"], 1),
-            n_ubatch=min(p["n_ubatch"], max(p["n_prompt"], 1)), n_threads=p["n_threads"],
-            n_threads_batch=p["n_threads"], verbose=False)
-load_model_s = time.perf_counter() - start
-tokens = random_tokens(llm.n_vocab(), max(p["n_prompt"], p["n_gen"], 1))
-llm.eval(tokens[:1]); llm.reset()  # the same one-token decode as the other side's counts as load
-load_s = time.perf_counter() - start
-rss_loaded = current_rss()
-def timed(run_once):
-    return timed_repetitions(p["repetitions"], llm.reset, run_once)
-tests = {{}}
-if p["n_prompt"]:
-    tests["pp%d" % p["n_prompt"]] = summarize(p["n_prompt"], timed(lambda: llm.eval(tokens[:p["n_prompt"]])))
-if p["n_gen"]:
-    def generate():
-        for t in tokens[:p["n_gen"]]:
-            llm.eval([t])
-    tests["tg%d" % p["n_gen"]] = summarize(p["n_gen"], timed(generate))
-print(json.dumps({{"engine": "llama.cpp", "backend": "llama-cpp-python " + __version__, "model": p["model"],
-                  "n_threads": p["n_threads"], "load_s": load_s, "load_model_s": load_model_s, "rss_base": rss_base,
-                  "rss_after_load": rss_loaded,
-                  "rss_peak": peak_rss(), "tests": tests}}))
-'''
-
-#: transformers loads the GGUF file itself (dequantized to float32, its GGUF support needs the ``gguf``
-#: package), pp is one forward over the prompt, tg one-token forwards on its KV cache, both from an empty cache
-TRANSFORMERS_SCRIPT = r'''
-import json, os, resource, statistics, sys, time
-from typing import Any
-import numpy as np
-import torch
-import transformers
-from transformers import AutoModelForCausalLM
-p = json.loads(sys.argv[1])
-{helpers}
-torch.set_num_threads(p["n_threads"])
-wait_for_turn()
-rss_base = current_rss()
-start = time.perf_counter()
-folder, name = os.path.split(os.path.abspath(p["model"]))
-model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
-load_s = time.perf_counter() - start
-rss_loaded = current_rss()
-ids = torch.tensor([random_tokens(model.config.vocab_size, max(p["n_prompt"], p["n_gen"]))])
-def timed(run_once):
-    return timed_repetitions(p["repetitions"], lambda: None, run_once)
-tests = {{}}
-with torch.inference_mode():
-    if p["n_prompt"]:
-        prompt = ids[:, :p["n_prompt"]]
-        tests["pp%d" % p["n_prompt"]] = summarize(p["n_prompt"], timed(
-            lambda: model(prompt, use_cache=True, logits_to_keep=1)))
-    if p["n_gen"]:
-        def generate():
-            cache = None
-            for i in range(p["n_gen"]):
-                cache = model(ids[:, i:i + 1], past_key_values=cache, use_cache=True, logits_to_keep=1).past_key_values
-        tests["tg%d" % p["n_gen"]] = summarize(p["n_gen"], timed(generate))
-print(json.dumps({{"engine": "transformers", "backend": "transformers " + transformers.__version__ + " f32",
-                  "model": p["model"], "n_threads": p["n_threads"], "load_s": load_s, "rss_base": rss_base,
-                  "rss_after_load": rss_loaded, "rss_peak": peak_rss(), "tests": tests}}))
-'''
-
-
-class Peer(BaseModel):
-    """An engine measured in another interpreter: its option, the module that interpreter must import, the
-    script it runs."""
-
-    name: str
-    option: str
-    module: str
-    package: str
-    script: str
-
-
-PEERS = {
-    "llama_cpp": Peer(name="llama.cpp", option="--compare-llama-cpp", module="llama_cpp",
-                      package="llama-cpp-python", script=LLAMA_CPP_SCRIPT),
-    "transformers": Peer(name="transformers", option="--compare-transformers", module="transformers",
-                         package="transformers, torch and gguf", script=TRANSFORMERS_SCRIPT),
-}
-
-
-def peer_script(peer: Peer) -> str:
-    """The peer's script with the measuring helpers pasted in as source text."""
-    import inspect
-
-    helpers = "\n".join(inspect.getsource(f) for f in (current_rss, peak_rss, summarize, random_tokens,
-                                                         wait_for_turn, timed_repetitions))
-    helpers = helpers.replace("    import numpy as np\n\n", "")
-    constants = f"TOKEN_SEED = {TOKEN_SEED}\nTURNS_ENV = {TURNS_ENV!r}\nTURN_MARK = {TURN_MARK!r}\n"
-    return peer.script.format(helpers=constants + helpers)
-
-
-def check_peer(peer: Peer, python: str) -> None:
-    """ConfigError unless ``python`` runs and imports the peer's module (checked before any benchmark starts)."""
-    try:
-        probe = subprocess.run([python, "-c", f"import {peer.module}"], capture_output=True, text=True)
-    except OSError as exc:
-        raise ConfigError(f"{peer.option}: cannot run {python!r}: {exc}") from exc
-    if probe.returncode != 0:
-        tail = (probe.stderr.strip().splitlines() or ["(no message)"])[-1]
-        raise ConfigError(f"{peer.option}: {python!r} cannot import {peer.module} ({tail}); give an interpreter "
-                          f"with {peer.package} installed")
-
-
 def peer_job(peer: Peer, python: str, params: BenchParams) -> Job:
     return Job(what=f"{peer.name} benchmark", cmd=[python, "-c", peer_script(peer), params.model_dump_json()])
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# report
-# ---------------------------------------------------------------------------------------------------------------
-
-def _mib(n: int | None) -> str:
-    return "-" if n is None else f"{n / 2**20:.0f}"
-
-
-def format_table(records: list[dict[str, Any]], reference: dict[str, Any] | None) -> str:
-    """A markdown table like llama-bench's, with the llama.cpp ratio when there is a reference."""
-    head = ["engine", "backend", "threads", "test", "t/s (median)", "± std"]
-    if reference:
-        head += ["llama.cpp t/s", "ratio"]
-    head += ["graphs built/reused"]
-    rows = [head, ["---"] * len(head)]
-    notes: list[str] = []
-    for record in records + ([reference] if reference else []):
-        for test, result in record.get("tests", {}).items():
-            row = [record["engine"], record["backend"], str(record["n_threads"]), test,
-                   f"{result['tps_median']:.2f}", f"{result['tps_std']:.2f}"]
-            if reference:
-                ref = reference["tests"].get(test)
-                is_ref = record is reference
-                row += ["" if is_ref or not ref else f"{ref['tps_median']:.2f}",
-                        "" if is_ref or not ref else f"{result['tps_median'] / ref['tps_median']:.2f}x"]
-            row.append(f"{result['graph_builds']}/{result['graph_reuses']}" if "graph_builds" in result else "-")
-            rows.append(row)
-            if "mask_ms_per_token" in result:
-                notes.append(_constraint_note(record, test, result))
-            if "x" in test and test.split("x")[0] in record["tests"]:
-                single = record["tests"][test.split("x")[0]]["tps_median"]
-                notes.append(f"{record['engine']} {record['backend']} {test}: aggregate {result['tps_median']:.2f} t/s "
-                             f"= {result['tps_median'] / single:.2f}x one sequence's {test.split('x')[0]}")
-    lines = ["| " + " | ".join(r) + " |" for r in rows]
-    lines += [""] + notes
-    for record in records + ([reference] if reference else []):
-        if "error" in record:
-            lines.append(f"{record['engine']} {record['backend']}: ERROR {record['error']}")
-            continue
-        extra = ""
-        if "weight_bytes" in record:
-            extra = (f", weights kept {_mib(record['weight_bytes'])} MiB, KV cache {_mib(record['kv_bytes'])} MiB "
-                     f"(n_ctx {record['n_ctx']})")
-        model_alone = f" (model alone {record['load_model_s']:.2f} s)" if "load_model_s" in record else ""
-        lines.append(f"{record['engine']} {record['backend']}: load {record['load_s']:.2f} s{model_alone}, "
-                     f"RSS before load "
-                     f"{_mib(record['rss_base'])} MiB, after load {_mib(record['rss_after_load'])} MiB, peak "
-                     f"{_mib(record['rss_peak'])} MiB{extra}")
-    return "\n".join(lines)
-
-
-def _constraint_note(record: dict[str, Any], test: str, result: dict[str, Any]) -> str:
-    """The constrained run against the plain tg of the same record."""
-    base = test.split("+")[0]
-    ratios = [f"{result['tps_median'] / ref['tps_median']:.2f}x of {name}" for name in (base, f"{base}+sample")
-              if (ref := record["tests"].get(name)) and ref.get("tps_median")]
-    ratio = f", {', '.join(ratios)}" if ratios else ""
-    return (f"{record['engine']} {record['backend']} {test}: mask {result['mask_ms_per_token']:.3f} ms/token, "
-            f"grammar compile {result['grammar_compile_ms']:.1f} ms, vocabulary bridge "
-            f"{result['vocab_bridge_ms']:.0f} ms (once per model){ratio}")
 
 
 def _split_backends(values: tuple[str, ...]) -> list[str]:
@@ -640,7 +394,7 @@ def bench(model_arg: str | None, model: str | None, n_prompt: int, n_gen: int, r
           llama_python: str | None, transformers_python: str | None, verbose: bool,
           json_schema_file: str | None) -> None:
     """Benchmark prompt processing (pp) and generation (tg) like llama-bench, on -m MODEL (or MODEL)."""
-    from llmfw.app.catalog import DEFAULT_MODEL
+    from llmfw.core.format.catalog import DEFAULT_MODEL
     from llmfw.core.runtime.model import resolve_model_path
 
     path = str(resolve_model_path(model_from(model_arg, model) or DEFAULT_MODEL))

@@ -15,7 +15,6 @@ from __future__ import annotations
 import http.client
 import json
 import socket
-import statistics
 import subprocess
 import sys
 import threading
@@ -234,7 +233,7 @@ def bench_serve(target: str, concurrency: str, n_tokens: int, parallel: int, n_c
                 backend: str | None, model: str | None, api_key: str | None, llama_python: str | None,
                 repetitions: int, as_json: bool) -> None:
     """Benchmark TARGET: a server URL, or a model (an llmfw server is started for it)."""
-    from ..app.catalog import resolve_model
+    from ..core.format.catalog import resolve_model
 
     levels = _levels(concurrency)
     is_url = target.startswith(("http://", "https://"))

@@ -1,4 +1,4 @@
-"""`llmfw embed -m MODEL TEXT...`: embeddings as JSON on stdout (llama.cpp pooling; see core/generation/embedding.py).
+"""`llmfw embed -m MODEL TEXT...`: embeddings as JSON on stdout (llama.cpp pooling; see core/runtime/embedding.py).
 
 The JSON has the shape of an OpenAI embeddings response: ``{"object": "list", "model": ..., "pooling": ...,
 "data": [{"object": "embedding", "index": i, "embedding": [...]}, ...], "usage": {"prompt_tokens": n,
@@ -38,7 +38,7 @@ def check_texts(texts: tuple[str, ...], model: str | None) -> None:
 def embed_cmd(texts: tuple[str, ...], model: str | None, pooling: str | None, no_normalize: bool,
               n_batch: int | None, backend: str | None, no_progress: bool) -> None:
     """Embed each TEXT ('-' reads one text from stdin) with -m MODEL and print the vectors as JSON."""
-    from ..core.generation.embedding import embed_texts
+    from ..core.runtime.embedding import embed_texts
 
     check_texts(texts, model)
     inputs = [sys.stdin.read() if text == "-" else text for text in texts]

@@ -12,7 +12,7 @@ from typing import Any
 import click
 import numpy as np
 
-from ..app.catalog import DEFAULT_MODEL, resolve_model
+from ..core.format.catalog import DEFAULT_MODEL, resolve_model
 from ..core.format.gguf import GGUFFile, GGUFValueType, most_common_type, open_gguf
 from ..core.format.quants import GGMLType
 from .model_arg import model_from, model_option

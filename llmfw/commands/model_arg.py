@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import click
 
-from ..app import catalog
+from ..core.format import catalog
 
 MODEL_HELP = f"Catalog name or GGUF path (default: {catalog.DEFAULT_MODEL})."
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from ..app import catalog
+from ..core.format import catalog
 from .progress import ProgressBar
 
 

@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import sys
 import time
+from typing import TextIO
 
 
 class ProgressBar:
     """``with ProgressBar("loading") as bar: bar.update(0.5)`` draws ``loading [#####     ] 50%``."""
 
-    def __init__(self, label: str, *, width: int = 30, stream=None, enabled: bool | None = None):
+    def __init__(self, label: str, *, width: int = 30, stream: TextIO | None = None, enabled: bool | None = None):
         self.label = label
         self.width = width
         self.stream = stream or sys.stderr
@@ -30,7 +31,7 @@ class ProgressBar:
     def __enter__(self) -> "ProgressBar":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self.enabled and self._last >= 0:
             self.stream.write(f"\r{self.label} done in {time.perf_counter() - self._start:.1f}s\033[K\n")
             self.stream.flush()

@@ -190,7 +190,7 @@ def build_pipeline(opts: dict[str, Any], extra: dict[str, Any] | None = None, *,
 def load_model_with_progress(pipeline: Any, show: bool, verbose: bool = False) -> Any:
     """Resolve (pulling a catalog model if needed; pip's output only with ``verbose``) and load the pipeline's
     model, with progress bars."""
-    from ..app.catalog import resolve_model
+    from ..core.format.catalog import resolve_model
 
     location = pipeline.model_location()
     with ProgressBar(f"pull {location}", enabled=None if show else False) as bar:

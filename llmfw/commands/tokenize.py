@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from ..app.catalog import resolve_model
+from ..core.format.catalog import resolve_model
 from ..core.tokenizer.vocab import Vocab
 from .model_arg import model_from, model_option
 

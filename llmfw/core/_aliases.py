@@ -26,7 +26,8 @@ MOVED_MODULES: Final[Mapping[str, str]] = types.MappingProxyType({
     "llmfw.core.graph": "llmfw.core.ir.graph",
     "llmfw.core.passes": "llmfw.core.ir.passes",
     "llmfw.core.rope": "llmfw.core.ir.rope",
-    "llmfw.core.hparams": "llmfw.core.arch.hparams",
+    "llmfw.core.hparams": "llmfw.core.ir.hparams",
+    "llmfw.core.arch.hparams": "llmfw.core.ir.hparams",  # moved again: the graph IR reads the model's shape
     "llmfw.core.architecture": "llmfw.core.arch.architecture",
     "llmfw.core.backend": "llmfw.core.exec.backend",
     "llmfw.core.scheduler": "llmfw.core.exec.scheduler",
@@ -40,10 +41,12 @@ MOVED_MODULES: Final[Mapping[str, str]] = types.MappingProxyType({
     "llmfw.core.grammar": "llmfw.core.generation.grammar",
     "llmfw.core.generate": "llmfw.core.generation.generate",
     "llmfw.core.speculative": "llmfw.core.generation.speculative",
-    "llmfw.core.embedding": "llmfw.core.generation.embedding",
+    "llmfw.core.embedding": "llmfw.core.runtime.embedding",
+    "llmfw.core.generation.embedding": "llmfw.core.runtime.embedding",  # moved down: Model.embed calls it
     "llmfw.core.perplexity": "llmfw.core.generation.perplexity",
     "llmfw.core.pipeline": "llmfw.app.pipeline",
-    "llmfw.core.catalog": "llmfw.app.catalog",
+    "llmfw.core.catalog": "llmfw.core.format.catalog",
+    "llmfw.app.catalog": "llmfw.core.format.catalog",  # moved down: loading a model resolves catalog names
     "llmfw.core.tool_calls": "llmfw.serving.tool_calls",
     "llmfw.core.response_format": "llmfw.serving.response_format",
 })

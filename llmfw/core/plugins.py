@@ -6,7 +6,7 @@ not import torch or onnxruntime; the class is imported the first time it is aske
 
 Plugins are found in two places:
 
-* built-ins: the packages under ``llmfw.plugins`` (one per kind), registered directly by the manager so they
+* built-ins: the packages ``llmfw.plugins.BUILTIN_PLUGINS`` lists (one per kind), registered directly so they
   exist even in an uninstalled checkout;
 * installed distributions exposing an entry point in the group ``llmfw``; each entry point names a module (or
   object) holding ``@hookimpl`` functions.
@@ -83,15 +83,9 @@ REGISTRY_HOOKS = {
 }
 KINDS = tuple(REGISTRY_HOOKS.values())
 
-#: the built-in plugin modules, one package per kind
-BUILTIN_PLUGINS = (
-    "llmfw.plugins.architectures",
-    "llmfw.plugins.backends",
-    "llmfw.plugins.tokenizers",
-    "llmfw.plugins.samplers",
-    "llmfw.plugins.loaders",
-    "llmfw.plugins.memory",
-)
+#: the package of the built-in plugins: its ``BUILTIN_PLUGINS`` lists their modules. The core names this package
+#: only, never a plugin module, so it depends on the built-ins no more than on an installed plugin.
+BUILTIN_PACKAGE = "llmfw.plugins"
 BUILTIN_SOURCE = "llmfw (built-in)"
 
 _UNKNOWN_ERRORS: dict[str, type[UnknownPluginName]] = {
@@ -223,7 +217,7 @@ class PluginManager:
         self.registries: dict[str, Registry] = {kind: Registry(kind) for kind in KINDS}
         self.failures: list[PluginFailure] = []
         self.sources: dict[str, str] = {}  # pluggy plugin name -> distribution text
-        for module_name in BUILTIN_PLUGINS:
+        for module_name in importlib.import_module(BUILTIN_PACKAGE).BUILTIN_PLUGINS:
             self._add_plugin(module_name, functools.partial(importlib.import_module, module_name), BUILTIN_SOURCE)
         if load_external:
             self._load_entry_points()

@@ -25,7 +25,9 @@ from pydantic import Field
 
 from ..core.errors import RequestError
 from .api import ChatShape, ChoiceState, execute_chat, plan_chat
-from .engine import Engine, TokenEvent
+from .engine import Engine
+from .http_common import BadBody, finite_json, in_thread, read_json, response_for_error, server_state, sse_events
+from .jobs import TokenEvent
 from .protocol import ChatCompletionRequest, _Body, parse_request
 
 #: Anthropic's error type per HTTP status
@@ -196,7 +198,9 @@ def chat_request(request: CountTokensRequest) -> ChatCompletionRequest:
             if request.json_schema is not None:
                 raise RequestError("give output_config.format or json_schema, not both", "output_config")
             params["json_schema"] = output.format.schema_
-    return parse_request(ChatCompletionRequest, {k: v for k, v in params.items() if v is not None})
+    chat: ChatCompletionRequest = parse_request(ChatCompletionRequest,
+                                                {k: v for k, v in params.items() if v is not None})
+    return chat
 
 
 # -- the answer ----------------------------------------------------------------------------------------------------
@@ -333,8 +337,6 @@ def sse_event(event: dict[str, Any]) -> str:
 
 def sse_error(exc: BaseException) -> str:
     """A failure after the stream started, as Anthropic's ``error`` event."""
-    from .app import response_for_error
-
     failed = response_for_error(exc)
     message = json.loads(failed.body)["error"]["message"]
     return sse_event(error_body(failed.status_code, message))
@@ -353,14 +355,12 @@ def _anthropic_guarded(handler: Callable[[Any], Any]) -> Callable[[Any], Any]:
 
     @functools.wraps(handler)
     async def run(request: Any) -> Any:
-        from . import app as http  # here, not above: app imports this module for its routes
-
         try:
             return await handler(request)
-        except http._BadBody as exc:
+        except BadBody as exc:
             return error_response(exc.status, exc.message)
         except Exception as exc:  # noqa: BLE001 - every failure answers in Anthropic's shape
-            failed = http.response_for_error(exc)
+            failed = response_for_error(exc)
             message = json.loads(failed.body)["error"]["message"]
             retry = {"Retry-After": failed.headers["retry-after"]} if "retry-after" in failed.headers else None
             return error_response(failed.status_code, message, retry)
@@ -371,14 +371,12 @@ def _anthropic_guarded(handler: Callable[[Any], Any]) -> Callable[[Any], Any]:
 async def messages_endpoint(request: Any) -> Any:
     from starlette.responses import Response, StreamingResponse
 
-    from . import app as http
-
-    engine = http._state(request).ready_engine()
-    body = await http.read_json(request)
-    result = await http._in_thread(run_messages, engine, body)
+    engine = server_state(request).ready_engine()
+    body = await read_json(request)
+    result = await in_thread(run_messages, engine, body)
     if isinstance(result, dict):
-        return Response(http._finite_json(result), media_type="application/json")
-    events = http.sse_events(result, sse_event, sse_error, done="")
+        return Response(finite_json(result), media_type="application/json")
+    events = sse_events(result, sse_event, sse_error, done="")
     return StreamingResponse(events, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
@@ -387,11 +385,9 @@ async def messages_endpoint(request: Any) -> Any:
 async def count_tokens_endpoint(request: Any) -> Any:
     from starlette.responses import JSONResponse
 
-    from . import app as http
-
-    engine = http._state(request).ready_engine()
-    body = await http.read_json(request)
-    return JSONResponse(await http._in_thread(count_tokens, engine, body))
+    engine = server_state(request).ready_engine()
+    body = await read_json(request)
+    return JSONResponse(await in_thread(count_tokens, engine, body))
 
 
 def is_anthropic_path(path: str) -> bool:

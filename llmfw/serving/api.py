@@ -16,7 +16,7 @@ import queue
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Generator, Iterator
 
 import numpy as np
 
@@ -26,7 +26,7 @@ from ..core.generation.sampling import Sampler, SamplerChain
 from .tool_calls import ToolCallFormat, parse_tool_calls, tool_call_stream
 from .chat_options import chat_template_of, render_chat_prompt
 from .constraints import Constraint, request_constraint
-from .engine import Cancel, Engine, ErrorEvent, Event, FinishEvent, Job, TokenEvent
+from .jobs import Cancel, ErrorEvent, Event, FinishEvent, Job, ServedEngine, TokenEvent
 from .protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, GenerationFields, parse_request
 from .reasoning import ReasoningSetup, reasoning_setup, split_reasoning
 
@@ -35,13 +35,13 @@ POLL_S = 1.0
 
 
 # -- tokenizing within bounds ---------------------------------------------------------------------------------
-def tokenize_request_text(engine: Engine, text: str, param: str) -> list[int]:
+def tokenize_request_text(engine: ServedEngine, text: str, param: str) -> list[int]:
     """Tokenize (``add_special``, ``parse_special``) a prompt, refusing at once text that cannot fit a slot."""
     check_text_fits(engine, text, param)
     return tokenize_prompt(engine.model, text, parse_special=True, add_special=True)
 
 
-def check_text_fits(engine: Engine, text: str, param: str) -> None:
+def check_text_fits(engine: ServedEngine, text: str, param: str) -> None:
     """More bytes than a slot's tokens times the longest token piece can never tokenize into the slot: refused
     before the tokenizer spends time on it."""
     if len(text.encode("utf-8", errors="replace")) > engine.n_ctx_slot * engine.max_piece_bytes:
@@ -49,7 +49,7 @@ def check_text_fits(engine: Engine, text: str, param: str) -> None:
                            "shorten it", param)
 
 
-def token_ids(engine: Engine, ids: list[int]) -> list[int]:
+def token_ids(engine: ServedEngine, ids: list[int]) -> list[int]:
     try:
         return tokenize_prompt(engine.model, ids)
     except ContextError as exc:
@@ -66,7 +66,7 @@ class ChoiceState:
     stop_sequence: str | None = None  # the stop string that ended it (None: end of generation, length)
 
 
-def _piece(engine: Engine, token: int) -> bytes:
+def _piece(engine: ServedEngine, token: int) -> bytes:
     return engine.model.vocab.token_to_piece(token, special=True)
 
 
@@ -77,7 +77,7 @@ class ResponseShape:
     chunk_object = ""
     id_prefix = ""
 
-    def __init__(self, engine: Engine, request: GenerationFields, n_choices: int):
+    def __init__(self, engine: ServedEngine, request: GenerationFields, n_choices: int):
         self.engine = engine
         self.request = request
         self.n_choices = n_choices
@@ -116,7 +116,7 @@ class CompletionShape(ResponseShape):
     object_name = chunk_object = "text_completion"
     id_prefix = "cmpl"
 
-    def __init__(self, engine: Engine, request: CompletionRequest, n_choices: int, echo_texts: list[str]):
+    def __init__(self, engine: ServedEngine, request: CompletionRequest, n_choices: int, echo_texts: list[str]):
         super().__init__(engine, request, n_choices)
         self.echo_texts = echo_texts  # per choice ("" without echo)
 
@@ -164,7 +164,7 @@ class ChatShape(ResponseShape):
     chunk_object = "chat.completion.chunk"
     id_prefix = "chatcmpl"
 
-    def __init__(self, engine: Engine, request: ChatCompletionRequest, n_choices: int,
+    def __init__(self, engine: ServedEngine, request: ChatCompletionRequest, n_choices: int,
                  tool_format: ToolCallFormat | None = None, warnings: list[str] | None = None,
                  reasoning: ReasoningSetup | None = None):
         super().__init__(engine, request, n_choices)
@@ -212,7 +212,8 @@ class ChatShape(ResponseShape):
 
     def _content_deltas(self, index: int, text: str) -> list[dict[str, Any]]:
         if self.tool_streams:
-            return self.tool_streams[index].feed(text)
+            deltas: list[dict[str, Any]] = self.tool_streams[index].feed(text)
+            return deltas
         return [{"content": text}] if text else []
 
     def _deltas(self, index: int, text: str, last: bool = False) -> list[dict[str, Any]]:
@@ -283,7 +284,7 @@ class ChunkStream:
         except ValueError:
             pass  # another thread is inside next(): it wakes on the engine's cancellation event and ends
 
-    def _generate(self) -> Iterator[dict[str, Any]]:
+    def _generate(self) -> Generator[dict[str, Any], None, None]:
         run, shape = self._run, self._run.shape
         try:
             for i in range(shape.n_choices):
@@ -302,7 +303,7 @@ class ChunkStream:
 class RequestRun:
     """The jobs of one request and the event queue they share."""
 
-    def __init__(self, engine: Engine, shape: ResponseShape, prompts: list[list[int]], limits: list[int],
+    def __init__(self, engine: ServedEngine, shape: ResponseShape, prompts: list[list[int]], limits: list[int],
                  n_logprobs: int | None, constraint: Constraint,
                  more_samplers: Callable[[], list[Sampler]] | None = None):
         self.engine, self.shape = engine, shape
@@ -374,7 +375,7 @@ class RequestRun:
         return self.shape.response(self.choices, self.usage())
 
 
-def _execute(engine: Engine, shape: ResponseShape, prompts: list[list[int]], n_logprobs: int | None,
+def _execute(engine: ServedEngine, shape: ResponseShape, prompts: list[list[int]], n_logprobs: int | None,
              constraint: Constraint, more_samplers: Callable[[], list[Sampler]] | None = None) -> Any:
     request = shape.request
     param = "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
@@ -384,7 +385,7 @@ def _execute(engine: Engine, shape: ResponseShape, prompts: list[list[int]], n_l
     return ChunkStream(run) if request.stream else run.result()
 
 
-def run_completion(engine: Engine, params: dict[str, Any]) -> Any:
+def run_completion(engine: ServedEngine, params: dict[str, Any]) -> Any:
     request: CompletionRequest = parse_request(CompletionRequest, params)
     if request.echo and request.logprobs is not None:
         raise RequestError("echo together with logprobs (prompt logprobs) is not supported", "echo")
@@ -413,7 +414,7 @@ class ChatPlan:
     reasoning: ReasoningSetup
 
 
-def plan_chat(engine: Engine, request: ChatCompletionRequest) -> ChatPlan:
+def plan_chat(engine: ServedEngine, request: ChatCompletionRequest) -> ChatPlan:
     """Render, tokenize and check a chat request (shared by every API with a chat endpoint)."""
     template, template_name = chat_template_of(engine)
     constraint = request_constraint(request, engine.model, template, chat=True, template_name=template_name)
@@ -426,13 +427,13 @@ def plan_chat(engine: Engine, request: ChatCompletionRequest) -> ChatPlan:
     return ChatPlan(request, tokens, constraint, reasoning)
 
 
-def execute_chat(engine: Engine, plan: ChatPlan, shape: ResponseShape) -> Any:
+def execute_chat(engine: ServedEngine, plan: ChatPlan, shape: ResponseShape) -> Any:
     """Run a planned chat with ``shape`` making its responses (a dict, or a chunk iterator when streaming)."""
     return _execute(engine, shape, [plan.tokens], plan.request.n_top_logprobs(), plan.constraint,
                     lambda: plan.reasoning.budget_sampler(engine.model.vocab))
 
 
-def run_chat_completion(engine: Engine, params: dict[str, Any]) -> Any:
+def run_chat_completion(engine: ServedEngine, params: dict[str, Any]) -> Any:
     request: ChatCompletionRequest = parse_request(ChatCompletionRequest, params)
     plan = plan_chat(engine, request)
     shape = ChatShape(engine, request, request.n, plan.constraint.tool_format, plan.constraint.warnings,
@@ -441,10 +442,10 @@ def run_chat_completion(engine: Engine, params: dict[str, Any]) -> Any:
 
 
 # -- embeddings ------------------------------------------------------------------------------------------------------
-def run_embeddings(engine: Engine, params: dict[str, Any]) -> dict[str, Any]:
+def run_embeddings(engine: ServedEngine, params: dict[str, Any]) -> dict[str, Any]:
     """``/v1/embeddings``: every input tokenized like a prompt, embedded on the engine thread, pooled per
     ``pooling`` (default: the GGUF's ``pooling_type``, mean when it says none), L2-normalized like llama-server."""
-    from ..core.generation.embedding import embed_texts, model_pooling
+    from ..core.runtime.embedding import embed_texts, model_pooling
 
     request: EmbeddingRequest = parse_request(EmbeddingRequest, params)
     inputs = request.inputs()  # tokenized by embed_texts exactly as model.embed tokenizes them

@@ -11,18 +11,13 @@ from __future__ import annotations
 
 import functools
 import hmac
-import json
 import logging
 import threading
-import time
-import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
 import anyio
 import anyio.to_thread
-from pydantic import BaseModel, ConfigDict, Field
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -31,61 +26,23 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..core.errors import ChatTemplateError, ConfigError, ContextError, EngineBusy, EngineLoading, EngineStopped, \
-    LLMFWError, RequestError, SamplerError, TokenizerError
+from ..core.errors import ConfigError, RequestError
 from . import anthropic
 from .chat_options import chat_options_from_config
 from .engine import Engine
 from .metrics import CONTENT_TYPE
+from .http_common import (MAX_BODY_BYTES as MAX_BODY_BYTES, RETRY_AFTER_S as RETRY_AFTER_S, BadBody, ServerState,
+                          error_body as error_body, error_response, finite_json, in_thread, read_json,
+                          response_for_error, server_state, sse_events)
 from .openapi import openapi_endpoint
-from .protocol import parse_request
+from .protocol import DetokenizeBody, TokenizeBody, parse_request
 from .webui import webui_routes
 
 log = logging.getLogger(__name__)
 
-#: largest request body, bytes (larger ones answer 413 before being read further)
-MAX_BODY_BYTES = 2 * 1024 * 1024
-#: seconds a client is told to wait when the queue is full
-RETRY_AFTER_S = 1
 #: paths that need the API key (when one is set): these plus everything under /v1/
 PROTECTED = ("/tokenize", "/detokenize", "/metrics")
 REPLICA_HEADER = "x-llmfw-replica"
-
-
-# -- errors ----------------------------------------------------------------------------------------------------
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          405: "invalid_request_error", 413: "invalid_request_error", 501: "not_implemented_error",
-          503: "unavailable_error"}
-
-
-def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": _TYPES.get(status, "server_error"), "param": param,
-                      "code": code}}
-
-
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
-
-
-#: project errors that mean "the request is wrong" (400)
-BAD_REQUEST = (RequestError, ChatTemplateError, TokenizerError, ContextError, SamplerError)
-
-
-def response_for_error(exc: BaseException) -> JSONResponse:
-    """The HTTP answer for an error raised while serving a request (never a traceback)."""
-    if isinstance(exc, BAD_REQUEST):
-        return error_response(400, str(exc), getattr(exc, "param", None))
-    if isinstance(exc, EngineBusy):
-        return error_response(503, str(exc), code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
-    if isinstance(exc, EngineLoading):
-        return error_response(503, str(exc), code="loading")
-    if isinstance(exc, EngineStopped):
-        return error_response(503, str(exc), code="unavailable")
-    if isinstance(exc, LLMFWError):
-        return error_response(500, str(exc))
-    log.exception("unexpected error while serving a request", exc_info=exc)
-    return error_response(500, f"internal error: {type(exc).__name__}")
 
 
 async def _http_exception(request: Request, exc: Exception) -> Response:
@@ -100,117 +57,26 @@ async def _any_exception(request: Request, exc: Exception) -> Response:
     return response_for_error(exc)
 
 
-# -- state -------------------------------------------------------------------------------------------------------
-@dataclass
-class ServerState:
-    """The engine once loaded (None while loading) and the settings the handlers need."""
-
-    api_key: str | None = None
-    replica: str = field(default_factory=lambda: uuid.uuid4().hex)
-    engine: Engine | None = None
-    load_error: str | None = None
-    created: int = field(default_factory=lambda: int(time.time()))
-
-    def ready_engine(self) -> Engine:
-        if self.engine is None:
-            if self.load_error:
-                raise EngineStopped(f"the model failed to load: {self.load_error}")
-            raise EngineLoading("the model is still loading")
-        return self.engine
-
-
-def _state(request: Request) -> ServerState:
-    return request.app.state.llmfw
-
-
-# -- request bodies ------------------------------------------------------------------------------------------------
-class _BadBody(Exception):
-    def __init__(self, status: int, message: str):
-        self.status, self.message = status, message
-
-
-async def read_json(request: Request) -> dict[str, Any]:
-    """The body as a JSON object, bounded by MAX_BODY_BYTES (413), valid JSON and an object (400)."""
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise _BadBody(413, f"the request body has {declared} bytes; the limit is {MAX_BODY_BYTES}")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise _BadBody(413, f"the request body is larger than the limit of {MAX_BODY_BYTES} bytes")
-        chunks.append(chunk)
-    try:
-        data = json.loads(b"".join(chunks))
-    except RecursionError:
-        raise _BadBody(400, "the request body is JSON nested too deeply") from None
-    except ValueError as exc:  # includes UnicodeDecodeError
-        raise _BadBody(400, f"the request body is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise _BadBody(400, f"the request body must be a JSON object, got {type(data).__name__}")
-    return data
-
-
-def _finite_json(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, allow_nan=False)
-
-
-async def _in_thread(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    return await anyio.to_thread.run_sync(functools.partial(func, *args, **kwargs))
-
-
-def _next_chunk(stream: Any) -> dict[str, Any] | None:
-    return next(stream, None)
-
-
-def _openai_event(chunk: dict[str, Any]) -> str:
-    return f"data: {_finite_json(chunk)}\n\n"
-
-
-def _openai_error_event(exc: BaseException) -> str:
-    return f"data: {response_for_error(exc).body.decode()}\n\n"
-
-
-async def sse_events(stream: Any, render: Callable[[dict[str, Any]], str] = _openai_event,
-                     render_error: Callable[[BaseException], str] = _openai_error_event,
-                     done: str = "data: [DONE]\n\n") -> AsyncIterator[str]:
-    """``data: {chunk}`` per chunk, then ``data: [DONE]``; a failure mid-stream becomes an error event (another
-    API's events: ``render``, ``render_error``, ``done``). A client that goes away cancels this generator, which
-    closes the stream (the engine frees the slot next step)."""
-    try:
-        while True:
-            chunk = await anyio.to_thread.run_sync(_next_chunk, stream, abandon_on_cancel=True)
-            if chunk is None:
-                break
-            yield render(chunk)
-        if done:
-            yield done
-    except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band, as llama-server does
-        yield render_error(exc)
-    finally:
-        stream.close()
-
-
 async def _generation(request: Request, method: str) -> Response:
-    engine = _state(request).ready_engine()
+    engine = server_state(request).ready_engine()
     body = await read_json(request)
-    result = await _in_thread(getattr(engine, method), **body)
+    result = await in_thread(getattr(engine, method), **body)
     if isinstance(result, dict):
-        return Response(_finite_json(result), media_type="application/json")
+        return Response(finite_json(result), media_type="application/json")
     return StreamingResponse(sse_events(result), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
 # -- routes ----------------------------------------------------------------------------------------------------------
 async def health(request: Request) -> Response:
-    state = _state(request)
+    state = server_state(request)
     if state.engine is None:
         return JSONResponse({"status": "error" if state.load_error else "loading"}, status_code=503)
     return JSONResponse({"status": "ok"})
 
 
 async def models(request: Request) -> Response:
-    state = _state(request)
+    state = server_state(request)
     engine = state.ready_engine()
     return JSONResponse({"object": "list", "data": [
         {"id": engine.alias, "object": "model", "created": state.created, "owned_by": "llmfw",
@@ -228,43 +94,31 @@ async def chat_completions(request: Request) -> Response:
 
 async def embeddings(request: Request) -> Response:
     """``/v1/embeddings``: the engine's :meth:`~llmfw.serving.Engine.embeddings` (between decode steps)."""
-    engine = _state(request).ready_engine()
+    engine = server_state(request).ready_engine()
     body = await read_json(request)
-    result = await _in_thread(engine.embeddings, **body)
-    return Response(_finite_json(result), media_type="application/json")
-
-
-class TokenizeBody(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    content: str
-    add_special: bool = False
-    parse_special: bool = True
-
-
-class DetokenizeBody(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    tokens: list[int] = Field(max_length=1 << 20)
+    result = await in_thread(engine.embeddings, **body)
+    return Response(finite_json(result), media_type="application/json")
 
 
 async def tokenize(request: Request) -> Response:
-    engine = _state(request).ready_engine()
+    engine = server_state(request).ready_engine()
     body = parse_request(TokenizeBody, await read_json(request))  # type: ignore[arg-type]
-    tokens = await _in_thread(engine.model.vocab.tokenize, body.content, add_special=body.add_special,
+    tokens = await in_thread(engine.model.vocab.tokenize, body.content, add_special=body.add_special,
                               parse_special=body.parse_special)
     return JSONResponse({"tokens": list(tokens)})
 
 
 async def detokenize(request: Request) -> Response:
-    engine = _state(request).ready_engine()
+    engine = server_state(request).ready_engine()
     body = parse_request(DetokenizeBody, await read_json(request))  # type: ignore[arg-type]
     bad = [t for t in body.tokens if not 0 <= t < engine.model.n_vocab]
     if bad:
         raise RequestError(f"token {bad[0]} is outside the vocabulary (0..{engine.model.n_vocab - 1})", "tokens")
-    return JSONResponse({"content": await _in_thread(engine.model.vocab.detokenize, body.tokens)})
+    return JSONResponse({"content": await in_thread(engine.model.vocab.detokenize, body.tokens)})
 
 
 async def metrics(request: Request) -> Response:
-    engine = _state(request).ready_engine()
+    engine = server_state(request).ready_engine()
     return Response(engine.metrics.exposition(), media_type=CONTENT_TYPE)
 
 
@@ -274,7 +128,7 @@ def _guarded(handler: Callable[[Request], Any]) -> Callable[[Request], Any]:
     async def run(request: Request) -> Response:
         try:
             return await handler(request)
-        except _BadBody as exc:
+        except BadBody as exc:
             return error_response(exc.status, exc.message)
         except Exception as exc:  # noqa: BLE001 - every failure answers in the OpenAI shape
             return response_for_error(exc)

@@ -17,98 +17,32 @@ submit time with a :class:`RequestError` whose message names the context.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections import deque
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-from typing import Any, Callable, Union
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
 from ..core.runtime.batch import Batch
 from ..core.errors import EngineBusy, EngineStopped, LLMFWError, RequestError
-from ..core.generation.generate import TextStream, accept_prompt_tokens, common_prefix_length, forget_cache, \
-    reuse_cached_prefix
-from ..core.generation.sampling import SamplerChain
+from ..core.generation.generate import FINISH_REASONS, TextStream, accept_prompt_tokens, common_prefix_length, \
+    forget_cache, reuse_cached_prefix, stop_reason
+from .jobs import Cancel as Cancel, ErrorEvent as ErrorEvent, Event as Event, FinishEvent, Job, TokenEvent
 from .chat_options import ChatOptions
 from .metrics import EngineMetrics
+
+if TYPE_CHECKING:
+    from ..core.runtime.model import Model
 
 log = logging.getLogger(__name__)
 
 
-# -- what a job reports -------------------------------------------------------------------------------------
-@dataclass
-class TokenEvent:
-    """Text produced by one sampled token (``token`` None: text flushed at the end)."""
-
-    index: int
-    text: str
-    token: int | None = None
-    logprob: float | None = None
-    top: list[tuple[int, float]] = field(default_factory=list)
-
-
-@dataclass
-class FinishEvent:
-    index: int
-    reason: str  # "stop" | "length"
-    n_prompt: int
-    n_generated: int
-    stop_sequence: str | None = None  # the stop string that ended the choice
-
-
-@dataclass
-class ErrorEvent:
-    index: int
-    message: str
-    stopped: bool  # True when the engine shut down (the server answers 503), False for a failed decode
-
-
-Event = Union[TokenEvent, FinishEvent, ErrorEvent]
-
-
-class Cancel:
-    """Shared by the jobs of one request: the consumer sets it when the client goes away."""
-
-    def __init__(self) -> None:
-        self._flag = threading.Event()
-
-    def set(self) -> None:
-        self._flag.set()
-
-    @property
-    def is_set(self) -> bool:
-        return self._flag.is_set()
-
-
-@dataclass
-class Job:
-    """One choice of a request: its prompt tokens, sampler chain and limits, and its progress."""
-
-    index: int
-    tokens: list[int]
-    chain: SamplerChain
-    max_tokens: int
-    stops: list[str]
-    n_logprobs: int | None  # None: no logprobs; k: the chosen token's logprob plus k alternatives
-    events: "queue.Queue[Event]"
-    cancel: Cancel
-    #: render control tokens in the text (a chat whose tool-call or thinking markers are special tokens)
-    special: bool = False
-    # progress, touched only by the engine thread
-    seq: int = -1
-    pending: list[int] = field(default_factory=list)  # tokens still to decode (prompt rest or the last sample)
-    n_past: int = 0
-    n_generated: int = 0
-    text: TextStream | None = None
-    t_submit: float = field(default_factory=time.perf_counter)
-
-
 def log_softmax(logits: np.ndarray) -> np.ndarray:
-    shifted = logits.astype(np.float64) - float(np.max(logits))
-    return shifted - np.log(np.sum(np.exp(shifted)))
+    shifted: np.ndarray = logits.astype(np.float64) - float(np.max(logits))
+    result: np.ndarray = shifted - np.log(np.sum(np.exp(shifted)))
+    return result
 
 
 class Engine:
@@ -121,7 +55,7 @@ class Engine:
     variables, reasoning format and budget for every chat.
     """
 
-    def __init__(self, model: Any, parallel: int = 4, *, n_ctx: int = 0, n_batch: int = 512,
+    def __init__(self, model: Model, parallel: int = 4, *, n_ctx: int = 0, n_batch: int = 512,
                  n_threads: int | None = None, max_queue: int = 64, alias: str | None = None,
                  chat_template: str | None = None, chat_options: ChatOptions | None = None):
         if parallel < 1:
@@ -265,9 +199,9 @@ class Engine:
             calls = list(self._calls)
             self._calls.clear()
             self._waiting.clear()
+            self._slots = [None] * self.parallel
         for _, future in calls:
             future.set_exception(EngineStopped(message))
-            self._slots = [None] * self.parallel
         for job in jobs:
             job.events.put(ErrorEvent(job.index, message, stopped=True))
 
@@ -368,10 +302,9 @@ class Engine:
         if job.n_logprobs is not None:
             event.logprob, event.top = _token_logprobs(logits, token, job.n_logprobs)
         job.events.put(event)
-        if job.text.stopped or job.chain.done():  # a stop string, or the grammar is complete
-            self._finish(job, "stop")
-        elif job.n_generated >= job.max_tokens or job.n_past + 1 > self.n_ctx_slot:
-            self._finish(job, "length")
+        reason = stop_reason(job.text, job.chain, job.n_generated, job.max_tokens, job.n_past, self.n_ctx_slot)
+        if reason:
+            self._finish(job, FINISH_REASONS[reason])
         else:
             job.pending = [token]
 

@@ -25,8 +25,7 @@ _ERROR = {"description": "An error in the endpoint's API shape",
 
 def _models() -> dict[str, Any]:
     from .anthropic import CountTokensRequest, MessagesRequest
-    from .app import DetokenizeBody, TokenizeBody
-    from .protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+    from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeBody, EmbeddingRequest, TokenizeBody
 
     return {m.__name__: m for m in (CompletionRequest, ChatCompletionRequest, EmbeddingRequest, MessagesRequest,
                                     CountTokensRequest, TokenizeBody, DetokenizeBody)}

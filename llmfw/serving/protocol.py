@@ -282,3 +282,16 @@ def parse_request(model: type[_Body], params: dict[str, Any]) -> Any:
         problems = validation_problems(exc)
         param = problems[0][0].split(".")[0] if problems else None
         raise RequestError("invalid request: " + "; ".join(f"{k}: {m}" for k, m in problems), param) from None
+
+
+# -- llama-server's tokenizer endpoints ----------------------------------------------------------------------
+class TokenizeBody(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    content: str
+    add_special: bool = False
+    parse_special: bool = True
+
+
+class DetokenizeBody(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    tokens: list[int] = Field(max_length=1 << 20)

@@ -16,9 +16,9 @@ from ..core.errors import ConfigError, LLMFWError
 
 def preflight_model(location: str | None, progress: Any = None) -> Path:
     """The model's local path once it is known to be a readable GGUF of a known architecture (``progress``:
-    :func:`~llmfw.app.catalog.resolve_model`'s callback while a catalog model downloads)."""
+    :func:`~llmfw.core.format.catalog.resolve_model`'s callback while a catalog model downloads)."""
     from ..core.arch.architecture import get_architecture
-    from ..app.catalog import resolve_model
+    from ..core.format.catalog import resolve_model
     from ..core.format.gguf import open_gguf
 
     path = Path(resolve_model(location, progress=progress))

@@ -13,7 +13,7 @@
 Each format is a :class:`MarkedFormat`: the marker that may begin a call, a regular expression for the call's
 head (which names the function), the arguments as a JSON value (followed character by character, so they stream
 as they arrive), and the text that closes the call. :class:`MarkedCallStream` has the interface of
-:class:`llmfw.serving.tool_calls.ToolCallStream` (``feed`` / ``finish`` / ``calls``, OpenAI ``delta`` objects out);
+:class:`llmfw.serving.tool_call_base.ToolCallStream` (``feed`` / ``finish`` / ``calls``, OpenAI ``delta`` objects out);
 :func:`marked_call_grammar` forces a call in the family's own format.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from .tool_calls import ToolCall, ToolCallStream, _ArgumentsScanner, _merged, _partial_suffix
+from .tool_call_base import ArgumentsScanner, ToolCall, ToolCallStream, merged_deltas
 
 #: how far past a call's marker the head may still be arriving before the marker is taken as plain text
 MAX_HEAD_CHARS = 256
@@ -96,13 +96,13 @@ class MarkedCallStream(ToolCallStream):
         self.calls: list[ToolCall] = []
         self._buffer = ""
         self._state = "text"
-        self._scanner: _ArgumentsScanner | None = None
+        self._scanner: ArgumentsScanner | None = None
 
     def finish(self) -> list[dict[str, Any]]:
         rest, self._buffer = self._buffer, ""
         deltas = [{"content": rest}] if rest and self._state in ("text", "head") else []
         self._state = "done"
-        return _merged(deltas)
+        return merged_deltas(deltas)
 
     # -- states (the arguments state is ToolCallStream's; it moves on to "after_call") -------------------------
     def _step_text(self) -> list[dict[str, Any]]:
@@ -111,10 +111,7 @@ class MarkedCallStream(ToolCallStream):
             content, self._buffer = self._buffer[:at], self._buffer[at:]
             self._state = "head"
             return [{"content": content}] if content else []
-        keep = _partial_suffix(self._buffer, self.marked.marker)
-        content = self._buffer[:len(self._buffer) - keep]
-        self._buffer = self._buffer[len(content):]
-        return [{"content": content}] if content else []
+        return self._text_before(self.marked.marker)
 
     def _step_head(self) -> list[dict[str, Any]]:
         head = self.marked.head.match(self._buffer)
@@ -125,21 +122,12 @@ class MarkedCallStream(ToolCallStream):
                 self._state = "text"
                 return [{"content": content}]
             return []
-        call = ToolCall(name=head.group("name").strip(), arguments="")
-        self.calls.append(call)
         self._buffer = self._buffer[head.end():]
-        self._scanner = _ArgumentsScanner()
-        self._state = "arguments"
-        return [{"tool_calls": [{"index": len(self.calls) - 1, "id": call.id, "type": "function",
-                                 "function": {"name": call.name, "arguments": ""}}]}]
+        return self._start_arguments(head.group("name").strip())
 
     def _step_after_call(self) -> list[dict[str, Any]]:
-        tail = self.marked.tail
-        if tail:
-            at = self._buffer.find(tail)
-            if at < 0:
-                return []
-            self._buffer = self._buffer[at + len(tail):]
+        if self.marked.tail:
+            return self._skip_past(self.marked.tail, "between")
         self._state = "between"
         return []
 
@@ -220,32 +208,21 @@ class XmlCallStream(ToolCallStream):
         if self._state in ("params", "value") and self.calls:  # cut short inside a call: close its object
             deltas.append(self._arguments("}"))
         self._state = "done"
-        return _merged(deltas)
+        return merged_deltas(deltas)
 
     def _arguments(self, fragment: str) -> dict[str, Any]:
         self.calls[-1].arguments += fragment
         return {"tool_calls": [{"index": len(self.calls) - 1, "function": {"arguments": fragment}}]}
 
     def _step_text(self) -> list[dict[str, Any]]:
-        at = self._buffer.find(XML_CALL_OPEN)
-        if at >= 0:
-            content, self._buffer = self._buffer[:at], self._buffer[at + len(XML_CALL_OPEN):]
-            self._state = "function"
-            return [{"content": content}] if content.strip() else []
-        keep = _partial_suffix(self._buffer, XML_CALL_OPEN)
-        content = self._buffer[:len(self._buffer) - keep]
-        self._buffer = self._buffer[len(content):]
-        return [{"content": content}] if content else []
+        return self._text_until(XML_CALL_OPEN, "function")
 
     def _step_function(self) -> list[dict[str, Any]]:
         head = _XML_FUNCTION.match(self._buffer)
         if head is None:
             return []
-        call = ToolCall(name=head.group("name").strip(), arguments="")
-        self.calls.append(call)
         self._buffer, self._state, self._n_params = self._buffer[head.end():], "params", 0
-        return [{"tool_calls": [{"index": len(self.calls) - 1, "id": call.id, "type": "function",
-                                 "function": {"name": call.name, "arguments": ""}}]}]
+        return self._new_call(head.group("name").strip())
 
     def _step_params(self) -> list[dict[str, Any]]:
         parameter = _XML_PARAMETER.match(self._buffer)

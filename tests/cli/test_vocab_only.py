@@ -48,7 +48,7 @@ def test_vocab_only_needs_only_the_tokenizer_keys(tokenizer_only, expected_ids, 
     assert model.vocab.tokenize(TEXT, parse_special=True) == expected_ids
     assert model.n_vocab == 49152
     with pytest.raises(ModelError, match="vocab_only=True and has no hyperparameters"):
-        model.n_layer
+        model.n_layer  # noqa: B018 - the attribute access is the test
 
 
 def test_known_architecture_without_hyperparameters_fails_a_full_load(tokenizer_only):

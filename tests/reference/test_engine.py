@@ -65,6 +65,16 @@ def test_bad_context_params(model):
         model.new_context(n_ubatch=0)
     with pytest.raises(ConfigError, match="n_seq_max"):
         model.new_context(n_seq_max=65)
+    # the project's one wording: the bound, the value given, the closest known key for a misspelt one
+    with pytest.raises(ConfigError, match=r"n_ubatch: must be > 0 \(got 0\); n_ctxx: unknown key, "
+                                          r"did you mean 'n_ctx'\?"):
+        model.new_context(n_ubatch=0, n_ctxx=512)
+
+
+def test_bad_model_params_name_the_key_and_the_value(tmp_path):
+    with pytest.raises(ConfigError, match=r"invalid model parameters: vocab_only: must be true or false "
+                                          r"\(got 'maybe'\); n_gpu_layerz: unknown key, did you mean 'n_gpu_layers'\?"):
+        llmfw.load_model(tmp_path / "never-opened.gguf", vocab_only="maybe", n_gpu_layerz=1)
 
 
 # -- decode return codes -----------------------------------------------------------------------------------

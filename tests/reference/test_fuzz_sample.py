@@ -39,7 +39,7 @@ def test_unmutated_header_seeds_load(real_models, tmp_path):
         seed = fuzz_gguf.header_seed(path, tmp_path)
         target = tmp_path / "seed.gguf"
         fuzz_gguf.write_sparse(target, seed.header, seed.data_bytes)
-        outcome, _, _ = fuzz_gguf.run_guarded(lambda: fuzz_gguf.load_like_load_model(target), limit_s=60)
+        outcome, _, _ = fuzz_gguf.run_guarded(lambda target=target: fuzz_gguf.load_like_load_model(target), limit_s=60)
         assert outcome == "ok"  # so the mutations are what the loader must survive
 
 

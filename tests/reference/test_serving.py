@@ -20,6 +20,7 @@ import httpx
 import openai
 import pytest
 
+import llmfw
 from llmfw.core.chat import apply_chat_template
 from llmfw.serving import Engine
 from llmfw.serving.app import MAX_BODY_BYTES, create_app
@@ -261,6 +262,23 @@ def test_client_disconnect_frees_the_slot(server):
             break
         time.sleep(0.05)
     assert running(server.url) == 0
+
+
+def test_closing_the_engine_frees_every_slot(model):
+    """A request still generating when the engine stops ends with an error, and its slot is free again (the
+    reset once sat inside the loop over pending engine calls, so with none pending the slot stayed taken)."""
+    engine = Engine(model, parallel=2, n_ctx=256)
+    stream = engine.completion(prompt=PROMPT, max_tokens=100, stream=True, temperature=0)
+    next(stream)  # the request holds a slot now
+    assert _gauge(engine, "llmfw_requests_running") == 1
+    engine.close()
+    assert _gauge(engine, "llmfw_requests_running") == 0
+    with pytest.raises(llmfw.LLMFWError):
+        list(stream)
+
+
+def _gauge(engine: Engine, name: str) -> float:
+    return float(re.search(rf"^{name} (\S+)", engine.metrics.exposition().decode(), re.M).group(1))
 
 
 def test_full_queue_answers_503_with_retry_after(small_server):

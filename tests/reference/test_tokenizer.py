@@ -10,6 +10,7 @@ from llmfw.core.errors import TokenizerError, VocabError
 from llmfw.core.gguf import open_gguf
 from llmfw.core.plugins import registry
 from llmfw.core.vocab import StreamingDetokenizer, TokenAttr, Vocab
+from llmfw.plugins.tokenizers.merge import merge_large, merge_small
 
 FLAG_COMBINATIONS = [(True, True), (True, False), (False, True), (False, False)]
 
@@ -213,15 +214,16 @@ def test_bpe_long_piece_uses_the_same_merges(smollm2_vocab):
     short_ids = vocab.tokenize("a" * 20, add_special=False)
     long_ids = vocab.tokenize(long_word, add_special=False)
     assert vocab.detokenize(long_ids) == long_word
-    assert vocab.tokenizer._merge_large(long_word) == vocab.tokenizer._merge_small(long_word)
-    assert vocab.tokenizer._merge_large("a" * 20) == vocab.tokenizer._merge_small("a" * 20)
+    costs = vocab.tokenizer.pair_costs
+    assert merge_large(long_word, costs) == merge_small(long_word, costs)
+    assert merge_large("a" * 20, costs) == merge_small("a" * 20, costs)
     assert vocab.detokenize(short_ids) == "a" * 20
 
 
 def test_spm_long_word_uses_the_same_merges(gemma3_vocab):
     tokenizer = gemma3_vocab.tokenizer
     word = "▁" + "abracadabra" * 30
-    assert tokenizer._merge_large(word) == tokenizer._merge_small(word)
+    assert merge_large(word, tokenizer.pair_costs) == merge_small(word, tokenizer.pair_costs)
 
 
 def test_tokenize_rejects_non_text(smollm2_vocab):

@@ -194,7 +194,7 @@ def test_weights_of_different_widths_are_not_fused() -> None:
 def test_bad_matmul_form_env_is_clear() -> None:
     options = backend_options_from_environment({MATMUL_FORM_ENV: "int3"})  # what the CLI does with the variable
     assert options["torch"] == {"matmul": "int3"}
-    with pytest.raises(ConfigError, match="backend 'torch': matmul: Input should be 'fp16', 'int8', 'bf16' or 'f32'"):
+    with pytest.raises(ConfigError, match="backend 'torch': matmul: must be one of 'fp16', 'int8', 'bf16' or 'f32'"):
         create_backend("torch", options)
     assert create_backend("torch", backend_options_from_environment({MATMUL_FORM_ENV: " F32 "})).matmul_form == "f32"
 

@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from llmfw.app.catalog import resolve_model  # noqa: E402
+from llmfw.core.format.catalog import resolve_model  # noqa: E402
 from llmfw.core.format.gguf import GGUFFile  # noqa: E402
 
 N_TOKENS = 8192

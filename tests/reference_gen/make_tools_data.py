@@ -44,7 +44,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--llama-python", required=True)
     args = parser.parse_args()
-    from llmfw.app.catalog import resolve_model
+    from llmfw.core.format.catalog import resolve_model
 
     out: dict = {"provenance": "llama-cpp-python 0.3.36 (llama.cpp vendored in it), CPU build with AMX off, "
                                "2 threads; tests/reference_gen/make_tools_data.py", "models": {}}

@@ -4,7 +4,7 @@ An architecture (registry kind ``"architectures"``, looked up by ``general.archi
 about a model family, and nothing else:
 
 1. **its hyperparameters** — :attr:`Architecture.hparams_class` (a subclass of
-   :class:`llmfw.core.arch.hparams.HParams` when it has keys of its own) and :meth:`Architecture.own_hparams`, which
+   :class:`llmfw.core.ir.hparams.HParams` when it has keys of its own) and :meth:`Architecture.own_hparams`, which
    reads those keys (the common ones are already read);
 2. **its tensors** — :meth:`Architecture.tensors` lists every tensor with its ggml shape (``ne`` order, as in
    llama.cpp's ``create_tensor``), the layer that owns it and whether it is required, optional or a duplicate
@@ -28,7 +28,7 @@ Example (a complete minimal architecture)::
             return [TensorSpec("token_embd.weight", (hp.n_embd, hp.n_vocab), layer=INPUT_LAYER), ...]
         def build_graph(self, b):
             x = b.build_inp_embd()
-            for il in range(b.hp.n_layer):
+            for il in b.layers():  # each node made inside belongs to layer il (placement)
                 ...
             b.build_output(x)
 """
@@ -41,11 +41,11 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Literal, Mapping
 import numpy as np
 
 from ..errors import ModelError, UnknownArchitecture
-from .hparams import HParams
+from ..ir.hparams import HParams
 
 if TYPE_CHECKING:
     from ..ir.graph import GraphBuilder
-    from ..runtime.loader import MetadataView
+    from ..format.metadata import MetadataView
 
 #: layer index of tensors on the input side (token embedding): placed with the host backend
 INPUT_LAYER = -1
@@ -153,7 +153,7 @@ class Architecture(ABC):
     def own_hparams(self, keys: "MetadataView", common: dict[str, Any]) -> dict[str, Any]:
         """Extra :attr:`hparams_class` fields (or overrides of common ones) read from the file's metadata.
 
-        ``common`` holds the fields read already (see :func:`llmfw.core.arch.hparams.read_common_hparams`).
+        ``common`` holds the fields read already (see :func:`llmfw.core.ir.hparams.read_common_hparams`).
         The default reads nothing.
         """
         return {}

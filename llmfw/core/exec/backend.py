@@ -47,19 +47,41 @@ import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Hashable, Mapping, TypeVar
+from typing import Any, Callable, ClassVar, Hashable, Mapping, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..errors import BackendUnavailable, ConfigError, LLMFWError, UnknownBackend
+from ..validation import validation_error_message
 from ..ir.graph import Node
 from ..ir.passes import RewriteRule
 
 log = logging.getLogger(__name__)
 
-#: value handed between splits: a backend-native tensor (numpy array, torch tensor, ...)
-NativeValue = Any
+#: value handed between splits: a backend-native tensor (numpy array, torch tensor, ORT value). Opaque to the core,
+#: which only hands it back to a backend (``to_numpy``, ``import_value``, a compiled split)
+NativeValue = object
+#: a loaded weight as its backend keeps it (opaque to the core)
+WeightHandle = object
+#: one (cache, layer)'s KV storage as its backend allocated it (opaque to the core)
+KVHandle = object
+
+
+@runtime_checkable
+class ArrayKV(Protocol):
+    """KV storage whose K and V are numpy arrays ``[n_head_kv, n_cells, head_dim]``: what the default
+    :meth:`Backend.read_kv_cells` / :meth:`Backend.write_kv_cells` serve."""
+
+    k: np.ndarray
+    v: np.ndarray
+
+
+def _array_kv(backend: "Backend", kv: KVHandle) -> ArrayKV:
+    if not isinstance(kv, ArrayKV):
+        raise NotImplementedError(f"backend {backend.spec}: its KV storage is not numpy arrays; it must override "
+                                  "read_kv_cells / write_kv_cells")
+    return kv
 #: a compiled split: ``{node_id: value}`` for split.input_ids → ``{node_id: value}`` for split.output_ids
 CompiledSplit = Callable[[Mapping[int, NativeValue]], dict[int, NativeValue]]
 
@@ -252,7 +274,7 @@ class Backend(ABC):
 
     # -- weights ----------------------------------------------------------------------------------------
     @abstractmethod
-    def load_weight(self, source: WeightSource) -> Any:
+    def load_weight(self, source: WeightSource) -> WeightHandle:
         """Convert one weight once, at load time, into this backend's native form; return its handle.
 
         The handle is stored by the model under ``source.name`` and handed back to the backend through
@@ -266,14 +288,14 @@ class Backend(ABC):
     def end_loading(self) -> None:
         """Called once after every weight of the file was loaded (a backend may persist its converted forms)."""
 
-    def weight(self, name: str) -> Any:
+    def weight(self, name: str) -> WeightHandle:
         """The handle :meth:`load_weight` returned for ``name`` (kept by the backend in ``self.weights``)."""
         return self.weights[name]
 
     @property
-    def weights(self) -> dict[str, Any]:
+    def weights(self) -> dict[str, WeightHandle]:
         if not hasattr(self, "_weights"):
-            self._weights: dict[str, Any] = {}
+            self._weights: dict[str, WeightHandle] = {}
         return self._weights
 
     def free_weights(self) -> None:
@@ -315,26 +337,28 @@ class Backend(ABC):
 
     # -- KV storage -------------------------------------------------------------------------------------
     @abstractmethod
-    def alloc_kv(self, shape: KVLayerShape) -> Any:
+    def alloc_kv(self, shape: KVLayerShape) -> KVHandle:
         """Allocate (zero-filled) K and V storage for one layer of one cache; return an opaque handle.
 
         Zero-filled matters: masked cells are multiplied by zero probabilities, and garbage NaNs would leak.
         """
 
-    def read_kv_cells(self, kv: Any, cells: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def read_kv_cells(self, kv: KVHandle, cells: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """K and V rows of ``cells`` as float32 numpy ``[n_head_kv, len(cells), head_dim]`` (saved states).
 
         The default serves storage whose ``k`` / ``v`` are numpy arrays ``[n_head_kv, n_cells, head_dim]``."""
-        return np.ascontiguousarray(kv.k[:, cells]), np.ascontiguousarray(kv.v[:, cells])
+        storage = _array_kv(self, kv)
+        return np.ascontiguousarray(storage.k[:, cells]), np.ascontiguousarray(storage.v[:, cells])
 
-    def write_kv_cells(self, kv: Any, cells: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
+    def write_kv_cells(self, kv: KVHandle, cells: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
         """Overwrite the K and V rows of ``cells`` in place (a loaded state)."""
-        kv.k[:, cells] = k
-        kv.v[:, cells] = v
+        storage = _array_kv(self, kv)
+        storage.k[:, cells] = k
+        storage.v[:, cells] = v
 
     # -- compute ----------------------------------------------------------------------------------------
     @abstractmethod
-    def compile(self, split: Split, kv: Mapping[tuple[str, int], Any]) -> CompiledSplit:
+    def compile(self, split: Split, kv: Mapping[tuple[str, int], KVHandle]) -> CompiledSplit:
         """Turn a split into a callable (see the module docstring); called once per graph build."""
 
     @abstractmethod
@@ -418,18 +442,8 @@ def parse_backend_options(cls: type[Backend], raw: Mapping[str, Any]) -> Backend
     try:
         return schema.model_validate(dict(raw))
     except ValidationError as exc:
-        problems = "; ".join(_describe_option_problem(schema, error) for error in exc.errors())
+        problems = validation_error_message(exc, known_keys=schema.model_fields, key_noun="option")
         raise ConfigError(f"invalid options for backend {cls.name!r}: {problems}") from None
-
-
-def _describe_option_problem(schema: type[BackendOptions], error: Mapping[str, Any]) -> str:
-    key = ".".join(map(str, error["loc"])) or "(options)"
-    if error["type"] != "extra_forbidden":
-        return f"{key}: {error['msg']}"
-    known = sorted(schema.model_fields)
-    match = difflib.get_close_matches(str(error["loc"][-1]), known, n=1, cutoff=0.6)
-    hint = f"did you mean {match[0]!r}?" if match else f"known options: {', '.join(known) or '(none)'}"
-    return f"{key}: unknown option, {hint}"
 
 
 def check_backend_options(options: BackendOptionsByName) -> None:

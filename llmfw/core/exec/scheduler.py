@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Protocol
+from typing import Mapping, Protocol, cast
 
 import numpy as np
 
-from .backend import Backend, CompiledSplit, NativeValue, Split
+from .backend import Backend, CompiledSplit, KVHandle, NativeValue, Split
 from ..errors import ModelError
 from ..ir.graph import Graph, Node, consumers_of, last_uses
 from ..ir.passes import apply_rewrite_rules, fold_norm_weights, fuse_shared_input_matmuls
@@ -48,7 +48,7 @@ class PlacedModel(Protocol):
 
 
 #: KV storage of a context: (cache, layer) → the handle its backend's ``alloc_kv`` returned
-KVStorage = Mapping[tuple[str, int], Any]
+KVStorage = Mapping[tuple[str, int], KVHandle]
 #: node id → backend (graph inputs are absent: their values come from numpy)
 Placement = dict[int, Backend]
 
@@ -200,7 +200,8 @@ class Scheduler:
                 key = (node_id, id(backend))
                 if key not in converted:
                     value, source = values[node_id]
-                    converted[key] = backend.from_numpy(value) if source is None else backend.import_value(value, source)
+                    converted[key] = (backend.from_numpy(cast(np.ndarray, value)) if source is None  # a graph input
+                                      else backend.import_value(value, source))
                 args[node_id] = converted[key]
             for node_id, value in run(args).items():
                 values[node_id] = (value, backend)

@@ -56,10 +56,6 @@ class TypeInfo:
     block_size: int  # elements per block
     type_size: int  # bytes per block
 
-    @property
-    def bits_per_weight(self) -> float:
-        return 8.0 * self.type_size / self.block_size
-
 
 QK_K = 256
 

@@ -20,15 +20,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator, Protocol, Sequence
 
 from ..errors import ContextError, LLMFWError
+from ..runtime.batch import tokenize_prompt as tokenize_prompt  # its home before embedding needed it
 from .sampling import Sampler, SamplerChain
 
 if TYPE_CHECKING:
     from ..runtime.context import Context
-    from ..runtime.model import Model
-    from .speculative import Drafter
     from ..tokenizer.vocab import Vocab
 
 
@@ -135,16 +134,12 @@ def accept_prompt_tokens(chain: SamplerChain, tokens: Sequence[int]) -> None:
 
 
 # -- helpers ---------------------------------------------------------------------------------------------------
-def tokenize_prompt(model: Model, prompt: str | Sequence[int], parse_special: bool = True,
-                    add_special: bool = True) -> list[int]:
-    if isinstance(prompt, str):
-        return list(model.vocab.tokenize(prompt, add_special=add_special, parse_special=parse_special))
-    tokens = [int(t) for t in prompt]
-    n_vocab = model.n_vocab
-    bad = [t for t in tokens if not 0 <= t < n_vocab]
-    if bad:
-        raise ContextError(f"prompt token {bad[0]} is outside the vocabulary (n_vocab {n_vocab})")
-    return tokens
+class Drafter(Protocol):
+    """Proposes tokens to follow ``history + [sampled]`` (``history``: the tokens in the target's cache)."""
+
+    n_max: int
+
+    def draft(self, history: Sequence[int], sampled: int, limit: int | None = None) -> list[int]: ...
 
 
 class TextStream:
@@ -252,6 +247,27 @@ def generate(ctx: Context, prompt: str | Sequence[int], sampler: Sampler | None 
     return _stream(loop, n_keep, new_tokens, n_batch, accept_prompt)
 
 
+#: OpenAI's ``finish_reason`` for each :func:`stop_reason`
+FINISH_REASONS = {"eog": "stop", "stop": "stop", "max_tokens": "length", "context_full": "length"}
+
+
+def stop_reason(text: TextStream, chain: SamplerChain, n_generated: int, max_tokens: int | None, n_cached: int,
+                n_ctx: int) -> str:
+    """Why generation ends after a sampled token was fed to ``text`` ("" if it goes on), for ``generate`` and the
+    serving engine alike: a stop string, the grammar complete (nothing else may follow: "eog"), the token limit,
+    or no cell left for the token (``n_cached`` tokens in a context of ``n_ctx``). An end-of-generation token
+    ends it before it is fed."""
+    if text.stopped:
+        return "stop"
+    if chain.done():
+        return "eog"
+    if max_tokens is not None and n_generated >= max_tokens:
+        return "max_tokens"
+    if n_cached >= n_ctx:
+        return "context_full"
+    return ""
+
+
 @dataclass
 class _Loop:
     """The state of one generation: what ``_stream`` and its speculative step share."""
@@ -275,14 +291,8 @@ class _Loop:
             stats.stop_reason = "eog"
             return "", True
         piece = self.text.feed(token)
-        if self.text.stopped:
-            stats.stop_reason = "stop"
-        elif self.chain.done():  # the grammar is complete: nothing else may follow
-            stats.stop_reason = "eog"
-        elif self.max_tokens is not None and stats.n_generated >= self.max_tokens:
-            stats.stop_reason = "max_tokens"
-        elif (len(self.record) if n_cached is None else n_cached) >= self.n_ctx:
-            stats.stop_reason = "context_full"
+        stats.stop_reason = stop_reason(self.text, self.chain, stats.n_generated, self.max_tokens,
+                                        len(self.record) if n_cached is None else n_cached, self.n_ctx)
         return piece, bool(stats.stop_reason)
 
     def draft_for(self, token: int) -> list[int]:

@@ -200,7 +200,7 @@ def gbnf_to_lark(text: str) -> str:
         raise GrammarError(f"GBNF: {str(exc).split(' at line ')[0]}", line, column) from None
     except RecursionError:
         raise GrammarError("GBNF: the grammar is nested too deeply") from None
-    except Exception as exc:  # the converter raises bare Exceptions for unknown / missing / duplicate rules
+    except Exception as exc:  # noqa: BLE001 - the converter raises bare Exceptions for unknown / missing / duplicate rules
         raise _placed_gbnf_error(text, str(exc)) from None
     return _render_lark(sorted(rules.values(), key=lambda r: r.order))
 

@@ -21,7 +21,7 @@ from ..runtime.batch import Batch
 from ..errors import ContextError, LLMFWError
 
 if TYPE_CHECKING:
-    from ..runtime.context import Context
+    from ..runtime.context import Context, ContextModel
     from ..runtime.model import Model
 
 #: called after every chunk with (chunks done, chunks in all, running PPL)
@@ -115,7 +115,7 @@ def _check_sizes(ctx: Context, tokens: list[int], n_ctx: int, n_batch: int | Non
     return n_ctx, batch
 
 
-def _bos_to_insert(model: Model) -> int | None:
+def _bos_to_insert(model: ContextModel) -> int | None:
     vocab = model.vocab
     return int(vocab.bos_id) if getattr(vocab, "add_bos", False) and vocab.bos_id is not None else None
 

@@ -25,25 +25,24 @@ choices as llama.cpp for the same logits.
 from __future__ import annotations
 
 import math
-import os
 from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Sequence
 
 import numpy as np
 from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo, field_validator,
                       model_validator)
 
+from ..validation import validation_error_message as validation_error_message
+from .rng import DEFAULT_SEED as DEFAULT_SEED, MT19937Rng as MT19937Rng, resolve_seed as resolve_seed
+from ..validation import validation_problems as validation_problems
 from ..errors import GrammarError, SamplerError
 
 if TYPE_CHECKING:
     from ..runtime.context import Context
     from ..runtime.model import Model
     from ..tokenizer.vocab import Vocab
-
-#: llama.cpp's LLAMA_DEFAULT_SEED: "pick a random seed".
-DEFAULT_SEED = 0xFFFFFFFF
 
 #: llama.cpp's default order of the configurable samplers (common_params_sampling::samplers).
 DEFAULT_SAMPLER_ORDER: tuple[str, ...] = (
@@ -65,77 +64,6 @@ SAMPLER_CHARS: dict[str, str] = {
     "e": "penalties", "d": "dry", "s": "top_n_sigma", "k": "top_k", "y": "typical", "p": "top_p",
     "m": "min_p", "x": "xtc", "t": "temperature",
 }
-
-
-# ---------------------------------------------------------------------------------------------------------
-# random numbers, as llama.cpp draws them
-# ---------------------------------------------------------------------------------------------------------
-def _mt19937_key(seed: int) -> np.ndarray:
-    """The 624-word state std::mt19937(seed) starts from (Matsumoto & Nishimura's init_genrand)."""
-    key = np.empty(624, dtype=np.uint32)
-    x = seed & 0xFFFFFFFF
-    key[0] = x
-    for i in range(1, 624):
-        x = (1812433253 * (x ^ (x >> 30)) + i) & 0xFFFFFFFF
-        key[i] = x
-    return key
-
-
-def resolve_seed(seed: int) -> int:
-    """llama.cpp's get_rng_seed: the default seed (or -1) means a fresh random seed."""
-    if seed in (DEFAULT_SEED, -1):
-        return int.from_bytes(os.urandom(4), "little")
-    return seed & 0xFFFFFFFF
-
-
-class MT19937Rng:
-    """``std::mt19937`` plus the libstdc++ distributions llama.cpp's samplers use."""
-
-    _TWO32 = 4294967296.0
-
-    def __init__(self, seed: int):
-        self.seed = seed
-        self._bits = np.random.MT19937()
-        self.reseed(seed)
-
-    def reseed(self, seed: int) -> None:
-        self.seed = seed
-        self._bits.state = {"bit_generator": "MT19937", "state": {"key": _mt19937_key(seed), "pos": 624}}
-
-    def get_state(self) -> dict[str, Any]:
-        """The generator's position, JSON-serializable (a saved prompt state keeps it)."""
-        state = self._bits.state["state"]
-        return {"seed": int(self.seed), "pos": int(state["pos"]), "key": [int(k) for k in state["key"]]}
-
-    def set_state(self, state: dict[str, Any]) -> None:
-        key = np.asarray(state["key"], dtype=np.uint32)
-        if key.shape != (624,) or not 0 <= int(state["pos"]) <= 624:
-            raise SamplerError("an MT19937 state needs 624 key words and a position in 0..624")
-        self.seed = int(state["seed"])
-        self._bits.state = {"bit_generator": "MT19937", "state": {"key": key, "pos": int(state["pos"])}}
-
-    def next_u32(self) -> int:
-        return int(self._bits.random_raw())
-
-    def uniform_double(self) -> float:
-        """uniform_real_distribution<double>(0, 1): generate_canonical with two 32-bit draws."""
-        lo, hi = self.next_u32(), self.next_u32()
-        value = (lo + hi * self._TWO32) / (self._TWO32 * self._TWO32)
-        return value if value < 1.0 else math.nextafter(1.0, 0.0)
-
-    def uniform_float(self) -> float:
-        """uniform_real_distribution<float>(0, 1): one 32-bit draw, float arithmetic."""
-        value = np.float32(np.float32(self.next_u32()) / np.float32(self._TWO32))
-        return float(value) if value < 1.0 else float(np.nextafter(np.float32(1.0), np.float32(0.0)))
-
-    def discrete(self, weights: np.ndarray) -> int:
-        """std::discrete_distribution<int>(weights)(rng) as libstdc++ computes it."""
-        if len(weights) == 0:
-            return 0
-        w = np.asarray(weights, dtype=np.float64)
-        cumulative = np.cumsum(w / w.sum())
-        cumulative[-1] = 1.0
-        return int(np.searchsorted(cumulative, self.uniform_double(), side="left"))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -338,49 +266,6 @@ class SamplerParamsError(SamplerError):
     def __init__(self, problems: list[tuple[str, str]]):
         self.problems = problems
         super().__init__("invalid sampling parameters: " + "; ".join(f"{k}: {m}" for k, m in problems))
-
-
-def _plain_wording(err: Mapping[str, Any]) -> str:
-    """pydantic's error as a person would say it: "must be <= 1", "unknown key", "must be an integer"."""
-    kind, ctx = err.get("type", ""), err.get("ctx") or {}
-    bounds = {"greater_than_equal": (">=", "ge"), "greater_than": (">", "gt"), "less_than_equal": ("<=", "le"),
-              "less_than": ("<", "lt")}
-    if kind in bounds:
-        symbol, key = bounds[kind]
-        return f"must be {symbol} {ctx.get(key)}"
-    if kind == "literal_error":
-        return f"must be one of {ctx.get('expected')}"
-    fixed = {"extra_forbidden": "unknown key", "missing": "is required", "int_parsing": "must be an integer",
-             "int_type": "must be an integer", "int_from_float": "must be an integer", "float_parsing":
-             "must be a number", "float_type": "must be a number", "bool_parsing": "must be true or false",
-             "bool_type": "must be true or false", "string_type": "must be a string", "list_type": "must be a list",
-             "dict_type": "must be a mapping (key: value)", "model_type": "must be a mapping (key: value)",
-             "model_attributes_type": "must be a mapping (key: value)"}
-    return fixed.get(kind) or err.get("msg", "invalid value").removeprefix("Value error, ")
-
-
-def validation_problems(exc: ValidationError, prefix: str = "") -> list[tuple[str, str]]:
-    """(``key.path``, ``what was wrong (got VALUE)``) for every error; nested SamplerParams errors are
-    expanded under their own path."""
-    problems = []
-    for err in exc.errors():
-        path = ".".join(str(part) for part in (prefix, *err.get("loc", ())) if part != "")
-        nested = (err.get("ctx") or {}).get("error")
-        if isinstance(nested, SamplerParamsError):
-            problems += [(".".join(p for p in (path, key) if p), msg) for key, msg in nested.problems]
-            continue
-        msg = _plain_wording(err)
-        shown = ""
-        if "input" in err and err.get("type") not in ("missing", "extra_forbidden") \
-                and not isinstance(err["input"], dict):
-            shown = f" (got {err['input']!r})"
-        problems.append((path or "(top level)", f"{msg}{shown}"))
-    return problems
-
-
-def validation_error_message(exc: ValidationError, prefix: str = "") -> str:
-    """One clause per problem: ``key.path: what was wrong (got VALUE)``."""
-    return "; ".join(f"{path}: {msg}" for path, msg in validation_problems(exc, prefix))
 
 
 class SamplerParams(BaseModel):

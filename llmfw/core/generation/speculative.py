@@ -20,11 +20,13 @@ Drafters:
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
 from ..errors import ConfigError
+from .generate import Drafter as Drafter  # the contract generate() drafts through, defined where it is used
+from .generate import _decode, _prepare_prompt
 
 if TYPE_CHECKING:
     from ..runtime.model import Model
@@ -34,14 +36,6 @@ DEFAULT_DRAFT_MAX = 16
 #: the lookup n-gram; llama.cpp's ngram-simple defaults to 12, prompt-lookup decoding usually uses 3 — shorter
 #: n-grams find a match sooner in a short prompt and the target model rejects a bad guess at no loss of output
 DEFAULT_NGRAM_N = 3
-
-
-class Drafter(Protocol):
-    """Proposes tokens to follow ``history + [sampled]`` (``history``: the tokens in the target's cache)."""
-
-    n_max: int
-
-    def draft(self, history: Sequence[int], sampled: int, limit: int | None = None) -> list[int]: ...
 
 
 class NgramDrafter:
@@ -110,8 +104,6 @@ class DraftModelDrafter:
         self.ctx = draft_model.new_context(n_ctx=n_ctx)
 
     def draft(self, history: Sequence[int], sampled: int, limit: int | None = None) -> list[int]:
-        from .generate import _decode, _prepare_prompt
-
         prefix = [*history, sampled]
         if len(prefix) + self.n_max > self.ctx.n_ctx or limit == 0:
             return []

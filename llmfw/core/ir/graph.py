@@ -90,7 +90,7 @@ Ops (inputs in order; attributes in ``Node.attrs``):
 ``softplus``        (x) → ``log(1 + exp(x))`` (ggml: ``x`` itself above 20).
 ==================  ===================================================================================
 
-Mixture-of-experts ops (``build_moe_ffn``, :mod:`llmfw.core.arch.moe`; ids are int32, ``E`` experts, ``K`` chosen):
+Mixture-of-experts ops (``build_moe_ffn``, :mod:`llmfw.core.ir.moe`; ids are int32, ``E`` experts, ``K`` chosen):
 
 ==================  ============================================================================
 ``softmax``         (x) → softmax over the last axis.
@@ -126,13 +126,13 @@ Graph outputs are named: ``logits`` f32 [n_outputs, n_vocab], or in embeddings m
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Collection, Iterator, Literal, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Collection, Iterator, Literal, Mapping, Protocol, Sequence
 
 from ..errors import ModelError
+from .moe import build_moe_ffn
 
 if TYPE_CHECKING:
-    from ..arch.architecture import Architecture
-    from ..arch.hparams import HParams
+    from .hparams import HParams
 
 #: a dimension: a concrete size, or ``DYNAMIC`` when only the running graph knows it (a graph input whose length
 #: the builder cannot see, e.g. the K-shift's ``n_kv``)
@@ -622,6 +622,27 @@ def last_uses(nodes: Sequence[Node], keep: Collection[int]) -> dict[int, tuple[i
     return {index: tuple(ids) for index, ids in dead.items()}
 
 
+class RopeAttrs(Protocol):
+    """A layer's RoPE parameters, as the attributes of its ``rope`` node."""
+
+    def attrs(self) -> dict[str, Any]: ...
+
+
+class GraphArchitecture(Protocol):
+    """What the builder calls back into a model family for (:class:`llmfw.core.arch.architecture.Architecture`,
+    one layer up, fills it in)."""
+
+    def build_graph(self, b: "GraphBuilder") -> None: ...
+
+    def rope_params(self, hp: "HParams", il: int) -> RopeAttrs: ...
+
+    def rope_factors_for(self, b: "GraphBuilder", il: int) -> str | None: ...
+
+    def recurrent_state(self, hp: "HParams", il: int) -> Mapping[str, tuple[int, ...]] | None: ...
+
+    def has_rope(self, hp: "HParams", il: int) -> bool: ...
+
+
 class GraphModel(Protocol):
     """What the graph builder needs of a model: hyperparameters, architecture, and its weights' types."""
 
@@ -629,7 +650,7 @@ class GraphModel(Protocol):
     def known_hparams(self) -> "HParams": ...
 
     @property
-    def known_arch(self) -> "Architecture": ...
+    def known_arch(self) -> GraphArchitecture: ...
 
     def has_weight(self, name: str) -> bool: ...
 
@@ -736,9 +757,6 @@ class GraphBuilder:
                                    layer=self.model.weight_layer(name))
             self._weights[name] = node
         return node
-
-    def opt_weight(self, name: str) -> Node | None:
-        return self.weight(name) if self.model.has_weight(name) else None
 
     def layers(self) -> Iterator[int]:
         """Iterate layer indices, making each the owner of the nodes created in its iteration."""
@@ -874,10 +892,8 @@ class GraphBuilder:
 
     def build_moe_ffn(self, x: Node, il: int | None = None, **options: "object") -> Node:
         """Mixture-of-experts feed-forward of ``x`` [T, n_embd] (llama.cpp's ``build_moe_ffn``): router, top-k,
-        the chosen experts' FFNs weighted and summed, plus shared experts. See :func:`llmfw.core.arch.moe.build_moe_ffn`
+        the chosen experts' FFNs weighted and summed, plus shared experts. See :func:`llmfw.core.ir.moe.build_moe_ffn`
         for the options (gating, weight normalisation and scale, activation, tensor names)."""
-        from ..arch.moe import build_moe_ffn
-
         return build_moe_ffn(self, x, self.layer if il is None else il, **options)  # type: ignore[arg-type]
 
     def build_inp_out_ids(self) -> Node:

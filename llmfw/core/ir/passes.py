@@ -22,12 +22,9 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Collection, Hashable, Mapping, Protocol, Sequence
+from typing import Callable, Collection, Hashable, Mapping, Protocol, Sequence
 
 from .graph import BuildParams, Graph, GraphBuilder, GraphModel, Node, consumers_of, infer_type
-
-if TYPE_CHECKING:
-    from ..exec.backend import Backend
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +151,7 @@ def prepare_fused_weights(model: "FusingModel") -> dict[tuple[str, ...], str]:
     return {} if graph is None else fuse_weight_groups(graph, model.weight_backend)
 
 
-def fuse_weight_groups(graph: Graph, backend_of: Callable[[str], "Backend"]) -> dict[tuple[str, ...], str]:
+def fuse_weight_groups(graph: Graph, backend_of: Callable[[str], FusingBackend]) -> dict[tuple[str, ...], str]:
     """Ask each backend to build the fused weight of every group of ``graph``'s matmuls sharing an input whose
     weights it keys alike (:meth:`~llmfw.core.exec.backend.Backend.fusion_key`: a group of mixed quant layouts fuses
     its same-layout subsets). Returns the groups it built (parts → name)."""
@@ -180,10 +177,21 @@ def representative_graph(model: GraphModel) -> Graph | None:
     return builder.graph
 
 
+class FusingBackend(Protocol):
+    """What weight fusion asks of a backend (:class:`llmfw.core.exec.backend.Backend`, one layer up, has it)."""
+
+    @property
+    def spec(self) -> str: ...
+
+    def fusion_key(self, weight_name: str) -> Hashable | None: ...
+
+    def fuse_weights(self, name: str, parts: tuple[str, ...]) -> bool: ...
+
+
 class FusingModel(GraphModel, Protocol):
     """A model that places weights on backends (what :func:`prepare_fused_weights` needs)."""
 
-    def weight_backend(self, name: str) -> "Backend": ...
+    def weight_backend(self, name: str) -> FusingBackend: ...
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -10,14 +10,30 @@ sequence ids, lengths and position continuity. :func:`split_simple` cuts the res
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 import numpy as np
 
-from ..errors import LLMFWError
+from ..errors import ContextError, LLMFWError
 
 if TYPE_CHECKING:
-    from .memory import Memory
+    from ..tokenizer.vocab import Vocab
+
+
+class SeqPositions(Protocol):
+    """What a batch reads of the memory it goes into (:class:`~.memory.Memory` has it): where a sequence ends."""
+
+    def seq_pos_max(self, seq_id: int) -> int: ...
+
+
+class PromptModel(Protocol):
+    """What tokenizing a prompt reads of a model."""
+
+    @property
+    def vocab(self) -> Vocab: ...
+
+    @property
+    def n_vocab(self) -> int: ...
 
 
 class BatchError(LLMFWError, ValueError):
@@ -129,7 +145,7 @@ class BatchAllocator:
         self.n_embd = n_embd
         self.n_seq_max = n_seq_max
 
-    def init(self, batch: Batch, memory: Memory | None = None, *, output_all: bool = False) -> AllocatedBatch:
+    def init(self, batch: Batch, memory: SeqPositions | None = None, *, output_all: bool = False) -> AllocatedBatch:
         if not isinstance(batch, Batch):
             raise BatchError(f"expected an llmfw.Batch, got {type(batch).__name__}")
         tokens, embd = self._tokens_or_embd(batch)
@@ -195,7 +211,7 @@ class BatchAllocator:
                                      f"(n_seq_max = {self.n_seq_max})")
         return ids
 
-    def _positions(self, pos: Any, n: int, seq_ids: list[tuple[int, ...]], memory: Memory | None) -> np.ndarray:
+    def _positions(self, pos: Any, n: int, seq_ids: list[tuple[int, ...]], memory: SeqPositions | None) -> np.ndarray:
         if pos is not None:
             positions = np.asarray(pos)
             if positions.shape != (n,):
@@ -231,7 +247,7 @@ class BatchAllocator:
             raise BatchError(f"logits has shape {flags.shape}, expected ({n},) or a bool")
         return flags.astype(bool)
 
-    def _check_continuity(self, batch: AllocatedBatch, memory: Memory | None) -> None:
+    def _check_continuity(self, batch: AllocatedBatch, memory: SeqPositions | None) -> None:
         """llama.cpp's checks: a sequence continues right after its last cached position, without gaps."""
         for s in sequences_of(batch.seq_first):
             mine = batch.pos[batch.seq_first == s]
@@ -265,6 +281,19 @@ def split_simple(batch: AllocatedBatch, n_ubatch: int) -> list[UBatch]:
             output=batch.output[start:end],
         ))
     return ubatches
+
+
+def tokenize_prompt(model: PromptModel, prompt: str | Sequence[int], parse_special: bool = True,
+                    add_special: bool = True) -> list[int]:
+    """The prompt's token ids (a text tokenized, or ids checked to be in the vocabulary)."""
+    if isinstance(prompt, str):
+        return list(model.vocab.tokenize(prompt, add_special=add_special, parse_special=parse_special))
+    tokens = [int(t) for t in prompt]
+    n_vocab = model.n_vocab
+    bad = [t for t in tokens if not 0 <= t < n_vocab]
+    if bad:
+        raise ContextError(f"prompt token {bad[0]} is outside the vocabulary (n_vocab {n_vocab})")
+    return tokens
 
 
 def split_equal(batch: AllocatedBatch, n_ubatch: int) -> list[UBatch]:

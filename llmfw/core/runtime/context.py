@@ -12,24 +12,59 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .batch import AllocatedBatch, Batch, BatchAllocator, BatchError, UBatch, sequences_of
 from ..errors import ConfigError, ContextError, LogitsIndexError
-from ..ir.graph import BuildParams, Graph, GraphBuilder
+from ..validation import validation_error_message
+from ..ir.graph import BuildParams, Graph, GraphBuilder, GraphModel
 from .memory import KV_PAD, Memory, MemoryBatch, SeqTokens, pad_to
-from ..exec.scheduler import Plan, Scheduler
+from ..exec.scheduler import PlacedModel, Plan, Scheduler
 
 if TYPE_CHECKING:
     import os
 
-    from .model import Model
-    from ..generation.sampling import SamplerChain
+    from ..arch.architecture import Architecture
+    from ..exec.backend import Backend
+    from ..tokenizer.vocab import Vocab
+    from .state import SamplerChainState
 
 log = logging.getLogger(__name__)
+
+
+class ContextModel(GraphModel, PlacedModel, Protocol):
+    """What a context reads of its model (:class:`~.model.Model`, one module up, makes contexts on itself)."""
+
+    @property
+    def known_arch(self) -> Architecture: ...
+
+    @property
+    def vocab(self) -> Vocab: ...
+
+    @property
+    def vocab_only(self) -> bool: ...
+
+    @property
+    def closed(self) -> bool: ...
+
+    @property
+    def n_vocab(self) -> int: ...
+
+    @property
+    def n_embd(self) -> int: ...
+
+    @property
+    def arch_name(self) -> str: ...
+
+    @property
+    def sha256(self) -> str: ...
+
+    @property
+    def backends(self) -> Mapping[str, Backend]: ...
+
 
 DECODE_OK = 0
 DECODE_NO_SLOT = 1
@@ -62,12 +97,12 @@ class ContextParams(BaseModel):
 class Context:
     """Decoding state on a model. ``Context(model, params, **kw)`` == ``model.new_context(params, **kw)``."""
 
-    def __init__(self, model: Model, params: ContextParams | None = None, **kw: Any):
+    def __init__(self, model: ContextModel, params: ContextParams | None = None, **kw: Any):
         if model.vocab_only:
             raise ContextError("this model was loaded with vocab_only=True; load its weights to decode")
         if model.closed:
             raise ContextError("the model is closed")
-        self.model: Model = model
+        self.model: ContextModel = model
         self.params = _context_params(params, kw)
         hp = model.known_hparams
         n_ctx = self.params.n_ctx or min(hp.n_ctx_train, 4096)
@@ -310,14 +345,14 @@ class Context:
 
     # -- saved state (core/runtime/state.py) ----------------------------------------------------------------------
     def state_save_file(self, path: str | os.PathLike[str], tokens: list[int] | None = None,
-                        sampler: SamplerChain | None = None) -> int:
+                        sampler: SamplerChainState | None = None) -> int:
         """Save the KV cells of every sequence, the token records (``tokens`` replaces sequence 0's) and the
         RNG state of ``sampler``'s samplers to ``path``; returns the bytes written."""
         from .state import save_state_file
 
         return save_state_file(self, path, tokens, sampler)
 
-    def state_load_file(self, path: str | os.PathLike[str], sampler: SamplerChain | None = None) -> list[int]:
+    def state_load_file(self, path: str | os.PathLike[str], sampler: SamplerChainState | None = None) -> list[int]:
         """Load a state saved by :meth:`state_save_file` and return its tokens. A file of another model or
         context shape, or a truncated / corrupt one, raises ContextError and leaves the context as it was."""
         from .state import load_state_file
@@ -326,7 +361,7 @@ class Context:
 
     # -- performance counters (llama.cpp's llama_perf_context) ---------------------------------------------
     def reset_perf(self) -> None:
-        self.perf_data = {"n_p_eval": 0, "t_p_eval": 0.0, "n_eval": 0, "t_eval": 0.0}
+        self.perf_data: dict[str, float] = {"n_p_eval": 0, "t_p_eval": 0.0, "n_eval": 0, "t_eval": 0.0}
 
     def _record_perf(self, n_tokens: int, seconds: float) -> None:
         key = "eval" if n_tokens == 1 else "p_eval"
@@ -346,5 +381,5 @@ def _context_params(params: ContextParams | None, kw: dict[str, Any]) -> Context
     try:
         return ContextParams(**{**base, **kw})
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        problems = validation_error_message(exc, known_keys=ContextParams.model_fields)
         raise ConfigError(f"invalid context parameters: {problems}") from None

@@ -17,66 +17,16 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
-from ..errors import LoadCancelled, MissingMetadataKey, ModelError
+from ..errors import LoadCancelled, ModelError
+from ..format.metadata import MetadataView as MetadataView  # its old home: still importable from here
 
 if TYPE_CHECKING:
     from ..exec.backend import Backend
 
 log = logging.getLogger(__name__)
 
-_MISSING = object()
-
 #: receives the fraction loaded (0..1); returning False cancels the load
 ProgressCallback = Callable[[float], "bool | None"]
-
-
-class MetadataView:
-    """Typed access to metadata with ``{arch}`` templating and errors that name the key."""
-
-    def __init__(self, metadata: dict[str, Any], arch: str):
-        self.metadata = metadata
-        self.arch = arch
-
-    def expand(self, key: str) -> str:
-        return key.replace("{arch}", self.arch)
-
-    def has(self, key: str) -> bool:
-        return self.expand(key) in self.metadata
-
-    def get(self, key: str, default: Any = _MISSING) -> Any:
-        full = self.expand(key)
-        if full in self.metadata:
-            return self.metadata[full]
-        if default is _MISSING:
-            raise MissingMetadataKey(f"missing required metadata key {full!r}")
-        return default
-
-    def as_int(self, key: str, value: Any) -> int:
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise ModelError(f"metadata key {self.expand(key)!r}: expected an integer, found {value!r}")
-        return int(value)
-
-    def get_int(self, key: str, default: Any = _MISSING) -> int:
-        value = self.get(key, default)
-        return value if value is default and default is not _MISSING else self.as_int(key, value)
-
-    def get_float(self, key: str, default: Any = _MISSING) -> float:
-        value = self.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-            raise ModelError(f"metadata key {self.expand(key)!r}: expected a number, found {value!r}")
-        return float(value)
-
-    def get_bool(self, key: str, default: Any = _MISSING) -> bool:
-        value = self.get(key, default)
-        if not isinstance(value, (bool, np.bool_)):
-            raise ModelError(f"metadata key {self.expand(key)!r}: expected a bool, found {value!r}")
-        return bool(value)
-
-    def get_str(self, key: str, default: Any = _MISSING) -> str:
-        value = self.get(key, default)
-        if not isinstance(value, str):
-            raise ModelError(f"metadata key {self.expand(key)!r}: expected a string, found {value!r}")
-        return value
 
 
 @dataclass(frozen=True)

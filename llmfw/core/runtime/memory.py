@@ -26,18 +26,29 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable, Protocol
 
 import numpy as np
 
-from ..exec.backend import KVLayerShape
+from ..exec.backend import Backend, KVHandle, KVLayerShape
 from ..errors import ContextError
 
 if TYPE_CHECKING:
-    from .context import Context
-    from .model import Model
     from .batch import AllocatedBatch, UBatch
-    from ..ir.graph import Graph
+    from ..ir.graph import Graph, GraphModel
+
+
+class MemoryParams(Protocol):
+    """The context settings a memory is sized by (:class:`~.context.Context`, one module up, has them)."""
+
+    @property
+    def n_ctx(self) -> int: ...
+
+    @property
+    def n_seq_max(self) -> int: ...
+
+    @property
+    def n_ubatch(self) -> int: ...
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +93,7 @@ class Memory(ABC):
 
     @classmethod
     @abstractmethod
-    def create(cls, model: Model, cparams: Context) -> "Memory":
+    def create(cls, model: GraphModel, cparams: MemoryParams) -> "Memory":
         """Build the memory for ``model`` with the context parameters (n_ctx, n_seq_max, ...)."""
 
     #: names of the KV caches (inputs ``kv_idx:<name>`` / ``kq_mask:<name>``)
@@ -93,7 +104,7 @@ class Memory(ABC):
         """Name of the cache layer ``il`` reads and writes."""
 
     @abstractmethod
-    def allocate(self, backend_of_layer: Callable[[int], Any]) -> dict[tuple[str, int], Any]:
+    def allocate(self, backend_of_layer: Callable[[int], Backend]) -> dict[tuple[str, int], KVHandle]:
         """Allocate storage on each layer's backend; returns (cache, layer) → backend KV handle."""
 
     def init_batch(self, batch: "AllocatedBatch", n_ubatch: int) -> tuple[list["UBatch"], MemoryBatch | None]:
@@ -252,7 +263,7 @@ class CellsState:
 class KVCache(Memory):
     """One KV cache over a set of layers (llama.cpp's ``llama_kv_cache``)."""
 
-    def __init__(self, model: Model, n_ctx: int, n_seq_max: int = 1, *, name: str = "kv",
+    def __init__(self, model: GraphModel, n_ctx: int, n_seq_max: int = 1, *, name: str = "kv",
                  layers: Iterable[int] | None = None, n_swa: int = 0, swa_type: str = "none",
                  n_pad: int = KV_PAD):
         if not 1 <= n_seq_max <= MAX_SEQ:
@@ -275,11 +286,11 @@ class KVCache(Memory):
             shift=np.zeros(self.n_cells, dtype=np.int64),
         )
         self.has_shift = False
-        self.storage: dict[tuple[str, int], Any] = {}
-        self._backends: dict[int, Any] = {}
+        self.storage: dict[tuple[str, int], KVHandle] = {}
+        self._backends: dict[int, Backend] = {}
 
     @classmethod
-    def create(cls, model: Model, cparams: Context) -> "KVCache":
+    def create(cls, model: GraphModel, cparams: MemoryParams) -> "KVCache":
         return cls(model, cparams.n_ctx, cparams.n_seq_max, n_swa=model.known_hparams.n_swa if _all_swa(model) else 0,
                    swa_type=model.known_hparams.swa_type)
 
@@ -291,7 +302,7 @@ class KVCache(Memory):
         hp = self.hp
         return KVLayerShape(self.name, il, self.n_cells, hp.n_head_kv(il), hp.n_embd_head_k, hp.n_embd_head_v)
 
-    def allocate(self, backend_of_layer: Callable[[int], Any]) -> dict[tuple[str, int], Any]:
+    def allocate(self, backend_of_layer: Callable[[int], Backend]) -> dict[tuple[str, int], KVHandle]:
         for il in self.layers:
             backend = backend_of_layer(il)
             self._backends[il] = backend
@@ -519,7 +530,7 @@ class KVCache(Memory):
         # written again, and written values are finite.
 
 
-def _all_swa(model: Model) -> bool:
+def _all_swa(model: GraphModel) -> bool:
     """A single cache may only be windowed when every layer uses the window."""
     hp = model.known_hparams
     return hp.n_swa > 0 and hp.swa_type != "none" and bool(hp.swa_layers) and all(hp.swa_layers)
@@ -559,14 +570,14 @@ class CompositeMemory(Memory):
         self._layer_part = {il: p for p in parts for il in p.layers}
 
     @classmethod
-    def create(cls, model: Model, cparams: Context) -> Memory:
+    def create(cls, model: GraphModel, cparams: MemoryParams) -> Memory:
         raise NotImplementedError("subclasses decide how to split the layers into caches")
 
     def cache_of_layer(self, il: int) -> str:
         return self._layer_part[il].name
 
-    def allocate(self, backend_of_layer: Callable[[int], Any]) -> dict[tuple[str, int], Any]:
-        storage: dict[tuple[str, int], Any] = {}
+    def allocate(self, backend_of_layer: Callable[[int], Backend]) -> dict[tuple[str, int], KVHandle]:
+        storage: dict[tuple[str, int], KVHandle] = {}
         for part in self.parts:
             storage.update(part.allocate(backend_of_layer))
         return storage
@@ -663,7 +674,7 @@ class KVCacheISWA(CompositeMemory):
     applies to both. ``swa_full=True`` gives the SWA cache the full context size (llama.cpp's ``--swa-full``).
     """
 
-    def __init__(self, model: Model, n_ctx: int, n_seq_max: int = 1, n_ubatch: int = 512, *, swa_full: bool = False):
+    def __init__(self, model: GraphModel, n_ctx: int, n_seq_max: int = 1, n_ubatch: int = 512, *, swa_full: bool = False):
         hp = model.known_hparams
         if hp.n_swa <= 0 or hp.swa_type == "none" or not any(hp.swa_layers):
             raise ContextError(f"the interleaved sliding-window cache needs sliding-window layers; arch "
@@ -682,7 +693,7 @@ class KVCacheISWA(CompositeMemory):
                  self.base.n_cells, len(self.base.layers), self.swa.n_cells, len(self.swa.layers), hp.n_swa)
 
     @classmethod
-    def create(cls, model: Model, cparams: Context) -> Memory:
+    def create(cls, model: GraphModel, cparams: MemoryParams) -> Memory:
         """The iSWA cache, or one plain :class:`KVCache` when the model has no sliding-window layer (llama.cpp
         picks its memory the same way)."""
         hp = model.known_hparams

@@ -21,7 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ..arch.architecture import INPUT_LAYER, OUTPUT_LAYER, Architecture, TensorSpec, get_architecture
 from ..exec.backend import Backend, check_backend_options, choose_default_backend, choose_host_backend, create_backend
 from ..errors import MissingMetadataKey, ModelError
-from ..arch.hparams import HParams, make_hparams, read_common_hparams
+from ..validation import validation_error_message
+from ..ir.hparams import HParams, make_hparams, read_common_hparams
 from .loader import ModelFileLoader, WeightLoad, open_loader
 from ..ir.passes import prepare_fused_weights
 from ..tokenizer.vocab import Vocab
@@ -154,9 +155,9 @@ class Model:
 
         Returns float32 ``[n_texts, n_embd]`` (``[n_embd]`` for one string); with ``pooling="none"`` a list of
         ``[n_tokens, n_embd]`` arrays (one array for one string). ``pooling`` None = the GGUF's
-        ``pooling_type``. See :func:`llmfw.core.generation.embedding.embed_texts` for the token counts too.
+        ``pooling_type``. See :func:`llmfw.core.runtime.embedding.embed_texts` for the token counts too.
         """
-        from ..generation.embedding import embed_texts
+        from .embedding import embed_texts
 
         result = embed_texts(self, texts, pooling, normalize, **kw)
         if result.pooling == "none":
@@ -174,7 +175,7 @@ class Model:
     def sha256(self) -> str:
         """The model file's sha256 (computed on first use, then remembered): saved prompt states name it."""
         if self._sha256 is None:
-            from ...app.catalog import file_sha256
+            from ..format.catalog import file_sha256
 
             self._sha256 = file_sha256(self.path)
         return self._sha256
@@ -253,7 +254,7 @@ def resolve_model_path(path_or_name: str | os.PathLike[str]) -> Path:
     path = Path(path_or_name).expanduser()
     if path.exists():
         return path
-    from ...app.catalog import resolve_model
+    from ..format.catalog import resolve_model
 
     return Path(resolve_model(str(path_or_name)))
 
@@ -285,7 +286,7 @@ def _model_params(params: ModelParams | None, kw: dict[str, Any]) -> ModelParams
     try:
         return ModelParams(**{**base, **kw})
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        problems = validation_error_message(exc, known_keys=ModelParams.model_fields)
         raise ConfigError(f"invalid model parameters: {problems}") from None
 
 

@@ -38,12 +38,11 @@ import numpy as np
 
 from .batch import BatchError, split_equal
 from ..errors import ContextError
-from .memory import GraphRunner, KVCache, Memory, MemoryBatch, _range
+from .memory import GraphRunner, KVCache, Memory, MemoryBatch, MemoryParams, _range
 
 if TYPE_CHECKING:
     from .batch import AllocatedBatch, UBatch
-    from .context import Context
-    from .model import Model
+    from ..ir.graph import GraphModel
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +50,7 @@ log = logging.getLogger(__name__)
 StateShapes = dict[str, tuple[int, ...]]
 
 
-def recurrent_layers(model: Model) -> dict[int, StateShapes]:
+def recurrent_layers(model: GraphModel) -> dict[int, StateShapes]:
     """Layer → its state shapes, for every layer the architecture gives a recurrent state."""
     arch, hp = model.known_arch, model.known_hparams
     layers = {}
@@ -71,7 +70,7 @@ class RecurrentMemory(Memory):
     """Per-sequence recurrent states of some layers (llama.cpp's ``llama_memory_recurrent`` with one cell per
     sequence). Registered as ``"recurrent"``: the memory of a family whose every layer is recurrent."""
 
-    def __init__(self, model: Model, n_seq_max: int, layers: dict[int, StateShapes] | None = None):
+    def __init__(self, model: GraphModel, n_seq_max: int, layers: dict[int, StateShapes] | None = None):
         if n_seq_max < 1:
             raise ContextError(f"n_seq_max must be at least 1, got {n_seq_max}")
         self.model = model
@@ -88,7 +87,7 @@ class RecurrentMemory(Memory):
         self.pos = np.full(n_seq_max, -1, dtype=np.int64)
 
     @classmethod
-    def create(cls, model: Model, cparams: Context) -> "RecurrentMemory":
+    def create(cls, model: GraphModel, cparams: MemoryParams) -> "RecurrentMemory":
         return cls(model, cparams.n_seq_max)
 
     @property
@@ -261,7 +260,7 @@ class HybridMemory(Memory):
     """A KV cache for the attention layers and a recurrent state for the others (llama.cpp's
     ``llama_memory_hybrid``), chosen per layer by ``Architecture.recurrent_state``. Registered as ``"hybrid"``."""
 
-    def __init__(self, model: Model, n_ctx: int, n_seq_max: int = 1):
+    def __init__(self, model: GraphModel, n_ctx: int, n_seq_max: int = 1):
         layers = recurrent_layers(model)
         attention = [il for il in range(model.known_hparams.n_layer) if il not in layers]
         self.recurrent = RecurrentMemory(model, n_seq_max, layers)
@@ -270,7 +269,7 @@ class HybridMemory(Memory):
         self.cache_names = self.kv.cache_names if attention else []
 
     @classmethod
-    def create(cls, model: Model, cparams: Context) -> "HybridMemory":
+    def create(cls, model: GraphModel, cparams: MemoryParams) -> "HybridMemory":
         return cls(model, cparams.n_ctx, cparams.n_seq_max)
 
     @property

@@ -29,17 +29,62 @@ import json
 import struct
 from pathlib import Path
 import os
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Protocol, Sequence
 
 import numpy as np
 
 from ..errors import ContextError
-from .memory import CompositeMemory, KVCache
+from .memory import CompositeMemory, KVCache, Memory
 from .recurrent import HybridMemory, RecurrentMemory
 
-if TYPE_CHECKING:
-    from .context import Context
-    from ..generation.sampling import SamplerChain
+
+
+class StateModel(Protocol):
+    @property
+    def sha256(self) -> str: ...
+
+    @property
+    def arch_name(self) -> str: ...
+
+
+class SavedContext(Protocol):
+    """What saving and loading read of a context (:class:`~.context.Context`, one module up, calls them)."""
+
+    @property
+    def model(self) -> StateModel: ...
+
+    @property
+    def memory(self) -> Memory: ...
+
+    @property
+    def n_ctx(self) -> int: ...
+
+    @property
+    def n_seq_max(self) -> int: ...
+
+    @property
+    def seq_tokens(self) -> list[list[int]]: ...
+
+
+class SamplerRng(Protocol):
+    """A sampler's random state, saved and restored with the context (``MT19937Rng`` fills it in)."""
+
+    def get_state(self) -> dict[str, Any]: ...
+
+    def set_state(self, state: dict[str, Any]) -> None: ...
+
+
+class SeededSampler(Protocol):
+    @property
+    def rng(self) -> SamplerRng | None: ...
+
+
+class SamplerChainState(Protocol):
+    """What a saved state reads of a sampler chain (``llmfw.core.generation.sampling.SamplerChain``, one layer
+    up): its samplers' random states."""
+
+    @property
+    def samplers(self) -> Sequence[SeededSampler]: ...
 
 MAGIC = b"LLMFWKV\0"
 FORMAT_VERSION = 1
@@ -50,7 +95,7 @@ _DIGEST_BYTES = 32
 
 
 # -- what is saved -------------------------------------------------------------------------------------------
-def _caches(ctx: Context) -> list[KVCache]:
+def _caches(ctx: SavedContext) -> list[KVCache]:
     """The context's KV caches (one, or the parts of a composite memory such as iSWA, or a hybrid's)."""
     memory = ctx.memory
     if isinstance(memory, CompositeMemory):
@@ -64,7 +109,7 @@ def _caches(ctx: Context) -> list[KVCache]:
     raise ContextError(f"saving the state of a {type(memory).__name__} memory is not supported")
 
 
-def _recurrent(ctx: Context) -> RecurrentMemory | None:
+def _recurrent(ctx: SavedContext) -> RecurrentMemory | None:
     """The context's recurrent states (saved whole: one row per sequence per state), if it has any."""
     memory = ctx.memory
     if isinstance(memory, HybridMemory):
@@ -72,19 +117,19 @@ def _recurrent(ctx: Context) -> RecurrentMemory | None:
     return memory if isinstance(memory, RecurrentMemory) else None
 
 
-def _shape(ctx: Context) -> dict[str, Any]:
+def _shape(ctx: SavedContext) -> dict[str, Any]:
     """The context shape a state file must match to be loaded."""
     return {"n_ctx": int(ctx.n_ctx), "n_seq_max": int(ctx.n_seq_max),
             "caches": [{"name": c.name, "n_cells": int(c.n_cells), "layers": [int(il) for il in c.layers]}
                        for c in _caches(ctx)]}
 
 
-def _rng_states(sampler: SamplerChain | None) -> list[dict[str, Any] | None]:
+def _rng_states(sampler: SamplerChainState | None) -> list[dict[str, Any] | None]:
     samplers = sampler.samplers if sampler is not None else []
     return [s.rng.get_state() if s.rng is not None else None for s in samplers]
 
 
-def _arrays(ctx: Context) -> list[tuple[str, np.ndarray]]:
+def _arrays(ctx: SavedContext) -> list[tuple[str, np.ndarray]]:
     arrays: list[tuple[str, np.ndarray]] = []
     for cache in _caches(ctx):
         used = np.flatnonzero(cache.cells.seq).astype(np.int64)
@@ -100,8 +145,8 @@ def _arrays(ctx: Context) -> list[tuple[str, np.ndarray]]:
     return arrays
 
 
-def save_state_file(ctx: Context, path: str | os.PathLike[str], tokens: Sequence[int] | None = None,
-                    sampler: SamplerChain | None = None) -> int:
+def save_state_file(ctx: SavedContext, path: str | os.PathLike[str], tokens: Sequence[int] | None = None,
+                    sampler: SamplerChainState | None = None) -> int:
     """Write ``ctx``'s state to ``path``; ``tokens`` (default: the record of sequence 0) is what
     :func:`load_state_file` returns. Returns the bytes written."""
     records = {seq: [int(t) for t in r] for seq, r in enumerate(ctx.seq_tokens) if r}
@@ -151,7 +196,7 @@ def _read_header(path: Path, fh: Any, file_size: int) -> dict[str, Any]:
     return header
 
 
-def _check_matches(path: Path, header: dict[str, Any], ctx: Context) -> None:
+def _check_matches(path: Path, header: dict[str, Any], ctx: SavedContext) -> None:
     if header.get("model_sha256") != ctx.model.sha256:
         raise ContextError(f"{path}: the state was saved with another model (sha256 {header.get('model_sha256')}, "
                            f"this model is {ctx.model.sha256})")
@@ -160,7 +205,7 @@ def _check_matches(path: Path, header: dict[str, Any], ctx: Context) -> None:
                            f"is {_shape(ctx)}")
 
 
-def _expected_arrays(path: Path, header: dict[str, Any], ctx: Context) -> list[tuple[str, np.dtype, tuple[int, ...]]]:
+def _expected_arrays(path: Path, header: dict[str, Any], ctx: SavedContext) -> list[tuple[str, np.dtype, tuple[int, ...]]]:
     """The arrays this context expects, with the counts the header declares — checked against the context
     before a byte is allocated for them."""
     declared = {a.get("name"): a for a in header.get("arrays", []) if isinstance(a, dict)}
@@ -203,7 +248,7 @@ def _read_arrays(path: Path, fh: Any, expected: list[tuple[str, np.dtype, tuple[
     return arrays
 
 
-def _check_cells(path: Path, ctx: Context, arrays: dict[str, np.ndarray]) -> None:
+def _check_cells(path: Path, ctx: SavedContext, arrays: dict[str, np.ndarray]) -> None:
     for cache in _caches(ctx):
         cells = arrays[f"{cache.name}.cells"]
         seq = arrays[f"{cache.name}.seq"]
@@ -225,7 +270,7 @@ def _records(path: Path, header: dict[str, Any], n_seq_max: int) -> dict[int, li
     return records
 
 
-def _apply(ctx: Context, header: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
+def _apply(ctx: SavedContext, header: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
     for i, cache in enumerate(_caches(ctx)):
         cache.clear()
         cells = arrays[f"{cache.name}.cells"]
@@ -242,7 +287,7 @@ def _apply(ctx: Context, header: dict[str, Any], arrays: dict[str, np.ndarray]) 
         recurrent.load_state_arrays(arrays)
 
 
-def _restore_rng(path: Path, header: dict[str, Any], sampler: SamplerChain | None) -> None:
+def _restore_rng(path: Path, header: dict[str, Any], sampler: SamplerChainState | None) -> None:
     if sampler is None:
         return
     samplers = sampler.samplers
@@ -255,7 +300,7 @@ def _restore_rng(path: Path, header: dict[str, Any], sampler: SamplerChain | Non
             s.rng.set_state(state)
 
 
-def load_state_file(ctx: Context, path: str | os.PathLike[str], sampler: SamplerChain | None = None) -> list[int]:
+def load_state_file(ctx: SavedContext, path: str | os.PathLike[str], sampler: SamplerChainState | None = None) -> list[int]:
     """Replace ``ctx``'s KV cells and token records with those in ``path`` (and ``sampler``'s RNG state when
     given); returns the saved tokens. Everything is checked before the context changes."""
     path = Path(path)

@@ -26,7 +26,6 @@ from jinja2.utils import Namespace
 from ..errors import ChatTemplateError
 
 if TYPE_CHECKING:
-    from ..runtime.model import Model
     from .vocab import Vocab
 
 #: llama.cpp's built-in fallback format
@@ -181,7 +180,7 @@ def _compiled(template: str) -> jinja2.Template:
     return template_environment().from_string(template)
 
 
-def _metadata_value(model: Model, key: str) -> Any:
+def _metadata_value(model: object, key: str) -> Any:
     """A GGUF metadata value from the model, whichever way the engine exposes it."""
     for attr in ("metadata", "meta", "kv"):
         table = getattr(model, attr, None)
@@ -196,7 +195,7 @@ def _metadata_value(model: Model, key: str) -> Any:
     return _metadata_value(loader, key) if loader is not None and loader is not model else None
 
 
-def model_chat_template(model: Model) -> str | None:
+def model_chat_template(model: object) -> str | None:
     """The model's own template (``tokenizer.chat_template``), or None."""
     template = _metadata_value(model, CHAT_TEMPLATE_KEY)
     if isinstance(template, bytes):
@@ -221,7 +220,7 @@ def _special_text(vocab: Vocab, names: tuple[str, ...]) -> str:
     return piece.decode("utf-8", errors="replace") if isinstance(piece, bytes) else str(piece)
 
 
-def apply_chat_template(model: Model, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+def apply_chat_template(model: object, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                         template: str | None = None, **extra: Any) -> str:
     """Render ``messages`` with ``template``, else the model's ``tokenizer.chat_template``, else ChatML.
 

@@ -28,93 +28,21 @@ import logging
 import os
 import re
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from enum import IntEnum, IntFlag
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from ..errors import TokenizerError
-
-if TYPE_CHECKING:
-    from .vocab_loader import VocabContents
+from ..errors import TokenizerError, VocabError
+from .tokens import (ATTR_BYTE as _BYTE, ATTR_CONTROL as _CONTROL, ATTR_LSTRIP as _LSTRIP, ATTR_NORMAL as _NORMAL,
+                     ATTR_RSTRIP as _RSTRIP, ATTR_UNUSED as _UNUSED, ATTR_USER as _USER, HIDDEN_ATTRS as _HIDDEN_ATTRS,
+                     KEY_PREFIX as KEY_PREFIX, SPECIAL_ID_NAMES as SPECIAL_ID_NAMES,
+                     SPECIAL_SPLIT_ATTRS as _SPECIAL_SPLIT_ATTRS, TokenAttr as TokenAttr,
+                     TokenizerDefaults as TokenizerDefaults, TokenType as TokenType)
+from .vocab_loader import VocabContents, VocabLoader
 
 log = logging.getLogger(__name__)
 
-KEY_PREFIX = "tokenizer.ggml."
-
-
-class TokenType(IntEnum):
-    """``tokenizer.ggml.token_type`` values (llama.cpp's ``llama_token_type``)."""
-
-    UNDEFINED = 0
-    NORMAL = 1
-    UNKNOWN = 2
-    CONTROL = 3
-    USER_DEFINED = 4
-    UNUSED = 5
-    BYTE = 6
-
-
-class TokenAttr(IntFlag):
-    """Per-token attribute bits (llama.cpp's ``llama_token_attr``)."""
-
-    UNDEFINED = 0
-    UNKNOWN = 1 << 0
-    UNUSED = 1 << 1
-    NORMAL = 1 << 2
-    CONTROL = 1 << 3
-    USER_DEFINED = 1 << 4
-    BYTE = 1 << 5
-    NORMALIZED = 1 << 6
-    LSTRIP = 1 << 7
-    RSTRIP = 1 << 8
-    SINGLE_WORD = 1 << 9
-
-
-_ATTR_OF_TYPE = {
-    TokenType.UNKNOWN: TokenAttr.UNKNOWN,
-    TokenType.UNUSED: TokenAttr.UNUSED,
-    TokenType.NORMAL: TokenAttr.NORMAL,
-    TokenType.CONTROL: TokenAttr.CONTROL,
-    TokenType.USER_DEFINED: TokenAttr.USER_DEFINED,
-    TokenType.BYTE: TokenAttr.BYTE,
-}
-_ATTR_BY_TYPE = np.array([int(_ATTR_OF_TYPE.get(TokenType(t), TokenAttr.UNDEFINED)) for t in range(len(TokenType))],
-                         dtype=np.int64)  # token type -> attribute bits (unknown types: UNDEFINED)
-# plain ints for the hot paths
-_UNKNOWN, _UNUSED, _NORMAL, _CONTROL, _USER, _BYTE = (int(a) for a in (
-    TokenAttr.UNKNOWN, TokenAttr.UNUSED, TokenAttr.NORMAL, TokenAttr.CONTROL, TokenAttr.USER_DEFINED, TokenAttr.BYTE))
-_LSTRIP, _RSTRIP = int(TokenAttr.LSTRIP), int(TokenAttr.RSTRIP)
-_SPECIAL_SPLIT_ATTRS = _CONTROL | _USER | _UNKNOWN  # what tokenizer_st_partition may split out
-_HIDDEN_ATTRS = _UNKNOWN | _CONTROL  # rendered only with special=True
-
-#: the special-id attributes of a :class:`Vocab` (``bos_id`` ...), each an id or None
-SPECIAL_ID_NAMES = ("bos_id", "eos_id", "eot_id", "eom_id", "unk_id", "sep_id", "pad_id", "mask_id", "fim_pre_id",
-                    "fim_suf_id", "fim_mid_id", "fim_pad_id", "fim_rep_id", "fim_sep_id")
-
 _CLEAN_SPACE_BEFORE = frozenset(b"?!.,")
-
-
-@dataclass
-class TokenizerDefaults:
-    """What a tokenizer family sets before the GGUF keys are read (llama.cpp's per-vocab-type defaults).
-
-    Special ids that fall outside the vocabulary are dropped (with a warning) when the vocab is built.
-    """
-
-    bos_id: int | None = None
-    eos_id: int | None = None
-    unk_id: int | None = None
-    sep_id: int | None = None
-    pad_id: int | None = None
-    mask_id: int | None = None
-    add_bos: bool = False
-    add_eos: bool = False
-    add_sep: bool = False
-    add_space_prefix: bool = False
-    #: detokenize removes spaces before ``?!.,`` and some contractions (llama.cpp's ``clean_spaces``)
-    clean_spaces: bool = False
 
 
 class Tokenizer(ABC):
@@ -241,9 +169,7 @@ class Vocab:
     @classmethod
     def from_metadata(cls, metadata: Mapping[str, Any]) -> "Vocab":
         """Build the vocab from GGUF metadata (string arrays as ``list[str]``, numeric arrays as arrays/lists)."""
-        from .vocab_loader import VocabLoader
-
-        return VocabLoader(metadata).load()
+        return cls(VocabLoader(metadata).contents())
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> "Vocab":
@@ -253,7 +179,11 @@ class Vocab:
         with open_gguf(path) as gguf:
             return cls.from_metadata(gguf.metadata)
 
-    def __init__(self, contents: "VocabContents"):
+    def __init__(self, contents: VocabContents):
+        tokenizer_class = contents.tokenizer_class
+        if not (isinstance(tokenizer_class, type) and issubclass(tokenizer_class, Tokenizer)):
+            raise VocabError(f"tokenizer plugin for {contents.model!r} is {tokenizer_class!r}, "
+                             "not a llmfw.core.tokenizer.vocab.Tokenizer subclass")
         self.model, self.pre = contents.model, contents.pre
         self.tokenizer_metadata: dict[str, Any] = contents.tokenizer_metadata
         self.tokens, self.token_to_id, self.n_vocab = contents.tokens, contents.token_to_id, len(contents.tokens)
@@ -271,7 +201,7 @@ class Vocab:
         self._piece_cache: list[bytes | None] = [None] * self.n_vocab
         self._special_matchers: dict[bool, _SpecialMatcher | None] = {}
         self.derived: dict[str, Any] = {}  # things built once from this vocab (the grammar engine's tokenizer)
-        self.tokenizer = contents.tokenizer_class(self)
+        self.tokenizer = tokenizer_class(self)
         self.nl_id = self.tokenizer.newline_id()
 
 
@@ -300,9 +230,6 @@ class Vocab:
 
     def is_unused(self, token: int) -> bool:
         return bool(self._attr(token) & _UNUSED)
-
-    def is_normal(self, token: int) -> bool:
-        return bool(self._attr(token) & _NORMAL)
 
     def text_to_token(self, text: str) -> int | None:
         return self.token_to_id.get(text)

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, fields
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Protocol, Sequence, cast
 
 import numpy as np
 
 from ..errors import PluginError, VocabError
-from .vocab import (_ATTR_BY_TYPE, _CONTROL, _LSTRIP, _NORMAL, _RSTRIP, _SPECIAL_SPLIT_ATTRS, _UNUSED, _USER,
-                    KEY_PREFIX, SPECIAL_ID_NAMES, Tokenizer, TokenizerDefaults, TokenType, Vocab)
+from .tokens import (ATTR_BY_TYPE, ATTR_CONTROL, ATTR_LSTRIP, ATTR_NORMAL, ATTR_RSTRIP, ATTR_UNUSED, ATTR_USER,
+                     KEY_PREFIX, SPECIAL_ID_NAMES, SPECIAL_SPLIT_ATTRS, TokenizerDefaults, TokenType)
 
 log = logging.getLogger(__name__)
 
@@ -92,13 +92,20 @@ class VocabFlags:
     normalizer_strip_accents: bool
 
 
+class TokenizerFamily(Protocol):
+    """What loading reads of a tokenizer plugin class (the class itself, one module up, is checked by the Vocab)."""
+
+    def defaults(self, pre: str) -> TokenizerDefaults: ...
+
+
 @dataclass
 class VocabContents:
     """Everything a :class:`~llmfw.core.tokenizer.vocab.Vocab` is made of, read and checked by :class:`VocabLoader`."""
 
     model: str
     pre: str
-    tokenizer_class: type[Tokenizer]
+    #: the registered plugin class; :class:`~llmfw.core.tokenizer.vocab.Vocab` checks it is a ``Tokenizer``
+    tokenizer_class: TokenizerFamily
     #: every tokenizer.ggml.* key, for plugins with keys of their own (UGM's precompiled_charsmap ...)
     tokenizer_metadata: dict[str, Any]
     tokens: list[str]
@@ -114,15 +121,12 @@ class VocabContents:
 
 
 class VocabLoader:
-    """Parses GGUF metadata into :class:`VocabContents`: ``VocabLoader(metadata).load()`` is the :class:`Vocab`."""
+    """Parses GGUF metadata into :class:`VocabContents`: ``Vocab(VocabLoader(metadata).contents())`` is the vocab."""
 
     def __init__(self, metadata: Mapping[str, Any]):
         self.metadata = metadata
         self.special_ids: dict[str, int | None] = {}
         self.eog_ids: frozenset[int] = frozenset()
-
-    def load(self) -> Vocab:
-        return Vocab(self.contents())
 
     def contents(self) -> VocabContents:
         metadata = self.metadata
@@ -156,7 +160,7 @@ class VocabLoader:
         return model
 
     @staticmethod
-    def _tokenizer_class(model: str) -> type[Tokenizer]:
+    def _tokenizer_class(model: str) -> TokenizerFamily:
         from ..plugins import registry  # the registry imports plugin modules lazily, by name
 
         tokenizers = registry("tokenizers")
@@ -167,10 +171,10 @@ class VocabLoader:
             cls = tokenizers.get(model)
         except PluginError as exc:
             raise VocabError(f"tokenizer plugin for {model!r} failed to load: {exc}") from exc
-        if not (isinstance(cls, type) and issubclass(cls, Tokenizer)):
+        if not (isinstance(cls, type) and callable(getattr(cls, "defaults", None))):
             raise VocabError(f"tokenizer plugin for {model!r} is {cls!r}, "
                              "not a llmfw.core.tokenizer.vocab.Tokenizer subclass")
-        return cls
+        return cast(TokenizerFamily, cls)  # a class with ``defaults``: the Vocab checks the rest
 
     def _read_tokens(self, metadata: Mapping[str, Any]) -> None:
         key = KEY_PREFIX + "tokens"
@@ -192,8 +196,8 @@ class VocabLoader:
         self.n_vocab = n
         self.scores = self._read_numeric(metadata, "scores", n, np.float32, 0.0)
         self.token_types = self._read_numeric(metadata, "token_type", n, np.int32, TokenType.NORMAL)
-        in_range = (self.token_types >= 0) & (self.token_types < len(_ATTR_BY_TYPE))
-        self.token_attrs = np.where(in_range, _ATTR_BY_TYPE[np.where(in_range, self.token_types, 0)],
+        in_range = (self.token_types >= 0) & (self.token_types < len(ATTR_BY_TYPE))
+        self.token_attrs = np.where(in_range, ATTR_BY_TYPE[np.where(in_range, self.token_types, 0)],
                                                0).tolist()
 
     @staticmethod
@@ -272,11 +276,11 @@ class VocabLoader:
                                  f"({KEY_PREFIX}{flag_name}_token / the matching *_token_id key)")
 
     def _force_control(self, token: int) -> None:
-        if not self.token_attrs[token] & _CONTROL:
+        if not self.token_attrs[token] & ATTR_CONTROL:
             # llama.cpp warns; it is a converter quirk of many models (Gemma-3's "</s>"), so only log it
             log.info("vocab: control-looking token %d %r was not control-type; overriding its type",
                         token, self.tokens[token])
-            self.token_attrs[token] |= _CONTROL
+            self.token_attrs[token] |= ATTR_CONTROL
 
     def _detect_special_tokens_by_text(self) -> None:
         """llama.cpp's text-based detection of EOT / EOM / FIM ids, unused tokens and the end-of-generation set."""
@@ -290,9 +294,9 @@ class VocabLoader:
                     self.special_ids[name] = token
                     self._force_control(token)
                     break
-        for token in np.flatnonzero(np.asarray(self.token_attrs) & _CONTROL).tolist():
+        for token in np.flatnonzero(np.asarray(self.token_attrs) & ATTR_CONTROL).tolist():
             if "unused" in self.tokens[token]:
-                self.token_attrs[token] |= _UNUSED
+                self.token_attrs[token] |= ATTR_UNUSED
         eog = {t for t in (self.special_ids[n] for n in ("fim_pad_id", "fim_rep_id", "fim_sep_id")) if t is not None}
         for text in _EOG_TEXTS:
             token = token_to_id.get(text)
@@ -302,7 +306,7 @@ class VocabLoader:
         for text in _ALWAYS_RENDERED:
             token = token_to_id.get(text)
             if token is not None:
-                self.token_attrs[token] = _USER
+                self.token_attrs[token] = ATTR_USER
         for token in (self.special_ids[n] for n in ("eos_id", "eot_id", "eom_id")):
             if token is not None:
                 eog.add(token)
@@ -315,11 +319,11 @@ class VocabLoader:
         if "<|end|>" in texts and (("<|return|>" in texts and ("<|call|>" in texts or "<|calls|>" in texts))
                                    or (("<|call|>" in texts or "<|calls|>" in texts) and "<|flush|>" in texts)):
             eog.discard(texts["<|end|>"])
-            self.token_attrs[texts["<|end|>"]] = _USER
+            self.token_attrs[texts["<|end|>"]] = ATTR_USER
         # gemma4 / paddleocr: "</s>" is text there
         if "<|tool_response>" in texts and "</s>" in texts:
             eog.discard(texts["</s>"])
-            self.token_attrs[texts["</s>"]] = _NORMAL
+            self.token_attrs[texts["</s>"]] = ATTR_NORMAL
 
     def _apply_model_specific_attrs(self, metadata: Mapping[str, Any]) -> None:
         """llama.cpp sets lstrip / rstrip for a few model families, recognised by name (GGUF has no such keys)."""
@@ -335,13 +339,13 @@ class VocabLoader:
         if any(s in self.pre for s in ("jina-v2-de", "jina-v2-es", "jina-v2-code")) or \
                 any(s in arch for s in ("nomic-bert-moe", "jina-bert-v3")):
             if "<mask>" in self.token_to_id:
-                set_attr("<mask>", _LSTRIP, True)
+                set_attr("<mask>", ATTR_LSTRIP, True)
         elif "phi-3" in name or "phi3" in name:
             for token, attr in enumerate(self.token_attrs):
-                if attr & _SPECIAL_SPLIT_ATTRS:
-                    self.token_attrs[token] = attr | _RSTRIP
-            set_attr("</s>", _RSTRIP, True)
+                if attr & SPECIAL_SPLIT_ATTRS:
+                    self.token_attrs[token] = attr | ATTR_RSTRIP
+            set_attr("</s>", ATTR_RSTRIP, True)
             for text in ("<unk>", "<s>", "<|endoftext|>"):
-                set_attr(text, _RSTRIP, False)
+                set_attr(text, ATTR_RSTRIP, False)
         elif "modern-bert" in name and "[MASK]" in self.token_to_id:
-            set_attr("[MASK]", _LSTRIP, True)
+            set_attr("[MASK]", ATTR_LSTRIP, True)

@@ -1,5 +1,7 @@
 """Built-in architectures: one module per family, registered lazily by `general.architecture` name."""
-from llmfw.core.plugins import hookimpl
+from collections.abc import Callable
+
+from llmfw.sdk import hookimpl
 
 ARCHITECTURES = {
     "llama": "llmfw.plugins.architectures.llama:LlamaArchitecture",
@@ -24,6 +26,6 @@ ARCHITECTURES = {
 
 
 @hookimpl
-def register_architectures(register):
+def register_architectures(register: Callable[[str, str], None]) -> None:
     for name, ref in ARCHITECTURES.items():
         register(name, ref)

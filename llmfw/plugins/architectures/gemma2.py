@@ -23,11 +23,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from llmfw.core.arch.architecture import Architecture, TensorSpec
-from llmfw.core.errors import ModelError
-from llmfw.core.ir.graph import GraphBuilder
-from llmfw.core.arch.hparams import HParams
-from llmfw.core.runtime.loader import MetadataView
+from llmfw.sdk import Architecture, GraphBuilder, HParams, MetadataView, ModelError, TensorSpec
 from llmfw.plugins.architectures.gemma3 import gemma_layer_tensors, gemma_post_attention, swa_layer_pattern
 
 #: llama.cpp's defaults for Gemma 2

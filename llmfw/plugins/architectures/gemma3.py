@@ -24,11 +24,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from llmfw.core.arch.architecture import Architecture, TensorSpec, attention_qkv_tensors
-from llmfw.core.errors import ModelError
-from llmfw.core.ir.graph import GraphBuilder, Node
-from llmfw.core.arch.hparams import HParams
-from llmfw.core.runtime.loader import MetadataView
+from llmfw.sdk import (Architecture, GraphBuilder, HParams, MetadataView, ModelError, Node, TensorSpec,
+                       attention_qkv_tensors)
 
 #: every SWA_PATTERN-th layer is global (llama.cpp's ``hparams.set_swa_pattern(6)``)
 SWA_PATTERN = 6

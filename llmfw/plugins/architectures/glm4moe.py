@@ -21,8 +21,8 @@ from typing import Any
 from llmfw.core.arch.architecture import Architecture, TensorSpec, attention_qkv_tensors
 from llmfw.core.errors import ModelError
 from llmfw.core.ir.graph import GraphBuilder
-from llmfw.core.arch.hparams import HParams
-from llmfw.core.runtime.loader import MetadataView
+from llmfw.core.ir.hparams import HParams
+from llmfw.core.format.metadata import MetadataView
 from llmfw.core.arch.moe import (MoeHParams, build_layer_ffn, expert_tensors, mtp_trunk, read_moe_hparams,
                             shared_expert_tensors)
 

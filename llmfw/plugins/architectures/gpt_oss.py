@@ -20,8 +20,8 @@ from typing import Any
 from llmfw.core.arch.architecture import OUTPUT_LAYER, Architecture, TensorSpec, attention_qkv_tensors
 from llmfw.core.errors import ModelError
 from llmfw.core.ir.graph import GraphBuilder
-from llmfw.core.arch.hparams import HParams
-from llmfw.core.runtime.loader import MetadataView
+from llmfw.core.ir.hparams import HParams
+from llmfw.core.format.metadata import MetadataView
 from llmfw.core.arch.moe import ROUTING_KEYS, MoeHParams, expert_tensors, read_moe_hparams
 from llmfw.plugins.architectures.gemma2 import _swa_layers
 

@@ -16,8 +16,8 @@ from typing import Any
 
 from llmfw.core.errors import ModelError
 from llmfw.core.ir.graph import GraphBuilder, Node
-from llmfw.core.arch.hparams import HParams
-from llmfw.core.runtime.loader import MetadataView
+from llmfw.core.ir.hparams import HParams
+from llmfw.core.format.metadata import MetadataView
 from llmfw.plugins.architectures.llama import LlamaArchitecture
 
 
@@ -49,21 +49,22 @@ def check_logit_scale(hp: HParams) -> None:
 
 def scaled_embeddings(b: GraphBuilder, x: Node) -> Node:
     """The input embeddings × ``embedding_scale`` when the file sets one."""
-    scale = getattr(b.hp, "f_embedding_scale", 0.0)
+    scale = b.hp.f_embedding_scale if isinstance(b.hp, GraniteHParams) else 0.0
     return b.op("scale", x, s=scale) if scale else x
 
 
 def scaled_residual(b: GraphBuilder, block_out: Node) -> Node:
     """A block's output × ``residual_scale`` when the file sets one (before it joins the residual)."""
-    scale = getattr(b.hp, "f_residual_scale", 0.0)
+    scale = b.hp.f_residual_scale if isinstance(b.hp, GraniteHParams) else 0.0
     return b.op("scale", block_out, s=scale) if scale else block_out
 
 
 def scaled_logits(b: GraphBuilder) -> None:
     """Divide the graph's logits by ``logit_scale`` when set (embeddings mode has no logits)."""
-    if "logits" in b.graph.outputs and getattr(b.hp, "f_logit_scale", 0.0):
-        b.layer = b.hp.n_layer
-        b.graph.outputs["logits"] = b.op("scale", b.graph.outputs["logits"], s=1.0 / b.hp.f_logit_scale)
+    hp = b.hp
+    if "logits" in b.graph.outputs and isinstance(hp, GraniteHParams) and hp.f_logit_scale:
+        b.layer = hp.n_layer
+        b.graph.outputs["logits"] = b.op("scale", b.graph.outputs["logits"], s=1.0 / hp.f_logit_scale)
 
 
 class GraniteArchitecture(LlamaArchitecture):

@@ -14,8 +14,8 @@ from typing import Any
 from llmfw.core.arch.architecture import TensorSpec, attention_qkv_tensors
 from llmfw.core.errors import ModelError
 from llmfw.core.ir.graph import GraphBuilder, Node
-from llmfw.core.arch.hparams import HParams
-from llmfw.core.runtime.loader import MetadataView
+from llmfw.core.ir.hparams import HParams
+from llmfw.core.format.metadata import MetadataView
 from llmfw.plugins.architectures.granite import GraniteArchitecture, GraniteHParams, read_granite_multipliers
 from llmfw.plugins.architectures.mamba2 import (Mamba2Dims, build_mamba2, mamba2_state, mamba2_tensors,
                                                 read_mamba2_dims)

@@ -27,8 +27,8 @@ from llmfw.core.arch.architecture import (Architecture, TensorSpec, attention_qk
                                      layer_tensor)
 from llmfw.core.errors import ModelError
 from llmfw.core.ir.graph import GraphBuilder, Node
-from llmfw.core.arch.hparams import HParams
-from llmfw.core.runtime.loader import MetadataView
+from llmfw.core.ir.hparams import HParams
+from llmfw.core.format.metadata import MetadataView
 
 #: the final norm's tensor (llama.cpp's LLM_TENSOR_OUTPUT_NORM_LFM2: "fix for wrong tensor name")
 OUTPUT_NORM = "token_embd_norm.weight"

@@ -17,16 +17,13 @@ Mixtral-style files (``expert_count`` > 1) replace each FFN by routed experts: s
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
-from llmfw.core.arch.architecture import Architecture, TensorSpec, attention_qkv_tensors
-from llmfw.core.errors import ModelError
-from llmfw.core.ir.graph import GraphBuilder, Node
-from llmfw.core.arch.hparams import HParams
-from llmfw.core.runtime.loader import MetadataView
 from llmfw.core.arch.moe import ROUTING_KEYS, MoeHParams, expert_tensors, read_moe_hparams
+from llmfw.sdk import (Architecture, GraphBuilder, HParams, MetadataView, ModelError, Node, RopeType, TensorSpec,
+                       attention_qkv_tensors)
 
 
 def llama3_rope_factors(hp: HParams) -> np.ndarray:
@@ -57,8 +54,8 @@ def llama3_rope_factors(hp: HParams) -> np.ndarray:
 
 class LlamaArchitecture(Architecture):
     name = "llama"
-    rope_type = "norm"
-    hparams_class = MoeHParams
+    rope_type: ClassVar[RopeType] = "norm"
+    hparams_class: ClassVar[type[HParams]] = MoeHParams
     #: whether files of this family may have routed experts (llama: Mixtral; the dense families built on it not)
     experts: bool = True
     #: whether the chosen experts' weights are renormalised to sum to one (llama.cpp's ``norm_w``)
@@ -79,11 +76,12 @@ class LlamaArchitecture(Architecture):
         return extra
 
     def layer_tensors(self, hp: HParams, il: int) -> list[TensorSpec]:
-        n_embd, n_ff = hp.n_embd, hp.n_ff(il)
+        n_embd = hp.n_embd
         n_q = hp.n_embd_head_k * hp.n_head(il)
         p = f"blk.{il}"
 
-        def t(name: str, ne: tuple[int, ...], usage: str = "mul_mat", optional: bool = False, **kw: Any):
+        def t(name: str, ne: tuple[int, ...], usage: str = "mul_mat", optional: bool = False,
+              **kw: Any) -> TensorSpec:
             return TensorSpec(f"{p}.{name}", ne, il, optional=optional, usage=usage, **kw)
 
         specs = [

@@ -20,7 +20,7 @@ from pydantic import BaseModel
 from llmfw.core.arch.architecture import TensorSpec
 from llmfw.core.errors import ModelError
 from llmfw.core.ir.graph import GraphBuilder, Node
-from llmfw.core.runtime.loader import MetadataView
+from llmfw.core.format.metadata import MetadataView
 
 
 class Mamba2Dims(BaseModel):

@@ -23,8 +23,8 @@ import numpy as np
 from llmfw.core.arch.architecture import RopeParams
 from llmfw.core.errors import ModelError
 from llmfw.core.ir.graph import GraphBuilder, Node
-from llmfw.core.arch.hparams import HParams
-from llmfw.core.runtime.loader import MetadataView
+from llmfw.core.ir.hparams import HParams
+from llmfw.core.format.metadata import MetadataView
 from llmfw.plugins.architectures.llama import LlamaArchitecture
 
 

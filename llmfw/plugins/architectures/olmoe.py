@@ -15,8 +15,8 @@ from typing import Any
 from llmfw.core.arch.architecture import OUTPUT_LAYER, TensorSpec
 from llmfw.core.errors import ModelError
 from llmfw.core.ir.graph import GraphBuilder, Node
-from llmfw.core.arch.hparams import HParams
-from llmfw.core.runtime.loader import MetadataView
+from llmfw.core.ir.hparams import HParams
+from llmfw.core.format.metadata import MetadataView
 from llmfw.core.arch.moe import ROUTING_KEYS, MoeHParams, read_moe_hparams
 from llmfw.plugins.architectures.qwen3 import Qwen3Architecture
 

@@ -19,10 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from llmfw.core.arch.architecture import Architecture, TensorSpec, attention_qkv_tensors
-from llmfw.core.ir.graph import GraphBuilder
-from llmfw.core.arch.hparams import HParams
-from llmfw.core.runtime.loader import MetadataView
+from llmfw.sdk import Architecture, GraphBuilder, HParams, MetadataView, TensorSpec, attention_qkv_tensors
 
 ROPE_FACTORS = ("rope_factors_long", "rope_factors_short")
 

@@ -7,8 +7,7 @@ pairs). An optional ``output.bias`` is added to the logits; the head is tied to 
 """
 from __future__ import annotations
 
-from llmfw.core.arch.architecture import OUTPUT_LAYER, TensorSpec
-from llmfw.core.arch.hparams import HParams
+from llmfw.sdk import HParams, OUTPUT_LAYER, TensorSpec
 from llmfw.plugins.architectures.llama import LlamaArchitecture
 
 

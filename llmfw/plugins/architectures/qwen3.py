@@ -12,10 +12,7 @@ is 64), so ``attn_q`` maps n_embd to head_dim * n_head and ``attn_output`` maps 
 """
 from __future__ import annotations
 
-from llmfw.core.arch.architecture import TensorSpec
-from llmfw.core.errors import ModelError
-from llmfw.core.ir.graph import GraphBuilder, Node
-from llmfw.core.arch.hparams import HParams
+from llmfw.sdk import GraphBuilder, HParams, ModelError, Node, TensorSpec
 from llmfw.plugins.architectures.qwen2 import Qwen2Architecture
 
 

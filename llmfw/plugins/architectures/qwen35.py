@@ -31,8 +31,8 @@ from pydantic import BaseModel
 from llmfw.core.arch.architecture import Architecture, TensorSpec, gated_ffn_tensors, layer_tensor
 from llmfw.core.errors import ModelError
 from llmfw.core.ir.graph import GraphBuilder, Node
-from llmfw.core.arch.hparams import HParams
-from llmfw.core.runtime.loader import MetadataView
+from llmfw.core.ir.hparams import HParams
+from llmfw.core.format.metadata import MetadataView
 
 #: llama.cpp's default when the file names neither the recurrent layers nor the interval
 DEFAULT_FULL_ATTENTION_INTERVAL = 4

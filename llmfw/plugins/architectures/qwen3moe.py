@@ -13,8 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 from llmfw.core.errors import ModelError
-from llmfw.core.arch.hparams import HParams
-from llmfw.core.runtime.loader import MetadataView
+from llmfw.core.ir.hparams import HParams
+from llmfw.core.format.metadata import MetadataView
 from llmfw.core.arch.moe import ROUTING_KEYS, MoeHParams, read_moe_hparams
 from llmfw.plugins.architectures.qwen3 import Qwen3Architecture
 

@@ -6,7 +6,7 @@ its queries and keys carry no position, the causal mask alone orders them.
 """
 from __future__ import annotations
 
-from llmfw.core.arch.hparams import HParams
+from llmfw.core.ir.hparams import HParams
 from llmfw.plugins.architectures.llama import LlamaArchitecture
 
 #: every this-many-th layer skips RoPE (fixed in llama.cpp's loader, not a file key)

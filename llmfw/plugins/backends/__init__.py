@@ -1,5 +1,7 @@
 """Built-in backends, registered lazily so that listing them never imports torch or onnxruntime."""
-from llmfw.core.plugins import hookimpl
+from collections.abc import Callable
+
+from llmfw.sdk import hookimpl
 
 BACKENDS = {
     "numpy": "llmfw.plugins.backends.numpy:NumpyBackend",
@@ -11,6 +13,6 @@ BACKENDS = {
 
 
 @hookimpl
-def register_backends(register):
+def register_backends(register: Callable[[str, str], None]) -> None:
     for name, ref in BACKENDS.items():
         register(name, ref)

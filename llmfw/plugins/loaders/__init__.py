@@ -1,5 +1,7 @@
 """Built-in model-file loaders (GGUF), by format name."""
-from llmfw.core.plugins import hookimpl
+from collections.abc import Callable
+
+from llmfw.sdk import hookimpl
 
 LOADERS = {
     "gguf": "llmfw.core.runtime.loader:GGUFLoader",
@@ -7,6 +9,6 @@ LOADERS = {
 
 
 @hookimpl
-def register_loaders(register):
+def register_loaders(register: Callable[[str, str], None]) -> None:
     for name, ref in LOADERS.items():
         register(name, ref)

@@ -1,6 +1,8 @@
 """Built-in memory modules: the unified KV cache, its interleaved sliding-window variant, the recurrent state and
 the hybrid of a KV cache and a recurrent state (issue 34)."""
-from llmfw.core.plugins import hookimpl
+from collections.abc import Callable
+
+from llmfw.sdk import hookimpl
 
 MEMORY = {
     "kv_cache": "llmfw.core.runtime.memory:KVCache",
@@ -11,6 +13,6 @@ MEMORY = {
 
 
 @hookimpl
-def register_memory(register):
+def register_memory(register: Callable[[str, str], None]) -> None:
     for name, ref in MEMORY.items():
         register(name, ref)

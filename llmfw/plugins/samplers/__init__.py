@@ -1,5 +1,7 @@
 """Built-in samplers, by the names used in sampler chains and YAML pipelines."""
-from llmfw.core.plugins import hookimpl
+from collections.abc import Callable
+
+from llmfw.sdk import hookimpl
 
 _PKG = "llmfw.plugins.samplers"
 
@@ -24,6 +26,6 @@ SAMPLERS: dict[str, str] = {
 
 
 @hookimpl
-def register_samplers(register):
+def register_samplers(register: Callable[[str, str], None]) -> None:
     for name, ref in SAMPLERS.items():
         register(name, ref)

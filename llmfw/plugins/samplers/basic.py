@@ -5,7 +5,7 @@ from typing import Any
 
 import numpy as np
 
-from llmfw.core.generation.sampling import Candidates, MT19937Rng, Sampler, SamplerEnv, SamplerParams, resolve_seed
+from llmfw.sdk import Candidates, MT19937Rng, Sampler, SamplerEnv, SamplerParams, resolve_seed
 
 
 class Greedy(Sampler):

@@ -9,8 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any, Iterable, Sequence
 
-from llmfw.core.errors import SamplerError
-from llmfw.core.generation.sampling import Candidates, RingHistory, Sampler, SamplerEnv, SamplerParams, ids_lookup
+from llmfw.sdk import Candidates, RingHistory, Sampler, SamplerEnv, SamplerError, SamplerParams, ids_lookup
 
 MAX_BREAKER_CHARS = 40
 MAX_BREAKER_TAIL_TOKENS = 20

@@ -13,9 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from llmfw.core.errors import GrammarError, SamplerError
+from llmfw.sdk import Candidates, GrammarError, Sampler, SamplerEnv, SamplerError, SamplerParams
 from llmfw.core.generation.grammar import GrammarMatcher, GrammarSpec
-from llmfw.core.generation.sampling import Candidates, Sampler, SamplerEnv, SamplerParams
 
 
 class Grammar(Sampler):

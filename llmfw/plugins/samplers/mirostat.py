@@ -6,16 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from llmfw.core.errors import SamplerError
-from llmfw.core.generation.sampling import (
-    Candidates,
-    MT19937Rng,
-    Sampler,
-    SamplerEnv,
-    SamplerParams,
-    keep_top_k,
-    resolve_seed,
-)
+from llmfw.sdk import Candidates, MT19937Rng, Sampler, SamplerEnv, SamplerError, SamplerParams, keep_top_k, resolve_seed
 
 
 class _MirostatBase(Sampler):

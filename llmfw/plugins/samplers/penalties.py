@@ -6,8 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from llmfw.core.errors import SamplerError
-from llmfw.core.generation.sampling import Candidates, RingHistory, Sampler, SamplerEnv, SamplerParams, ids_lookup
+from llmfw.sdk import Candidates, RingHistory, Sampler, SamplerEnv, SamplerError, SamplerParams, ids_lookup
 
 
 class Penalties(Sampler):

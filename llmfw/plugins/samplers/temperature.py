@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from llmfw.core.generation.sampling import Candidates, Sampler, SamplerEnv, SamplerParams, apply_temperature
+from llmfw.sdk import Candidates, Sampler, SamplerEnv, SamplerParams, apply_temperature
 
 
 class Temperature(Sampler):

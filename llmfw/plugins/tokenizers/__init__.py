@@ -1,5 +1,7 @@
 """Built-in tokenizers, by `tokenizer.ggml.model` value."""
-from llmfw.core.plugins import hookimpl
+from collections.abc import Callable
+
+from llmfw.sdk import hookimpl
 
 TOKENIZERS = {
     "gpt2": "llmfw.plugins.tokenizers.bpe:BPETokenizer",
@@ -11,6 +13,6 @@ TOKENIZERS = {
 
 
 @hookimpl
-def register_tokenizers(register):
+def register_tokenizers(register: Callable[[str, str], None]) -> None:
     for name, ref in TOKENIZERS.items():
         register(name, ref)

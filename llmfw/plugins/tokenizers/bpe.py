@@ -22,17 +22,17 @@ depend only on the piece.
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import re
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import repeat
 from operator import itemgetter
 
 import regex
 
-from llmfw.core.errors import TokenizerError, VocabError
-from llmfw.core.tokenizer.vocab import Tokenizer, TokenizerDefaults, Vocab
+from llmfw.plugins.tokenizers.merge import PairCosts, merge_pairs
+from llmfw.sdk import Tokenizer, TokenizerDefaults, TokenizerError, Vocab, VocabError
 
 
 # ----------------------------------------------------------------------------------------------- byte alphabet
@@ -66,10 +66,10 @@ SPM_SPACE = "\u2581"  # what SPM-style vocabularies write for a space
 _TRANSLATION_CACHE_LIMIT = 1 << 16
 
 
-class _LazyTranslation(dict):
+class _LazyTranslation(dict[int, int]):
     """A ``str.translate`` table filled on first use of each code point (ASCII maps to itself)."""
 
-    def __init__(self, rule):
+    def __init__(self, rule: Callable[[str], int]) -> None:
         super().__init__((c, c) for c in range(128))
         self._rule = rule
 
@@ -377,7 +377,6 @@ class RegexSplitter:
 
 
 # ----------------------------------------------------------------------------------------------- the tokenizer
-_SMALL_WORD = 256  # up to this many symbols a C-level rescan per merge beats a heap
 _NO_RANK = 1 << 62
 
 
@@ -403,6 +402,7 @@ class BPETokenizer(Tokenizer):
         self.pre = self.pre_tokenizer(vocab.pre)
         self.splitter = RegexSplitter(self.pre.regexes)
         self.ranks = self._build_ranks(vocab.merges)
+        self.pair_costs = PairCosts(self.ranks, joined=False, none=_NO_RANK)
         self.token_to_id = vocab.token_to_id
         self._encode = byte_encode if self.pre.byte_encode else str
 
@@ -433,56 +433,8 @@ class BPETokenizer(Tokenizer):
             token = self.token_to_id.get(encoded)
             if token is not None:
                 return [token]
-        symbols = self._merge_small(encoded) if len(encoded) <= _SMALL_WORD else self._merge_large(encoded)
+        symbols = merge_pairs(encoded, self.pair_costs)
         return self._symbols_to_ids(symbols)
-
-    def _merge_small(self, encoded: str) -> list[str]:
-        """Merge the lowest-rank adjacent pair (leftmost on ties) until none is left; ``min`` / ``index`` run in C."""
-        symbols = list(encoded)
-        get = self.ranks.get
-        pair_ranks = list(map(get, zip(symbols, symbols[1:]), repeat(_NO_RANK)))  # loops in C
-        while pair_ranks:
-            best = min(pair_ranks)
-            if best == _NO_RANK:
-                break
-            at = pair_ranks.index(best)
-            symbols[at:at + 2] = [symbols[at] + symbols[at + 1]]
-            del pair_ranks[at]
-            if at > 0:
-                pair_ranks[at - 1] = get((symbols[at - 1], symbols[at]), _NO_RANK)
-            if at < len(pair_ranks):
-                pair_ranks[at] = get((symbols[at], symbols[at + 1]), _NO_RANK)
-        return symbols
-
-    def _merge_large(self, encoded: str) -> list[str]:
-        """llama.cpp's linked list + priority queue, for long pieces (runs of spaces, long numbers ...)."""
-        text = list(encoded)
-        n = len(text)
-        prev = list(range(-1, n - 1))
-        nxt = list(range(1, n + 1))
-        nxt[-1] = -1
-        ranks = self.ranks
-        heap: list[tuple[int, int, int, str]] = []  # (rank, left, right, merged text)
-
-        def push(left: int, right: int) -> None:
-            if left >= 0 and right >= 0:
-                rank = ranks.get((text[left], text[right]))
-                if rank is not None:
-                    heapq.heappush(heap, (rank, left, right, text[left] + text[right]))
-
-        for i in range(n - 1):
-            push(i, i + 1)
-        while heap:
-            _, left, right, merged = heapq.heappop(heap)
-            if not text[left] or not text[right] or text[left] + text[right] != merged:
-                continue  # stale: one side changed since the pair was queued
-            text[left], text[right] = merged, ""
-            nxt[left] = nxt[right]
-            if nxt[right] >= 0:
-                prev[nxt[right]] = left
-            push(prev[left], left)
-            push(left, nxt[left])
-        return [t for t in text if t]
 
     def _symbols_to_ids(self, symbols: list[str]) -> list[int]:
         token_to_id = self.token_to_id

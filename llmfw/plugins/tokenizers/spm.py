@@ -15,16 +15,12 @@ cut is made inside its occurrences.
 """
 from __future__ import annotations
 
-import heapq
 import re
-from itertools import repeat
-from operator import add
 
-from llmfw.core.errors import TokenizerError
-from llmfw.core.tokenizer.vocab import Tokenizer, TokenizerDefaults, Vocab
+from llmfw.plugins.tokenizers.merge import PairCosts, merge_pairs
+from llmfw.sdk import Tokenizer, TokenizerDefaults, TokenizerError, Vocab
 
 SPACE = "▁"
-_SMALL_WORD = 256  # up to this many symbols a C-level rescan per merge beats a heap
 _NO_PAIR = float("inf")
 _CUT = re.compile(f"(?<=[^{SPACE}]){SPACE}")  # a ▁ that follows a non-▁ character: we cut before it
 _CUT_SPLIT = re.compile(f"(?<=[^{SPACE}])(?={SPACE})").split
@@ -43,7 +39,8 @@ class SPMTokenizer(Tokenizer):
         super().__init__(vocab)
         self.token_to_id = vocab.token_to_id
         # text -> -score: a merge is only possible into a token, and the best merge is then the smallest value
-        self._negated_score: dict[str, float] = dict(zip(vocab.tokens, (-vocab.scores.astype(float)).tolist()))
+        negated_score: dict[str, float] = dict(zip(vocab.tokens, (-vocab.scores.astype(float)).tolist()))
+        self.pair_costs = PairCosts(negated_score, joined=True, none=_NO_PAIR)
         spanning = [t for t in vocab.tokens if SPACE in t[1:] and _CUT.search(t)]
         self._spanning = re.compile("|".join(re.escape(t) for t in sorted(spanning, key=len, reverse=True))) \
             if spanning else None
@@ -66,7 +63,7 @@ class SPMTokenizer(Tokenizer):
         return [text[bounds[i]:bounds[i + 1]] for i in range(len(bounds) - 1)]
 
     def encode_word(self, word: str) -> list[int]:
-        symbols = self._merge_small(word) if len(word) <= _SMALL_WORD else self._merge_large(word)
+        symbols = merge_pairs(word, self.pair_costs)
         ids: list[int] = []
         for symbol in symbols:
             token = self.token_to_id.get(symbol)
@@ -75,53 +72,6 @@ class SPMTokenizer(Tokenizer):
             else:
                 ids.extend(self._byte_tokens_of(symbol))
         return ids
-
-    def _merge_small(self, word: str) -> list[str]:
-        """Merge the highest-score adjacent pair (leftmost on ties) until none is left; ``min`` / ``index`` run in C."""
-        symbols = list(word)
-        get = self._negated_score.get
-        costs = list(map(get, map(add, symbols[:-1], symbols[1:]), repeat(_NO_PAIR)))  # loops in C
-        while costs:
-            best = min(costs)
-            if best == _NO_PAIR:
-                break
-            at = costs.index(best)
-            symbols[at:at + 2] = [symbols[at] + symbols[at + 1]]
-            del costs[at]
-            if at > 0:
-                costs[at - 1] = get(symbols[at - 1] + symbols[at], _NO_PAIR)
-            if at < len(costs):
-                costs[at] = get(symbols[at] + symbols[at + 1], _NO_PAIR)
-        return symbols
-
-    def _merge_large(self, word: str) -> list[str]:
-        """llama.cpp's linked list + priority queue (highest score first, then leftmost)."""
-        text = list(word)
-        n = len(text)
-        prev = list(range(-1, n - 1))
-        nxt = list(range(1, n + 1))
-        nxt[-1] = -1
-        heap: list[tuple[float, int, int, int]] = []  # (-score, left, right, merged length): best first
-
-        def push(left: int, right: int) -> None:
-            if left >= 0 and right >= 0:
-                cost = self._negated_score.get(text[left] + text[right])
-                if cost is not None:
-                    heapq.heappush(heap, (cost, left, right, len(text[left]) + len(text[right])))
-
-        for i in range(n - 1):
-            push(i, i + 1)
-        while heap:
-            _, left, right, size = heapq.heappop(heap)
-            if not text[left] or not text[right] or len(text[left]) + len(text[right]) != size:
-                continue  # stale: a side grew or was merged away since the pair was queued
-            text[left], text[right] = text[left] + text[right], ""
-            nxt[left] = nxt[right]
-            if nxt[right] >= 0:
-                prev[nxt[right]] = left
-            push(prev[left], left)
-            push(left, nxt[left])
-        return [t for t in text if t]
 
     # -------------------------------------------------------------------------------------------- bytes
     def _find_byte_token(self, byte: int) -> int | None:

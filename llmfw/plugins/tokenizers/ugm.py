@@ -22,8 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from llmfw.core.errors import TokenizerError, VocabError
-from llmfw.core.tokenizer.vocab import Tokenizer, TokenizerDefaults, TokenAttr, Vocab
+from llmfw.sdk import TokenAttr, Tokenizer, TokenizerDefaults, TokenizerError, Vocab, VocabError
 
 SPACE = "\u2581"
 _SPACE_BYTES = SPACE.encode()
@@ -49,7 +48,7 @@ class _CharsMap:
     def _node(self, index: int) -> int:
         if index >= len(self.xcda):
             raise TokenizerError(f"{CHARSMAP_KEY}: XCDA index {index} out of bounds ({len(self.xcda)} entries)")
-        return self.xcda[index]
+        return int(self.xcda[index])
 
     def _base(self, index: int) -> int:
         node = self._node(index)
@@ -138,7 +137,7 @@ class UGMTokenizer(Tokenizer):
         min_score = np.float32(np.finfo(np.float32).max)
         for token, (text, attr) in enumerate(zip(vocab.tokens, vocab.token_attrs)):
             if attr & _NORMAL:
-                min_score = min(min_score, np.float32(vocab.scores[token]))
+                min_score = np.minimum(min_score, np.float32(vocab.scores[token]))
             if attr & (_NORMAL | _USER | _UNUSED):
                 self.piece_ids[text.encode("utf-8", "surrogatepass")] = token  # a later duplicate wins, as in the trie
             if attr & _USER:

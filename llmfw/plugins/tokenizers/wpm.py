@@ -17,8 +17,7 @@ BERT uncased; strip_accents follows lowercase when absent).
 from __future__ import annotations
 
 import unicodedata
-from llmfw.core.errors import TokenizerError
-from llmfw.core.tokenizer.vocab import Tokenizer, TokenizerDefaults, Vocab
+from llmfw.sdk import Tokenizer, TokenizerDefaults, TokenizerError, Vocab
 
 WORD_PREFIX = "\u2581"  # the phantom space llama.cpp puts before every word
 

@@ -14,7 +14,7 @@ from llmfw.core.exec.backend import Backend, BackendOptions, CompiledSplit, Spli
 from llmfw.core.errors import BackendUnavailable, ModelError
 from llmfw.core.ir.graph import Node
 from llmfw.core.format.quants import GGMLType
-from llmfw.plugins.backends.native import kernels
+import llmfw.plugins.backends.native.kernels as kernels
 from llmfw.plugins.backends.native.repack import ROWS, SUPPORTED_TYPES, PackedWeight, repack
 from llmfw.plugins.backends.numpy.blas import set_blas_threads
 from llmfw.plugins.backends.numpy.compiler import SplitCompiler, Step

@@ -1,12 +1,12 @@
 """The numpy backend's split compiler: a split's nodes -> a flat list of closures over a list of value slots."""
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 from llmfw.core.exec.backend import Backend, CompiledSplit, Split
-from llmfw.core.errors import ModelError
+from llmfw.core.exec.compiler import SplitCompilerBase, check_inputs
 from llmfw.core.ir.graph import Node
 from llmfw.core.ir.rope import rope_cos_sin
 from llmfw.plugins.backends.numpy.kernels import (F32, NumpyKV, attention, gelu, layer_norm, rms_norm, rope_apply,
@@ -19,9 +19,10 @@ from llmfw.plugins.backends.numpy.weights import get_rows
 Step = Callable[[], None]
 
 
-class SplitCompiler(MoeSteps, RecurrentSteps):
+class SplitCompiler(MoeSteps, RecurrentSteps, SplitCompilerBase[NumpyKV]):
     """Maps a split's nodes to kernels: ``run(inputs) -> outputs`` is a flat list of closures over a list of
-    value slots (no dict look-ups per op).
+    value slots (no dict look-ups per op); the slots, the walk and the checks are the core's
+    :class:`~llmfw.core.exec.compiler.SplitCompilerBase`.
 
     Each node gets a slot; ``weight`` slots are filled once, at compile time. The graph arrives optimised by the
     core passes (fused matmuls on fused weights, norms with their weight, this backend's rewrite rules); after
@@ -30,24 +31,19 @@ class SplitCompiler(MoeSteps, RecurrentSteps):
     :class:`~llmfw.plugins.backends.numpy.moe.MoeSteps`.
     """
 
-    def __init__(self, backend: Backend, split: Split, kv: Mapping[tuple[str, int], Any]):
+    backend_name = "numpy"
+    kv_class = NumpyKV
+
+    def __init__(self, backend: Backend, split: Split, kv: Mapping[tuple[str, int], NumpyKV]):
+        super().__init__(split, kv)
         self.backend = backend
-        self.split = split
-        self.kv = kv
         self.nodes = split.nodes
-        self.slot: dict[int, int] = {}
-        for node_id in split.input_ids:
-            self.slot.setdefault(node_id, len(self.slot))
-        for node in self.nodes:
-            self.slot.setdefault(node.id, len(self.slot))
         self.env: list[Any] = [None] * len(self.slot)
+        self.steps: list[Step] = []
         #: per-run tables shared by several steps (rope angles, attention limits), cleared by ``run``
         self.memo: dict[Any, Any] = {}
 
     # -- helpers ------------------------------------------------------------------------------------------
-    def s(self, node: Node) -> int:
-        return self.slot[node.id]
-
     def weight_array(self, node: Node) -> np.ndarray | None:
         """The dense float32 handle of a weight node (None for other nodes and quantized tables)."""
         if node.op != "weight":
@@ -57,29 +53,17 @@ class SplitCompiler(MoeSteps, RecurrentSteps):
 
     # -- compile ------------------------------------------------------------------------------------------
     def compile(self) -> CompiledSplit:
-        steps: list[Step] = []
-        for index, node in enumerate(self.nodes):
-            if node.op == "weight":
-                self.env[self.s(node)] = self.backend.weight(node.attrs["name"])
-            elif node.op != "input":
-                steps.append(self._step(node))
-            dead = self.split.release_after.get(index)
-            if dead:
-                steps.append(self._release([self.slot[i] for i in dead]))
-        env, memo = self.env, self.memo
-        # values handed in: the split's inputs, and graph inputs that appear as nodes (must be set)
-        input_slots = [(node_id, self.slot[node_id]) for node_id in self.split.input_ids]
-        input_nodes = {n.id: n.attrs.get("name") for n in self.nodes if n.op == "input"}
-        input_slots += [(node_id, self.slot[node_id]) for node_id in input_nodes if node_id not in self.split.input_ids]
+        self.walk()
+        env, memo, steps = self.env, self.memo, self.steps
+        required = self.required_inputs()
+        input_slots = [(node_id, self.slot[node_id]) for node_id, _ in required]
         output_slots = [(node_id, self.slot[node_id]) for node_id in self.split.output_ids]
         activation_slots = [slot for slot, value in enumerate(env) if value is None]
 
         def run(inputs: Mapping[int, Any]) -> dict[int, Any]:
-            for node_id, name in input_nodes.items():
-                if node_id not in inputs:
-                    raise ModelError(f"graph input {name!r} was not set")
+            check_inputs(required, inputs)
             for node_id, slot in input_slots:
-                env[slot] = inputs.get(node_id)
+                env[slot] = inputs[node_id]
             try:
                 for step in steps:
                     step()
@@ -91,21 +75,21 @@ class SplitCompiler(MoeSteps, RecurrentSteps):
 
         return run
 
-    def _release(self, slots: list[int]) -> Step:
+    def compile_weight(self, node: Node) -> None:
+        self.env[self.s(node)] = self.backend.weight(node.attrs["name"])
+
+    def compile_node(self, node: Node) -> None:
+        self.steps.append(self.op_handler(node)(node, [self.s(i) for i in node.inputs], self.s(node)))
+
+    def compile_release(self, node_ids: Sequence[int]) -> None:
         env = self.env
-        dead = tuple(slots)
+        dead = tuple(self.slot[i] for i in node_ids)
 
         def clear() -> None:
             for slot in dead:
                 env[slot] = None
 
-        return clear
-
-    def _step(self, node: Node) -> Step:
-        builder = getattr(self, f"_op_{node.op}", None)
-        if builder is None:
-            raise ModelError(f"numpy backend: op {node.op!r} is not implemented")
-        return builder(node, [self.s(i) for i in node.inputs], self.s(node))
+        self.steps.append(clear)
 
     # -- ops (each returns the Step of one node) -----------------------------------------------------------
     def _unary(self, fn: Callable[[np.ndarray], np.ndarray], ins: list[int], out: int) -> Step:
@@ -237,9 +221,6 @@ class SplitCompiler(MoeSteps, RecurrentSteps):
 
         return step
 
-    def _kv_storage(self, node: Node) -> NumpyKV:
-        return self.kv[(node.attrs["cache"], node.attrs["layer"])]
-
     def _write_kv(self, storage: NumpyKV, k: np.ndarray, v: np.ndarray, idx: np.ndarray) -> None:
         """Store a ubatch's K/V rows in the cache (a subclass may round them first)."""
         write_kv(storage, k, v, idx)
@@ -255,7 +236,7 @@ class SplitCompiler(MoeSteps, RecurrentSteps):
 
     def _op_attention(self, node: Node, ins: list[int], out: int) -> Step:
         q_slot, k_slot, v_slot, idx_slot, mask_slot = ins[:5]
-        storage = self._kv_storage(node)
+        storage = self.kv_storage(node)
         scale, softcap = float(node.attrs["scale"]), float(node.attrs.get("softcap", 0.0) or 0.0)
         env, memo, write, attend = self.env, self.memo, self._write_kv, self._attend
         sinks_slot, attend_with_sinks = (ins[5] if len(ins) > 5 else None), self._attend_with_sinks
@@ -276,7 +257,7 @@ class SplitCompiler(MoeSteps, RecurrentSteps):
 
     def _op_k_shift(self, node: Node, ins: list[int], out: int) -> Step:
         attrs = {k: v for k, v in node.attrs.items() if k not in ("layer", "cache")}
-        storage = self._kv_storage(node)
+        storage = self.kv_storage(node)
         n_dims, mode = int(attrs["n_dims"]), attrs["mode"]
         shift_slot = ins[0]
         ff_slot = ins[1] if len(ins) > 1 else None

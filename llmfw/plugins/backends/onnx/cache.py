@@ -110,7 +110,7 @@ class ConvertedCache:
     def for_file(cls, root: Path, model_file: Path) -> "ConvertedCache | None":
         """The cache entry of ``model_file``, or None when it is too small to be worth one or cannot be hashed."""
         from llmfw import __version__
-        from llmfw.app.catalog import file_sha256
+        from llmfw.core.format.catalog import file_sha256
 
         try:
             if model_file.stat().st_size < MIN_FILE_BYTES:
@@ -204,7 +204,7 @@ class ConvertedCache:
 
 def default_cache_root() -> Path:
     """``<models_dir>/.onnx``: next to the model cache."""
-    from llmfw.app.catalog import models_dir
+    from llmfw.core.format.catalog import models_dir
 
     return models_dir() / ".onnx"
 

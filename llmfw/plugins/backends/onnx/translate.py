@@ -19,11 +19,12 @@ the sum is its 4th output for the later residual).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
 from llmfw.core.exec.backend import Split
+from llmfw.core.exec.compiler import SplitCompilerBase
 from llmfw.core.errors import ModelError
 from llmfw.core.ir.graph import DYNAMIC, Node, Shape
 from llmfw.core.ir.rope import rope_angle_slopes
@@ -34,10 +35,27 @@ from llmfw.plugins.backends.onnx.fused import USE_GQA, AttentionForm, fusable_ro
 from llmfw.plugins.backends.onnx.moe import MoeTranslation
 from llmfw.plugins.backends.onnx.ort import OnnxKV, import_onnxruntime
 from llmfw.plugins.backends.onnx.recurrent import RecurrentTranslation
-from llmfw.plugins.backends.onnx.weights import F32, BlockWeight, DenseWeight
+from llmfw.plugins.backends.onnx.weights import F32, BlockWeight, DenseWeight, Weight
 
-if TYPE_CHECKING:
-    from llmfw.plugins.backends.onnx.runtime import OnnxBackend
+
+
+class OnnxWeightSource(Protocol):
+    """What translating reads of the backend (:class:`~llmfw.plugins.backends.onnx.runtime.OnnxBackend`)."""
+
+    accuracy_level: int
+
+    @property
+    def pads_one_row_products(self) -> bool: ...
+
+    def weight(self, name: str) -> Weight: ...
+
+    def dense_copy(self, name: str) -> np.ndarray: ...
+
+    def transposed(self, name: str) -> np.ndarray: ...
+
+    def offsets_transposed(self, key: str, weight: BlockWeight) -> np.ndarray: ...
+
+    def derived(self, name: str, kind: str, make: Callable[[], np.ndarray]) -> np.ndarray: ...
 
 #: the most key values one attention score sums in one go: MLAS's default reduction slice, which it only ever
 #: widens (see :meth:`SplitTranslator._scores`)
@@ -62,19 +80,22 @@ def score_slice(head_dim: int) -> int:
 # split → ONNX model
 # ---------------------------------------------------------------------------------------------------------------
 
-class SplitTranslator(MoeTranslation, RecurrentTranslation):
+class SplitTranslator(MoeTranslation, RecurrentTranslation, SplitCompilerBase[OnnxKV]):
     """Translates one split into ONNX nodes. The IR's node shapes (those of the first run's graph) guide choices
     that do not depend on the token count or the KV length (head sizes, rotated dims); the model itself keeps
-    those axes dynamic."""
+    those axes dynamic. The op dispatch and the KV look-up are the core's
+    :class:`~llmfw.core.exec.compiler.SplitCompilerBase` (its slots go unused: values are ONNX names here)."""
 
-    def __init__(self, backend: "OnnxBackend", split: Split, inputs: Sequence[np.ndarray],
+    backend_name = "onnx"
+    kv_class = OnnxKV
+
+    def __init__(self, backend: OnnxWeightSource, split: Split, inputs: Sequence[np.ndarray],
                  kv: Mapping[tuple[str, int], Any], attention: AttentionForm = "op"):
         import_onnxruntime()
         from onnx import helper, numpy_helper
 
+        super().__init__(split, kv)
         self.backend = backend
-        self.split = split
-        self.kv = kv
         self.attention = attention
         #: rank of the cache tensors the model binds: GroupQueryAttention reads them as [1, Hkv, n_cells, D]
         self.kv_rank = 3 if attention == "op" else 4
@@ -173,10 +194,7 @@ class SplitTranslator(MoeTranslation, RecurrentTranslation):
         if fused is not None:  # computed by an earlier fused node
             self.names[node.id] = fused
             return
-        handler = getattr(self, f"_op_{node.op}", None)
-        if handler is None:
-            raise ModelError(f"onnx backend: op {node.op!r} is not implemented")
-        self.names[node.id] = handler(node)
+        self.names[node.id] = self.op_handler(node)(node)
 
     def _declare_outputs(self) -> list[str]:
         helper = self.e.helper
@@ -491,11 +509,7 @@ class SplitTranslator(MoeTranslation, RecurrentTranslation):
         return updated
 
     def _kv_storage(self, node: Node) -> tuple[tuple[str, int], OnnxKV]:
-        key = (node.attrs["cache"], int(node.attrs["layer"]))
-        storage = self.kv.get(key)
-        if not isinstance(storage, OnnxKV):
-            raise ModelError(f"onnx backend: no KV storage of this backend for cache {key[0]!r} layer {key[1]}")
-        return key, storage
+        return self.kv_key(node), self.kv_storage(node)
 
     def _scatter_index(self, cells: str, n_head_kv: int) -> str:
         """[T, Hkv, 2] pairs (head, cell) for cells [T] (int), shared by the layers with n_head_kv heads."""

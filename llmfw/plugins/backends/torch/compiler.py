@@ -11,13 +11,15 @@ their first reader. No source text is generated.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from llmfw.core.arch.architecture import RopeParams
 from llmfw.core.exec.backend import Split
+from llmfw.core.exec.compiler import SplitCompilerBase, check_inputs
 from llmfw.core.errors import ModelError
 from llmfw.core.ir.graph import Node
 from llmfw.plugins.backends.torch.environment import import_torch
+from llmfw.plugins.backends.torch.weights import Linear, TorchWeight
 from llmfw.plugins.backends.torch.kernels import (
     KVStorage,
     attention,
@@ -30,8 +32,20 @@ from llmfw.plugins.backends.torch.kernels import (
     softcap_op,
 )
 
-if TYPE_CHECKING:
-    from llmfw.plugins.backends.torch.runtime import TorchBackend
+
+
+class TorchWeightSource(Protocol):
+    """What compiling reads of the backend (:class:`~llmfw.plugins.backends.torch.runtime.TorchBackend`)."""
+
+    @property
+    def spec(self) -> str: ...
+
+    @property
+    def weights(self) -> Mapping[str, TorchWeight]: ...
+
+    def dense_tensor(self, name: str) -> Any: ...
+
+    def linear(self, name: str) -> Linear: ...
 
 #: the value table of one run: one slot per node (and per shared table), weights filled in at compile time
 Env = list[Any]
@@ -76,18 +90,15 @@ def release_step(slots: Sequence[int]) -> Step:
     return release
 
 
-class SplitCompiler:
-    """Maps a split's nodes to torch kernels; :attr:`plan` describes the steps (``-v`` dumps, tests)."""
+class SplitCompiler(SplitCompilerBase[KVStorage]):
+    """Maps a split's nodes to torch kernels (the slots, the walk and the checks are the core's
+    :class:`~llmfw.core.exec.compiler.SplitCompilerBase`); :attr:`plan` describes the steps (``-v`` dumps, tests)."""
 
-    def __init__(self, backend: "TorchBackend", split: Split, kv: Mapping[tuple[str, int], Any]):
+    backend_name = "torch"
+
+    def __init__(self, backend: TorchWeightSource, split: Split, kv: Mapping[tuple[str, int], KVStorage]):
+        super().__init__(split, kv)
         self.backend = backend
-        self.split = split
-        self.kv = kv
-        self.slot: dict[int, int] = {}
-        for node_id in split.input_ids:
-            self.slot.setdefault(node_id, len(self.slot))
-        for node in split.nodes:
-            self.slot.setdefault(node.id, len(self.slot))
         self.table: Env = [None] * len(self.slot)
         self.steps: list[Step] = []
         #: one line per step: what it computes, from which slots
@@ -97,38 +108,29 @@ class SplitCompiler:
 
     # -- compile ------------------------------------------------------------------------------------------
     def compile(self) -> RunSplit:
-        for index, node in enumerate(self.split.nodes):
-            if node.op == "weight":
-                self._loaded_weight(node)
-            elif node.op != "input":
-                self._compile_node(node)
-            dead = [self.slot[i] for i in self.split.release_after.get(index, ()) if self.table[self.slot[i]] is None]
-            if dead:
-                self.steps.append(release_step(dead))
-                self.plan.append(f"drop {', '.join(f'%{i}' for i in dead)}")
+        self.walk()
         return self._runner()
 
-    def _compile_node(self, node: Node) -> None:
-        handler = getattr(self, f"_op_{node.op}", None)
-        if handler is None:
-            raise ModelError(f"torch backend cannot compile op {node.op!r} (node %{node.id})")
-        handler(node)
+    def compile_weight(self, node: Node) -> None:
+        self._loaded_weight(node)
+
+    def compile_release(self, node_ids: Sequence[int]) -> None:
+        dead = [self.slot[i] for i in node_ids if self.table[self.slot[i]] is None]  # not weights in the table
+        if dead:
+            self.steps.append(release_step(dead))
+            self.plan.append(f"drop {', '.join(f'%{i}' for i in dead)}")
 
     def _runner(self) -> RunSplit:
         table, steps = tuple(self.table), tuple(self.steps)
-        # every graph input the split reads must be handed in: split inputs and input nodes placed here
-        inputs_needed = list(self.split.input_ids) + [
-            n.id for n in self.split.nodes if n.op == "input" and n.id not in self.split.input_ids]
-        input_slots = [(node_id, self.slot[node_id]) for node_id in inputs_needed]
+        required = self.required_inputs()
+        input_slots = [(node_id, self.slot[node_id]) for node_id, _ in required]
         output_slots = [(node_id, self.slot[node_id]) for node_id in self.split.output_ids]
 
         def run(inputs: Mapping[int, Any]) -> dict[int, Any]:
+            check_inputs(required, inputs)
             env = list(table)
             for node_id, slot in input_slots:
-                value = inputs.get(node_id)
-                if value is None:
-                    raise ModelError(f"torch split input %{node_id} was not set")
-                env[slot] = value
+                env[slot] = inputs[node_id]
             for step in steps:
                 step(env)
             return {node_id: env[slot] for node_id, slot in output_slots}
@@ -256,21 +258,14 @@ class SplitCompiler:
         self.emit(node, f"rope[{params.mode}]", lambda v, t: rope_apply(v, t, params.n_dims, neox),
                   [self.slot[x.id], tables])
 
-    def _kv_storage(self, node: Node) -> KVStorage:
-        cache_key = (str(node.attrs.get("cache", "kv")), node.attr_int("layer", node.layer))
-        storage: KVStorage | None = self.kv.get(cache_key)
-        if storage is None:
-            raise ModelError(f"no KV storage for cache {cache_key[0]!r} layer {cache_key[1]} on {self.backend.spec}")
-        return storage
-
     def _op_k_shift(self, node: Node) -> None:
-        storage, params = self._kv_storage(node), RopeParams.from_attrs(node.attrs)
+        storage, params = self.kv_storage(node), RopeParams.from_attrs(node.attrs)
         ins = [self.slot[node.inputs[0].id]] + ([self.dense(node.inputs[1])] if len(node.inputs) > 1 else [])
         self.emit(node, "k_shift", lambda shift, f=None: k_shift(shift, f, storage, params), ins)
 
     def _op_attention(self, node: Node) -> None:
         q, k, v, kv_idx, mask = node.inputs
-        storage = self._kv_storage(node)
+        storage = self.kv_storage(node)
         group = query_heads_per_kv_head(node)
         scale, softcap = node.attr_float("scale"), node.attr_float("softcap", 0.0)
         mask_slot = self.slot[mask.id]

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Callable
 
-from ..core.errors import CatalogError
+from ..errors import CatalogError
 
 #: receives (done, total, what) during a pull: one monotonic sweep over every phase (downloading,
 #: extracting, verifying), so a caller draws a single bar

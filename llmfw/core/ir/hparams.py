@@ -13,9 +13,10 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..errors import MissingMetadataKey, ModelError
+from ..validation import validation_error_message
 
 if TYPE_CHECKING:
-    from ..runtime.loader import MetadataView
+    from ..format.metadata import MetadataView
 
 RopeScaling = Literal["none", "linear", "yarn", "longrope", "llama3"]
 SWAType = Literal["none", "standard", "chunked", "symmetric"]
@@ -100,9 +101,6 @@ class HParams(BaseModel):
 
     def n_ff(self, il: int = 0) -> int:
         return self.n_ff_arr[il]
-
-    def n_gqa(self, il: int = 0) -> int:
-        return self.n_head(il) // max(self.n_head_kv(il), 1)
 
     def n_embd_k_gqa(self, il: int = 0) -> int:
         return self.n_embd_head_k * self.n_head_kv(il)
@@ -219,7 +217,5 @@ def make_hparams(cls: type[HParams], values: dict[str, Any]) -> HParams:
     try:
         return cls(**values)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or 'hparams'}: {err['msg']}" for err in exc.errors()
-        )
+        problems = validation_error_message(exc)
         raise ModelError(f"invalid hyperparameters for arch {values.get('arch')!r}: {problems}") from None

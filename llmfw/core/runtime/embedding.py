@@ -14,16 +14,37 @@ The server calls :func:`embed_texts` (vectors and token counts) through ``Model.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Sequence
+from typing import TYPE_CHECKING, Any, Literal, Mapping, Protocol, Sequence
 
 import numpy as np
 
-from ..runtime.batch import Batch
+from .batch import Batch, tokenize_prompt
 from ..errors import ConfigError, ContextError
 
 if TYPE_CHECKING:
-    from ..runtime.context import Context
-    from ..runtime.model import Model
+    from ..tokenizer.vocab import Vocab
+    from .context import Context
+
+
+class EmbeddingModel(Protocol):
+    """What embedding reads of a model (:class:`~.model.Model`, one module up, whose ``embed`` calls this)."""
+
+    @property
+    def metadata(self) -> Mapping[str, Any]: ...
+
+    @property
+    def arch_name(self) -> str: ...
+
+    @property
+    def n_ctx_train(self) -> int: ...
+
+    @property
+    def vocab(self) -> Vocab: ...
+
+    @property
+    def n_vocab(self) -> int: ...
+
+    def new_context(self, **kw: Any) -> Context: ...
 
 Pooling = Literal["none", "mean", "cls", "last"]
 #: llama.cpp's enum llama_pooling_type (RANK = 4 needs a classifier head: not supported)
@@ -47,7 +68,7 @@ class Embeddings:
         return sum(self.n_tokens)
 
 
-def model_pooling(model: Model) -> str:
+def model_pooling(model: EmbeddingModel) -> str:
     """The GGUF's ``{arch}.pooling_type`` as a name; ``none`` when absent (llama.cpp's default)."""
     value = model.metadata.get(f"{model.arch_name}.pooling_type")
     if value is None:
@@ -59,7 +80,7 @@ def model_pooling(model: Model) -> str:
     return name
 
 
-def _resolve_pooling(model: Model, pooling: str | None) -> str:
+def _resolve_pooling(model: EmbeddingModel, pooling: str | None) -> str:
     if pooling is None:
         return model_pooling(model)
     if pooling not in POOLINGS:
@@ -67,9 +88,7 @@ def _resolve_pooling(model: Model, pooling: str | None) -> str:
     return pooling
 
 
-def _tokenize_all(model: Model, texts: Sequence[str | Sequence[int]], n_batch: int) -> list[list[int]]:
-    from .generate import tokenize_prompt
-
+def _tokenize_all(model: EmbeddingModel, texts: Sequence[str | Sequence[int]], n_batch: int) -> list[list[int]]:
     all_tokens = []
     for i, text in enumerate(texts):
         if not isinstance(text, (str, list, tuple)):
@@ -126,7 +145,7 @@ def _decode_group(ctx: Context, group: list[list[int]]) -> list[np.ndarray]:
     return [rows[bounds[k]:bounds[k + 1]] for k in range(len(group))]
 
 
-def embed_texts(model: Model, texts: str | Sequence[str | Sequence[int]], pooling: str | None = None,
+def embed_texts(model: EmbeddingModel, texts: str | Sequence[str | Sequence[int]], pooling: str | None = None,
                 normalize: bool = True, n_batch: int | None = None,
                 n_seq_max: int = MAX_SEQ_PER_BATCH) -> Embeddings:
     """Embeddings of ``texts`` (strings or token id lists) with their token counts; see the module docstring."""
