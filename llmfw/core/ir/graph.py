@@ -110,7 +110,6 @@ Mixture-of-experts ops (``build_moe_ffn``, :mod:`llmfw.core.ir.moe`; ids are int
 ``mul_mat_heads``   (w [H, n_out, n_in], x [T, H, n_in]) → [T, H, n_out]: head h's rows times its own matrix
                     (MLA's absorbed ``attn_k_b`` / ``attn_v_b``).
 ==================  ===================================================================================
-=======
 Recurrent state (issue 34) travels as graph inputs and outputs, not as backend storage: the memory gathers the
 ubatch's sequences' states into the input ``rs:<kind>:<layer>`` f32 [S, ...] (S = ``BuildParams.n_seqs``
 sequences of ``n_tokens / S`` tokens each, laid out sequence after sequence: llama.cpp's equal split) and reads
