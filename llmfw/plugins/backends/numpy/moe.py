@@ -1,4 +1,4 @@
-"""The numpy backend's mixture-of-experts kernels (the oracle of core/graph.py's MoE ops) and their steps."""
+"""The numpy backend's mixture-of-experts kernels (the oracle of core/ir/ops.py's MoE ops) and their steps."""
 from __future__ import annotations
 
 from typing import Any, Callable
