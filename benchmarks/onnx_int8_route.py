@@ -34,11 +34,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-import llmfw  # noqa: E402
-from benchmarks.reference_scores import REFERENCE_DIR, REFERENCES, load_score  # noqa: E402
-from llmfw.core.format.catalog import resolve_model  # noqa: E402
-from llmfw.plugins.backends.onnx.translate import SplitTranslator  # noqa: E402
-from llmfw.plugins.backends.onnx.weights import F32, BlockWeight, dequantize_block_weight  # noqa: E402
+import llmfw
+from benchmarks.reference_scores import REFERENCE_DIR, REFERENCES, load_score
+from llmfw.core.format.catalog import resolve_model
+from llmfw.plugins.backends.onnx.translate import SplitTranslator
+from llmfw.plugins.backends.onnx.weights import F32, BlockWeight, dequantize_block_weight
 
 #: matrices with more rows than this are the output head: they keep MatMulNBits (their int8 copy alone would
 #: cost ~170 MB on Gemma-3, and a prompt sends one row through them)

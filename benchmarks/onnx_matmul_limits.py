@@ -36,7 +36,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from llmfw.plugins.backends.onnx.weights import BLOCK, F32, pack_nbits  # noqa: E402
+from llmfw.plugins.backends.onnx.weights import BLOCK, F32, pack_nbits
 
 SAVE_PREPACKED = "session.save_external_prepacked_constant_initializers"
 #: --k and --n at most this (a 65536 x 65536 matrix of 4-bit codes is 2 GiB: larger ones are not a benchmark)

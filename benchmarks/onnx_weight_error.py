@@ -17,11 +17,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from llmfw.core.exec.backend import WeightSource  # noqa: E402
-from llmfw.core.format.catalog import resolve_model  # noqa: E402
-from llmfw.core.format.gguf import open_gguf  # noqa: E402
-from llmfw.core.format.quants import GGMLType, dequantize  # noqa: E402
-from llmfw.plugins.backends.onnx.weights import BlockWeight, convert_weight, dequantize_block_weight  # noqa: E402
+from llmfw.core.exec.backend import WeightSource
+from llmfw.core.format.catalog import resolve_model
+from llmfw.core.format.gguf import open_gguf
+from llmfw.core.format.quants import GGMLType, dequantize
+from llmfw.plugins.backends.onnx.weights import BlockWeight, convert_weight, dequantize_block_weight
 
 DEFAULT_MODELS = ("smollm2", "gemma-3-270m")
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from llmfw.core.format.catalog import resolve_model  # noqa: E402
-from llmfw.core.format.gguf import open_gguf  # noqa: E402
+from llmfw.core.format.catalog import resolve_model
+from llmfw.core.format.gguf import open_gguf
 
 DEFAULT_MODELS = ("smollm2", "gemma-3-270m")
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .core.errors import *  # noqa: F401,F403 - the exception hierarchy is part of the public API
+from .core.errors import *  # noqa: F403 - the exception hierarchy is part of the public API
 from .core.errors import LLMFWError
 
 __version__ = "0.1.0"

@@ -118,7 +118,7 @@ def resolve_ref(ref: Any) -> Any:
         raise PluginError(f"plugin reference {ref!r} is not of the form 'module:Attribute'")
     try:
         obj: Any = importlib.import_module(module_name)
-    except Exception as exc:  # noqa: BLE001 - any import failure is the plugin's problem, reported by name
+    except Exception as exc:  # any import failure is the plugin's problem, reported by name
         raise PluginError(f"cannot import {module_name!r} for {ref!r}: {type(exc).__name__}: {exc}") from exc
     for part in attr_path.split("."):
         try:

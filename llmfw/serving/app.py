@@ -206,7 +206,7 @@ def create_app(engine: Engine | Callable[[], Engine], *, api_key: str | None = N
     def load() -> None:
         try:
             state.engine = engine()  # type: ignore[operator]
-        except Exception as exc:  # noqa: BLE001 - reported by /health and every request
+        except Exception as exc:  # reported by /health and every request
             state.load_error = str(exc) or type(exc).__name__
             if on_load_error is None:
                 log.exception("loading the model failed")

@@ -170,7 +170,7 @@ class Engine:
             while self._wait_for_work():
                 self._run_calls()
                 self._step()
-        except Exception as exc:  # noqa: BLE001 - report to every waiting client, then stop
+        except Exception as exc:  # report to every waiting client, then stop
             log.exception("the serving engine failed")
             message = f"the engine failed: {type(exc).__name__}: {exc}"
         finally:

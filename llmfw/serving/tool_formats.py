@@ -91,7 +91,7 @@ class MarkedCallStream(ToolCallStream):
     """Incremental parser of a reply in a :class:`MarkedFormat`: ``ToolCallStream``'s interface and its
     arguments state (the JSON value followed character by character); its own states around them."""
 
-    def __init__(self, fmt: MarkedFormat):  # noqa: D107 - not ToolCallStream's format enum
+    def __init__(self, fmt: MarkedFormat):  # not ToolCallStream's format enum
         self.marked = fmt
         self.calls: list[ToolCall] = []
         self._buffer = ""
@@ -194,7 +194,7 @@ class XmlCallStream(ToolCallStream):
     ``"KEY": VALUE`` piece of the arguments object is sent when its ``</parameter>`` arrives (the value's JSON
     type is known only then); ``}`` at ``</function>``."""
 
-    def __init__(self) -> None:  # noqa: D107 - no format enum: one format
+    def __init__(self) -> None:  # no format enum: one format
         self.calls: list[ToolCall] = []
         self._buffer = ""
         self._state = "text"

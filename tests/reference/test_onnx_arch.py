@@ -15,12 +15,12 @@ import pytest
 pytest.importorskip("onnxruntime")
 pytest.importorskip("onnx")
 
-from reference_gen.arch_files import DATA_DIR, build_model_file  # noqa: E402
-from reference_gen.arch_specs import SPECS, prompt_text, reference_name  # noqa: E402
-from reference_gen.arch_testing import (assert_clears_bar, decode_all, decode_two_sequences,  # noqa: E402
+from reference_gen.arch_files import DATA_DIR, build_model_file
+from reference_gen.arch_specs import SPECS, prompt_text, reference_name
+from reference_gen.arch_testing import (assert_clears_bar, decode_all, decode_two_sequences,
                                         model_file, records, reference)
 
-import llmfw  # noqa: E402
+import llmfw
 
 MODELS = [name for name, spec in SPECS.items() if spec["arch"] != "olmo"]  # olmo lives in an example package
 #: |onnx - numpy| on logits with float activations: only summation order differs

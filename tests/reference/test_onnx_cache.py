@@ -13,8 +13,8 @@ import pytest
 pytest.importorskip("onnxruntime")
 pytest.importorskip("onnx")
 
-import llmfw  # noqa: E402
-from llmfw.plugins.backends.onnx.weights import BlockWeight  # noqa: E402
+import llmfw
+from llmfw.plugins.backends.onnx.weights import BlockWeight
 
 PROMPT = [1, 504, 3458, 282, 4098, 314, 253, 2734]
 

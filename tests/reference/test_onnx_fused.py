@@ -14,10 +14,10 @@ import pytest
 pytest.importorskip("onnxruntime")
 pytest.importorskip("onnx")
 
-from reference_gen.arch_files import build_model_file  # noqa: E402
+from reference_gen.arch_files import build_model_file
 
-import llmfw  # noqa: E402
-from llmfw.plugins.backends.onnx.fused import causal_mask, is_causal_run  # noqa: E402
+import llmfw
+from llmfw.plugins.backends.onnx.fused import causal_mask, is_causal_run
 
 NEG = -np.inf
 

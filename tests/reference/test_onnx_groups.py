@@ -12,11 +12,11 @@ import pytest
 pytest.importorskip("onnxruntime")
 pytest.importorskip("onnx")
 
-from reference_gen.arch_files import build_model_file  # noqa: E402
+from reference_gen.arch_files import build_model_file
 
-import llmfw  # noqa: E402
-from llmfw.plugins.backends.onnx.fused import causal_mask  # noqa: E402
-from llmfw.plugins.backends.onnx.groups import CELL_PAD, MAX_ROW_GROUPS, attention_cells, prefix_blocks  # noqa: E402
+import llmfw
+from llmfw.plugins.backends.onnx.fused import causal_mask
+from llmfw.plugins.backends.onnx.groups import CELL_PAD, MAX_ROW_GROUPS, attention_cells, prefix_blocks
 
 NEG = -np.inf
 

@@ -11,8 +11,8 @@ import pytest
 pytest.importorskip("onnxruntime")
 pytest.importorskip("onnx")
 
-import llmfw  # noqa: E402
-from llmfw.core.errors import ConfigError  # noqa: E402
+import llmfw
+from llmfw.core.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 

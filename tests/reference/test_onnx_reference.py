@@ -7,7 +7,7 @@ import pytest
 pytest.importorskip("onnxruntime")
 pytest.importorskip("onnx")
 
-import llmfw  # noqa: E402
+import llmfw
 
 BAR = {"top1": 0.93, "top5": 0.98, "mean_lp_err": 0.25}
 

@@ -13,11 +13,11 @@ import pytest
 
 pytest.importorskip("torch")
 
-import llmfw  # noqa: E402
-from llmfw.core.backend import choose_host_backend  # noqa: E402
-from llmfw.core.errors import BackendUnavailable  # noqa: E402
-from llmfw.core.plugins import registry, reset_plugin_manager  # noqa: E402
-from llmfw.plugins.backends.torch import TorchBackend  # noqa: E402
+import llmfw
+from llmfw.core.backend import choose_host_backend
+from llmfw.core.errors import BackendUnavailable
+from llmfw.core.plugins import registry, reset_plugin_manager
+from llmfw.plugins.backends.torch import TorchBackend
 
 BAR = {"top1": 0.93, "top5": 0.98, "mean_lp_err": 0.25}
 HALF = 15

@@ -12,10 +12,10 @@ import numpy as np
 if str(Path(__file__).resolve().parent) not in sys.path:  # the sibling modules double as scripts
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from arch_files import DATA_DIR, build_model_file, sha256_of  # noqa: E402
-from arch_specs import SPECS, prompt_text, reference_name  # noqa: E402
+from arch_files import DATA_DIR, build_model_file, sha256_of
+from arch_specs import SPECS, prompt_text, reference_name
 
-import llmfw  # noqa: E402
+import llmfw
 
 #: issue 6's bar for random-weight models (their logits are flatter than a trained model's)
 BAR = {"top1": 0.90, "top5": 0.98, "mean_lp_err": 0.20}

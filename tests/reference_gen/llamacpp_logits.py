@@ -11,7 +11,7 @@ import sys
 import numpy as np
 
 import llama_cpp  # the measuring stick, only here
-from measure_llamacpp import use_plain_cpu_buffers  # noqa: E402  (a sibling script)
+from measure_llamacpp import use_plain_cpu_buffers  # a sibling script
 
 
 def main(model: str, n_ctx: str, tokens_json: str, out: str) -> None:

@@ -19,9 +19,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from arch_specs import N_CONTINUATION, N_CTX, N_TOP, SPECS, prompt_text, reference_name  # noqa: E402
+from arch_specs import N_CONTINUATION, N_CTX, N_TOP, SPECS, prompt_text, reference_name
 
-import llama_cpp  # noqa: E402  (the measuring stick, only here)
+import llama_cpp  # the measuring stick, only here
 
 N_THREADS = 2
 

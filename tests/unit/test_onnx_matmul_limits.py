@@ -9,7 +9,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks import onnx_matmul_limits as limits  # noqa: E402
+from benchmarks import onnx_matmul_limits as limits
 
 #: int8 activations (accuracy level 4) leave about 1% of the product's scale
 INT8_ERROR = 0.03

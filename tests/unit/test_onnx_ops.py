@@ -11,15 +11,15 @@ import pytest
 pytest.importorskip("onnxruntime")
 pytest.importorskip("onnx")
 
-from llmfw.core.backend import KVLayerShape, Split, WeightSource  # noqa: E402
-from llmfw.core.errors import BackendUnavailable, ModelError  # noqa: E402
-from llmfw.core.graph import DYNAMIC, Graph  # noqa: E402
-from llmfw.core.passes import optimize  # noqa: E402
-from llmfw.core.quants import GGMLType, dequantize, quantize  # noqa: E402
-from llmfw.core.rope import rope_angle_slopes, rope_cos_sin  # noqa: E402
-from llmfw.plugins.backends.numpy import NumpyBackend  # noqa: E402
-from llmfw.plugins.backends.onnx import OnnxBackend  # noqa: E402
-from llmfw.plugins.backends.onnx.weights import (  # noqa: E402
+from llmfw.core.backend import KVLayerShape, Split, WeightSource
+from llmfw.core.errors import BackendUnavailable, ModelError
+from llmfw.core.graph import DYNAMIC, Graph
+from llmfw.core.passes import optimize
+from llmfw.core.quants import GGMLType, dequantize, quantize
+from llmfw.core.rope import rope_angle_slopes, rope_cos_sin
+from llmfw.plugins.backends.numpy import NumpyBackend
+from llmfw.plugins.backends.onnx import OnnxBackend
+from llmfw.plugins.backends.onnx.weights import (
     BlockWeight, convert_weight, dequantize_block_weight, pack_nbits, requantize_8bit,
 )
 

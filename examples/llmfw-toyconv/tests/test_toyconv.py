@@ -12,7 +12,7 @@ import llmfw
 from llmfw.core.plugins import registry, reset_plugin_manager
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the tests' own helper module
-from toyconv_model import oracle_logits, write_toyconv  # noqa: E402
+from toyconv_model import oracle_logits, write_toyconv
 
 TOKENS = [1, 5, 20, 3, 9, 9, 14, 30, 7, 22, 11]
 

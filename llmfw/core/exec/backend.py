@@ -416,7 +416,7 @@ def backend_class(name: str) -> type[Backend]:
         raise UnknownBackend(f"unknown backend {name!r}; known: {', '.join(reg.names()) or '(none)'}")
     try:
         return reg.get_class(name, Backend)
-    except Exception as exc:  # noqa: BLE001 - a backend whose module cannot import is unavailable
+    except Exception as exc:  # a backend whose module cannot import is unavailable
         from ..errors import PluginError
 
         if isinstance(exc, PluginError) and isinstance(exc.__cause__, ImportError):

@@ -81,7 +81,7 @@ class Candidates:
     __slots__ = ("ids", "logits", "probs", "sorted", "selected")
 
     def __init__(self, ids: np.ndarray, logits: np.ndarray, probs: np.ndarray | None = None,
-                 sorted: bool = False, selected: int = -1):  # noqa: A002 - llama.cpp's field name
+                 sorted: bool = False, selected: int = -1):  # llama.cpp's field name
         self.ids = np.asarray(ids, dtype=np.int32)
         self.logits = np.asarray(logits, dtype=np.float32)
         self.probs = None if probs is None else np.asarray(probs, dtype=np.float32)
@@ -219,10 +219,10 @@ class Sampler(ABC):
     def apply(self, cur: Candidates) -> None:
         """Transform the candidates (see the class docstring)."""
 
-    def accept(self, token: int) -> None:  # noqa: B027 - optional hook
+    def accept(self, token: int) -> None:  # optional hook
         """Record a chosen token (default: no state)."""
 
-    def reset(self) -> None:  # noqa: B027 - optional hook
+    def reset(self) -> None:  # optional hook
         """Forget the history and re-seed (default: no state)."""
 
     def accept_prompt(self, token: int) -> None:

@@ -165,7 +165,7 @@ class Context:
             return self._fail(DECODE_BAD_BATCH, str(exc))
         try:
             self.memory.update(self._run_maintenance)
-        except Exception as exc:  # noqa: BLE001 - a failed K-shift leaves the cache unusable: fatal
+        except Exception as exc:  # a failed K-shift leaves the cache unusable: fatal
             log.exception("memory update failed")
             return self._fail(DECODE_COMPUTE_FAILED, f"memory update (K-shift) failed: {exc}")
         try:
@@ -217,7 +217,7 @@ class Context:
             reserved.apply(i)
             try:
                 logits = self._process_ubatch(ub, reserved, i, allocated.embd is not None)
-            except Exception as exc:  # noqa: BLE001 - llama.cpp reports a failed compute as a code
+            except Exception as exc:  # llama.cpp reports a failed compute as a code
                 log.exception("decode failed")
                 self._forget_ubatch(ub)
                 self._end_outputs()

@@ -48,7 +48,7 @@ class _GuardedEnvironment(ImmutableSandboxedEnvironment):
 
     intercepted_binops = frozenset({"*", "**"})
 
-    def unsafe_undefined(self, obj: Any, attribute: str) -> Any:  # noqa: D401 - jinja2 hook
+    def unsafe_undefined(self, obj: Any, attribute: str) -> Any:  # jinja2 hook
         raise SecurityError(f"access to attribute {attribute!r} of a {type(obj).__name__!r} object is not "
                             "allowed in a chat template")
 
@@ -79,7 +79,7 @@ class _GenerationTag(Extension):
 class _Namespace(Namespace):
     """jinja2's ``namespace()`` that refuses underscore names, as transformers' does (no ``ns.__class__`` tricks)."""
 
-    def __init__(*args: Any, **kwargs: Any) -> None:  # noqa: N805 - jinja2's own signature trick
+    def __init__(*args: Any, **kwargs: Any) -> None:  # jinja2's own signature trick
         self, args = args[0], args[1:]
         attrs = dict(*args, **kwargs)
         for name in attrs:

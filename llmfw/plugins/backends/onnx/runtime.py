@@ -335,7 +335,7 @@ class OnnxBackend(Backend):
             options.add_session_config_entry(EXTERNAL_FOLDER_KEY, str(blob.path.parent))
         try:
             session = self._ort.InferenceSession(model.SerializeToString(), options, providers=self.providers)
-        except Exception as exc:  # noqa: BLE001 - ORT raises its own exception types
+        except Exception as exc:  # ORT raises its own exception types
             if from_file:  # the file may have gone meanwhile: the weights are in this process's memory too
                 return self._new_session(model, externals, {}, n_nodes)
             raise ModelError(f"onnx backend: onnxruntime rejected the model of a {n_nodes}-node split: "
