@@ -28,10 +28,9 @@ import pytest
 import llmfw
 from llmfw.core.errors import ModelError
 from llmfw.core.memory import ISWA_BASE_CACHE, ISWA_SWA_CACHE
-from support.scores import CONFIDENT_GAP, combine_scores
+from support.scores import BAR, CONFIDENT_GAP, combine_scores
 
 ROOT = Path(__file__).resolve().parents[2]
-BAR = {"top1": 0.93, "top5": 0.98, "mean_lp_err": 0.25}
 UBATCH_TOL = 1e-3
 N_BATCH = 512
 N_CTX = 2048

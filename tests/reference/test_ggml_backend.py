@@ -22,7 +22,8 @@ from llmfw.plugins.backends.ggml_cpu import (
     round_f16,
 )
 
-BAR = {"top1": 0.93, "top5": 0.98, "mean_lp_err": 0.25}
+from support.scores import BAR
+
 #: llama.cpp's top-two gap under which the ggml backend may pick llama.cpp's second choice. The same bound as
 #: the numpy backend's test, on purpose: with 8-bit activations a ±1-ulp change of the input embeddings alone
 #: moves log-probs by ~0.1 on average (measured), so which near-tie flips is chance, not a property to pin.

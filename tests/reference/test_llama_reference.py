@@ -13,7 +13,8 @@ import pytest
 
 import llmfw
 
-BAR = {"top1": 0.93, "top5": 0.98, "mean_lp_err": 0.25}
+from support.scores import BAR
+
 #: llama.cpp's top-two gap under which a greedy continuation may pick its second choice (see the test)
 NEAR_TIE_GAP = 0.5
 UBATCH_TOL = 1e-3

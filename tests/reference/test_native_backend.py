@@ -12,7 +12,7 @@ from llmfw.core.errors import ModelError
 from llmfw.core.quants import GGMLType
 
 from support.native import kernels_or_skip
-from reference.test_onnx_reference import assert_within_bar, teacher_forced_logits
+from support.scores import assert_within_bar, teacher_forced_logits
 
 kernels_or_skip()
 SHORT = 1000  # the reference files' long prompts (2,700 tokens) are for the slow suites

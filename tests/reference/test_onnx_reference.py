@@ -9,22 +9,7 @@ pytest.importorskip("onnx")
 
 import llmfw
 
-BAR = {"top1": 0.93, "top5": 0.98, "mean_lp_err": 0.25}
-
-
-def assert_within_bar(scores: dict, label: str) -> None:
-    assert scores["top1"] >= BAR["top1"], (label, scores)
-    assert scores["top5"] >= BAR["top5"], (label, scores)
-    assert scores["mean_lp_err"] <= BAR["mean_lp_err"], (label, scores)
-
-
-def teacher_forced_logits(model, sequence: list[int], n_ubatch: int = 512) -> np.ndarray:
-    """Logits of every position when the whole sequence is decoded as one batch (split into ubatches)."""
-    ctx = model.new_context(n_ctx=max(512, len(sequence) + 16), n_batch=max(512, len(sequence)), n_ubatch=n_ubatch)
-    assert ctx.decode(llmfw.Batch(tokens=sequence, logits=True)) == 0, ctx.last_error
-    logits = ctx.get_logits()
-    ctx.close()
-    return logits
+from support.scores import assert_within_bar, teacher_forced_logits
 
 
 @pytest.fixture(scope="module")

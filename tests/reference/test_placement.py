@@ -19,7 +19,8 @@ from llmfw.core.errors import BackendUnavailable
 from llmfw.core.plugins import registry, reset_plugin_manager
 from llmfw.plugins.backends.torch import TorchBackend
 
-BAR = {"top1": 0.93, "top5": 0.98, "mean_lp_err": 0.25}
+from support.scores import BAR
+
 HALF = 15
 PROMPT = 1
 #: mean |log-prob difference| over llama.cpp's top-20 tokens allowed between two placements of one model;

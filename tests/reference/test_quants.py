@@ -25,6 +25,8 @@ from llmfw.core.quants import (
     tensor_nbytes,
 )
 
+from support.block_fields import F16_FIELDS
+
 T = GGMLType
 # Types the gguf package can decode (the cross-check reference); I8..I64 and F64 are checked against numpy.
 GGUF_DEQUANT_TYPES = [T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0,
@@ -32,9 +34,6 @@ GGUF_DEQUANT_TYPES = [T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8
 INTEGER_TYPES = {T.I8: np.int8, T.I16: np.int16, T.I32: np.int32, T.I64: np.int64, T.F64: np.float64}
 GGUF_QUANT_TYPES = [T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0]
 
-# Byte offsets of the f16 scale fields inside one block: random bytes there must not be NaN/inf.
-F16_FIELDS = {T.Q4_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2], T.Q8_0: [0], T.Q2_K: [80, 82],
-              T.Q3_K: [108], T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208], T.IQ4_NL: [0], T.IQ4_XS: [0]}
 # Per element type: (numpy uint dtype of its bits, exponent mask, one exponent bit to clear to make it finite)
 FLOAT_BITS = {T.F16: (np.uint16, 0x7C00, 0x4000), T.BF16: (np.uint16, 0x7F80, 0x4000),
               T.F32: (np.uint32, 0x7F800000, 0x40000000)}

@@ -9,7 +9,7 @@ import pytest
 
 from llmfw.core.quants import TYPE_INFO, GGMLType, quantize
 
-from reference.test_quants import F16_FIELDS  # byte offsets of each block type's f16 scale fields
+from support.block_fields import F16_FIELDS  # byte offsets of each block type's f16 scale fields
 
 BLOCK_TYPES = tuple(F16_FIELDS)
 FLOAT_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)

@@ -233,7 +233,7 @@ def moe_graph(n_tokens: int, n_embd: int, n_ff: int, n_expert: int, k: int, grou
 
 @pytest.mark.parametrize("n_tokens", [1, 7])
 def test_onnx_moe_ops_match_numpy(n_tokens):
-    from unit.test_onnx_ops import Harness
+    from support.onnx_harness import Harness
 
     n_embd, n_ff, n_expert, k, groups = 64, 32, 8, 3, 4
     sources = [dense_source("router", RNG.normal(size=(n_expert, n_embd)) * 0.5, "mul_mat"),

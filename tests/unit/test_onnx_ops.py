@@ -11,17 +11,18 @@ import pytest
 pytest.importorskip("onnxruntime")
 pytest.importorskip("onnx")
 
-from llmfw.core.backend import KVLayerShape, Split, WeightSource
+from llmfw.core.backend import KVLayerShape, WeightSource
 from llmfw.core.errors import BackendUnavailable, ModelError
 from llmfw.core.graph import DYNAMIC, Graph
 from llmfw.core.passes import optimize
 from llmfw.core.quants import GGMLType, dequantize, quantize
 from llmfw.core.rope import rope_angle_slopes, rope_cos_sin
-from llmfw.plugins.backends.numpy import NumpyBackend
 from llmfw.plugins.backends.onnx import OnnxBackend
 from llmfw.plugins.backends.onnx.weights import (
     BlockWeight, convert_weight, dequantize_block_weight, pack_nbits, requantize_8bit,
 )
+
+from support.onnx_harness import Harness
 
 RNG = np.random.default_rng(1234)
 
@@ -107,33 +108,6 @@ def test_float_weights_stay_dense():
 # ---------------------------------------------------------------------------------------------------------------
 # running graphs: the ONNX backend against the numpy oracle on identical weights and inputs
 # ---------------------------------------------------------------------------------------------------------------
-
-class Harness:
-    """Loads the same weights into both backends, runs one split per backend, compares outputs and caches."""
-
-    def __init__(self, sources: list[WeightSource], kv_shapes: list[KVLayerShape], accuracy_level: int = 0):
-        self.onnx = OnnxBackend()
-        self.onnx.accuracy_level = accuracy_level
-        self.numpy = NumpyBackend()
-        for backend in (self.onnx, self.numpy):
-            for source in sources:
-                backend.weights[source.name] = backend.load_weight(source)
-        self.kv = {b: {(s.cache, s.layer): b.alloc_kv(s) for s in kv_shapes} for b in (self.onnx, self.numpy)}
-        self.compiled: dict = {}
-
-    def run(self, graph: Graph, inputs: dict[str, np.ndarray]) -> tuple[dict, dict]:
-        results = []
-        for backend in (self.onnx, self.numpy):
-            key = (backend, id(graph))
-            if key not in self.compiled:
-                split = Split(backend=backend, nodes=[n for n in graph.nodes if n.op != "input"],
-                              input_ids=[graph.inputs[name].id for name in inputs],
-                              output_ids=[n.id for n in graph.outputs.values()])
-                self.compiled[key] = backend.compile(split, self.kv[backend])
-            values = self.compiled[key]({graph.inputs[name].id: backend.from_numpy(v) for name, v in inputs.items()})
-            results.append({name: backend.to_numpy(values[n.id]) for name, n in graph.outputs.items()})
-        return results[0], results[1]
-
 
 def inputs_of(graph: Graph, **values: np.ndarray) -> dict[str, np.ndarray]:
     for name in values:
