@@ -16,7 +16,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import llmfw
 from llmfw.core.sampling import Candidates
 from llmfw.serving import Engine
 from llmfw.serving.chat_options import ChatOptions
@@ -82,8 +81,8 @@ def test_tags_and_where_a_reply_starts():
 
 # -- the budget, over SmolLM2's vocabulary -----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def model(smollm2_path):
-    return llmfw.load_model(str(smollm2_path), backend="numpy")
+def model(shared_models):
+    return shared_models.get("smollm2", "numpy")
 
 
 def test_thinking_budget_forces_the_closing_tag(model):

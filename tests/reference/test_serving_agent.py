@@ -14,7 +14,6 @@ from pathlib import Path
 import openai
 import pytest
 
-import llmfw
 from llmfw.core.gguf import GGUFWriter
 from support.live_server import TIMEOUT, free_port, get, post, serve_engine
 
@@ -26,8 +25,8 @@ WEATHER = [{"type": "function", "function": {
 
 
 @pytest.fixture(scope="module")
-def model(smollm2_path):
-    return llmfw.load_model(str(smollm2_path), backend="numpy")
+def model(shared_models):
+    return shared_models.get("smollm2", "numpy")
 
 
 @pytest.fixture(scope="module")

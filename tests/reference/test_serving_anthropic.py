@@ -11,7 +11,6 @@ import anthropic
 import httpx
 import pytest
 
-import llmfw
 from llmfw.core.chat import apply_chat_template
 from support.live_server import TIMEOUT, post, serve_engine
 
@@ -28,8 +27,8 @@ WEATHER = {"name": "get_weather", "description": "Current weather of a city",
 
 
 @pytest.fixture(scope="module")
-def model(smollm2_path):
-    return llmfw.load_model(str(smollm2_path), backend="numpy")
+def model(shared_models):
+    return shared_models.get("smollm2", "numpy")
 
 
 def serve(model, template, api_key=None):
