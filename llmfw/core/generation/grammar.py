@@ -375,8 +375,8 @@ def _looks_like_control(piece: bytes) -> bool:
 
 
 def grammar_tokenizer(vocab: Vocab) -> Any:
-    """The llguidance tokenizer for ``vocab``: built on first use (about 0.3 s for 49k tokens, 1.4 s for 262k),
-    then kept in ``vocab.derived``."""
+    """The llguidance tokenizer for ``vocab``: built on first use (it takes a while for a large
+    vocabulary), then kept in ``vocab.derived``."""
     cache = getattr(vocab, "derived", None)
     if cache is not None and _VOCAB_CACHE_KEY in cache:
         return cache[_VOCAB_CACHE_KEY]

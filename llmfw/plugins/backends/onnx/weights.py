@@ -4,7 +4,7 @@
   quantized to int8 per block, as llama.cpp does inside its quantized matmuls). The map is exact for every type
   of the real models: Q4_0 → 4-bit codes; Q8_0, Q5_0 → 8-bit codes; Q4_1, Q4_K → 4-bit codes plus a per-block
   *offset* applied as ``blocksum(x) @ offsets.T`` (llama.cpp's Q8_1 block sums do the same; ORT's float zero
-  points take a path ~50x slower); Q5_1, Q5_K → 8-bit codes plus offsets; Q6_K → 8-bit codes in blocks of 16
+  points take a much slower path); Q5_1, Q5_K → 8-bit codes plus offsets; Q6_K → 8-bit codes in blocks of 16
   (its sub-block scales); MXFP4 → 8-bit codes (its E2M1 values doubled are the integers -12..12). Other
   quantized types (Q2_K, Q3_K, IQ...) are requantized once to 8-bit blocks of 32, an error far below the type's
   own quantization step.

@@ -54,14 +54,14 @@ def default_matmul_form(device: str, forced: str | None = None) -> str:
         return forced
     if device == "cpu":
         # fp16 weights keep llama.cpp's accuracy (int8 per-row does not: docs/backends.md, torch); without fbgemm, f32
-        # (bf16 matmuls have no fast path on AVX2 CPUs: ~10x slower prefill than f32 measured here)
+        # (bf16 matmuls have no fast path on AVX2 CPUs: a prefill is many times slower than in f32)
         return "fp16" if has_fbgemm_fp16() else "f32"
     return "bf16"
 
 
 #: int8 weights use 7 bits ([-63, 63]) so that 8-bit activations fit fbgemm's AVX2 kernel: it sums pairs of
-#: u8 x s8 products in int16 (255 * 63 * 2 < 32767). Measured on SmolLM2: 8-bit activations with 7-bit weights
-#: err ~1.6x less than the other split (7-bit activations, ``reduce_range``).
+#: u8 x s8 products in int16 (255 * 63 * 2 < 32767). On SmolLM2 8-bit activations with 7-bit weights
+#: err less than the other split (7-bit activations, ``reduce_range``).
 INT8_WEIGHT_MAX = 63
 
 
@@ -165,7 +165,7 @@ class Fp16Linear:
     @property
     def nbytes(self) -> int:
         # fbgemm packs the input dimension in blocks of FBGEMM_FP16_K_BLOCK rows, padding the last block: a
-        # 576-wide SmolLM2 matrix takes the room of a 1024-wide one (measured: 96 MB for the 49152x576 head)
+        # 576-wide SmolLM2 matrix takes the room of a 1024-wide one
         padded_in = -(-self.n_in // FBGEMM_FP16_K_BLOCK) * FBGEMM_FP16_K_BLOCK
         return 2 * self.n_out * padded_in
 
