@@ -28,7 +28,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import click
 from pydantic import BaseModel, Field
@@ -90,7 +90,8 @@ def _graph_counts(ctx: Any) -> tuple[int, int]:
     return ctx.n_graph_builds, ctx.n_graph_reuses
 
 
-def _timed_runs(ctx: Any, params: BenchParams, run_once) -> tuple[list[tuple[float, float]], dict[str, int]]:
+def _timed_runs(ctx: Any, params: BenchParams,
+                run_once: Callable[[], object]) -> tuple[list[tuple[float, float]], dict[str, int]]:
     """Warm-up, then ``repetitions`` timed runs from an empty cache; graph builds/reuses during the timed runs."""
     after_warm_up: list[tuple[int, int]] = []
     runs = timed_repetitions(params.repetitions, ctx.memory.clear, run_once,
@@ -187,6 +188,7 @@ def constrained_tests(model: Any, ctx: Any, params: BenchParams, first_token: in
     import llmfw
     from llmfw.core.generation.grammar import grammar_tokenizer
     from llmfw.core.generation.sampling import SamplerChain, SamplerParams
+    from llmfw.plugins.samplers.grammar import Grammar
 
     start = time.perf_counter()
     grammar_tokenizer(model.vocab)
@@ -209,7 +211,9 @@ def constrained_tests(model: Any, ctx: Any, params: BenchParams, first_token: in
 
         runs, graphs = _timed_runs(ctx, params, generate)
         results[f"tg{params.n_gen}+{name}"] = {**summarize(params.n_gen, runs), **graphs}
-    matcher = constrained.samplers[0].matcher
+    grammar = constrained.samplers[0]
+    assert isinstance(grammar, Grammar)  # the chain of a JSON schema starts with its grammar
+    matcher = grammar.matcher
     results[f"tg{params.n_gen}+json"].update({"mask_ms_per_token": matcher.mask_ms_per_token,
                                              "grammar_compile_ms": 1000 * compile_s,
                                              "vocab_bridge_ms": 1000 * bridge_s})
@@ -254,7 +258,8 @@ def _record(job: Job, returncode: int, lines: list[str]) -> dict[str, Any]:
     if returncode != 0 or not lines:
         raise LLMFWError(f"{job.what} failed (exit code {returncode}); its messages are above")
     try:
-        return json.loads(lines[-1])
+        record: dict[str, Any] = json.loads(lines[-1])
+        return record
     except json.JSONDecodeError as exc:
         raise LLMFWError(f"{job.what} printed no result record (last line: {lines[-1][:200]!r})") from exc
 

@@ -7,7 +7,7 @@ import resource
 import statistics
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 #: random tokens come from this seed so every backend and llama.cpp see the same ones
 TOKEN_SEED = 1234
@@ -55,7 +55,8 @@ def wait_for_turn() -> None:
         sys.exit(1)
 
 
-def timed_repetitions(repetitions: int, reset, run_once, after_warm_up=None) -> list[tuple[float, float]]:
+def timed_repetitions(repetitions: int, reset: Callable[[], object], run_once: Callable[[], object],
+                      after_warm_up: Callable[[], object] | None = None) -> list[tuple[float, float]]:
     """A warm-up, then ``repetitions`` timed runs, each after ``reset()`` and each in its own turn; each run's
     wall-clock start and seconds."""
     wait_for_turn()

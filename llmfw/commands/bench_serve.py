@@ -47,10 +47,17 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
 
 
+def connection(url: str, timeout: float) -> http.client.HTTPConnection:
+    """An HTTP connection to the server of ``url`` (port 80 when it names none)."""
+    parts = urllib.parse.urlsplit(url)
+    if not parts.hostname:
+        raise click.ClickException(f"no host in the server URL {url!r}")
+    return http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=timeout)
+
+
 def stream_completion(url: str, body: dict[str, Any], api_key: str | None = None) -> RequestTiming:
     """POST a streaming completion and time each chunk that carries text."""
-    parts = urllib.parse.urlsplit(url)
-    conn = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=START_TIMEOUT_S)
+    conn = connection(url, START_TIMEOUT_S)
     headers = {"Content-Type": "application/json"}
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
@@ -122,14 +129,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_until_serving(url: str, proc: subprocess.Popen, what: str) -> None:
+def wait_until_serving(url: str, proc: subprocess.Popen[Any], what: str) -> None:
     deadline = time.monotonic() + START_TIMEOUT_S
-    parts = urllib.parse.urlsplit(url)
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise click.ClickException(f"{what} exited with code {proc.returncode} before serving")
         try:
-            conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=5)
+            conn = connection(url, 5)
             conn.request("GET", "/v1/models")
             if conn.getresponse().status == 200:
                 return

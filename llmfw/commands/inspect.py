@@ -167,7 +167,7 @@ def summarize(g: GGUFFile, *, with_tensors: bool = False) -> dict[str, Any]:
     return summary
 
 
-def _human_bytes(n: int) -> str:
+def _human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.2f} {unit}" if unit != "B" else f"{n} B"

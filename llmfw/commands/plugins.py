@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import click
 
@@ -9,7 +10,7 @@ from ..core.errors import LLMFWError
 from ..core.plugins import PluginManager, get_plugin_manager
 
 
-def _backend_class(manager: PluginManager, kind: str, name: str) -> type | None:
+def _backend_class(manager: PluginManager, kind: str, name: str) -> Any:
     """The registered backend class, or None for other kinds and for a plugin that cannot be imported (the
     manager reports it under "failed")."""
     if kind != "backends":
@@ -29,10 +30,10 @@ def missing_install(manager: PluginManager, kind: str, name: str) -> str | None:
     missing_requirements = getattr(cls, "missing_requirements", None)
     if not callable(missing_requirements) or not missing_requirements():
         return None
-    return cls.install_hint()
+    return str(cls.install_hint())
 
 
-def backend_declaration(manager: PluginManager, kind: str, name: str) -> dict | None:
+def backend_declaration(manager: PluginManager, kind: str, name: str) -> dict[str, Any] | None:
     """What a backend declares to the core (host role, default priority per device, its options), read from
     the class alone: nothing is loaded and no device is probed."""
     cls = _backend_class(manager, kind, name)
@@ -45,7 +46,7 @@ def backend_declaration(manager: PluginManager, kind: str, name: str) -> dict | 
             "options": {key: repr(field.default) for key, field in fields.items()}}
 
 
-def _declaration_line(declaration: dict) -> str:
+def _declaration_line(declaration: dict[str, Any]) -> str:
     priority = ", ".join(f"{device} {value}" for device, value in declaration["default_priority"].items())
     options = ", ".join(f"{key}={default}" for key, default in declaration["options"].items())
     return (f"      host: {'yes' if declaration['is_host'] else 'no'}; default priority: {priority or 'never default'}"
@@ -59,7 +60,7 @@ def plugins_cmd(as_json: bool) -> None:
     whose libraries are missing is marked ``(not installed: pip install ...)``, and each backend's declaration
     (host role, default priority per device, options with their defaults) is shown under it."""
     manager = get_plugin_manager()
-    listing = manager.listing()
+    listing: dict[str, list[dict[str, Any]]] = manager.listing()
     for kind, entries in listing.items():
         for e in entries:
             install = missing_install(manager, kind, e["name"])

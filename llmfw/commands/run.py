@@ -69,7 +69,7 @@ def threads_option(func: Callable[..., Any]) -> Callable[..., Any]:
 
 def model_and_sampling_options(func: Callable[..., Any]) -> Callable[..., Any]:
     """The options `run` and `chat` share: model, placement, context, sampling, config, verbosity."""
-    options = [
+    options: list[Callable[..., Any]] = [
         model_option,
         click.option("--backend", default=None, help=BACKEND_HELP),
         click.option("-ngl", "--n-gpu-layers", "n_gpu_layers", type=int, default=None,

@@ -21,7 +21,7 @@ from ..errors import CatalogError
 
 #: receives (done, total, what) during a pull: one monotonic sweep over every phase (downloading,
 #: extracting, verifying), so a caller draws a single bar
-ProgressFn = Callable[[int, int, str], None]
+ProgressFn = Callable[[int, int, str], object]
 #: each phase's share of a pull's single progress sweep (pip reports no byte counts we could use)
 _PHASES = {"downloading": (0.0, 0.4), "extracting": (0.4, 0.8), "verifying": (0.8, 1.0)}
 _SWEEP = 1000
