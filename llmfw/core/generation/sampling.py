@@ -140,6 +140,13 @@ class Candidates:
         self.probs = (p / total).astype(np.float32)
 
     @property
+    def computed_probs(self) -> np.ndarray:
+        """``probs`` once a sampler computed them (:meth:`softmax`); a SamplerError before."""
+        if self.probs is None:
+            raise SamplerError("the candidates' probabilities were read before any sampler computed them")
+        return self.probs
+
+    @property
     def selected_token(self) -> int:
         if not 0 <= self.selected < self.size:
             raise SamplerError(

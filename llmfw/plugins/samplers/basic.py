@@ -29,7 +29,7 @@ class Dist(Sampler):
 
     def __init__(self, seed: int = 0xFFFFFFFF):
         self.seed = seed
-        self.rng = MT19937Rng(resolve_seed(seed))
+        self.rng: MT19937Rng = MT19937Rng(resolve_seed(seed))
 
     @classmethod
     def from_params(cls, params: SamplerParams, env: SamplerEnv, options: dict[str, Any]) -> "Dist":

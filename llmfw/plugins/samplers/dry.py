@@ -26,7 +26,7 @@ def _add_breaker(breakers: Breakers, head: int, tail: list[int]) -> None:
 
 
 def _token_pieces(vocab: Any) -> list[bytes]:
-    n = getattr(vocab, "n_vocab", None) or getattr(vocab, "n_tokens", None)
+    n: Any = getattr(vocab, "n_vocab", None) or getattr(vocab, "n_tokens", None)
     n = n() if callable(n) else n
     return [vocab.token_to_piece(t, special=True) for t in range(int(n))]
 

@@ -16,13 +16,13 @@ class _MirostatBase(Sampler):
     def __init__(self, tau: float = 5.0, eta: float = 0.1, seed: int = 0xFFFFFFFF):
         self.tau, self.eta, self.seed = float(tau), float(eta), seed
         self.mu = 2.0 * self.tau
-        self.rng = MT19937Rng(resolve_seed(seed))
+        self.rng: MT19937Rng = MT19937Rng(resolve_seed(seed))
 
     def _select_and_update(self, cur: Candidates) -> None:
         cur.softmax(sort=True)
-        idx = self.rng.discrete(cur.probs)
+        idx = self.rng.discrete(cur.computed_probs)
         cur.selected = idx
-        observed_surprise = -math.log2(float(cur.probs[idx]))
+        observed_surprise = -math.log2(float(cur.computed_probs[idx]))
         self.mu = self.mu - self.eta * (observed_surprise - self.tau)
 
     def reset(self) -> None:
@@ -55,7 +55,8 @@ class Mirostat(_MirostatBase):
             return 1
         i = np.arange(n, dtype=np.float32)
         t = np.log((i + 2) / (i + 1)).astype(np.float32)
-        b = np.log(cur.probs[:n] / cur.probs[1:n + 1]).astype(np.float32)
+        probs = cur.computed_probs
+        b = np.log(probs[:n] / probs[1:n + 1]).astype(np.float32)
         s_hat = float((t * b).sum(dtype=np.float32) / (t * t).sum(dtype=np.float32))
         epsilon_hat = s_hat - 1.0
         try:
@@ -86,7 +87,7 @@ class MirostatV2(_MirostatBase):
     def apply(self, cur: Candidates) -> None:
         cur.softmax(sort=True)
         with np.errstate(divide="ignore"):
-            too_surprising = -np.log2(cur.probs) > self.mu
+            too_surprising = -np.log2(cur.computed_probs) > self.mu
         first = int(np.argmax(too_surprising)) if too_surprising.any() else cur.size
         cur.truncate(max(first, 1))
         self._select_and_update(cur)

@@ -54,9 +54,10 @@ class TempExt(Sampler):
         max_temp = self.temp + self.delta
         max_entropy = -math.log(1.0 / cur.size)
         cur.softmax(sort=True)
-        p = cur.probs[cur.probs > 0]
+        probs = cur.computed_probs
+        p = probs[probs > 0]
         entropy = float(-(p * np.log(p)).sum(dtype=np.float32))
-        return min_temp + (max_temp - min_temp) * (entropy / max_entropy) ** self.exponent
+        return float(min_temp + (max_temp - min_temp) * (entropy / max_entropy) ** self.exponent)
 
     def apply(self, cur: Candidates) -> None:
         if self.delta <= 0:

@@ -58,14 +58,14 @@ class TopP(Sampler):
             # like llama.cpp, try the best 256 first: the nucleus is usually inside them
             trial = Candidates(cur.ids, cur.logits, cur.probs)
             trial.sort(256)
-            last = self._nucleus_end(trial.probs)
+            last = self._nucleus_end(trial.computed_probs)
             if last is not None:
                 cur.ids, cur.logits, cur.probs, cur.sorted = trial.ids, trial.logits, trial.probs, True
                 cur.truncate(last)
                 return
         if not cur.sorted:
             cur.sort()
-        last = self._nucleus_end(cur.probs)
+        last = self._nucleus_end(cur.computed_probs)
         if last is not None:
             cur.truncate(last)
 
@@ -126,7 +126,7 @@ class Typical(Sampler):
         if self.p >= 1.0:
             return
         cur.softmax(sort=True)
-        probs = cur.probs
+        probs = cur.computed_probs
         with np.errstate(divide="ignore", invalid="ignore"):
             neg_log = -np.log(probs)
             terms = np.where(probs > 0, probs * neg_log, 0.0).astype(np.float32)
@@ -180,7 +180,7 @@ class XTC(Sampler):
                  seed: int = 0xFFFFFFFF):
         self.probability, self.threshold = float(probability), float(threshold)
         self.min_keep, self.seed = int(min_keep), seed
-        self.rng = MT19937Rng(resolve_seed(seed))
+        self.rng: MT19937Rng = MT19937Rng(resolve_seed(seed))
 
     @classmethod
     def from_params(cls, params: SamplerParams, env: SamplerEnv, options: dict[str, Any]) -> Sampler:
@@ -194,7 +194,7 @@ class XTC(Sampler):
         if self.rng.uniform_float() > self.probability:
             return
         cur.softmax(sort=True)
-        above = cur.probs >= np.float32(self.threshold)
+        above = cur.computed_probs >= np.float32(self.threshold)
         # index of the last token of the leading run above the threshold
         pos_last = int(np.argmin(above)) - 1 if not above.all() else cur.size - 1
         pos_last = max(pos_last, 0)
