@@ -161,16 +161,16 @@ def serve(**opts: Any) -> None:
     pipeline = serve_pipeline(opts)
     cfg = pipeline.config
     server_cfg = cfg.server
+    url = f"http://{server_cfg.host}:{server_cfg.port}"
+    if serves_several(cfg):
+        serve_several(pipeline, url, opts["verbose"])
+        return
     if server_cfg.ray is not None:
         from ..serving.ray_app import run_ray_server
 
         run_ray_server(pipeline, lambda line: click.echo(line, err=True))
         return
     read_api_key(server_cfg)  # a bad key file fails before the model loads
-    url = f"http://{server_cfg.host}:{server_cfg.port}"
-    if serves_several(cfg):
-        serve_several(pipeline, url, opts["verbose"])
-        return
     preflight(pipeline)
     failed: list[str] = []
 
@@ -206,13 +206,14 @@ def run_server(server: Any, app: Any, url: str) -> None:
 def serve_several(pipeline: Any, url: str, verbose: bool) -> None:
     """Serve several models: each checked now (one clear error for a bad one), loaded on first use."""
     from ..core.errors import ConfigError
-    from ..serving.app import router_app
+    from ..serving.app import read_api_key, router_app
     from ..serving.chat_options import chat_options_from_config
     from ..serving.startup import preflight_models
     from ..serving.webui import page_url
     from .progress import ProgressBar
 
     server_cfg = pipeline.config.server
+    read_api_key(server_cfg)  # a bad key file fails before anything else
     if server_cfg.ray is not None:
         raise ConfigError("--ray serves one model; several models (-m A -m B, --models-dir, models:) are not "
                           "supported with it")
@@ -229,9 +230,9 @@ def serve_several(pipeline: Any, url: str, verbose: bool) -> None:
         sys.stderr.flush()
 
     def announce() -> None:
-        limit = server_cfg.models_max or "no limit"
+        limit = f"at most {server_cfg.models_max} at once" if server_cfg.models_max else "no limit"
         say(f"llmfw: serving {len(models)} models at {url} ({', '.join(m.name for m in models)}; "
-            f"loaded on first use, at most {limit} at once)")
+            f"loaded on first use, {limit})")
         if server_cfg.webui:
             say(f"llmfw: chat in a browser at {page_url(server_cfg.host, server_cfg.port)}")
 

@@ -287,7 +287,8 @@ def router_app(pipeline: Any, models: list[ServedModel], report: Callable[[str],
         return pipeline_engine(own, own.load_model(progress=load_progress(served.name, report)), served.name,
                                metrics)
 
-    router = ModelRouter(models, build, max_loaded=pipeline.config.server.models_max, report=report)
+    server = pipeline.config.server
+    router = ModelRouter(models, build, max_loaded=server.models_max, max_waiting=server.max_queue, report=report)
     return _app_for(pipeline, router)
 
 
@@ -303,10 +304,14 @@ def pipeline_engine(pipeline: Any, model: Any, alias: str | None, metrics: Engin
 def _app_for(pipeline: Any, engine: Engine | Callable[[], Engine] | ModelRouter,
              on_load_error: Callable[[str], None] | None = None) -> Any:
     server = pipeline.config.server
-    # a worker thread per queued or running request of every engine that may be loaded at once
-    n_engines = (engine.max_loaded or len(engine.names)) if isinstance(engine, ModelRouter) else 1
+    # a worker thread per queued or running request of every engine that may be loaded at once (and, with several
+    # models, per request waiting for its model)
+    threads = server.max_queue + server.parallel + 16
+    if isinstance(engine, ModelRouter):
+        threads += (server.max_queue + server.parallel) * ((engine.max_loaded or len(engine.names)) - 1) \
+            + engine.max_waiting
     return create_app(engine, api_key=read_api_key(server), cors_origins=server.cors_origin,
-                      thread_tokens=(server.max_queue + server.parallel) * n_engines + 16, webui=server.webui,
+                      thread_tokens=threads, webui=server.webui,
                       on_load_error=on_load_error)
 
 

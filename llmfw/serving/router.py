@@ -18,9 +18,9 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Literal, Sequence
+from typing import Any, Callable, Literal, Sequence
 
-from ..core.errors import ConfigError, EngineStopped, RequestError, UnknownModel
+from ..core.errors import ConfigError, EngineBusy, EngineStopped, RequestError, UnknownModel
 from .engine import Engine
 from .metrics import EngineMetrics, MetricFamilies
 
@@ -68,9 +68,7 @@ class Lease:
         self._released = False
 
     def release(self) -> None:
-        if not self._released:
-            self._released = True
-            self._router._release(self._slot)
+        self._router._release(self)
 
 
 class LeasedStream:
@@ -104,10 +102,13 @@ class LeasedStream:
 class ModelRouter:
     """The served models and their engines. ``build(model, metrics)`` loads a model and returns its engine
     (called without the lock, in the requesting thread); ``max_loaded`` (0: no limit) bounds the models loaded
-    at once; ``report`` hears each load, its progress and each unload (default: this module's logger)."""
+    at once; ``max_waiting``: most requests waiting for their model to load or for room (more are refused with
+    :class:`EngineBusy`: each waits in a worker thread, which running streams need too); ``report`` hears each
+    load, its progress and each unload (default: this module's logger)."""
 
     def __init__(self, models: Sequence[ServedModel], build: Callable[[ServedModel, EngineMetrics], Engine], *,
-                 max_loaded: int = DEFAULT_MODELS_MAX, report: Callable[[str], None] | None = None):
+                 max_loaded: int = DEFAULT_MODELS_MAX, max_waiting: int = 64,
+                 report: Callable[[str], None] | None = None):
         if not models:
             raise ConfigError("no model to serve")
         if max_loaded < 0:
@@ -117,6 +118,8 @@ class ModelRouter:
         self._names = _name_table(models)
         self._build = build
         self.max_loaded = max_loaded
+        self.max_waiting = max_waiting
+        self._n_waiting = 0
         self._report = report or log.info
         self._cond = threading.Condition()
         self._ticks = itertools.count(1)
@@ -168,7 +171,7 @@ class ModelRouter:
                 elif slot.state == "unloaded":
                     victim = self._choose_victim()
                 if victim is None:
-                    self._cond.wait()
+                    self._wait()
             if victim is not None:
                 self._finish_unload(victim)
         return self._load(slot)
@@ -202,8 +205,12 @@ class ModelRouter:
                      f"(parallel {engine.parallel}, {engine.n_ctx_slot} tokens per slot)")
         return Lease(self, slot, engine)
 
-    def _release(self, slot: _ModelSlot) -> None:
+    def _release(self, lease: Lease) -> None:
+        slot = lease._slot
         with self._cond:
+            if lease._released:
+                return
+            lease._released = True
             slot.in_flight -= 1
             unload = slot.draining and slot.in_flight == 0 and slot.state == "loaded"
             if unload:
@@ -211,6 +218,17 @@ class ModelRouter:
             self._cond.notify_all()
         if unload:  # not in the caller's thread: that may be the event loop closing a stream
             threading.Thread(target=self._finish_unload, args=(slot,), name="llmfw-unload", daemon=True).start()
+
+    def _wait(self) -> None:
+        """Under the lock: wait for a change of any model's state, unless too many requests wait already."""
+        if self._n_waiting >= self.max_waiting:
+            raise EngineBusy(f"the server is busy: {self._n_waiting} requests are waiting for their model to load "
+                             f"(--max-queue {self.max_waiting}); retry later")
+        self._n_waiting += 1
+        try:
+            self._cond.wait()
+        finally:
+            self._n_waiting -= 1
 
     # -- making room -------------------------------------------------------------------------------------------------
     def _has_room(self) -> bool:
@@ -262,9 +280,6 @@ class ModelRouter:
             self._cond.notify_all()
         for engine in engines:
             engine.close(timeout)
-
-    def __iter__(self) -> Iterator[ServedModel]:
-        return (s.model for s in self._slots.values())
 
 
 def load_progress(name: str, report: Callable[[str], None] | None = None) -> Callable[[float], bool]:

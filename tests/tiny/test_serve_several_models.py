@@ -17,6 +17,7 @@ import openai
 import pytest
 
 import llmfw
+from llmfw.core.errors import EngineBusy
 from llmfw.serving import Engine
 from llmfw.serving.app import create_app
 from llmfw.serving.router import ModelRouter, ServedModel
@@ -196,6 +197,7 @@ def test_each_model_is_checked_at_start(files, tmp_path):
     shutil.copy(files / "a.gguf", twin / "a.gguf")
     assert "two models are named 'a'" in one_error_line("-m", a, "-m", str(twin / "a.gguf"))
     assert "--alias" in one_error_line("-m", a, "-m", str(files / "b.gguf"), "--alias", "x")
+    assert "--ray" in one_error_line("-m", a, "-m", str(files / "b.gguf"), "--ray")
     both = tmp_path / "both.yaml"
     both.write_text(f"model: {a}\nmodels: [{{model: {a}}}]\n")
     assert "not both" in one_error_line("--config", str(both))
@@ -203,7 +205,7 @@ def test_each_model_is_checked_at_start(files, tmp_path):
 
 # -- the router in-process: LRU never unloads mid-request, one load for many requests ---------------------------------
 @pytest.fixture()
-def router(files):
+def router(files, request):
     reports: list[str] = []
 
     def build(served, metrics):
@@ -211,7 +213,8 @@ def router(files):
                       alias=served.name, metrics=metrics)
 
     models = [ServedModel("a", files / "a.gguf"), ServedModel("b", files / "b.gguf", ("bee",))]
-    router = ModelRouter(models, build, max_loaded=1, report=reports.append)
+    router = ModelRouter(models, build, max_loaded=1, max_waiting=getattr(request, "param", 8),
+                         report=reports.append)
     router.reports = reports
     yield router
     router.close()
@@ -248,6 +251,22 @@ def test_concurrent_first_requests_load_the_model_once(router):
     assert sum(line.startswith("llmfw: loading model b (") for line in router.reports) == 1
     for lease in leases:
         lease.release()
+
+
+@pytest.mark.parametrize("router", [1], indirect=True)
+def test_requests_waiting_for_a_model_are_bounded(router):
+    """Each waiting request holds a worker thread, which running streams need too: past the bound, 503."""
+    lease = router.acquire("a")
+    waiter = threading.Thread(target=lambda: router.acquire("b").release())
+    waiter.start()
+    deadline = time.monotonic() + TIMEOUT
+    while router._n_waiting == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with pytest.raises(EngineBusy, match="waiting for their model"):
+        router.acquire("b")
+    lease.release()
+    waiter.join(TIMEOUT)
+    assert listed(router) == {"a": "unloaded", "b": "loaded"}
 
 
 # -- one model: any name reaches it, as before -------------------------------------------------------------------------
