@@ -151,7 +151,7 @@ def make_server(app: Any, host: str, port: int, verbose: bool, on_listening: Cal
               help="With --ray: join this cluster (default: start a local Ray instance).")
 @click.option("-v", "--verbose", is_flag=True, help="Log every request.")
 def serve(**opts: Any) -> None:
-    """Serve a model over an OpenAI-compatible HTTP API with continuous batching."""
+    """Serve a model (or several) over OpenAI- and Anthropic-compatible HTTP APIs with continuous batching."""
     from ..serving.app import pipeline_app, read_api_key
     from ..serving.engine import Engine
     from ..serving.startup import serves_several

@@ -200,6 +200,7 @@ class ModelRouter:
             self._cond.notify_all()
         if closed:
             engine.close()
+            engine.model.close()
             raise EngineStopped("the server is shutting down")
         self._report(f"llmfw: model {model.name} loaded in {time.perf_counter() - start:.1f}s "
                      f"(parallel {engine.parallel}, {engine.n_ctx_slot} tokens per slot)")
