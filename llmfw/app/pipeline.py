@@ -26,7 +26,7 @@ from __future__ import annotations
 import copy
 import difflib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, Mapping, Sequence, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -270,13 +270,26 @@ def _canonical_sampling(data: dict[str, Any]) -> list[str]:
     return problems
 
 
+def _section_class(annotation: Any) -> type[BaseModel] | None:
+    """The section class a field holds: itself, or inside a list or an optional (``list[X] | None``)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for inner in get_args(annotation):
+        found = _section_class(inner)
+        if found is not None:
+            return found
+    return None
+
+
 def _section_names(path: list[str]) -> list[str]:
     """The valid keys of the section at ``path`` (flag-style names for ``sampling``), for "did you mean"."""
     model: Any = PipelineConfig
     for part in path:
+        if part.isdigit():  # an entry of a list section (``models.0``)
+            continue
         field = getattr(model, "model_fields", {}).get(part)
-        model = getattr(field, "annotation", None)
-        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+        model = _section_class(getattr(field, "annotation", None))
+        if model is None:
             return []
     names = list(model.model_fields)
     return [_FIELD_TO_FLAG_NAME.get(n, n) for n in names] + list(_FIELD_TO_FLAG_NAME) if path == ["sampling"] else names

@@ -203,6 +203,19 @@ def test_each_model_is_checked_at_start(files, tmp_path):
     assert "not both" in one_error_line("--config", str(both))
 
 
+def test_a_models_list_is_validated_like_every_section():
+    from llmfw.app.pipeline import validate_config
+    from llmfw.core.errors import ConfigError
+
+    with pytest.raises(ConfigError) as caught:
+        validate_config({"models": [{"model": "a.gguf", "nme": "x"}, {"name": "b"}],
+                         "server": {"models_max": -1}}, "p.yaml")
+    message = str(caught.value)
+    assert message.startswith("p.yaml: 3 problems:")
+    assert "models.0.nme: unknown key, did you mean `name`?" in message
+    assert "models.1.model: is required" in message and "server.models_max: must be >= 0" in message
+
+
 # -- the router in-process: LRU never unloads mid-request, one load for many requests ---------------------------------
 @pytest.fixture()
 def router(files, request):
