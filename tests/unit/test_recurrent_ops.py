@@ -9,7 +9,8 @@ import pytest
 
 from llmfw.core.errors import ModelError
 from llmfw.core.graph import Graph
-from llmfw.plugins.backends.numpy.recurrent import conv_window, gated_delta, sigmoid, softplus, ssm_conv, ssm_scan
+from llmfw.plugins.backends.numpy.recurrent import (DELTA_CHUNK, conv_window, gated_delta, gated_delta_chunked,
+                                                    gated_delta_steps, sigmoid, softplus, ssm_conv, ssm_scan)
 
 RNG = np.random.default_rng(34)
 S, T, C, K = 2, 7, 12, 4
@@ -144,6 +145,21 @@ def test_gated_delta_prompt_in_pieces_equals_one_step_decode():
         current = piece[:, (hi - lo) * H * D:].reshape(state.shape)
     np.testing.assert_allclose(np.concatenate(outputs, axis=1), whole[:, :8 * H * D], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(current.reshape(S, -1), whole[:, 8 * H * D:], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("n_tokens, chunk", [(150, DELTA_CHUNK), (150, 7), (5, 8), (1, DELTA_CHUNK)])
+def test_chunked_gated_delta_equals_the_recurrence(n_tokens, chunk):
+    """The chunked form (several chunks and a partial last one, or one chunk shorter than its size) gives the
+    step-by-step outputs and final state up to float32 rounding; the decay and β stay inside (0, 1]."""
+    arrays = _delta_inputs(n_tokens, D=16)
+    steps = gated_delta_steps(*arrays)
+    np.testing.assert_allclose(gated_delta_chunked(*arrays, chunk=chunk), steps, rtol=1e-4, atol=1e-5)
+
+
+def test_gated_delta_chunks_prompts_longer_than_a_chunk():
+    long, short = _delta_inputs(DELTA_CHUNK + 1), _delta_inputs(DELTA_CHUNK)
+    np.testing.assert_array_equal(gated_delta(*long), gated_delta_chunked(*long))
+    np.testing.assert_array_equal(gated_delta(*short), gated_delta_steps(*short))
 
 
 def test_gated_delta_shapes_are_checked():
