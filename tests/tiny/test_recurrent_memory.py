@@ -145,6 +145,10 @@ def test_seq_rm_drops_a_whole_sequence_but_refuses_a_suffix(model, sequences):
     assert np.abs(_last_logits(ctx, [follower]) - reference_logits).max() <= SAME_LOGITS_ATOL
     # ranges that hold none of the state's positions remove nothing
     assert ctx.memory.seq_rm(0, 40, -1) is True and ctx.memory.seq_pos_max(0) == 30
+    # positions absorbed before the last one cannot be taken out of the state either (llama.cpp refuses too)
+    for p0, p1 in ((5, 10), (0, 10), (0, 30)):
+        assert ctx.memory.seq_rm(0, p0, p1) is False
+        assert ctx.memory.kv.seq_pos_min(0) == 0 and len(ctx.seq_tokens[0]) == 31
     assert ctx.memory.seq_rm(1, -1, -1) is True  # an empty sequence
     # every sequence, part of the range: refused; the whole range: everything goes
     assert ctx.memory.seq_rm(-1, 5, -1) is False
