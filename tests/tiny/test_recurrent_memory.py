@@ -1,8 +1,9 @@
 """The recurrent and hybrid memory modules (issue 34) on the random-weight files of LFM2 (short convolutions
 beside attention), dense Granite 4.0-H (Mamba-2 beside attention) and Qwen3.5 (Gated DeltaNet beside gated
 attention): ubatch splitting by sequence, llama.cpp's seq_* semantics for a state that cannot be taken apart, a
-seq_cp fork, saved state, the prompt cache and speculative decoding — on the numpy oracle; the bar in ubatches of 32
-and with two sequences also on the default onnx backend."""
+seq_cp fork, saved state, the prompt cache and speculative decoding — on the numpy oracle; on the default onnx
+backend (which runs the scans itself) the bar on whole prompts, in ubatches of 32 and with two sequences, and the
+seq_cp fork."""
 from __future__ import annotations
 
 import numpy as np
