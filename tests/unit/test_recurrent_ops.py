@@ -211,8 +211,9 @@ def test_onnx_ssm_scan_matches_the_oracle(n_tokens, n_group):
     np.testing.assert_allclose(packed, ssm_scan(*arrays), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("n_tokens, n_k_heads", [(1, 2), (9, 2), (5, 4)])
+@pytest.mark.parametrize("n_tokens, n_k_heads", [(1, 2), (9, 2), (5, 4), (DELTA_CHUNK + 1, 2), (150, 4)])
 def test_onnx_gated_delta_matches_the_oracle(n_tokens, n_k_heads):
-    arrays = _delta_inputs(n_tokens, Hk=n_k_heads)
+    """Decode and short ubatches step by step, prompts past a chunk in chunks (several, the last one partial)."""
+    arrays = _delta_inputs(n_tokens, Hk=n_k_heads, D=16)
     (packed,) = _onnx_run(lambda g, i: [g.add("gated_delta", *i)], list(arrays))
     np.testing.assert_allclose(packed, gated_delta(*arrays), rtol=1e-5, atol=1e-5)
