@@ -26,7 +26,7 @@ from __future__ import annotations
 import copy
 import difflib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, Mapping, Sequence, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -152,6 +152,20 @@ class ServerConfig(_Section):
     reasoning_budget: int = Field(-1, ge=-1)
     #: variables for every chat template render (a mapping, or its JSON text from the command line)
     chat_template_kwargs: dict[str, Any] | str | None = None
+    #: serve every ``*.gguf`` of this folder (relative to the YAML file), each named by its file stem
+    models_dir: str | None = None
+    #: with several models: most loaded at once, the least recently used unloaded to make room (0 = no limit)
+    models_max: int = Field(4, ge=0)
+
+
+class ServedModelConfig(_Section):
+    """One entry of a ``models:`` list (``llmfw serve`` with several models): the ``model`` (a catalog name or a
+    path, relative to the YAML file), its ``name`` in ``/v1/models`` and requests (default: the file's stem or
+    the catalog name) and other names requests may use (``aliases``)."""
+
+    model: str = Field(min_length=1)
+    name: str | None = Field(None, min_length=1)
+    aliases: list[str] = Field(default_factory=list)
 
 
 class SpeculativeConfig(_Section):
@@ -168,6 +182,8 @@ class PipelineConfig(_Section):
     """The whole pipeline file."""
 
     model: str = DEFAULT_MODEL
+    #: ``llmfw serve`` with several models, each routed by the request's ``model`` (instead of ``model``)
+    models: list[ServedModelConfig] | None = None
     backend: str | None = None
     placement: dict[int, str] | None = None
     n_gpu_layers: int = Field(0, ge=-1)
@@ -254,13 +270,26 @@ def _canonical_sampling(data: dict[str, Any]) -> list[str]:
     return problems
 
 
+def _section_class(annotation: Any) -> type[BaseModel] | None:
+    """The section class a field holds: itself, or inside a list or an optional (``list[X] | None``)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for inner in get_args(annotation):
+        found = _section_class(inner)
+        if found is not None:
+            return found
+    return None
+
+
 def _section_names(path: list[str]) -> list[str]:
     """The valid keys of the section at ``path`` (flag-style names for ``sampling``), for "did you mean"."""
     model: Any = PipelineConfig
     for part in path:
+        if part.isdigit():  # an entry of a list section (``models.0``)
+            continue
         field = getattr(model, "model_fields", {}).get(part)
-        model = getattr(field, "annotation", None)
-        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+        model = _section_class(getattr(field, "annotation", None))
+        if model is None:
             return []
     names = list(model.model_fields)
     return [_FIELD_TO_FLAG_NAME.get(n, n) for n in names] + list(_FIELD_TO_FLAG_NAME) if path == ["sampling"] else names
@@ -339,14 +368,27 @@ class Pipeline:
     def model_location(self) -> str:
         """A path (relative ones resolved against the YAML file) or the catalog name; neither is an error
         naming the file that asked for it."""
-        candidate = self._relative(self.config.model)
+        return self.locate_model(self.config.model, "model")
+
+    def locate_model(self, value: str, key: str) -> str:
+        """:meth:`model_location` of any model the configuration names (``key``: where, for the error)."""
+        candidate = self._relative(value)
         if candidate.exists():
             return str(candidate)
-        if lookup(self.config.model) is None:
+        if lookup(value) is None:
             where = f" (as given or relative to {self.source.parent})" if self.source is not None else ""
-            raise ConfigError(f"{self._blame('model')}{self.config.model!r} is neither a file{where} nor a catalog "
+            raise ConfigError(f"{self._blame(key)}{value!r} is neither a file{where} nor a catalog "
                               "model (`llmfw models` lists them)")
-        return self.config.model
+        return value
+
+    def relative_path(self, value: str) -> Path:
+        """``value`` as a path, relative ones resolved against the YAML file's folder when that holds them."""
+        return self._relative(value)
+
+    def with_model(self, location: str) -> "Pipeline":
+        """This pipeline with another ``model`` (each model of a server that serves several)."""
+        config = self.config.model_copy(update={"model": location, "models": None}, deep=True)
+        return Pipeline(config, self.source, overridden=self.overridden | {"model"})
 
     def chat_template(self) -> str | None:
         chat = self.config.chat
@@ -478,5 +520,5 @@ def load_pipeline(path: str | Path, overrides: Mapping[str, Any] | None = None) 
 
 
 __all__ = ["ChatConfig", "ContextConfig", "GenerationConfig", "Pipeline", "PipelineConfig", "RayAutoscalingConfig",
-           "RayConfig", "ServerConfig", "SpeculativeConfig",
+           "RayConfig", "ServedModelConfig", "ServerConfig", "SpeculativeConfig",
            "TokenizerConfig", "load_pipeline", "merge_overrides", "parse_yaml", "read_yaml", "validate_config"]

@@ -1,29 +1,32 @@
 """`llmfw serve`: the OpenAI-compatible HTTP server (uvicorn + starlette) with continuous batching.
 
-The model loads once (progress bar on stderr) while ``/health`` answers 503; then the URL is printed. Ctrl-C or
-SIGTERM stops the engine at once — running streams end with an error event — and the server within seconds.
-Flags override the ``--config`` file's keys: ``server.*`` for the server's own settings, ``model``, ``backend``,
-``context.n_ctx`` and ``context.n_threads`` for the rest.
+The model loads once (progress bar on stderr) while ``/health`` answers 503; then the URL is printed. Several
+models (``-m A -m B``, ``--models-dir DIR`` or a ``models:`` list in the YAML file) are each checked at start,
+then loaded on first use (:mod:`llmfw.serving.router`). Ctrl-C or SIGTERM stops the engine at once — running
+streams end with an error event — and the server within seconds. Flags override the ``--config`` file's keys:
+``server.*`` for the server's own settings, ``model`` / ``models``, ``backend``, ``context.n_ctx`` and
+``context.n_threads`` for the rest.
 """
 from __future__ import annotations
 
 import signal
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import click
 
-from .model_arg import model_option
+from .model_arg import MODEL_HELP
 
 #: flag name -> dotted key in the pipeline file
 SERVE_KEYS = {
-    "model": "model", "backend": "backend", "n_ctx": "context.n_ctx", "threads": "context.n_threads",
+    "backend": "backend", "n_ctx": "context.n_ctx", "threads": "context.n_threads",
     "host": "server.host", "port": "server.port", "parallel": "server.parallel", "api_key": "server.api_key",
     "api_key_file": "server.api_key_file", "max_queue": "server.max_queue", "alias": "server.alias",
     "webui": "server.webui",
     "chat_template": "chat.template_file", "reasoning_format": "server.reasoning_format",
     "reasoning_budget": "server.reasoning_budget", "chat_template_kwargs": "server.chat_template_kwargs",
+    "models_dir": "server.models_dir", "models_max": "server.models_max",
 }
 #: seconds uvicorn waits for open connections after a stop signal
 GRACEFUL_SHUTDOWN_S = 3
@@ -35,6 +38,13 @@ def serve_pipeline(opts: dict[str, Any]) -> Any:
     config = opts.get("config")
     data = read_yaml(config) if config else {}
     overrides = {key: opts[name] for name, key in SERVE_KEYS.items() if opts.get(name) is not None}
+    models = list(opts.get("models") or ())
+    if models:  # -m replaces the file's model and models: one is today's single model, several a models list
+        data = {k: v for k, v in data.items() if k not in ("model", "models")}
+        if len(models) == 1:
+            overrides["model"] = models[0]
+        else:
+            overrides["models"] = [{"model": m} for m in models]
     if opts.get("cors_origin"):
         overrides["server.cors_origin"] = list(opts["cors_origin"])
     overrides.update(ray_overrides(opts, (data.get("server") or {}).get("ray") is not None))
@@ -80,16 +90,19 @@ def parse_autoscale(text: str) -> tuple[int, int]:
     return bounds
 
 
-def make_server(app: Any, host: str, port: int, verbose: bool) -> Any:
+def make_server(app: Any, host: str, port: int, verbose: bool, on_listening: Callable[[], None] | None = None) -> Any:
     """A uvicorn server whose first stop signal also stops the engine (streams end with an error event)
-    and exits normally; a second Ctrl-C forces the exit."""
+    and exits normally; a second Ctrl-C forces the exit. ``on_listening`` runs once it accepts connections."""
     import uvicorn
 
     class Server(uvicorn.Server):
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets)
+            if self.started and on_listening is not None:
+                on_listening()
+
         def handle_exit(self, sig: int, frame: Any) -> None:
-            engine = app.state.engine
-            if engine is not None:
-                engine.close(timeout=0)
+            app.state.close(timeout=0)
             if self.should_exit and sig == signal.SIGINT:
                 self.force_exit = True
             self.should_exit = True
@@ -100,7 +113,13 @@ def make_server(app: Any, host: str, port: int, verbose: bool) -> Any:
 
 
 @click.command("serve")
-@model_option
+@click.option("-m", "--model", "models", multiple=True, metavar="MODEL",
+              help=f"{MODEL_HELP} Repeat it to serve several models, routed by each request's model.")
+@click.option("--models-dir", default=None, type=click.Path(), metavar="DIR",
+              help="Serve every *.gguf of DIR as well, each named by its file stem.")
+@click.option("--models-max", type=click.IntRange(min=0), default=None, metavar="N",
+              help="With several models: most loaded at once, the least recently used unloaded (default 4, "
+                   "0 = no limit).")
 @click.option("--host", default=None, help="Address to listen on (default 127.0.0.1).")
 @click.option("--port", type=int, default=None, help="Port (default 8080).")
 @click.option("-np", "--parallel", type=int, default=None, help="Sequences decoded together (default 4).")
@@ -132,15 +151,20 @@ def make_server(app: Any, host: str, port: int, verbose: bool) -> Any:
               help="With --ray: join this cluster (default: start a local Ray instance).")
 @click.option("-v", "--verbose", is_flag=True, help="Log every request.")
 def serve(**opts: Any) -> None:
-    """Serve a model over an OpenAI-compatible HTTP API with continuous batching."""
+    """Serve a model (or several) over OpenAI- and Anthropic-compatible HTTP APIs with continuous batching."""
     from ..serving.app import pipeline_app, read_api_key
     from ..serving.engine import Engine
+    from ..serving.startup import serves_several
     from ..serving.webui import page_url
     from .run import load_model_with_progress
 
     pipeline = serve_pipeline(opts)
     cfg = pipeline.config
     server_cfg = cfg.server
+    url = f"http://{server_cfg.host}:{server_cfg.port}"
+    if serves_several(cfg):
+        serve_several(pipeline, url, opts["verbose"])
+        return
     if server_cfg.ray is not None:
         from ..serving.ray_app import run_ray_server
 
@@ -148,7 +172,6 @@ def serve(**opts: Any) -> None:
         return
     read_api_key(server_cfg)  # a bad key file fails before the model loads
     preflight(pipeline)
-    url = f"http://{server_cfg.host}:{server_cfg.port}"
     failed: list[str] = []
 
     def announce(engine: Engine) -> None:
@@ -165,15 +188,56 @@ def serve(**opts: Any) -> None:
     app = pipeline_app(pipeline, load_model=lambda: load_model_with_progress(pipeline, True), on_ready=announce,
                        on_load_error=give_up)
     server = make_server(app, server_cfg.host, server_cfg.port, opts["verbose"])
+    run_server(server, app, url)
+    if failed:
+        raise LoadFailed(f"the model failed to load: {failed[0]}")
+
+
+def run_server(server: Any, app: Any, url: str) -> None:
+    """Serve until stopped, then stop the engines; a server that never listened is an error."""
     try:
         server.run()
     finally:
-        if app.state.engine is not None:
-            app.state.engine.close()
-    if failed:
-        raise LoadFailed(f"the model failed to load: {failed[0]}")
+        app.state.close()
     if not server.started:
         raise click.ClickException(f"could not listen on {url}")
+
+
+def serve_several(pipeline: Any, url: str, verbose: bool) -> None:
+    """Serve several models: each checked now (one clear error for a bad one), loaded on first use."""
+    from ..core.errors import ConfigError
+    from ..serving.app import read_api_key, router_app
+    from ..serving.chat_options import chat_options_from_config
+    from ..serving.startup import preflight_models
+    from ..serving.webui import page_url
+    from .progress import ProgressBar
+
+    server_cfg = pipeline.config.server
+    read_api_key(server_cfg)  # a bad key file fails before anything else
+    if server_cfg.ray is not None:
+        raise ConfigError("--ray serves one model; several models (-m A -m B, --models-dir, models:) are not "
+                          "supported with it")
+    if server_cfg.alias:
+        raise ConfigError("--alias names the one model; with several, give names and aliases in a `models:` "
+                          "list of the YAML file")
+    with ProgressBar("pull models") as bar:
+        models = preflight_models(pipeline, progress=lambda done, total, what: bar.update(done / max(total, 1), what))
+    chat_options_from_config(pipeline)
+    pipeline.chat_template()  # a missing template file fails now
+
+    def say(line: str) -> None:
+        click.echo(line, err=True)
+        sys.stderr.flush()
+
+    def announce() -> None:
+        limit = f"at most {server_cfg.models_max} at once" if server_cfg.models_max else "no limit"
+        say(f"llmfw: serving {len(models)} models at {url} ({', '.join(m.name for m in models)}; "
+            f"loaded on first use, {limit})")
+        if server_cfg.webui:
+            say(f"llmfw: chat in a browser at {page_url(server_cfg.host, server_cfg.port)}")
+
+    app = router_app(pipeline, models, report=say)
+    run_server(make_server(app, server_cfg.host, server_cfg.port, verbose, on_listening=announce), app, url)
 
 
 def preflight(pipeline: Any) -> None:

@@ -95,6 +95,13 @@ class RequestError(LLMFWError, ValueError):
         self.param = param
 
 
+class UnknownModel(RequestError):
+    """A request names a model the server does not serve; the message lists the ones it does (404)."""
+
+    def __init__(self, message: str):
+        super().__init__(message, "model")
+
+
 class EngineBusy(LLMFWError):
     """The serving engine's queue is full (the server answers 503 with Retry-After)."""
 

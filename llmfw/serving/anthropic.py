@@ -26,7 +26,7 @@ from pydantic import Field
 from ..core.errors import RequestError
 from .api import ChatShape, ChoiceState, execute_chat, plan_chat
 from .engine import Engine
-from .http_common import BadBody, finite_json, in_thread, read_json, response_for_error, server_state, sse_events
+from .http_common import BadBody, finite_json, on_model, read_json, response_for_error, sse_events
 from .jobs import TokenEvent
 from .protocol import ChatCompletionRequest, _Body, parse_request
 
@@ -371,9 +371,8 @@ def _anthropic_guarded(handler: Callable[[Any], Any]) -> Callable[[Any], Any]:
 async def messages_endpoint(request: Any) -> Any:
     from starlette.responses import Response, StreamingResponse
 
-    engine = server_state(request).ready_engine()
     body = await read_json(request)
-    result = await in_thread(run_messages, engine, body)
+    result = await on_model(request, body, lambda engine: run_messages(engine, body))
     if isinstance(result, dict):
         return Response(finite_json(result), media_type="application/json")
     events = sse_events(result, sse_event, sse_error, done="")
@@ -385,9 +384,8 @@ async def messages_endpoint(request: Any) -> Any:
 async def count_tokens_endpoint(request: Any) -> Any:
     from starlette.responses import JSONResponse
 
-    engine = server_state(request).ready_engine()
     body = await read_json(request)
-    return JSONResponse(await in_thread(count_tokens, engine, body))
+    return JSONResponse(await on_model(request, body, lambda engine: count_tokens(engine, body)))
 
 
 def is_anthropic_path(path: str) -> bool:

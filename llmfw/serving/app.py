@@ -30,12 +30,13 @@ from ..core.errors import ConfigError, RequestError
 from . import anthropic
 from .chat_options import chat_options_from_config
 from .engine import Engine
-from .metrics import CONTENT_TYPE
+from .metrics import CONTENT_TYPE, EngineMetrics
 from .http_common import (MAX_BODY_BYTES as MAX_BODY_BYTES, RETRY_AFTER_S as RETRY_AFTER_S, BadBody, ServerState,
-                          error_body as error_body, error_response, finite_json, in_thread, read_json,
+                          error_body as error_body, error_response, finite_json, on_model, read_json,
                           response_for_error, server_state, sse_events)
 from .openapi import openapi_endpoint
 from .protocol import DetokenizeBody, TokenizeBody, parse_request
+from .router import ModelRouter, ServedModel, load_progress
 from .webui import webui_routes
 
 log = logging.getLogger(__name__)
@@ -58,9 +59,8 @@ async def _any_exception(request: Request, exc: Exception) -> Response:
 
 
 async def _generation(request: Request, method: str) -> Response:
-    engine = server_state(request).ready_engine()
     body = await read_json(request)
-    result = await in_thread(getattr(engine, method), **body)
+    result = await on_model(request, body, lambda engine: getattr(engine, method)(**body))
     if isinstance(result, dict):
         return Response(finite_json(result), media_type="application/json")
     return StreamingResponse(sse_events(result), media_type="text/event-stream",
@@ -70,18 +70,32 @@ async def _generation(request: Request, method: str) -> Response:
 # -- routes ----------------------------------------------------------------------------------------------------------
 async def health(request: Request) -> Response:
     state = server_state(request)
-    if state.engine is None:
+    if not state.ready():
         return JSONResponse({"status": "error" if state.load_error else "loading"}, status_code=503)
     return JSONResponse({"status": "ok"})
 
 
+def model_entry(state: ServerState, name: str, engine: Engine | None, status: str = "loaded",
+                aliases: tuple[str, ...] = ()) -> dict[str, Any]:
+    """One ``/v1/models`` entry: OpenAI's fields, the state (llama-server's ``status.value``: ``loaded``,
+    ``loading``, ``unloaded``, ``unloading``), other names, and the slots' sizes while loaded."""
+    entry: dict[str, Any] = {"id": name, "object": "model", "created": state.created, "owned_by": "llmfw",
+                             "aliases": list(aliases), "status": {"value": status}}
+    if engine is not None:
+        entry["meta"] = {"n_ctx": engine.ctx.n_ctx, "n_ctx_slot": engine.n_ctx_slot, "parallel": engine.parallel,
+                         "n_vocab": engine.model.n_vocab}
+    return entry
+
+
 async def models(request: Request) -> Response:
     state = server_state(request)
-    engine = state.ready_engine()
-    return JSONResponse({"object": "list", "data": [
-        {"id": engine.alias, "object": "model", "created": state.created, "owned_by": "llmfw",
-         "meta": {"n_ctx": engine.ctx.n_ctx, "n_ctx_slot": engine.n_ctx_slot, "parallel": engine.parallel,
-                  "n_vocab": engine.model.n_vocab}}]})
+    if state.router is None:
+        engine = state.ready_engine()
+        data = [model_entry(state, engine.alias, engine)]
+    else:
+        data = [model_entry(state, model.name, engine, status, model.aliases)
+                for model, status, engine in state.router.listing()]
+    return JSONResponse({"object": "list", "data": data})
 
 
 async def completions(request: Request) -> Response:
@@ -94,32 +108,37 @@ async def chat_completions(request: Request) -> Response:
 
 async def embeddings(request: Request) -> Response:
     """``/v1/embeddings``: the engine's :meth:`~llmfw.serving.Engine.embeddings` (between decode steps)."""
-    engine = server_state(request).ready_engine()
     body = await read_json(request)
-    result = await in_thread(engine.embeddings, **body)
+    result = await on_model(request, body, lambda engine: engine.embeddings(**body))
     return Response(finite_json(result), media_type="application/json")
 
 
 async def tokenize(request: Request) -> Response:
-    engine = server_state(request).ready_engine()
-    body = parse_request(TokenizeBody, await read_json(request))  # type: ignore[arg-type]
-    tokens = await in_thread(engine.model.vocab.tokenize, body.content, add_special=body.add_special,
-                              parse_special=body.parse_special)
+    raw = await read_json(request)
+    body = parse_request(TokenizeBody, raw)  # type: ignore[arg-type]
+    tokens = await on_model(request, raw, lambda engine: engine.model.vocab.tokenize(
+        body.content, add_special=body.add_special, parse_special=body.parse_special))
     return JSONResponse({"tokens": list(tokens)})
 
 
-async def detokenize(request: Request) -> Response:
-    engine = server_state(request).ready_engine()
-    body = parse_request(DetokenizeBody, await read_json(request))  # type: ignore[arg-type]
-    bad = [t for t in body.tokens if not 0 <= t < engine.model.n_vocab]
+def _detokenized(engine: Engine, tokens: list[int]) -> str:
+    bad = [t for t in tokens if not 0 <= t < engine.model.n_vocab]
     if bad:
         raise RequestError(f"token {bad[0]} is outside the vocabulary (0..{engine.model.n_vocab - 1})", "tokens")
-    return JSONResponse({"content": await in_thread(engine.model.vocab.detokenize, body.tokens)})
+    text: str = engine.model.vocab.detokenize(tokens)
+    return text
+
+
+async def detokenize(request: Request) -> Response:
+    raw = await read_json(request)
+    body = parse_request(DetokenizeBody, raw)  # type: ignore[arg-type]
+    return JSONResponse({"content": await on_model(request, raw, lambda engine: _detokenized(engine, body.tokens))})
 
 
 async def metrics(request: Request) -> Response:
-    engine = server_state(request).ready_engine()
-    return Response(engine.metrics.exposition(), media_type=CONTENT_TYPE)
+    state = server_state(request)
+    families = state.router.metric_families if state.router is not None else state.ready_engine().metrics
+    return Response(families.exposition(), media_type=CONTENT_TYPE)
 
 
 def _guarded(handler: Callable[[Request], Any]) -> Callable[[Request], Any]:
@@ -194,14 +213,15 @@ class ReplicaAndAuth:
         return hmac.compare_digest(given_key, key.encode()) or bearer
 
 
-def create_app(engine: Engine | Callable[[], Engine], *, api_key: str | None = None,
+def create_app(engine: Engine | Callable[[], Engine] | ModelRouter, *, api_key: str | None = None,
                cors_origins: list[str] | None = None, thread_tokens: int | None = None, webui: bool = True,
                on_load_error: Callable[[str], None] | None = None) -> Any:
-    """The ASGI app. ``engine``: a ready Engine, or a callable that builds one (run in a thread at startup,
-    /health answers 503 until it returns). ``webui``: serve the browser chat page at ``/``
-    (:mod:`llmfw.serving.webui`). ``on_load_error`` hears why building the engine failed (``llmfw serve`` then
-    exits); without it the failure is logged with its traceback and every request answers 503."""
-    state = ServerState(api_key=api_key or None)
+    """The ASGI app. ``engine``: a ready Engine, a callable that builds one (run in a thread at startup,
+    /health answers 503 until it returns), or a :class:`~llmfw.serving.router.ModelRouter` serving several
+    models (each loaded on first use; /health answers 200 at once). ``webui``: serve the browser chat page at
+    ``/`` (:mod:`llmfw.serving.webui`). ``on_load_error`` hears why building the engine failed (``llmfw serve``
+    then exits); without it the failure is logged with its traceback and every request answers 503."""
+    state = ServerState(api_key=api_key or None, router=engine if isinstance(engine, ModelRouter) else None)
 
     def load() -> None:
         try:
@@ -222,7 +242,7 @@ def create_app(engine: Engine | Callable[[], Engine], *, api_key: str | None = N
         limiter.total_tokens = max(limiter.total_tokens, thread_tokens or 0)
         if isinstance(engine, Engine):
             state.engine = engine
-        else:
+        elif state.router is None:
             threading.Thread(target=load, name="llmfw-load", daemon=True).start()
         yield
 
@@ -249,20 +269,49 @@ def pipeline_app(pipeline: Any, *, eager: bool = False, load_model: Callable[[],
     """The app for a pipeline's ``server`` settings: its engine over ``load_model()`` (default: the pipeline's
     own model). ``eager`` builds the engine now (a Ray replica, ready only once loaded); otherwise it loads in
     the background while ``/health`` answers 503 (``llmfw serve``). ``on_ready`` sees the engine once built."""
-    cfg = pipeline.config
-    server = cfg.server
-
     def build() -> Engine:
-        model = (load_model or pipeline.load_model)()
-        engine = Engine(model, server.parallel, n_ctx=cfg.context.n_ctx, n_threads=cfg.context.n_threads,
-                        max_queue=server.max_queue, alias=server.alias,
-                        chat_template=pipeline.chat_template(), chat_options=chat_options_from_config(pipeline))
+        engine = pipeline_engine(pipeline, (load_model or pipeline.load_model)(), pipeline.config.server.alias)
         if on_ready is not None:
             on_ready(engine)
         return engine
 
-    return create_app(build() if eager else build, api_key=read_api_key(server), cors_origins=server.cors_origin,
-                      thread_tokens=server.max_queue + server.parallel + 16, webui=server.webui,
+    return _app_for(pipeline, build() if eager else build, on_load_error=on_load_error)
+
+
+def router_app(pipeline: Any, models: list[ServedModel], report: Callable[[str], None] | None = None) -> Any:
+    """The app serving ``models`` (checked by :func:`~llmfw.serving.startup.preflight_models`) with the
+    pipeline's settings, each loaded on first use, at most ``server.models_max`` at once; ``report`` hears each
+    load (with progress) and unload."""
+    def build(served: ServedModel, metrics: EngineMetrics) -> Engine:
+        own = pipeline.with_model(str(served.path))
+        return pipeline_engine(own, own.load_model(progress=load_progress(served.name, report)), served.name,
+                               metrics)
+
+    server = pipeline.config.server
+    router = ModelRouter(models, build, max_loaded=server.models_max, max_waiting=server.max_queue, report=report)
+    return _app_for(pipeline, router)
+
+
+def pipeline_engine(pipeline: Any, model: Any, alias: str | None, metrics: EngineMetrics | None = None) -> Engine:
+    """An engine over ``model`` with the pipeline's ``server``, ``context`` and chat settings."""
+    cfg = pipeline.config
+    server = cfg.server
+    return Engine(model, server.parallel, n_ctx=cfg.context.n_ctx, n_threads=cfg.context.n_threads,
+                  max_queue=server.max_queue, alias=alias, chat_template=pipeline.chat_template(),
+                  chat_options=chat_options_from_config(pipeline), metrics=metrics)
+
+
+def _app_for(pipeline: Any, engine: Engine | Callable[[], Engine] | ModelRouter,
+             on_load_error: Callable[[str], None] | None = None) -> Any:
+    server = pipeline.config.server
+    # a worker thread per queued or running request of every engine that may be loaded at once (and, with several
+    # models, per request waiting for its model)
+    threads = server.max_queue + server.parallel + 16
+    if isinstance(engine, ModelRouter):
+        threads += (server.max_queue + server.parallel) * ((engine.max_loaded or len(engine.names)) - 1) \
+            + engine.max_waiting
+    return create_app(engine, api_key=read_api_key(server), cors_origins=server.cors_origin,
+                      thread_tokens=threads, webui=server.webui,
                       on_load_error=on_load_error)
 
 

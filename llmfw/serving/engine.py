@@ -52,12 +52,14 @@ class Engine:
     ``n_batch``: most tokens one decode step holds. ``max_queue``: most jobs waiting for a slot (more are
     refused with :class:`EngineBusy`). ``alias``: the model name reported in responses. ``chat_template``:
     a Jinja chat template overriding the model's (e.g. one that knows tools). ``chat_options``: template
-    variables, reasoning format and budget for every chat.
+    variables, reasoning format and budget for every chat. ``metrics``: where the engine counts (a model's share
+    of a server's metrics; default: a registry of its own).
     """
 
     def __init__(self, model: Model, parallel: int = 4, *, n_ctx: int = 0, n_batch: int = 512,
                  n_threads: int | None = None, max_queue: int = 64, alias: str | None = None,
-                 chat_template: str | None = None, chat_options: ChatOptions | None = None):
+                 chat_template: str | None = None, chat_options: ChatOptions | None = None,
+                 metrics: EngineMetrics | None = None):
         if parallel < 1:
             raise RequestError(f"parallel must be >= 1, got {parallel}", "parallel")
         self.model = model
@@ -81,7 +83,8 @@ class Engine:
         #: work that must run where the model's backends are used, between two decode steps (embeddings)
         self._calls: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
         self._cond = threading.Condition()
-        self.metrics = EngineMetrics(lambda: sum(j is not None for j in self._slots), lambda: len(self._waiting))
+        self.metrics = metrics or EngineMetrics()
+        self.metrics.attach(lambda: sum(j is not None for j in self._slots), lambda: len(self._waiting))
         self._thread = threading.Thread(target=self._run, name="llmfw-engine", daemon=True)
         self._thread.start()
 
@@ -156,6 +159,7 @@ class Engine:
             self._cond.notify()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout)
+        self.metrics.detach()  # the gauges no longer read (nor keep alive) this engine
 
     def __enter__(self) -> "Engine":
         return self

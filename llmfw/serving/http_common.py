@@ -9,7 +9,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Iterator
 
 import anyio
 import anyio.to_thread
@@ -17,8 +17,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from ..core.errors import ChatTemplateError, ContextError, EngineBusy, EngineLoading, EngineStopped, LLMFWError, \
-    RequestError, SamplerError, TokenizerError
+    RequestError, SamplerError, TokenizerError, UnknownModel
 from .engine import Engine
+from .router import LeasedStream, ModelRouter
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,8 @@ BAD_REQUEST = (RequestError, ChatTemplateError, TokenizerError, ContextError, Sa
 
 def response_for_error(exc: BaseException) -> JSONResponse:
     """The HTTP answer for an error raised while serving a request (never a traceback)."""
+    if isinstance(exc, UnknownModel):
+        return error_response(404, str(exc), "model", code="model_not_found")
     if isinstance(exc, BAD_REQUEST):
         return error_response(400, str(exc), getattr(exc, "param", None))
     if isinstance(exc, EngineBusy):
@@ -65,13 +68,15 @@ def response_for_error(exc: BaseException) -> JSONResponse:
 # -- state -------------------------------------------------------------------------------------------------------
 @dataclass
 class ServerState:
-    """The engine once loaded (None while loading) and the settings the handlers need."""
+    """The engine once loaded (None while loading) — or, with several models, the router that routes each
+    request to its model's engine — and the settings the handlers need."""
 
     api_key: str | None = None
     replica: str = field(default_factory=lambda: uuid.uuid4().hex)
     engine: Engine | None = None
     load_error: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    router: ModelRouter | None = None
 
     def ready_engine(self) -> Engine:
         if self.engine is None:
@@ -79,6 +84,33 @@ class ServerState:
                 raise EngineStopped(f"the model failed to load: {self.load_error}")
             raise EngineLoading("the model is still loading")
         return self.engine
+
+    def with_engine(self, model: Any, work: Callable[[Engine], Any]) -> Any:
+        """``work(engine)`` on the engine of the model a request names (run in a worker thread: it may load the
+        model). One model: its engine, whatever the name (llama-server's rule). Several: the router's lease on
+        the named model, held until ``work`` returns — or, when it returns a stream, until the stream ends."""
+        if self.router is None:
+            return work(self.ready_engine())
+        lease = self.router.acquire(model)
+        try:
+            result = work(lease.engine)
+        except BaseException:
+            lease.release()
+            raise
+        if isinstance(result, Iterator):  # a stream: the lease goes with it
+            return LeasedStream(result, lease)
+        lease.release()
+        return result
+
+    def ready(self) -> bool:
+        return self.router is not None or self.engine is not None
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the engine (or every model's): running requests end with an error."""
+        if self.engine is not None:
+            self.engine.close(timeout)
+        if self.router is not None:
+            self.router.close(timeout)
 
 
 def server_state(request: Request) -> ServerState:
@@ -122,6 +154,12 @@ def finite_json(value: Any) -> str:
 
 async def in_thread(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return await anyio.to_thread.run_sync(functools.partial(func, *args, **kwargs))
+
+
+async def on_model(request: Request, body: dict[str, Any], work: Callable[[Engine], Any]) -> Any:
+    """``work(engine)`` in a worker thread on the engine of the model the body names (with several models the
+    router's: it may load the model first)."""
+    return await in_thread(server_state(request).with_engine, body.get("model"), work)
 
 
 def _next_chunk(stream: Any) -> dict[str, Any] | None:

@@ -7,8 +7,9 @@ from typing import Any
 
 #: (path, method, summary, request body model name or None)
 ENDPOINTS: tuple[tuple[str, str, str, str | None], ...] = (
-    ("/health", "get", "Liveness: 200 once the model is loaded, 503 while loading", None),
-    ("/v1/models", "get", "The served model (OpenAI)", None),
+    ("/health", "get", "Liveness: 200 once the model is loaded (several models: once the server listens), 503 "
+                       "while loading", None),
+    ("/v1/models", "get", "The served models and their state (OpenAI, llama-server's status.value)", None),
     ("/v1/completions", "post", "Text completion (OpenAI)", "CompletionRequest"),
     ("/v1/chat/completions", "post", "Chat completion (OpenAI)", "ChatCompletionRequest"),
     ("/v1/embeddings", "post", "Embeddings (OpenAI)", "EmbeddingRequest"),
@@ -46,6 +47,7 @@ def openapi_spec(version: str = "0") -> dict[str, Any]:
             schema = refs[(models[body], "validation")]
             operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": schema}}}
             operation["responses"]["413"] = _ERROR
+            operation["responses"]["404"] = _ERROR  # several models: the body's `model` names none of them
         paths.setdefault(path, {})[method] = operation
     return {"openapi": "3.1.0", "info": {"title": "llmfw serve", "version": version}, "paths": paths,
             "components": {"schemas": schemas,

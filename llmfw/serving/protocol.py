@@ -287,6 +287,7 @@ def parse_request(model: type[_Body], params: dict[str, Any]) -> Any:
 # -- llama-server's tokenizer endpoints ----------------------------------------------------------------------
 class TokenizeBody(BaseModel):
     model_config = ConfigDict(extra="ignore")
+    model: Any = None  # which model's vocabulary, when the server serves several
     content: str
     add_special: bool = False
     parse_special: bool = True
@@ -294,4 +295,5 @@ class TokenizeBody(BaseModel):
 
 class DetokenizeBody(BaseModel):
     model_config = ConfigDict(extra="ignore")
+    model: Any = None  # which model's vocabulary, when the server serves several
     tokens: list[int] = Field(max_length=1 << 20)

@@ -9,7 +9,8 @@ import pytest
 
 from llmfw.core.errors import ModelError
 from llmfw.core.graph import Graph
-from llmfw.plugins.backends.numpy.recurrent import conv_window, gated_delta, sigmoid, softplus, ssm_conv, ssm_scan
+from llmfw.plugins.backends.numpy.recurrent import (DELTA_CHUNK, conv_window, gated_delta, gated_delta_chunked,
+                                                    gated_delta_steps, sigmoid, softplus, ssm_conv, ssm_scan)
 
 RNG = np.random.default_rng(34)
 S, T, C, K = 2, 7, 12, 4
@@ -146,6 +147,21 @@ def test_gated_delta_prompt_in_pieces_equals_one_step_decode():
     np.testing.assert_allclose(current.reshape(S, -1), whole[:, 8 * H * D:], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("n_tokens, chunk", [(150, DELTA_CHUNK), (150, 7), (5, 8), (1, DELTA_CHUNK)])
+def test_chunked_gated_delta_equals_the_recurrence(n_tokens, chunk):
+    """The chunked form (several chunks and a partial last one, or one chunk shorter than its size) gives the
+    step-by-step outputs and final state up to float32 rounding; the decay and β stay inside (0, 1]."""
+    arrays = _delta_inputs(n_tokens, D=16)
+    steps = gated_delta_steps(*arrays)
+    np.testing.assert_allclose(gated_delta_chunked(*arrays, chunk=chunk), steps, rtol=1e-4, atol=1e-5)
+
+
+def test_gated_delta_chunks_prompts_longer_than_a_chunk():
+    long, short = _delta_inputs(DELTA_CHUNK + 1), _delta_inputs(DELTA_CHUNK)
+    np.testing.assert_array_equal(gated_delta(*long), gated_delta_chunked(*long))
+    np.testing.assert_array_equal(gated_delta(*short), gated_delta_steps(*short))
+
+
 def test_gated_delta_shapes_are_checked():
     g = Graph()
     with pytest.raises(ModelError, match="gated_delta"):  # 3 value heads cannot read 2 key heads
@@ -161,22 +177,43 @@ def test_sigmoid_and_softplus():
 
 
 # -- the onnx backend ----------------------------------------------------------------------------------------------
-def test_onnx_convolution_matches_the_oracle():
+def _onnx_run(op_outputs, arrays: list[np.ndarray]) -> list[np.ndarray]:
+    """Build a graph of one input per array and the outputs ``op_outputs(graph, inputs)`` makes, run it as one
+    onnx split, and return the outputs as numpy arrays."""
     pytest.importorskip("onnxruntime")
     pytest.importorskip("onnx")
     from llmfw.core.backend import Split
     from llmfw.plugins.backends.onnx import OnnxBackend
 
-    window, x, kernel = _f32(S, K - 1, C), _f32(S, T, C), _f32(C, K)
     g = Graph()
-    wi, xi = g.leaf("input", "window", window.shape), g.leaf("input", "x", x.shape)
-    ki = g.leaf("input", "kernel", kernel.shape)
-    g.outputs["out"] = g.add("ssm_conv", wi, xi, ki)
-    g.outputs["next"] = g.add("conv_window", wi, xi)
+    inputs = [g.leaf("input", f"in{i}", a.shape) for i, a in enumerate(arrays)]
+    outputs = op_outputs(g, inputs)
     backend = OnnxBackend()
-    split = Split(backend=backend, nodes=[n for n in g.nodes if n.op != "input"], input_ids=[wi.id, xi.id, ki.id],
-                  output_ids=[n.id for n in g.outputs.values()])
-    run = backend.compile(split, {})
-    values = run({wi.id: backend.from_numpy(window), xi.id: backend.from_numpy(x), ki.id: backend.from_numpy(kernel)})
-    np.testing.assert_allclose(backend.to_numpy(values[g.outputs["out"].id]), ssm_conv(window, x, kernel), atol=1e-5)
-    np.testing.assert_array_equal(backend.to_numpy(values[g.outputs["next"].id]), conv_window(window, x))
+    split = Split(backend=backend, nodes=[n for n in g.nodes if n.op != "input"], input_ids=[i.id for i in inputs],
+                  output_ids=[n.id for n in outputs])
+    values = backend.compile(split, {})({i.id: backend.from_numpy(a) for i, a in zip(inputs, arrays)})
+    return [backend.to_numpy(values[n.id]) for n in outputs]
+
+
+def test_onnx_convolution_matches_the_oracle():
+    window, x, kernel = _f32(S, K - 1, C), _f32(S, T, C), _f32(C, K)
+    out, following = _onnx_run(lambda g, i: [g.add("ssm_conv", *i), g.add("conv_window", *i[:2])],
+                               [window, x, kernel])
+    np.testing.assert_allclose(out, ssm_conv(window, x, kernel), atol=1e-5)
+    np.testing.assert_array_equal(following, conv_window(window, x))
+
+
+@pytest.mark.parametrize("n_tokens, n_group", [(1, 2), (9, 2), (5, 1), (5, 4)])
+def test_onnx_ssm_scan_matches_the_oracle(n_tokens, n_group):
+    """One token (decode) and prompts, heads sharing B/C groups or each with its own: outputs and final state."""
+    arrays = _scan_inputs(n_tokens, G=n_group)
+    (packed,) = _onnx_run(lambda g, i: [g.add("ssm_scan", *i)], list(arrays))
+    np.testing.assert_allclose(packed, ssm_scan(*arrays), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n_tokens, n_k_heads", [(1, 2), (9, 2), (5, 4), (DELTA_CHUNK + 1, 2), (150, 4)])
+def test_onnx_gated_delta_matches_the_oracle(n_tokens, n_k_heads):
+    """Decode and short ubatches step by step, prompts past a chunk in chunks (several, the last one partial)."""
+    arrays = _delta_inputs(n_tokens, Hk=n_k_heads, D=16)
+    (packed,) = _onnx_run(lambda g, i: [g.add("gated_delta", *i)], list(arrays))
+    np.testing.assert_allclose(packed, gated_delta(*arrays), rtol=1e-5, atol=1e-5)

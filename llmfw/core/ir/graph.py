@@ -50,7 +50,7 @@ from .moe import build_moe_ffn
 from .node import (DYNAMIC as DYNAMIC, AttrValue as AttrValue, Attrs as Attrs, DType as DType, Node as Node,
                    Shape as Shape, ShapeError as ShapeError)
 from .ops import (MOE_OP_TABLE as MOE_OP_TABLE, OP_TABLE as OP_TABLE, OPS as OPS, RECURRENT_OPS as RECURRENT_OPS,
-                  SCAN_OPS as SCAN_OPS, Inference as Inference, OpSpec as OpSpec, broadcast as broadcast,
+                  Inference as Inference, OpSpec as OpSpec, broadcast as broadcast,
                   infer_type as infer_type)
 
 if TYPE_CHECKING:

@@ -443,8 +443,6 @@ OP_TABLE: Mapping[str, OpSpec] = {
 OPS = frozenset(OP_TABLE)
 #: the ops added for recurrent layers (issue 34): a backend without kernels for them leaves them to the host backend
 RECURRENT_OPS = frozenset({"ssm_conv", "conv_window", "ssm_scan", "gated_delta", "sigmoid", "softplus"})
-#: the recurrent ops whose time loop only the host backend implements yet (other backends leave them to it)
-SCAN_OPS = frozenset({"ssm_scan", "gated_delta"})
 
 
 def infer_type(node: Node) -> None:

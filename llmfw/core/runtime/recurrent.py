@@ -18,9 +18,10 @@ of tokens, laid out sequence after sequence in position order. A token shared by
 **Sequence operations** follow llama.cpp's semantics for a state that cannot be taken apart:
 
 * ``seq_rm(s, p0, p1)``: removing the whole sequence (``p0 <= 0``, range reaching its last position) resets its
-  state; a range past its last position, or ending before it, removes nothing (True). Dropping a *suffix*
-  (``0 < p0 <= last``) would need the state as it was after position ``p0 - 1``, which is gone: False, nothing
-  changes, and a warning says so. ``seq_id < 0`` accepts only the whole range (everything or nothing).
+  state; an empty range or one past its last position removes nothing (True). Any other range — a *suffix*
+  (``0 < p0 <= last``) or positions before the last one (``p1 <= last``) — would need a state the sequence no
+  longer has: False, nothing changes, and a warning says so (llama.cpp's ``llama_memory_recurrent::seq_rm``).
+  ``seq_id < 0`` accepts only the whole range (everything or nothing).
 * ``seq_cp(src, dst)`` copies the state whatever the range (the state stands for every position at once);
 * ``seq_keep``, ``clear``; ``seq_add`` / ``seq_div`` move the recorded position (the state holds no position);
 * ``seq_pos_min`` = ``seq_pos_max`` = the last position absorbed (llama.cpp's single cell per sequence).
@@ -151,14 +152,15 @@ class RecurrentMemory(Memory):
             return lo >= hi  # an empty range removes nothing; any other range cannot be cut out of a state
         self._check_seq(seq_id)
         last = int(self.pos[seq_id])
-        if last < 0 or not lo <= last < hi:
-            return True  # the state holds no position in the range
-        if lo == 0:
+        if last < 0 or lo >= hi or lo > last:
+            return True  # the range holds none of the positions the state has absorbed
+        if lo == 0 and hi > last:
             self._reset(seq_id)
             return True
-        log.warning("recurrent memory: sequence %d cannot drop positions %d.. — its state is the one after "
-                    "position %d and cannot be rolled back to position %d (remove the whole sequence instead)",
-                    seq_id, lo, last, lo - 1)
+        # a suffix, or positions the state absorbed before its last one: either needs a state it no longer has
+        log.warning("recurrent memory: sequence %d cannot drop positions %d..%s — its state is the one after "
+                    "position %d and cannot be taken apart or rolled back (remove the whole sequence instead)",
+                    seq_id, lo, "" if p1 < 0 else hi - 1, last)
         return False
 
     def _seq_cp(self, seq_id_src: int, seq_id_dst: int, p0: int, p1: int) -> None:

@@ -63,23 +63,86 @@ def sigmoid(x: np.ndarray) -> np.ndarray:
     return (1.0 / (1.0 + np.exp(-x.astype(F32, copy=False)))).astype(F32)
 
 
+#: tokens per chunk of the chunked gated delta rule (llama.cpp's chunk size for Gated DeltaNet)
+DELTA_CHUNK = 64
+
+
 def gated_delta(state: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray,
                 beta: np.ndarray) -> np.ndarray:
     """The gated delta rule over each sequence's tokens (see the op table): per sequence, o [T, H, Dv] then the
-    final state [H, Dv, Dk], flattened into one row. One token at a time, every head and sequence at once."""
+    final state [H, Dv, Dk], flattened into one row. Prompts longer than a chunk take the chunked form
+    (:func:`gated_delta_chunked`), shorter ones the step-by-step recurrence (:func:`gated_delta_steps`)."""
+    if v.shape[1] > DELTA_CHUNK:
+        return gated_delta_chunked(state, q, k, v, g, beta)
+    return gated_delta_steps(state, q, k, v, g, beta)
+
+
+def _per_value_head(q: np.ndarray, n_head: int) -> np.ndarray:
+    """q or k [S, T, Hk, Dk] with value head h reading q/k head ``h % Hk`` (llama.cpp tiles them): [S, T, H, Dk]."""
+    return q[:, :, np.arange(n_head) % q.shape[2]].astype(F32, copy=False)
+
+
+def gated_delta_steps(state: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray,
+                      beta: np.ndarray) -> np.ndarray:
+    """:func:`gated_delta` one token at a time, every head and sequence at once."""
     n_seqs, n_tokens, n_head, d_v = v.shape
-    heads = np.arange(n_head) % q.shape[2]  # llama.cpp tiles the q/k heads over the v heads
+    q, k = _per_value_head(q, n_head), _per_value_head(k, n_head)
     m = state.astype(F32, copy=True)
     out = np.empty(v.shape, dtype=F32)
     decay = np.exp(g.astype(F32, copy=False)).astype(F32)
     scale = F32(1.0 / np.sqrt(d_v))
     for t in range(n_tokens):
-        qt, kt = q[:, t][:, heads], k[:, t][:, heads]  # [S, H, Dk]
+        qt, kt = q[:, t], k[:, t]  # [S, H, Dk]
         m *= decay[:, t, :, None, None]
         delta = (v[:, t] - np.einsum("shvk,shk->shv", m, kt, dtype=F32)) * beta[:, t, :, None]
         m += delta[..., None] * kt[:, :, None, :]
         out[:, t] = np.einsum("shvk,shk->shv", m, qt, dtype=F32) * scale
     return np.concatenate([out.reshape(n_seqs, -1), m.reshape(n_seqs, -1)], axis=1)
+
+
+def gated_delta_chunked(state: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray,
+                        beta: np.ndarray, chunk: int = DELTA_CHUNK) -> np.ndarray:
+    """:func:`gated_delta` a chunk of tokens at a time: the same values up to rounding, in matrix products.
+
+    Within a chunk, with ``G_t`` the running sum of ``g`` from its start and ``M0`` the state before it, the
+    state after token t is ``e^{G_t} M0 + Σ_{i≤t} e^{G_t - G_i} δ_i k_iᵀ``. Putting that into
+    ``δ_t = β_t (v_t - e^{g_t} M_{t-1} k_t)`` gives one unit lower-triangular system for all the chunk's δ:
+    ``(I + A) Δ = β·V - β·e^{G}·(K M0ᵀ)`` with ``A[t, i] = β_t e^{G_t - G_i} k_t·k_i`` (i < t); then
+    ``o_t = (e^{G_t} M0 q_t + Σ_{i≤t} e^{G_t - G_i} (k_i·q_t) δ_i) / √Dv`` and the next chunk starts from
+    ``e^{G_C} M0 + Σ_i e^{G_C - G_i} δ_i k_iᵀ``."""
+    n_seqs, n_tokens, n_head, d_v = v.shape
+    # [S, H, T, D] and [S, H, T]: a chunk's rows are then one matrix per head
+    q, k = (_per_value_head(x, n_head).transpose(0, 2, 1, 3) for x in (q, k))
+    v = v.astype(F32, copy=False).transpose(0, 2, 1, 3)
+    g, beta = (x.astype(F32, copy=False).transpose(0, 2, 1) for x in (g, beta))
+    m = state.astype(F32, copy=True)  # [S, H, Dv, Dk]
+    out = np.empty((n_seqs, n_head, n_tokens, d_v), dtype=F32)
+    scale = F32(1.0 / np.sqrt(d_v))
+    for lo in range(0, n_tokens, chunk):
+        hi = min(lo + chunk, n_tokens)
+        out[:, :, lo:hi], m = _delta_chunk(m, q[:, :, lo:hi], k[:, :, lo:hi], v[:, :, lo:hi], g[:, :, lo:hi],
+                                           beta[:, :, lo:hi], scale)
+    return np.concatenate([out.transpose(0, 2, 1, 3).reshape(n_seqs, -1), m.reshape(n_seqs, -1)], axis=1)
+
+
+def _delta_chunk(m: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray,
+                 scale: np.float32) -> tuple[np.ndarray, np.ndarray]:
+    """One chunk of :func:`gated_delta_chunked`: its outputs [S, H, C, Dv] and the state after it."""
+    n = v.shape[2]
+    cum = np.cumsum(g, axis=-1, dtype=F32)  # G_t [S, H, C]
+    causal, below = np.tril(np.ones((n, n), dtype=bool)), np.tril(np.ones((n, n), dtype=bool), -1)
+    # e^{G_t - G_i} for i ≤ t, 0 above the diagonal (masked before exp: the upper differences may overflow)
+    decays = np.exp(np.where(causal, cum[..., :, None] - cum[..., None, :], -np.inf)).astype(F32)
+    kk = k @ k.swapaxes(-1, -2)  # k_t · k_i [S, H, C, C]
+    system = np.eye(n, dtype=F32) + np.where(below, beta[..., :, None] * decays * kk, 0).astype(F32)
+    start = np.exp(cum)[..., None]  # e^{G_t} [S, H, C, 1]
+    rhs = beta[..., None] * (v - start * (k @ m.swapaxes(-1, -2)))
+    delta = np.linalg.solve(system, rhs).astype(F32)  # Δ [S, H, C, Dv]
+    qk = q @ k.swapaxes(-1, -2) * decays  # (k_i · q_t) e^{G_t - G_i}, i ≤ t
+    out = (start * (q @ m.swapaxes(-1, -2)) + qk @ delta) * scale
+    last = np.exp(cum[..., -1:, None] - cum[..., :, None]) * delta  # e^{G_C - G_i} δ_i [S, H, C, Dv]
+    m = np.exp(cum[..., -1])[..., None, None] * m + last.swapaxes(-1, -2) @ k
+    return out.astype(F32), m.astype(F32)
 
 
 class RecurrentSteps:

@@ -20,7 +20,7 @@ import numpy as np
 
 from llmfw.core.exec.backend import Backend, BackendOptions, CompiledSplit, KVLayerShape, Split, WeightSource
 from llmfw.core.errors import ModelError
-from llmfw.core.ir.graph import OPS, SCAN_OPS
+from llmfw.core.ir.graph import OPS
 from llmfw.plugins.backends.onnx.cache import CachedLoad, ConvertedCache, MappedBlob, default_cache_root
 from llmfw.plugins.backends.onnx.emit import external_tensor_proto, split_signature
 from llmfw.plugins.backends.onnx.fused import (
@@ -93,8 +93,7 @@ class OnnxBackend(Backend):
     """ONNX Runtime execution of the graph IR (CPU execution provider; CUDA when asked and present)."""
 
     name = "onnx"
-    # the scans' time loops run on the host backend (numpy) for now
-    supported_ops = OPS - SCAN_OPS
+    supported_ops = OPS
     is_host = False
     requires = ("onnxruntime", "onnx")
     #: the default on a CPU: it decodes about twice as fast as numpy or torch there (docs/benchmarks.md)

@@ -30,6 +30,7 @@ from llmfw.plugins.backends.onnx.fused import USE_GQA, AttentionForm, fusable_ro
 from llmfw.plugins.backends.onnx.moe import MoeTranslation
 from llmfw.plugins.backends.onnx.ort import OnnxKV, import_onnxruntime
 from llmfw.plugins.backends.onnx.recurrent import RecurrentTranslation
+from llmfw.plugins.backends.onnx.scans import ScanTranslation
 from llmfw.plugins.backends.onnx.weights import F32, BlockWeight, DenseWeight, Weight
 
 
@@ -55,7 +56,8 @@ class OnnxWeightSource(Protocol):
 # split → ONNX model
 # ---------------------------------------------------------------------------------------------------------------
 
-class SplitTranslator(AttentionTranslation, MoeTranslation, RecurrentTranslation, SplitCompilerBase[OnnxKV]):
+class SplitTranslator(AttentionTranslation, MoeTranslation, RecurrentTranslation, ScanTranslation,
+                      SplitCompilerBase[OnnxKV]):
     """Translates one split into ONNX nodes. The IR's node shapes (those of the first run's graph) guide choices
     that do not depend on the token count or the KV length (head sizes, rotated dims); the model itself keeps
     those axes dynamic. The op dispatch and the KV look-up are the core's

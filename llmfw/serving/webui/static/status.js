@@ -3,12 +3,14 @@
 
 const POLL_MS = 2000;
 
-/** ``name value`` lines of the Prometheus text format (samples without labels), as a map. */
+/** The samples of the Prometheus text format by name, as a map; a server with several models labels each
+ * sample with its model, and those are added up (histogram buckets, labelled ``le``, are left out). */
 export function parseMetrics(text) {
   const values = new Map();
   for (const line of text.split("\n")) {
-    const match = /^([a-zA-Z_:][\w:]*)\s+(\S+)/.exec(line);
-    if (match) values.set(match[1], Number(match[2]));
+    const match = /^([a-zA-Z_:][\w:]*)(?:\{([^}]*)\})?\s+(\S+)/.exec(line);
+    if (!match || /(^|,)le=/.test(match[2] ?? "")) continue;
+    values.set(match[1], (values.get(match[1]) ?? 0) + Number(match[3]));
   }
   return values;
 }
