@@ -243,11 +243,8 @@ def _mamba2_layer_plan(spec: dict, il: int) -> list[TensorPlan]:
                  TensorPlan(blk + "attn_k.weight", (n_kv, n_embd), "attn_k", "sharp", il),
                  TensorPlan(blk + "attn_v.weight", (n_kv, n_embd), "attn_v", "unit", il),
                  TensorPlan(blk + "attn_output.weight", (n_embd, n_q), "attn_output", "unit", il)]
-    plan += [TensorPlan(blk + "ffn_norm.weight", (n_embd,), "norm", "norm", il),
-             TensorPlan(blk + "ffn_gate.weight", (spec["n_ff"], n_embd), "ffn_gate", "unit", il),
-             TensorPlan(blk + "ffn_up.weight", (spec["n_ff"], n_embd), "ffn_up", "unit", il),
-             TensorPlan(blk + "ffn_down.weight", (n_embd, spec["n_ff"]), "ffn_down", "down", il)]
-    return plan
+    plan.append(TensorPlan(blk + "ffn_norm.weight", (n_embd,), "norm", "norm", il))
+    return plan + _ffn_plan(spec, il)
 
 
 def _qwen35_layer_plan(spec: dict, il: int) -> list[TensorPlan]:
@@ -280,15 +277,22 @@ def _qwen35_layer_plan(spec: dict, il: int) -> list[TensorPlan]:
                  add("attn_output.weight", (n_embd, n_q), "attn_output", "unit"),
                  add("attn_q_norm.weight", (head,), "norm", "qk_norm"),
                  add("attn_k_norm.weight", (head,), "norm", "qk_norm")]
-    plan += [add("post_attention_norm.weight", (n_embd,), "norm", "norm"),
-             add("ffn_gate.weight", (spec["n_ff"], n_embd), "ffn_gate", "unit"),
-             add("ffn_up.weight", (spec["n_ff"], n_embd), "ffn_up", "unit"),
-             add("ffn_down.weight", (n_embd, spec["n_ff"]), "ffn_down", "down")]
-    return plan
+    plan.append(add("post_attention_norm.weight", (n_embd,), "norm", "norm"))
+    return plan + _ffn_plan(spec, il)
+
+
+def _ffn_plan(spec: dict, il: int) -> list[TensorPlan]:
+    """A hybrid layer's FFN: routed experts (+ shared) when the spec has experts, else a SwiGLU."""
+    if "n_expert" in spec:
+        return _expert_plan(spec, il)
+    n_embd, n_ff, blk = spec["n_embd"], spec["n_ff"], f"blk.{il}."
+    return [TensorPlan(blk + "ffn_gate.weight", (n_ff, n_embd), "ffn_gate", "unit", il),
+            TensorPlan(blk + "ffn_up.weight", (n_ff, n_embd), "ffn_up", "unit", il),
+            TensorPlan(blk + "ffn_down.weight", (n_embd, n_ff), "ffn_down", "down", il)]
 
 
 def _layer_plan(spec: dict, il: int) -> list[TensorPlan]:
-    if spec["arch"] == "qwen35":
+    if spec["arch"] in ("qwen35", "qwen35moe"):
         return _qwen35_layer_plan(spec, il)
     if spec["arch"] == "lfm2":
         return _lfm2_layer_plan(spec, il)
@@ -394,10 +398,12 @@ def _expert_plan(spec: dict, il: int) -> list[TensorPlan]:
     if spec.get("exp_probs_b"):  # DeepSeek-V3 / GLM-4.5: a per-expert bias on the selection scores only
         plan.append(TensorPlan(blk + "exp_probs_b.bias", (n_expert,), "bias", "probs_bias", il))
     if spec.get("n_shared"):
-        n_shexp = n_ff * spec["n_shared"]
+        n_shexp = spec.get("n_ff_shexp", n_ff * spec["n_shared"])
         plan += [TensorPlan(blk + "ffn_gate_shexp.weight", (n_shexp, n_embd), "ffn_gate_shexp", "unit", il),
                  TensorPlan(blk + "ffn_up_shexp.weight", (n_shexp, n_embd), "ffn_up_shexp", "unit", il),
                  TensorPlan(blk + "ffn_down_shexp.weight", (n_embd, n_shexp), "ffn_down_shexp", "down", il)]
+    if spec.get("shared_gate"):  # Qwen3.5-MoE: the shared expert's output times sigmoid(h · gate)
+        plan.append(TensorPlan(blk + "ffn_gate_inp_shexp.weight", (n_embd,), "norm", "shexp_gate", il))
     return plan
 
 
@@ -468,6 +474,8 @@ def _draw(spec: dict, item: TensorPlan, rng: np.random.Generator) -> np.ndarray:
         return normal(shape, 3.0 / math.sqrt(n_in))
     if kind == "router":  # router logits of std ~3: a clear best expert, a runner-up that still counts
         return normal(shape, 3.0 / math.sqrt(n_in))
+    if kind == "shexp_gate":  # gate logits of std ~2: the sigmoid spreads over (0.1, 0.9), every token's differs
+        return normal(shape, 2.0 / math.sqrt(n_in))
     if kind == "router_bias":  # as large as the logits: without it other experts win
         return normal(shape, 3.0)
     if kind == "probs_bias":  # sigmoid probabilities are in (0, 1): a bias of this size reorders many of them

@@ -302,11 +302,33 @@ SPECS: dict[str, dict] = {
                   "ffn_down": "Q8_0"},
         "prompts": _BPE_PROMPTS,
     },
+    # the hybrids' MoE variants: as the MoE files above, every tensor a router's input depends on is F16/F32 (the
+    # recurrent layers' projections included), the quantized ones are the embedding, the last layer's experts
+    # and the head
+    "qwen35moe": {
+        # qwen35's layout (Gated DeltaNet layers 0-2, gated attention on layer 3) with 8 experts of 128, top-2
+        # renormalised, and a 256-wide shared expert behind a sigmoid gate in every layer
+        "arch": "qwen35moe", "vocab": "bpe", "pre": "qwen2", "seed": 1041,
+        "n_layer": 4, "n_embd": 256, "n_head": 4, "n_head_kv": 2, "head_dim": 64, "n_ff": 512,
+        "n_expert": 8, "n_expert_used": 2, "n_ff_exp": 128, "n_shared": 1, "n_ff_shexp": 256, "shared_gate": True,
+        "context_length": 4096,
+        "ssm": {"conv_kernel": 4, "inner_size": 128, "state_size": 32, "time_step_rank": 4, "group_count": 2},
+        "keys": {"rope.freq_base": 10000000.0, "attention.layer_norm_rms_epsilon": 1e-6, "rope.dimension_count": 32,
+                 "rope.dimension_sections": [6, 5, 5, 0], "full_attention_interval": 4,
+                 "expert_shared_feed_forward_length": 256},
+        "types": {"token_embd": "Q8_0", "output": "Q6_K", "attn_qkv": "F16", "attn_gate": "F16",
+                  "ssm_f32": "F32", "ssm_small": "F16", "ssm_out": "F16", "attn_q": "F16", "attn_k": "F16",
+                  "attn_v": "F16", "attn_output": "F16", "ffn_gate_inp": "F32",
+                  "ffn_gate_exps": ["F16", "F16", "F16", "Q4_K"], "ffn_up_exps": ["F16", "F16", "F16", "Q8_0"],
+                  "ffn_down_exps": ["F16", "F16", "F16", "Q5_0"], "ffn_gate_shexp": ["F16", "F16", "F16", "Q8_0"],
+                  "ffn_up_shexp": ["F16", "F16", "F16", "Q4_K"], "ffn_down_shexp": ["F16", "F16", "F16", "Q5_0"]},
+        "prompts": _BPE_PROMPTS,
+    },
 }
 
 #: the mixture-of-experts models, by the family the tests name them
 MOE_MODELS = {"qwen3moe": "qwen3moe", "olmoe": "olmoe", "llama (Mixtral)": "llama-moe", "gpt-oss": "gpt-oss",
-              "glm4moe": "glm4moe", "deepseek2": "deepseek2"}
+              "glm4moe": "glm4moe", "deepseek2": "deepseek2", "qwen35moe": "qwen35moe"}
 
 
 def prompt_text(key: str) -> str:

@@ -1,6 +1,6 @@
 """The recurrent and hybrid memory modules (issue 34) on the random-weight files of LFM2 (short convolutions
-beside attention), dense Granite 4.0-H (Mamba-2 beside attention) and Qwen3.5 (Gated DeltaNet beside gated
-attention): ubatch splitting by sequence, llama.cpp's seq_* semantics for a state that cannot be taken apart, a
+beside attention), dense Granite 4.0-H (Mamba-2 beside attention) and Qwen3.5 dense and MoE (Gated DeltaNet beside
+gated attention): ubatch splitting by sequence, llama.cpp's seq_* semantics for a state that cannot be taken apart, a
 seq_cp fork, saved state, the prompt cache and speculative decoding — on the numpy oracle; the bar in ubatches of 32
 and with two sequences also on the default onnx backend."""
 from __future__ import annotations
@@ -20,7 +20,7 @@ from llmfw.core.speculative import NgramDrafter
 
 FAMILY = "lfm2"
 #: every hybrid family with a reference: the generic checks run on each
-HYBRIDS = ["lfm2", "granitehybrid", "qwen35"]
+HYBRIDS = ["lfm2", "granitehybrid", "qwen35", "qwen35moe"]
 
 
 @pytest.fixture(scope="module")
@@ -268,6 +268,17 @@ def test_granitehybrid_with_experts_is_refused_clearly(directory):
     file = model_file("granitehybrid", directory)
     with pytest.raises(ModelError, match="mixture of experts"):
         llmfw.load_model(file, backend="numpy", kv_overrides={"granitehybrid.expert_count": 4})
+
+
+def test_qwen35_and_qwen35moe_each_refuse_the_others_files(directory):
+    """llama.cpp's two model classes: experts make a file qwen35moe's, a dense file is qwen35's."""
+    from llmfw.core.errors import ModelError
+
+    with pytest.raises(ModelError, match="qwen35moe's"):
+        llmfw.load_model(model_file("qwen35", directory), backend="numpy", kv_overrides={"qwen35.expert_count": 8})
+    with pytest.raises(ModelError, match="expert_count must be > 1"):
+        llmfw.load_model(model_file("qwen35moe", directory), backend="numpy",
+                         kv_overrides={"qwen35moe.expert_count": 0})
 
 
 def test_qwen35_refuses_rope_sections_it_cannot_run(directory):

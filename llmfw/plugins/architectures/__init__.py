@@ -22,6 +22,7 @@ ARCHITECTURES = {
     "lfm2": "llmfw.plugins.architectures.lfm2:LFM2Architecture",
     "granitehybrid": "llmfw.plugins.architectures.granitehybrid:GraniteHybridArchitecture",
     "qwen35": "llmfw.plugins.architectures.qwen35:Qwen35Architecture",
+    "qwen35moe": "llmfw.plugins.architectures.qwen35moe:Qwen35MoeArchitecture",
 }
 
 
