@@ -324,11 +324,29 @@ SPECS: dict[str, dict] = {
                   "ffn_up_shexp": ["F16", "F16", "F16", "Q4_K"], "ffn_down_shexp": ["F16", "F16", "F16", "Q5_0"]},
         "prompts": _BPE_PROMPTS,
     },
+    "granitehybrid-moe": {
+        # Granite 4.0-H's MoE: the granitehybrid layout with 8 experts of feed_forward_length 256, top-2
+        # renormalised, and a 512-wide shared expert (expert_shared_feed_forward_length) in every layer
+        "arch": "granitehybrid", "vocab": "bpe", "pre": "smollm", "seed": 1042,
+        "n_layer": 4, "n_embd": 256, "n_head": 4, "n_head_kv": [0, 0, 2, 0], "n_ff": 256, "context_length": 4096,
+        "n_expert": 8, "n_expert_used": 2, "n_shared": 1, "n_ff_shexp": 512,
+        "ssm": {"conv_kernel": 4, "inner_size": 512, "state_size": 32, "time_step_rank": 8, "group_count": 2},
+        "keys": {"rope.freq_base": 10000.0, "attention.layer_norm_rms_epsilon": 1e-5, "logit_scale": 0.8,
+                 "residual_scale": 0.7, "embedding_scale": 2.0, "attention.scale": 0.15,
+                 "expert_shared_feed_forward_length": 512},
+        "types": {"token_embd": "Q4_K", "output": "Q8_0", "ssm_in": "F16", "ssm_f32": "F32", "ssm_out": "F16",
+                  "attn_q": "F16", "attn_k": "F16", "attn_v": "F16", "attn_output": "F16", "ffn_gate_inp": "F32",
+                  "ffn_gate_exps": ["F16", "F16", "F16", "Q4_K"], "ffn_up_exps": ["F16", "F16", "F16", "Q5_0"],
+                  "ffn_down_exps": ["F16", "F16", "F16", "Q6_K"], "ffn_gate_shexp": ["F16", "F16", "F16", "Q4_0"],
+                  "ffn_up_shexp": ["F16", "F16", "F16", "Q8_0"], "ffn_down_shexp": ["F16", "F16", "F16", "Q4_K"]},
+        "prompts": _BPE_PROMPTS,
+    },
 }
 
 #: the mixture-of-experts models, by the family the tests name them
 MOE_MODELS = {"qwen3moe": "qwen3moe", "olmoe": "olmoe", "llama (Mixtral)": "llama-moe", "gpt-oss": "gpt-oss",
-              "glm4moe": "glm4moe", "deepseek2": "deepseek2", "qwen35moe": "qwen35moe"}
+              "glm4moe": "glm4moe", "deepseek2": "deepseek2", "qwen35moe": "qwen35moe",
+              "granitehybrid (MoE)": "granitehybrid-moe"}
 
 
 def prompt_text(key: str) -> str:

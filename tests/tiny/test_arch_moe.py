@@ -1,6 +1,6 @@
 """Mixture-of-experts families against llama.cpp on random-weight files (issue 33): qwen3moe, olmoe, a
-Mixtral-style llama, gpt-oss, glm4moe, deepseek2 (multi-head latent attention) and the hybrid qwen35moe (issue 34;
-its recurrent memory is tested in test_recurrent_memory.py), on the numpy oracle and on the default onnx backend,
+Mixtral-style llama, gpt-oss, glm4moe, deepseek2 (multi-head latent attention) and the hybrids qwen35moe and
+Granite 4.0-H's MoE (issue 34; their recurrent memory is tested in test_recurrent_memory.py), on the numpy oracle and on the default onnx backend,
 plus the MoE ops one by one.
 
 The files (``tests/reference_gen/arch_specs.py``) have 8-16 experts and K-quant / legacy blocks where a rounding
@@ -9,7 +9,7 @@ logits for those exact bytes. Every prompt clears the random-weight bar whole an
 switching off one feature fails it — the weight normalisation (on, for OLMoE); gpt-oss's sinks, window, expert
 biases and router bias; glm4moe's weight scale, normalisation, grouped routing, sigmoid gating, selection bias and
 shared expert; deepseek2's grouped routing and selection bias; qwen35moe's normalisation, shared expert and its
-sigmoid gate — so the files tell right from wrong.
+sigmoid gate; granitehybrid's normalisation and shared expert — so the files tell right from wrong.
 """
 from __future__ import annotations
 
@@ -87,7 +87,7 @@ def assert_misses_bar(score, model, name: str, what: str) -> None:
     assert result["top1"] < BAR["top1"] or result["mean_lp_err"] > BAR["mean_lp_err"], (name, what, result)
 
 
-@pytest.mark.parametrize("name", ["qwen3moe", "olmoe", "llama-moe", "qwen35moe"])
+@pytest.mark.parametrize("name", ["qwen3moe", "olmoe", "llama-moe", "qwen35moe", "granitehybrid-moe"])
 def test_switching_the_weight_normalisation_fails_the_bar(tmp_path, score, name):
     """The negative check: the same file with the chosen experts' weights renormalised the other way misses the
     bar, so passing it above proves the normalisation is right."""
@@ -160,6 +160,7 @@ def test_deepseek2_without_one_feature_fails_the_bar(tmp_path, score, feature):
 SHARED_EXPERT_EDITS = {
     ("qwen35moe", "shared expert"): ("ffn_down_shexp.weight", (256, 256)),
     ("qwen35moe", "shared expert gate"): ("ffn_gate_inp_shexp.weight", (256,)),
+    ("granitehybrid-moe", "shared expert"): ("ffn_down_shexp.weight", (256, 512)),
 }
 
 

@@ -1,5 +1,5 @@
 """The recurrent and hybrid memory modules (issue 34) on the random-weight files of LFM2 (short convolutions
-beside attention), dense Granite 4.0-H (Mamba-2 beside attention) and Qwen3.5 dense and MoE (Gated DeltaNet beside
+beside attention), Granite 4.0-H dense and MoE (Mamba-2 beside attention) and Qwen3.5 dense and MoE (Gated DeltaNet beside
 gated attention): ubatch splitting by sequence, llama.cpp's seq_* semantics for a state that cannot be taken apart, a
 seq_cp fork, saved state, the prompt cache and speculative decoding — on the numpy oracle; the bar in ubatches of 32
 and with two sequences also on the default onnx backend."""
@@ -20,7 +20,7 @@ from llmfw.core.speculative import NgramDrafter
 
 FAMILY = "lfm2"
 #: every hybrid family with a reference: the generic checks run on each
-HYBRIDS = ["lfm2", "granitehybrid", "qwen35", "qwen35moe"]
+HYBRIDS = ["lfm2", "granitehybrid", "granitehybrid-moe", "qwen35", "qwen35moe"]
 
 
 @pytest.fixture(scope="module")
@@ -262,12 +262,18 @@ def test_onnx_clears_the_bar_in_ubatches_of_32_and_two_sequences(hybrid, score):
         assert_clears_bar(score, second, logits_b, f"onnx {family}, sequence 1 of 2")
 
 
-def test_granitehybrid_with_experts_is_refused_clearly(directory):
+def test_granitehybrid_reads_its_experts_and_shared_expert_width(directory):
+    """One family, two FFN kinds: the MoE file's routed experts and shared-expert width, the dense file's SwiGLU;
+    expert counts that do not fit are a clear error."""
     from llmfw.core.errors import ModelError
 
-    file = model_file("granitehybrid", directory)
-    with pytest.raises(ModelError, match="mixture of experts"):
-        llmfw.load_model(file, backend="numpy", kv_overrides={"granitehybrid.expert_count": 4})
+    with llmfw.load_model(model_file("granitehybrid-moe", directory), backend="numpy") as moe:
+        assert (moe.hparams.n_expert, moe.hparams.n_expert_used, moe.hparams.n_ff_shexp) == (8, 2, 512)
+    dense = model_file("granitehybrid", directory)
+    with llmfw.load_model(dense, backend="numpy") as model:
+        assert (model.hparams.n_expert, model.hparams.n_ff_shexp) == (0, 0)
+    with pytest.raises(ModelError, match="expert_used_count"):
+        llmfw.load_model(dense, backend="numpy", kv_overrides={"granitehybrid.expert_count": 4})
 
 
 def test_qwen35_and_qwen35moe_each_refuse_the_others_files(directory):

@@ -4,14 +4,18 @@ layer stack and multipliers (embedding / residual / attention / logit scales, Ro
 (:mod:`.mamba2`) instead of attention. Memory: ``"hybrid"`` (KV cache for the attention layers, the Mamba-2
 convolution window and SSM state for the others).
 
-Granite 4.0-H's released models put a mixture of experts with a shared expert in every FFN: those files
-(``expert_count`` > 0) are refused until the MoE block lands; the dense variant (every FFN a SwiGLU) runs.
+Granite 4.0-H's MoE files (``expert_count`` > 1: Tiny, Small) put routed experts in every FFN — softmax router,
+top ``expert_used_count`` renormalised, SiLU-gated ``ffn_{gate,up,down}_exps`` of width ``feed_forward_length``
+(the gate optional) — plus, when ``expert_shared_feed_forward_length`` is set, one shared SwiGLU expert of that
+width added to them (llama.cpp's "Granite MoE Shared"); the dense variant has a SwiGLU FFN.
 """
 from __future__ import annotations
 
 from typing import Any
 
 from llmfw.core.arch.architecture import TensorSpec, attention_qkv_tensors
+from llmfw.core.arch.moe import ROUTING_KEYS, MoeHParams, build_shared_experts, read_moe_hparams, \
+    shared_expert_tensors
 from llmfw.core.errors import ModelError
 from llmfw.core.ir.graph import GraphBuilder, Node
 from llmfw.core.ir.hparams import HParams
@@ -21,7 +25,7 @@ from llmfw.plugins.architectures.mamba2 import (Mamba2Dims, build_mamba2, mamba2
                                                 read_mamba2_dims)
 
 
-class GraniteHybridHParams(GraniteHParams):
+class GraniteHybridHParams(GraniteHParams, MoeHParams):
     ssm: Mamba2Dims | None = None
 
 
@@ -43,11 +47,11 @@ class GraniteHybridArchitecture(GraniteArchitecture):
     memory = "hybrid"
 
     def own_hparams(self, keys: MetadataView, common: dict[str, Any]) -> dict[str, Any]:
-        if keys.get_int("{arch}.expert_count", 0) > 0:
-            raise ModelError(f"{keys.arch}: this file's FFNs are a mixture of experts (expert_count > 0), which "
-                             "needs the MoE block; only the dense Granite 4.0-H variant runs for now")
         keys.get_float("{arch}.attention.layer_norm_rms_epsilon")  # required: ModelError names it when absent
-        return {**read_granite_multipliers(keys, logit_scale_required=False), **read_mamba2_dims(keys)}
+        # llama.cpp reads the expert counts and the shared expert's width; no weight scale, gating or norm key
+        moe = read_moe_hparams(keys)
+        return {**read_granite_multipliers(keys, logit_scale_required=False), **read_mamba2_dims(keys),
+                **{k: moe[k] for k in (*ROUTING_KEYS, "n_ff_shexp")}}
 
     def check_hparams(self, hp: HParams) -> None:
         super(GraniteArchitecture, self).check_hparams(hp)  # logit_scale is optional here
@@ -59,12 +63,21 @@ class GraniteHybridArchitecture(GraniteArchitecture):
         return mamba2_state(_dims(hp)) if is_mamba_layer(hp, il) else None
 
     def layer_tensors(self, hp: HParams, il: int) -> list[TensorSpec]:
-        if not is_mamba_layer(hp, il):
-            return super().layer_tensors(hp, il)
-        attention = {s.name for s in attention_qkv_tensors(hp, il)} | {f"blk.{il}.attn_output.{k}"
-                                                                      for k in ("weight", "bias")}
-        shared = [s for s in super().layer_tensors(hp, il) if s.name not in attention]
-        return shared + mamba2_tensors(_dims(hp), hp.n_embd, il)
+        specs = super().layer_tensors(hp, il)  # llama's: attention, then the dense FFN or the routed experts
+        if is_mamba_layer(hp, il):
+            attention = {s.name for s in attention_qkv_tensors(hp, il)} | {f"blk.{il}.attn_output.{k}"
+                                                                          for k in ("weight", "bias")}
+            specs = [s for s in specs if s.name not in attention] + mamba2_tensors(_dims(hp), hp.n_embd, il)
+        if isinstance(hp, MoeHParams) and hp.n_expert and hp.n_ff_shexp:
+            specs += shared_expert_tensors(hp, il, hp.n_ff_shexp)
+        return specs
+
+    def build_feed_forward(self, b: GraphBuilder, h: Node, il: int) -> Node:
+        out = super().build_feed_forward(b, h, il)
+        hp = b.hp
+        if isinstance(hp, MoeHParams) and hp.n_expert and hp.n_ff_shexp:
+            return b.op("add", out, build_shared_experts(b, h, il))
+        return out
 
     def mixer(self, b: GraphBuilder, h: Node) -> Node:
         if is_mamba_layer(b.hp, b.layer):
