@@ -220,31 +220,50 @@ def _lfm2_layer_plan(spec: dict, il: int) -> list[TensorPlan]:
 
 def _mamba2_layer_plan(spec: dict, il: int) -> list[TensorPlan]:
     """Granite 4.0-H: a Mamba-2 mixer (no KV heads) or attention, then a SwiGLU FFN."""
+    blk = f"blk.{il}."
+    plan = [TensorPlan(blk + "attn_norm.weight", (spec["n_embd"],), "norm", "norm", il)]
+    plan += _mamba2_mixer_plan(spec, il) if _n_head_kv(spec, il) == 0 else _attention_plan(spec, il)
+    plan.append(TensorPlan(blk + "ffn_norm.weight", (spec["n_embd"],), "norm", "norm", il))
+    return plan + _ffn_plan(spec, il)
+
+
+def _mamba2_mixer_plan(spec: dict, il: int) -> list[TensorPlan]:
     n_embd, ssm = spec["n_embd"], spec["ssm"]
     d_inner, n_head, d_conv = ssm["inner_size"], ssm["time_step_rank"], ssm["conv_kernel"]
     n_group, d_state = ssm["group_count"], ssm["state_size"]
     channels = d_inner + 2 * n_group * d_state
     blk = f"blk.{il}."
+    return [TensorPlan(blk + "ssm_in.weight", (2 * d_inner + 2 * n_group * d_state + n_head, n_embd), "ssm_in",
+                       "unit", il),
+            TensorPlan(blk + "ssm_conv1d.weight", (channels, d_conv), "ssm_f32", "conv", il),
+            TensorPlan(blk + "ssm_conv1d.bias", (channels,), "bias", "small_bias", il),
+            TensorPlan(blk + "ssm_dt.bias", (n_head,), "bias", "dt_bias", il),
+            TensorPlan(blk + "ssm_a", (n_head, 1), "ssm_f32", "ssm_a", il),
+            TensorPlan(blk + "ssm_d", (n_head, 1), "ssm_f32", "norm", il),
+            TensorPlan(blk + "ssm_norm.weight", (n_group, d_inner // n_group), "ssm_f32", "norm", il),
+            TensorPlan(blk + "ssm_out.weight", (n_embd, d_inner), "ssm_out", "unit", il)]
+
+
+def _attention_plan(spec: dict, il: int) -> list[TensorPlan]:
+    """Plain Q/K/V/output projections (no biases, no norms)."""
+    n_embd, head, blk = spec["n_embd"], _head_dim(spec), f"blk.{il}."
+    n_q, n_kv = head * spec["n_head"], head * _n_head_kv(spec, il)
+    return [TensorPlan(blk + "attn_q.weight", (n_q, n_embd), "attn_q", "sharp", il),
+            TensorPlan(blk + "attn_k.weight", (n_kv, n_embd), "attn_k", "sharp", il),
+            TensorPlan(blk + "attn_v.weight", (n_kv, n_embd), "attn_v", "unit", il),
+            TensorPlan(blk + "attn_output.weight", (n_embd, n_q), "attn_output", "unit", il)]
+
+
+def _nemotron_h_layer_plan(spec: dict, il: int) -> list[TensorPlan]:
+    """Nemotron-H: one block per layer — Mamba-2 (no KV heads, no FFN), attention (no FFN) or an ungated
+    ReLU² MLP with an up bias."""
+    n_embd, n_ff, blk = spec["n_embd"], spec["n_ff"][il], f"blk.{il}."
     plan = [TensorPlan(blk + "attn_norm.weight", (n_embd,), "norm", "norm", il)]
-    if _n_head_kv(spec, il) == 0:
-        plan += [TensorPlan(blk + "ssm_in.weight", (2 * d_inner + 2 * n_group * d_state + n_head, n_embd), "ssm_in",
-                            "unit", il),
-                 TensorPlan(blk + "ssm_conv1d.weight", (channels, d_conv), "ssm_f32", "conv", il),
-                 TensorPlan(blk + "ssm_conv1d.bias", (channels,), "bias", "small_bias", il),
-                 TensorPlan(blk + "ssm_dt.bias", (n_head,), "bias", "dt_bias", il),
-                 TensorPlan(blk + "ssm_a", (n_head, 1), "ssm_f32", "ssm_a", il),
-                 TensorPlan(blk + "ssm_d", (n_head, 1), "ssm_f32", "norm", il),
-                 TensorPlan(blk + "ssm_norm.weight", (n_group, d_inner // n_group), "ssm_f32", "norm", il),
-                 TensorPlan(blk + "ssm_out.weight", (n_embd, d_inner), "ssm_out", "unit", il)]
-    else:
-        head = _head_dim(spec)
-        n_q, n_kv = head * spec["n_head"], head * _n_head_kv(spec, il)
-        plan += [TensorPlan(blk + "attn_q.weight", (n_q, n_embd), "attn_q", "sharp", il),
-                 TensorPlan(blk + "attn_k.weight", (n_kv, n_embd), "attn_k", "sharp", il),
-                 TensorPlan(blk + "attn_v.weight", (n_kv, n_embd), "attn_v", "unit", il),
-                 TensorPlan(blk + "attn_output.weight", (n_embd, n_q), "attn_output", "unit", il)]
-    plan.append(TensorPlan(blk + "ffn_norm.weight", (n_embd,), "norm", "norm", il))
-    return plan + _ffn_plan(spec, il)
+    if n_ff == 0:
+        return plan + (_mamba2_mixer_plan(spec, il) if _n_head_kv(spec, il) == 0 else _attention_plan(spec, il))
+    return plan + [TensorPlan(blk + "ffn_up.weight", (n_ff, n_embd), "ffn_up", "unit", il),
+                   TensorPlan(blk + "ffn_up.bias", (n_ff,), "bias", "small_bias", il),
+                   TensorPlan(blk + "ffn_down.weight", (n_embd, n_ff), "ffn_down", "down", il)]
 
 
 def _qwen35_layer_plan(spec: dict, il: int) -> list[TensorPlan]:
@@ -298,6 +317,8 @@ def _layer_plan(spec: dict, il: int) -> list[TensorPlan]:
         return _lfm2_layer_plan(spec, il)
     if spec["arch"] == "granitehybrid":
         return _mamba2_layer_plan(spec, il)
+    if spec["arch"] == "nemotron_h":
+        return _nemotron_h_layer_plan(spec, il)
     arch, n_embd, n_ff = spec["arch"], spec["n_embd"], spec["n_ff"]
     head = _head_dim(spec)
     n_q, n_kv = head * spec["n_head"], head * spec["n_head_kv"]

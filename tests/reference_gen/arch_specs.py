@@ -341,6 +341,19 @@ SPECS: dict[str, dict] = {
                   "ffn_up_shexp": ["F16", "F16", "F16", "Q8_0"], "ffn_down_shexp": ["F16", "F16", "F16", "Q4_K"]},
         "prompts": _BPE_PROMPTS,
     },
+    "nemotron_h": {
+        # Nemotron-H: Mamba-2 layers 0 and 3 (8 heads of 64, 2 groups, state 32, conv width 4), attention without
+        # RoPE on layer 2, ungated ReLU² MLPs (with an up bias) on layers 1 and 4; one block per layer
+        "arch": "nemotron_h", "vocab": "bpe", "pre": "smollm", "seed": 1043,
+        "n_layer": 5, "n_embd": 256, "n_head": 4, "n_head_kv": [0, 0, 2, 0, 0], "n_ff": [0, 512, 0, 0, 512],
+        "context_length": 4096,
+        "ssm": {"conv_kernel": 4, "inner_size": 512, "state_size": 32, "time_step_rank": 8, "group_count": 2},
+        "keys": {"attention.layer_norm_epsilon": 1e-5},
+        "types": {"token_embd": "Q8_0", "output": "Q8_0", "ssm_in": "Q8_0", "ssm_f32": "F32",
+                  "ssm_out": ["Q8_0", None, None, "Q5_0", None], "attn_q": "Q8_0", "attn_k": "Q8_0",
+                  "attn_v": "Q5_0", "attn_output": "Q8_0", "ffn_up": "Q4_1", "ffn_down": "Q8_0"},
+        "prompts": _BPE_PROMPTS,
+    },
 }
 
 #: the mixture-of-experts models, by the family the tests name them

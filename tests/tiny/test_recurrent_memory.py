@@ -1,5 +1,6 @@
 """The recurrent and hybrid memory modules (issue 34) on the random-weight files of LFM2 (short convolutions
-beside attention), Granite 4.0-H dense and MoE (Mamba-2 beside attention) and Qwen3.5 dense and MoE (Gated DeltaNet beside
+beside attention), Granite 4.0-H dense and MoE (Mamba-2 beside attention), Nemotron-H (Mamba-2, attention and MLP
+layers) and Qwen3.5 dense and MoE (Gated DeltaNet beside
 gated attention): ubatch splitting by sequence, llama.cpp's seq_* semantics for a state that cannot be taken apart, a
 seq_cp fork, saved state, the prompt cache and speculative decoding — on the numpy oracle; the bar in ubatches of 32
 and with two sequences also on the default onnx backend."""
@@ -20,7 +21,7 @@ from llmfw.core.speculative import NgramDrafter
 
 FAMILY = "lfm2"
 #: every hybrid family with a reference: the generic checks run on each
-HYBRIDS = ["lfm2", "granitehybrid", "granitehybrid-moe", "qwen35", "qwen35moe"]
+HYBRIDS = ["lfm2", "granitehybrid", "granitehybrid-moe", "qwen35", "qwen35moe", "nemotron_h"]
 
 
 @pytest.fixture(scope="module")
@@ -274,6 +275,41 @@ def test_granitehybrid_reads_its_experts_and_shared_expert_width(directory):
         assert (model.hparams.n_expert, model.hparams.n_ff_shexp) == (0, 0)
     with pytest.raises(ModelError, match="expert_used_count"):
         llmfw.load_model(dense, backend="numpy", kv_overrides={"granitehybrid.expert_count": 4})
+
+
+def test_nemotron_h_keeps_memory_only_for_its_mamba_and_attention_layers(directory):
+    with llmfw.load_model(model_file("nemotron_h", directory), backend="numpy") as model:
+        ctx = model.new_context(n_ctx=512)
+        assert ctx.memory.kv.layers == [2] and sorted(ctx.memory.recurrent.layers) == [0, 3]
+
+
+def test_nemotron_h_squares_its_relu(directory, tmp_path):
+    """The MLP is ffn_down(relu(ffn_up(h))²): ffn_up (and its bias) doubled and ffn_down quartered leave the
+    logits as they were; a plain ReLU would halve the MLPs' output."""
+    from reference_gen.variant_files import float_tensor, write_variant
+
+    path = model_file("nemotron_h", directory)
+    edits = {}
+    for il in (1, 4):
+        for name, factor in (("ffn_up.weight", 2.0), ("ffn_up.bias", 2.0), ("ffn_down.weight", 0.25)):
+            edits[f"blk.{il}.{name}"] = float_tensor(path, f"blk.{il}.{name}") * np.float32(factor)
+    sequence = records(reference("nemotron_h"))[1]["sequence"]
+    with llmfw.load_model(path, backend="numpy") as model:
+        want = decode_all(model, sequence, n_ctx=512)
+    with llmfw.load_model(write_variant(path, tmp_path / "scaled.gguf", replace=edits), backend="numpy") as model:
+        assert np.abs(decode_all(model, sequence, n_ctx=512) - want).max() <= SAME_LOGITS_ATOL
+
+
+def test_nemotron_h_without_its_mlp_bias_fails_the_bar(directory, tmp_path, score):
+    from reference_gen.arch_testing import BAR
+    from reference_gen.variant_files import write_variant
+
+    path = model_file("nemotron_h", directory)
+    edits = {f"blk.{il}.ffn_up.bias": np.zeros(512, np.float32) for il in (1, 4)}
+    record = longest(reference("nemotron_h"))
+    with llmfw.load_model(write_variant(path, tmp_path / "nobias.gguf", replace=edits), backend="numpy") as model:
+        result = score(record, decode_all(model, record["sequence"], n_ctx=512))
+    assert result["top1"] < BAR["top1"] or result["mean_lp_err"] > BAR["mean_lp_err"], result
 
 
 def test_qwen35_and_qwen35moe_each_refuse_the_others_files(directory):

@@ -23,6 +23,7 @@ ARCHITECTURES = {
     "granitehybrid": "llmfw.plugins.architectures.granitehybrid:GraniteHybridArchitecture",
     "qwen35": "llmfw.plugins.architectures.qwen35:Qwen35Architecture",
     "qwen35moe": "llmfw.plugins.architectures.qwen35moe:Qwen35MoeArchitecture",
+    "nemotron_h": "llmfw.plugins.architectures.nemotron_h:NemotronHArchitecture",
 }
 
 
