@@ -21,8 +21,8 @@ from llmfw.core.ir.graph import GraphBuilder, Node
 from llmfw.core.ir.hparams import HParams
 from llmfw.core.format.metadata import MetadataView
 from llmfw.plugins.architectures.granite import GraniteArchitecture, GraniteHParams, read_granite_multipliers
-from llmfw.plugins.architectures.mamba2 import (Mamba2Dims, build_mamba2, mamba2_state, mamba2_tensors,
-                                                read_mamba2_dims)
+from llmfw.plugins.architectures.mamba2 import (Mamba2Dims, build_mamba2, mamba2_dims, mamba2_state,
+                                                mamba2_tensors, read_mamba2_dims)
 
 
 class GraniteHybridHParams(GraniteHParams, MoeHParams):
@@ -32,13 +32,6 @@ class GraniteHybridHParams(GraniteHParams, MoeHParams):
 def is_mamba_layer(hp: HParams, il: int) -> bool:
     """llama.cpp's ``is_recr``: a layer without KV heads is recurrent."""
     return hp.n_head_kv(il) == 0
-
-
-def _dims(hp: HParams) -> Mamba2Dims:
-    dims = getattr(hp, "ssm", None)
-    if not isinstance(dims, Mamba2Dims):
-        raise ModelError(f"{hp.arch}: the Mamba-2 ssm.* hyperparameters are missing")
-    return dims
 
 
 class GraniteHybridArchitecture(GraniteArchitecture):
@@ -55,19 +48,19 @@ class GraniteHybridArchitecture(GraniteArchitecture):
 
     def check_hparams(self, hp: HParams) -> None:
         super(GraniteArchitecture, self).check_hparams(hp)  # logit_scale is optional here
-        if _dims(hp).d_inner != 2 * hp.n_embd:
+        if mamba2_dims(hp).d_inner != 2 * hp.n_embd:
             raise ModelError(f"{hp.arch}: ssm.inner_size must be 2 × embedding_length (llama.cpp supports only "
-                             f"that expansion), found {_dims(hp).d_inner}")
+                             f"that expansion), found {mamba2_dims(hp).d_inner}")
 
     def recurrent_state(self, hp: HParams, il: int) -> dict[str, tuple[int, ...]] | None:
-        return mamba2_state(_dims(hp)) if is_mamba_layer(hp, il) else None
+        return mamba2_state(mamba2_dims(hp)) if is_mamba_layer(hp, il) else None
 
     def layer_tensors(self, hp: HParams, il: int) -> list[TensorSpec]:
         specs = super().layer_tensors(hp, il)  # llama's: attention, then the dense FFN or the routed experts
         if is_mamba_layer(hp, il):
             attention = {s.name for s in attention_qkv_tensors(hp, il)} | {f"blk.{il}.attn_output.{k}"
                                                                           for k in ("weight", "bias")}
-            specs = [s for s in specs if s.name not in attention] + mamba2_tensors(_dims(hp), hp.n_embd, il)
+            specs = [s for s in specs if s.name not in attention] + mamba2_tensors(mamba2_dims(hp), hp.n_embd, il)
         if isinstance(hp, MoeHParams) and hp.n_expert and hp.n_ff_shexp:
             specs += shared_expert_tensors(hp, il, hp.n_ff_shexp)
         return specs
@@ -81,5 +74,5 @@ class GraniteHybridArchitecture(GraniteArchitecture):
 
     def mixer(self, b: GraphBuilder, h: Node) -> Node:
         if is_mamba_layer(b.hp, b.layer):
-            return build_mamba2(b, h, _dims(b.hp))
+            return build_mamba2(b, h, mamba2_dims(b.hp))
         return super().mixer(b, h)

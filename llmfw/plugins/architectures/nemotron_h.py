@@ -22,8 +22,8 @@ from llmfw.core.errors import ModelError
 from llmfw.core.format.metadata import MetadataView
 from llmfw.core.ir.graph import GraphBuilder, Node
 from llmfw.core.ir.hparams import HParams
-from llmfw.plugins.architectures.mamba2 import (Mamba2Dims, build_mamba2, mamba2_state, mamba2_tensors,
-                                                read_mamba2_dims)
+from llmfw.plugins.architectures.mamba2 import (Mamba2Dims, build_mamba2, mamba2_dims, mamba2_state,
+                                                mamba2_tensors, read_mamba2_dims)
 
 
 class NemotronHHParams(HParams):
@@ -37,13 +37,6 @@ def is_mamba_layer(hp: HParams, il: int) -> bool:
 
 def is_attention_layer(hp: HParams, il: int) -> bool:
     return not is_mamba_layer(hp, il) and hp.n_ff(il) == 0
-
-
-def _dims(hp: HParams) -> Mamba2Dims:
-    dims = getattr(hp, "ssm", None)
-    if not isinstance(dims, Mamba2Dims):
-        raise ModelError(f"{hp.arch}: the Mamba-2 ssm.* hyperparameters are missing")
-    return dims
 
 
 class NemotronHArchitecture(Architecture):
@@ -69,7 +62,7 @@ class NemotronHArchitecture(Architecture):
                 raise ModelError(f"{hp.arch}: attention layer {il} has no heads")
 
     def recurrent_state(self, hp: HParams, il: int) -> dict[str, tuple[int, ...]] | None:
-        return mamba2_state(_dims(hp)) if is_mamba_layer(hp, il) else None
+        return mamba2_state(mamba2_dims(hp)) if is_mamba_layer(hp, il) else None
 
     def has_kv(self, hp: HParams, il: int) -> bool:
         return is_attention_layer(hp, il)  # the MLP layers keep nothing between ubatches
@@ -78,7 +71,7 @@ class NemotronHArchitecture(Architecture):
         n_embd = hp.n_embd
         specs = [layer_tensor(il, "attn_norm.weight", (n_embd,), "mul")]
         if is_mamba_layer(hp, il):
-            return specs + mamba2_tensors(_dims(hp), n_embd, il)
+            return specs + mamba2_tensors(mamba2_dims(hp), n_embd, il)
         if is_attention_layer(hp, il):
             n_q = hp.n_embd_head_k * hp.n_head(il)
             return specs + [*attention_qkv_tensors(hp, il), layer_tensor(il, "attn_output.weight", (n_q, n_embd)),
@@ -102,7 +95,7 @@ class NemotronHArchitecture(Architecture):
     @staticmethod
     def _block(b: GraphBuilder, h: Node, il: int) -> Node:
         if is_mamba_layer(b.hp, il):
-            return build_mamba2(b, h, _dims(b.hp))
+            return build_mamba2(b, h, mamba2_dims(b.hp))
         if is_attention_layer(b.hp, il):
             q, k, v = b.build_qkv(h)
             return b.build_attn(q, k, v)
