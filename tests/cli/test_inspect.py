@@ -118,3 +118,4 @@ def test_names_the_memory_module(tmp_path: Path, smollm2_path: Path) -> None:
     qwen35moe = inspect_json(str(build_model_file("qwen35moe", tmp_path)))
     assert qwen35moe["memory"] == "hybrid" and qwen35moe["experts"]["count"] == 8
     assert inspect_json(str(build_model_file("nemotron_h", tmp_path)))["memory"] == "hybrid"
+    assert inspect_json(str(build_model_file("gemma4", tmp_path)))["memory"] == "kv_cache_iswa"

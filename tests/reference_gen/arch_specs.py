@@ -354,6 +354,28 @@ SPECS: dict[str, dict] = {
                   "attn_v": "Q5_0", "attn_output": "Q8_0", "ffn_up": "Q4_1", "ffn_down": "Q8_0"},
         "prompts": _BPE_PROMPTS,
     },
+    "gemma4": {
+        # Gemma 4: local (32-token window, head 64, rope 64, base 1e4) and global (head 128, rope_freqs, base 1e6)
+        # layers alternating, the last two sharing the KV caches of layers 2 and 3, layer 1 without attn_v, per-layer
+        # inputs of 64, output scales, final soft-capping; Gemma's SPM vocab
+        "arch": "gemma4", "vocab": "spm_gemma", "seed": 1044,
+        "n_layer": 6, "n_embd": 256, "n_head": 4, "n_head_kv": 2, "head_dim": 128, "n_ff": 512,
+        "context_length": 8192, "sliding_window": 32, "k_eq_v_layers": [1],
+        "keys": {"attention.layer_norm_rms_epsilon": 1e-6, "rope.freq_base": 1000000.0, "rope.freq_base_swa": 10000.0,
+                 "rope.dimension_count": 128, "rope.dimension_count_swa": 64, "attention.key_length_swa": 64,
+                 "attention.value_length_swa": 64, "embedding_length_per_layer_input": 64,
+                 "attention.shared_kv_layers": 2, "final_logit_softcapping": 30.0,
+                 "attention.sliding_window_pattern": [True, False, True, False, True, False]},
+        # mostly F16: llama.cpp rounds the activations of a quantized matmul to 8 bits and six layers of Gemma's
+        # large post-norms amplify that (all F16: mean_lp_err 0.01; Q8_0 in most matmuls: 0.09-0.15; Q4/Q5 blocks
+        # everywhere: 0.15-0.21, near the bar with a correct engine). The embedding tables are looked up, not
+        # multiplied (the tied head is the one Q8_0 matmul left beside two Q8_0 layer tensors)
+        "types": {"token_embd": "Q8_0", "per_layer_token_embd": "Q5_0", "per_layer_model_proj": "F16",
+                  "attn_q": ["Q8_0", "F16", "F16", "F16", "F16", "F16"], "attn_k": "F16", "attn_v": "F16",
+                  "attn_output": "F16", "ffn_gate": "F16", "ffn_up": "F16",
+                  "ffn_down": ["F16", "F16", "F16", "F16", "F16", "Q8_0"], "inp_gate": "F16", "proj": "F16"},
+        "prompts": ["gemma_chat", "medium", "long", "long+harbour"],
+    },
 }
 
 #: the mixture-of-experts models, by the family the tests name them

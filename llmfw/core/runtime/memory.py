@@ -300,7 +300,7 @@ class KVCache(Memory):
 
     def layer_shape(self, il: int) -> KVLayerShape:
         hp = self.hp
-        return KVLayerShape(self.name, il, self.n_cells, hp.n_head_kv(il), hp.n_embd_head_k, hp.n_embd_head_v)
+        return KVLayerShape(self.name, il, self.n_cells, hp.n_head_kv(il), hp.head_dim_k(il), hp.head_dim_v(il))
 
     def allocate(self, backend_of_layer: Callable[[int], Backend]) -> dict[tuple[str, int], KVHandle]:
         for il in self.layers:
@@ -312,7 +312,7 @@ class KVCache(Memory):
     @property
     def nbytes(self) -> int:
         hp = self.hp
-        return sum(4 * self.n_cells * hp.n_head_kv(il) * (hp.n_embd_head_k + hp.n_embd_head_v) for il in self.layers)
+        return sum(4 * self.n_cells * (hp.n_embd_k_gqa(il) + hp.n_embd_v_gqa(il)) for il in self.layers)
 
     # -- cell queries ---------------------------------------------------------------------------------------
     def _seq_bit(self, seq_id: int) -> np.uint64:
@@ -683,10 +683,11 @@ class KVCacheISWA(CompositeMemory):
             raise ContextError(f"n_ubatch must be positive, got {n_ubatch}")
         n_ctx = pad_to(n_ctx, KV_PAD)
         size_swa = n_ctx if swa_full else swa_cache_size(n_ctx, hp.n_swa, n_seq_max, n_ubatch)
+        kv_layers = [il for il in range(hp.n_layer) if model.known_arch.has_kv(hp, il)]
         self.base = KVCache(model, n_ctx, n_seq_max, name=ISWA_BASE_CACHE,
-                            layers=[il for il in range(hp.n_layer) if not hp.is_swa(il)])
+                            layers=[il for il in kv_layers if not hp.is_swa(il)])
         self.swa = KVCache(model, size_swa, n_seq_max, name=ISWA_SWA_CACHE,
-                           layers=[il for il in range(hp.n_layer) if hp.is_swa(il)],
+                           layers=[il for il in kv_layers if hp.is_swa(il)],
                            n_swa=hp.n_swa, swa_type=hp.swa_type)
         super().__init__([self.base, self.swa])
         log.info("iSWA KV cache: %d cells for %d global layers, %d cells for %d sliding-window layers (n_swa %d)",

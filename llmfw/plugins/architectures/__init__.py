@@ -24,6 +24,7 @@ ARCHITECTURES = {
     "qwen35": "llmfw.plugins.architectures.qwen35:Qwen35Architecture",
     "qwen35moe": "llmfw.plugins.architectures.qwen35moe:Qwen35MoeArchitecture",
     "nemotron_h": "llmfw.plugins.architectures.nemotron_h:NemotronHArchitecture",
+    "gemma4": "llmfw.plugins.architectures.gemma4:Gemma4Architecture",
 }
 
 
