@@ -115,3 +115,7 @@ def test_names_the_memory_module(tmp_path: Path, smollm2_path: Path) -> None:
     assert inspect_json(str(lfm2))["memory"] == "hybrid"
     assert "memory:          hybrid" in invoke(str(lfm2)).output
     assert inspect_json(str(smollm2_path))["memory"] == "kv_cache"
+    qwen35moe = inspect_json(str(build_model_file("qwen35moe", tmp_path)))
+    assert qwen35moe["memory"] == "hybrid" and qwen35moe["experts"]["count"] == 8
+    assert inspect_json(str(build_model_file("nemotron_h", tmp_path)))["memory"] == "hybrid"
+    assert inspect_json(str(build_model_file("gemma4", tmp_path)))["memory"] == "kv_cache_iswa"

@@ -47,6 +47,8 @@ _U32_KEYS = {
     "shortconv.l_cache",
     "ssm.conv_kernel", "ssm.inner_size", "ssm.state_size", "ssm.time_step_rank", "ssm.group_count",
     "full_attention_interval",
+    "attention.key_length_swa", "attention.value_length_swa", "rope.dimension_count_swa",
+    "embedding_length_per_layer_input", "attention.shared_kv_layers",
 }
 
 
@@ -220,33 +222,84 @@ def _lfm2_layer_plan(spec: dict, il: int) -> list[TensorPlan]:
 
 def _mamba2_layer_plan(spec: dict, il: int) -> list[TensorPlan]:
     """Granite 4.0-H: a Mamba-2 mixer (no KV heads) or attention, then a SwiGLU FFN."""
+    blk = f"blk.{il}."
+    plan = [TensorPlan(blk + "attn_norm.weight", (spec["n_embd"],), "norm", "norm", il)]
+    plan += _mamba2_mixer_plan(spec, il) if _n_head_kv(spec, il) == 0 else _attention_plan(spec, il)
+    plan.append(TensorPlan(blk + "ffn_norm.weight", (spec["n_embd"],), "norm", "norm", il))
+    return plan + _ffn_plan(spec, il)
+
+
+def _mamba2_mixer_plan(spec: dict, il: int) -> list[TensorPlan]:
     n_embd, ssm = spec["n_embd"], spec["ssm"]
     d_inner, n_head, d_conv = ssm["inner_size"], ssm["time_step_rank"], ssm["conv_kernel"]
     n_group, d_state = ssm["group_count"], ssm["state_size"]
     channels = d_inner + 2 * n_group * d_state
     blk = f"blk.{il}."
+    return [TensorPlan(blk + "ssm_in.weight", (2 * d_inner + 2 * n_group * d_state + n_head, n_embd), "ssm_in",
+                       "unit", il),
+            TensorPlan(blk + "ssm_conv1d.weight", (channels, d_conv), "ssm_f32", "conv", il),
+            TensorPlan(blk + "ssm_conv1d.bias", (channels,), "bias", "small_bias", il),
+            TensorPlan(blk + "ssm_dt.bias", (n_head,), "bias", "dt_bias", il),
+            TensorPlan(blk + "ssm_a", (n_head, 1), "ssm_f32", "ssm_a", il),
+            TensorPlan(blk + "ssm_d", (n_head, 1), "ssm_f32", "norm", il),
+            TensorPlan(blk + "ssm_norm.weight", (n_group, d_inner // n_group), "ssm_f32", "norm", il),
+            TensorPlan(blk + "ssm_out.weight", (n_embd, d_inner), "ssm_out", "unit", il)]
+
+
+def _attention_plan(spec: dict, il: int) -> list[TensorPlan]:
+    """Plain Q/K/V/output projections (no biases, no norms)."""
+    n_embd, head, blk = spec["n_embd"], _head_dim(spec), f"blk.{il}."
+    n_q, n_kv = head * spec["n_head"], head * _n_head_kv(spec, il)
+    return [TensorPlan(blk + "attn_q.weight", (n_q, n_embd), "attn_q", "sharp", il),
+            TensorPlan(blk + "attn_k.weight", (n_kv, n_embd), "attn_k", "sharp", il),
+            TensorPlan(blk + "attn_v.weight", (n_kv, n_embd), "attn_v", "unit", il),
+            TensorPlan(blk + "attn_output.weight", (n_embd, n_q), "attn_output", "unit", il)]
+
+
+def _nemotron_h_layer_plan(spec: dict, il: int) -> list[TensorPlan]:
+    """Nemotron-H: one block per layer — Mamba-2 (no KV heads, no FFN), attention (no FFN) or an ungated
+    ReLU² MLP with an up bias."""
+    n_embd, n_ff, blk = spec["n_embd"], spec["n_ff"][il], f"blk.{il}."
     plan = [TensorPlan(blk + "attn_norm.weight", (n_embd,), "norm", "norm", il)]
-    if _n_head_kv(spec, il) == 0:
-        plan += [TensorPlan(blk + "ssm_in.weight", (2 * d_inner + 2 * n_group * d_state + n_head, n_embd), "ssm_in",
-                            "unit", il),
-                 TensorPlan(blk + "ssm_conv1d.weight", (channels, d_conv), "ssm_f32", "conv", il),
-                 TensorPlan(blk + "ssm_conv1d.bias", (channels,), "bias", "small_bias", il),
-                 TensorPlan(blk + "ssm_dt.bias", (n_head,), "bias", "dt_bias", il),
-                 TensorPlan(blk + "ssm_a", (n_head, 1), "ssm_f32", "ssm_a", il),
-                 TensorPlan(blk + "ssm_d", (n_head, 1), "ssm_f32", "norm", il),
-                 TensorPlan(blk + "ssm_norm.weight", (n_group, d_inner // n_group), "ssm_f32", "norm", il),
-                 TensorPlan(blk + "ssm_out.weight", (n_embd, d_inner), "ssm_out", "unit", il)]
-    else:
-        head = _head_dim(spec)
-        n_q, n_kv = head * spec["n_head"], head * _n_head_kv(spec, il)
-        plan += [TensorPlan(blk + "attn_q.weight", (n_q, n_embd), "attn_q", "sharp", il),
-                 TensorPlan(blk + "attn_k.weight", (n_kv, n_embd), "attn_k", "sharp", il),
-                 TensorPlan(blk + "attn_v.weight", (n_kv, n_embd), "attn_v", "unit", il),
-                 TensorPlan(blk + "attn_output.weight", (n_embd, n_q), "attn_output", "unit", il)]
-    plan += [TensorPlan(blk + "ffn_norm.weight", (n_embd,), "norm", "norm", il),
-             TensorPlan(blk + "ffn_gate.weight", (spec["n_ff"], n_embd), "ffn_gate", "unit", il),
-             TensorPlan(blk + "ffn_up.weight", (spec["n_ff"], n_embd), "ffn_up", "unit", il),
-             TensorPlan(blk + "ffn_down.weight", (n_embd, spec["n_ff"]), "ffn_down", "down", il)]
+    if n_ff == 0:
+        return plan + (_mamba2_mixer_plan(spec, il) if _n_head_kv(spec, il) == 0 else _attention_plan(spec, il))
+    return plan + [TensorPlan(blk + "ffn_up.weight", (n_ff, n_embd), "ffn_up", "unit", il),
+                   TensorPlan(blk + "ffn_up.bias", (n_ff,), "bias", "small_bias", il),
+                   TensorPlan(blk + "ffn_down.weight", (n_embd, n_ff), "ffn_down", "down", il)]
+
+
+def _gemma4_layer_plan(spec: dict, il: int) -> list[TensorPlan]:
+    """Gemma 4: local layers with their own head size, global ones with rope_freqs; q/k norms, post norms, a GELU
+    FFN, a per-layer input block and an output scale. The last ``shared_kv_layers`` layers have no K/V
+    projections; the global layers in ``k_eq_v_layers`` no V projection."""
+    n_embd, n_ff, keys, blk = spec["n_embd"], spec["n_ff"], spec["keys"], f"blk.{il}."
+    local = keys["attention.sliding_window_pattern"][il]
+    head = keys["attention.key_length_swa"] if local else spec["head_dim"]
+    n_q, n_kv, n_pl = head * spec["n_head"], head * spec["n_head_kv"], keys["embedding_length_per_layer_input"]
+    cached = il < spec["n_layer"] - keys["attention.shared_kv_layers"]
+
+    def add(name: str, shape: tuple[int, ...], role: str, init: str) -> TensorPlan:
+        return TensorPlan(blk + name, shape, role, init, il)
+
+    plan = [add("attn_norm.weight", (n_embd,), "norm", "norm"), add("attn_q.weight", (n_q, n_embd), "attn_q", "unit")]
+    if cached:
+        plan.append(add("attn_k.weight", (n_kv, n_embd), "attn_k", "unit"))
+        if il not in spec["k_eq_v_layers"]:
+            plan.append(add("attn_v.weight", (n_kv, n_embd), "attn_v", "unit"))
+    plan += [add("attn_output.weight", (n_embd, n_q), "attn_output", "unit"),
+             add("attn_q_norm.weight", (head,), "norm", "gemma4_qk_norm")]
+    if cached:
+        plan.append(add("attn_k_norm.weight", (head,), "norm", "gemma4_qk_norm"))
+    plan += [add("post_attention_norm.weight", (n_embd,), "norm", "post_norm"),
+             add("layer_output_scale.weight", (1,), "norm", "norm"),
+             add("ffn_norm.weight", (n_embd,), "norm", "norm"),
+             add("ffn_gate.weight", (n_ff, n_embd), "ffn_gate", "unit"),
+             add("ffn_up.weight", (n_ff, n_embd), "ffn_up", "unit"),
+             add("ffn_down.weight", (n_embd, n_ff), "ffn_down", "down"),
+             add("post_ffw_norm.weight", (n_embd,), "norm", "post_norm"),
+             add("inp_gate.weight", (n_pl, n_embd), "inp_gate", "unit"),
+             add("proj.weight", (n_embd, n_pl), "proj", "unit"),
+             add("post_norm.weight", (n_embd,), "norm", "post_norm")]
     return plan
 
 
@@ -280,20 +333,31 @@ def _qwen35_layer_plan(spec: dict, il: int) -> list[TensorPlan]:
                  add("attn_output.weight", (n_embd, n_q), "attn_output", "unit"),
                  add("attn_q_norm.weight", (head,), "norm", "qk_norm"),
                  add("attn_k_norm.weight", (head,), "norm", "qk_norm")]
-    plan += [add("post_attention_norm.weight", (n_embd,), "norm", "norm"),
-             add("ffn_gate.weight", (spec["n_ff"], n_embd), "ffn_gate", "unit"),
-             add("ffn_up.weight", (spec["n_ff"], n_embd), "ffn_up", "unit"),
-             add("ffn_down.weight", (n_embd, spec["n_ff"]), "ffn_down", "down")]
-    return plan
+    plan.append(add("post_attention_norm.weight", (n_embd,), "norm", "norm"))
+    return plan + _ffn_plan(spec, il)
+
+
+def _ffn_plan(spec: dict, il: int) -> list[TensorPlan]:
+    """A hybrid layer's FFN: routed experts (+ shared) when the spec has experts, else a SwiGLU."""
+    if "n_expert" in spec:
+        return _expert_plan(spec, il)
+    n_embd, n_ff, blk = spec["n_embd"], spec["n_ff"], f"blk.{il}."
+    return [TensorPlan(blk + "ffn_gate.weight", (n_ff, n_embd), "ffn_gate", "unit", il),
+            TensorPlan(blk + "ffn_up.weight", (n_ff, n_embd), "ffn_up", "unit", il),
+            TensorPlan(blk + "ffn_down.weight", (n_embd, n_ff), "ffn_down", "down", il)]
 
 
 def _layer_plan(spec: dict, il: int) -> list[TensorPlan]:
-    if spec["arch"] == "qwen35":
+    if spec["arch"] in ("qwen35", "qwen35moe"):
         return _qwen35_layer_plan(spec, il)
     if spec["arch"] == "lfm2":
         return _lfm2_layer_plan(spec, il)
     if spec["arch"] == "granitehybrid":
         return _mamba2_layer_plan(spec, il)
+    if spec["arch"] == "nemotron_h":
+        return _nemotron_h_layer_plan(spec, il)
+    if spec["arch"] == "gemma4":
+        return _gemma4_layer_plan(spec, il)
     arch, n_embd, n_ff = spec["arch"], spec["n_embd"], spec["n_ff"]
     head = _head_dim(spec)
     n_q, n_kv = head * spec["n_head"], head * spec["n_head_kv"]
@@ -394,18 +458,27 @@ def _expert_plan(spec: dict, il: int) -> list[TensorPlan]:
     if spec.get("exp_probs_b"):  # DeepSeek-V3 / GLM-4.5: a per-expert bias on the selection scores only
         plan.append(TensorPlan(blk + "exp_probs_b.bias", (n_expert,), "bias", "probs_bias", il))
     if spec.get("n_shared"):
-        n_shexp = n_ff * spec["n_shared"]
+        n_shexp = spec.get("n_ff_shexp", n_ff * spec["n_shared"])
         plan += [TensorPlan(blk + "ffn_gate_shexp.weight", (n_shexp, n_embd), "ffn_gate_shexp", "unit", il),
                  TensorPlan(blk + "ffn_up_shexp.weight", (n_shexp, n_embd), "ffn_up_shexp", "unit", il),
                  TensorPlan(blk + "ffn_down_shexp.weight", (n_embd, n_shexp), "ffn_down_shexp", "down", il)]
+    if spec.get("shared_gate"):  # Qwen3.5-MoE: the shared expert's output times sigmoid(h · gate)
+        plan.append(TensorPlan(blk + "ffn_gate_inp_shexp.weight", (n_embd,), "norm", "shexp_gate", il))
     return plan
 
 
 def tensor_plan(spec: dict, n_vocab: int) -> list[TensorPlan]:
     n_embd = spec["n_embd"]
     half_rot = _head_dim(spec) // 2
-    plan = [TensorPlan("token_embd.weight", (n_vocab, n_embd), "token_embd",
-                       "embd_tied" if spec["arch"] == "gemma2" else "embd")]
+    tied = spec["arch"] in ("gemma2", "gemma4")
+    plan = [TensorPlan("token_embd.weight", (n_vocab, n_embd), "token_embd", "embd_tied" if tied else "embd")]
+    if spec["arch"] == "gemma4":  # per-layer inputs: an embedding row and a projection per token, all layers
+        width = spec["keys"]["embedding_length_per_layer_input"] * spec["n_layer"]
+        plan += [TensorPlan("per_layer_token_embd.weight", (n_vocab, width), "per_layer_token_embd", "embd"),
+                 TensorPlan("per_layer_model_proj.weight", (width, n_embd), "per_layer_model_proj", "unit"),
+                 TensorPlan("per_layer_proj_norm.weight", (spec["keys"]["embedding_length_per_layer_input"],),
+                            "norm", "norm"),
+                 TensorPlan("rope_freqs.weight", (spec["head_dim"] // 2,), "rope", "rope_long")]
     if "llama3_rope" in spec:
         plan.append(TensorPlan("rope_freqs.weight", (half_rot,), "rope", "llama3_rope"))
     if spec["arch"] == "phi3":
@@ -417,7 +490,7 @@ def tensor_plan(spec: dict, n_vocab: int) -> list[TensorPlan]:
         plan.append(TensorPlan("token_embd_norm.weight", (n_embd,), "norm", "norm"))
     elif spec["arch"] != "olmo":
         plan.append(TensorPlan("output_norm.weight", (n_embd,), "norm", "norm"))
-    if spec["arch"] != "gemma2":  # Gemma-2 always ties the head to token_embd
+    if not tied:  # Gemma-2 always ties the head to token_embd (the Gemma 4 file here too)
         plan.append(TensorPlan("output.weight", (n_vocab, n_embd), "output", "head"))
     return plan
 
@@ -468,6 +541,8 @@ def _draw(spec: dict, item: TensorPlan, rng: np.random.Generator) -> np.ndarray:
         return normal(shape, 3.0 / math.sqrt(n_in))
     if kind == "router":  # router logits of std ~3: a clear best expert, a runner-up that still counts
         return normal(shape, 3.0 / math.sqrt(n_in))
+    if kind == "shexp_gate":  # gate logits of std ~2: the sigmoid spreads over (0.1, 0.9), every token's differs
+        return normal(shape, 2.0 / math.sqrt(n_in))
     if kind == "router_bias":  # as large as the logits: without it other experts win
         return normal(shape, 3.0)
     if kind == "probs_bias":  # sigmoid probabilities are in (0, 1): a bias of this size reorders many of them
@@ -488,6 +563,8 @@ def _draw(spec: dict, item: TensorPlan, rng: np.random.Generator) -> np.ndarray:
         return -(1.0 + 15.0 * ramp).reshape(shape)
     if kind == "conv":  # a short convolution's taps: its K products sum to about unit size
         return normal(shape, 1.0 / math.sqrt(shape[1]))
+    if kind == "gemma4_qk_norm":  # Gemma 4 attends with scale 1: q·k over 64-128 dims of this size has std ~3
+        return 0.55 + normal(shape, 0.05)
     if kind == "qk_norm":
         return 2.0 + normal(shape, 0.2)
     if kind == "post_norm":  # Gemma's post norms set the size of each block's contribution to the residual
@@ -576,7 +653,9 @@ def write_spec_file(spec: dict, name: str, path: Path) -> Path:
     writer.add("general.architecture", arch, GGUFValueType.STRING)
     writer.add("general.name", f"llmfw random {name}", GGUFValueType.STRING)
     for suffix, value in _arch_keys(spec).items():
-        array_type = GGUFValueType.INT32 if isinstance(value, list) else None
+        array_type = None
+        if isinstance(value, list):  # per-layer values: bools (Gemma 4's window pattern) or integers
+            array_type = GGUFValueType.BOOL if value and isinstance(value[0], bool) else GGUFValueType.INT32
         writer.add(f"{arch}.{suffix}", value, _key_type(suffix, value), array_type=array_type)
     vocab_keys = _vocab_keys(spec)
     for key, value, vtype, array_type in vocab_keys:

@@ -302,11 +302,86 @@ SPECS: dict[str, dict] = {
                   "ffn_down": "Q8_0"},
         "prompts": _BPE_PROMPTS,
     },
+    # the hybrids' MoE variants: as the MoE files above, every tensor a router's input depends on is F16/F32 (the
+    # recurrent layers' projections included), the quantized ones are the embedding, the last layer's experts
+    # and the head
+    "qwen35moe": {
+        # qwen35's layout (Gated DeltaNet layers 0-2, gated attention on layer 3) with 8 experts of 128, top-2
+        # renormalised, and a 256-wide shared expert behind a sigmoid gate in every layer
+        "arch": "qwen35moe", "vocab": "bpe", "pre": "qwen2", "seed": 1041,
+        "n_layer": 4, "n_embd": 256, "n_head": 4, "n_head_kv": 2, "head_dim": 64, "n_ff": 512,
+        "n_expert": 8, "n_expert_used": 2, "n_ff_exp": 128, "n_shared": 1, "n_ff_shexp": 256, "shared_gate": True,
+        "context_length": 4096,
+        "ssm": {"conv_kernel": 4, "inner_size": 128, "state_size": 32, "time_step_rank": 4, "group_count": 2},
+        "keys": {"rope.freq_base": 10000000.0, "attention.layer_norm_rms_epsilon": 1e-6, "rope.dimension_count": 32,
+                 "rope.dimension_sections": [6, 5, 5, 0], "full_attention_interval": 4,
+                 "expert_shared_feed_forward_length": 256},
+        "types": {"token_embd": "Q8_0", "output": "Q6_K", "attn_qkv": "F16", "attn_gate": "F16",
+                  "ssm_f32": "F32", "ssm_small": "F16", "ssm_out": "F16", "attn_q": "F16", "attn_k": "F16",
+                  "attn_v": "F16", "attn_output": "F16", "ffn_gate_inp": "F32",
+                  "ffn_gate_exps": ["F16", "F16", "F16", "Q4_K"], "ffn_up_exps": ["F16", "F16", "F16", "Q8_0"],
+                  "ffn_down_exps": ["F16", "F16", "F16", "Q5_0"], "ffn_gate_shexp": ["F16", "F16", "F16", "Q8_0"],
+                  "ffn_up_shexp": ["F16", "F16", "F16", "Q4_K"], "ffn_down_shexp": ["F16", "F16", "F16", "Q5_0"]},
+        "prompts": _BPE_PROMPTS,
+    },
+    "granitehybrid-moe": {
+        # Granite 4.0-H's MoE: the granitehybrid layout with 8 experts of feed_forward_length 256, top-2
+        # renormalised, and a 512-wide shared expert (expert_shared_feed_forward_length) in every layer
+        "arch": "granitehybrid", "vocab": "bpe", "pre": "smollm", "seed": 1042,
+        "n_layer": 4, "n_embd": 256, "n_head": 4, "n_head_kv": [0, 0, 2, 0], "n_ff": 256, "context_length": 4096,
+        "n_expert": 8, "n_expert_used": 2, "n_shared": 1, "n_ff_shexp": 512,
+        "ssm": {"conv_kernel": 4, "inner_size": 512, "state_size": 32, "time_step_rank": 8, "group_count": 2},
+        "keys": {"rope.freq_base": 10000.0, "attention.layer_norm_rms_epsilon": 1e-5, "logit_scale": 0.8,
+                 "residual_scale": 0.7, "embedding_scale": 2.0, "attention.scale": 0.15,
+                 "expert_shared_feed_forward_length": 512},
+        "types": {"token_embd": "Q4_K", "output": "Q8_0", "ssm_in": "F16", "ssm_f32": "F32", "ssm_out": "F16",
+                  "attn_q": "F16", "attn_k": "F16", "attn_v": "F16", "attn_output": "F16", "ffn_gate_inp": "F32",
+                  "ffn_gate_exps": ["F16", "F16", "F16", "Q4_K"], "ffn_up_exps": ["F16", "F16", "F16", "Q5_0"],
+                  "ffn_down_exps": ["F16", "F16", "F16", "Q6_K"], "ffn_gate_shexp": ["F16", "F16", "F16", "Q4_0"],
+                  "ffn_up_shexp": ["F16", "F16", "F16", "Q8_0"], "ffn_down_shexp": ["F16", "F16", "F16", "Q4_K"]},
+        "prompts": _BPE_PROMPTS,
+    },
+    "nemotron_h": {
+        # Nemotron-H: Mamba-2 layers 0 and 3 (8 heads of 64, 2 groups, state 32, conv width 4), attention without
+        # RoPE on layer 2, ungated ReLU² MLPs (with an up bias) on layers 1 and 4; one block per layer
+        "arch": "nemotron_h", "vocab": "bpe", "pre": "smollm", "seed": 1043,
+        "n_layer": 5, "n_embd": 256, "n_head": 4, "n_head_kv": [0, 0, 2, 0, 0], "n_ff": [0, 512, 0, 0, 512],
+        "context_length": 4096,
+        "ssm": {"conv_kernel": 4, "inner_size": 512, "state_size": 32, "time_step_rank": 8, "group_count": 2},
+        "keys": {"attention.layer_norm_epsilon": 1e-5},
+        "types": {"token_embd": "Q8_0", "output": "Q8_0", "ssm_in": "Q8_0", "ssm_f32": "F32",
+                  "ssm_out": ["Q8_0", None, None, "Q5_0", None], "attn_q": "Q8_0", "attn_k": "Q8_0",
+                  "attn_v": "Q5_0", "attn_output": "Q8_0", "ffn_up": "Q4_1", "ffn_down": "Q8_0"},
+        "prompts": _BPE_PROMPTS,
+    },
+    "gemma4": {
+        # Gemma 4: local (32-token window, head 64, rope 64, base 1e4) and global (head 128, rope_freqs, base 1e6)
+        # layers alternating, the last two sharing the KV caches of layers 2 and 3, layer 1 without attn_v, per-layer
+        # inputs of 64, output scales, final soft-capping; Gemma's SPM vocab
+        "arch": "gemma4", "vocab": "spm_gemma", "seed": 1044,
+        "n_layer": 6, "n_embd": 256, "n_head": 4, "n_head_kv": 2, "head_dim": 128, "n_ff": 512,
+        "context_length": 8192, "sliding_window": 32, "k_eq_v_layers": [1],
+        "keys": {"attention.layer_norm_rms_epsilon": 1e-6, "rope.freq_base": 1000000.0, "rope.freq_base_swa": 10000.0,
+                 "rope.dimension_count": 128, "rope.dimension_count_swa": 64, "attention.key_length_swa": 64,
+                 "attention.value_length_swa": 64, "embedding_length_per_layer_input": 64,
+                 "attention.shared_kv_layers": 2, "final_logit_softcapping": 30.0,
+                 "attention.sliding_window_pattern": [True, False, True, False, True, False]},
+        # mostly F16: llama.cpp rounds the activations of a quantized matmul to 8 bits and six layers of Gemma's
+        # large post-norms amplify that (all F16: mean_lp_err 0.01; Q8_0 in most matmuls: 0.09-0.15; Q4/Q5 blocks
+        # everywhere: 0.15-0.21, near the bar with a correct engine). The embedding tables are looked up, not
+        # multiplied (the tied head is the one Q8_0 matmul left beside two Q8_0 layer tensors)
+        "types": {"token_embd": "Q8_0", "per_layer_token_embd": "Q5_0", "per_layer_model_proj": "F16",
+                  "attn_q": ["Q8_0", "F16", "F16", "F16", "F16", "F16"], "attn_k": "F16", "attn_v": "F16",
+                  "attn_output": "F16", "ffn_gate": "F16", "ffn_up": "F16",
+                  "ffn_down": ["F16", "F16", "F16", "F16", "F16", "Q8_0"], "inp_gate": "F16", "proj": "F16"},
+        "prompts": ["gemma_chat", "medium", "long", "long+harbour"],
+    },
 }
 
 #: the mixture-of-experts models, by the family the tests name them
 MOE_MODELS = {"qwen3moe": "qwen3moe", "olmoe": "olmoe", "llama (Mixtral)": "llama-moe", "gpt-oss": "gpt-oss",
-              "glm4moe": "glm4moe", "deepseek2": "deepseek2"}
+              "glm4moe": "glm4moe", "deepseek2": "deepseek2", "qwen35moe": "qwen35moe",
+              "granitehybrid (MoE)": "granitehybrid-moe"}
 
 
 def prompt_text(key: str) -> str:

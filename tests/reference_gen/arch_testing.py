@@ -69,6 +69,24 @@ def decode_two_sequences(model, seq_a: list[int], seq_b: list[int], *, n_ctx: in
     return logits[rows == 0].copy(), logits[rows == 1].copy()
 
 
+def fork_errors(model, name: str) -> tuple[float, float]:
+    """A prompt (40 tokens of the model's second reference sequence) decoded in sequence 0, copied to sequence 1
+    with ``seq_cp``, then two different 6-token continuations decoded together in one batch: the max |logits|
+    difference of each continuation from decoding its whole sequence alone."""
+    sequences = [r["sequence"] for r in records(reference(name))]
+    prompt, tail_a, tail_b = sequences[1][:40], sequences[1][40:46], sequences[2][40:46]
+    ctx = model.new_context(n_ctx=1024, n_seq_max=2)
+    assert ctx.decode(llmfw.Batch(prompt, seq_id=0)) == 0
+    ctx.memory.seq_cp(0, 1, -1, -1)
+    assert ctx.memory.seq_pos_max(1) == len(prompt) - 1 and ctx.seq_tokens[1] == prompt
+    tokens = [t for pair in zip(tail_a, tail_b) for t in pair]
+    assert ctx.decode(llmfw.Batch(tokens, seq_id=[0, 1] * len(tail_a), logits=True)) == 0, ctx.last_error
+    forked = ctx.get_logits()
+    alone_a = decode_all(model, prompt + tail_a, n_ctx=512)[len(prompt):]
+    alone_b = decode_all(model, prompt + tail_b, n_ctx=512)[len(prompt):]
+    return float(np.abs(forked[0::2] - alone_a).max()), float(np.abs(forked[1::2] - alone_b).max())
+
+
 def shift_error(model, prompt: list[int], follower: int, delta: int) -> float:
     """max |logits| difference, for ``follower``, between decoding ``prompt`` then shifting it by ``delta``
     positions (``seq_add``: the K-shift re-ropes the cached keys) and decoding it at those positions directly."""
@@ -95,4 +113,4 @@ def check_tokenization(model, record: dict) -> None:
 
 
 __all__ = ["BAR", "SAME_LOGITS_ATOL", "SPECS", "assert_clears_bar", "check_tokenization", "decode_all",
-           "decode_two_sequences", "longest", "model_file", "records", "reference", "shift_error"]
+           "decode_two_sequences", "fork_errors", "longest", "model_file", "records", "reference", "shift_error"]

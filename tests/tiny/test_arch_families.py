@@ -1,5 +1,5 @@
-"""qwen2, qwen3, phi3, gemma2 (issue 6) and smollm3, granite, mistral3, lfm2, granitehybrid, qwen35 (issue
-34) against llama.cpp, on small random-weight files.
+"""qwen2, qwen3, phi3, gemma2 (issue 6) and smollm3, granite, mistral3, lfm2, granitehybrid, qwen35, nemotron_h,
+gemma4 (issue 34) against llama.cpp, on small random-weight files.
 
 No real model of these families is on this network, so ``tests/reference_gen`` writes each one exactly as
 llama.cpp's converter names and shapes it (2-4 layers, mixed F32/F16/Q8_0/Q4_0/Q4_1/Q5_0 tensors, a vocabulary
@@ -19,7 +19,7 @@ from reference_gen.arch_testing import (SAME_LOGITS_ATOL, assert_clears_bar, che
 import llmfw
 
 FAMILIES = ["qwen2", "qwen3", "phi3", "gemma2", "smollm3", "granite", "mistral3", "lfm2",
-            "granitehybrid", "qwen35"]
+            "granitehybrid", "qwen35", "nemotron_h", "gemma4"]
 SMALL_UBATCH = 16
 
 

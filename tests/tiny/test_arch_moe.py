@@ -1,13 +1,15 @@
 """Mixture-of-experts families against llama.cpp on random-weight files (issue 33): qwen3moe, olmoe, a
-Mixtral-style llama, gpt-oss, glm4moe and deepseek2 (multi-head latent attention), on the numpy oracle and on the
-default onnx backend, plus the MoE ops one by one.
+Mixtral-style llama, gpt-oss, glm4moe, deepseek2 (multi-head latent attention) and the hybrids qwen35moe and
+Granite 4.0-H's MoE (issue 34; their recurrent memory is tested in test_recurrent_memory.py), on the numpy oracle and on the default onnx backend,
+plus the MoE ops one by one.
 
 The files (``tests/reference_gen/arch_specs.py``) have 8-16 experts and K-quant / legacy blocks where a rounding
 difference cannot flip a routing decision (the spec says why); ``tests/data/arch/<model>.json`` holds llama.cpp's
 logits for those exact bytes. Every prompt clears the random-weight bar whole and in ubatches of 32, and
 switching off one feature fails it — the weight normalisation (on, for OLMoE); gpt-oss's sinks, window, expert
 biases and router bias; glm4moe's weight scale, normalisation, grouped routing, sigmoid gating, selection bias and
-shared expert; deepseek2's grouped routing and selection bias — so the files tell right from wrong.
+shared expert; deepseek2's grouped routing and selection bias; qwen35moe's normalisation, shared expert and its
+sigmoid gate; granitehybrid's normalisation and shared expert — so the files tell right from wrong.
 """
 from __future__ import annotations
 
@@ -85,7 +87,7 @@ def assert_misses_bar(score, model, name: str, what: str) -> None:
     assert result["top1"] < BAR["top1"] or result["mean_lp_err"] > BAR["mean_lp_err"], (name, what, result)
 
 
-@pytest.mark.parametrize("name", ["qwen3moe", "olmoe", "llama-moe"])
+@pytest.mark.parametrize("name", ["qwen3moe", "olmoe", "llama-moe", "qwen35moe", "granitehybrid-moe"])
 def test_switching_the_weight_normalisation_fails_the_bar(tmp_path, score, name):
     """The negative check: the same file with the chosen experts' weights renormalised the other way misses the
     bar, so passing it above proves the normalisation is right."""
@@ -152,6 +154,23 @@ def test_deepseek2_without_one_feature_fails_the_bar(tmp_path, score, feature):
         model = llmfw.load_model(variant, backend="numpy")
     with model:
         assert_misses_bar(score, model, "deepseek2", f"without {feature}")
+
+
+#: the shared expert's contribution zeroed, or (qwen35moe) its per-token sigmoid gate made a constant 0.5
+SHARED_EXPERT_EDITS = {
+    ("qwen35moe", "shared expert"): ("ffn_down_shexp.weight", (256, 256)),
+    ("qwen35moe", "shared expert gate"): ("ffn_gate_inp_shexp.weight", (256,)),
+    ("granitehybrid-moe", "shared expert"): ("ffn_down_shexp.weight", (256, 512)),
+}
+
+
+@pytest.mark.parametrize("name,feature", list(SHARED_EXPERT_EDITS))
+def test_the_hybrids_without_their_shared_expert_fail_the_bar(tmp_path, score, name, feature):
+    tensor, shape = SHARED_EXPERT_EDITS[name, feature]
+    path = model_file(name, tmp_path)
+    edits = {f"blk.{il}.{tensor}": np.zeros(shape, np.float32) for il in range(SPECS[name]["n_layer"])}
+    with llmfw.load_model(write_variant(path, tmp_path / "variant.gguf", replace=edits), backend="numpy") as model:
+        assert_misses_bar(score, model, name, f"without its {feature}")
 
 
 @pytest.mark.parametrize("name,tensor,source_type", [("qwen3moe", "blk.2.ffn_gate_exps.weight", "Q4_K"),

@@ -1,6 +1,7 @@
 """The recurrent and hybrid memory modules (issue 34) on the random-weight files of LFM2 (short convolutions
-beside attention), dense Granite 4.0-H (Mamba-2 beside attention) and Qwen3.5 (Gated DeltaNet beside gated
-attention): ubatch splitting by sequence, llama.cpp's seq_* semantics for a state that cannot be taken apart, a
+beside attention), Granite 4.0-H dense and MoE (Mamba-2 beside attention), Nemotron-H (Mamba-2, attention and MLP
+layers) and Qwen3.5 dense and MoE (Gated DeltaNet beside
+gated attention): ubatch splitting by sequence, llama.cpp's seq_* semantics for a state that cannot be taken apart, a
 seq_cp fork, saved state, the prompt cache and speculative decoding — on the numpy oracle; on the default onnx
 backend (which runs the scans itself) the bar on whole prompts, in ubatches of 32 and with two sequences, and the
 seq_cp fork."""
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 from reference_gen.arch_testing import (SAME_LOGITS_ATOL, assert_clears_bar, decode_all, decode_two_sequences,
-                                        longest, model_file, records, reference)
+                                        fork_errors, longest, model_file, records, reference)
 
 import llmfw
 from llmfw.core.batch import Batch, BatchAllocator, split_equal
@@ -22,7 +23,7 @@ from llmfw.core.speculative import NgramDrafter
 
 FAMILY = "lfm2"
 #: every hybrid family with a reference: the generic checks run on each
-HYBRIDS = ["lfm2", "granitehybrid", "qwen35"]
+HYBRIDS = ["lfm2", "granitehybrid", "granitehybrid-moe", "qwen35", "qwen35moe", "nemotron_h"]
 
 
 @pytest.fixture(scope="module")
@@ -111,26 +112,10 @@ def test_one_token_at_a_time_equals_the_whole_prompt(model, sequences):
 
 # -- sequence operations -----------------------------------------------------------------------------------------
 def test_seq_cp_fork_decodes_like_each_sequence_alone(hybrid):
-    family, model, _ = hybrid
-    _check_seq_cp_fork(model, family)
-
-
-def _check_seq_cp_fork(model, family: str) -> None:
     """A prompt decoded once in sequence 0, copied to 1 (state and KV cells), then two different continuations
     decoded together in one batch: each gets the logits of decoding its whole sequence alone."""
-    sequences = [r["sequence"] for r in records(reference(family))]
-    prompt, tail_a, tail_b = sequences[1][:40], sequences[1][40:46], sequences[2][40:46]
-    ctx = model.new_context(n_ctx=1024, n_seq_max=2)
-    assert ctx.decode(Batch(prompt, seq_id=0)) == 0
-    ctx.memory.seq_cp(0, 1, -1, -1)
-    assert ctx.memory.seq_pos_max(1) == len(prompt) - 1 and ctx.seq_tokens[1] == prompt
-    tokens = [t for pair in zip(tail_a, tail_b) for t in pair]
-    assert ctx.decode(Batch(tokens, seq_id=[0, 1] * len(tail_a), logits=True)) == 0, ctx.last_error
-    forked = ctx.get_logits()
-    alone_a = decode_all(model, prompt + tail_a, n_ctx=512)[len(prompt):]
-    alone_b = decode_all(model, prompt + tail_b, n_ctx=512)[len(prompt):]
-    assert np.abs(forked[0::2] - alone_a).max() <= SAME_LOGITS_ATOL
-    assert np.abs(forked[1::2] - alone_b).max() <= SAME_LOGITS_ATOL
+    family, model, _ = hybrid
+    assert max(fork_errors(model, family)) <= SAME_LOGITS_ATOL
 
 
 def test_seq_rm_drops_a_whole_sequence_but_refuses_a_suffix(model, sequences):
@@ -303,15 +288,67 @@ def test_onnx_clears_the_bar_in_ubatches_of_32_and_two_sequences(onnx_hybrid, sc
 
 def test_onnx_seq_cp_fork_decodes_like_each_sequence_alone(onnx_hybrid):
     family, onnx_model = onnx_hybrid
-    _check_seq_cp_fork(onnx_model, family)
+    assert max(fork_errors(onnx_model, family)) <= SAME_LOGITS_ATOL
 
 
-def test_granitehybrid_with_experts_is_refused_clearly(directory):
+def test_granitehybrid_reads_its_experts_and_shared_expert_width(directory):
+    """One family, two FFN kinds: the MoE file's routed experts and shared-expert width, the dense file's SwiGLU;
+    expert counts that do not fit are a clear error."""
     from llmfw.core.errors import ModelError
 
-    file = model_file("granitehybrid", directory)
-    with pytest.raises(ModelError, match="mixture of experts"):
-        llmfw.load_model(file, backend="numpy", kv_overrides={"granitehybrid.expert_count": 4})
+    with llmfw.load_model(model_file("granitehybrid-moe", directory), backend="numpy") as moe:
+        assert (moe.hparams.n_expert, moe.hparams.n_expert_used, moe.hparams.n_ff_shexp) == (8, 2, 512)
+    dense = model_file("granitehybrid", directory)
+    with llmfw.load_model(dense, backend="numpy") as model:
+        assert (model.hparams.n_expert, model.hparams.n_ff_shexp) == (0, 0)
+    with pytest.raises(ModelError, match="expert_used_count"):
+        llmfw.load_model(dense, backend="numpy", kv_overrides={"granitehybrid.expert_count": 4})
+
+
+def test_nemotron_h_keeps_memory_only_for_its_mamba_and_attention_layers(directory):
+    with llmfw.load_model(model_file("nemotron_h", directory), backend="numpy") as model:
+        ctx = model.new_context(n_ctx=512)
+        assert ctx.memory.kv.layers == [2] and sorted(ctx.memory.recurrent.layers) == [0, 3]
+
+
+def test_nemotron_h_squares_its_relu(directory, tmp_path):
+    """The MLP is ffn_down(relu(ffn_up(h))²): ffn_up (and its bias) doubled and ffn_down quartered leave the
+    logits as they were; a plain ReLU would halve the MLPs' output."""
+    from reference_gen.variant_files import float_tensor, write_variant
+
+    path = model_file("nemotron_h", directory)
+    edits = {}
+    for il in (1, 4):
+        for name, factor in (("ffn_up.weight", 2.0), ("ffn_up.bias", 2.0), ("ffn_down.weight", 0.25)):
+            edits[f"blk.{il}.{name}"] = float_tensor(path, f"blk.{il}.{name}") * np.float32(factor)
+    sequence = records(reference("nemotron_h"))[1]["sequence"]
+    with llmfw.load_model(path, backend="numpy") as model:
+        want = decode_all(model, sequence, n_ctx=512)
+    with llmfw.load_model(write_variant(path, tmp_path / "scaled.gguf", replace=edits), backend="numpy") as model:
+        assert np.abs(decode_all(model, sequence, n_ctx=512) - want).max() <= SAME_LOGITS_ATOL
+
+
+def test_nemotron_h_without_its_mlp_bias_fails_the_bar(directory, tmp_path, score):
+    from reference_gen.arch_testing import BAR
+    from reference_gen.variant_files import write_variant
+
+    path = model_file("nemotron_h", directory)
+    edits = {f"blk.{il}.ffn_up.bias": np.zeros(512, np.float32) for il in (1, 4)}
+    record = longest(reference("nemotron_h"))
+    with llmfw.load_model(write_variant(path, tmp_path / "nobias.gguf", replace=edits), backend="numpy") as model:
+        result = score(record, decode_all(model, record["sequence"], n_ctx=512))
+    assert result["top1"] < BAR["top1"] or result["mean_lp_err"] > BAR["mean_lp_err"], result
+
+
+def test_qwen35_and_qwen35moe_each_refuse_the_others_files(directory):
+    """llama.cpp's two model classes: experts make a file qwen35moe's, a dense file is qwen35's."""
+    from llmfw.core.errors import ModelError
+
+    with pytest.raises(ModelError, match="qwen35moe's"):
+        llmfw.load_model(model_file("qwen35", directory), backend="numpy", kv_overrides={"qwen35.expert_count": 8})
+    with pytest.raises(ModelError, match="expert_count must be > 1"):
+        llmfw.load_model(model_file("qwen35moe", directory), backend="numpy",
+                         kv_overrides={"qwen35moe.expert_count": 0})
 
 
 def test_qwen35_refuses_rope_sections_it_cannot_run(directory):

@@ -208,6 +208,11 @@ class Architecture(ABC):
         ``GraphBuilder.build_rs`` / ``store_rs``."""
         return None
 
+    def has_kv(self, hp: HParams, il: int) -> bool:
+        """Whether a layer without a recurrent state keeps a KV cache (the hybrid memory's attention layers);
+        False for a layer that keeps nothing between ubatches (Nemotron-H's MLP-only layers)."""
+        return True
+
     def ubatch_inputs(self, hp: HParams, pos: np.ndarray) -> dict[str, np.ndarray]:
         """Graph inputs of this family's own computed per ubatch from the token positions ``pos`` (int32 [T]),
         e.g. Mistral-3's attention temperature ``attn_temp`` [T, 1, 1]. The default adds none."""

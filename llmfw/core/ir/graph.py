@@ -139,6 +139,8 @@ class GraphArchitecture(Protocol):
 
     def recurrent_state(self, hp: "HParams", il: int) -> Mapping[str, tuple[int, ...]] | None: ...
 
+    def has_kv(self, hp: "HParams", il: int) -> bool: ...
+
     def has_rope(self, hp: "HParams", il: int) -> bool: ...
 
 
@@ -318,7 +320,7 @@ class GraphBuilder:
         p = prefix or f"blk.{il}"
         hp = self.hp
         if self.has_weight(f"{p}.attn_qkv.weight"):
-            n_q, n_k = hp.n_embd_head_k * hp.n_head(il), hp.n_embd_k_gqa(il)
+            n_q, n_k = hp.head_dim_k(il) * hp.n_head(il), hp.n_embd_k_gqa(il)
             fused_bias = self.has_weight(f"{p}.attn_qkv.bias")
             qkv = self.mul_mat(f"{p}.attn_qkv.weight", x, f"{p}.attn_qkv.bias")
             bounds = {"q": (0, n_q), "k": (n_q, n_q + n_k), "v": (n_q + n_k, n_q + n_k + hp.n_embd_v_gqa(il))}
@@ -333,9 +335,9 @@ class GraphBuilder:
             q = self.mul_mat(f"{p}.attn_q.weight", x, f"{p}.attn_q.bias")
             k = self.mul_mat(f"{p}.attn_k.weight", x, f"{p}.attn_k.bias")
             v = self.mul_mat(f"{p}.attn_v.weight", x, f"{p}.attn_v.bias")
-        q = self.op("reshape", q, shape=(-1, hp.n_head(il), hp.n_embd_head_k))
-        k = self.op("reshape", k, shape=(-1, hp.n_head_kv(il), hp.n_embd_head_k))
-        v = self.op("reshape", v, shape=(-1, hp.n_head_kv(il), hp.n_embd_head_v))
+        q = self.op("reshape", q, shape=(-1, hp.n_head(il), hp.head_dim_k(il)))
+        k = self.op("reshape", k, shape=(-1, hp.n_head_kv(il), hp.head_dim_k(il)))
+        v = self.op("reshape", v, shape=(-1, hp.n_head_kv(il), hp.head_dim_v(il)))
         return q, k, v
 
     def build_attn(self, q: Node, k: Node, v: Node, il: int | None = None, *, out_weight: str | None = None,

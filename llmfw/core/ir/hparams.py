@@ -102,11 +102,19 @@ class HParams(BaseModel):
     def n_ff(self, il: int = 0) -> int:
         return self.n_ff_arr[il]
 
+    def head_dim_k(self, il: int = 0) -> int:
+        """Layer ``il``'s key head size (llama.cpp's ``n_embd_head_k(il)``; Gemma 4's sliding-window layers have
+        their own)."""
+        return self.n_embd_head_k
+
+    def head_dim_v(self, il: int = 0) -> int:
+        return self.n_embd_head_v
+
     def n_embd_k_gqa(self, il: int = 0) -> int:
-        return self.n_embd_head_k * self.n_head_kv(il)
+        return self.head_dim_k(il) * self.n_head_kv(il)
 
     def n_embd_v_gqa(self, il: int = 0) -> int:
-        return self.n_embd_head_v * self.n_head_kv(il)
+        return self.head_dim_v(il) * self.n_head_kv(il)
 
     def is_swa(self, il: int) -> bool:
         return bool(self.swa_layers) and self.swa_layers[il]

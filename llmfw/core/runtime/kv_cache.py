@@ -72,7 +72,7 @@ class KVCache(Memory):
 
     def layer_shape(self, il: int) -> KVLayerShape:
         hp = self.hp
-        return KVLayerShape(self.name, il, self.n_cells, hp.n_head_kv(il), hp.n_embd_head_k, hp.n_embd_head_v)
+        return KVLayerShape(self.name, il, self.n_cells, hp.n_head_kv(il), hp.head_dim_k(il), hp.head_dim_v(il))
 
     def allocate(self, backend_of_layer: Callable[[int], Backend]) -> dict[tuple[str, int], KVHandle]:
         for il in self.layers:
@@ -84,7 +84,7 @@ class KVCache(Memory):
     @property
     def nbytes(self) -> int:
         hp = self.hp
-        return sum(4 * self.n_cells * hp.n_head_kv(il) * (hp.n_embd_head_k + hp.n_embd_head_v) for il in self.layers)
+        return sum(4 * self.n_cells * (hp.n_embd_k_gqa(il) + hp.n_embd_v_gqa(il)) for il in self.layers)
 
     # -- cell queries ---------------------------------------------------------------------------------------
     def _seq_bit(self, seq_id: int) -> np.uint64:

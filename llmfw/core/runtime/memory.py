@@ -170,10 +170,11 @@ class KVCacheISWA(CompositeMemory):
             raise ContextError(f"n_ubatch must be positive, got {n_ubatch}")
         n_ctx = pad_to(n_ctx, KV_PAD)
         size_swa = n_ctx if swa_full else swa_cache_size(n_ctx, hp.n_swa, n_seq_max, n_ubatch)
+        kv_layers = [il for il in range(hp.n_layer) if model.known_arch.has_kv(hp, il)]
         self.base = KVCache(model, n_ctx, n_seq_max, name=ISWA_BASE_CACHE,
-                            layers=[il for il in range(hp.n_layer) if not hp.is_swa(il)])
+                            layers=[il for il in kv_layers if not hp.is_swa(il)])
         self.swa = KVCache(model, size_swa, n_seq_max, name=ISWA_SWA_CACHE,
-                           layers=[il for il in range(hp.n_layer) if hp.is_swa(il)],
+                           layers=[il for il in kv_layers if hp.is_swa(il)],
                            n_swa=hp.n_swa, swa_type=hp.swa_type)
         super().__init__([self.base, self.swa])
         log.info("iSWA KV cache: %d cells for %d global layers, %d cells for %d sliding-window layers (n_swa %d)",

@@ -264,7 +264,8 @@ class HybridMemory(Memory):
 
     def __init__(self, model: GraphModel, n_ctx: int, n_seq_max: int = 1):
         layers = recurrent_layers(model)
-        attention = [il for il in range(model.known_hparams.n_layer) if il not in layers]
+        arch, hp = model.known_arch, model.known_hparams
+        attention = [il for il in range(hp.n_layer) if il not in layers and arch.has_kv(hp, il)]
         self.recurrent = RecurrentMemory(model, n_seq_max, layers)
         self.kv = KVCache(model, n_ctx, n_seq_max, layers=attention)
         self.n_seq_max = n_seq_max

@@ -22,6 +22,9 @@ ARCHITECTURES = {
     "lfm2": "llmfw.plugins.architectures.lfm2:LFM2Architecture",
     "granitehybrid": "llmfw.plugins.architectures.granitehybrid:GraniteHybridArchitecture",
     "qwen35": "llmfw.plugins.architectures.qwen35:Qwen35Architecture",
+    "qwen35moe": "llmfw.plugins.architectures.qwen35moe:Qwen35MoeArchitecture",
+    "nemotron_h": "llmfw.plugins.architectures.nemotron_h:NemotronHArchitecture",
+    "gemma4": "llmfw.plugins.architectures.gemma4:Gemma4Architecture",
 }
 
 

@@ -4,24 +4,28 @@ layer stack and multipliers (embedding / residual / attention / logit scales, Ro
 (:mod:`.mamba2`) instead of attention. Memory: ``"hybrid"`` (KV cache for the attention layers, the Mamba-2
 convolution window and SSM state for the others).
 
-Granite 4.0-H's released models put a mixture of experts with a shared expert in every FFN: those files
-(``expert_count`` > 0) are refused until the MoE block lands; the dense variant (every FFN a SwiGLU) runs.
+Granite 4.0-H's MoE files (``expert_count`` > 1: Tiny, Small) put routed experts in every FFN — softmax router,
+top ``expert_used_count`` renormalised, SiLU-gated ``ffn_{gate,up,down}_exps`` of width ``feed_forward_length``
+(the gate optional) — plus, when ``expert_shared_feed_forward_length`` is set, one shared SwiGLU expert of that
+width added to them (llama.cpp's "Granite MoE Shared"); the dense variant has a SwiGLU FFN.
 """
 from __future__ import annotations
 
 from typing import Any
 
 from llmfw.core.arch.architecture import TensorSpec, attention_qkv_tensors
+from llmfw.core.arch.moe import ROUTING_KEYS, MoeHParams, build_shared_experts, read_moe_hparams, \
+    shared_expert_tensors
 from llmfw.core.errors import ModelError
 from llmfw.core.ir.graph import GraphBuilder, Node
 from llmfw.core.ir.hparams import HParams
 from llmfw.core.format.metadata import MetadataView
 from llmfw.plugins.architectures.granite import GraniteArchitecture, GraniteHParams, read_granite_multipliers
-from llmfw.plugins.architectures.mamba2 import (Mamba2Dims, build_mamba2, mamba2_state, mamba2_tensors,
-                                                read_mamba2_dims)
+from llmfw.plugins.architectures.mamba2 import (Mamba2Dims, build_mamba2, mamba2_dims, mamba2_state,
+                                                mamba2_tensors, read_mamba2_dims)
 
 
-class GraniteHybridHParams(GraniteHParams):
+class GraniteHybridHParams(GraniteHParams, MoeHParams):
     ssm: Mamba2Dims | None = None
 
 
@@ -30,43 +34,45 @@ def is_mamba_layer(hp: HParams, il: int) -> bool:
     return hp.n_head_kv(il) == 0
 
 
-def _dims(hp: HParams) -> Mamba2Dims:
-    dims = getattr(hp, "ssm", None)
-    if not isinstance(dims, Mamba2Dims):
-        raise ModelError(f"{hp.arch}: the Mamba-2 ssm.* hyperparameters are missing")
-    return dims
-
-
 class GraniteHybridArchitecture(GraniteArchitecture):
     name = "granitehybrid"
     hparams_class = GraniteHybridHParams
     memory = "hybrid"
 
     def own_hparams(self, keys: MetadataView, common: dict[str, Any]) -> dict[str, Any]:
-        if keys.get_int("{arch}.expert_count", 0) > 0:
-            raise ModelError(f"{keys.arch}: this file's FFNs are a mixture of experts (expert_count > 0), which "
-                             "needs the MoE block; only the dense Granite 4.0-H variant runs for now")
         keys.get_float("{arch}.attention.layer_norm_rms_epsilon")  # required: ModelError names it when absent
-        return {**read_granite_multipliers(keys, logit_scale_required=False), **read_mamba2_dims(keys)}
+        # llama.cpp reads the expert counts and the shared expert's width; no weight scale, gating or norm key
+        moe = read_moe_hparams(keys)
+        return {**read_granite_multipliers(keys, logit_scale_required=False), **read_mamba2_dims(keys),
+                **{k: moe[k] for k in (*ROUTING_KEYS, "n_ff_shexp")}}
 
     def check_hparams(self, hp: HParams) -> None:
         super(GraniteArchitecture, self).check_hparams(hp)  # logit_scale is optional here
-        if _dims(hp).d_inner != 2 * hp.n_embd:
+        if mamba2_dims(hp).d_inner != 2 * hp.n_embd:
             raise ModelError(f"{hp.arch}: ssm.inner_size must be 2 × embedding_length (llama.cpp supports only "
-                             f"that expansion), found {_dims(hp).d_inner}")
+                             f"that expansion), found {mamba2_dims(hp).d_inner}")
 
     def recurrent_state(self, hp: HParams, il: int) -> dict[str, tuple[int, ...]] | None:
-        return mamba2_state(_dims(hp)) if is_mamba_layer(hp, il) else None
+        return mamba2_state(mamba2_dims(hp)) if is_mamba_layer(hp, il) else None
 
     def layer_tensors(self, hp: HParams, il: int) -> list[TensorSpec]:
-        if not is_mamba_layer(hp, il):
-            return super().layer_tensors(hp, il)
-        attention = {s.name for s in attention_qkv_tensors(hp, il)} | {f"blk.{il}.attn_output.{k}"
-                                                                      for k in ("weight", "bias")}
-        shared = [s for s in super().layer_tensors(hp, il) if s.name not in attention]
-        return shared + mamba2_tensors(_dims(hp), hp.n_embd, il)
+        specs = super().layer_tensors(hp, il)  # llama's: attention, then the dense FFN or the routed experts
+        if is_mamba_layer(hp, il):
+            attention = {s.name for s in attention_qkv_tensors(hp, il)} | {f"blk.{il}.attn_output.{k}"
+                                                                          for k in ("weight", "bias")}
+            specs = [s for s in specs if s.name not in attention] + mamba2_tensors(mamba2_dims(hp), hp.n_embd, il)
+        if isinstance(hp, MoeHParams) and hp.n_expert and hp.n_ff_shexp:
+            specs += shared_expert_tensors(hp, il, hp.n_ff_shexp)
+        return specs
+
+    def build_feed_forward(self, b: GraphBuilder, h: Node, il: int) -> Node:
+        out = super().build_feed_forward(b, h, il)
+        hp = b.hp
+        if isinstance(hp, MoeHParams) and hp.n_expert and hp.n_ff_shexp:
+            return b.op("add", out, build_shared_experts(b, h, il))
+        return out
 
     def mixer(self, b: GraphBuilder, h: Node) -> Node:
         if is_mamba_layer(b.hp, b.layer):
-            return build_mamba2(b, h, _dims(b.hp))
+            return build_mamba2(b, h, mamba2_dims(b.hp))
         return super().mixer(b, h)

@@ -59,6 +59,14 @@ def read_mamba2_dims(keys: MetadataView) -> dict[str, Any]:
     return {"ssm": dims}
 
 
+def mamba2_dims(hp: Any) -> Mamba2Dims:
+    """The ``ssm`` field a family's hyperparameters hold (read by :func:`read_mamba2_dims`)."""
+    dims = getattr(hp, "ssm", None)
+    if not isinstance(dims, Mamba2Dims):
+        raise ModelError(f"{hp.arch}: the Mamba-2 ssm.* hyperparameters are missing")
+    return dims
+
+
 def mamba2_state(dims: Mamba2Dims) -> dict[str, tuple[int, ...]]:
     return {"conv": (dims.d_conv - 1, dims.conv_channels), "ssm": (dims.n_head, dims.head_dim, dims.d_state)}
 

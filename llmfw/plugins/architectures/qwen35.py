@@ -19,12 +19,12 @@ Per layer (``h = rms_norm(x) * attn_norm``)::
 RoPE is llama.cpp's interleaved multi-axis rope (IMROPE, ``rope.dimension_sections``); for text every axis
 carries the token's position, which makes it NEOX rope over ``rope.dimension_count`` dims as long as the
 sections give every rotated pair a text axis (checked at load). Multi-token-prediction layers
-(``nextn_predict_layers``) are not run. The MoE sibling ``qwen35moe`` needs the MoE block.
+(``nextn_predict_layers``) are not run. The MoE sibling ``qwen35moe`` (:mod:`.qwen35moe`) changes only the FFN.
 """
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import BaseModel
 
@@ -88,14 +88,13 @@ def is_delta_layer(hp: HParams, il: int) -> bool:
 
 class Qwen35Architecture(Architecture):
     name = "qwen35"
-    hparams_class = Qwen35HParams
+    hparams_class: ClassVar[type[HParams]] = Qwen35HParams
     memory = "hybrid"
     rope_type = "neox"
 
     def own_hparams(self, keys: MetadataView, common: dict[str, Any]) -> dict[str, Any]:
         keys.get_float("{arch}.attention.layer_norm_rms_epsilon")  # required: ModelError names it when absent
-        if keys.get_int("{arch}.expert_count", 0) > 0:
-            raise ModelError(f"{keys.arch}: mixture-of-experts files (expert_count > 0) are qwen35moe's")
+        self.check_expert_count(keys)
         n_layer = common["n_layer"]
         dims = DeltaNetDims(d_conv=keys.get_int("{arch}.ssm.conv_kernel"),
                             d_inner=keys.get_int("{arch}.ssm.inner_size"),
@@ -112,6 +111,11 @@ class Qwen35Architecture(Architecture):
             flags = [bool(v) for v in list(layers)][:n_layer]
         sections = [int(v) for v in list(keys.get("{arch}.rope.dimension_sections"))]
         return {"delta": dims, "recurrent_layers": flags, "rope_sections": (sections + [0] * 4)[:4]}
+
+    def check_expert_count(self, keys: MetadataView) -> None:
+        """qwen35 is the dense family: a file with experts is qwen35moe's (llama.cpp's two model classes)."""
+        if keys.get_int("{arch}.expert_count", 0) > 0:
+            raise ModelError(f"{keys.arch}: mixture-of-experts files (expert_count > 0) are qwen35moe's")
 
     def check_hparams(self, hp: HParams) -> None:
         super().check_hparams(hp)
@@ -135,7 +139,7 @@ class Qwen35Architecture(Architecture):
     def layer_tensors(self, hp: HParams, il: int) -> list[TensorSpec]:
         n_embd, t = hp.n_embd, layer_tensor
         specs = [t(il, "attn_norm.weight", (n_embd,), "mul"), t(il, "post_attention_norm.weight", (n_embd,), "mul"),
-                 *gated_ffn_tensors(hp, il)]
+                 *self.ffn_tensors(hp, il)]
         if is_delta_layer(hp, il):
             d = _delta(hp)
             return specs + [t(il, "attn_qkv.weight", (n_embd, d.conv_channels)),
@@ -153,6 +157,14 @@ class Qwen35Architecture(Architecture):
                         t(il, "attn_output.weight", (n_q, n_embd)), t(il, "attn_q_norm.weight", (head,), "mul"),
                         t(il, "attn_k_norm.weight", (head,), "mul")]
 
+    def ffn_tensors(self, hp: HParams, il: int) -> list[TensorSpec]:
+        """The FFN's tensors of layer ``il``: a SwiGLU here, the experts in qwen35moe."""
+        return gated_ffn_tensors(hp, il)
+
+    def feed_forward(self, b: GraphBuilder, h: Node, il: int) -> Node:
+        """The FFN of layer ``il`` on the post-attention-normed ``h``."""
+        return b.build_ffn(h, act="silu")
+
     def build_graph(self, b: GraphBuilder) -> None:
         x = b.build_inp_embd()
         for il in b.layers():
@@ -162,7 +174,7 @@ class Qwen35Architecture(Architecture):
             if il == b.hp.n_layer - 1:
                 h, residual = b.select_outputs(h, residual)
             x = b.op("add", h, residual)
-            x = b.op("add", b.build_ffn(b.build_norm(x, f"blk.{il}.post_attention_norm.weight"), act="silu"), x)
+            x = b.op("add", self.feed_forward(b, b.build_norm(x, f"blk.{il}.post_attention_norm.weight"), il), x)
         b.build_output(x)
 
     @staticmethod
