@@ -286,9 +286,16 @@ def test_onnx_clears_the_bar_in_ubatches_of_32_and_two_sequences(onnx_hybrid, sc
     assert_clears_bar(score, second, logits_b, f"onnx {family}, sequence 1 of 2")
 
 
+#: onnx's forked rows ride in a two-row matmul, the lone ones in a one-row matmul: MatMulNBits quantizes its
+#: activations to int8 per row block, and its kernels may order a row's sums differently by row count, so the two
+#: differ by more than float32 rounding (nemotron_h's random weights showed 0.017); a wrong fork (the state not
+#: copied, the wrong cells) differs by whole units
+ONNX_FORK_ATOL = 0.05
+
+
 def test_onnx_seq_cp_fork_decodes_like_each_sequence_alone(onnx_hybrid):
     family, onnx_model = onnx_hybrid
-    assert max(fork_errors(onnx_model, family)) <= SAME_LOGITS_ATOL
+    assert max(fork_errors(onnx_model, family)) <= ONNX_FORK_ATOL
 
 
 def test_granitehybrid_reads_its_experts_and_shared_expert_width(directory):
