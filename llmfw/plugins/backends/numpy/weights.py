@@ -1,7 +1,8 @@
 """Weight storage of the numpy backend: float32, dequantized once at load, in the layout BLAS streams fastest.
 
 An embedding table used only for row lookups stays in its quantized form (:class:`QuantizedTable`) and rows are
-decoded on demand; tensors with the same file source (a tied output head and embedding) share one float32 copy;
+decoded on demand, and so are the expert tensors of a mixture of experts (:class:`QuantizedExperts`, one
+expert's matrix when a token picks it); tensors with the same file source (a tied output head and embedding) share one float32 copy;
 :meth:`NumpyWeights.fuse_weights` lays the parts of a fused matmul side by side (the package docstring
 says why).
 """
@@ -13,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from llmfw.core.exec.backend import Backend, BackendOptions, WeightSource, release_freed_memory
-from llmfw.core.format.quants import GGMLType, dequantize, dequantize_rows
+from llmfw.core.format.quants import GGMLType, dequantize, dequantize_rows, tensor_nbytes
 from llmfw.plugins.backends.numpy.kernels import F32
 
 
@@ -28,6 +29,27 @@ class QuantizedTable:
     @property
     def shape(self) -> tuple[int, ...]:
         return tuple(reversed(self.ne))
+
+
+@dataclass
+class QuantizedExperts:
+    """A 3-D ``*_exps`` tensor [E, n_out, n_in] kept as the file's blocks (a mapping of the file where the loader
+    gives one: only the experts used become resident); ``experts[e]`` decodes expert ``e``'s matrix when a
+    ``mul_mat_id`` picks it. A float32 copy of every expert would be 2-8x the file's size, most of it never read
+    for a given prompt: numpy is the oracle, so memory wins over the decode time spent here."""
+
+    raw: np.ndarray
+    ggml_type: int
+    ne: tuple[int, ...]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(reversed(self.ne))
+
+    def __getitem__(self, expert: int) -> np.ndarray:
+        n_in, n_out = int(self.ne[0]), int(self.ne[1])
+        step = tensor_nbytes(self.ggml_type, (n_in, n_out))
+        return dequantize(self.raw[expert * step:(expert + 1) * step], self.ggml_type, (n_in, n_out))
 
 
 def is_stored_transposed(array: np.ndarray) -> bool:
@@ -63,6 +85,8 @@ class NumpyWeights(Backend):
             # rows decoded on demand: a quantized table stays ~4-8x smaller than float32, and mapped from the file
             # it costs only the rows looked up
             return QuantizedTable(source.kept_raw(), int(qtype), source.ne)
+        if "mul_mat_id" in source.usage and len(source.ne) == 3:
+            return QuantizedExperts(source.kept_raw(), int(qtype), source.ne)
         # a matrix multiplied with activations is stored in the layout its one-token product streams fastest
         # (see the module docstring); the handle keeps the contract's [n_out, n_in] shape either way
         transposed = "mul_mat" in source.usage and len(source.ne) == 2 and source.ne[1] >= source.ne[0]
