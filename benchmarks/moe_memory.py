@@ -15,51 +15,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+sys.path.insert(0, str(ROOT / "tests"))
 
-from tests.support.moe_file import MoeFileShape, expert_bytes, write_moe_file  # noqa: E402
-
-#: run in the fresh process: RSS before the load, then the peak over load + context + first decode
-_MEASURE = r"""
-import json, resource, sys
-import llmfw
-from llmfw.core.exec.backend import backend_class, backend_options_from_environment
-import os
-backend = sys.argv[2]
-backend_class(backend).check_available(None)
-def rss():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-base = rss()
-model = llmfw.load_model(sys.argv[1], backend=backend, backend_options=backend_options_from_environment(os.environ))
-ctx = model.new_context(n_ctx=256, n_batch=8, n_ubatch=8, n_threads=2)
-assert ctx.decode(llmfw.Batch([1, 2, 3])) == 0
-after = rss()
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-print(json.dumps({"rss_base": base, "rss_after": after, "rss_peak": peak}))
-"""
-
-
-def measure(model: Path, backend: str, env: dict[str, str]) -> dict:
-    """Load ``model`` on ``backend`` in a fresh process; its RSS record plus ``added`` and ``ratio``."""
-    out = subprocess.run([sys.executable, "-c", _MEASURE, str(model), backend], env={**os.environ, **env},
-                         capture_output=True, text=True, check=False)
-    if out.returncode:
-        raise RuntimeError(f"{backend} load failed:\n{out.stderr[-3000:]}")
-    record = json.loads(out.stdout.strip().splitlines()[-1])
-    size = model.stat().st_size
-    record["added"] = record["rss_peak"] - record["rss_base"]
-    record["ratio"] = round(record["added"] / size, 3)
-    record["after_ratio"] = round((record["rss_after"] - record["rss_base"]) / size, 3)
-    return record
-
+from support.moe_file import MoeFileShape, expert_bytes, measure_load, write_moe_file  # noqa: E402
 
 def shape_for(gib: float) -> MoeFileShape:
     """Qwen3-30B-A3B's layer, as many layers as reach ``gib`` GiB."""
@@ -73,11 +37,11 @@ def run(gib: float, backends: list[str], folder: Path) -> dict:
     results: dict = {"file": {"bytes": model.stat().st_size, "shape": vars(shape_for(gib))}, "runs": {}}
     for backend in backends:
         if backend != "onnx":
-            results["runs"][backend] = measure(model, backend, {})
+            results["runs"][backend] = measure_load(model, backend, {})
             continue
         cache = {"LLMFW_ONNX_CACHE_DIR": str(folder / "onnx-cache")}
-        results["runs"]["onnx (first load: converts, writes the cache)"] = measure(model, "onnx", cache)
-        results["runs"]["onnx (cached)"] = measure(model, "onnx", cache)
+        results["runs"]["onnx (first load: converts, writes the cache)"] = measure_load(model, "onnx", cache)
+        results["runs"]["onnx (cached)"] = measure_load(model, "onnx", cache)
     return results
 
 

@@ -10,6 +10,9 @@ experts, Q6_K down experts, Q8_0 attention), so that loading it does what loadin
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -129,3 +132,38 @@ def expert_bytes(shape: MoeFileShape) -> int:
 
     n = shape.n_expert * shape.n_ff_exp * shape.n_embd
     return 2 * size(shape.expert_type, n) + size(shape.down_type, n)
+
+
+#: run in the fresh process: RSS before the load, then the peak over load + context + first decode
+_MEASURE = r"""
+import json, resource, sys
+import llmfw
+from llmfw.core.exec.backend import backend_class, backend_options_from_environment
+import os
+backend = sys.argv[2]
+backend_class(backend).check_available(None)
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+base = rss()
+model = llmfw.load_model(sys.argv[1], backend=backend, backend_options=backend_options_from_environment(os.environ))
+ctx = model.new_context(n_ctx=256, n_batch=8, n_ubatch=8, n_threads=2)
+assert ctx.decode(llmfw.Batch([1, 2, 3])) == 0
+after = rss()
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps({"rss_base": base, "rss_after": after, "rss_peak": peak}))
+"""
+
+
+def measure_load(model: Path, backend: str, env: dict[str, str]) -> dict:
+    """Load ``model`` on ``backend`` in a fresh process; its RSS record plus ``added`` and ``ratio``."""
+    out = subprocess.run([sys.executable, "-c", _MEASURE, str(model), backend], env={**os.environ, **env},
+                         capture_output=True, text=True, check=False)
+    if out.returncode:
+        raise RuntimeError(f"{backend} load failed:\n{out.stderr[-3000:]}")
+    record = json.loads(out.stdout.strip().splitlines()[-1])
+    size = model.stat().st_size
+    record["added"] = record["rss_peak"] - record["rss_base"]
+    record["ratio"] = round(record["added"] / size, 3)
+    record["after_ratio"] = round((record["rss_after"] - record["rss_base"]) / size, 3)
+    return record

@@ -103,6 +103,12 @@ class NumpyWeights(Backend):
         self._dense_by_source[source.source_name] = dense
         return dense
 
+    def resident_bytes(self, ggml_type: int, ne: tuple[int, ...], usage: frozenset[str], file_bytes: int) -> int:
+        """float32 for what is dequantized at load; the file's bytes for experts and quantized lookup tables."""
+        kept_quantized = ("mul_mat_id" in usage and len(ne) == 3) or (
+            usage == frozenset({"get_rows"}) and ggml_type not in (GGMLType.F32, GGMLType.F16, GGMLType.BF16))
+        return file_bytes if kept_quantized else 4 * int(np.prod(ne, dtype=np.int64))
+
     def _rebind(self, old: np.ndarray, new: np.ndarray) -> None:
         """Point every weight name (and source) whose handle is ``old`` to ``new`` (same values, new storage),
         so that ``old`` is freed."""
