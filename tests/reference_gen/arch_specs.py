@@ -305,8 +305,18 @@ SPECS: dict[str, dict] = {
 }
 
 #: the mixture-of-experts models, by the family the tests name them
+SPECS["deepseek2-yarn"] = {
+    # DeepSeek V2/V3's YaRN: factor 4 from a 64-token original context (the prompts cross it), mscale_all_dim 0.707
+    # written as the converter does (yarn_log_multiplier = 0.1 * 0.707); the attention scale and the rope
+    # magnitude follow llama.cpp's deepseek2 rules
+    **{k: v for k, v in SPECS["deepseek2"].items() if k != "keys"}, "seed": 1040,
+    "keys": {**SPECS["deepseek2"]["keys"], "rope.scaling.type": "yarn", "rope.scaling.factor": 4.0,
+             "rope.scaling.original_context_length": 64, "rope.scaling.yarn_log_multiplier": 0.0707,
+             "rope.scaling.yarn_beta_fast": 32.0, "rope.scaling.yarn_beta_slow": 1.0},
+}
+
 MOE_MODELS = {"qwen3moe": "qwen3moe", "olmoe": "olmoe", "llama (Mixtral)": "llama-moe", "gpt-oss": "gpt-oss",
-              "glm4moe": "glm4moe", "deepseek2": "deepseek2"}
+              "glm4moe": "glm4moe", "deepseek2": "deepseek2", "deepseek2 (YaRN)": "deepseek2-yarn"}
 
 
 def prompt_text(key: str) -> str:

@@ -154,6 +154,15 @@ def test_deepseek2_without_one_feature_fails_the_bar(tmp_path, score, feature):
         assert_misses_bar(score, model, "deepseek2", f"without {feature}")
 
 
+@pytest.mark.parametrize("overrides", [{"deepseek2.rope.scaling.yarn_log_multiplier": 0.0},
+                                       {"deepseek2.rope.scaling.type": "none"}])
+def test_deepseek2_yarn_without_its_scaling_fails_the_bar(tmp_path, score, overrides):
+    """DeepSeek's YaRN: without the log multiplier (mscale_all_dim) the rope magnitude and attention scale are
+    another model's, and without YaRN positions past the 64-token original context are."""
+    with llmfw.load_model(model_file("deepseek2-yarn", tmp_path), backend="numpy", kv_overrides=overrides) as model:
+        assert_misses_bar(score, model, "deepseek2-yarn", f"with {overrides}")
+
+
 @pytest.mark.parametrize("name,tensor,source_type", [("qwen3moe", "blk.2.ffn_gate_exps.weight", "Q4_K"),
                                                       ("gpt-oss", "blk.2.ffn_down_exps.weight", "MXFP4")])
 def test_onnx_keeps_experts_as_blocks_not_float_copies(models, name, tensor, source_type):
