@@ -83,7 +83,8 @@ class Deepseek2Architecture(Architecture):
         """With YaRN and a log multiplier, the rope magnitude cancels ggml's ``1 + 0.1 ln f`` (llama.cpp's
         context set-up for deepseek2, where mscale equals mscale_all_dim)."""
         params = super().rope_params(hp, il)
-        if params.ext_factor and params.freq_scale < 1.0 and getattr(hp, "rope_yarn_log_mul", 0.0):
+        if params.ext_factor and params.freq_scale < 1.0 and isinstance(hp, Deepseek2HParams) and \
+                hp.rope_yarn_log_mul:
             return replace(params, attn_factor=hp.rope_attn_factor / yarn_magnitude(params.freq_scale, 1.0))
         return params
 
