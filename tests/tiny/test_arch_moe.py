@@ -31,8 +31,9 @@ BACKENDS = ["numpy", "onnx"]
 UBATCH = 32
 #: onnx: an expert's MatMulNBits gets another number of rows when the ubatch changes, and ONNX Runtime's kernels
 #: may sum a row in another order for another row count (its one-row kernel is not its many-row one); measured up to
-#: 0.03 on deepseek2's 8k logits of std 4, far below the bar's tolerance
-ONNX_UBATCH_ATOL = 0.05
+#: 0.03 on deepseek2's 8k logits of std 4 and 0.1 on deepseek2-yarn's (YaRN's mscale² sharpens its attention),
+#: far below the bar's tolerance
+ONNX_UBATCH_ATOL = 0.15
 RNG = np.random.default_rng(33)
 
 
@@ -152,6 +153,16 @@ def test_deepseek2_without_one_feature_fails_the_bar(tmp_path, score, feature):
         model = llmfw.load_model(variant, backend="numpy")
     with model:
         assert_misses_bar(score, model, "deepseek2", f"without {feature}")
+
+
+def test_the_multi_token_prediction_block_is_skipped(models):
+    """deepseek2-yarn carries a DeepSeek-V3-style MTP block after its 3-layer trunk (block_count 4,
+    nextn_predict_layers 1, blk.3.* and blk.3.nextn.*): llama.cpp skips it, so does llmfw, and the trunk clears the
+    bar above against llama.cpp's logits for this very file."""
+    model = models("deepseek2-yarn", "numpy")
+    assert model.metadata["deepseek2.block_count"] == 4 and model.metadata["deepseek2.nextn_predict_layers"] == 1
+    assert model.hparams.n_layer == 3
+    assert not any(name.startswith("blk.3.") for name in model.weight_sources)
 
 
 @pytest.mark.parametrize("overrides", [{"deepseek2.rope.scaling.yarn_log_multiplier": 0.0},
