@@ -366,5 +366,7 @@ def test_inspect_shows_the_expert_counts(tmp_path):
                                                     "groups_used": 2, "feed_forward_length": 256}
     text = CliRunner().invoke(cli, ["inspect", path]).output
     assert "experts:         16 (4 used per token, 1 shared, 4 groups of which 2 used, 256 wide)" in text
+    mtp = CliRunner().invoke(cli, ["inspect", str(model_file("deepseek2-yarn", tmp_path))]).output
+    assert "1 multi-token-prediction layer(s) after the trunk, not run)" in mtp
     dense = CliRunner().invoke(cli, ["inspect", str(model_file("qwen2", tmp_path)), "--json"]).output
     assert json.loads(dense)["experts"] is None
