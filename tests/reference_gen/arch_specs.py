@@ -316,8 +316,14 @@ SPECS["deepseek2-yarn"] = {
              "rope.scaling.yarn_beta_fast": 32.0, "rope.scaling.yarn_beta_slow": 1.0},
 }
 
+SPECS["glm4moe-mtp"] = {
+    # glm4moe with GLM-4.5's multi-token-prediction block after the trunk (nextn_predict_layers 1, block_count 4)
+    **SPECS["glm4moe"], "seed": 1042, "nextn": 1,
+}
+
 MOE_MODELS = {"qwen3moe": "qwen3moe", "olmoe": "olmoe", "llama (Mixtral)": "llama-moe", "gpt-oss": "gpt-oss",
-              "glm4moe": "glm4moe", "deepseek2": "deepseek2", "deepseek2 (YaRN)": "deepseek2-yarn"}
+              "glm4moe": "glm4moe", "deepseek2": "deepseek2", "deepseek2 (YaRN)": "deepseek2-yarn",
+              "glm4moe (MTP block)": "glm4moe-mtp"}
 
 
 def prompt_text(key: str) -> str:

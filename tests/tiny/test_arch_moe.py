@@ -155,12 +155,14 @@ def test_deepseek2_without_one_feature_fails_the_bar(tmp_path, score, feature):
         assert_misses_bar(score, model, "deepseek2", f"without {feature}")
 
 
-def test_the_multi_token_prediction_block_is_skipped(models):
-    """deepseek2-yarn carries a DeepSeek-V3-style MTP block after its 3-layer trunk (block_count 4,
-    nextn_predict_layers 1, blk.3.* and blk.3.nextn.*): llama.cpp skips it, so does llmfw, and the trunk clears the
-    bar above against llama.cpp's logits for this very file."""
-    model = models("deepseek2-yarn", "numpy")
-    assert model.metadata["deepseek2.block_count"] == 4 and model.metadata["deepseek2.nextn_predict_layers"] == 1
+@pytest.mark.parametrize("name", ["deepseek2-yarn", "glm4moe-mtp"])
+def test_the_multi_token_prediction_block_is_skipped(models, name):
+    """These files carry a GLM-4.5 / DeepSeek-V3-style MTP block after their 3-layer trunk (block_count 4,
+    nextn_predict_layers 1, blk.3.* and blk.3.nextn.*): llama.cpp skips it, so does llmfw, and the trunk clears
+    the bar above against llama.cpp's logits for these very files."""
+    model = models(name, "numpy")
+    arch = SPECS[name]["arch"]
+    assert model.metadata[f"{arch}.block_count"] == 4 and model.metadata[f"{arch}.nextn_predict_layers"] == 1
     assert model.hparams.n_layer == 3
     assert not any(name.startswith("blk.3.") for name in model.weight_sources)
 
