@@ -19,8 +19,8 @@ from llmfw.plugins.backends.numpy.kernels import F32
 
 
 @dataclass
-class QuantizedTable:
-    """A quantized embedding table kept as raw blocks; rows are dequantized when looked up."""
+class RawBlocks:
+    """A tensor kept as the file's blocks (``ne``: ggml's shape; :attr:`shape`: numpy's)."""
 
     raw: np.ndarray
     ggml_type: int
@@ -31,20 +31,15 @@ class QuantizedTable:
         return tuple(reversed(self.ne))
 
 
-@dataclass
-class QuantizedExperts:
+class QuantizedTable(RawBlocks):
+    """A quantized embedding table kept as raw blocks; rows are dequantized when looked up."""
+
+
+class QuantizedExperts(RawBlocks):
     """A 3-D ``*_exps`` tensor [E, n_out, n_in] kept as the file's blocks (a mapping of the file where the loader
     gives one: only the experts used become resident); ``experts[e]`` decodes expert ``e``'s matrix when a
     ``mul_mat_id`` picks it. A float32 copy of every expert would be 2-8x the file's size, most of it never read
     for a given prompt: numpy is the oracle, so memory wins over the decode time spent here."""
-
-    raw: np.ndarray
-    ggml_type: int
-    ne: tuple[int, ...]
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(reversed(self.ne))
 
     def __getitem__(self, expert: int) -> np.ndarray:
         n_in, n_out = int(self.ne[0]), int(self.ne[1])
