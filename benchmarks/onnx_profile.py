@@ -3,6 +3,7 @@ of each token spent outside the session (Python: batch, memory, scheduler, bindi
 
     python3 benchmarks/onnx_profile.py [-m MODEL] [--tg 128] [--threads 2]
     python3 benchmarks/onnx_profile.py [-m MODEL] --pp 512 [--threads 2]     # one prompt ubatch instead
+    python3 benchmarks/onnx_profile.py -m MOE_MODEL --tg 32 --moe           # the chosen experts' matmuls apart
 
 With ``--pp N`` it profiles prompt ubatches of N tokens (one warm-up, three counted) and splits the matmul ops
 by their input shapes, so that the table shows which projection costs what; the last line says how fast the
@@ -30,9 +31,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 MATMUL_OPS = ("MatMulNBits", "MatMul", "FusedMatMul", "Gemm")
 
 
-def op_times(trace: list[dict], skip_runs: int = 0, by_shape: bool = False) -> tuple[dict[str, float], int, float]:
+def op_times(trace: list[dict], skip_runs: int = 0, by_shape: bool = False,
+             by_rows: bool = False) -> tuple[dict[str, float], int, float]:
     """µs per op type over the trace's node events, the number of session runs and their total µs, leaving out
-    the first ``skip_runs`` runs (and their nodes). ``by_shape``: matmul ops keyed by their two input shapes."""
+    the first ``skip_runs`` runs (and their nodes). ``by_shape``: matmul ops keyed by their two input shapes;
+    ``by_rows``: matmul ops split into those that multiplied no row (a mixture of experts' unchosen experts) and
+    the others."""
     model_runs = sorted((e for e in trace if e.get("cat") == "Session" and e.get("name") == "model_run"),
                         key=lambda e: float(e["ts"]))
     counted = model_runs[skip_runs:]
@@ -41,15 +45,17 @@ def op_times(trace: list[dict], skip_runs: int = 0, by_shape: bool = False) -> t
     for event in trace:
         if event.get("cat") == "Node" and event.get("name", "").endswith("_kernel_time") and \
                 float(event["ts"]) >= since:
-            per_op[_op_key(event["args"], by_shape)] += float(event["dur"])
+            per_op[_op_key(event["args"], by_shape, by_rows)] += float(event["dur"])
     return per_op, len(counted), sum(float(e["dur"]) for e in counted)
 
 
-def _op_key(args: dict, by_shape: bool) -> str:
+def _op_key(args: dict, by_shape: bool, by_rows: bool = False) -> str:
     op = args.get("op_name", "?")
-    if not by_shape or op not in MATMUL_OPS:
+    if op not in MATMUL_OPS or not (by_shape or by_rows):
         return op
     shapes = [list(entry.values())[0] for entry in args.get("input_type_shape", [])[:2]]
+    if by_rows:
+        return f"{op} ({'no rows: an expert nobody chose' if shapes and shapes[0][:1] == [0] else 'rows'})"
     return f"{op} {' x '.join(str(shape) for shape in shapes)}"
 
 
@@ -93,6 +99,8 @@ def main() -> None:
     parser.add_argument("--tg", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--pp", type=int, default=0, help="profile prompt ubatches of this many tokens instead")
+    parser.add_argument("--moe", action="store_true",
+                        help="split the matmuls of a decode into those on rows and those on none (unchosen experts)")
     args = parser.parse_args()
     repetitions = 3
 
@@ -111,7 +119,7 @@ def main() -> None:
 
 
 def report_decode(trace: list[dict], args, wall: float) -> None:
-    per_op, runs, run_us = op_times(trace, skip_runs=1)  # the prompt's run
+    per_op, runs, run_us = op_times(trace, skip_runs=1, by_rows=args.moe)  # the prompt's run
     node_us = sum(per_op.values())
     print(f"{args.model}: tg{args.tg} {args.tg / wall:.1f} t/s, {1e3 * wall / args.tg:.2f} ms/token; "
           f"{runs} session runs: {run_us / 1e3 / max(runs, 1):.2f} ms/run in ORT "

@@ -98,7 +98,7 @@ def type_breakdown(g: GGUFFile) -> dict[str, dict[str, int]]:
 #: ``{arch}.*`` expert keys → the names ``experts`` uses for them
 _EXPERT_KEYS = {"expert_count": "count", "expert_used_count": "used", "expert_shared_count": "shared",
                 "expert_group_count": "groups", "expert_group_used_count": "groups_used",
-                "expert_feed_forward_length": "feed_forward_length"}
+                "expert_feed_forward_length": "feed_forward_length", "nextn_predict_layers": "mtp_layers"}
 
 
 def experts_summary(g: GGUFFile) -> dict[str, Any] | None:
@@ -117,6 +117,8 @@ def _experts_text(experts: dict[str, Any]) -> str:
         parts.append(f"{experts['groups']} groups of which {experts.get('groups_used', '?')} used")
     if experts.get("feed_forward_length"):
         parts.append(f"{experts['feed_forward_length']} wide")
+    if experts.get("mtp_layers"):  # GLM-4.5 / DeepSeek-V3: the last blocks, skipped as llama.cpp does
+        parts.append(f"{experts['mtp_layers']} multi-token-prediction layer(s) after the trunk, not run")
     return f"{experts['count']} ({', '.join(parts)})" if parts else str(experts["count"])
 
 

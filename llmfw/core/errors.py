@@ -46,6 +46,10 @@ class ModelError(LLMFWError):
     """A model's hyperparameters or tensors do not match what its architecture expects."""
 
 
+class InsufficientMemory(ModelError):
+    """A model's weights need more memory than is available (refused before anything is allocated)."""
+
+
 class MissingMetadataKey(ModelError):
     """A metadata key the architecture needs is not in the file (a vocab-only load may do without it)."""
 

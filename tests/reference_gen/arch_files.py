@@ -16,7 +16,7 @@ import hashlib
 import json
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -46,7 +46,7 @@ _U32_KEYS = {
     "attention.key_length_mla", "attention.value_length_mla", "attention.q_lora_rank", "attention.kv_lora_rank",
     "shortconv.l_cache",
     "ssm.conv_kernel", "ssm.inner_size", "ssm.state_size", "ssm.time_step_rank", "ssm.group_count",
-    "full_attention_interval",
+    "full_attention_interval", "nextn_predict_layers",
     "attention.key_length_swa", "attention.value_length_swa", "rope.dimension_count_swa",
     "embedding_length_per_layer_input", "attention.shared_kv_layers",
 }
@@ -68,7 +68,7 @@ def _arch_keys(spec: dict) -> dict:
     """``{arch}.*`` keys as the converter writes them for this family."""
     keys = {
         "context_length": spec["context_length"], "embedding_length": spec["n_embd"],
-        "block_count": spec["n_layer"], "feed_forward_length": spec["n_ff"],
+        "block_count": spec["n_layer"] + spec.get("nextn", 0), "feed_forward_length": spec["n_ff"],
         "attention.head_count": spec["n_head"], "attention.head_count_kv": spec["n_head_kv"],
     }
     if "head_dim" in spec:
@@ -78,6 +78,8 @@ def _arch_keys(spec: dict) -> dict:
         keys["rope.dimension_count"] = _head_dim(spec)
     if "original_context_length" in spec:
         keys["rope.scaling.original_context_length"] = spec["original_context_length"]
+    if spec.get("nextn"):
+        keys["nextn_predict_layers"] = spec["nextn"]
     if "sliding_window" in spec:
         keys["attention.sliding_window"] = spec["sliding_window"]
     if "n_expert" in spec:
@@ -467,6 +469,21 @@ def _expert_plan(spec: dict, il: int) -> list[TensorPlan]:
     return plan
 
 
+def _nextn_plan(spec: dict) -> list[TensorPlan]:
+    """The multi-token-prediction blocks of ``spec["nextn"]`` (GLM-4.5 / DeepSeek-V3 files: after the trunk, a
+    layer like the last one plus its ``nextn.*`` tensors; llama.cpp skips them unless asked for MTP)."""
+    plan: list[TensorPlan] = []
+    last = spec["n_layer"] - 1
+    n_embd = spec["n_embd"]
+    for il in range(spec["n_layer"], spec["n_layer"] + spec.get("nextn", 0)):
+        plan += [replace(item, name=item.name.replace(f"blk.{last}.", f"blk.{il}.", 1))
+                 for item in _layer_plan(spec, last)]
+        plan += [TensorPlan(f"blk.{il}.nextn.eh_proj.weight", (n_embd, 2 * n_embd), "attn_output", "unit", last)]
+        plan += [TensorPlan(f"blk.{il}.nextn.{norm}.weight", (n_embd,), "norm", "norm", last)
+                 for norm in ("enorm", "hnorm", "shared_head_norm")]
+    return plan
+
+
 def tensor_plan(spec: dict, n_vocab: int) -> list[TensorPlan]:
     n_embd = spec["n_embd"]
     half_rot = _head_dim(spec) // 2
@@ -486,6 +503,7 @@ def tensor_plan(spec: dict, n_vocab: int) -> list[TensorPlan]:
         plan.append(TensorPlan("rope_factors_short.weight", (half_rot,), "rope", "rope_short"))
     for il in range(spec["n_layer"]):
         plan += _layer_plan(spec, il)
+    plan += _nextn_plan(spec)
     if spec["arch"] == "lfm2":  # llama.cpp's LLM_TENSOR_OUTPUT_NORM_LFM2
         plan.append(TensorPlan("token_embd_norm.weight", (n_embd,), "norm", "norm"))
     elif spec["arch"] != "olmo":

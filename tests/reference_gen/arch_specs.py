@@ -379,9 +379,25 @@ SPECS: dict[str, dict] = {
 }
 
 #: the mixture-of-experts models, by the family the tests name them
+SPECS["deepseek2-yarn"] = {
+    # DeepSeek V2/V3's YaRN: factor 4 from a 64-token original context (the prompts cross it), mscale_all_dim 0.707
+    # written as the converter does (yarn_log_multiplier = 0.1 * 0.707); the attention scale and the rope
+    # magnitude follow llama.cpp's deepseek2 rules. Like DeepSeek-V3 files, one multi-token-prediction block after
+    # the trunk (nextn_predict_layers 1: block_count 4), which llama.cpp skips and so must llmfw
+    **{k: v for k, v in SPECS["deepseek2"].items() if k != "keys"}, "seed": 1041, "nextn": 1,
+    "keys": {**SPECS["deepseek2"]["keys"], "rope.scaling.type": "yarn", "rope.scaling.factor": 4.0,
+             "rope.scaling.original_context_length": 64, "rope.scaling.yarn_log_multiplier": 0.0707,
+             "rope.scaling.yarn_beta_fast": 32.0, "rope.scaling.yarn_beta_slow": 1.0},
+}
+
+SPECS["glm4moe-mtp"] = {
+    # glm4moe with GLM-4.5's multi-token-prediction block after the trunk (nextn_predict_layers 1, block_count 4)
+    **SPECS["glm4moe"], "seed": 1042, "nextn": 1,
+}
+
 MOE_MODELS = {"qwen3moe": "qwen3moe", "olmoe": "olmoe", "llama (Mixtral)": "llama-moe", "gpt-oss": "gpt-oss",
-              "glm4moe": "glm4moe", "deepseek2": "deepseek2", "qwen35moe": "qwen35moe",
-              "granitehybrid (MoE)": "granitehybrid-moe"}
+              "glm4moe": "glm4moe", "deepseek2": "deepseek2", "deepseek2 (YaRN)": "deepseek2-yarn",
+              "glm4moe (MTP block)": "glm4moe-mtp", "qwen35moe": "qwen35moe", "granitehybrid (MoE)": "granitehybrid-moe"}
 
 
 def prompt_text(key: str) -> str:

@@ -302,6 +302,11 @@ class Backend(ABC):
         """Drop every weight (model closed or load cancelled)."""
         self.weights.clear()
 
+    def resident_bytes(self, ggml_type: int, ne: tuple[int, ...], usage: frozenset[str], file_bytes: int) -> int:
+        """Bytes this backend will keep for a weight of this type, shape and use (checked against the memory
+        available before a load: core/runtime/memory_fit.py). Default: its bytes in the file."""
+        return file_bytes
+
     def weight_nbytes(self) -> int:
         """Bytes of distinct weight storage: the numpy arrays of every handle (a handle itself, or the array
         fields of a handle object), counted once per underlying buffer, so a fused weight and its parts' views

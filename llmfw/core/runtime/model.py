@@ -24,6 +24,7 @@ from ..errors import MissingMetadataKey, ModelError
 from ..validation import validation_error_message
 from ..ir.hparams import HParams, make_hparams, read_common_hparams
 from .loader import ModelFileLoader, WeightLoad, open_loader
+from .memory_fit import check_memory
 from ..ir.passes import prepare_fused_weights
 from ..tokenizer.vocab import Vocab
 
@@ -55,6 +56,9 @@ class ModelParams(BaseModel):
     #: per backend registry name, that backend's options, validated against its ``options_schema``
     #: (``{"torch": {"matmul": "int8"}, "numpy": {"n_threads": 2}}``); a misspelt key is a ConfigError
     backend_options: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    #: bytes the weights may take (None: ``$LLMFW_MEMORY_AVAILABLE``, else the kernel's MemAvailable; negative:
+    #: no check); a load needing more is refused before anything is allocated (memory_fit.py)
+    memory_available: int | None = None
 
     @field_validator("backend")
     @classmethod
@@ -304,6 +308,7 @@ def _build_model(loader: ModelFileLoader, path: Path, params: ModelParams) -> Mo
     try:
         _place_layers(model, params)
         loads = plan_weights(model, loader, specs)
+        check_memory(loads, loader, params.memory_available)
         with _loading(loads, path):
             loader.load_all_data(loads, params.progress)
             for load in loads:

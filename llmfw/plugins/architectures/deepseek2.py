@@ -15,18 +15,25 @@ the rope part comes first in Q and K so that llama.cpp's K-shift (which rotates 
 applies. Routing as glm4moe (llama.cpp's ``build_moe_ffn``: gating by ``expert_gating_func``, softmax when
 absent; selection bias, grouped routing, normalisation and scale from the file), the first
 ``leading_dense_block_count`` layers dense, the experts' gate and up optionally fused (``ffn_gate_up_exps``).
-Not supported: the legacy unsplit ``attn_kv_b`` files and YaRN-scaled files (their attention scale needs
-llama.cpp's mscale bookkeeping, not written here): both are refused at load with a clear error.
+
+YaRN (DeepSeek V2/V3 files scale their rope by 40 from a 4k original context) follows llama.cpp's bookkeeping:
+the file's ``rope.scaling.yarn_log_multiplier`` is 0.1 · ``mscale_all_dim`` (the converter's factor, taken back
+out); with it set, the context's rope magnitude is ``attn_factor / (1 + 0.1 ln f)`` (DeepSeek's ``mscale`` equals
+``mscale_all_dim``, so their ratio is 1, and ggml's own ``1 + 0.1 ln f`` is cancelled), and the attention scale
+is ``mscale² / sqrt(nope + rope)`` with ``mscale = attn_factor · (1 + 0.1 · mscale_all_dim · ln f)`` (f = the
+scaling factor). Not supported: the legacy unsplit ``attn_kv_b`` files, refused at load with a clear error.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
-from llmfw.core.arch.architecture import Architecture, TensorSpec
+from llmfw.core.arch.architecture import Architecture, RopeParams, TensorSpec
 from llmfw.core.errors import ModelError
 from llmfw.core.ir.graph import GraphBuilder, Node
 from llmfw.core.ir.hparams import HParams
+from llmfw.core.ir.rope import yarn_magnitude
 from llmfw.core.format.metadata import MetadataView
 from llmfw.core.arch.moe import (MoeHParams, build_layer_ffn, expert_tensors, mtp_trunk, read_moe_hparams,
                             shared_expert_tensors)
@@ -38,6 +45,8 @@ class Deepseek2HParams(MoeHParams):
     #: the per-head query/key size (nope + rope) and value size of the decompressed attention
     n_embd_head_k_mla: int = 0
     n_embd_head_v_mla: int = 0
+    #: YaRN's ``mscale_all_dim`` (the file's ``rope.scaling.yarn_log_multiplier`` / 0.1; 0: none)
+    rope_yarn_log_mul: float = 0.0
 
 
 class Deepseek2Architecture(Architecture):
@@ -49,9 +58,9 @@ class Deepseek2Architecture(Architecture):
         if keys.get_int("{arch}.attention.key_length_mla", 0) <= 0:
             raise ModelError("deepseek2: only files with multi-head latent attention in absorbed form "
                              "(attention.key_length_mla, attn_k_b / attn_v_b) are supported; reconvert this file")
-        if common["rope_scaling_type"] == "yarn":
-            raise ModelError("deepseek2: YaRN-scaled files are not supported yet")
         extra = read_moe_hparams(keys, default_gating="softmax")
+        # the converter writes 0.1 * mscale_all_dim; llama.cpp divides the factor back out
+        extra["rope_yarn_log_mul"] = keys.get_float("{arch}.rope.scaling.yarn_log_multiplier", 0.0) / 0.1
         extra["n_expert_shared"] = keys.get_int("{arch}.expert_shared_count")
         return {**extra, **mtp_trunk(keys, common), "n_lora_q": keys.get_int("{arch}.attention.q_lora_rank", 0),
                 "n_lora_kv": keys.get_int("{arch}.attention.kv_lora_rank"),
@@ -69,6 +78,23 @@ class Deepseek2Architecture(Architecture):
                              f"must be kv_lora_rank + rope ({hp.n_lora_kv} + {hp.n_rot}), kv_lora_rank and 1")
         if not hp.n_expert:
             raise ModelError("deepseek2: expert_count must be > 1")
+
+    def rope_params(self, hp: HParams, il: int) -> RopeParams:
+        """With YaRN and a log multiplier, the rope magnitude cancels ggml's ``1 + 0.1 ln f`` (llama.cpp's
+        context set-up for deepseek2, where mscale equals mscale_all_dim)."""
+        params = super().rope_params(hp, il)
+        if params.ext_factor and params.freq_scale < 1.0 and isinstance(hp, Deepseek2HParams) and \
+                hp.rope_yarn_log_mul:
+            return replace(params, attn_factor=hp.rope_attn_factor / yarn_magnitude(params.freq_scale, 1.0))
+        return params
+
+    def kq_scale(self, hp: Deepseek2HParams) -> float:
+        """``mscale² / sqrt(nope + rope)``: llama.cpp's deepseek2 graph takes the rope magnitude's cancelled
+        factor back (``attn_factor · (1 + 0.1 ln(1/freq_scale))``) and applies YaRN's ``mscale_all_dim`` term."""
+        params = self.rope_params(hp, 0)
+        log_f = math.log(1.0 / params.freq_scale)
+        mscale = params.attn_factor * (1.0 + 0.1 * log_f) * (1.0 + 0.1 * hp.rope_yarn_log_mul * log_f)
+        return mscale * mscale / math.sqrt(hp.n_embd_head_k_mla)
 
     def layer_tensors(self, hp: HParams, il: int) -> list[TensorSpec]:
         assert isinstance(hp, Deepseek2HParams)
@@ -126,7 +152,7 @@ class Deepseek2Architecture(Architecture):
         k_pe = b.build_rope(b.op("reshape", b.op("slice", kv_pe, axis=-1, start=latent, stop=latent + rope),
                                  shape=(-1, 1, rope)))
         q_all = b.op("concat", q_pe, b.op("mul_mat_heads", b.weight(f"{p}.attn_k_b.weight"), q_nope))
-        out = b.build_attn(q_all, b.op("concat", k_pe, kv), kv, kq_scale=1.0 / math.sqrt(hp.n_embd_head_k_mla),
+        out = b.build_attn(q_all, b.op("concat", k_pe, kv), kv, kq_scale=self.kq_scale(hp),
                            out_weight="")
         out = b.op("mul_mat_heads", b.weight(f"{p}.attn_v_b.weight"), b.op("reshape", out, shape=(-1, n_head, latent)))
         return b.mul_mat(f"{p}.attn_output.weight", b.op("reshape", out, shape=(-1, n_head * hp.n_embd_head_v_mla)))

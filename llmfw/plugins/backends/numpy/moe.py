@@ -7,6 +7,7 @@ import numpy as np
 
 from llmfw.core.ir.graph import Node
 from llmfw.plugins.backends.numpy.kernels import F32
+from llmfw.plugins.backends.numpy.weights import QuantizedExperts
 
 Step = Callable[[], None]
 
@@ -33,9 +34,9 @@ def id_mask(x: np.ndarray, ids: np.ndarray) -> np.ndarray:
     return out
 
 
-def mul_mat_id(w: np.ndarray, x: np.ndarray, ids: np.ndarray) -> np.ndarray:
+def mul_mat_id(w: "np.ndarray | QuantizedExperts", x: np.ndarray, ids: np.ndarray) -> np.ndarray:
     """Row (t, j) = ``x[t(, j)] @ w[ids[t, j]].T``: one matmul per expert over the rows that chose it, so only
-    the chosen experts' matrices are read."""
+    the chosen experts' matrices are read (and, kept quantized, decoded)."""
     n_tokens, n_used = ids.shape
     out = np.empty((n_tokens, n_used, w.shape[1]), dtype=F32)
     flat = ids.reshape(-1)

@@ -1,7 +1,8 @@
 """Weight storage of the numpy backend: float32, dequantized once at load, in the layout BLAS streams fastest.
 
 An embedding table used only for row lookups stays in its quantized form (:class:`QuantizedTable`) and rows are
-decoded on demand; tensors with the same file source (a tied output head and embedding) share one float32 copy;
+decoded on demand, and so are the expert tensors of a mixture of experts (:class:`QuantizedExperts`, one
+expert's matrix when a token picks it); tensors with the same file source (a tied output head and embedding) share one float32 copy;
 :meth:`NumpyWeights.fuse_weights` lays the parts of a fused matmul side by side (the package docstring
 says why).
 """
@@ -13,13 +14,13 @@ from typing import Any
 import numpy as np
 
 from llmfw.core.exec.backend import Backend, BackendOptions, WeightSource, release_freed_memory
-from llmfw.core.format.quants import GGMLType, dequantize, dequantize_rows
+from llmfw.core.format.quants import GGMLType, dequantize, dequantize_rows, tensor_nbytes
 from llmfw.plugins.backends.numpy.kernels import F32
 
 
 @dataclass
-class QuantizedTable:
-    """A quantized embedding table kept as raw blocks; rows are dequantized when looked up."""
+class RawBlocks:
+    """A tensor kept as the file's blocks (``ne``: ggml's shape; :attr:`shape`: numpy's)."""
 
     raw: np.ndarray
     ggml_type: int
@@ -28,6 +29,22 @@ class QuantizedTable:
     @property
     def shape(self) -> tuple[int, ...]:
         return tuple(reversed(self.ne))
+
+
+class QuantizedTable(RawBlocks):
+    """A quantized embedding table kept as raw blocks; rows are dequantized when looked up."""
+
+
+class QuantizedExperts(RawBlocks):
+    """A 3-D ``*_exps`` tensor [E, n_out, n_in] kept as the file's blocks (a mapping of the file where the loader
+    gives one: only the experts used become resident); ``experts[e]`` decodes expert ``e``'s matrix when a
+    ``mul_mat_id`` picks it. A float32 copy of every expert would be 2-8x the file's size, most of it never read
+    for a given prompt: numpy is the oracle, so memory wins over the decode time spent here."""
+
+    def __getitem__(self, expert: int) -> np.ndarray:
+        n_in, n_out = int(self.ne[0]), int(self.ne[1])
+        step = tensor_nbytes(self.ggml_type, (n_in, n_out))
+        return dequantize(self.raw[expert * step:(expert + 1) * step], self.ggml_type, (n_in, n_out))
 
 
 def is_stored_transposed(array: np.ndarray) -> bool:
@@ -63,6 +80,8 @@ class NumpyWeights(Backend):
             # rows decoded on demand: a quantized table stays ~4-8x smaller than float32, and mapped from the file
             # it costs only the rows looked up
             return QuantizedTable(source.kept_raw(), int(qtype), source.ne)
+        if "mul_mat_id" in source.usage and len(source.ne) == 3:
+            return QuantizedExperts(source.kept_raw(), int(qtype), source.ne)
         # a matrix multiplied with activations is stored in the layout its one-token product streams fastest
         # (see the module docstring); the handle keeps the contract's [n_out, n_in] shape either way
         transposed = "mul_mat" in source.usage and len(source.ne) == 2 and source.ne[1] >= source.ne[0]
@@ -78,6 +97,12 @@ class NumpyWeights(Backend):
             dense = dense.copy(order="K")
         self._dense_by_source[source.source_name] = dense
         return dense
+
+    def resident_bytes(self, ggml_type: int, ne: tuple[int, ...], usage: frozenset[str], file_bytes: int) -> int:
+        """float32 for what is dequantized at load; the file's bytes for experts and quantized lookup tables."""
+        kept_quantized = ("mul_mat_id" in usage and len(ne) == 3) or (
+            usage == frozenset({"get_rows"}) and ggml_type not in (GGMLType.F32, GGMLType.F16, GGMLType.BF16))
+        return file_bytes if kept_quantized else 4 * int(np.prod(ne, dtype=np.int64))
 
     def _rebind(self, old: np.ndarray, new: np.ndarray) -> None:
         """Point every weight name (and source) whose handle is ``old`` to ``new`` (same values, new storage),

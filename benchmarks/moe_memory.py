@@ -1,0 +1,63 @@
+"""The memory a mixture-of-experts load adds, against the file's size (issue 33: at most 1.3x).
+
+Writes a qwen3moe GGUF file of at least ``--gib`` GiB with the ``gguf`` package (Qwen3-30B-A3B's layer shape,
+Q4_K_M's block types, random blocks: tests/support/moe_file.py) into a temporary folder, then, per backend, loads
+it in a fresh Python process and decodes one token (the onnx backend builds its session at the first decode):
+``added`` = peak RSS of that process minus its RSS just before the load, ``ratio`` = added / file size. The onnx
+backend is measured twice with an empty converted-weight cache (the first load converts and writes the cache)
+and then with the cache written (later loads map it). Prints one JSON object.
+
+    python benchmarks/moe_memory.py                 # a 1.05 GiB file, numpy and onnx
+    python benchmarks/moe_memory.py --gib 0.3 --backends onnx
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+sys.path.insert(0, str(ROOT / "tests"))
+
+from support.moe_file import MoeFileShape, expert_bytes, measure_load, write_moe_file  # noqa: E402
+
+def shape_for(gib: float) -> MoeFileShape:
+    """Qwen3-30B-A3B's layer, as many layers as reach ``gib`` GiB."""
+    shape = MoeFileShape()
+    n_layer = max(1, math.ceil(gib * (1 << 30) / expert_bytes(shape)))
+    return MoeFileShape(n_layer=n_layer)
+
+
+def run(gib: float, backends: list[str], folder: Path) -> dict:
+    model = write_moe_file(folder / "moe.gguf", shape_for(gib))
+    results: dict = {"file": {"bytes": model.stat().st_size, "shape": vars(shape_for(gib))}, "runs": {}}
+    for backend in backends:
+        if backend != "onnx":
+            results["runs"][backend] = measure_load(model, backend, {})
+            continue
+        cache = {"LLMFW_ONNX_CACHE_DIR": str(folder / "onnx-cache")}
+        results["runs"]["onnx (first load: converts, writes the cache)"] = measure_load(model, "onnx", cache)
+        results["runs"]["onnx (cached)"] = measure_load(model, "onnx", cache)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gib", type=float, default=1.05, help="file size to reach (GiB)")
+    parser.add_argument("--backends", default="numpy,onnx")
+    parser.add_argument("--dir", help="folder for the file (default: a temporary one, removed after)")
+    args = parser.parse_args()
+    backends = [b for b in args.backends.split(",") if b]
+    if args.dir:
+        print(json.dumps(run(args.gib, backends, Path(args.dir)), indent=2))
+        return
+    with tempfile.TemporaryDirectory(prefix="moe-memory-") as folder:
+        print(json.dumps(run(args.gib, backends, Path(folder)), indent=2))
+
+
+if __name__ == "__main__":
+    main()
