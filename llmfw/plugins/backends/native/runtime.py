@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 NATIVE_OPS = frozenset({"get_rows", "mul_mat", "add", "sub", "mul", "div", "scale", "rms_norm", "norm", "silu",
                         "relu", "gelu", "sigmoid", "softplus", "softcap", "clamp", "softmax", "reshape", "slice",
                         "rope", "attention", "k_shift"})
+#: GGML types whose weights the kernels take (as matrices, or as the float arrays of norms and biases)
+_KNOWN_TYPES = frozenset(int(t) for t in SUPPORTED_TYPES)
 WORDS_PER = {"f32": 1, "i32": 1, "i64": 2}
 NP_DTYPES = {"f32": np.float32, "i32": np.int32, "i64": np.int64}
 
@@ -484,6 +486,16 @@ class NativeBackend(NumpyWeights):
         if self._pool is not None and self._pool.n_threads != (n_threads or os.cpu_count() or 1):
             self._pool.close()
             self._pool = None
+
+    def decline_reason(self, ops: frozenset[str], weight_types: Mapping[str, int]) -> str | None:
+        """An op without a kernel, or a weight type without one: the programs would fail, not fall back."""
+        missing = sorted(ops - self.supported_ops)
+        if missing:
+            return f"the native backend has no kernel for op {', '.join(map(repr, missing))}"
+        types = sorted({GGMLType(t).name for t in weight_types.values() if t not in _KNOWN_TYPES})
+        if types:
+            return f"the native backend has no kernel for {', '.join(types)} weights"
+        return None
 
     # -- weights ------------------------------------------------------------------------------------------
     def load_weight(self, source: WeightSource) -> Any:
