@@ -20,7 +20,7 @@ from llmfw.core.format.quants import GGMLType
 from llmfw.core.ir.graph import DYNAMIC, Node
 from llmfw.core.ir.rope import yarn_magnitude, yarn_ramp_mix
 import llmfw.plugins.backends.native.kernels as kernels
-from llmfw.plugins.backends.native import program as pg
+import llmfw.plugins.backends.native.program as pg
 from llmfw.plugins.backends.native.repack import ROWS, SUPPORTED_TYPES, PackedWeight, repack
 from llmfw.plugins.backends.numpy.kernels import F32, NumpyKV
 from llmfw.plugins.backends.numpy.runtime import SWIGLU
