@@ -230,6 +230,8 @@ def test_a_checked_program_runs_and_its_instructions_are_frozen():
     ({"op": pg.GET_ROWS, "n": [4, 16, 1, 3]}, "ids of 4 or 8 bytes"),
     ({"op": pg.SLICE, "n": [4, 16, 10, 8]}, "slice 10\\+8"),
     ({"op": pg.ATTEND, "n": [1, 3, 2, 4, 4, 4, 4]}, "3 heads over 2 KV heads"),
+    ({"op": pg.ATTEND, "n": [1, 3, 0, 4, 4, 4, 4]}, "3 heads over 0 KV heads"),
+    ({"op": pg.BINARY, "n": [0, 1, 1, 4, 16, 0, 0, 64, 1, 0, 0, 0, 1]}, "operand 1 spans"),
 ])
 def test_a_corrupted_program_is_refused_before_c_runs_it(change, reason):
     instrs, parts = small_program(**change)

@@ -145,8 +145,15 @@ def _check_instruction(ins: np.void, buffer_words: Sequence[int], writable: Sequ
             raise ProgramError(f"operand {i} writes read-only buffer {b}")
 
     def positive(*values: int) -> None:
-        if any(v < 1 or v > 1 << 40 for v in values):
+        """Counts (0 allowed: a batch with no output rows) within what an allocation could hold."""
+        if any(v < 0 or v > 1 << 40 for v in values):
             raise ProgramError(f"sizes {values} out of range")
+
+    def span(count: int, *strided: tuple[int, int]) -> int:
+        """Words from the first element to one past the last of ``count`` rows of (extent, stride) steps."""
+        if count == 0 or any(extent == 0 for extent, _ in strided):
+            return 0
+        return 1 + sum((extent - 1) * stride for extent, stride in strided)
 
     def weight(index: int) -> WeightInfo:
         if not 0 <= index < len(weights):
@@ -159,8 +166,8 @@ def _check_instruction(ins: np.void, buffer_words: Sequence[int], writable: Sequ
         if not 0 <= n[0] <= 3 or min(sa + sb) < 0:
             raise ProgramError("a bad kind or a negative stride")
         need(0, prod(dims), out=True)
-        need(1, 1 + sum((d - 1) * s for d, s in zip(dims, sa)))
-        need(2, 1 + sum((d - 1) * s for d, s in zip(dims, sb)))
+        need(1, span(prod(dims), *zip(dims, sa)))
+        need(2, span(prod(dims), *zip(dims, sb)))
     elif op in (UNARY, SWIGLU):
         if n[1] < 0 or (op == UNARY and not 0 <= n[0] < len(UNARY_KINDS)):
             raise ProgramError("a bad kind or count")
@@ -206,10 +213,10 @@ def _check_instruction(ins: np.void, buffer_words: Sequence[int], writable: Sequ
     elif op == ROPE:
         n_tokens, n_head, dim, n_dims = n[0:4]
         positive(n_tokens, n_head, dim, n_dims)
-        if n_dims % 2 or n_dims > dim or n_dims > MAX_ROPE_DIMS or min(n[5:9]) < 0:
+        if n_head < 1 or n_dims < 2 or n_dims % 2 or n_dims > dim or n_dims > MAX_ROPE_DIMS or min(n[5:9]) < 0:
             raise ProgramError(f"rotating {n_dims} of {dim} dimensions")
-        need(0, 1 + (n_tokens - 1) * n[7] + (n_head - 1) * n[8] + dim - 1, out=True)
-        need(1, 1 + (n_tokens - 1) * n[5] + (n_head - 1) * n[6] + dim - 1)
+        need(0, span(n_tokens, (n_tokens, n[7]), (n_head, n[8]), (dim, 1)), out=True)
+        need(1, span(n_tokens, (n_tokens, n[5]), (n_head, n[6]), (dim, 1)))
         need(2, n_tokens)
         need(3, n_dims // 2, optional=True)
         need(4, n_dims // 2, optional=True)
@@ -224,7 +231,7 @@ def _check_instruction(ins: np.void, buffer_words: Sequence[int], writable: Sequ
     elif op == ATTEND:
         n_tokens, n_head, n_head_kv, dk, dv, n_kv, n_cells = n[0:7]
         positive(n_tokens, n_head, n_head_kv, dk, dv, n_kv, n_cells)
-        if n_head % n_head_kv or n_kv > n_cells:
+        if n_head_kv < 1 or n_head % n_head_kv or n_kv > n_cells:
             raise ProgramError(f"{n_head} heads over {n_head_kv} KV heads, {n_kv} of {n_cells} cells")
         need(0, n_tokens * n_head * dv, out=True)
         need(1, n_tokens * n_head * dk)
