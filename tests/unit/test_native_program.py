@@ -280,3 +280,13 @@ def test_more_threads_than_cores_give_the_same_bits_as_one(backends):
         results.append(g.run(native, out))
     native.set_n_threads(2)
     assert np.array_equal(results[0], results[1])
+
+
+def test_a_batch_without_output_rows_runs(backends):
+    """A prompt decoded with no logits selects zero rows: zero-row values compile and run (nothing to compute)."""
+    g = Graph()
+    x = g.input(f32(5, 32))
+    rows = g.op("get_rows", x, g.input(np.zeros(0, np.int32)), out=(0, 32))
+    out = g.op("mul", g.op("rms_norm", rows, out=(0, 32), eps=1e-6), g.weight("w", f32(32)), out=(0, 32))
+    got, expected = both(g, out, backends)
+    assert got.shape == expected.shape == (0, 32)
