@@ -337,6 +337,11 @@ static float dot16(const float *q, const float *k, int64_t n) {
     int64_t full = n & ~(int64_t)15;
     for (int64_t d = 0; d < full; d += 16)
         for (int part = 0; part < 4; part++) acc[part] = acc[part] + load4(q + d + 4 * part) * load4(k + d + 4 * part);
+    if (full == n) {  /* nat_reduce16's steps as vector adds: lanes l + l+8, l + l+4, then l + l+2, l + l+1 */
+        lanes4 quad = (acc[0] + acc[2]) + (acc[1] + acc[3]);
+        float pair0 = quad[0] + quad[2], pair1 = quad[1] + quad[3];
+        return pair0 + pair1;
+    }
     float lanes[16];
     memcpy(lanes, acc, sizeof lanes);
     for (int64_t d = full; d < n; d++) lanes[d - full] = lanes[d - full] + q[d] * k[d];
@@ -364,7 +369,11 @@ static void attend_tile(const attn_job *job, int64_t t0, int64_t kvh, float *scr
         total[i] = 0.0f;
     }
     int seen[TILE_T] = {0};
-    for (int64_t j = 0; j < job->n_kv; j++) {
+    int64_t end = 0;  /* past the last cell a row of the tile sees: the hidden cells after it need no look */
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t j = job->n_kv; j > end; j--)
+            if (!hidden(job->mask[(t0 + r) * job->n_kv + j - 1])) { end = j; break; }
+    for (int64_t j = 0; j < end; j++) {
         const float *k = job->k + (kvh * job->n_cells + j) * dk;
         for (int64_t r = 0; r < rows; r++) {
             float mask = job->mask[(t0 + r) * job->n_kv + j];
@@ -389,7 +398,7 @@ static void attend_tile(const attn_job *job, int64_t t0, int64_t kvh, float *scr
         float *out = job->out + ((t0 + i / group) * job->n_head + kvh * group + i % group) * dv;
         for (int64_t d = 0; d < dv; d++) out[d] = seen[i / group] ? 0.0f : NAN;  /* no visible cell: 0/0 */
     }
-    for (int64_t j = 0; j < job->n_kv; j++) {
+    for (int64_t j = 0; j < end; j++) {
         const float *v = job->v + (kvh * job->n_cells + j) * dv;
         for (int64_t r = 0; r < rows; r++) {
             if (hidden(job->mask[(t0 + r) * job->n_kv + j])) continue;
