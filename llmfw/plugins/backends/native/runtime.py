@@ -88,9 +88,6 @@ class Value:
     def size(self) -> int:
         return prod(self.shape)
 
-    @property
-    def words(self) -> int:
-        return self.size * WORDS_PER[self.dtype]
 
 
 class NativeCompiler(SplitCompilerBase[NumpyKV]):
@@ -194,9 +191,6 @@ class NativeCompiler(SplitCompilerBase[NumpyKV]):
             raise ModelError(f"native backend: weight {name!r} is stored as {type(handle).__name__}, which the "
                              "kernels cannot read")
         self.values[node.id] = Value(self.buffer(handle), 0, tuple(handle.shape), "f32")
-
-    def compile_node(self, node: Node) -> None:
-        self.op_handler(node)(node)
 
     def compile_release(self, node_ids: Sequence[int]) -> None:
         for node_id in node_ids:
@@ -463,6 +457,8 @@ class NativeBackend(NumpyWeights):
         self.isa = kernels.resolve_isa(self.native_options.isa)
         self._pool: kernels.ThreadPool | None = None
         self._programs: list[CompiledProgram] = []
+        #: one repacked copy per file tensor: a tied head and the embedding it looks rows up in share it
+        self._packed_by_source: dict[str, NativeMatrix] = {}
 
     @classmethod
     def install_hint(cls) -> str:
@@ -505,7 +501,10 @@ class NativeBackend(NumpyWeights):
         if qtype not in SUPPORTED_TYPES:
             raise ModelError(f"native backend: no kernel for {qtype.name} weights ({source.name}); use another "
                              "backend for this model")
-        return native_matrix(repack(source.raw, qtype, source.ne))
+        shared = self._packed_by_source.get(source.source_name)
+        if shared is None or shared.packed.shape != tuple(reversed(source.ne)):
+            shared = self._packed_by_source[source.source_name] = native_matrix(repack(source.raw, qtype, source.ne))
+        return shared
 
     def fusion_key(self, weight_name: str) -> Hashable | None:
         handle = self.weights.get(weight_name)
@@ -531,6 +530,8 @@ class NativeBackend(NumpyWeights):
             start += part.data.size
             self.weights[part_name] = native_matrix(replace(part, data=view))
         self.weights[name] = native_matrix(replace(packed[0], n_rows=sum(p.n_rows for p in packed), data=data))
+        self._packed_by_source = {source: handle for source, handle in self._packed_by_source.items()
+                                  if not any(handle is member for member in members)}  # the parts' own copies go
         release_freed_memory()
         return True
 
@@ -549,6 +550,7 @@ class NativeBackend(NumpyWeights):
     def free_weights(self) -> None:
         super().free_weights()
         self._programs.clear()
+        self._packed_by_source.clear()
         if self._pool is not None:
             self._pool.close()
             self._pool = None
