@@ -121,8 +121,11 @@ def test_a_weight_type_without_a_kernel_is_declined_with_the_reason():
 
 def test_weights_are_counted_in_their_repacked_size(smollm2_native):
     backend = smollm2_native.backends["native"]
-    # the matrices as loaded (a fused matrix "a+b+c" shares its parts' bytes: counted once)
-    packed = sum(h.packed.nbytes for name, h in backend.weights.items() if hasattr(h, "packed") and "+" not in name)
+    # the matrices as loaded (a fused matrix "a+b+c" shares its parts' bytes, the tied head its embedding's: counted
+    # once)
+    distinct = {id(h): h for name, h in backend.weights.items() if hasattr(h, "packed") and "+" not in name}
+    packed = sum(h.packed.nbytes for h in distinct.values())
+    assert backend.weights["output.weight"] is backend.weights["token_embd.weight"]
     assert packed > 50 * 2**20  # SmolLM2-135M's matrices, 4-8 bits a weight
     assert packed <= backend.weight_nbytes() < 2 * packed
 
@@ -139,3 +142,38 @@ def test_every_random_weight_family_clears_the_bar(family, tmp_path, score):
     with llmfw.load_model(model_file(family, tmp_path), backend="native") as model:
         for record in records(reference(family)):
             assert_clears_bar(score, record, decode_all(model, record["sequence"], n_ctx=record["n_ctx"]), family)
+
+
+def test_a_model_with_an_op_without_a_kernel_is_declined_at_load_naming_the_op(tmp_path):
+    from reference_gen.arch_testing import model_file
+
+    with pytest.raises(ModelError, match="cannot run qwen3moe.gguf: the native backend has no kernel for op "
+                                         "'mul_mat_id'"):
+        llmfw.load_model(model_file("qwen3moe", tmp_path), backend="native")
+
+
+def test_a_default_that_declines_a_model_is_skipped_for_the_next_by_priority(tmp_path):
+    """The highest-priority backend is the default only for the models it can run: for another it is skipped,
+    with its reason, for the next by priority — before any weight is converted."""
+    from llmfw.core.plugins import registry, reset_plugin_manager
+    from llmfw.plugins.backends.native import NativeBackend
+    from reference_gen.arch_testing import model_file
+
+    class NativeFirst(NativeBackend):
+        name = "native-first"
+        default_priority = {"cpu": 5000}
+
+    moe, dense = model_file("qwen3moe", tmp_path), model_file("qwen3", tmp_path)
+    reset_plugin_manager()
+    try:
+        registry("backends").register("native-first", NativeFirst)
+        with llmfw.load_model(dense) as model:
+            assert model.backend_choice.startswith("native-first (the default")
+        with llmfw.load_model(moe) as model:
+            assert not model.backend_choice.startswith("native-first")
+            assert "skipped native-first: declines this model: the native backend has no kernel for op " \
+                   "'mul_mat_id'" in model.backend_choice
+            ctx = model.new_context(n_ctx=64)
+            assert ctx.decode(llmfw.Batch(tokens=[1, 2, 3], logits=True)) == 0
+    finally:
+        reset_plugin_manager()

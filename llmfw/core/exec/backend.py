@@ -272,6 +272,14 @@ class Backend(ABC):
             return str(exc)
         return None
 
+    def decline_reason(self, ops: frozenset[str], weight_types: Mapping[str, int]) -> str | None:
+        """Why this backend cannot run the part of a model placed on it (None: it can). ``ops``: the graph ops of
+        that part (a one-token graph of the model, before the core's passes); ``weight_types``: the GGML type of
+        each weight it would load. Asked once at load, before any weight is converted: a default backend that
+        declines is skipped for the next by priority (``-v`` says why), one asked for by name fails the load with
+        the reason. Default: never declines (ops it lacks run on the host)."""
+        return None
+
     # -- weights ----------------------------------------------------------------------------------------
     @abstractmethod
     def load_weight(self, source: WeightSource) -> WeightHandle:
@@ -527,16 +535,20 @@ def _default_candidates() -> list[tuple[int, str, str]]:
     return sorted(candidates, key=lambda c: (-c[0], c[1], c[2]))
 
 
-def choose_default_backend(*, devices_only: bool = False) -> BackendChoice:
+def choose_default_backend(*, devices_only: bool = False, declined: Mapping[str, str] | None = None) -> BackendChoice:
     """The backend ``backend=None`` means: among the registered backends' declarations
     (:attr:`Backend.default_priority`), the highest priority that can run here. Built in: ``torch:cuda`` (a
     CUDA GPU and torch), then ``onnx`` on the CPU (onnxruntime importable), then ``numpy``. ``devices_only``:
-    only declarations for a device other than the CPU (where ``n_gpu_layers`` offloads)."""
+    only declarations for a device other than the CPU (where ``n_gpu_layers`` offloads). ``declined``: spec →
+    why it declined the model being loaded (:meth:`Backend.decline_reason`): skipped, saying so."""
     skipped: list[str] = []
     for priority, name, device in _default_candidates():
         if devices_only and device == "cpu":
             continue
         spec = name if device == "cpu" else f"{name}:{device}"
+        if declined and spec in declined:
+            skipped.append(f"{spec}: declines this model: {declined[spec]}")
+            continue
         try:
             why_not = backend_class(name).default_unavailable_reason(device)
         except Exception as exc:  # noqa: BLE001 - one broken plugin's check must not leave no default at all

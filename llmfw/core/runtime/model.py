@@ -13,7 +13,7 @@ import logging
 import os
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, Mapping, Sequence
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -21,11 +21,12 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ..arch.architecture import INPUT_LAYER, OUTPUT_LAYER, Architecture, TensorSpec, get_architecture
 from ..exec.backend import Backend, check_backend_options, choose_default_backend, choose_host_backend, create_backend
 from ..errors import MissingMetadataKey, ModelError
+from ..format.quants import GGMLType
 from ..validation import validation_error_message
 from ..ir.hparams import HParams, make_hparams, read_common_hparams
 from .loader import ModelFileLoader, WeightLoad, open_loader
 from .memory_fit import check_memory
-from ..ir.passes import prepare_fused_weights
+from ..ir.passes import prepare_fused_weights, representative_graph
 from ..tokenizer.vocab import Vocab
 
 if TYPE_CHECKING:
@@ -303,24 +304,50 @@ def _build_model(loader: ModelFileLoader, path: Path, params: ModelParams) -> Mo
     hparams = read_hparams(arch, loader)
     vocab = Vocab.from_metadata(loader.metadata)
     specs = arch.tensors(hparams)
-    model = Model(path=path, params=params, metadata=loader.metadata, arch=arch, hparams=hparams, vocab=vocab,
-                  tensor_specs=specs)
-    try:
-        _place_layers(model, params)
-        loads = plan_weights(model, loader, specs)
-        check_memory(loads, loader, params.memory_available)
-        with _loading(loads, path):
-            loader.load_all_data(loads, params.progress)
+    declined: dict[str, str] = {}  # default backends that declined this model → why
+    while True:
+        model = Model(path=path, params=params, metadata=loader.metadata, arch=arch, hparams=hparams, vocab=vocab,
+                      tensor_specs=specs)
+        try:
+            default = _place_layers(model, params, declined)
+            loads = plan_weights(model, loader, specs)
             for load in loads:
                 model._weights[load.name] = (load.backend, _spec_layer(hparams, load.layer))
                 model.weight_sources[load.name] = (load.source_name, load.ne)
-            for parts, name in prepare_fused_weights(model).items():
-                model.add_fused_weight(name, parts)
-    except BaseException:
-        model.close()
-        raise
-    log.info("%s", model.describe())
-    return model
+            refusal = _declining_backend(model, loader, loads)
+            if refusal is not None and refusal[0] == default:
+                declined[default] = refusal[1]  # the next default by priority, with a fresh model
+                model.close()
+                continue
+            if refusal is not None:
+                raise ModelError(f"backend {refusal[0]!r} cannot run {path.name}: {refusal[1]}")
+            check_memory(loads, loader, params.memory_available)
+            with _loading(loads, path):
+                loader.load_all_data(loads, params.progress)
+                for parts, name in prepare_fused_weights(model).items():
+                    model.add_fused_weight(name, parts)
+        except BaseException:
+            model.close()
+            raise
+        log.info("%s", model.describe())
+        return model
+
+
+def _declining_backend(model: Model, loader: ModelFileLoader, loads: list[WeightLoad]) -> tuple[str, str] | None:
+    """(spec, reason) of the first backend of ``model`` that declines the part of it placed there
+    (:meth:`Backend.decline_reason`, asked with the ops of a one-token graph and its weights' types), or None."""
+    graph = representative_graph(model)
+    if graph is None:  # the architecture cannot build it now: the first decode reports why
+        return None
+    for spec, backend in model.backends.items():
+        ops = frozenset(node.op for node in graph.nodes if node.op not in ("input", "weight")
+                        and model.layer_backend(node.layer) is backend)
+        types = {load.name: (loader.tensor_record(load.file_tensor).ggml_type if load.generated is None
+                             else int(GGMLType.F32)) for load in loads if load.backend is backend}
+        reason = backend.decline_reason(ops, types)
+        if reason is not None:
+            return spec, reason
+    return None
 
 
 @contextmanager
@@ -365,14 +392,17 @@ def _spec_layer(hp: HParams, layer: int) -> int:
     return hp.n_layer if layer == OUTPUT_LAYER else layer
 
 
-def _place_layers(model: Model, params: ModelParams) -> None:
-    """Decide the backend spec of every layer and the output head, and instantiate the backends."""
+def _place_layers(model: Model, params: ModelParams, declined: Mapping[str, str]) -> str | None:
+    """Decide the backend spec of every layer and the output head, and instantiate the backends. Returns the spec
+    chosen as the default (None when one was asked for), skipping the ``declined`` ones."""
     n_layer = model.n_layer
+    default = None
     if params.backend:
         main, model.backend_choice = params.backend, f"{params.backend} (asked for)"
     else:
-        choice = choose_default_backend()
+        choice = choose_default_backend(declined=declined)
         main, model.backend_choice = choice.spec, f"{choice.spec} (the default: {choice.reason})"
+        default = main
     specs = [main] * (n_layer + 1)
     if params.n_gpu_layers:
         offload = choose_default_backend(devices_only=True).spec
@@ -390,6 +420,7 @@ def _place_layers(model: Model, params: ModelParams) -> None:
     if host not in model.backends:
         model.backends[host] = create_backend(host, params.backend_options)
     model.host_backend = model.backends[host]
+    return default
 
 
 def gpu_layers(n_layer: int, n_gpu_layers: int) -> list[bool]:

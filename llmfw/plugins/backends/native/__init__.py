@@ -10,8 +10,12 @@ dot products are integer (vpmaddubsw/vpmaddwd on AVX2, vpdpbusd with VNNI). Ever
 operations in the same order (csrc/native.h), so a row's result is the same bits whatever the batch, its place in
 it, the thread count or the ISA.
 
+Every other op of the dense architectures runs in C too: a split compiles once into a flat program (op codes,
+shapes and offsets into one arena; program.py checks every offset and shape) that one C call runs with the GIL
+released, on a pool whose threads claim chunks of each op and sleep between ops (csrc/pool.c).
+
 Modules: ``kernels`` (ctypes bridge, ISA choice, thread pool), ``repack`` (GGUF blocks → the kernels' layout),
-``runtime`` (the Backend class).
+``program`` (instruction records, arena, the checker), ``runtime`` (the split compiler and the Backend class).
 """
 from llmfw.plugins.backends.native.runtime import NativeBackend, NativeOptions
 

@@ -18,12 +18,14 @@ from llmfw.core.errors import BackendUnavailable, ConfigError, LLMFWError
 from llmfw.plugins.backends.native.repack import BLOCK, KIND_QBYTE, KIND_QNIB, PackedWeight
 
 EXTENSION = "llmfw.plugins.backends.native._native"
-ABI_VERSION = 1
+ABI_VERSION = 2
 #: the path of a build of the extension to load instead of the installed one (the sanitizer run,
 #: benchmarks/native_sanitizers.sh)
 LIBRARY_VARIABLE = "LLMFW_NATIVE_LIBRARY"
 #: what to do when the extension is missing
 BUILD_HINT = "its C extension is not built: install gcc and the Python headers, then reinstall llmfw (pip install -e .)"
+#: sizeof(nat_instr) (csrc/native.h; program.INSTR is the same record)
+INSTR_BYTES = 264
 ISAS = ("scalar", "avx2", "avx512")  # the index is enum nat_isa
 #: the order ``isa: auto`` prefers (the widest path this CPU runs)
 AUTO_ORDER = ("avx512", "avx2", "scalar")
@@ -77,6 +79,13 @@ def _typed(lib: Any) -> Any:
                                  ctypes.c_int64, ctypes.c_float]
     lib.nat_attention.restype = ctypes.c_int
     lib.nat_attention.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float] * 2
+    lib.nat_instr_bytes.restype = ctypes.c_int64
+    if lib.nat_instr_bytes() != INSTR_BYTES:
+        raise BackendUnavailable(f"the native backend's C extension has {lib.nat_instr_bytes()}-byte instructions, "
+                                 f"this module {INSTR_BYTES}: rebuild it (pip install -e .)")
+    lib.nat_program_run.restype = ctypes.c_int
+    lib.nat_program_run.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     lib.nat_mul_mat.restype = ctypes.c_int
     lib.nat_mul_mat.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(NatWeight), ctypes.c_void_p,
                                 ctypes.c_int64, ctypes.c_void_p]
@@ -100,7 +109,8 @@ def resolve_isa(wanted: str) -> str:
 
 
 class ThreadPool:
-    """A persistent pool of ``n_threads`` workers in C (the caller is one of them)."""
+    """A persistent pool in C: the caller and ``n_threads - 1`` workers (none for one thread), which claim chunks of
+    each op and sleep on a futex between ops after a brief spin (csrc/pool.c)."""
 
     def __init__(self, n_threads: int):
         self._lib = load_library()

@@ -2,9 +2,11 @@
  * (ctypes releases the GIL for every call). The module object itself exports nothing; importing it only proves
  * the build is there, and ctypes opens the same file for the functions below. */
 #define PY_SSIZE_T_CLEAN
+#define _POSIX_C_SOURCE 200809L
 #include <Python.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "native.h"
 #include "pool.h"
@@ -23,7 +25,10 @@ int nat_cpu_isas(void) {
     return isas;
 }
 
-int nat_abi_version(void) { return 1; }
+int nat_abi_version(void) { return 2; }
+
+/* sizeof(nat_instr): runtime.py checks its record type against it */
+int64_t nat_instr_bytes(void) { return (int64_t)sizeof(nat_instr); }
 
 /* the kernels of each ISA path, by enum nat_isa (a path not compiled in falls back to the scalar one) */
 typedef struct { nat_qgemm_fn qgemm; nat_fgemm_fn fgemm; } isa_kernels;
@@ -45,53 +50,104 @@ typedef struct {
     nat_qact act;
     nat_qgemm_fn qgemm;
     nat_fgemm_fn fgemm;
+    int64_t n_chunks;
 } mul_mat_job;
 
-static void quantize_task(void *raw, int ith, int nth) {
+static void quantize_chunk(void *raw, int64_t chunk, int ith) {
+    (void)ith;
     mul_mat_job *job = raw;
     int64_t m0, m1;
-    nat_share(job->m, ith, nth, &m0, &m1);
+    nat_share(job->m, chunk, job->n_chunks, &m0, &m1);
     nat_quantize_rows(job->x, job->m, job->w->n_cols, &job->act, m0, m1);
 }
 
-static void qgemm_task(void *raw, int ith, int nth) {
+static void qgemm_chunk(void *raw, int64_t chunk, int ith) {
+    (void)ith;
     mul_mat_job *job = raw;
     int64_t g0, g1;
-    nat_share((job->w->n_rows + NAT_ROWS - 1) / NAT_ROWS, ith, nth, &g0, &g1);
+    nat_share((job->w->n_rows + NAT_ROWS - 1) / NAT_ROWS, chunk, job->n_chunks, &g0, &g1);
     job->qgemm(job->w, &job->act, job->m, job->y, g0, g1);
 }
 
-static void fgemm_task(void *raw, int ith, int nth) {
+static void fgemm_chunk(void *raw, int64_t chunk, int ith) {
+    (void)ith;
     mul_mat_job *job = raw;
     int64_t r0, r1;
-    nat_share(job->w->n_rows, ith, nth, &r0, &r1);
+    nat_share(job->w->n_rows, chunk, job->n_chunks, &r0, &r1);
     job->fgemm(job->w, job->x, job->m, job->y, r0, r1);
 }
 
-/* y[m, n_rows] = x[m, n_cols] @ w^T. Returns 0, or -1 when the activation buffers cannot be allocated, -2 for a
- * weight the kernels do not know (the Python side validated shapes and sizes before). */
-int nat_mul_mat(nat_pool *pool, int isa, const nat_weight *w, const float *x, int64_t m, float *y) {
+/* the bytes of the activation buffers of a quantized matmul of m rows: codes, then scales, then code sums (each
+ * part starting on a 4-byte word; runtime.py computes the same size for the program's scratch) */
+static size_t act_words(int64_t m, int64_t n_cols, size_t *d_at, size_t *sums_at) {
+    int64_t nb = n_cols / NAT_BLOCK;
+    *d_at = (size_t)((m * n_cols + 3) / 4);
+    *sums_at = *d_at + (size_t)(m * nb);
+    return *sums_at + (size_t)(m * nb * 2);
+}
+
+/* y[m, n_rows] = x[m, n_cols] @ w^T with the activation buffers in scratch (act_words words; unused for float
+ * weights). Returns 0, or NAT_BAD_INSTRUCTION for a weight the kernels do not know. */
+int nat_mul_mat_into(nat_pool *pool, int isa, const nat_weight *w, const float *x, int64_t m, float *y, void *scratch) {
     isa_kernels paths = kernels_for(isa);
-    mul_mat_job job = {w, x, m, y, {NULL, NULL, NULL}, paths.qgemm, paths.fgemm};
+    mul_mat_job job = {w, x, m, y, {NULL, NULL, NULL}, paths.qgemm, paths.fgemm, 1};
     if (w->kind == NAT_F32 || w->kind == NAT_F16 || w->kind == NAT_BF16) {
-        nat_pool_run(pool, fgemm_task, &job);
+        job.n_chunks = nat_pool_chunks(pool, w->n_rows);
+        nat_pool_for(pool, job.n_chunks, fgemm_chunk, &job);
         return 0;
     }
-    if (w->kind != NAT_QNIB && w->kind != NAT_QBYTE) return -2;
-    int64_t nb = w->n_cols / NAT_BLOCK;
-    job.act.q = malloc((size_t)(m * w->n_cols));
-    job.act.d = malloc((size_t)(m * nb) * sizeof(float));
-    job.act.sums = malloc((size_t)(m * nb) * 2 * sizeof(int32_t));
-    int status = -1;
-    if (job.act.q && job.act.d && job.act.sums) {
-        nat_pool_run(pool, quantize_task, &job);
-        nat_pool_run(pool, qgemm_task, &job);
-        status = 0;
-    }
-    free(job.act.q);
-    free(job.act.d);
-    free(job.act.sums);
+    if (w->kind != NAT_QNIB && w->kind != NAT_QBYTE) return NAT_BAD_INSTRUCTION;
+    size_t d_at, sums_at;
+    act_words(m, w->n_cols, &d_at, &sums_at);
+    job.act.q = scratch;
+    job.act.d = (float *)scratch + d_at;
+    job.act.sums = (int32_t *)scratch + sums_at;
+    job.n_chunks = m * w->n_cols < 65536 ? 1 : nat_pool_chunks(pool, m);
+    nat_pool_for(pool, job.n_chunks, quantize_chunk, &job);
+    job.n_chunks = nat_pool_chunks(pool, (w->n_rows + NAT_ROWS - 1) / NAT_ROWS);
+    nat_pool_for(pool, job.n_chunks, qgemm_chunk, &job);
+    return 0;
+}
+
+/* y[m, n_rows] = x[m, n_cols] @ w^T (the kernel tests' entry point). Returns 0, or -1 when the activation buffers
+ * cannot be allocated, -2 for a weight the kernels do not know (the Python side validated shapes and sizes). */
+int nat_mul_mat(nat_pool *pool, int isa, const nat_weight *w, const float *x, int64_t m, float *y) {
+    size_t d_at, sums_at;
+    void *scratch = malloc(act_words(m, w->n_cols, &d_at, &sums_at) * 4 + 4);
+    if (!scratch) return NAT_OUT_OF_MEMORY;
+    int status = nat_mul_mat_into(pool, isa, w, x, m, y, scratch);
+    free(scratch);
     return status;
+}
+
+static double seconds_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* Run a program checked by runtime.py: its n instructions in order, on the pool. Called through ctypes, which
+ * releases the GIL for the whole run. times (or NULL): per instruction, the seconds it took are added (profile).
+ * Returns 0, or an enum nat_status with the failing instruction's index in *failed_at. */
+int nat_program_run(nat_pool *pool, int isa, const nat_instr *prog, int64_t n, void *const *bufs,
+                    const nat_weight *weights, double *times, int64_t *failed_at) {
+    for (int64_t i = 0; i < n; i++) {
+        const nat_instr *in = &prog[i];
+        double start = times ? seconds_now() : 0.0;
+        int status;
+        if (in->op == NAT_OP_MUL_MAT)
+            status = nat_mul_mat_into(pool, isa, &weights[in->n[0]], (const float *)((char *)bufs[in->buf[1]] + 4 * in->off[1]),
+                                      in->n[1], (float *)((char *)bufs[in->buf[0]] + 4 * in->off[0]),
+                                      in->buf[2] >= 0 ? (char *)bufs[in->buf[2]] + 4 * in->off[2] : NULL);
+        else
+            status = nat_run_op(pool, in, bufs, weights);
+        if (times) times[i] += seconds_now() - start;
+        if (status != 0) {
+            *failed_at = i;
+            return status;
+        }
+    }
+    return 0;
 }
 
 static struct PyModuleDef native_module = {PyModuleDef_HEAD_INIT, .m_name = "_native",

@@ -85,4 +85,54 @@ float nat_f16_to_f32(uint16_t h);
 float nat_reduce16(float *lanes);
 void nat_quantize_rows(const float *x, int64_t m, int64_t k, nat_qact *a, int64_t m0, int64_t m1);
 
+
+/* ---- the kernels of the row-wise ops (ops.c) ---- */
+typedef struct nat_pool nat_pool;
+void nat_unpack_row(const nat_weight *w, int64_t row, float *out);
+
+/* ---- programs (module.c runs them, runtime.py compiles and checks them) ----
+ * A split compiled once into instructions over buffers: buffer 0 is the program's arena (every activation of the
+ * split at an offset decided at compile time), the others memory the program reads or writes in place (KV caches,
+ * norm weights, constants). An operand is (buffer, offset in 4-byte words); operand 0 is the output. The Python
+ * compiler checks every operand's extent against its buffer before a program may run: C trusts the shapes and
+ * offsets, and checks only what the data decides (token ids, KV cells) as it runs. */
+#define NAT_ARGS 6
+#define NAT_INTS 16
+#define NAT_FLOATS 8
+
+typedef struct {
+    int64_t op;
+    int64_t buf[NAT_ARGS];   /* buffer index of operand i (-1: none) */
+    int64_t off[NAT_ARGS];   /* its offset in 4-byte words */
+    int64_t n[NAT_INTS];     /* shapes and integer attributes (per op, see enum nat_op) */
+    float f[NAT_FLOATS];     /* float attributes */
+} nat_instr;
+
+/* operands (0 = the output) and n[] of each op */
+enum nat_op {
+    NAT_OP_BINARY = 1,       /* out, a, b; n: kind (0 add, 1 sub, 2 mul, 3 div), dims[4], a strides[4], b strides[4] */
+    NAT_OP_UNARY = 2,        /* out, x; n: kind (enum nat_unary), count; f: parameters */
+    NAT_OP_SWIGLU = 3,       /* out, gate, up; n: -, count */
+    NAT_OP_RMS_NORM = 4,     /* out, x, w (or none); n: rows, n; f: eps */
+    NAT_OP_NORM = 5,         /* out, x, w (or none); n: rows, n; f: eps */
+    NAT_OP_SOFTMAX = 6,      /* out, x; n: rows, n */
+    NAT_OP_GET_ROWS = 7,     /* out, table, ids; n: n_ids, row words, table rows, id bytes (4|8) */
+    NAT_OP_GET_ROWS_W = 8,   /* out, ids; n: n_ids, weight index, -, id bytes */
+    NAT_OP_MUL_MAT = 9,      /* out, x, scratch (quantized kinds); n: weight index, m */
+    NAT_OP_SLICE = 10,       /* out, x; n: outer, row words, start, length */
+    NAT_OP_ROPE = 11,        /* out, x, pos (i32), freq factors, YaRN mix (or none); n: T, H, D, n_dims, neox,
+                              * x stride t, x stride h, out stride t, out stride h; f: theta scale, freq scale,
+                              * magnitude, ext (0/1) */
+    NAT_OP_KV_WRITE = 12,    /* K cache, V cache, k, v, cells (i64); n: T, Hkv, dk, dv, n_cells */
+    NAT_OP_ATTEND = 13,      /* out, q, K cache, V cache, mask, sinks (or none); n: T, H, Hkv, dk, dv, n_kv, n_cells;
+                              * f: scale, softcap */
+};
+enum nat_unary { NAT_SILU = 0, NAT_GELU, NAT_RELU, NAT_SIGMOID, NAT_SOFTPLUS, NAT_SCALE, NAT_SOFTCAP, NAT_CLAMP };
+
+/* the status of a program run: 0, or one of these (the instruction's index goes to *failed_at) */
+enum nat_status { NAT_OUT_OF_MEMORY = -1, NAT_BAD_INSTRUCTION = -2, NAT_ID_OUT_OF_RANGE = -3 };
+
+int nat_run_op(nat_pool *pool, const nat_instr *in, void *const *bufs, const nat_weight *weights);
+int nat_mul_mat_into(nat_pool *pool, int isa, const nat_weight *w, const float *x, int64_t m, float *y, void *scratch);
+
 #endif

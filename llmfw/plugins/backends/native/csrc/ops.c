@@ -1,6 +1,7 @@
-/* The row-wise ops next to the matmuls: RMS norm and attention over the KV cache. Portable C (one path for every
- * CPU), each output row computed alone in a fixed order, so a row's bits never depend on the batch around it or
- * on the thread split (the work is split by whole rows / (row, head) pairs). */
+/* Every op of the core IR but the matmul (module.c): elementwise ops, norms, softmax, row lookups (also from a
+ * repacked weight), slices, RoPE, the KV cache write and attention over the cache. Portable C (one path for every
+ * CPU); each output row is computed alone in a fixed order and the work is split by whole rows (or (row, head)
+ * pairs), so a row's bits never depend on the batch around it or on the threads. */
 #include <math.h>
 #include <stdatomic.h>
 #include <stdlib.h>
@@ -9,14 +10,103 @@
 #include "native.h"
 #include "pool.h"
 
-typedef struct {
-    const float *x, *w;
-    float *out;
-    int64_t rows, n;
-    float eps;
-} rms_job;
+/* elements per chunk of an elementwise op: below two chunks the op runs on the calling thread alone */
+#define ELEMENTS_PER_CHUNK 16384
 
-static void normalise_row(const float *x, const float *w, float *out, int64_t n, float eps) {
+#define WORDS(bufs, in, i) ((char *)(bufs)[(in)->buf[i]] + 4 * (in)->off[i])
+#define F32_AT(bufs, in, i) ((float *)WORDS(bufs, in, i))
+#define HAS(in, i) ((in)->buf[i] >= 0)
+
+/* ---- elementwise ------------------------------------------------------------------------------------------ */
+
+static inline float unary(int kind, float x, const float *f) {
+    switch (kind) {
+    case NAT_SILU: return x / (1.0f + expf(-x));
+    case NAT_GELU: {  /* ggml's tanh form, in the oracle's order of operations */
+        const float c = 0.7978845608028654f;
+        float inner = c * (x + 0.044715f * x * x * x);
+        return 0.5f * x * (1.0f + tanhf(inner));
+    }
+    case NAT_RELU: return x > 0.0f ? x : 0.0f;
+    case NAT_SIGMOID: return 1.0f / (1.0f + expf(-x));
+    case NAT_SOFTPLUS: return x > 20.0f ? x : log1pf(expf(x));
+    case NAT_SCALE: return x * f[0];
+    case NAT_SOFTCAP: return tanhf(x / f[0]) * f[0];
+    default: return x < f[0] ? f[0] : (x > f[1] ? f[1] : x);  /* NAT_CLAMP */
+    }
+}
+
+typedef struct {
+    const nat_instr *in;
+    void *const *bufs;
+    int64_t count, n_chunks;
+} flat_job;
+
+static void unary_chunk(void *raw, int64_t chunk, int ith) {
+    (void)ith;
+    flat_job *job = raw;
+    const float *x = F32_AT(job->bufs, job->in, 1);
+    float *out = F32_AT(job->bufs, job->in, 0);
+    int kind = (int)job->in->n[0];
+    int64_t i0, i1;
+    nat_share(job->count, chunk, job->n_chunks, &i0, &i1);
+    for (int64_t i = i0; i < i1; i++) out[i] = unary(kind, x[i], job->in->f);
+}
+
+static void swiglu_chunk(void *raw, int64_t chunk, int ith) {
+    (void)ith;
+    flat_job *job = raw;
+    const float *g = F32_AT(job->bufs, job->in, 1), *u = F32_AT(job->bufs, job->in, 2);
+    float *out = F32_AT(job->bufs, job->in, 0);
+    int64_t i0, i1;
+    nat_share(job->count, chunk, job->n_chunks, &i0, &i1);
+    for (int64_t i = i0; i < i1; i++) out[i] = unary(NAT_SILU, g[i], NULL) * u[i];
+}
+
+static inline float binary(int kind, float a, float b) {
+    switch (kind) {
+    case 0: return a + b;
+    case 1: return a - b;
+    case 2: return a * b;
+    default: return a / b;
+    }
+}
+
+/* out[i0, i1, i2, i3] = a[...] op b[...] over 4-D dims with per-operand strides (0 on a broadcast axis); chunks
+ * are ranges of the (i0, i1, i2) rows */
+static void binary_chunk(void *raw, int64_t chunk, int ith) {
+    (void)ith;
+    flat_job *job = raw;
+    const nat_instr *in = job->in;
+    const float *a = F32_AT(job->bufs, in, 1), *b = F32_AT(job->bufs, in, 2);
+    float *out = F32_AT(job->bufs, in, 0);
+    const int64_t *d = in->n + 1, *sa = in->n + 5, *sb = in->n + 9;
+    int kind = (int)in->n[0];
+    int64_t r0, r1;
+    nat_share(job->count, chunk, job->n_chunks, &r0, &r1);  /* count = d0 * d1 * d2 rows */
+    for (int64_t r = r0; r < r1; r++) {
+        int64_t i2 = r % d[2], i1 = (r / d[2]) % d[1], i0 = r / (d[2] * d[1]);
+        const float *ar = a + i0 * sa[0] + i1 * sa[1] + i2 * sa[2];
+        const float *br = b + i0 * sb[0] + i1 * sb[1] + i2 * sb[2];
+        float *o = out + r * d[3];
+        if (sa[3] == 1 && sb[3] == 1) {
+            for (int64_t j = 0; j < d[3]; j++) o[j] = binary(kind, ar[j], br[j]);
+        } else {
+            for (int64_t j = 0; j < d[3]; j++) o[j] = binary(kind, ar[j * sa[3]], br[j * sb[3]]);
+        }
+    }
+}
+
+static void run_flat(nat_pool *pool, const nat_instr *in, void *const *bufs, int64_t count, int64_t per_item,
+                     nat_chunk_fn fn) {
+    int64_t big = count * per_item / ELEMENTS_PER_CHUNK;
+    flat_job job = {in, bufs, count, big < 2 ? 1 : nat_pool_chunks(pool, big < count ? big : count)};
+    nat_pool_for(pool, job.n_chunks, fn, &job);
+}
+
+/* ---- norms and softmax --------------------------------------------------------------------------------------- */
+
+static void rms_row(const float *x, const float *w, float *out, int64_t n, float eps) {
     double sum = 0.0;  /* the sum of squares in double, like ggml */
     for (int64_t j = 0; j < n; j++) sum += (double)x[j] * (double)x[j];
     float scale = (float)(1.0 / sqrt(sum / (double)n + (double)eps));
@@ -26,24 +116,210 @@ static void normalise_row(const float *x, const float *w, float *out, int64_t n,
     }
 }
 
-static void rms_task(void *raw, int ith, int nth) {
-    rms_job *job = raw;
-    int64_t r0, r1;
-    nat_share(job->rows, ith, nth, &r0, &r1);
-    for (int64_t r = r0; r < r1; r++) normalise_row(job->x + r * job->n, job->w, job->out + r * job->n, job->n, job->eps);
+/* (x - mean) / sqrt(var + eps): mean and variance in double, like the oracle */
+static void layer_norm_row(const float *x, const float *w, float *out, int64_t n, float eps) {
+    double sum = 0.0;
+    for (int64_t j = 0; j < n; j++) sum += (double)x[j];
+    float mean = (float)(sum / (double)n);
+    double var = 0.0;
+    for (int64_t j = 0; j < n; j++) {
+        float c = x[j] - mean;
+        var += (double)(c * c);
+    }
+    float inv = (float)(1.0 / sqrt(var / (double)n + (double)eps));
+    for (int64_t j = 0; j < n; j++) {
+        float v = (x[j] - mean) * inv;
+        out[j] = w ? v * w[j] : v;
+    }
 }
 
-/* out[rows, n] = x / sqrt(mean(x^2) + eps) (* w[n] when w is not NULL) */
-void nat_rms_norm(nat_pool *pool, const float *x, const float *w, float *out, int64_t rows, int64_t n, float eps) {
-    rms_job job = {x, w, out, rows, n, eps};
-    nat_pool_run(pool, rms_task, &job);
+static void softmax_row(const float *x, float *out, int64_t n) {
+    float peak = -INFINITY;
+    for (int64_t j = 0; j < n; j++) peak = x[j] > peak ? x[j] : peak;
+    float total = 0.0f;
+    for (int64_t j = 0; j < n; j++) {
+        out[j] = expf(x[j] - peak);
+        total = total + out[j];
+    }
+    for (int64_t j = 0; j < n; j++) out[j] = out[j] / total;
+}
+
+static void row_chunk(void *raw, int64_t chunk, int ith) {
+    (void)ith;
+    flat_job *job = raw;
+    const nat_instr *in = job->in;
+    const float *x = F32_AT(job->bufs, in, 1);
+    const float *w = in->op != NAT_OP_SOFTMAX && HAS(in, 2) ? F32_AT(job->bufs, in, 2) : NULL;
+    float *out = F32_AT(job->bufs, in, 0);
+    int64_t n = in->n[1], r0, r1;
+    nat_share(job->count, chunk, job->n_chunks, &r0, &r1);
+    for (int64_t r = r0; r < r1; r++) {
+        if (in->op == NAT_OP_RMS_NORM) rms_row(x + r * n, w, out + r * n, n, in->f[0]);
+        else if (in->op == NAT_OP_NORM) layer_norm_row(x + r * n, w, out + r * n, n, in->f[0]);
+        else softmax_row(x + r * n, out + r * n, n);
+    }
+}
+
+/* ---- row lookups and slices ---------------------------------------------------------------------------------- */
+
+static int64_t id_at(const void *ids, int64_t i, int64_t id_bytes) {
+    if (id_bytes == 8) return ((const int64_t *)ids)[i];
+    return ((const int32_t *)ids)[i];
+}
+
+/* whether every id is a row of a table of n rows */
+static int ids_in_range(const void *ids, int64_t count, int64_t id_bytes, int64_t n) {
+    for (int64_t i = 0; i < count; i++) {
+        int64_t id = id_at(ids, i, id_bytes);
+        if (id < 0 || id >= n) return 0;
+    }
+    return 1;
+}
+
+/* row `row` of a repacked weight as float32: scale * code + offset per element, the dequantizer's own values */
+void nat_unpack_row(const nat_weight *w, int64_t row, float *out) {
+    int64_t k = w->n_cols;
+    if (w->kind == NAT_F32 || w->kind == NAT_F16 || w->kind == NAT_BF16) {
+        size_t esize = w->kind == NAT_F32 ? 4 : 2;
+        const uint8_t *src = w->data + (size_t)row * (size_t)k * esize;
+        for (int64_t j = 0; j < k; j++) {
+            uint16_t h;
+            if (w->kind == NAT_F32) { memcpy(&out[j], src + 4 * j, 4); continue; }
+            memcpy(&h, src + 2 * j, 2);
+            if (w->kind == NAT_F16) out[j] = nat_f16_to_f32(h);
+            else { uint32_t bits = (uint32_t)h << 16; memcpy(&out[j], &bits, 4); }
+        }
+        return;
+    }
+    int64_t nb = k / NAT_BLOCK, lane = row % NAT_ROWS;
+    size_t cb = nat_code_bytes(w), bb = nat_block_bytes(w);
+    const uint8_t *group = w->data + (size_t)(row / NAT_ROWS) * (size_t)nb * bb;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = group + (size_t)b * bb, *codes = blk + lane * cb;
+        float par[4 * NAT_ROWS];
+        memcpy(par, blk + NAT_ROWS * cb, bb - NAT_ROWS * cb);
+        nat_params p = nat_block_params(w, par);
+        for (int j = 0; j < NAT_BLOCK; j++) {
+            int code = w->kind == NAT_QBYTE ? (int8_t)codes[j]
+                                            : w->table[j < 16 ? (codes[j] & 15) : (codes[j - 16] >> 4)];
+            float s = j < 16 ? p.s0[lane] : p.s1[lane];
+            float v = s * (float)code;
+            if (p.o0) v = v + (j < 16 ? p.o0[lane] : p.o1[lane]);
+            out[b * NAT_BLOCK + j] = v;
+        }
+    }
 }
 
 typedef struct {
-    const float *q, *k, *v, *mask;
+    const nat_instr *in;
+    void *const *bufs;
+    const nat_weight *w;
+    int64_t n_chunks;
+} rows_job;
+
+static void get_rows_w_chunk(void *raw, int64_t chunk, int ith) {
+    (void)ith;
+    rows_job *job = raw;
+    const nat_instr *in = job->in;
+    const void *ids = WORDS(job->bufs, in, 1);
+    float *out = F32_AT(job->bufs, in, 0);
+    int64_t i0, i1;
+    nat_share(in->n[0], chunk, job->n_chunks, &i0, &i1);
+    for (int64_t i = i0; i < i1; i++) nat_unpack_row(job->w, id_at(ids, i, in->n[3]), out + i * job->w->n_cols);
+}
+
+static int get_rows(nat_pool *pool, const nat_instr *in, void *const *bufs, const nat_weight *weights) {
+    const void *ids = WORDS(bufs, in, in->op == NAT_OP_GET_ROWS ? 2 : 1);
+    if (in->op == NAT_OP_GET_ROWS) {
+        int64_t words = in->n[1];
+        if (!ids_in_range(ids, in->n[0], in->n[3], in->n[2])) return NAT_ID_OUT_OF_RANGE;
+        const char *table = WORDS(bufs, in, 1);
+        char *out = WORDS(bufs, in, 0);
+        for (int64_t i = 0; i < in->n[0]; i++)
+            memmove(out + 4 * i * words, table + 4 * id_at(ids, i, in->n[3]) * words, (size_t)(4 * words));
+        return 0;
+    }
+    const nat_weight *w = &weights[in->n[1]];
+    if (!ids_in_range(ids, in->n[0], in->n[3], w->n_rows)) return NAT_ID_OUT_OF_RANGE;
+    rows_job job = {in, bufs, w, in->n[0] * w->n_cols < 2 * ELEMENTS_PER_CHUNK ? 1 : nat_pool_chunks(pool, in->n[0])};
+    nat_pool_for(pool, job.n_chunks, get_rows_w_chunk, &job);
+    return 0;
+}
+
+static void slice_rows(const nat_instr *in, void *const *bufs) {
+    const char *x = WORDS(bufs, in, 1);
+    char *out = WORDS(bufs, in, 0);
+    int64_t outer = in->n[0], row = in->n[1], start = in->n[2], len = in->n[3];
+    for (int64_t r = 0; r < outer; r++) memmove(out + 4 * r * len, x + 4 * (r * row + start), (size_t)(4 * len));
+}
+
+/* ---- RoPE ---------------------------------------------------------------------------------------------------- */
+
+/* cos / sin of each rotated pair at position pos, as ggml_rope_cache_init (the angle advanced by float products) */
+static void rope_angles(const nat_instr *in, void *const *bufs, float pos, float *cs, float *sn) {
+    const float *ff = HAS(in, 3) ? F32_AT(bufs, in, 3) : NULL, *mix = HAS(in, 4) ? F32_AT(bufs, in, 4) : NULL;
+    float theta_scale = in->f[0], freq_scale = in->f[1], magnitude = in->f[2], cur = pos;
+    for (int64_t i = 0; i < in->n[3] / 2; i++) {
+        float extrap = ff ? cur / ff[i] : cur;
+        float theta = freq_scale * extrap;
+        if (mix) theta = theta * (1.0f - mix[i]) + extrap * mix[i];
+        cs[i] = cosf(theta) * magnitude;
+        sn[i] = sinf(theta) * magnitude;
+        cur = cur * theta_scale;
+    }
+}
+
+static void rope_chunk(void *raw, int64_t chunk, int ith) {
+    (void)ith;
+    flat_job *job = raw;
+    const nat_instr *in = job->in;
+    const float *x = F32_AT(job->bufs, in, 1);
+    const int32_t *pos = (const int32_t *)WORDS(job->bufs, in, 2);
+    float *out = F32_AT(job->bufs, in, 0);
+    int64_t n_head = in->n[1], dim = in->n[2], n_dims = in->n[3], half = n_dims / 2, t0, t1;
+    int neox = (int)in->n[4];
+    float cs[512], sn[512];  /* n_dims <= 1024: the compiler checks */
+    nat_share(job->count, chunk, job->n_chunks, &t0, &t1);
+    for (int64_t t = t0; t < t1; t++) {
+        rope_angles(in, job->bufs, (float)pos[t], cs, sn);
+        for (int64_t h = 0; h < n_head; h++) {
+            const float *xr = x + t * in->n[5] + h * in->n[6];
+            float *o = out + t * in->n[7] + h * in->n[8];
+            for (int64_t i = 0; i < half; i++) {
+                int64_t i0 = neox ? i : 2 * i, i1 = neox ? i + half : 2 * i + 1;
+                float x0 = xr[i0], x1 = xr[i1];
+                o[i0] = x0 * cs[i] - x1 * sn[i];
+                o[i1] = x0 * sn[i] + x1 * cs[i];
+            }
+            if (o != xr)
+                for (int64_t d = n_dims; d < dim; d++) o[d] = xr[d];
+        }
+    }
+}
+
+/* ---- the KV cache and attention ------------------------------------------------------------------------------ */
+
+static int kv_write(const nat_instr *in, void *const *bufs) {
+    float *kc = F32_AT(bufs, in, 0), *vc = F32_AT(bufs, in, 1);
+    const float *k = F32_AT(bufs, in, 2), *v = F32_AT(bufs, in, 3);
+    const int64_t *cells = (const int64_t *)WORDS(bufs, in, 4);
+    int64_t n_tokens = in->n[0], n_head_kv = in->n[1], dk = in->n[2], dv = in->n[3], n_cells = in->n[4];
+    if (!ids_in_range(cells, n_tokens, 8, n_cells)) return NAT_ID_OUT_OF_RANGE;
+    for (int64_t t = 0; t < n_tokens; t++)
+        for (int64_t h = 0; h < n_head_kv; h++) {
+            memcpy(kc + (h * n_cells + cells[t]) * dk, k + (t * n_head_kv + h) * dk, (size_t)dk * 4);
+            memcpy(vc + (h * n_cells + cells[t]) * dv, v + (t * n_head_kv + h) * dv, (size_t)dv * 4);
+        }
+    return 0;
+}
+
+typedef struct {
+    const float *q, *k, *v, *mask, *sinks;
     float *out;
     int64_t n_tokens, n_head, n_head_kv, dk, dv, n_kv, n_cells;
     float scale, softcap;
+    int64_t n_tiles, n_chunks;
+    atomic_int failed;
 } attn_job;
 
 /* four lanes of native.h's canonical sixteen (GCC/clang vector extension: SSE on x86-64, NEON on aarch64) */
@@ -61,6 +337,11 @@ static float dot16(const float *q, const float *k, int64_t n) {
     int64_t full = n & ~(int64_t)15;
     for (int64_t d = 0; d < full; d += 16)
         for (int part = 0; part < 4; part++) acc[part] = acc[part] + load4(q + d + 4 * part) * load4(k + d + 4 * part);
+    if (full == n) {  /* nat_reduce16's steps as vector adds: lanes l + l+8, l + l+4, then l + l+2, l + l+1 */
+        lanes4 quad = (acc[0] + acc[2]) + (acc[1] + acc[3]);
+        float pair0 = quad[0] + quad[2], pair1 = quad[1] + quad[3];
+        return pair0 + pair1;
+    }
     float lanes[16];
     memcpy(lanes, acc, sizeof lanes);
     for (int64_t d = full; d < n; d++) lanes[d - full] = lanes[d - full] + q[d] * k[d];
@@ -73,9 +354,10 @@ static int hidden(float mask) { return isinf(mask) && mask < 0; }
 #define TILE_T 4
 
 /* Rows t0.. (up to TILE_T) of every query head h of KV head kvh: for each (t, h) alone,
- * softmax(softcap(scale q . k_j) + mask_j) . v_j over the visible cells j in cell order; hidden cells (mask -inf)
- * are skipped, which is what their zero probability does to the sums. The tile only shares the loads: a row's
- * operations are the same whatever tile (or thread) it is in. scratch: TILE_T * group * (dk + n_kv + 2) floats */
+ * softmax(softcap(scale q . k_j) + mask_j) . v_j over the visible cells j in cell order (plus exp(sink - max) in
+ * the denominator with sinks); hidden cells (mask -inf) are skipped, which is what their zero probability does to
+ * the sums. The tile only shares the loads: a row's operations are the same whatever tile (or thread) it is in.
+ * scratch: TILE_T * group * (dk + n_kv + 2) floats */
 static void attend_tile(const attn_job *job, int64_t t0, int64_t kvh, float *scratch) {
     int64_t group = job->n_head / job->n_head_kv, rows = job->n_tokens - t0 < TILE_T ? job->n_tokens - t0 : TILE_T;
     int64_t n = rows * group, dk = job->dk, dv = job->dv;
@@ -87,7 +369,11 @@ static void attend_tile(const attn_job *job, int64_t t0, int64_t kvh, float *scr
         total[i] = 0.0f;
     }
     int seen[TILE_T] = {0};
-    for (int64_t j = 0; j < job->n_kv; j++) {
+    int64_t end = 0;  /* past the last cell a row of the tile sees: the hidden cells after it need no look */
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t j = job->n_kv; j > end; j--)
+            if (!hidden(job->mask[(t0 + r) * job->n_kv + j - 1])) { end = j; break; }
+    for (int64_t j = 0; j < end; j++) {
         const float *k = job->k + (kvh * job->n_cells + j) * dk;
         for (int64_t r = 0; r < rows; r++) {
             float mask = job->mask[(t0 + r) * job->n_kv + j];
@@ -103,11 +389,16 @@ static void attend_tile(const attn_job *job, int64_t t0, int64_t kvh, float *scr
             seen[r] = 1;
         }
     }
+    if (job->sinks)
+        for (int64_t i = 0; i < n; i++) {
+            float sink = job->sinks[kvh * group + i % group];
+            if (!seen[i / group] || sink > best[i]) best[i] = sink;
+        }
     for (int64_t i = 0; i < n; i++) {
         float *out = job->out + ((t0 + i / group) * job->n_head + kvh * group + i % group) * dv;
         for (int64_t d = 0; d < dv; d++) out[d] = seen[i / group] ? 0.0f : NAN;  /* no visible cell: 0/0 */
     }
-    for (int64_t j = 0; j < job->n_kv; j++) {
+    for (int64_t j = 0; j < end; j++) {
         const float *v = job->v + (kvh * job->n_cells + j) * dv;
         for (int64_t r = 0; r < rows; r++) {
             if (hidden(job->mask[(t0 + r) * job->n_kv + j])) continue;
@@ -122,27 +413,74 @@ static void attend_tile(const attn_job *job, int64_t t0, int64_t kvh, float *scr
     }
     for (int64_t i = 0; i < n; i++) {
         if (!seen[i / group]) continue;
+        if (job->sinks) total[i] = total[i] + expf(job->sinks[kvh * group + i % group] - best[i]);
         float *out = job->out + ((t0 + i / group) * job->n_head + kvh * group + i % group) * dv;
         for (int64_t d = 0; d < dv; d++) out[d] = out[d] / total[i];
     }
 }
 
-typedef struct {
-    attn_job *job;
-    atomic_int failed;
-} attn_ctx;
-
-static void attn_task(void *raw, int ith, int nth) {
-    attn_ctx *ctx = raw;
-    attn_job *job = ctx->job;
-    int64_t tiles = (job->n_tokens + TILE_T - 1) / TILE_T, i0, i1;
-    nat_share(tiles * job->n_head_kv, ith, nth, &i0, &i1);
+static void attn_chunk(void *raw, int64_t chunk, int ith) {
+    (void)ith;
+    attn_job *job = raw;
+    int64_t i0, i1, group = job->n_head / job->n_head_kv;
+    nat_share(job->n_tiles * job->n_head_kv, chunk, job->n_chunks, &i0, &i1);
     if (i0 == i1) return;
-    int64_t group = job->n_head / job->n_head_kv;
     float *scratch = malloc((size_t)(TILE_T * group * (job->dk + job->n_kv + 2)) * sizeof(float));
-    if (!scratch) { atomic_store(&ctx->failed, 1); return; }
+    if (!scratch) { atomic_store(&job->failed, 1); return; }
     for (int64_t i = i0; i < i1; i++) attend_tile(job, (i / job->n_head_kv) * TILE_T, i % job->n_head_kv, scratch);
     free(scratch);
+}
+
+static int attend(nat_pool *pool, const float *q, const float *k, const float *v, const float *mask,
+                  const float *sinks, float *out, const int64_t *n, float scale, float softcap) {
+    attn_job job = {q, k, v, mask, sinks, out, n[0], n[1], n[2], n[3], n[4], n[5], n[6], scale, softcap,
+                    (n[0] + TILE_T - 1) / TILE_T, 1, 0};
+    job.n_chunks = nat_pool_chunks(pool, job.n_tiles * job.n_head_kv);
+    nat_pool_for(pool, job.n_chunks, attn_chunk, &job);
+    return atomic_load(&job.failed) ? NAT_OUT_OF_MEMORY : 0;
+}
+
+/* ---- one instruction ----------------------------------------------------------------------------------------- */
+
+int nat_run_op(nat_pool *pool, const nat_instr *in, void *const *bufs, const nat_weight *weights) {
+    switch (in->op) {
+    case NAT_OP_BINARY:
+        run_flat(pool, in, bufs, in->n[1] * in->n[2] * in->n[3], in->n[4], binary_chunk);
+        return 0;
+    case NAT_OP_UNARY:
+        run_flat(pool, in, bufs, in->n[1], 1, unary_chunk);
+        return 0;
+    case NAT_OP_SWIGLU:
+        run_flat(pool, in, bufs, in->n[1], 1, swiglu_chunk);
+        return 0;
+    case NAT_OP_RMS_NORM: case NAT_OP_NORM: case NAT_OP_SOFTMAX:
+        run_flat(pool, in, bufs, in->n[0], in->n[1], row_chunk);
+        return 0;
+    case NAT_OP_GET_ROWS: case NAT_OP_GET_ROWS_W:
+        return get_rows(pool, in, bufs, weights);
+    case NAT_OP_SLICE:
+        slice_rows(in, bufs);
+        return 0;
+    case NAT_OP_ROPE:
+        run_flat(pool, in, bufs, in->n[0], in->n[1] * in->n[2], rope_chunk);
+        return 0;
+    case NAT_OP_KV_WRITE:
+        return kv_write(in, bufs);
+    case NAT_OP_ATTEND:
+        return attend(pool, F32_AT(bufs, in, 1), F32_AT(bufs, in, 2), F32_AT(bufs, in, 3), F32_AT(bufs, in, 4),
+                      HAS(in, 5) ? F32_AT(bufs, in, 5) : NULL, F32_AT(bufs, in, 0), in->n, in->f[0], in->f[1]);
+    default:
+        return NAT_BAD_INSTRUCTION;
+    }
+}
+
+/* ---- the per-op entry points of the kernel tests ------------------------------------------------------------- */
+
+/* out[rows, n] = x / sqrt(mean(x^2) + eps) (* w[n] when w is not NULL) */
+void nat_rms_norm(nat_pool *pool, const float *x, const float *w, float *out, int64_t rows, int64_t n, float eps) {
+    void *bufs[3] = {out, (void *)x, (void *)w};
+    nat_instr in = {.op = NAT_OP_RMS_NORM, .buf = {0, 1, w ? 2 : -1, -1, -1, -1}, .n = {rows, n}, .f = {eps}};
+    nat_run_op(pool, &in, bufs, NULL);
 }
 
 /* q [T, H, Dk], k cache [Hkv, n_cells, Dk], v cache [Hkv, n_cells, Dv], mask [T, n_kv] -> out [T, H * Dv].
@@ -150,8 +488,6 @@ static void attn_task(void *raw, int ith, int nth) {
 int nat_attention(nat_pool *pool, const float *q, const float *k, const float *v, const float *mask, float *out,
                   int64_t n_tokens, int64_t n_head, int64_t n_head_kv, int64_t dk, int64_t dv, int64_t n_kv,
                   int64_t n_cells, float scale, float softcap) {
-    attn_job job = {q, k, v, mask, out, n_tokens, n_head, n_head_kv, dk, dv, n_kv, n_cells, scale, softcap};
-    attn_ctx ctx = {&job, 0};
-    nat_pool_run(pool, attn_task, &ctx);
-    return atomic_load(&ctx.failed) ? -1 : 0;
+    int64_t n[7] = {n_tokens, n_head, n_head_kv, dk, dv, n_kv, n_cells};
+    return attend(pool, q, k, v, mask, NULL, out, n, scale, softcap);
 }

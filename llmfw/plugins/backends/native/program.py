@@ -1,0 +1,289 @@
+"""Flat programs: a split compiled once into instructions (csrc/native.h ``nat_instr``) over buffers, which ONE C
+call runs (``nat_program_run``, the GIL released by ctypes).
+
+Buffer 0 is the program's arena: every activation of the split lives at an offset decided at compile time (a
+first-fit allocator over the core's liveness, so a prefill holds only the live values). The other buffers are memory
+the program reads or writes in place: KV caches, norm weights, biases, constants. Matrices are a table of
+``nat_weight`` records. :func:`check_program` verifies every operand's extent against its buffer, every weight index
+and every shape relation before C may touch memory: a program that fails is refused with a :class:`ProgramError`,
+never run. What only the data decides (token ids, KV cells) the C code checks as it runs."""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass, field
+from math import prod
+from typing import Sequence
+
+import numpy as np
+
+from llmfw.core.errors import ModelError
+import llmfw.plugins.backends.native.kernels as kernels
+from llmfw.plugins.backends.native.repack import BLOCK, KIND_QBYTE, KIND_QNIB
+
+N_ARGS, N_INTS, N_FLOATS = 6, 16, 8
+#: one ``nat_instr``
+INSTR = np.dtype([("op", "<i8"), ("buf", "<i8", (N_ARGS,)), ("off", "<i8", (N_ARGS,)), ("n", "<i8", (N_INTS,)),
+                  ("f", "<f4", (N_FLOATS,))])
+assert INSTR.itemsize == kernels.INSTR_BYTES
+# enum nat_op
+BINARY, UNARY, SWIGLU, RMS_NORM, NORM, SOFTMAX, GET_ROWS, GET_ROWS_W, MUL_MAT, SLICE, ROPE, KV_WRITE, ATTEND = range(1, 14)
+OP_NAMES = {BINARY: "binary", UNARY: "unary", SWIGLU: "swiglu", RMS_NORM: "rms_norm", NORM: "norm",
+            SOFTMAX: "softmax", GET_ROWS: "get_rows", GET_ROWS_W: "get_rows", MUL_MAT: "mul_mat", SLICE: "slice",
+            ROPE: "rope", KV_WRITE: "kv_write", ATTEND: "attention"}
+BINARY_KINDS = {"add": 0, "sub": 1, "mul": 2, "div": 3}
+UNARY_KINDS = {"silu": 0, "gelu": 1, "relu": 2, "sigmoid": 3, "softplus": 4, "scale": 5, "softcap": 6, "clamp": 7}
+#: words (4 bytes) every arena value is aligned to: a cache line
+ALIGN = 16
+#: the rotated dimensions the C rope keeps on its stack
+MAX_ROPE_DIMS = 1024
+STATUS = {-1: "out of memory", -2: "an instruction it does not know", -3: "an id outside its table (a token id or "
+          "KV cell out of range)"}
+
+
+class ProgramError(ModelError):
+    """A program that does not fit its buffers (refused before C runs it), or a run that failed."""
+
+
+def activation_words(m: int, n_cols: int) -> int:
+    """Words of a quantized matmul's activation buffers (module.c ``act_words``): codes, scales, code sums."""
+    nb = n_cols // BLOCK
+    return (m * n_cols + 3) // 4 + m * nb + m * nb * 2
+
+
+@dataclass(frozen=True)
+class Operand:
+    buf: int
+    off: int
+
+
+NONE = Operand(-1, 0)
+
+
+@dataclass
+class Instr:
+    op: int
+    args: list[Operand]
+    n: list[int] = field(default_factory=list)
+    f: list[float] = field(default_factory=list)
+    #: the graph op it comes from (profiles)
+    label: str = ""
+
+
+class Arena:
+    """First-fit allocation of word ranges, freed ranges coalesced; ``size`` is the high-water mark."""
+
+    def __init__(self) -> None:
+        self.free: list[tuple[int, int]] = []  # (start, words), sorted by start
+        self.size = 0
+
+    def alloc(self, words: int) -> int:
+        words = max(ALIGN, -(-words // ALIGN) * ALIGN)
+        for index, (start, length) in enumerate(self.free):
+            if length >= words:
+                if length == words:
+                    del self.free[index]
+                else:
+                    self.free[index] = (start + words, length - words)
+                return start
+        start = self.size
+        if self.free and self.free[-1][0] + self.free[-1][1] == self.size:  # grow the free tail
+            start = self.free.pop()[0]
+        self.size = start + words
+        return start
+
+    def release(self, start: int, words: int) -> None:
+        words = max(ALIGN, -(-words // ALIGN) * ALIGN)
+        self.free.append((start, words))
+        self.free.sort()
+        merged: list[tuple[int, int]] = []
+        for begin, length in self.free:
+            if merged and merged[-1][0] + merged[-1][1] == begin:
+                merged[-1] = (merged[-1][0], merged[-1][1] + length)
+            else:
+                merged.append((begin, length))
+        self.free = merged
+
+
+@dataclass(frozen=True)
+class WeightInfo:
+    """What the checker needs of a ``nat_weight``."""
+
+    kind: int
+    n_rows: int
+    n_cols: int
+
+
+def check_program(instrs: np.ndarray, buffer_words: Sequence[int], writable: Sequence[bool],
+                  weights: Sequence[WeightInfo]) -> None:
+    """Refuse (ProgramError) a program any of whose instructions would reach outside a buffer, write a read-only
+    buffer, name a weight that is not there, or whose shapes do not fit each other."""
+    if instrs.dtype != INSTR:
+        raise ProgramError("native program: instructions of the wrong record type")
+    for index, ins in enumerate(instrs):
+        try:
+            _check_instruction(ins, buffer_words, writable, weights)
+        except ProgramError as exc:
+            raise ProgramError(f"native program: instruction {index} ({OP_NAMES.get(int(ins['op']), '?')}): "
+                               f"{exc}") from None
+
+
+def _check_instruction(ins: np.void, buffer_words: Sequence[int], writable: Sequence[bool],
+                       weights: Sequence[WeightInfo]) -> None:
+    op, n, buf, off = int(ins["op"]), [int(v) for v in ins["n"]], ins["buf"], ins["off"]
+    if not all(np.isfinite(ins["f"])) and op not in (UNARY, BINARY):
+        raise ProgramError("a non-finite float attribute")
+
+    def need(i: int, words: int, optional: bool = False, out: bool = False) -> None:
+        b, o = int(buf[i]), int(off[i])
+        if b == -1 and optional:
+            return
+        if not 0 <= b < len(buffer_words):
+            raise ProgramError(f"operand {i} names buffer {b} of {len(buffer_words)}")
+        if words < 0 or o < 0 or o + words > buffer_words[b]:
+            raise ProgramError(f"operand {i} spans words {o}..{o + words} of a buffer of {buffer_words[b]}")
+        if out and not writable[b]:
+            raise ProgramError(f"operand {i} writes read-only buffer {b}")
+
+    def positive(*values: int) -> None:
+        """Counts (0 allowed: a batch with no output rows) within what an allocation could hold."""
+        if any(v < 0 or v > 1 << 40 for v in values):
+            raise ProgramError(f"sizes {values} out of range")
+
+    def span(count: int, *strided: tuple[int, int]) -> int:
+        """Words from the first element to one past the last of ``count`` rows of (extent, stride) steps."""
+        if count == 0 or any(extent == 0 for extent, _ in strided):
+            return 0
+        return 1 + sum((extent - 1) * stride for extent, stride in strided)
+
+    def weight(index: int) -> WeightInfo:
+        if not 0 <= index < len(weights):
+            raise ProgramError(f"weight {index} of {len(weights)}")
+        return weights[index]
+
+    if op == BINARY:
+        dims, sa, sb = n[1:5], n[5:9], n[9:13]
+        positive(*dims)
+        if not 0 <= n[0] <= 3 or min(sa + sb) < 0:
+            raise ProgramError("a bad kind or a negative stride")
+        need(0, prod(dims), out=True)
+        need(1, span(prod(dims), *zip(dims, sa)))
+        need(2, span(prod(dims), *zip(dims, sb)))
+    elif op in (UNARY, SWIGLU):
+        if n[1] < 0 or (op == UNARY and not 0 <= n[0] < len(UNARY_KINDS)):
+            raise ProgramError("a bad kind or count")
+        need(0, n[1], out=True)
+        need(1, n[1])
+        if op == SWIGLU:
+            need(2, n[1])
+    elif op in (RMS_NORM, NORM, SOFTMAX):
+        positive(n[0], n[1])
+        need(0, n[0] * n[1], out=True)
+        need(1, n[0] * n[1])
+        if op != SOFTMAX:
+            need(2, n[1], optional=True)
+    elif op == GET_ROWS:
+        positive(n[0], n[1], n[2])
+        if n[3] not in (4, 8):
+            raise ProgramError("ids of 4 or 8 bytes")
+        need(0, n[0] * n[1], out=True)
+        need(1, n[2] * n[1])
+        need(2, n[0] * n[3] // 4)
+    elif op == GET_ROWS_W:
+        positive(n[0])
+        w = weight(n[1])
+        if n[3] not in (4, 8):
+            raise ProgramError("ids of 4 or 8 bytes")
+        need(0, n[0] * w.n_cols, out=True)
+        need(1, n[0] * n[3] // 4)
+    elif op == MUL_MAT:
+        w = weight(n[0])
+        positive(n[1])
+        need(0, n[1] * w.n_rows, out=True)
+        need(1, n[1] * w.n_cols)
+        if w.kind in (KIND_QNIB, KIND_QBYTE):
+            if w.n_cols % BLOCK:
+                raise ProgramError(f"{w.n_cols} columns are not whole blocks")
+            need(2, activation_words(n[1], w.n_cols), out=True)
+    elif op == SLICE:
+        positive(n[0], n[1])
+        if n[2] < 0 or n[3] < 0 or n[2] + n[3] > n[1]:
+            raise ProgramError(f"slice {n[2]}+{n[3]} of rows of {n[1]}")
+        need(0, n[0] * n[3], out=True)
+        need(1, n[0] * n[1])
+    elif op == ROPE:
+        n_tokens, n_head, dim, n_dims = n[0:4]
+        positive(n_tokens, n_head, dim, n_dims)
+        if n_head < 1 or n_dims < 2 or n_dims % 2 or n_dims > dim or n_dims > MAX_ROPE_DIMS or min(n[5:9]) < 0:
+            raise ProgramError(f"rotating {n_dims} of {dim} dimensions")
+        need(0, span(n_tokens, (n_tokens, n[7]), (n_head, n[8]), (dim, 1)), out=True)
+        need(1, span(n_tokens, (n_tokens, n[5]), (n_head, n[6]), (dim, 1)))
+        need(2, n_tokens)
+        need(3, n_dims // 2, optional=True)
+        need(4, n_dims // 2, optional=True)
+    elif op == KV_WRITE:
+        n_tokens, n_head_kv, dk, dv, n_cells = n[0:5]
+        positive(n_tokens, n_head_kv, dk, dv, n_cells)
+        need(0, n_head_kv * n_cells * dk, out=True)
+        need(1, n_head_kv * n_cells * dv, out=True)
+        need(2, n_tokens * n_head_kv * dk)
+        need(3, n_tokens * n_head_kv * dv)
+        need(4, 2 * n_tokens)
+    elif op == ATTEND:
+        n_tokens, n_head, n_head_kv, dk, dv, n_kv, n_cells = n[0:7]
+        positive(n_tokens, n_head, n_head_kv, dk, dv, n_kv, n_cells)
+        if n_head_kv < 1 or n_head % n_head_kv or n_kv > n_cells:
+            raise ProgramError(f"{n_head} heads over {n_head_kv} KV heads, {n_kv} of {n_cells} cells")
+        need(0, n_tokens * n_head * dv, out=True)
+        need(1, n_tokens * n_head * dk)
+        need(2, n_head_kv * n_cells * dk)
+        need(3, n_head_kv * n_cells * dv)
+        need(4, n_tokens * n_kv)
+        need(5, n_head, optional=True)
+    else:
+        raise ProgramError(f"unknown op code {op}")
+
+
+class Program:
+    """A checked program with its arena and buffers, run by one C call."""
+
+    def __init__(self, instrs: list[Instr], arena_words: int, buffers: list[np.ndarray], writable: list[bool],
+                 weights: list[kernels.NatWeight], weight_infos: list[WeightInfo]):
+        records = np.zeros(len(instrs), dtype=INSTR)
+        for record, ins in zip(records, instrs):
+            record["op"] = ins.op
+            args = ins.args + [NONE] * (N_ARGS - len(ins.args))
+            record["buf"] = [a.buf for a in args]
+            record["off"] = [a.off for a in args]
+            record["n"][:len(ins.n)] = ins.n
+            record["f"][:len(ins.f)] = ins.f
+        self.labels = [ins.label for ins in instrs]
+        self.arena = np.zeros(max(arena_words, 1), dtype=np.float32)
+        self.buffers = [self.arena, *buffers]
+        for array in self.buffers:
+            if not array.flags.c_contiguous or array.itemsize * array.size % 4:
+                raise ProgramError("native program: a buffer that is not contiguous 4-byte words")
+        writable = [True, *writable]
+        words = [int(a.nbytes) // 4 for a in self.buffers]
+        check_program(records, words, writable, weight_infos)
+        records.flags.writeable = False  # checked: what C runs is what was checked
+        self.instrs = records
+        self._pointers = (ctypes.c_void_p * len(self.buffers))(*(a.ctypes.data for a in self.buffers))
+        self._weights = (kernels.NatWeight * max(len(weights), 1))(*weights)
+        self.times = np.zeros(len(instrs), dtype=np.float64)
+
+    def view(self, off: int, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+        """The arena's words at ``off`` as an array (int64 values take two words each)."""
+        np_dtype = np.dtype({"f32": np.float32, "i32": np.int32, "i64": np.int64}[dtype])
+        count = prod(shape)
+        words = count * np_dtype.itemsize // 4
+        return self.arena[off:off + words].view(np_dtype).reshape(shape)
+
+    def run(self, pool: kernels.ThreadPool, isa: str, profile: bool = False) -> None:
+        failed = ctypes.c_int64(-1)
+        status = kernels.load_library().nat_program_run(
+            pool.handle, kernels.ISAS.index(isa), self.instrs.ctypes.data, len(self.instrs), self._pointers,
+            self._weights, self.times.ctypes.data if profile else None, ctypes.byref(failed))
+        if status != 0:
+            label = self.labels[failed.value] if 0 <= failed.value < len(self.labels) else "?"
+            raise ProgramError(f"native program failed at instruction {failed.value} ({label}): "
+                               f"{STATUS.get(status, f'status {status}')}")

@@ -1,0 +1,292 @@
+"""The native backend's compiled programs: each op of the core IR compiled into a program and run by the C
+interpreter against the numpy backend's compiler on the same split (the oracle); the checker that refuses a
+program reaching outside its buffers before C runs it; the run-time checks of what only the data decides; and the
+thread pool (no worker thread for one thread)."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from llmfw.core.exec.backend import KVLayerShape, Split
+from llmfw.core.errors import ModelError
+from llmfw.core.ir.graph import Node
+from llmfw.plugins.backends.numpy.runtime import NumpyBackend
+
+from support.native import kernels_or_skip
+
+kernels = kernels_or_skip()
+
+from llmfw.plugins.backends.native import program as pg  # noqa: E402
+from llmfw.plugins.backends.native.runtime import NativeBackend  # noqa: E402
+
+RNG = np.random.default_rng(7)
+
+
+class Graph:
+    """A hand-built split: inputs with values, weights, and op nodes in order."""
+
+    def __init__(self) -> None:
+        self.nodes: list[Node] = []
+        self.inputs: dict[int, np.ndarray] = {}
+        self.weights: dict[str, np.ndarray] = {}
+
+    def input(self, value: np.ndarray) -> Node:
+        dtype = {np.dtype(np.float32): "f32", np.dtype(np.int32): "i32", np.dtype(np.int64): "i64"}[value.dtype]
+        node = Node(len(self.inputs) + 1000, "input", attrs={"name": f"in{len(self.inputs)}"}, shape=value.shape,
+                    dtype=dtype)
+        self.inputs[node.id] = value
+        return node
+
+    def weight(self, name: str, value: np.ndarray) -> Node:
+        self.weights[name] = value
+        node = Node(len(self.nodes), "weight", attrs={"name": name}, shape=value.shape, dtype="f32")
+        self.nodes.append(node)
+        return node
+
+    def op(self, op: str, *inputs: Node, out: tuple[int, ...], dtype: str = "f32", **attrs) -> Node:
+        node = Node(len(self.nodes), op, tuple(inputs), dict(attrs), shape=out, dtype=dtype)
+        self.nodes.append(node)
+        return node
+
+    def run(self, backend, output: Node, kv=None) -> np.ndarray:
+        backend.weights.update(self.weights)
+        split = Split(backend, nodes=list(self.nodes), input_ids=list(self.inputs), output_ids=[output.id])
+        run = backend.compile(split, kv or {})
+        return np.asarray(run({i: v.copy() for i, v in self.inputs.items()})[output.id])
+
+
+@pytest.fixture(scope="module")
+def backends():
+    native = NativeBackend()
+    native.set_n_threads(2)
+    yield native, NumpyBackend()
+    native.free_weights()
+
+
+def both(graph: Graph, output: Node, backends) -> tuple[np.ndarray, np.ndarray]:
+    native, oracle = backends
+    return graph.run(native, output), graph.run(oracle, output)
+
+
+def f32(*shape: int, scale: float = 1.0) -> np.ndarray:
+    return (RNG.standard_normal(shape) * scale).astype(np.float32)
+
+
+@pytest.mark.parametrize("op,attrs", [("silu", {}), ("gelu", {}), ("relu", {}), ("sigmoid", {}), ("softplus", {}),
+                                      ("scale", {"s": 0.125}), ("softcap", {"cap": 3.0}),
+                                      ("clamp", {"min": -0.5, "max": 0.7})])
+def test_unary_ops_match_the_oracle(backends, op, attrs):
+    g = Graph()
+    x = g.input(f32(5, 3, 40, scale=4.0))
+    out = g.op(op, x, out=(5, 3, 40), **attrs)
+    got, expected = both(g, out, backends)
+    np.testing.assert_allclose(got, expected, rtol=2e-6, atol=2e-7)
+
+
+@pytest.mark.parametrize("op", ["add", "sub", "mul", "div"])
+@pytest.mark.parametrize("b_shape", [(6, 4, 16), (16,), (6, 1, 1), (1, 4, 1)])
+def test_binary_ops_broadcast_like_numpy(backends, op, b_shape):
+    g = Graph()
+    a = g.input(f32(6, 4, 16))
+    b = g.input(f32(*b_shape) + 3.0)
+    out = g.op(op, a, b, out=(6, 4, 16))
+    got, expected = both(g, out, backends)
+    assert np.array_equal(got, expected)  # one float operation per element: the same bits
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "norm"])
+@pytest.mark.parametrize("with_weight", [False, True])
+def test_norms_match_the_oracle(backends, op, with_weight):
+    g = Graph()
+    x = g.input(f32(7, 48, scale=3.0) + 1.0)
+    extra = [g.weight("norm.weight", f32(48))] if with_weight else []
+    out = g.op(op, x, *extra, out=(7, 48), eps=1e-5)
+    got, expected = both(g, out, backends)
+    np.testing.assert_allclose(got, expected, rtol=3e-6, atol=3e-6)
+
+
+def test_softmax_swiglu_slices_reshapes_and_row_lookups_match_the_oracle(backends):
+    g = Graph()
+    x = g.input(f32(6, 2, 32, scale=2.0))
+    flat = g.op("reshape", x, out=(6, 64), shape=(6, 64))
+    gate = g.op("slice", flat, out=(6, 24), axis=-1, start=8, stop=32)
+    up = g.op("slice", flat, out=(6, 24), axis=-1, start=40, stop=64)
+    h = g.op("swiglu", gate, up, out=(6, 24))
+    middle = g.op("slice", x, out=(6, 1, 32), axis=1, start=1, stop=2)
+    rows = g.op("get_rows", h, g.input(np.array([5, 0, 5, 2], np.int32)), out=(4, 24))
+    soft = g.op("softmax", rows, out=(4, 24))
+    for output, tolerance in ((soft, 1e-6), (middle, 0.0)):
+        got, expected = both(g, output, backends)
+        np.testing.assert_allclose(got, expected, rtol=tolerance, atol=tolerance / 10)
+
+
+ROPE = {"freq_base": 10000.0, "freq_scale": 1.0, "ext_factor": 0.0, "attn_factor": 1.0, "beta_fast": 32.0,
+        "beta_slow": 1.0, "n_ctx_orig": 4096}
+
+
+@pytest.mark.parametrize("mode", ["norm", "neox"])
+@pytest.mark.parametrize("variant", ["plain", "partial", "factors", "yarn"])
+def test_rope_matches_the_oracle(backends, mode, variant):
+    g = Graph()
+    x = g.input(f32(5, 3, 32))
+    pos = g.input(np.array([0, 3, 17, 250, 1999], np.int32))
+    attrs = dict(ROPE, n_dims=16 if variant == "partial" else 32, mode=mode)
+    extra = []
+    if variant == "factors":
+        extra = [g.weight("rope_freqs.weight", (1.0 + RNG.random(16) * 7).astype(np.float32))]
+    if variant == "yarn":
+        attrs.update(freq_scale=0.25, ext_factor=1.0, n_ctx_orig=512)
+    out = g.op("rope", x, pos, *extra, out=(5, 3, 32), **attrs)
+    got, expected = both(g, out, backends)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=2e-5)
+
+
+def kv_pair(backend, n_cells=32, n_head_kv=2, dk=16, dv=8):
+    shape = KVLayerShape("kv", 0, n_cells, n_head_kv, dk, dv)
+    return {("kv", 0): backend.alloc_kv(shape)}
+
+
+@pytest.mark.parametrize("softcap,sinks", [(0.0, False), (20.0, False), (0.0, True)])
+def test_attention_writes_the_cache_and_attends_like_the_oracle(backends, softcap, sinks):
+    g = Graph()
+    n_tokens, n_kv = 5, 16
+    q = g.input(f32(n_tokens, 6, 16))
+    k = g.input(f32(n_tokens, 2, 16))
+    v = g.input(f32(n_tokens, 2, 8))
+    cells = g.input(np.array([3, 4, 5, 6, 7], np.int64))
+    visible = np.arange(n_kv)[None, :] <= 3 + np.arange(n_tokens)[:, None]
+    visible[:, :2] = False  # a sliding window's hidden start
+    mask = g.input(np.where(visible, 0.0, -np.inf).astype(np.float32))
+    extra = [g.weight("sinks", f32(6))] if sinks else []
+    out = g.op("attention", q, k, v, cells, mask, *extra, out=(n_tokens, 48), layer=0, cache="kv", scale=0.25,
+               softcap=softcap, window=0)
+    results = []
+    for backend in backends:
+        kv = kv_pair(backend)
+        kv[("kv", 0)].k[:, :3] = 0.5
+        kv[("kv", 0)].v[:, :3] = -0.25
+        results.append((g.run(backend, out, kv), kv[("kv", 0)]))
+    (got, got_kv), (expected, expected_kv) = results
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    assert np.array_equal(got_kv.k, expected_kv.k) and np.array_equal(got_kv.v, expected_kv.v)
+
+
+def test_k_shift_rotates_the_cached_keys_like_the_oracle(backends):
+    g = Graph()
+    shift = g.input(np.array([5, 5, 5, -2, 0, 7], np.int32))
+    out = g.op("k_shift", shift, out=(0,), layer=0, cache="kv", n_dims=16, mode="neox", **ROPE)
+    caches = []
+    for backend in backends:
+        kv = kv_pair(backend)
+        kv[("kv", 0)].k[:] = np.arange(kv[("kv", 0)].k.size, dtype=np.float32).reshape(kv[("kv", 0)].k.shape) / 97
+        g.run(backend, out, kv)
+        caches.append(kv[("kv", 0)].k)
+    np.testing.assert_allclose(caches[0], caches[1], rtol=1e-5, atol=1e-5)
+
+
+def test_an_op_without_a_kernel_is_refused_naming_it(backends):
+    g = Graph()
+    x = g.input(f32(4, 8))
+    out = g.op("top_k", x, out=(4, 2), dtype="i32", k=2)
+    with pytest.raises(ModelError, match="cannot compile op 'top_k'"):
+        g.run(backends[0], out)
+
+
+# -- the checker -----------------------------------------------------------------------------------------------
+
+def small_program(**changes) -> tuple[list[pg.Instr], dict]:
+    """One RMS norm of 4 rows of 16 (arena words 0..63 → 64..127) with a read-only weight buffer."""
+    instr = pg.Instr(pg.RMS_NORM, [pg.Operand(0, 64), pg.Operand(0, 0), pg.Operand(1, 0)], [4, 16], [1e-6])
+    for key, value in changes.items():
+        setattr(instr, key, value)
+    return [instr], {"arena_words": 128, "buffers": [np.ones(16, np.float32)], "writable": [False], "weights": [],
+                     "weight_infos": []}
+
+
+def test_a_checked_program_runs_and_its_instructions_are_frozen():
+    instrs, parts = small_program()
+    program = pg.Program(instrs, **parts)
+    program.arena[:64] = 2.0
+    pool = kernels.ThreadPool(1)
+    program.run(pool, "scalar")
+    pool.close()
+    np.testing.assert_allclose(program.arena[64:128], 1.0, rtol=1e-6)
+    with pytest.raises(ValueError):
+        program.instrs[0]["off"][0] = 10**9  # what was checked is what runs
+
+
+@pytest.mark.parametrize("change,reason", [
+    ({"args": [pg.Operand(0, 100), pg.Operand(0, 0), pg.Operand(1, 0)]}, "spans words"),
+    ({"args": [pg.Operand(0, -8), pg.Operand(0, 0), pg.Operand(1, 0)]}, "spans words"),
+    ({"args": [pg.Operand(0, 64), pg.Operand(7, 0), pg.Operand(1, 0)]}, "names buffer 7"),
+    ({"args": [pg.Operand(1, 0), pg.Operand(0, 0), pg.Operand(1, 0)]}, "spans words"),
+    ({"args": [pg.Operand(1, 0), pg.Operand(0, 0)], "n": [1, 16]}, "writes read-only buffer"),
+    ({"n": [4, 32]}, "spans words"),
+    ({"n": [-4, 16]}, "out of range"),
+    ({"op": 99}, "unknown op code"),
+    ({"op": pg.MUL_MAT, "n": [0, 4]}, "weight 0 of 0"),
+    ({"op": pg.GET_ROWS, "n": [4, 16, 1, 3]}, "ids of 4 or 8 bytes"),
+    ({"op": pg.SLICE, "n": [4, 16, 10, 8]}, "slice 10\\+8"),
+    ({"op": pg.ATTEND, "n": [1, 3, 2, 4, 4, 4, 4]}, "3 heads over 2 KV heads"),
+    ({"op": pg.ATTEND, "n": [1, 3, 0, 4, 4, 4, 4]}, "3 heads over 0 KV heads"),
+    ({"op": pg.BINARY, "n": [0, 1, 1, 4, 16, 0, 0, 64, 1, 0, 0, 0, 1]}, "operand 1 spans"),
+])
+def test_a_corrupted_program_is_refused_before_c_runs_it(change, reason):
+    instrs, parts = small_program(**change)
+    with pytest.raises(pg.ProgramError, match=reason):
+        pg.Program(instrs, **parts)
+
+
+def test_an_id_outside_its_table_fails_the_run_instead_of_reading_past_it():
+    instr = pg.Instr(pg.GET_ROWS, [pg.Operand(0, 0), pg.Operand(1, 0), pg.Operand(0, 64)], [2, 8, 4, 4])
+    program = pg.Program([instr], 80, [np.zeros(32, np.float32)], [False], [], [])
+    program.arena[64:66].view(np.int32)[:] = [1, 4]  # the table has rows 0..3
+    pool = kernels.ThreadPool(1)
+    with pytest.raises(pg.ProgramError, match="outside its table"):
+        program.run(pool, "scalar")
+    pool.close()
+
+
+# -- the pool --------------------------------------------------------------------------------------------------
+
+def thread_count() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc")
+def test_one_thread_starts_no_worker_and_n_threads_start_n_minus_one():
+    before = thread_count()
+    single = kernels.ThreadPool(1)
+    assert thread_count() == before
+    triple = kernels.ThreadPool(3)
+    assert thread_count() == before + 2
+    triple.close()
+    single.close()
+    assert thread_count() == before
+
+
+def test_more_threads_than_cores_give_the_same_bits_as_one(backends):
+    """Chunks are claimed by whichever thread is free, never assigned: a row's result does not depend on who ran
+    it, even with far more threads than this machine's cores (most of them asleep or descheduled)."""
+    g = Graph()
+    x = g.input(f32(64, 128, scale=2.0))
+    out = g.op("gelu", g.op("rms_norm", x, out=(64, 128), eps=1e-6), out=(64, 128))
+    native = backends[0]
+    results = []
+    for n_threads in (1, 16):
+        native.set_n_threads(n_threads)
+        results.append(g.run(native, out))
+    native.set_n_threads(2)
+    assert np.array_equal(results[0], results[1])
+
+
+def test_a_batch_without_output_rows_runs(backends):
+    """A prompt decoded with no logits selects zero rows: zero-row values compile and run (nothing to compute)."""
+    g = Graph()
+    x = g.input(f32(5, 32))
+    rows = g.op("get_rows", x, g.input(np.zeros(0, np.int32)), out=(0, 32))
+    out = g.op("mul", g.op("rms_norm", rows, out=(0, 32), eps=1e-6), g.weight("w", f32(32)), out=(0, 32))
+    got, expected = both(g, out, backends)
+    assert got.shape == expected.shape == (0, 32)
