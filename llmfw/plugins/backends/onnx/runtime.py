@@ -21,7 +21,7 @@ import numpy as np
 from llmfw.core.exec.backend import Backend, BackendOptions, CompiledSplit, KVLayerShape, Split, WeightSource
 from llmfw.core.errors import ModelError
 from llmfw.core.ir.graph import OPS, SCAN_OPS
-from llmfw.plugins.backends.onnx.cache import CachedLoad, ConvertedCache, MappedBlob, default_cache_root
+from llmfw.plugins.backends.onnx.cache import CachedLoad, MappedBlob, OnnxCache, default_cache_root
 from llmfw.plugins.backends.onnx.emit import external_tensor_proto, split_signature
 from llmfw.plugins.backends.onnx.fused import (
     USE_GQA, AttentionForm, FusedAttentionPlan, fused_attention_plan, kv_cells,
@@ -117,7 +117,7 @@ class OnnxBackend(Backend):
         self._ort_values: dict[str, Any] = {}
         self._derived: dict[tuple[str, str], np.ndarray] = {}
         self._programs: OrderedDict[tuple, _Program] = OrderedDict()
-        self._load: CachedLoad | None = None
+        self._load: CachedLoad[Weight] | None = None
         #: the cache file the loaded weights were mapped from (sessions point their initializers at it)
         self._blob: MappedBlob | None = None
         #: sessions built (tests read it to check that one session serves many ubatches)
@@ -159,7 +159,7 @@ class OnnxBackend(Backend):
     # -- weights ------------------------------------------------------------------------------------------
     def begin_loading(self, model_file: Path) -> None:
         root = self._cache_root()
-        self._load = CachedLoad(None if root is None else ConvertedCache.for_file(root, model_file))
+        self._load = CachedLoad(None if root is None else OnnxCache.for_file(root, model_file))
 
     def _cache_root(self) -> Path | None:
         opts = self.onnx_options
