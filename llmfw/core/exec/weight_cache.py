@@ -29,7 +29,7 @@ from typing import Any, Callable, Generic, Mapping, TypeVar
 
 import numpy as np
 
-from llmfw.core.exec.backend import WeightSource
+from llmfw.core.exec.backend import BackendOptions, WeightSource
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +41,34 @@ MAX_ENTRIES = 4
 MIN_FILE_BYTES = 8 << 20
 _ALIGN = 64
 _INDEX, _BLOB = "index.json", "weights.bin"
+
+
+class CacheOptions(BackendOptions):
+    """The options of a backend with a converted-weight cache."""
+
+    #: keep converted weights next to the model cache and map them on later loads
+    cache: bool = True
+    #: the converted-weight cache's folder (default ``<models_dir>/.<backend>``)
+    cache_dir: str | None = None
+
+    def cache_root(self, backend: str) -> Path | None:
+        """Where the cache lives (None: switched off)."""
+        if not self.cache:
+            return None
+        return Path(self.cache_dir).expanduser() if self.cache_dir else default_cache_root(backend)
+
+
+def default_cache_root(backend: str) -> Path:
+    """``<models_dir>/.<backend>``: next to the model cache."""
+    from llmfw.core.format.catalog import models_dir
+
+    return models_dir() / f".{backend}"
+
+
+def cache_dirs_from(environ: Mapping[str, str], variable: str, backend: str) -> list[Path]:
+    """A backend's ``cache_dirs``: its default root, or the one the environment variable ``variable`` names."""
+    moved = environ.get(variable)
+    return [Path(moved).expanduser() if moved else default_cache_root(backend)]
 
 
 def source_key(source: WeightSource) -> list[Any]:

@@ -195,6 +195,30 @@ def block_bytes(kind: int, n_scales: int, has_offsets: bool) -> int:
     return ROWS * (16 if kind == KIND_QNIB else 32) + n_scales * (1 + int(has_offsets)) * ROWS * 4
 
 
+def packed_bytes(kind: int, n_rows: int, n_cols: int, n_scales: int, has_offsets: bool) -> int:
+    """The bytes of a weight in the kernels' layout (csrc/native.h); QuantError for a description the kernels
+    cannot take (what the C code reads is exactly this many bytes)."""
+    if n_rows < 0 or n_cols < 0:
+        raise QuantError(f"a weight of {n_rows} x {n_cols} values")
+    if kind in FLOAT_KINDS.values():
+        return n_rows * n_cols * (4 if kind == KIND_F32 else 2)
+    if kind not in (KIND_QNIB, KIND_QBYTE) or n_scales not in (1, 2) or n_cols % BLOCK:
+        raise QuantError(f"no kernel layout of kind {kind} with {n_scales} scales and {n_cols} columns")
+    return -(-n_rows // ROWS) * (n_cols // BLOCK) * block_bytes(kind, n_scales, has_offsets)
+
+
+def checked(weight: PackedWeight) -> PackedWeight:
+    """``weight`` when its arrays are what its description says (contiguous bytes of :func:`packed_bytes`, a
+    16-entry code table), else QuantError: the check before a stored weight reaches the kernels."""
+    expected = packed_bytes(weight.kind, weight.n_rows, weight.n_cols, weight.n_scales, weight.has_offsets)
+    data, table = weight.data, weight.table
+    if data.dtype != np.uint8 or data.ndim != 1 or not data.flags.c_contiguous or data.size != expected:
+        raise QuantError(f"repacked weight of {data.size} bytes ({data.dtype}), its layout needs {expected}")
+    if table.dtype != np.int8 or table.shape != (16,):
+        raise QuantError(f"repacked weight with a code table of {table.dtype} {table.shape}")
+    return weight
+
+
 def repack(raw: np.ndarray, ggml_type: int, ne: tuple[int, ...]) -> PackedWeight:
     """The kernels' form of a 2-D weight of ggml shape ``ne`` (QuantError for a type or shape they do not take)."""
     qtype = GGMLType(ggml_type)

@@ -5,16 +5,19 @@ yet."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from dataclasses import dataclass, field, replace
 from typing import Any, Hashable, Literal, Mapping
 
 import numpy as np
 
 from llmfw.core.exec.backend import Backend, BackendOptions, CompiledSplit, Split, WeightSource, release_freed_memory
+from llmfw.core.exec.weight_cache import CachedLoad, CacheOptions, cache_dirs_from
 from llmfw.core.errors import BackendUnavailable, ModelError
 from llmfw.core.ir.graph import Node
 from llmfw.core.format.quants import GGMLType
 import llmfw.plugins.backends.native.kernels as kernels
+from llmfw.plugins.backends.native.cache import NativeCache
 from llmfw.plugins.backends.native.repack import ROWS, SUPPORTED_TYPES, PackedWeight, repack
 from llmfw.plugins.backends.numpy.blas import set_blas_threads
 from llmfw.plugins.backends.numpy.compiler import SplitCompiler, Step
@@ -23,7 +26,7 @@ from llmfw.plugins.backends.numpy.runtime import NumpyBackend
 from llmfw.plugins.backends.numpy.weights import QuantizedTable, get_rows
 
 
-class NativeOptions(BackendOptions):
+class NativeOptions(CacheOptions):
     """``backend_options: {native: {...}}``."""
 
     #: the kernels' instruction set: auto = the widest this CPU runs; a named one is an error where it cannot run
@@ -95,7 +98,8 @@ class NativeBackend(NumpyBackend):
 
     name = "native"
     options_schema = NativeOptions
-    environment_options = {"LLMFW_NATIVE_ISA": "isa"}
+    environment_options = {"LLMFW_NATIVE_ISA": "isa", "LLMFW_NATIVE_CACHE": "cache",
+                           "LLMFW_NATIVE_CACHE_DIR": "cache_dir"}
     #: the built extension: missing when the install could not compile it (``llmfw plugins`` says so)
     requires = (kernels.EXTENSION,)
     #: not a default yet (``--backend native`` opts in): it becomes the CPU default (priority 250, above onnx's 200;
@@ -107,6 +111,9 @@ class NativeBackend(NumpyBackend):
         self.native_options = self.options_as(NativeOptions)
         self.isa = kernels.resolve_isa(self.native_options.isa)
         self._pool: kernels.ThreadPool | None = None
+        self._load: CachedLoad[PackedWeight] | None = None
+        #: weights the last load repacked from the model file rather than mapped from the cache (cache.py)
+        self.weights_converted = 0
 
     @classmethod
     def install_hint(cls) -> str:
@@ -117,6 +124,11 @@ class NativeBackend(NumpyBackend):
         if device not in (None, "cpu"):
             raise BackendUnavailable(f"the native backend runs on the CPU only, not on device {device!r}")
         kernels.load_library()
+
+    @classmethod
+    def cache_dirs(cls, environ: Mapping[str, str]) -> list[Path]:
+        """The repacked-weight cache (``LLMFW_NATIVE_CACHE_DIR`` moves it, as the ``cache_dir`` option does)."""
+        return cache_dirs_from(environ, "LLMFW_NATIVE_CACHE_DIR", "native")
 
     # -- threads ------------------------------------------------------------------------------------------
     @property
@@ -135,6 +147,25 @@ class NativeBackend(NumpyBackend):
             self._pool = None
 
     # -- weights ------------------------------------------------------------------------------------------
+    def begin_loading(self, model_file: Path) -> None:
+        root = self.native_options.cache_root("native")
+        self._load = CachedLoad(None if root is None else NativeCache.for_file(root, model_file))
+
+    def end_loading(self) -> None:
+        """Store the repacked weights when any was repacked, and keep the copies mapped back from the entry."""
+        if self._load is not None:
+            self.weights_converted = self._load.converted
+            matrices = {n: h for n, h in self.weights.items() if isinstance(h, NativeMatrix)}
+            for name, packed in self._load.finish({n: h.packed for n, h in matrices.items()}).items():
+                self.weights[name] = native_matrix(packed, matrices[name].lookup)
+        self._load = None
+
+    def _repacked(self, source: WeightSource) -> PackedWeight:
+        def convert(s: WeightSource) -> PackedWeight:
+            return repack(s.raw, s.ggml_type, s.ne)
+
+        return convert(source) if self._load is None else self._load.load(source, convert)
+
     def load_weight(self, source: WeightSource) -> Any:
         if "mul_mat" not in source.usage or len(source.ne) != 2:
             return super().load_weight(source)
@@ -145,7 +176,7 @@ class NativeBackend(NumpyBackend):
         lookup = None
         if "get_rows" in source.usage:
             lookup = QuantizedTable(source.kept_raw(), int(qtype), source.ne)
-        return native_matrix(repack(source.raw, qtype, source.ne), lookup)
+        return native_matrix(self._repacked(source), lookup)
 
     def fusion_key(self, weight_name: str) -> Hashable | None:
         handle = self.weights.get(weight_name)
@@ -165,13 +196,17 @@ class NativeBackend(NumpyBackend):
             return False
         # the layout is row-group major, so stacking whole groups is stacking their bytes; each part then becomes a
         # view of its bytes in the fused copy, and its own copy is freed
-        data = np.concatenate([p.data for p in packed])
+        def fuse() -> PackedWeight:
+            return replace(packed[0], n_rows=sum(p.n_rows for p in packed), data=np.concatenate([p.data for p in packed]))
+
+        fused = fuse() if self._load is None else self._load.fused(name, parts, fuse)
+        data = fused.data
         start = 0
         for part_name, part in zip(parts, packed):
             view = data[start:start + part.data.size]
             start += part.data.size
             self.weights[part_name] = native_matrix(replace(part, data=view))
-        self.weights[name] = native_matrix(replace(packed[0], n_rows=sum(p.n_rows for p in packed), data=data))
+        self.weights[name] = native_matrix(fused)
         release_freed_memory()
         return True
 
@@ -189,6 +224,7 @@ class NativeBackend(NumpyBackend):
 
     def free_weights(self) -> None:
         super().free_weights()
+        self._load = None
         if self._pool is not None:
             self._pool.close()
             self._pool = None

@@ -4,7 +4,6 @@ re-code, pack) is most of the backend's load time; a cached load maps them inste
 """
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
@@ -12,8 +11,7 @@ import numpy as np
 from llmfw.core.exec.weight_cache import CachedLoad, CachedWeight, ConvertedCache, MappedBlob, source_key
 from llmfw.plugins.backends.onnx.weights import BlockWeight, DenseWeight, Weight
 
-__all__ = ["CACHE_FORMAT", "CachedLoad", "CachedWeight", "MappedBlob", "OnnxCache", "default_cache_root",
-           "source_key"]
+__all__ = ["CACHE_FORMAT", "CachedLoad", "CachedWeight", "MappedBlob", "OnnxCache", "source_key"]
 
 #: bumped whenever the converted forms change, so that entries written by older code are rebuilt
 #: (3: block weights with offsets also store them transposed, ``offsets_t``)
@@ -52,10 +50,3 @@ class OnnxCache(ConvertedCache[Weight]):
         return BlockWeight(shape, int(meta["bits"]), arrays["scales"], arrays.get("offsets"),
                            packed=arrays.get("packed"), codes=arrays.get("codes"), offsets_t=arrays.get("offsets_t"),
                            exact=bool(meta["exact"]), source_type=str(meta["source_type"]), block=int(meta["block"]))
-
-
-def default_cache_root() -> Path:
-    """``<models_dir>/.onnx``: next to the model cache."""
-    from llmfw.core.format.catalog import models_dir
-
-    return models_dir() / ".onnx"
