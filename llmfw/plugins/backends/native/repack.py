@@ -11,8 +11,9 @@ from typing import Callable
 import numpy as np
 
 from llmfw.core.errors import QuantError
-from llmfw.core.format.quants import (IQ4_LEVELS, GGMLType, _f16_at, _five_bit_quants, _k4_scales_mins, _q3_k_scales,
-                               _unpack_fields, block_view, iq4_xs_scales)
+from llmfw.core.format.quants import (IQ4_LEVELS, MXFP4_VALUES, GGMLType, _f16_at, _five_bit_quants, _k4_scales_mins,
+                                      _q3_k_scales, _unpack_fields, block_view, iq4_xs_scales, mxfp4_codes,
+                                      mxfp4_scales)
 
 ROWS = 8  # NAT_ROWS
 BLOCK = 32  # NAT_BLOCK
@@ -149,6 +150,13 @@ def _iq4_xs(blocks: np.ndarray) -> Codes:
     return Codes(codes, _per_half(dl.reshape(rows, -1), nb * 256), None)
 
 
+def _mxfp4(blocks: np.ndarray) -> Codes:
+    # E8M0 exponent | 16 nibble bytes: the E2M1 codes index MXFP4_VALUES (doubled, so integers -12..12) and the
+    # exponent becomes its float scale exactly (halved to match), one per 32 values
+    flat, rows, nb = _flat(blocks)
+    return Codes(mxfp4_codes(flat).reshape(rows, -1), mxfp4_scales(flat[:, 0]).reshape(rows, nb, 1), None)
+
+
 LAYOUTS: dict[GGMLType, Layout] = {
     GGMLType.Q4_0: Layout(KIND_QNIB, 1, False, _IDENTITY - np.int8(8), _q4_0),
     GGMLType.Q4_1: Layout(KIND_QNIB, 1, True, _IDENTITY, _q4_1),
@@ -162,6 +170,7 @@ LAYOUTS: dict[GGMLType, Layout] = {
     GGMLType.Q6_K: Layout(KIND_QBYTE, 2, False, _IDENTITY, _q6_k),
     GGMLType.IQ4_NL: Layout(KIND_QNIB, 1, False, IQ4_LEVELS, _iq4_nl),
     GGMLType.IQ4_XS: Layout(KIND_QNIB, 1, False, IQ4_LEVELS, _iq4_xs),
+    GGMLType.MXFP4: Layout(KIND_QNIB, 1, False, MXFP4_VALUES.astype(np.int8), _mxfp4),
 }
 
 #: every GGML type the native matmul takes
