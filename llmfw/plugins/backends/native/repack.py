@@ -230,11 +230,13 @@ def checked(weight: PackedWeight) -> PackedWeight:
 
 def repack(raw: np.ndarray, ggml_type: int, ne: tuple[int, ...]) -> PackedWeight:
     """The kernels' form of a 2-D weight of ggml shape ``ne`` (QuantError for a type or shape they do not take)."""
+    blocks = block_view(raw, ggml_type, ne)  # validates the type, the shape and the byte length
     qtype = GGMLType(ggml_type)
     if qtype not in SUPPORTED_TYPES:
         raise QuantError(f"the native backend has no kernel for {qtype.name} weights")
     n_cols, n_rows = int(ne[0]), prod(int(d) for d in ne[1:])
-    blocks = block_view(raw, qtype, ne)  # validates the byte length
+    if not n_cols or not n_rows:
+        raise QuantError(f"{qtype.name} weight of shape {tuple(ne)} holds no values")
     if qtype in FLOAT_KINDS:
         data = np.array(blocks, dtype=np.uint8, copy=True).reshape(-1)
         return PackedWeight(FLOAT_KINDS[qtype], n_rows, n_cols, 0, False, _IDENTITY, data, int(qtype))
