@@ -125,3 +125,15 @@ def test_models_lists_the_native_cache_and_prune_removes_it(big_model, tmp_path,
     assert pruned.exit_code == 0, pruned.output
     assert not entry.exists()
     assert f"converted weights (native): {tmp_path / '.native'} (empty)" in invoke("models").output
+
+
+def test_a_stored_weight_of_another_shape_is_repacked_again(big_model, tmp_path, fresh_logits):
+    """One row less still fits the stored bytes (the same row groups), so the entry checks out; the weight does not
+    match its tensor, so it is repacked from the file and the entry rewritten."""
+    root = tmp_path / "cache"
+    load_and_score(big_model, root)
+    _edit_index(entry_of(root), lambda weight: weight["meta"].update(n_rows=weight["meta"]["n_rows"] - 1))
+    logits, _, converted = load_and_score(big_model, root)
+    assert converted == 1
+    np.testing.assert_array_equal(logits, fresh_logits)
+    assert load_and_score(big_model, root)[2] == 0

@@ -164,7 +164,15 @@ class NativeBackend(NumpyBackend):
         def convert(s: WeightSource) -> PackedWeight:
             return repack(s.raw, s.ggml_type, s.ne)
 
-        return convert(source) if self._load is None else self._load.load(source, convert)
+        if self._load is None:
+            return convert(source)
+        packed = self._load.load(source, convert)
+        # a stored weight was checked against its own description; this checks that against the tensor
+        expected = (int(np.prod(source.ne[1:], dtype=np.int64)), int(source.ne[0]))
+        if packed.shape == expected:
+            return packed
+        self._load.converted += 1  # so that the entry is rewritten
+        return convert(source)
 
     def load_weight(self, source: WeightSource) -> Any:
         if "mul_mat" not in source.usage or len(source.ne) != 2:
