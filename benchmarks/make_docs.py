@@ -87,17 +87,16 @@ def render_bound(name: str, run: dict[str, Any]) -> str:
              f"`python benchmarks/bandwidth_bound.py` ({run['size_mib']} MiB streamed, best of {run['repeats']}; tg "
              f"from {', '.join(f'`{f}`' for f in run['bench_files']) or 'no bench file'})", ""]
     lines += machine_lines(run.get("machine")) + [
-        f"- streaming read: {bandwidth['1'] / 1e9:.1f} GB/s on 1 thread, {bandwidth['2'] / 1e9:.1f} GB/s on 2", "",
-        "| model | bytes / token (file blocks) | repacked (native) | KV (f16) | bound t/s (1 / 2 threads) | "
-        + " | ".join(f"{e} tg t/s (% of bound)" for e in engines) + " |",
-        "| --- " * (5 + len(engines)) + "|"]
+        f"- streaming read: {bandwidth['1'] / 1e9:.1f} GB/s on 1 thread, {bandwidth['2'] / 1e9:.1f} GB/s on 2", ""]
+    header = ["model", "bytes / token (file blocks)", "repacked (native)", "KV (f16)", "bound t/s (1 / 2 threads)"]
+    rows = [header + [f"{engine} tg t/s (% of 2-thread bound)" for engine in engines], ["---"] * (5 + len(engines))]
     for row in run["models"]:
         bound = row["bound_tps"]["2"]
         measured = [row["measured_tg_tps"].get(engine) for engine in engines]
-        cells = [f"{tps:.1f} ({100 * tps / bound:.0f} %)" if tps else "-" for tps in measured]
-        lines.append(f"| {row['model']} | {_mb(row['weights_stored'])} | {_mb(row['weights_repacked'])} | "
-                     f"{_mb(row['kv_at_mean_position'])} | {row['bound_tps']['1']:.0f} / {bound:.0f} | "
-                     + " | ".join(cells) + " |")
+        rows.append([row["model"], _mb(row["weights_stored"]), _mb(row["weights_repacked"]),
+                     _mb(row["kv_at_mean_position"]), f"{row['bound_tps']['1']:.0f} / {bound:.0f}"]
+                    + [f"{tps:.1f} ({100 * tps / bound:.0f} %)" if tps else "-" for tps in measured])
+    lines += ["| " + " | ".join(cells) + " |" for cells in rows]
     return "\n".join(lines) + "\n"
 
 
