@@ -20,6 +20,11 @@ What one case is:
 * **quant** — every dequantizable type, blocks whose every 16-bit word is NaN, +inf, -inf or random bits with
   NaN / inf words mixed in, through ``dequantize`` and ``dequantize_rows``.
 
+* **repack** — mutated headers (as above) whose file the GGUF reader opens: each tensor the mutation changed, and one that it did
+  not, repacked by the native backend and multiplied on each of its ISA paths in turn; **repack_tensors** —
+  damaged tensor descriptions (any type id, odd / zero / huge dimensions, byte lengths that miss) straight into the
+  repacker. Both need the native extension built (skipped without it).
+
 Each case must end normally or with an :class:`LLMFWError` (anything else is a crash), within 2 s (a watchdog
 interrupts it: a hang), and allocate at most the size of its input file: the tracemalloc peak of a second run
 (tracing slows Python several times, so the timed run is untraced); every header case is traced, every 10th
@@ -400,6 +405,127 @@ def fuzz_quants(rng_seed: int) -> Tally:
     return tally
 
 
+# ------------------------------------------------------------------------------------------------ native repacking
+#: widest activation row a repack case multiplies (a mutated row length may be huge; the repack is still checked)
+MAX_MATMUL_COLS = 1 << 18
+
+
+def native_kernels() -> Any:
+    """The native backend's kernels module with its library loaded, or None where the extension is not built."""
+    from llmfw.core.errors import BackendUnavailable
+    from llmfw.plugins.backends.native import kernels
+
+    try:
+        kernels.load_library()
+    except BackendUnavailable:
+        return None
+    return kernels
+
+
+def repack_and_multiply(raw: np.ndarray, ggml_type: int, ne: tuple[int, ...], kernels: Any, pool: Any,
+                        isa: str) -> None:
+    """What the native backend does with a matmul weight: repack it (which must refuse a bad one with an
+    LLMFWError before any C code runs), then one product of two activation rows on the given ISA path."""
+    from llmfw.plugins.backends.native.repack import repack
+
+    packed = repack(raw, ggml_type, ne)
+    if packed.n_cols <= MAX_MATMUL_COLS:
+        x = np.linspace(-2.0, 2.0, 2 * packed.n_cols, dtype=np.float32).reshape(2, packed.n_cols)
+        kernels.mul_mat(packed, x, pool, isa)
+
+
+def seed_tensors(seed: HeaderSeed, work: Path) -> dict[str, tuple[int, tuple[int, ...]]]:
+    """The unmutated tensor table of a seed: name → (type, shape)."""
+    path = work / f"table-{seed.name}.gguf"
+    write_sparse(path, seed.header, seed.data_bytes)
+    with open_gguf(path) as gguf:
+        return {name: (int(info.ggml_type), tuple(info.shape)) for name, info in gguf.tensors.items()}
+
+
+def fuzz_repack(seeds: list[HeaderSeed], n_cases: int, work: Path, rng: random.Random, kernels: Any,
+                limit_s: float = 10.0) -> Tally:
+    """Mutated headers (as ``fuzz_headers``) whose file the GGUF reader opens (it has checked every tensor's
+    extent): every tensor the mutation changed (type or shape; the data is the sparse file's zeros, or the bytes
+    the table now points at) and one unchanged tensor go through :func:`repack_and_multiply`, on each ISA path in
+    turn — a stricter test than the load itself, which also refuses shapes the architecture does not expect.
+    Files the reader refuses are not counted."""
+    tally = Tally()
+    tables = {seed.name: seed_tensors(seed, work) for seed in seeds}
+    isas = kernels.available_isas()
+    pool = kernels.ThreadPool(2)
+    path = work / "mutated-repack.gguf"
+    try:
+        attempts = 0
+        while tally.cases < n_cases and attempts < 50 * n_cases:
+            attempts += 1
+            seed = seeds[attempts % len(seeds)]
+            write_sparse(path, mutate_header(seed, rng), seed.data_bytes)
+            if run_guarded(lambda: open_gguf(path).close())[0] != "ok":
+                continue
+            with open_gguf(path) as gguf:
+                table = {name: (int(info.ggml_type), tuple(info.shape)) for name, info in gguf.tensors.items()}
+                changed = [name for name, entry in table.items() if tables[seed.name].get(name) != entry]
+                names = changed + [rng.choice(sorted(table))]
+                for name in names:
+                    isa = isas[tally.cases % len(isas)]
+                    ggml_type, ne = table[name]
+
+                    def case(name: str = name, ggml_type: int = ggml_type, ne: tuple[int, ...] = ne,
+                             isa: str = isa) -> None:
+                        repack_and_multiply(gguf.tensor_bytes(name), ggml_type, ne, kernels, pool, isa)
+
+                    outcome, seconds, detail = run_guarded(case, limit_s)
+                    kind = "changed" if name in changed else "unchanged"
+                    tally.record(f"{kind}:{outcome}", seconds, f"{seed.name} {name} type {ggml_type} ne {ne}: {detail}")
+    finally:
+        pool.close()
+    return tally
+
+
+def mutated_tensor(rng: random.Random) -> tuple[np.ndarray, int, tuple[int, ...]]:
+    """A small tensor description of the kind a damaged table gives: any type number (known or not), dimensions
+    that are odd, zero, huge or one too many, and a byte length that fits the description or misses it."""
+    from llmfw.core.format.quants import GGMLType, tensor_nbytes
+
+    types = [int(t) for t in GGMLType] + [31, 40, 99, 2**31 - 1, -1]
+    ggml_type = rng.choice(types)
+    ne: list[int] = [rng.choice([32, 64, 96, 256, 512, 33, 100, 1, 0]), rng.choice([1, 3, 8, 9, 17, 64])]
+    if rng.random() < 0.3:
+        ne[rng.randrange(2)] = rng.choice(INTERESTING)
+    if rng.random() < 0.1:
+        ne.append(rng.choice([1, 2, 0]))
+    try:
+        size = tensor_nbytes(ggml_type, tuple(ne))
+    except LLMFWError:
+        size = rng.randrange(0, 4096)
+    if size > 1 << 22 or rng.random() < 0.3:
+        size = min(size, 1 << 22) + rng.choice([-1, 1, -17, 0])
+    raw = np.frombuffer(rng.randbytes(max(size, 0)), dtype=np.uint8)
+    return raw, ggml_type, tuple(ne)
+
+
+def fuzz_repack_tensors(n_cases: int, rng: random.Random, kernels: Any) -> Tally:
+    """Damaged tensor descriptions straight into :func:`repack_and_multiply` (random bytes: NaN / inf scales
+    included), on each ISA path in turn."""
+    tally = Tally()
+    isas = kernels.available_isas()
+    pool = kernels.ThreadPool(2)
+    try:
+        for i in range(n_cases):
+            raw, ggml_type, ne = mutated_tensor(rng)
+
+            def case(raw: np.ndarray = raw, ggml_type: int = ggml_type, ne: tuple[int, ...] = ne,
+                     isa: str = isas[i % len(isas)]) -> None:
+                with np.errstate(all="ignore"):
+                    repack_and_multiply(raw, ggml_type, ne, kernels, pool, isa)
+
+            outcome, seconds, detail = run_guarded(case)
+            tally.record(outcome, seconds, f"type {ggml_type} ne {ne} bytes {raw.size}: {detail}")
+    finally:
+        pool.close()
+    return tally
+
+
 # ------------------------------------------------------------------------------------------------ main
 def default_models() -> list[Path]:
     from llmfw.core.format.catalog import resolve_model
@@ -407,35 +533,44 @@ def default_models() -> list[Path]:
     return [Path(resolve_model("smollm2")), Path(resolve_model("gemma-3-270m"))]
 
 
-def run(models: list[Path], n_headers: int, n_vocabs: int, seed: int, keep: Path | None = None) -> dict[str, Any]:
+def run(models: list[Path], n_headers: int, n_vocabs: int, seed: int, keep: Path | None = None,
+        n_repack: int = 0, n_repack_tensors: int = 0) -> dict[str, Any]:
     rng = random.Random(seed)
     with tempfile.TemporaryDirectory(prefix="llmfw-fuzz-") as tmp:
         work = Path(tmp)
         start = time.perf_counter()
-        headers = fuzz_headers([header_seed(m, work) for m in models], n_headers, work, rng, keep)
-        vocabs = fuzz_vocabs([tokenizer_keys(m) for m in models], n_vocabs, rng)
-        quants = fuzz_quants(seed)
+        seeds = [header_seed(m, work) for m in models]
+        summary = {"headers": fuzz_headers(seeds, n_headers, work, rng, keep).summary(),
+                   "vocabs": fuzz_vocabs([tokenizer_keys(m) for m in models], n_vocabs, rng).summary(),
+                   "quants": fuzz_quants(seed).summary()}
+        kernels = native_kernels() if n_repack or n_repack_tensors else None
+        if kernels is not None:
+            summary["repack"] = fuzz_repack(seeds, n_repack, work, rng, kernels).summary()
+            summary["repack_tensors"] = fuzz_repack_tensors(n_repack_tensors, rng, kernels).summary()
         elapsed = time.perf_counter() - start
-    return {"models": [m.name for m in models], "seed": seed, "seconds": round(elapsed, 1),
-            "headers": headers.summary(), "vocabs": vocabs.summary(), "quants": quants.summary()}
+    return {"models": [m.name for m in models], "seed": seed, "seconds": round(elapsed, 1), **summary}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--headers", type=int, default=10_000, help="mutated header / tensor-table cases")
     parser.add_argument("--vocabs", type=int, default=1_000, help="mutated vocabulary cases")
+    parser.add_argument("--repack", type=int, default=300,
+                        help="native repacking of the tensors of mutated headers that load (needs the built extension)")
+    parser.add_argument("--repack-tensors", type=int, default=2_000, help="native repacking of damaged tensors")
     parser.add_argument("--seed", type=int, default=17)
     parser.add_argument("--json", type=Path, help="also write the summary here")
     parser.add_argument("--keep", type=Path, help="save the headers of failing cases in this folder")
     parser.add_argument("models", nargs="*", type=Path, help="GGUF files (default: the two catalog models)")
     args = parser.parse_args()
     logging.disable(logging.WARNING)  # damaged vocabularies log a warning per bad token
-    summary = run(args.models or default_models(), args.headers, args.vocabs, args.seed, args.keep)
+    summary = run(args.models or default_models(), args.headers, args.vocabs, args.seed, args.keep, args.repack,
+                  args.repack_tensors)
     text = json.dumps(summary, indent=1)
     print(text)
     if args.json:
         args.json.write_text(text + "\n")
-    failures = sum(summary[k]["failures"] for k in ("headers", "vocabs", "quants"))
+    failures = sum(part["failures"] for part in summary.values() if isinstance(part, dict))
     sys.exit(1 if failures else 0)
 
 

@@ -73,9 +73,38 @@ def render_run(name: str, run: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _mb(n: float) -> str:
+    return f"{n / 1e6:.1f} MB"
+
+
+def render_bound(name: str, run: dict[str, Any]) -> str:
+    """A ``benchmarks/bandwidth_bound.py`` results file: the decode bound of each model and each engine's tg
+    against it."""
+    bandwidth = run["bandwidth_bytes_per_s"]
+    engines = sorted({engine for row in run["models"] for engine in row["measured_tg_tps"]},
+                     key=lambda e: (e == "llama.cpp", e))
+    lines = [f"## Decode bound: streaming bandwidth / bytes per token (`{name}`)", "",
+             f"`python benchmarks/bandwidth_bound.py` ({run['size_mib']} MiB streamed, best of {run['repeats']}; tg "
+             f"from {', '.join(f'`{f}`' for f in run['bench_files']) or 'no bench file'})", ""]
+    lines += machine_lines(run.get("machine")) + [
+        f"- streaming read: {bandwidth['1'] / 1e9:.1f} GB/s on 1 thread, {bandwidth['2'] / 1e9:.1f} GB/s on 2", ""]
+    header = ["model", "bytes / token (file blocks)", "repacked (native)", "KV (f16)", "bound t/s (1 / 2 threads)"]
+    rows = [header + [f"{engine} tg t/s (% of 2-thread bound)" for engine in engines], ["---"] * (5 + len(engines))]
+    for row in run["models"]:
+        bound = row["bound_tps"]["2"]
+        measured = [row["measured_tg_tps"].get(engine) for engine in engines]
+        rows.append([row["model"], _mb(row["weights_stored"]), _mb(row["weights_repacked"]),
+                     _mb(row["kv_at_mean_position"]), f"{row['bound_tps']['1']:.0f} / {bound:.0f}"]
+                    + [f"{tps:.1f} ({100 * tps / bound:.0f} %)" if tps else "-" for tps in measured])
+    lines += ["| " + " | ".join(cells) + " |" for cells in rows]
+    return "\n".join(lines) + "\n"
+
+
 def render_page(results: Path = RESULTS) -> str:
     files = sorted(results.glob("*.json"))
-    sections = [render_run(path.name, json.loads(path.read_text())) for path in files]
+    runs = {path.name: json.loads(path.read_text()) for path in files}
+    sections = [render_run(name, run) for name, run in runs.items() if run.get("kind") != "bandwidth_bound"]
+    sections += [render_bound(name, run) for name, run in runs.items() if run.get("kind") == "bandwidth_bound"]
     if not sections:
         sections = ["No results yet: run `llmfw bench ... --json` into `benchmarks/results/`.\n"]
     return HEADER + "\n" + "\n".join(sections)

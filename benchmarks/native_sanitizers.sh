@@ -15,11 +15,12 @@ if [ -z "$SO" ]; then
     echo "the sanitized build failed (see above)" >&2
     exit 1
 fi
-if ! ldd "$SO" | grep -q libasan; then
+if ! ldd "$SO" | grep libasan >/dev/null; then  # not grep -q: its early exit would fail the pipe (pipefail)
     echo "$SO is not linked with AddressSanitizer (CFLAGS/LDFLAGS ignored?)" >&2
     exit 1
 fi
 # the sanitizer runtimes must be loaded before the interpreter's own allocations; Python's arenas "leak" by design
 LD_PRELOAD="$("$CC" -print-file-name=libasan.so) $("$CC" -print-file-name=libubsan.so)" \
 ASAN_OPTIONS=detect_leaks=0 LLMFW_NATIVE_LIBRARY="$SO" \
-    "$PY" -m pytest -q -p no:cacheprovider tests/unit/test_native_kernels.py "$@"
+    "$PY" -m pytest -q -p no:cacheprovider tests/unit/test_native_kernels.py tests/unit/test_native_ops.py \
+    tests/unit/test_native_repack_fuzz.py "$@"

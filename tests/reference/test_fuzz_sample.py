@@ -110,3 +110,15 @@ def test_a_huge_array_count_costs_at_most_the_file(tmp_path, element):
     finally:
         tracemalloc.stop()
     assert peak < 1.1 * size, peak
+
+
+def test_native_repacking_of_mutated_tables(real_models, tmp_path):
+    """Tensors of mutated headers that the GGUF reader opens (changed ones and unchanged ones) through the native
+    repacker and one product on each ISA path: no crash, no hang (benchmarks/fuzz_gguf.py --repack at scale)."""
+    kernels = fuzz_gguf.native_kernels()
+    if kernels is None:
+        pytest.skip("the native extension is not built")
+    seeds = [fuzz_gguf.header_seed(path, tmp_path) for path in real_models]
+    tally = fuzz_gguf.fuzz_repack(seeds, 60, tmp_path, random.Random(3), kernels)
+    assert tally.failures == 0, tally.crashes
+    assert tally.cases == 60 and any(k.startswith("changed:") for k in tally.outcomes), tally.outcomes

@@ -10,7 +10,8 @@ from llmfw.core.errors import ConfigError, QuantError
 from llmfw.core.quants import TYPE_INFO, GGMLType, dequantize
 from llmfw.plugins.backends.native import repack as rp
 
-from support.native import BLOCK_TYPES, F16_FIELDS, FLOAT_TYPES, kernels_or_skip, random_blocks, random_float_tensor
+from support.native import (BLOCK_TYPES, F16_FIELDS, FLOAT_TYPES, MXFP4_OVERFLOW, kernels_or_skip, random_blocks,
+                            random_float_tensor)
 
 kernels = kernels_or_skip()
 ISAS = kernels.available_isas()
@@ -66,6 +67,17 @@ def test_repacking_keeps_every_value_bit_exact(qtype):
     np.testing.assert_array_equal(unpack_values(packed), dequantize(raw, qtype, ne))
 
 
+def test_mxfp4_subnormal_and_largest_exponents_repack_bit_exact():
+    """E8M0 exponents at both ends: 2**-128 (a subnormal float32 scale) up to 2**127 (values overflow to inf)."""
+    rng = np.random.default_rng(39)
+    raw = random_blocks(GGMLType.MXFP4, 19, 3, rng).reshape(19, 3, -1)
+    raw[..., 0] = rng.choice(np.array([0, 1, 2, 127, 128, 253, 254, 255], dtype=np.uint8), (19, 3))
+    raw = raw.reshape(-1)
+    with np.errstate(over="ignore"):
+        expected = dequantize(raw, GGMLType.MXFP4, (96, 19))
+    np.testing.assert_array_equal(unpack_values(rp.repack(raw, GGMLType.MXFP4, (96, 19))), expected)
+
+
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda t: t.name)
 def test_quantized_matmul_within_the_activation_rounding_bound(qtype, isa, pools):
@@ -101,9 +113,12 @@ def test_nan_and_inf_blocks_give_non_finite_results_where_the_oracle_does(qtype,
     n_rows, n_blocks = 11, 2
     k = n_blocks * info.block_size
     raw = random_blocks(qtype, n_rows, n_blocks, rng).reshape(n_rows, n_blocks, info.type_size)
-    offset = F16_FIELDS[qtype][-1]  # the offset/min field where there is one, else the scale
-    raw[2, 1, offset:offset + 2] = np.array([np.nan], dtype=np.float16).view(np.uint8)
-    raw[9, 0, offset:offset + 2] = np.array([np.inf], dtype=np.float16).view(np.uint8)
+    if qtype == GGMLType.MXFP4:  # no NaN exponent (ggml's E8M0 decoding): the largest one overflows the values
+        raw[2, 1, 0] = raw[9, 0, 0] = MXFP4_OVERFLOW
+    else:
+        offset = F16_FIELDS[qtype][-1]  # the offset/min field where there is one, else the scale
+        raw[2, 1, offset:offset + 2] = np.array([np.nan], dtype=np.float16).view(np.uint8)
+        raw[9, 0, offset:offset + 2] = np.array([np.inf], dtype=np.float16).view(np.uint8)
     raw = raw.reshape(-1)
     x = rng.standard_normal((4, k)).astype(np.float32)
     x[1, 5] = np.inf

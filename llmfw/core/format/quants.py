@@ -195,6 +195,10 @@ def _checked_shape(shape: tuple[int, ...] | list[int]) -> tuple[int, ...]:
         raise QuantError(f"tensor shape must be a sequence of integers, got {shape!r}") from exc
     if not ne or any(dim < 0 for dim in ne):
         raise QuantError(f"tensor shape must have at least one dimension and no negative ones, got {ne}")
+    # 2**48 elements is past any file; numpy refuses views whose non-zero dimensions (with the block's bytes) overflow
+    # 63 bits even when a zero dimension empties them
+    if prod(max(dim, 1) for dim in ne) >= 1 << 48:
+        raise QuantError(f"tensor shape {ne} is larger than any tensor a file holds")
     return ne
 
 

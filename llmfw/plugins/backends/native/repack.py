@@ -11,8 +11,9 @@ from typing import Callable
 import numpy as np
 
 from llmfw.core.errors import QuantError
-from llmfw.core.format.quants import (IQ4_LEVELS, GGMLType, _f16_at, _five_bit_quants, _k4_scales_mins, _q3_k_scales,
-                               _unpack_fields, block_view, iq4_xs_scales)
+from llmfw.core.format.quants import (IQ4_LEVELS, MXFP4_VALUES, GGMLType, _f16_at, _five_bit_quants, _k4_scales_mins,
+                                      _q3_k_scales, _unpack_fields, block_view, iq4_xs_scales, mxfp4_codes,
+                                      mxfp4_scales)
 
 ROWS = 8  # NAT_ROWS
 BLOCK = 32  # NAT_BLOCK
@@ -149,6 +150,13 @@ def _iq4_xs(blocks: np.ndarray) -> Codes:
     return Codes(codes, _per_half(dl.reshape(rows, -1), nb * 256), None)
 
 
+def _mxfp4(blocks: np.ndarray) -> Codes:
+    # E8M0 exponent | 16 nibble bytes: the E2M1 codes index MXFP4_VALUES (doubled, so integers -12..12) and the
+    # exponent becomes its float scale exactly (halved to match), one per 32 values
+    flat, rows, nb = _flat(blocks)
+    return Codes(mxfp4_codes(flat).reshape(rows, -1), mxfp4_scales(flat[:, 0]).reshape(rows, nb, 1), None)
+
+
 LAYOUTS: dict[GGMLType, Layout] = {
     GGMLType.Q4_0: Layout(KIND_QNIB, 1, False, _IDENTITY - np.int8(8), _q4_0),
     GGMLType.Q4_1: Layout(KIND_QNIB, 1, True, _IDENTITY, _q4_1),
@@ -162,6 +170,7 @@ LAYOUTS: dict[GGMLType, Layout] = {
     GGMLType.Q6_K: Layout(KIND_QBYTE, 2, False, _IDENTITY, _q6_k),
     GGMLType.IQ4_NL: Layout(KIND_QNIB, 1, False, IQ4_LEVELS, _iq4_nl),
     GGMLType.IQ4_XS: Layout(KIND_QNIB, 1, False, IQ4_LEVELS, _iq4_xs),
+    GGMLType.MXFP4: Layout(KIND_QNIB, 1, False, MXFP4_VALUES.astype(np.int8), _mxfp4),
 }
 
 #: every GGML type the native matmul takes
@@ -195,13 +204,39 @@ def block_bytes(kind: int, n_scales: int, has_offsets: bool) -> int:
     return ROWS * (16 if kind == KIND_QNIB else 32) + n_scales * (1 + int(has_offsets)) * ROWS * 4
 
 
+def packed_bytes(kind: int, n_rows: int, n_cols: int, n_scales: int, has_offsets: bool) -> int:
+    """The bytes of a weight in the kernels' layout (csrc/native.h); QuantError for a description the kernels
+    cannot take (what the C code reads is exactly this many bytes)."""
+    if n_rows < 0 or n_cols < 0:
+        raise QuantError(f"a weight of {n_rows} x {n_cols} values")
+    if kind in FLOAT_KINDS.values():
+        return n_rows * n_cols * (4 if kind == KIND_F32 else 2)
+    if kind not in (KIND_QNIB, KIND_QBYTE) or n_scales not in (1, 2) or n_cols % BLOCK:
+        raise QuantError(f"no kernel layout of kind {kind} with {n_scales} scales and {n_cols} columns")
+    return -(-n_rows // ROWS) * (n_cols // BLOCK) * block_bytes(kind, n_scales, has_offsets)
+
+
+def checked(weight: PackedWeight) -> PackedWeight:
+    """``weight`` when its arrays are what its description says (contiguous bytes of :func:`packed_bytes`, a
+    16-entry code table), else QuantError: the check before a stored weight reaches the kernels."""
+    expected = packed_bytes(weight.kind, weight.n_rows, weight.n_cols, weight.n_scales, weight.has_offsets)
+    data, table = weight.data, weight.table
+    if data.dtype != np.uint8 or data.ndim != 1 or not data.flags.c_contiguous or data.size != expected:
+        raise QuantError(f"repacked weight of {data.size} bytes ({data.dtype}), its layout needs {expected}")
+    if table.dtype != np.int8 or table.shape != (16,):
+        raise QuantError(f"repacked weight with a code table of {table.dtype} {table.shape}")
+    return weight
+
+
 def repack(raw: np.ndarray, ggml_type: int, ne: tuple[int, ...]) -> PackedWeight:
     """The kernels' form of a 2-D weight of ggml shape ``ne`` (QuantError for a type or shape they do not take)."""
+    blocks = block_view(raw, ggml_type, ne)  # validates the type, the shape and the byte length
     qtype = GGMLType(ggml_type)
     if qtype not in SUPPORTED_TYPES:
         raise QuantError(f"the native backend has no kernel for {qtype.name} weights")
     n_cols, n_rows = int(ne[0]), prod(int(d) for d in ne[1:])
-    blocks = block_view(raw, qtype, ne)  # validates the byte length
+    if not n_cols or not n_rows:
+        raise QuantError(f"{qtype.name} weight of shape {tuple(ne)} holds no values")
     if qtype in FLOAT_KINDS:
         data = np.array(blocks, dtype=np.uint8, copy=True).reshape(-1)
         return PackedWeight(FLOAT_KINDS[qtype], n_rows, n_cols, 0, False, _IDENTITY, data, int(qtype))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 from dataclasses import dataclass, field, replace
 from math import prod
 from typing import Any, Hashable, Literal, Mapping, Sequence
@@ -15,12 +16,14 @@ import numpy as np
 from llmfw.core.exec.backend import (Backend, BackendOptions, CompiledSplit, KVLayerShape, Split, WeightSource,
                                      release_freed_memory)
 from llmfw.core.exec.compiler import SplitCompilerBase, check_inputs
+from llmfw.core.exec.weight_cache import CachedLoad, CacheOptions, cache_dirs_from
 from llmfw.core.errors import BackendUnavailable, ModelError
 from llmfw.core.format.quants import GGMLType
 from llmfw.core.ir.graph import DYNAMIC, Node
 from llmfw.core.ir.rope import yarn_magnitude, yarn_ramp_mix
 import llmfw.plugins.backends.native.kernels as kernels
 import llmfw.plugins.backends.native.program as pg
+from llmfw.plugins.backends.native.cache import NativeCache
 from llmfw.plugins.backends.native.repack import ROWS, SUPPORTED_TYPES, PackedWeight, repack
 from llmfw.plugins.backends.numpy.kernels import F32, NumpyKV
 from llmfw.plugins.backends.numpy.runtime import SWIGLU
@@ -38,7 +41,7 @@ WORDS_PER = {"f32": 1, "i32": 1, "i64": 2}
 NP_DTYPES = {"f32": np.float32, "i32": np.int32, "i64": np.int64}
 
 
-class NativeOptions(BackendOptions):
+class NativeOptions(CacheOptions):
     """``backend_options: {native: {...}}``."""
 
     #: the kernels' instruction set: auto = the widest this CPU runs; a named one is an error where it cannot run
@@ -445,7 +448,8 @@ class NativeBackend(NumpyWeights):
     supported_ops = NATIVE_OPS
     rewrite_rules = (SWIGLU,)
     is_host = True
-    environment_options = {"LLMFW_NATIVE_ISA": "isa"}
+    environment_options = {"LLMFW_NATIVE_ISA": "isa", "LLMFW_NATIVE_CACHE": "cache",
+                           "LLMFW_NATIVE_CACHE_DIR": "cache_dir"}
     #: the built extension: missing when the install could not compile it (``llmfw plugins`` says so)
     requires = (kernels.EXTENSION,)
     #: not a default yet (``--backend native`` opts in)
@@ -459,6 +463,9 @@ class NativeBackend(NumpyWeights):
         self._programs: list[CompiledProgram] = []
         #: one repacked copy per file tensor: a tied head and the embedding it looks rows up in share it
         self._packed_by_source: dict[str, NativeMatrix] = {}
+        self._load: CachedLoad[PackedWeight] | None = None
+        #: weights the last load repacked from the model file rather than mapped from the cache (cache.py)
+        self.weights_converted = 0
 
     @classmethod
     def install_hint(cls) -> str:
@@ -469,6 +476,11 @@ class NativeBackend(NumpyWeights):
         if device not in (None, "cpu"):
             raise BackendUnavailable(f"the native backend runs on the CPU only, not on device {device!r}")
         kernels.load_library()
+
+    @classmethod
+    def cache_dirs(cls, environ: Mapping[str, str]) -> list[Path]:
+        """The repacked-weight cache (``LLMFW_NATIVE_CACHE_DIR`` moves it, as the ``cache_dir`` option does)."""
+        return cache_dirs_from(environ, "LLMFW_NATIVE_CACHE_DIR", "native")
 
     # -- threads ------------------------------------------------------------------------------------------
     @property
@@ -494,6 +506,42 @@ class NativeBackend(NumpyWeights):
         return None
 
     # -- weights ------------------------------------------------------------------------------------------
+    def begin_loading(self, model_file: Path) -> None:
+        root = self.native_options.cache_root("native")
+        self._load = CachedLoad(None if root is None else NativeCache.for_file(root, model_file))
+
+    def end_loading(self) -> None:
+        """Store the repacked weights when any was repacked, and keep the copies mapped back from the entry."""
+        if self._load is not None:
+            self.weights_converted = self._load.converted
+            # a matrix shared by several names (a tied head and its embedding) is stored and mapped back once
+            names_of: dict[int, list[str]] = {}
+            for name, handle in self.weights.items():
+                if isinstance(handle, NativeMatrix):
+                    names_of.setdefault(id(handle), []).append(name)
+            stored = self._load.finish({names[0]: self.weights[names[0]].packed for names in names_of.values()})
+            for names in names_of.values():
+                if names[0] in stored:
+                    mapped = native_matrix(stored[names[0]])
+                    for name in names:
+                        self.weights[name] = mapped
+        self._packed_by_source.clear()
+        self._load = None
+
+    def _repacked(self, source: WeightSource) -> PackedWeight:
+        def convert(s: WeightSource) -> PackedWeight:
+            return repack(s.raw, s.ggml_type, s.ne)
+
+        if self._load is None:
+            return convert(source)
+        packed = self._load.load(source, convert)
+        # a stored weight was checked against its own description; this checks that against the tensor
+        expected = (int(np.prod(source.ne[1:], dtype=np.int64)), int(source.ne[0]))
+        if packed.shape == expected:
+            return packed
+        self._load.converted += 1  # so that the entry is rewritten
+        return convert(source)
+
     def load_weight(self, source: WeightSource) -> Any:
         if not source.usage & {"mul_mat", "get_rows"} or len(source.ne) != 2:
             return super().load_weight(source)
@@ -503,7 +551,7 @@ class NativeBackend(NumpyWeights):
                              "backend for this model")
         shared = self._packed_by_source.get(source.source_name)
         if shared is None or shared.packed.shape != tuple(reversed(source.ne)):
-            shared = self._packed_by_source[source.source_name] = native_matrix(repack(source.raw, qtype, source.ne))
+            shared = self._packed_by_source[source.source_name] = native_matrix(self._repacked(source))
         return shared
 
     def fusion_key(self, weight_name: str) -> Hashable | None:
@@ -523,13 +571,17 @@ class NativeBackend(NumpyWeights):
             return False
         # the layout is row-group major, so stacking whole groups is stacking their bytes; each part then becomes a
         # view of its bytes in the fused copy, and its own copy is freed
-        data = np.concatenate([p.data for p in packed])
+        def fuse() -> PackedWeight:
+            return replace(packed[0], n_rows=sum(p.n_rows for p in packed), data=np.concatenate([p.data for p in packed]))
+
+        fused = fuse() if self._load is None else self._load.fused(name, parts, fuse)
+        data = fused.data
         start = 0
         for part_name, part in zip(parts, packed):
             view = data[start:start + part.data.size]
             start += part.data.size
             self.weights[part_name] = native_matrix(replace(part, data=view))
-        self.weights[name] = native_matrix(replace(packed[0], n_rows=sum(p.n_rows for p in packed), data=data))
+        self.weights[name] = native_matrix(fused)
         self._packed_by_source = {source: handle for source, handle in self._packed_by_source.items()
                                   if not any(handle is member for member in members)}  # the parts' own copies go
         release_freed_memory()
@@ -551,6 +603,7 @@ class NativeBackend(NumpyWeights):
         super().free_weights()
         self._programs.clear()
         self._packed_by_source.clear()
+        self._load = None
         if self._pool is not None:
             self._pool.close()
             self._pool = None

@@ -1,312 +1,52 @@
-"""The converted-weight cache: the onnx backend's weight forms of a model file, kept next to the model cache.
-
-Converting a file's quantized blocks into MatMulNBits form is most of the backend's load time (dequantize, re-code,
-pack). The result depends only on the file's bytes, on what the graph does with each tensor and on this code, so
-it is written once to ``<models_dir>/.onnx/<sha256>-<llmfw version>-f<FORMAT>/`` (``index.json`` + one
-``weights.bin``) and later loads map that blob read-only: no conversion, no conversion buffers, and the pages are
-the page cache's (clean, shared by every process that loads the model).
-
-An entry that cannot be trusted — unreadable or foreign index, a blob of the wrong size, an array outside it — is
-deleted and rebuilt from the model file; a weight whose tensor type, shape or use differs from what was stored
-(another architecture version, say) is converted afresh and the entry rewritten. Bit flips inside the blob are
-not detected: hashing it on every load would cost as much as a good part of the conversion it saves.
+"""The onnx backend's converted-weight cache (llmfw/core/exec/weight_cache.py): its MatMulNBits forms of a model
+file, under ``<models_dir>/.onnx/``. Converting a file's quantized blocks into MatMulNBits form (dequantize,
+re-code, pack) is most of the backend's load time; a cached load maps them instead.
 """
 from __future__ import annotations
 
-import json
-import logging
-import os
-import shutil
-import tempfile
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import numpy as np
 
-from llmfw.core.exec.backend import WeightSource
+from llmfw.core.exec.weight_cache import CachedLoad, CachedWeight, ConvertedCache, MappedBlob, source_key
 from llmfw.plugins.backends.onnx.weights import BlockWeight, DenseWeight, Weight
 
-log = logging.getLogger(__name__)
+__all__ = ["CACHE_FORMAT", "CachedLoad", "CachedWeight", "MappedBlob", "OnnxCache", "source_key"]
 
 #: bumped whenever the converted forms change, so that entries written by older code are rebuilt
 #: (3: block weights with offsets also store them transposed, ``offsets_t``)
 CACHE_FORMAT = 3
-#: entries kept; the oldest (by last use) go first
-MAX_ENTRIES = 4
-#: files smaller than this convert about as fast as their cache entry is read: not cached
-MIN_FILE_BYTES = 8 << 20
-_ALIGN = 64
-_INDEX, _BLOB = "index.json", "weights.bin"
 _BLOCK_ARRAYS = ("packed", "scales", "offsets", "offsets_t", "codes")
-#: the element types converted weights use; anything else in an index is corruption
-_DTYPES = {np.dtype(np.float32).str, np.dtype(np.int8).str, np.dtype(np.uint8).str}
 
 
-def source_key(source: WeightSource) -> list[Any]:
-    """What a weight's converted form depends on besides the file's bytes (JSON-shaped, to compare with the index)."""
-    return [int(source.ggml_type), [int(d) for d in source.ne], sorted(source.usage)]
+class OnnxCache(ConvertedCache[Weight]):
+    """A model file's entry of MatMulNBits forms (block weights) and float arrays (dense weights)."""
 
-
-@dataclass
-class CachedWeight:
-    key: list[Any]
-    weight: Weight
-
-
-@dataclass
-class MappedBlob:
-    """An entry's ``weights.bin`` as this process mapped it. The restored arrays are views of ``array``; ONNX
-    Runtime may map the same bytes itself, by path (external data: it maps, prepacks and unmaps them, so the
-    originals leave memory), as long as the path still names the very file mapped here — an entry rewritten by
-    another process is a new file (see :meth:`still_at_path`)."""
-
-    path: Path
-    array: np.ndarray
-    #: (st_dev, st_ino) of the file mapped
-    identity: tuple[int, int]
+    label = "onnx"
+    dtypes = frozenset({np.dtype(np.float32).str, np.dtype(np.int8).str, np.dtype(np.uint8).str})
 
     @classmethod
-    def open(cls, path: Path, expected_bytes: int) -> "MappedBlob | None":
-        """The file mapped read-only (None when empty); ValueError when its size is not ``expected_bytes``."""
-        with path.open("rb") as fh:
-            stat = os.fstat(fh.fileno())
-            if stat.st_size != expected_bytes:
-                raise ValueError(f"{path.name} has {stat.st_size} bytes, the index says {expected_bytes}")
-            if not expected_bytes:
-                return None
-            array = np.memmap(fh, dtype=np.uint8, mode="r")  # the mapping outlives the file object
-        return cls(path, array, (stat.st_dev, stat.st_ino))
+    def format(cls) -> int:
+        return CACHE_FORMAT
 
-    def offset_of(self, array: np.ndarray) -> int | None:
-        """The file offset of a C-contiguous array whose bytes lie inside this mapping, else None."""
-        if not array.flags.c_contiguous or not array.nbytes:
-            return None
-        start = array.ctypes.data - self.array.ctypes.data
-        return start if 0 <= start and start + array.nbytes <= self.array.nbytes else None
+    @staticmethod
+    def arrays_of(weight: Weight) -> dict[str, np.ndarray]:
+        if isinstance(weight, DenseWeight):
+            return {"array": weight.array}
+        return {name: getattr(weight, name) for name in _BLOCK_ARRAYS if getattr(weight, name) is not None}
 
-    def still_at_path(self) -> bool:
-        """Whether :attr:`path` still names the file mapped here. Once the entry is replaced, the mapped file is
-        never at that path again (the mapping keeps its inode alive), so a True after a session was built means
-        the session read this very file."""
-        try:
-            stat = self.path.stat()
-        except OSError:
-            return False
-        return (stat.st_dev, stat.st_ino) == self.identity
+    @staticmethod
+    def meta_of(weight: Weight) -> dict[str, Any]:
+        if isinstance(weight, DenseWeight):
+            return {"kind": "dense"}
+        return {"kind": "block", "shape": list(weight.shape), "bits": weight.bits, "exact": weight.exact,
+                "source_type": weight.source_type, "block": weight.block}
 
-
-class ConvertedCache:
-    """One model file's entry under ``root``; ``restore`` maps it, ``store`` writes it (atomically)."""
-
-    def __init__(self, root: Path, sha256: str, version: str):
-        self.root = root
-        self.entry = root / f"{sha256}-{version}-f{CACHE_FORMAT}"
-        self.sha256, self.version = sha256, version
-        #: the entry's weights.bin as last restored (None before, or when it holds no bytes)
-        self.blob: MappedBlob | None = None
-
-    @classmethod
-    def for_file(cls, root: Path, model_file: Path) -> "ConvertedCache | None":
-        """The cache entry of ``model_file``, or None when it is too small to be worth one or cannot be hashed."""
-        from llmfw import __version__
-        from llmfw.core.format.catalog import file_sha256
-
-        try:
-            if model_file.stat().st_size < MIN_FILE_BYTES:
-                return None
-            return cls(root, file_sha256(model_file), __version__)
-        except OSError as exc:
-            log.info("onnx: no converted-weight cache for %s (%s)", model_file, exc)
-            return None
-
-    # -- reading ---------------------------------------------------------------------------------------------
-    def restore(self) -> dict[str, CachedWeight]:
-        """The stored weights, mapped read-only; empty (and the entry deleted) when it is missing or corrupt."""
-        self.blob = None
-        if not self.entry.is_dir():
-            return {}
-        try:
-            weights = self._read()
-        except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
-            log.warning("onnx: converted-weight cache %s is corrupt (%s); rebuilding it", self.entry, exc)
-            shutil.rmtree(self.entry, ignore_errors=True)
-            self.blob = None
-            return {}
-        os.utime(self.entry)  # last use, for eviction
-        log.info("onnx: %d converted weights mapped from %s", len(weights), self.entry)
-        return weights
-
-    def _read(self) -> dict[str, CachedWeight]:
-        index = json.loads((self.entry / _INDEX).read_text(encoding="utf-8"))
-        if index.get("format") != CACHE_FORMAT or index.get("sha256") != self.sha256:
-            raise ValueError("index of another file or format")
-        self.blob = MappedBlob.open(self.entry / _BLOB, int(index["blob_bytes"]))
-        blob = self.blob.array if self.blob is not None else np.zeros(0, np.uint8)
-        return {name: CachedWeight(entry["key"], _weight_of(entry, blob)) for name, entry in index["weights"].items()}
-
-    # -- writing ---------------------------------------------------------------------------------------------
-    def store(self, weights: Mapping[str, CachedWeight]) -> None:
-        """Write the entry (a temporary folder renamed into place, so a reader never sees half of one)."""
-        try:
-            self.root.mkdir(parents=True, exist_ok=True)
-            staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=self.root))
-        except OSError as exc:
-            log.info("onnx: converted weights not cached (%s)", exc)
-            return
-        try:
-            self._write(staging, weights)
-            shutil.rmtree(self.entry, ignore_errors=True)
-            os.replace(staging, self.entry)
-            log.info("onnx: converted weights cached in %s", self.entry)
-        except OSError as exc:
-            log.info("onnx: converted weights not cached (%s)", exc)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-        self._evict()
-
-    def _write(self, folder: Path, weights: Mapping[str, CachedWeight]) -> None:
-        """Every array once: a part of a fused weight, whose arrays are rows of the fused ones, is stored as
-        offsets into them (so restoring keeps the parts as views, as fusing made them)."""
-        fields = {name: _arrays_of(cached.weight) for name, cached in weights.items()}
-        stored: dict[int, tuple[int, np.ndarray]] = {}  # id(array) → (offset, array) of arrays written whole
-        offset = 0
-        every = {id(array): array for arrays in fields.values() for array in arrays.values()}
-        with (folder / _BLOB).open("wb") as blob:
-            for array in every.values():
-                if _stored_ancestor(array, every) is None:  # fused arrays first, their parts' rows refer to them
-                    contiguous = np.ascontiguousarray(array)
-                    pad = -offset % _ALIGN
-                    blob.write(b"\0" * pad)
-                    offset += pad
-                    blob.write(memoryview(contiguous).cast("B"))
-                    stored[id(array)] = (offset, contiguous)
-                    offset += contiguous.nbytes
-        entries = {name: {"key": weights[name].key, "meta": _meta_of(weights[name].weight),
-                          "arrays": {field: _place(array, stored) for field, array in arrays.items()}}
-                   for name, arrays in fields.items()}
-        index = {"format": CACHE_FORMAT, "sha256": self.sha256, "version": self.version, "blob_bytes": offset,
-                 "weights": entries}
-        (folder / _INDEX).write_text(json.dumps(index), encoding="utf-8")
-
-    def _evict(self) -> None:
-        """Drop this file's entries of other llmfw versions or formats, then keep the MAX_ENTRIES used last."""
-        try:
-            entries = sorted((p for p in self.root.iterdir() if p.is_dir() and not p.name.startswith(".")),
-                             key=lambda p: p.stat().st_mtime, reverse=True)
-        except OSError:
-            return
-        outdated = [p for p in entries if p.name.startswith(f"{self.sha256}-") and p != self.entry]
-        current = [p for p in entries if p not in outdated]
-        for stale in outdated + current[MAX_ENTRIES:]:
-            shutil.rmtree(stale, ignore_errors=True)
-
-
-def default_cache_root() -> Path:
-    """``<models_dir>/.onnx``: next to the model cache."""
-    from llmfw.core.format.catalog import models_dir
-
-    return models_dir() / ".onnx"
-
-
-class CachedLoad:
-    """One model file's weights loaded through its cache entry: restored where the entry has them, converted
-    (and the entry rewritten at the end) where it does not."""
-
-    def __init__(self, cache: ConvertedCache | None):
-        self.cache = cache
-        self.restored = cache.restore() if cache is not None else {}
-        self.keys: dict[str, list[Any]] = {}
-        self.converted = 0
-
-    def load(self, source: WeightSource, convert: Callable[[WeightSource], Weight]) -> Weight:
-        key = self.keys[source.name] = source_key(source)
-        cached = self.restored.pop(source.name, None)
-        if cached is not None and cached.key == key:
-            return cached.weight
-        self.converted += 1
-        return convert(source)
-
-    def fused(self, name: str, parts: tuple[str, ...], fuse: Callable[[], Weight]) -> Weight:
-        """A fused weight (core/ir/passes.py) of ``parts``: restored when stored for these very parts, else built."""
-        key = self.keys[name] = ["fused", [self.keys.get(part) for part in parts]]
-        cached = self.restored.pop(name, None)
-        if cached is not None and cached.key == key:
-            return cached.weight
-        self.converted += 1
-        return fuse()
-
-    @property
-    def blob(self) -> MappedBlob | None:
-        """The mapped entry the loaded weights are views of (None without an entry)."""
-        return None if self.cache is None else self.cache.blob
-
-    def finish(self, weights: Mapping[str, Weight]) -> dict[str, Weight]:
-        """Rewrite the entry when any weight had to be converted or a stored one was not asked for, and return
-        the weights mapped back from it: they replace the converted arrays, so a first load ends with what a
-        cached load has (file pages ONNX Runtime can map itself, no conversion buffers). Empty when nothing
-        was written or the entry cannot be read back."""
-        if self.cache is None or not (self.converted or self.restored):
-            return {}
-        self.cache.store({name: CachedWeight(key, weights[name]) for name, key in self.keys.items()
-                          if name in weights})
-        return {name: cached.weight for name, cached in self.cache.restore().items()
-                if name in weights and cached.key == self.keys.get(name)}
-
-
-def _stored_ancestor(array: np.ndarray, arrays: Mapping[int, Any]) -> np.ndarray | None:
-    """The array among ``arrays`` (keyed by id) that ``array`` is a contiguous view of (a fused weight's rows)."""
-    if not array.flags.c_contiguous:
-        return None
-    base = array.base
-    while isinstance(base, np.ndarray):
-        if id(base) in arrays and base.flags.c_contiguous:
-            return base
-        base = base.base
-    return None
-
-
-def _place(array: np.ndarray, stored: Mapping[int, tuple[int, np.ndarray]]) -> list[Any]:
-    """``[offset, dtype, shape]`` of an array in the blob: its own bytes, or its bytes inside a stored array."""
-    if id(array) in stored:
-        offset = stored[id(array)][0]
-    else:
-        ancestor = _stored_ancestor(array, stored)
-        assert ancestor is not None
-        offset = stored[id(ancestor)][0] + (array.ctypes.data - ancestor.ctypes.data)
-    return [offset, array.dtype.str, list(array.shape)]
-
-
-def _arrays_of(weight: Weight) -> dict[str, np.ndarray]:
-    if isinstance(weight, DenseWeight):
-        return {"array": weight.array}
-    return {name: getattr(weight, name) for name in _BLOCK_ARRAYS if getattr(weight, name) is not None}
-
-
-def _meta_of(weight: Weight) -> dict[str, Any]:
-    if isinstance(weight, DenseWeight):
-        return {"kind": "dense"}
-    return {"kind": "block", "shape": list(weight.shape), "bits": weight.bits, "exact": weight.exact,
-            "source_type": weight.source_type, "block": weight.block}
-
-
-def _weight_of(entry: Mapping[str, Any], blob: np.ndarray) -> Weight:
-    arrays = {name: _view(blob, *spec) for name, spec in entry["arrays"].items()}
-    meta = entry["meta"]
-    if meta["kind"] == "dense":
-        return DenseWeight(arrays["array"])
-    shape = (int(meta["shape"][0]), int(meta["shape"][1]))
-    return BlockWeight(shape, int(meta["bits"]), arrays["scales"], arrays.get("offsets"), packed=arrays.get("packed"),
-                       codes=arrays.get("codes"), offsets_t=arrays.get("offsets_t"), exact=bool(meta["exact"]),
-                       source_type=str(meta["source_type"]), block=int(meta["block"]))
-
-
-def _view(blob: np.ndarray, offset: int, dtype: str, shape: list[int]) -> np.ndarray:
-    """``blob[offset:]`` seen as an array; ValueError when it does not lie inside the blob."""
-    if dtype not in _DTYPES:
-        raise ValueError(f"array of element type {dtype!r}")
-    dt = np.dtype(dtype)
-    count = int(np.prod(shape, dtype=np.int64))
-    if offset < 0 or offset % dt.itemsize or offset + count * dt.itemsize > blob.size:
-        raise ValueError(f"array at {offset} ({dtype} {shape}) lies outside the {blob.size}-byte blob")
-    return np.asarray(blob[offset:offset + count * dt.itemsize]).view(dt).reshape(shape)
+    @staticmethod
+    def weight_of(meta: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> Weight:
+        if meta["kind"] == "dense":
+            return DenseWeight(arrays["array"])
+        shape = (int(meta["shape"][0]), int(meta["shape"][1]))
+        return BlockWeight(shape, int(meta["bits"]), arrays["scales"], arrays.get("offsets"),
+                           packed=arrays.get("packed"), codes=arrays.get("codes"), offsets_t=arrays.get("offsets_t"),
+                           exact=bool(meta["exact"]), source_type=str(meta["source_type"]), block=int(meta["block"]))

@@ -21,7 +21,8 @@ import numpy as np
 from llmfw.core.exec.backend import Backend, BackendOptions, CompiledSplit, KVLayerShape, Split, WeightSource
 from llmfw.core.errors import ModelError
 from llmfw.core.ir.graph import OPS
-from llmfw.plugins.backends.onnx.cache import CachedLoad, ConvertedCache, MappedBlob, default_cache_root
+from llmfw.core.exec.weight_cache import CacheOptions, cache_dirs_from
+from llmfw.plugins.backends.onnx.cache import CachedLoad, MappedBlob, OnnxCache
 from llmfw.plugins.backends.onnx.emit import external_tensor_proto, split_signature
 from llmfw.plugins.backends.onnx.fused import (
     USE_GQA, AttentionForm, FusedAttentionPlan, fused_attention_plan, kv_cells,
@@ -58,7 +59,7 @@ class _Program:
     cell_inputs: tuple[tuple[int, str, tuple[tuple[str, int], ...]], ...] = ()
 
 
-class OnnxOptions(BackendOptions):
+class OnnxOptions(CacheOptions):
     """``backend_options={"onnx": {...}}``; the CLI maps ``OnnxBackend.environment_options`` onto them."""
 
     #: ONNX Runtime's per-node trace, one JSON file per session, under this path prefix (docs/backends.md, onnx options)
@@ -67,10 +68,6 @@ class OnnxOptions(BackendOptions):
     spin: bool = True
     #: write each session's graph after ORT's own fusions to ``<dump>-<n>.onnx``
     dump: str | None = None
-    #: keep converted weights next to the model cache and map them on later loads (cache.py)
-    cache: bool = True
-    #: the converted-weight cache's folder (default ``<models_dir>/.onnx``)
-    cache_dir: str | None = None
     #: GroupQueryAttention for batches whose KV cells are one causal run (fused.py); False: always op by op.
     #: Off by default: ORT's GQA kernel rounds a many-token batch differently from one-token steps (logits up to
     #: ~1 apart), so a speculative verify batch would no longer reproduce plain greedy decoding; the op-by-op
@@ -116,7 +113,7 @@ class OnnxBackend(Backend):
         self._ort_values: dict[str, Any] = {}
         self._derived: dict[tuple[str, str], np.ndarray] = {}
         self._programs: OrderedDict[tuple, _Program] = OrderedDict()
-        self._load: CachedLoad | None = None
+        self._load: CachedLoad[Weight] | None = None
         #: the cache file the loaded weights were mapped from (sessions point their initializers at it)
         self._blob: MappedBlob | None = None
         #: sessions built (tests read it to check that one session serves many ubatches)
@@ -152,19 +149,12 @@ class OnnxBackend(Backend):
     @classmethod
     def cache_dirs(cls, environ: Mapping[str, str]) -> list[Path]:
         """The converted-weight cache (``LLMFW_ONNX_CACHE_DIR`` moves it, as the ``cache_dir`` option does)."""
-        moved = environ.get("LLMFW_ONNX_CACHE_DIR")
-        return [Path(moved).expanduser() if moved else default_cache_root()]
+        return cache_dirs_from(environ, "LLMFW_ONNX_CACHE_DIR", "onnx")
 
     # -- weights ------------------------------------------------------------------------------------------
     def begin_loading(self, model_file: Path) -> None:
-        root = self._cache_root()
-        self._load = CachedLoad(None if root is None else ConvertedCache.for_file(root, model_file))
-
-    def _cache_root(self) -> Path | None:
-        opts = self.onnx_options
-        if not opts.cache:
-            return None
-        return Path(opts.cache_dir).expanduser() if opts.cache_dir else default_cache_root()
+        root = self.onnx_options.cache_root("onnx")
+        self._load = CachedLoad(None if root is None else OnnxCache.for_file(root, model_file))
 
     def load_weight(self, source: WeightSource) -> Weight | ExpertWeights:
         if is_expert_source(source):  # E matrices of their own (see moe.py), each converted like a dense one

@@ -1,0 +1,141 @@
+"""The native backend's repacked-weight cache: a second load maps every repacked weight from the entry and computes
+the same logits as a load without a cache; a damaged entry is rebuilt, never trusted; `llmfw models` lists it and
+`--prune` removes it."""
+from __future__ import annotations
+
+import json
+import logging
+
+import numpy as np
+import pytest
+
+import llmfw
+
+from cli.test_first_contact_fixes import invoke, write_tiny_model
+from support.native import kernels_or_skip
+
+kernels_or_skip()
+
+PROMPT = [1, 259 + 0, 259 + 1, 72, 101]
+
+
+@pytest.fixture(scope="module")
+def big_model(tmp_path_factory):
+    """A file over the cache's 8 MiB threshold, its FFN in Q8_0 (repacked by the backend)."""
+    return write_tiny_model(tmp_path_factory.mktemp("native-cache") / "big.gguf", n_ff=45056, quantized_ffn=True)
+
+
+def load_and_score(path, root):
+    options = {"cache": False} if root is None else {"cache_dir": str(root)}
+    with llmfw.load_model(path, backend="native", backend_options={"native": options}) as model:
+        backend = model.backends["native"]
+        # per repacked matrix: a tied head shares its embedding's one copy, so it is counted once
+        matrices = {id(handle): (name, handle) for name, handle in reversed(backend.weights.items())
+                    if hasattr(handle, "packed")}
+        mapped = {name: is_mapped(handle.packed.data) for name, handle in matrices.values()}
+        ctx = model.new_context(n_ctx=32)
+        assert ctx.decode(llmfw.Batch(tokens=PROMPT, logits=True)) == 0, ctx.last_error
+        logits = np.array(ctx.get_logits())
+        ctx.close()
+        return logits, mapped, backend.weights_converted
+
+
+def is_mapped(array) -> bool:
+    while array is not None and not isinstance(array, np.memmap):
+        array = array.base
+    return array is not None
+
+
+def entry_of(root):
+    (entry,) = [p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")]
+    return entry
+
+
+@pytest.fixture(scope="module")
+def fresh_logits(big_model):
+    logits, mapped, converted = load_and_score(big_model, None)
+    assert mapped and not any(mapped.values()) and converted == len(mapped)
+    return logits
+
+
+def test_second_load_maps_every_repacked_weight_and_computes_the_same_logits(big_model, tmp_path, fresh_logits):
+    root = tmp_path / "cache"
+    first, mapped, converted = load_and_score(big_model, root)
+    assert converted == len(mapped) and all(mapped.values())  # repacked, written, mapped back
+    index = json.loads((entry_of(root) / "index.json").read_text())
+    stored = {name: weight["arrays"]["data"] for name, weight in index["weights"].items()}
+    start, _, (fused_bytes,) = stored["blk.0.ffn_up.weight+blk.0.ffn_gate.weight"]
+    up_at, _, (up_bytes,) = stored["blk.0.ffn_up.weight"]
+    assert (up_at, stored["blk.0.ffn_gate.weight"][0]) == (start, start + up_bytes)  # parts: the fused rows
+    assert fused_bytes == 2 * up_bytes
+    second, mapped, converted = load_and_score(big_model, root)
+    assert converted == 0 and all(mapped.values())
+    np.testing.assert_array_equal(first, fresh_logits)
+    np.testing.assert_array_equal(second, fresh_logits)
+
+
+def _truncate_blob(entry):
+    blob = entry / "weights.bin"
+    with blob.open("r+b") as fh:
+        fh.truncate(blob.stat().st_size // 2)
+
+
+def _edit_index(entry, edit):
+    index = json.loads((entry / "index.json").read_text())
+    edit(index["weights"]["blk.1.ffn_down.weight"])
+    (entry / "index.json").write_text(json.dumps(index))
+
+
+def _more_rows(weight):
+    weight["meta"]["n_rows"] += 8  # the kernels would read a row group past the stored bytes
+
+
+def _bad_kind(weight):
+    weight["meta"]["kind"] = 9
+
+
+def _short_table(weight):
+    weight["arrays"]["table"][2] = [8]
+
+
+@pytest.mark.parametrize("damage", [_truncate_blob, lambda e: _edit_index(e, _more_rows),
+                                    lambda e: _edit_index(e, _bad_kind), lambda e: _edit_index(e, _short_table)],
+                         ids=["truncated blob", "rows past the bytes", "unknown kind", "short code table"])
+def test_damaged_entry_is_rebuilt_not_trusted(big_model, tmp_path, fresh_logits, damage, caplog):
+    root = tmp_path / "cache"
+    load_and_score(big_model, root)
+    damage(entry_of(root))
+    with caplog.at_level(logging.WARNING):
+        logits, mapped, converted = load_and_score(big_model, root)
+    assert "corrupt" in caplog.text
+    assert converted == len(mapped)  # repacked again from the model file
+    np.testing.assert_array_equal(logits, fresh_logits)
+    assert load_and_score(big_model, root)[2] == 0  # and the rewritten entry serves the next load
+
+
+def test_models_lists_the_native_cache_and_prune_removes_it(big_model, tmp_path, monkeypatch):
+    monkeypatch.setenv("LLMFW_MODELS_DIR", str(tmp_path))
+    monkeypatch.delenv("LLMFW_NATIVE_CACHE_DIR", raising=False)
+    with llmfw.load_model(big_model, backend="native"):
+        pass
+    entry = entry_of(tmp_path / ".native")
+    listed = invoke("models")
+    assert listed.exit_code == 0, listed.output
+    assert f"converted weights (native): {tmp_path / '.native'}" in listed.output
+    assert entry.name in listed.output
+    pruned = invoke("models", "--prune")
+    assert pruned.exit_code == 0, pruned.output
+    assert not entry.exists()
+    assert f"converted weights (native): {tmp_path / '.native'} (empty)" in invoke("models").output
+
+
+def test_a_stored_weight_of_another_shape_is_repacked_again(big_model, tmp_path, fresh_logits):
+    """One row less still fits the stored bytes (the same row groups), so the entry checks out; the weight does not
+    match its tensor, so it is repacked from the file and the entry rewritten."""
+    root = tmp_path / "cache"
+    load_and_score(big_model, root)
+    _edit_index(entry_of(root), lambda weight: weight["meta"].update(n_rows=weight["meta"]["n_rows"] - 1))
+    logits, _, converted = load_and_score(big_model, root)
+    assert converted == 1
+    np.testing.assert_array_equal(logits, fresh_logits)
+    assert load_and_score(big_model, root)[2] == 0
