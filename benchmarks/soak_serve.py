@@ -9,7 +9,7 @@ prompts larger than a slot; garbage bodies; Anthropic ``/v1/messages`` streamed 
 embeddings and tokenize. What each kind must answer is fixed (200, or 400 for the oversized and garbage ones):
 anything else counts as ``unexpected``.
 
-Reported as JSON (``benchmarks/results/soak_serve.json`` unless ``--out``): counts by kind and status, the 5xx
+Reported as JSON (``benchmarks/results/serving/soak_serve.json`` unless ``--out``): counts by kind and status, the 5xx
 count, leaked slots (``llmfw_requests_running`` and ``llmfw_requests_waiting`` from ``/metrics`` once the
 traffic stopped), the server's RSS after warm-up and at the end and its growth in percent. The targets (exit 1
 when missed): 0 responses 5xx, 0 unexpected, 0 leaked slots, RSS growth at most 5 %.
@@ -19,11 +19,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import re
-import socket
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -33,6 +30,11 @@ from typing import Any, Awaitable, Callable
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.serve_process import llmfw_serve  # noqa: E402
+
 #: a chat template that knows tools (Qwen2.5's: ChatML, whose tokens SmolLM2's vocabulary has)
 TOOL_TEMPLATE = ROOT / "tests" / "data" / "tool_templates" / "Qwen-Qwen2.5-7B-Instruct.jinja"
 WEATHER_TOOL = {"type": "function", "function": {
@@ -47,12 +49,6 @@ PROMPTS = ["Tell me about lighthouses.", "What is 2 + 2?", "Write a haiku about 
            "Why is the sky blue?", "Say hello in French."]
 #: seconds a request may take before the client gives up (a hang counts as a failure, not a wait)
 REQUEST_TIMEOUT = 300
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def rss_bytes(pid: int) -> int:
@@ -194,31 +190,6 @@ async def slots_after(url: str, wait_s: float = 60) -> tuple[float, float]:
             await asyncio.sleep(1)
 
 
-def start_server(args: argparse.Namespace, port: int) -> subprocess.Popen[bytes]:
-    command = [sys.executable, "-c", "from llmfw.cli import main; main()", "serve", "-m", args.model,
-               "-np", str(args.parallel), "-c", str(args.n_ctx), "--port", str(port), "--no-webui",
-               "--chat-template", str(TOOL_TEMPLATE)]
-    if args.backend:
-        command += ["--backend", args.backend]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    log = open(args.server_log, "wb")  # noqa: SIM115 - the server writes to it for its whole life
-    return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
-
-
-def wait_ready(url: str, server: subprocess.Popen[bytes], timeout: float = 600) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if server.poll() is not None:
-            raise SystemExit(f"the server exited with {server.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise SystemExit("the server did not become ready")
-
-
 def report(soak: Soak, args: argparse.Namespace, seconds: float, slots: tuple[float, float],
            alive: int) -> dict[str, Any]:
     warm = [b for t, b in soak.rss if t >= args.warmup]
@@ -252,16 +223,14 @@ def main() -> None:
     parser.add_argument("--backend", default=None, help="default: the server's choice (the fastest)")
     parser.add_argument("--warmup", type=float, default=None, help="seconds before RSS is compared (default: "
                                                                      "a tenth of the run, at least 30)")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "soak_serve.json")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "serving" / "soak_serve.json")
     parser.add_argument("--server-log", type=Path, default=Path("/tmp/llmfw-soak-server.log"))
     args = parser.parse_args()
     seconds = args.minutes * 60
     args.warmup = args.warmup if args.warmup is not None else max(30.0, seconds / 10)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    server = start_server(args, port)
-    try:
-        wait_ready(url, server)
+    serve_args = ["-m", args.model, "-np", str(args.parallel), "-c", str(args.n_ctx), "--no-webui",
+                  "--chat-template", str(TOOL_TEMPLATE)] + (["--backend", args.backend] if args.backend else [])
+    with llmfw_serve(serve_args, args.server_log) as (url, server):
         soak = Soak(url, traffic(args.n_ctx // args.parallel), server.pid)
         t0 = time.monotonic()
         asyncio.run(soak.run(seconds, 2 * args.parallel))
@@ -269,12 +238,6 @@ def main() -> None:
         slots = asyncio.run(slots_after(url))
         alive = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60).status_code
         result = report(soak, args, elapsed, slots, alive)
-    finally:
-        server.terminate()
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            server.kill()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     print(json.dumps({k: v for k, v in result.items() if k != "by_kind"}, indent=2))
