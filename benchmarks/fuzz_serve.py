@@ -72,7 +72,7 @@ def error_shape_problem(path: str, body: bytes) -> str | None:
 
 def clamp_generation(path: str, body: Any) -> Any:
     """The body with ``max_tokens`` / ``max_completion_tokens`` and ``n`` cut to what a fuzz case may cost, and
-    ``max_tokens`` set on a generation endpoint that was given none (chat's default is the slot's room); other
+    ``max_tokens`` set on a generation endpoint that was given none or null (chat's default is the slot's room); other
     values, wrong types included, go as they are."""
     if not isinstance(body, dict):
         return body
@@ -80,12 +80,20 @@ def clamp_generation(path: str, body: Any) -> Any:
         value = body.get(key)
         if isinstance(value, int) and not isinstance(value, bool) and value > MAX_FUZZ_TOKENS:
             body[key] = MAX_FUZZ_TOKENS
-    if path in GENERATING and "max_tokens" not in body and "max_completion_tokens" not in body:
-        body["max_tokens"] = MAX_FUZZ_TOKENS
+    if path in GENERATING and body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+        body["max_tokens"] = MAX_FUZZ_TOKENS  # null is the default too: the slot's room on chat
     n = body.get("n")
     if isinstance(n, int) and not isinstance(n, bool) and n > MAX_FUZZ_CHOICES:
         body["n"] = MAX_FUZZ_CHOICES
     return body
+
+
+def _sent(body: Any) -> str:
+    """The body as sent, for the report (schemathesis' curl line masks every key with "token" in its name)."""
+    try:
+        return json.dumps(body)[:4000]
+    except (TypeError, ValueError):
+        return repr(body)[:4000]
 
 
 def check(path: str, status: int, body: bytes) -> str | None:
@@ -146,14 +154,14 @@ def _fuzz_round(url: str, operation: Any, mode: Any, seed: int, tally: Tally, de
             response = case.call(base_url=url, timeout=REQUEST_TIMEOUT)
         except Exception as exc:  # noqa: BLE001 - no answer (a hang, a dropped connection) is a failure
             tally.counts[(label, 599)] += 1
-            tally.failures.append({"operation": label, "problem": repr(exc), "curl": case.as_curl_command()})
+            tally.failures.append({"operation": label, "problem": repr(exc), "body": _sent(case.body)})
             return
         tally.counts[(label, response.status_code)] += 1
         problem = check(case.path, response.status_code, response.content)
         if problem:
             tally.failures.append({"operation": label, "mode": mode.value, "problem": problem,
                                    "status": response.status_code, "answer": response.text[:300],
-                                   "curl": case.as_curl_command()[:2000]})
+                                   "body": _sent(case.body)})
 
     try:
         run()
