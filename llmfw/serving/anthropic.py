@@ -28,7 +28,8 @@ from .api import ChatShape, ChoiceState, execute_chat, plan_chat
 from .engine import Engine
 from .http_common import BadBody, finite_json, on_model, read_json, response_for_error, sse_events
 from .jobs import TokenEvent
-from .protocol import ChatCompletionRequest, _Body, parse_request
+from .protocol import GRAMMAR_SCHEMA, JSON_SCHEMA_SCHEMA, MODEL_SCHEMA, ChatCompletionRequest, _Body, described, \
+    parse_request
 
 #: Anthropic's error type per HTTP status
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -115,7 +116,7 @@ class OutputConfig(_Body):
 class CountTokensRequest(_Body):
     """``POST /v1/messages/count_tokens``: what decides the prompt."""
 
-    model: Any = None
+    model: Any = described(MODEL_SCHEMA)
     messages: list[Message] = Field(min_length=1)
     system: Union[str, list[TextBlock], None] = None
     tools: list[Tool] | None = None
@@ -135,8 +136,8 @@ class MessagesRequest(CountTokensRequest):
     stream: bool = False
     output_config: OutputConfig | None = None
     # llama-server's extensions: constrain the raw output (thinking tags included)
-    grammar: Any = None
-    json_schema: Any = None
+    grammar: Any = described(GRAMMAR_SCHEMA)
+    json_schema: Any = described(JSON_SCHEMA_SCHEMA)
 
 
 def _chat_messages(request: CountTokensRequest) -> list[dict[str, Any]]:

@@ -51,6 +51,8 @@ async def _http_exception(request: Request, exc: Exception) -> Response:
     detail = getattr(exc, "detail", None) or "error"
     if status == 404:
         detail = f"unknown path {request.url.path}"
+    if anthropic.is_anthropic_path(request.url.path):  # e.g. a GET of /v1/messages: 405 in Anthropic's shape
+        return anthropic.error_response(status, str(detail))
     return error_response(status, str(detail))
 
 

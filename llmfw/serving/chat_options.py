@@ -76,9 +76,12 @@ def render_chat_prompt(engine: Any, messages: list[dict[str, Any]], tools: Any =
     """The prompt text of a conversation: the engine's template, the server's template variables overridden by
     the request's (``chat_template_kwargs``), ``tools`` as transformers passes them."""
     from ..core.tokenizer.chat import apply_chat_template
+    from .tool_call_ids import needs_mistral_ids, with_mistral_tool_call_ids
 
     template, _ = chat_template_of(engine)
     extra = {**engine.chat_options.template_kwargs, **(template_kwargs or {})}
     if tools:
         extra["tools"] = tools
+    if needs_mistral_ids(template):  # its template raises on any other tool-call id
+        messages = with_mistral_tool_call_ids(messages)
     return apply_chat_template(engine.model, messages, template=template, **extra)

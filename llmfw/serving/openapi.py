@@ -19,9 +19,42 @@ ENDPOINTS: tuple[tuple[str, str, str, str | None], ...] = (
     ("/detokenize", "post", "Text of tokens (llama-server)", "DetokenizeBody"),
     ("/metrics", "get", "Prometheus metrics", None),
     ("/openapi.json", "get", "This description", None),
+    ("/", "get", "The browser chat page (absent with --no-webui)", None),
 )
-_ERROR = {"description": "An error in the endpoint's API shape",
-          "content": {"application/json": {"schema": {"type": "object"}}}}
+#: the endpoints that stream with "stream": true
+_STREAMING = ("/v1/completions", "/v1/chat/completions", "/v1/messages")
+#: what a 200 carries, per path (JSON unless listed)
+_MEDIA = {"/metrics": "text/plain", "/": "text/html"}
+#: an error in OpenAI's shape (every endpoint but Anthropic's)
+OPENAI_ERROR: dict[str, Any] = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type"], "properties": {
+        "message": {"type": "string"}, "type": {"type": "string"},
+        "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+#: an error in Anthropic's shape (/v1/messages and /v1/messages/count_tokens)
+ANTHROPIC_ERROR: dict[str, Any] = {"type": "object", "required": ["type", "error"], "properties": {
+    "type": {"const": "error"}, "error": {"type": "object", "required": ["type", "message"], "properties": {
+        "type": {"type": "string"}, "message": {"type": "string"}}}}}
+#: the error statuses every endpoint may answer, and those of endpoints with a body
+_ERROR_STATUSES = ("400", "401", "404", "405", "503")
+_BODY_ERROR_STATUSES = ("413",)
+
+
+def _responses(path: str, has_body: bool) -> dict[str, Any]:
+    anthropic = path.startswith("/v1/messages")
+    error = {"description": "An error in the endpoint's API shape (" + ("Anthropic" if anthropic else "OpenAI")
+             + ")", "content": {"application/json": {"schema": {
+                 "$ref": "#/components/schemas/" + ("AnthropicError" if anthropic else "OpenAIError")}}}}
+    content: dict[str, Any] = {_MEDIA.get(path, "application/json"): {}}
+    if path in _STREAMING:  # server-sent events with "stream": true
+        content["text/event-stream"] = {}
+    ok = {"description": "OK", "content": content}
+    statuses = _ERROR_STATUSES + (_BODY_ERROR_STATUSES if has_body else ())
+    responses: dict[str, Any] = {"200": ok, **{status: error for status in statuses}}
+    if path == "/health":  # not an error: the state of the model
+        responses["503"] = {"description": "The model is loading, or failed to load", "content": {
+            "application/json": {"schema": {"type": "object", "required": ["status"], "properties": {
+                "status": {"enum": ["loading", "error"]}}}}}}
+    return responses
 
 
 def _models() -> dict[str, Any]:
@@ -41,14 +74,12 @@ def openapi_spec(version: str = "0") -> dict[str, Any]:
     schemas = dict(defs.get("$defs", {}))
     paths: dict[str, Any] = {}
     for path, method, summary, body in ENDPOINTS:
-        operation: dict[str, Any] = {"summary": summary, "responses": {
-            "200": {"description": "OK"}, "400": _ERROR, "401": _ERROR, "503": _ERROR}}
+        operation: dict[str, Any] = {"summary": summary, "responses": _responses(path, body is not None)}
         if body is not None:
             schema = refs[(models[body], "validation")]
             operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": schema}}}
-            operation["responses"]["413"] = _ERROR
-            operation["responses"]["404"] = _ERROR  # several models: the body's `model` names none of them
         paths.setdefault(path, {})[method] = operation
+    schemas.update(OpenAIError=OPENAI_ERROR, AnthropicError=ANTHROPIC_ERROR)
     return {"openapi": "3.1.0", "info": {"title": "llmfw serve", "version": version}, "paths": paths,
             "components": {"schemas": schemas,
                            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"},

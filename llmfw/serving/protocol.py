@@ -26,6 +26,43 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+def described(schema: dict[str, Any], default: Any = None) -> Any:
+    """A field checked by its own code (not pydantic), published in ``/openapi.json`` with the shape ``schema``
+    (so fuzzers and client generators build meaningful values; a value outside it is still refused by that
+    code with a 400 naming the field)."""
+    return Field(default, json_schema_extra=schema)
+
+
+_NULLABLE_OBJECT: dict[str, Any] = {"anyOf": [{"type": "object"}, {"type": "null"}]}
+_FUNCTION_TOOL = {"type": "object", "required": ["type", "function"], "properties": {
+    "type": {"const": "function"},
+    "function": {"type": "object", "required": ["name"], "properties": {
+        "name": {"type": "string", "minLength": 1}, "description": {"type": "string"},
+        "parameters": {"type": "object"}}}}}
+#: OpenAI's response_format: text, json_object (llama-server: with an optional schema), json_schema
+RESPONSE_FORMAT_SCHEMA: dict[str, Any] = {"anyOf": [
+    {"type": "object", "required": ["type"], "properties": {"type": {"const": "text"}}},
+    {"type": "object", "required": ["type"], "properties": {"type": {"const": "json_object"},
+                                                            "schema": {"type": "object"}}},
+    {"type": "object", "required": ["type", "json_schema"], "properties": {
+        "type": {"const": "json_schema"},
+        "json_schema": {"type": "object", "required": ["schema"], "properties": {
+            "name": {"type": "string"}, "schema": {"type": "object"}, "strict": {"type": "boolean"}}}}},
+    {"type": "null"}]}
+GRAMMAR_SCHEMA: dict[str, Any] = {"anyOf": [{"type": "string", "description": "GBNF (llama.cpp's grammar format)",
+                                             "examples": ['root ::= "yes" | "no"']}, {"type": "null"}]}
+JSON_SCHEMA_SCHEMA: dict[str, Any] = {**_NULLABLE_OBJECT, "description": "a JSON schema the output must match"}
+TOOLS_SCHEMA: dict[str, Any] = {"anyOf": [{"type": "array", "items": _FUNCTION_TOOL}, {"type": "null"}]}
+TOOL_CHOICE_SCHEMA: dict[str, Any] = {"anyOf": [
+    {"enum": ["none", "auto", "required"]},
+    {"type": "object", "required": ["type", "function"], "properties": {
+        "type": {"const": "function"},
+        "function": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}}},
+    {"type": "null"}]}
+MODEL_SCHEMA: dict[str, Any] = {"anyOf": [{"type": "string"}, {"type": "null"}],
+                                "description": "accepted whatever its value: the server's one model answers"}
+
+
 class StreamOptions(_Body):
     include_usage: bool = False
 
@@ -33,7 +70,7 @@ class StreamOptions(_Body):
 class GenerationFields(_Body):
     """The fields both endpoints share."""
 
-    model: Any = None  # accepted whatever its value (llama-server's rule)
+    model: Any = described(MODEL_SCHEMA)  # accepted whatever its value (llama-server's rule)
     max_tokens: int | None = Field(None, ge=0)
     temperature: float | None = None
     top_p: float | None = Field(None, ge=0.0, le=1.0)
@@ -49,11 +86,11 @@ class GenerationFields(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     # constrained decoding: handed to llmfw.serving.constraints, never ignored
-    response_format: Any = None
-    grammar: Any = None
-    json_schema: Any = None
-    tools: Any = None
-    tool_choice: Any = None
+    response_format: Any = described(RESPONSE_FORMAT_SCHEMA)
+    grammar: Any = described(GRAMMAR_SCHEMA)
+    json_schema: Any = described(JSON_SCHEMA_SCHEMA)
+    tools: Any = described(TOOLS_SCHEMA)
+    tool_choice: Any = described(TOOL_CHOICE_SCHEMA)
 
     @field_validator("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repeat_penalty")
     @classmethod

@@ -11,7 +11,7 @@ import pytest
 
 import llmfw
 
-from cli.test_first_contact_fixes import invoke, write_tiny_model
+from support.tiny_cli import invoke, write_tiny_model
 from support.native import kernels_or_skip
 
 kernels_or_skip()

@@ -1,8 +1,12 @@
-"""``GET /openapi.json`` describes every endpoint (issue "agent-ready serving", item 7), and a fuzz of every POST
-endpoint with bodies built from that description — right keys with wrong values, wrong keys, wrong types —
-never gets a 5xx and always gets an error in the endpoint's own API shape. A real server on 127.0.0.1 (SmolLM2,
-numpy backend), httpx; generation is kept to a few tokens per request."""
+"""``GET /openapi.json`` describes every endpoint (issue "agent-ready serving", item 7), and two fuzzes never get a
+5xx and always get an error in the endpoint's own API shape: schemathesis from the published spec (a few hundred
+cases of benchmarks/fuzz_serve.py, which runs thousands), and a hypothesis fuzz of every POST endpoint with
+bodies built around a good one — right keys with wrong values, wrong keys, wrong types, bodies that are not JSON.
+A real server on 127.0.0.1 (SmolLM2, numpy backend), httpx; generation is kept to a few tokens per request."""
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 import httpx
 import jsonschema
@@ -13,6 +17,15 @@ from hypothesis import strategies as st
 import llmfw
 from llmfw.serving.app import ROUTES
 from support.live_server import TIMEOUT, get, serve_engine
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import fuzz_serve  # noqa: E402
+
+#: schemathesis cases of the test (the benchmark runs thousands)
+SCHEMATHESIS_CASES = 200
 
 GOOD = {
     "/v1/completions": {"prompt": "Hi", "max_tokens": 1},
@@ -48,6 +61,34 @@ def test_openapi_lists_every_route_and_its_bodies(spec):
         jsonschema.validate(body, {**schema, "components": spec["components"]})
     messages = spec["components"]["schemas"]["MessagesRequest"]
     assert "max_tokens" in messages["required"] and "thinking" in messages["properties"]
+    # the fields checked by their own code are published with their shapes, not as "anything"
+    chat = spec["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+    for field in ("response_format", "tools", "tool_choice", "grammar"):
+        assert chat[field].get("anyOf"), field
+    # each error status points at its API's error shape
+    anthropic_error = spec["paths"]["/v1/messages"]["post"]["responses"]["400"]["content"]["application/json"]
+    openai_error = spec["paths"]["/v1/chat/completions"]["post"]["responses"]["400"]["content"]["application/json"]
+    assert anthropic_error["schema"]["$ref"].endswith("/AnthropicError")
+    assert openai_error["schema"]["$ref"].endswith("/OpenAIError")
+
+
+@pytest.mark.parametrize("path, shape", [("/v1/messages", "AnthropicError"),
+                                         ("/v1/messages/count_tokens", "AnthropicError"),
+                                         ("/v1/chat/completions", "OpenAIError"), ("/tokenize", "OpenAIError")])
+def test_a_wrong_method_answers_405_in_the_apis_shape(server, spec, path, shape):
+    response = get(server.url + path)
+    assert response.status_code == 405
+    jsonschema.validate(response.json(), spec["components"]["schemas"][shape])
+    assert fuzz_serve.error_shape_problem(path, response.content) is None
+
+
+@pytest.mark.slow
+def test_schemathesis_from_the_published_spec_finds_no_5xx(server, spec):
+    tally = fuzz_serve.fuzz(server.url, spec, SCHEMATHESIS_CASES, seed=1)
+    assert tally.cases >= SCHEMATHESIS_CASES
+    statuses = {status for _, status in tally.counts}
+    assert 200 in statuses and 400 in statuses  # valid bodies ran, broken ones were refused
+    assert not tally.failures, tally.failures[:3]
 
 
 JSON_VALUES = st.recursive(

@@ -139,3 +139,37 @@ def test_qwen3_coder_values_take_their_json_types():
             "</tool_call>")
     _, [call] = parse_tool_calls(text, ToolCallFormat.QWEN3_CODER)
     assert json.loads(call.arguments) == {"city": "Paris", "days": 3, "tags": ["a", "b"], "zip": "02139"}
+
+
+def test_a_mistral_tool_conversation_goes_on_with_the_ids_clients_send_back(smollm2_path):
+    """Turn 1 forces a call; turn 2 sends it back with its result under the id the server gave (OpenAI) and
+    under Anthropic's ``toolu_`` id: Mistral Nemo's real template, which raises on any id but 9 characters,
+    renders (Small 3.2's, with the same rule, is rendered in tests/unit/test_mistral_tool_call_ids.py)."""
+    import anthropic
+
+    model = llmfw.load_model(str(smollm2_path), backend="numpy")
+    with Engine(model, parallel=1, n_ctx=2048, chat_template=template("mistralai-Mistral-Nemo-Instruct-2407")) as engine:
+        live = LiveServer(create_app(engine))
+        try:
+            client = openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0, timeout=TIMEOUT)
+            ask = {"role": "user", "content": "Weather in Paris?"}
+            first = client.chat.completions.create(model="smol", messages=[ask], tools=TOOLS, tool_choice="required",
+                                                   max_tokens=40, temperature=0).choices[0].message
+            [call] = first.tool_calls
+            assert not re.fullmatch(r"[A-Za-z0-9]{9}", call.id)  # the server's own id: Mistral's template refuses it
+            history = [ask, first.model_dump(exclude_none=True),
+                       {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+            second = client.chat.completions.create(model="smol", messages=history, tools=TOOLS, max_tokens=3)
+            assert second.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+            claude = anthropic.Anthropic(base_url=live.url, api_key="x", max_retries=0, timeout=TIMEOUT)
+            reply = claude.messages.create(model="smol", max_tokens=3, tools=[{
+                "name": "get_weather", "input_schema": TOOLS[0]["function"]["parameters"]}], messages=[
+                {"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_01A09q90qw90lq917835lq9",
+                                                   "name": "get_weather", "input": {"city": "Paris"}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_01A09q90qw90lq917835lq9",
+                                              "content": "sunny"}]}])
+            assert reply.type == "message"
+        finally:
+            live.stop()

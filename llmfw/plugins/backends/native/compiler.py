@@ -1,0 +1,434 @@
+"""The native backend's compiler: a split → one checked flat program (program.py) over one arena, and the compiled
+split that copies inputs in, runs it with one C call and copies outputs out; the weights in the kernels' layout."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from math import prod
+from typing import Any, Literal, Mapping, Protocol, Sequence
+
+import numpy as np
+
+from llmfw.core.exec.backend import Split, WeightHandle
+from llmfw.core.exec.compiler import SplitCompilerBase, check_inputs
+from llmfw.core.exec.weight_cache import CacheOptions
+from llmfw.core.errors import ModelError
+from llmfw.core.ir.graph import DYNAMIC, Node
+from llmfw.core.ir.rope import yarn_magnitude, yarn_ramp_mix
+import llmfw.plugins.backends.native.kernels as kernels
+import llmfw.plugins.backends.native.program as pg
+from llmfw.plugins.backends.native.repack import PackedWeight
+from llmfw.plugins.backends.numpy.kernels import F32, NumpyKV
+
+WORDS_PER = {"f32": 1, "i32": 1, "i64": 2}
+NP_DTYPES = {"f32": np.float32, "i32": np.int32, "i64": np.int64}
+
+
+class NativeOptions(CacheOptions):
+    """``backend_options: {native: {...}}``."""
+
+    #: the kernels' instruction set: auto = the widest this CPU runs; a named one is an error where it cannot run
+    isa: Literal["auto", "scalar", "avx2", "avx512"] = "auto"
+    #: time every instruction of every program (``NativeBackend.profile()`` sums them per op)
+    profile: bool = False
+
+
+
+class ProgramHost(Protocol):
+    """What a program needs of its backend (NativeBackend): its weights, options, instruction set and threads."""
+
+    native_options: "NativeOptions"
+    isa: str
+
+    @property
+    def pool(self) -> kernels.ThreadPool: ...
+
+    def weight(self, name: str) -> WeightHandle: ...
+
+
+@dataclass
+class NativeMatrix:
+    """A matmul (or row lookup) weight in the kernels' layout."""
+
+    packed: PackedWeight
+    c_struct: kernels.NatWeight = field(repr=False)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.packed.shape
+
+    @property
+    def ndim(self) -> int:
+        return 2
+
+
+def native_matrix(packed: PackedWeight) -> NativeMatrix:
+    return NativeMatrix(packed, kernels.c_weight(packed))
+
+
+@dataclass
+class Value:
+    """Where a graph value lives in a program: buffer (0 = the arena) and word offset, its shape and type; a
+    matrix is ``weight`` (an index into the program's weight table) instead."""
+
+    buf: int
+    off: int
+    shape: tuple[int, ...]
+    dtype: str
+    weight: int = -1
+    #: the arena allocation this value is a view of (reshapes and contiguous slices share it)
+    root: int = -1
+
+    @property
+    def operand(self) -> pg.Operand:
+        return pg.Operand(self.buf, self.off)
+
+    @property
+    def size(self) -> int:
+        return prod(self.shape)
+
+
+
+class NativeCompiler(SplitCompilerBase[NumpyKV]):
+    """A split → one checked :class:`~llmfw.plugins.backends.native.program.Program` (``input_shapes``: the concrete
+    shapes of inputs the graph left DYNAMIC, e.g. the K-shift's)."""
+
+    backend_name = "native"
+    kv_class = NumpyKV
+
+    def __init__(self, backend: ProgramHost, split: Split, kv: Mapping[tuple[str, int], NumpyKV],
+                 input_shapes: Mapping[int, tuple[int, ...]] | None = None):
+        super().__init__(split, kv)
+        self.backend = backend
+        self.input_shapes = dict(input_shapes or {})
+        self.arena = pg.Arena()
+        self.instrs: list[pg.Instr] = []
+        self.values: dict[int, Value] = {}
+        self.buffers: list[np.ndarray] = []
+        self.writable: list[bool] = []
+        self._buffer_ids: dict[int, int] = {}
+        self.weights: list[kernels.NatWeight] = []
+        self.weight_infos: list[pg.WeightInfo] = []
+        self._weight_ids: dict[str, int] = {}
+        self.refs: dict[int, int] = {}  # arena root → live values viewing it
+        self.roots: dict[int, tuple[int, int]] = {}  # root id → (offset, words)
+
+    # -- values -------------------------------------------------------------------------------------------------
+    def node_shape(self, node: Node) -> tuple[int, ...]:
+        shape = self.input_shapes.get(node.id, node.shape)
+        if shape is None or DYNAMIC in shape:
+            raise ModelError(f"native backend: the shape of {node!r} is not known when its split compiles")
+        return tuple(int(d) for d in shape)
+
+    def new_value(self, shape: tuple[int, ...], dtype: str) -> Value:
+        words = prod(shape) * WORDS_PER[dtype]
+        off = self.arena.alloc(words)
+        root = len(self.roots)
+        self.roots[root] = (off, words)
+        self.refs[root] = 1
+        return Value(0, off, shape, dtype, root=root)
+
+    def define(self, node: Node) -> Value:
+        """A fresh arena value for ``node``'s output."""
+        value = self.new_value(self.node_shape(node), node.dtype or "f32")
+        self.values[node.id] = value
+        return value
+
+    def alias(self, node: Node, base: Value, shape: tuple[int, ...], extra_words: int = 0) -> None:
+        """``node`` is a view of ``base`` (same memory, another shape, ``extra_words`` further on)."""
+        self.values[node.id] = replace(base, off=base.off + extra_words, shape=shape)
+        if base.root >= 0:
+            self.refs[base.root] += 1
+
+    def release(self, value: Value) -> None:
+        if value.root < 0:
+            return
+        self.refs[value.root] -= 1
+        if self.refs[value.root] == 0:
+            self.arena.release(*self.roots[value.root])
+
+    def buffer(self, array: np.ndarray, writable: bool = False) -> int:
+        """The index of ``array`` (kept alive by the program) in the buffer table."""
+        key = id(array)
+        if key not in self._buffer_ids:
+            if array.dtype not in (np.float32, np.int32, np.int64) or not array.flags.c_contiguous:
+                array = np.ascontiguousarray(array, dtype=np.float32)
+            self.buffers.append(array)
+            self.writable.append(writable)
+            self._buffer_ids[key] = len(self.buffers)  # buffer 0 is the arena
+        return self._buffer_ids[key]
+
+    def constant(self, values: np.ndarray) -> pg.Operand:
+        array = np.ascontiguousarray(values, dtype=np.float32)
+        self.buffers.append(array)
+        self.writable.append(False)
+        return pg.Operand(len(self.buffers), 0)
+
+    def v(self, node: Node) -> Value:
+        value = self.values.get(node.id)
+        if value is None or value.weight >= 0:
+            raise ModelError(f"native backend: {node!r} is used as an activation but is a matrix")
+        return value
+
+    def emit(self, op: int, args: Sequence[pg.Operand], n: Sequence[int] = (), f: Sequence[float] = (),
+             label: str = "") -> None:
+        self.instrs.append(pg.Instr(op, list(args), list(n), [float(x) for x in f], label))
+
+    # -- the walk -------------------------------------------------------------------------------------------------
+    def compile_weight(self, node: Node) -> None:
+        name = str(node.attrs["name"])
+        handle = self.backend.weight(name)
+        if isinstance(handle, NativeMatrix):
+            if name not in self._weight_ids:
+                self._weight_ids[name] = len(self.weights)
+                self.weights.append(handle.c_struct)
+                packed = handle.packed
+                self.weight_infos.append(pg.WeightInfo(packed.kind, packed.n_rows, packed.n_cols))
+            self.values[node.id] = Value(-1, 0, handle.shape, "f32", weight=self._weight_ids[name])
+            return
+        if not isinstance(handle, np.ndarray):
+            raise ModelError(f"native backend: weight {name!r} is stored as {type(handle).__name__}, which the "
+                             "kernels cannot read")
+        self.values[node.id] = Value(self.buffer(handle), 0, tuple(handle.shape), "f32")
+
+    def compile_release(self, node_ids: Sequence[int]) -> None:
+        for node_id in node_ids:
+            value = self.values.get(node_id)
+            if value is not None:
+                self.release(value)
+
+    def compile_program(self) -> tuple[pg.Program, list[tuple[int, np.ndarray]], list[tuple[int, np.ndarray]]]:
+        """The program, and the arena views its inputs are copied into and its outputs read from."""
+        graph_inputs = {n.id: n for n in self.split.nodes if n.op == "input"}
+        consumers = {i.id: i for n in self.split.nodes for i in n.inputs}
+        for node_id, _ in self.required_inputs():
+            node = graph_inputs.get(node_id) or consumers[node_id]
+            self.define(node)
+        self.walk()
+        program = pg.Program(self.instrs, self.arena.size, self.buffers, self.writable, self.weights,
+                             self.weight_infos)
+        inputs = [(i, self.view_of(program, self.values[i])) for i, _ in self.required_inputs()]
+        outputs = [(i, self.view_of(program, self.values[i])) for i in self.split.output_ids]
+        return program, inputs, outputs
+
+    @staticmethod
+    def view_of(program: pg.Program, value: Value) -> np.ndarray:
+        if value.buf != 0:
+            raise ModelError("native backend: a split input or output that is not an activation")
+        return program.view(value.off, value.shape, value.dtype)
+
+    # -- ops ---------------------------------------------------------------------------------------------------------
+    def _op_reshape(self, node: Node) -> None:
+        base = self.v(node.inputs[0])
+        self.alias(node, base, self.node_shape(node))
+
+    def _op_slice(self, node: Node) -> None:
+        base = self.v(node.inputs[0])
+        shape = base.shape
+        axis = int(node.attrs.get("axis", -1)) % len(shape)
+        start, stop, _ = slice(node.attrs.get("start"), node.attrs.get("stop")).indices(shape[axis])
+        inner = prod(shape[axis + 1:]) * WORDS_PER[base.dtype]
+        outer = prod(shape[:axis])
+        out_shape = self.node_shape(node)
+        if outer == 1 or out_shape[axis] == shape[axis]:  # one contiguous range: a view
+            self.alias(node, base, out_shape, start * inner)
+            return
+        out = self.define(node)
+        self.emit(pg.SLICE, [out.operand, base.operand], [outer, shape[axis] * inner, start * inner,
+                                                          (stop - start) * inner], label="slice")
+
+    def _op_get_rows(self, node: Node) -> None:
+        table, ids = node.inputs
+        id_value = self.v(ids)
+        id_bytes = 4 * WORDS_PER[id_value.dtype]
+        table_value = self.values[table.id]
+        out = self.define(node)
+        if table_value.weight >= 0:
+            self.emit(pg.GET_ROWS_W, [out.operand, id_value.operand], [id_value.size, table_value.weight, 0,
+                                                                       id_bytes], label="get_rows")
+            return
+        row_words = prod(table_value.shape[1:]) * WORDS_PER[table_value.dtype]
+        self.emit(pg.GET_ROWS, [out.operand, table_value.operand, id_value.operand],
+                  [id_value.size, row_words, table_value.shape[0], id_bytes], label="get_rows")
+
+    def _op_mul_mat(self, node: Node) -> None:
+        weight = self.values[node.inputs[0].id]
+        if weight.weight < 0:
+            raise ModelError(f"native backend cannot compile op 'mul_mat' of {node!r}: its first input is not a "
+                             "repacked weight matrix")
+        x = self.v(node.inputs[1])
+        m = x.size // weight.shape[1]
+        info = self.weight_infos[weight.weight]
+        scratch = pg.NONE
+        temp = None
+        if info.kind in (pg.KIND_QNIB, pg.KIND_QBYTE):
+            temp = self.new_value((pg.activation_words(m, info.n_cols),), "f32")
+            scratch = temp.operand
+        out = self.define(node)
+        self.emit(pg.MUL_MAT, [out.operand, x.operand, scratch], [weight.weight, m], label="mul_mat")
+        if temp is not None:
+            self.release(temp)
+
+    def _binary(self, node: Node) -> None:
+        a, b = (self.v(i) for i in node.inputs)
+        out = self.define(node)
+        dims, sa, sb = broadcast_strides(out.shape, a.shape, b.shape)
+        self.emit(pg.BINARY, [out.operand, a.operand, b.operand], [pg.BINARY_KINDS[node.op], *dims, *sa, *sb],
+                  label=node.op)
+
+    _op_add = _op_sub = _op_mul = _op_div = _binary
+
+    def _unary(self, node: Node, params: Sequence[float] = ()) -> None:
+        x = self.v(node.inputs[0])
+        out = self.define(node)
+        self.emit(pg.UNARY, [out.operand, x.operand], [pg.UNARY_KINDS[node.op], x.size], params, label=node.op)
+
+    _op_silu = _op_relu = _op_gelu = _op_sigmoid = _op_softplus = _unary
+
+    def _op_scale(self, node: Node) -> None:
+        self._unary(node, [float(F32(node.attr_float("s")))])
+
+    def _op_softcap(self, node: Node) -> None:
+        self._unary(node, [float(F32(node.attr_float("cap")))])
+
+    def _op_clamp(self, node: Node) -> None:
+        self._unary(node, [float(F32(node.attr_float("min"))), float(F32(node.attr_float("max")))])
+
+    def _op_swiglu(self, node: Node) -> None:
+        gate, up = (self.v(i) for i in node.inputs)
+        if gate.shape != up.shape:
+            raise ModelError(f"native backend: swiglu of shapes {gate.shape} and {up.shape}")
+        out = self.define(node)
+        self.emit(pg.SWIGLU, [out.operand, gate.operand, up.operand], [0, gate.size], label="swiglu")
+
+    def _norm(self, node: Node) -> None:
+        x = self.v(node.inputs[0])
+        n = x.shape[-1]
+        w = pg.NONE
+        if len(node.inputs) > 1:
+            weight = self.v(node.inputs[1])
+            if weight.size != n:
+                raise ModelError(f"native backend: a norm weight of shape {weight.shape} for rows of {n}")
+            w = weight.operand
+        out = self.define(node)
+        op = pg.RMS_NORM if node.op == "rms_norm" else pg.NORM
+        self.emit(op, [out.operand, x.operand, w], [x.size // n, n], [node.attr_float("eps")], label=node.op)
+
+    _op_rms_norm = _op_norm = _norm
+
+    def _op_softmax(self, node: Node) -> None:
+        x = self.v(node.inputs[0])
+        out = self.define(node)
+        self.emit(pg.SOFTMAX, [out.operand, x.operand], [x.size // x.shape[-1], x.shape[-1]], label="softmax")
+
+    def rope(self, node: Node, x: pg.Operand, out: pg.Operand, pos: Value, factors: Node | None,
+             dims: tuple[int, int, int], strides: tuple[int, int, int, int], label: str) -> None:
+        attrs = node.attrs
+        n_dims, mode = node.attr_int("n_dims"), node.attr_str("mode")
+        if mode not in ("norm", "neox"):
+            raise ModelError(f"native backend: rope mode {mode!r} has no kernel")
+        if pos.dtype != "i32":
+            raise ModelError(f"native backend: rope positions of type {pos.dtype}")
+        freq_base, freq_scale = node.attr_float("freq_base"), node.attr_float("freq_scale")
+        ext = node.attr_float("ext_factor", 0.0)
+        mix = pg.NONE
+        if ext != 0.0:
+            mix = self.constant(yarn_ramp_mix(n_dims, node.attr_int("n_ctx_orig"), freq_base,
+                                              node.attr_float("beta_fast"), node.attr_float("beta_slow"), ext))
+        ff = pg.NONE if factors is None else self.v(factors).operand
+        theta_scale = F32(freq_base ** (-2.0 / n_dims))
+        magnitude = F32(F32(attrs.get("attn_factor", 1.0)) * yarn_magnitude(freq_scale, ext))
+        self.emit(pg.ROPE, [out, x, pos.operand, ff, mix], [*dims, n_dims, int(mode == "neox"), *strides],
+                  [float(theta_scale), float(F32(freq_scale)), float(magnitude), float(ext != 0.0)], label=label)
+
+    def _op_rope(self, node: Node) -> None:
+        x, pos = self.v(node.inputs[0]), self.v(node.inputs[1])
+        n_tokens, n_head, dim = x.shape
+        out = self.define(node)
+        factors = node.inputs[2] if len(node.inputs) > 2 else None
+        self.rope(node, x.operand, out.operand, pos, factors, (n_tokens, n_head, dim),
+                  (n_head * dim, dim, n_head * dim, dim), "rope")
+
+    def _op_k_shift(self, node: Node) -> None:
+        storage = self.kv_storage(node)
+        shift = self.v(node.inputs[0])
+        n_head_kv, n_cells, dim = storage.k.shape
+        cache = pg.Operand(self.buffer(storage.k, writable=True), 0)
+        factors = node.inputs[1] if len(node.inputs) > 1 else None
+        self.rope(node, cache, cache, shift, factors, (shift.size, n_head_kv, dim),
+                  (dim, n_cells * dim, dim, n_cells * dim), "k_shift")
+        self.define(node)
+
+    def _op_attention(self, node: Node) -> None:
+        q, k, v, idx, mask = (self.v(i) for i in node.inputs[:5])
+        storage = self.kv_storage(node)
+        n_head_kv, n_cells, dk = storage.k.shape
+        dv = storage.v.shape[2]
+        n_tokens, n_head = q.shape[0], q.shape[1]
+        if idx.dtype != "i64" or k.size != n_tokens * n_head_kv * dk or v.size != n_tokens * n_head_kv * dv:
+            raise ModelError(f"native backend: attention inputs {q.shape}, {k.shape}, {v.shape} do not fit the KV "
+                             f"cache {storage.k.shape}")
+        k_cache = pg.Operand(self.buffer(storage.k, writable=True), 0)
+        v_cache = pg.Operand(self.buffer(storage.v, writable=True), 0)
+        self.emit(pg.KV_WRITE, [k_cache, v_cache, k.operand, v.operand, idx.operand],
+                  [n_tokens, n_head_kv, dk, dv, n_cells], label="kv_write")
+        sinks = self.v(node.inputs[5]).operand if len(node.inputs) > 5 else pg.NONE
+        out = self.define(node)
+        softcap = float(node.attrs.get("softcap", 0.0) or 0.0)
+        self.emit(pg.ATTEND, [out.operand, q.operand, k_cache, v_cache, mask.operand, sinks],
+                  [n_tokens, n_head, n_head_kv, dk, dv, mask.shape[1], n_cells],
+                  [node.attr_float("scale"), softcap], label="attention")
+
+
+def broadcast_strides(out: tuple[int, ...], a: tuple[int, ...], b: tuple[int, ...]) -> tuple[list[int], list[int],
+                                                                                                list[int]]:
+    """numpy broadcasting as 4 dims and each operand's word strides (0 along a broadcast axis)."""
+    if len(out) > 4:
+        raise ModelError(f"native backend: an elementwise op over {len(out)} dimensions (at most 4)")
+    dims = [1] * (4 - len(out)) + list(out)
+
+    def strides(shape: tuple[int, ...]) -> list[int]:
+        padded = [1] * (4 - len(shape)) + list(shape)
+        result, step = [0] * 4, 1
+        for axis in range(3, -1, -1):
+            result[axis] = step if padded[axis] != 1 else 0
+            step *= padded[axis]
+        return result
+
+    return dims, strides(a), strides(b)
+
+
+class CompiledProgram:
+    """A compiled split: copy the inputs into the arena, one C call, copy the outputs out. A split whose inputs the
+    graph left DYNAMIC (the K-shift) compiles per input shape, at its first run with that shape."""
+
+    def __init__(self, backend: ProgramHost, split: Split, kv: Mapping[tuple[str, int], NumpyKV]):
+        self.backend, self.split, self.kv = backend, split, kv
+        compiler = NativeCompiler(backend, split, kv)
+        self.required = compiler.required_inputs()
+        nodes = {i.id: i for n in split.nodes for i in (n, *n.inputs)}
+        self.dynamic = [i for i, _ in self.required if nodes[i].shape is None or DYNAMIC in (nodes[i].shape or ())]
+        self.programs: dict[tuple[Any, ...], tuple[pg.Program, list[tuple[int, np.ndarray]],
+                                                   list[tuple[int, np.ndarray]]]] = {}
+        if not self.dynamic:
+            self.programs[()] = compiler.compile_program()
+        else:  # the ops must still be known now: decline at compile time, not at the first run
+            for node in split.nodes:
+                if node.op not in ("input", "weight"):
+                    compiler.op_handler(node)
+
+    def __call__(self, inputs: Mapping[int, Any]) -> dict[int, Any]:
+        check_inputs(self.required, inputs)
+        key = tuple(np.shape(inputs[i]) for i in self.dynamic)
+        compiled = self.programs.get(key)
+        if compiled is None:
+            shapes = {i: tuple(np.shape(inputs[i])) for i in self.dynamic}
+            compiled = self.programs[key] = NativeCompiler(self.backend, self.split, self.kv, shapes).compile_program()
+        program, input_views, output_views = compiled
+        for node_id, view in input_views:
+            value = np.asarray(inputs[node_id])
+            if value.shape != view.shape:
+                raise ModelError(f"native backend: input %{node_id} has shape {value.shape}, its program "
+                                 f"{view.shape}")
+            np.copyto(view, value, casting="unsafe")
+        program.run(self.backend.pool, self.backend.isa, self.backend.native_options.profile)
+        return {node_id: view.copy() for node_id, view in output_views}
