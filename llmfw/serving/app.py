@@ -14,7 +14,7 @@ import hmac
 import logging
 import threading
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, MutableMapping
 
 import anyio
 import anyio.to_thread
@@ -52,7 +52,8 @@ async def _http_exception(request: Request, exc: Exception) -> Response:
     if status == 404:
         detail = f"unknown path {request.url.path}"
     if anthropic.is_anthropic_path(request.url.path):  # e.g. a GET of /v1/messages: 405 in Anthropic's shape
-        return anthropic.error_response(status, str(detail))
+        response: Response = anthropic.error_response(status, str(detail))
+        return response
     return error_response(status, str(detail))
 
 
@@ -148,7 +149,8 @@ def _guarded(handler: Callable[[Request], Any]) -> Callable[[Request], Any]:
     @functools.wraps(handler)
     async def run(request: Request) -> Response:
         try:
-            return await handler(request)
+            response: Response = await handler(request)
+            return response
         except BadBody as exc:
             return error_response(exc.status, exc.message)
         except Exception as exc:  # noqa: BLE001 - every failure answers in the OpenAI shape
@@ -185,7 +187,7 @@ class ReplicaAndAuth:
             await self.app(scope, receive, send)
             return
 
-        async def send_with_replica(message: dict[str, Any]) -> None:
+        async def send_with_replica(message: MutableMapping[str, Any]) -> None:
             if message["type"] == "http.response.start":
                 message = {**message, "headers": [*message.get("headers", []), self._header]}
             await send(message)
@@ -260,7 +262,6 @@ def create_app(engine: Engine | Callable[[], Engine] | ModelRouter, *, api_key: 
                     exception_handlers={HTTPException: _http_exception, Exception: _any_exception})
     app.state.llmfw = state
     wrapped = ReplicaAndAuth(app, state)
-    wrapped.state = state  # type: ignore[attr-defined]
     return wrapped
 
 

@@ -157,11 +157,11 @@ class GenerationFields(_Body):
 PromptType = Union[str, list[str], list[int], list[list[int]]]
 
 
-def _unsupported(value: Any, what: str) -> Any:
-    """A validator's answer for a field llmfw does not implement: given at all, it is an error."""
+def _unsupported(value: object, what: str) -> None:
+    """A validator's answer for a field llmfw does not implement: given at all, it is an error (else the field
+    stays None)."""
     if value is not None:
         raise ValueError(f"{what} is not supported")
-    return value
 
 
 class CompletionRequest(GenerationFields):
@@ -175,8 +175,8 @@ class CompletionRequest(GenerationFields):
 
     @field_validator("suffix")
     @classmethod
-    def _no_suffix(cls, value: str | None) -> str | None:
-        return _unsupported(value or None, "suffix (insertion)")
+    def _no_suffix(cls, value: str | None) -> None:
+        _unsupported(value or None, "suffix (insertion)")
 
     def prompts(self) -> list[str | list[int]]:
         """One prompt per entry: a string, a list of strings, token ids, or a list of token-id lists."""
@@ -189,7 +189,7 @@ def prompt_entries(value: Any, param: str, limit: int | None = None) -> list[str
         return [value]
     if not value:
         raise RequestError(f"{param} is empty", param)
-    entries = [list(value)] if all(isinstance(v, int) for v in value) else list(value)
+    entries: list[str | list[int]] = [list(value)] if all(isinstance(v, int) for v in value) else list(value)
     if limit is not None and len(entries) > limit:
         raise RequestError(f"{param} has {len(entries)} entries; at most {limit} per request", param)
     return entries
@@ -210,8 +210,8 @@ class EmbeddingRequest(_Body):
 
     @field_validator("dimensions")
     @classmethod
-    def _no_dimensions(cls, value: int | None) -> int | None:
-        return _unsupported(value, "dimensions (shortened embeddings)")
+    def _no_dimensions(cls, value: int | None) -> None:
+        _unsupported(value, "dimensions (shortened embeddings)")
 
     def inputs(self) -> list[str | list[int]]:
         """One entry per text: a string, a list of strings, token ids, or a list of token-id lists."""

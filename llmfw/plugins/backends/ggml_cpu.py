@@ -45,12 +45,13 @@ separately.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
 import numpy as np
 
 from llmfw.core.exec.backend import BackendOptions, CompiledSplit, Split, WeightSource
 from llmfw.core.format.quants import GGMLType, dequantize
+from llmfw.core.ir.graph import Node
 from llmfw.plugins.backends.numpy import (
     F32,
     NumpyBackend,
@@ -86,7 +87,7 @@ Q8_K_BLOCK = 256
 # activation quantization (what ggml's quantize_row_* do to src1), returned dequantized: q * d exactly
 # ---------------------------------------------------------------------------------------------------------
 
-def quantize_q8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def quantize_q8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """AVX2 ``quantize_row_q8_0`` / ``q8_1`` of rows ``x`` [R, n]: ``(q * f16(d))`` [R, n] float32 and the block
     sums of ``q`` [R, n/32] (exact integers as float32, for Q8_1's ``s``) — with the float32 ``d`` [R, n/32, 1]."""
     rows, n = x.shape
@@ -103,7 +104,8 @@ def quantize_q8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def q8_1_block_sums(sums: np.ndarray, d: np.ndarray) -> np.ndarray:
     """Q8_1's ``s = f16(d * Σq)`` per block (``d`` the float32 scale, before its own f16 rounding)."""
-    return (d[..., 0] * sums).astype(F16).astype(F32)
+    block_sums: np.ndarray = (d[..., 0] * sums).astype(F16).astype(F32)
+    return block_sums
 
 
 def quantize_q8_k(x: np.ndarray) -> np.ndarray:
@@ -151,7 +153,8 @@ class GgmlMatrix:
         out = self.scaled[ids]
         if self.block_min is not None:
             out = (out.reshape(*out.shape[:-1], -1, Q8_BLOCK) + self.block_min[ids][..., None]).reshape(out.shape)
-        return out.astype(F32, copy=False)
+        dequantized: np.ndarray = out.astype(F32, copy=False)
+        return dequantized
 
     def matmul(self, x: np.ndarray, quantize: bool = True) -> np.ndarray:
         """``x @ W.T`` the way ggml computes it for this weight type (``quantize=False``: exact float32)."""
@@ -177,7 +180,8 @@ class GgmlMatrix:
         out = xq @ self.scaled_t if self.scaled_t is not None else xq @ self.scaled.T
         if min_term is not None:
             out += min_term
-        return out.reshape(*lead, out.shape[-1])  # explicit width: a ubatch may select no output rows
+        product: np.ndarray = out.reshape(*lead, out.shape[-1])
+        return product  # explicit width: a ubatch may select no output rows
 
 
 def _scaled_part(raw: np.ndarray, qtype: GGMLType, ne: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray | None]:
@@ -292,7 +296,7 @@ class GgmlBackend(NumpyBackend):
 
     name = "ggml"
     #: a fidelity study of ggml's kernels, not a default (see the module docstring)
-    default_priority: dict[str, int] = {}
+    default_priority: ClassVar[dict[str, int]] = {}
     options_schema = GgmlOptions
 
     def __init__(self, device: str | None = None, options: BackendOptions | None = None):
@@ -331,29 +335,29 @@ class _GgmlSplitCompiler(SplitCompiler):
 
     backend: GgmlBackend
 
-    def _op_mul_mat(self, node, ins, out) -> Step:
-        handle = self.backend.weight(node.inputs[0].attrs["name"]) if node.inputs[0].op == "weight" else None
+    def _op_mul_mat(self, node: Node, ins: list[int], out: int) -> Step:
+        handle = self.backend.weight(node.inputs[0].attr_str("name")) if node.inputs[0].op == "weight" else None
         if not isinstance(handle, GgmlMatrix):
             return super()._op_mul_mat(node, ins, out)
         env, x_slot, quantize = self.env, ins[1], self.backend.quantize_activations
 
-        def step():
+        def step() -> None:
             env[out] = handle.matmul(env[x_slot], quantize)
 
         return step
 
-    def _op_get_rows(self, node, ins, out) -> Step:
-        table = self.backend.weight(node.inputs[0].attrs["name"]) if node.inputs[0].op == "weight" else None
+    def _op_get_rows(self, node: Node, ins: list[int], out: int) -> Step:
+        table = self.backend.weight(node.inputs[0].attr_str("name")) if node.inputs[0].op == "weight" else None
         if not isinstance(table, GgmlMatrix):
             return super()._op_get_rows(node, ins, out)
         env, ids_slot = self.env, ins[1]
 
-        def step():
+        def step() -> None:
             env[out] = table.rows(env[ids_slot])
 
         return step
 
-    def _op_gelu(self, node, ins, out) -> Step:
+    def _op_gelu(self, node: Node, ins: list[int], out: int) -> Step:
         return self._unary(ggml_gelu if self.backend.f16_gelu else gelu, ins, out)
 
     def _write_kv(self, storage: NumpyKV, k: np.ndarray, v: np.ndarray, idx: np.ndarray) -> None:
@@ -365,13 +369,13 @@ class _GgmlSplitCompiler(SplitCompiler):
                 limits: list[tuple[int, int, int]]) -> np.ndarray:
         return ggml_attention(q, storage, mask, scale, softcap, self.backend.f16_attention, limits)
 
-    def _op_k_shift(self, node, ins, out) -> Step:
+    def _op_k_shift(self, node: Node, ins: list[int], out: int) -> Step:
         shift_step = super()._op_k_shift(node, ins, out)
         if not self.backend.f16_kv_cache:
             return shift_step
-        storage = self._kv_storage(node)
+        storage = self.kv_storage(node)
 
-        def step():
+        def step() -> None:
             shift_step()  # ggml re-ropes K in float32 and stores the result back into the f16 cache
             storage.k[...] = round_f16(storage.k)
 

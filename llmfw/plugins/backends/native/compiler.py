@@ -16,7 +16,7 @@ from llmfw.core.ir.graph import DYNAMIC, Node
 from llmfw.core.ir.rope import yarn_magnitude, yarn_ramp_mix
 import llmfw.plugins.backends.native.kernels as kernels
 import llmfw.plugins.backends.native.program as pg
-from llmfw.plugins.backends.native.repack import PackedWeight
+from llmfw.plugins.backends.native.repack import KIND_QBYTE, KIND_QNIB, PackedWeight
 from llmfw.plugins.backends.numpy.kernels import F32, NumpyKV
 
 WORDS_PER = {"f32": 1, "i32": 1, "i64": 2}
@@ -224,7 +224,7 @@ class NativeCompiler(SplitCompilerBase[NumpyKV]):
     def _op_slice(self, node: Node) -> None:
         base = self.v(node.inputs[0])
         shape = base.shape
-        axis = int(node.attrs.get("axis", -1)) % len(shape)
+        axis = node.attr_int("axis", -1) % len(shape)
         start, stop, _ = slice(node.attrs.get("start"), node.attrs.get("stop")).indices(shape[axis])
         inner = prod(shape[axis + 1:]) * WORDS_PER[base.dtype]
         outer = prod(shape[:axis])
@@ -260,7 +260,7 @@ class NativeCompiler(SplitCompilerBase[NumpyKV]):
         info = self.weight_infos[weight.weight]
         scratch = pg.NONE
         temp = None
-        if info.kind in (pg.KIND_QNIB, pg.KIND_QBYTE):
+        if info.kind in (KIND_QNIB, KIND_QBYTE):
             temp = self.new_value((pg.activation_words(m, info.n_cols),), "f32")
             scratch = temp.operand
         out = self.define(node)
@@ -322,7 +322,6 @@ class NativeCompiler(SplitCompilerBase[NumpyKV]):
 
     def rope(self, node: Node, x: pg.Operand, out: pg.Operand, pos: Value, factors: Node | None,
              dims: tuple[int, int, int], strides: tuple[int, int, int, int], label: str) -> None:
-        attrs = node.attrs
         n_dims, mode = node.attr_int("n_dims"), node.attr_str("mode")
         if mode not in ("norm", "neox"):
             raise ModelError(f"native backend: rope mode {mode!r} has no kernel")
@@ -336,7 +335,7 @@ class NativeCompiler(SplitCompilerBase[NumpyKV]):
                                               node.attr_float("beta_fast"), node.attr_float("beta_slow"), ext))
         ff = pg.NONE if factors is None else self.v(factors).operand
         theta_scale = F32(freq_base ** (-2.0 / n_dims))
-        magnitude = F32(F32(attrs.get("attn_factor", 1.0)) * yarn_magnitude(freq_scale, ext))
+        magnitude = F32(F32(node.attr_float("attn_factor", 1.0)) * yarn_magnitude(freq_scale, ext))
         self.emit(pg.ROPE, [out, x, pos.operand, ff, mix], [*dims, n_dims, int(mode == "neox"), *strides],
                   [float(theta_scale), float(F32(freq_scale)), float(magnitude), float(ext != 0.0)], label=label)
 
@@ -373,7 +372,7 @@ class NativeCompiler(SplitCompilerBase[NumpyKV]):
                   [n_tokens, n_head_kv, dk, dv, n_cells], label="kv_write")
         sinks = self.v(node.inputs[5]).operand if len(node.inputs) > 5 else pg.NONE
         out = self.define(node)
-        softcap = float(node.attrs.get("softcap", 0.0) or 0.0)
+        softcap = node.attr_float("softcap", 0.0)
         self.emit(pg.ATTEND, [out.operand, q.operand, k_cache, v_cache, mask.operand, sinks],
                   [n_tokens, n_head, n_head_kv, dk, dv, mask.shape[1], n_cells],
                   [node.attr_float("scale"), softcap], label="attention")

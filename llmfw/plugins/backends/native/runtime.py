@@ -8,7 +8,7 @@ import logging
 import os
 from pathlib import Path
 from dataclasses import replace
-from typing import Any, Hashable, Mapping
+from typing import Any, ClassVar, Hashable, Mapping
 
 import numpy as np
 
@@ -18,9 +18,12 @@ from llmfw.core.exec.weight_cache import CachedLoad, cache_dirs_from
 from llmfw.core.errors import BackendUnavailable, ModelError
 from llmfw.core.format.quants import GGMLType
 import llmfw.plugins.backends.native.kernels as kernels
-# the compiler's names stay importable from here, where they were first defined
-from llmfw.plugins.backends.native.compiler import (CompiledProgram, NativeCompiler, NativeMatrix,  # noqa: F401
-                                                   NativeOptions, Value, broadcast_strides, native_matrix)
+# the compiler's names stay importable from here, where they were first defined (``X as X``: re-exported)
+from llmfw.plugins.backends.native.compiler import (CompiledProgram as CompiledProgram,
+                                                   NativeCompiler as NativeCompiler, NativeMatrix as NativeMatrix,
+                                                   NativeOptions as NativeOptions, Value as Value,
+                                                   broadcast_strides as broadcast_strides,
+                                                   native_matrix as native_matrix)
 from llmfw.plugins.backends.native.cache import NativeCache
 from llmfw.plugins.backends.native.repack import ROWS, SUPPORTED_TYPES, PackedWeight, repack
 from llmfw.plugins.backends.numpy.kernels import F32, NumpyKV
@@ -51,7 +54,7 @@ class NativeBackend(NumpyWeights):
     #: the built extension: missing when the install could not compile it (``llmfw plugins`` says so)
     requires = (kernels.EXTENSION,)
     #: not a default yet (``--backend native`` opts in)
-    default_priority: Mapping[str, int] = {}
+    default_priority: ClassVar[Mapping[str, int]] = {}
 
     def __init__(self, device: str | None = None, options: BackendOptions | None = None):
         super().__init__(device, options)
@@ -114,10 +117,12 @@ class NativeBackend(NumpyWeights):
             self.weights_converted = self._load.converted
             # a matrix shared by several names (a tied head and its embedding) is stored and mapped back once
             names_of: dict[int, list[str]] = {}
+            packed_of: dict[int, PackedWeight] = {}
             for name, handle in self.weights.items():
                 if isinstance(handle, NativeMatrix):
                     names_of.setdefault(id(handle), []).append(name)
-            stored = self._load.finish({names[0]: self.weights[names[0]].packed for names in names_of.values()})
+                    packed_of[id(handle)] = handle.packed
+            stored = self._load.finish({names[0]: packed_of[key] for key, names in names_of.items()})
             for names in names_of.values():
                 if names[0] in stored:
                     mapped = native_matrix(stored[names[0]])

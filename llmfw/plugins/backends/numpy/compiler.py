@@ -1,7 +1,7 @@
 """The numpy backend's split compiler: a split's nodes -> a flat list of closures over a list of value slots."""
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence, cast
 
 import numpy as np
 
@@ -48,7 +48,7 @@ class SplitCompiler(MoeSteps, RecurrentSteps, SplitCompilerBase[NumpyKV]):
         """The dense float32 handle of a weight node (None for other nodes and quantized tables)."""
         if node.op != "weight":
             return None
-        handle = self.backend.weight(node.attrs["name"])
+        handle = self.backend.weight(node.attr_str("name"))
         return handle if isinstance(handle, np.ndarray) else None
 
     # -- compile ------------------------------------------------------------------------------------------
@@ -76,7 +76,7 @@ class SplitCompiler(MoeSteps, RecurrentSteps, SplitCompilerBase[NumpyKV]):
         return run
 
     def compile_weight(self, node: Node) -> None:
-        self.env[self.s(node)] = self.backend.weight(node.attrs["name"])
+        self.env[self.s(node)] = self.backend.weight(node.attr_str("name"))
 
     def compile_node(self, node: Node) -> None:
         self.steps.append(self.op_handler(node)(node, [self.s(i) for i in node.inputs], self.s(node)))
@@ -120,7 +120,7 @@ class SplitCompiler(MoeSteps, RecurrentSteps, SplitCompilerBase[NumpyKV]):
             weight_t = weight.T  # a view in the layout load_weight chose: BLAS reads either without a copy
             x_slot = ins[1]
 
-            def step():
+            def step() -> None:
                 env[out] = np.matmul(env[x_slot], weight_t)
 
             return step
@@ -136,15 +136,15 @@ class SplitCompiler(MoeSteps, RecurrentSteps, SplitCompilerBase[NumpyKV]):
         return self._binary(np.multiply, ins, out)
 
     def _op_scale(self, node: Node, ins: list[int], out: int) -> Step:
-        s = F32(node.attrs["s"])
+        s = F32(node.attr_float("s"))
         return self._unary(lambda x: x * s, ins, out)
 
     def _op_rms_norm(self, node: Node, ins: list[int], out: int) -> Step:
-        eps = float(node.attrs["eps"])
+        eps = node.attr_float("eps")
         return self._norm_step(lambda x, w: rms_norm(x, eps, w), ins, out)
 
     def _op_norm(self, node: Node, ins: list[int], out: int) -> Step:
-        eps = float(node.attrs["eps"])
+        eps = node.attr_float("eps")
         return self._norm_step(lambda x, w: layer_norm(x, eps, w), ins, out)
 
     def _norm_step(self, kernel: Callable[[np.ndarray, np.ndarray | None], np.ndarray], ins: list[int],
@@ -182,21 +182,21 @@ class SplitCompiler(MoeSteps, RecurrentSteps, SplitCompilerBase[NumpyKV]):
         return self._unary(gelu, ins, out)
 
     def _op_softcap(self, node: Node, ins: list[int], out: int) -> Step:
-        cap = F32(node.attrs["cap"])
+        cap = F32(node.attr_float("cap"))
         return self._unary(lambda x: np.tanh(x / cap) * cap, ins, out)
 
     def _op_clamp(self, node: Node, ins: list[int], out: int) -> Step:
-        lo, hi = F32(node.attrs["min"]), F32(node.attrs["max"])
+        lo, hi = F32(node.attr_float("min")), F32(node.attr_float("max"))
         return self._unary(lambda x: np.clip(x, lo, hi), ins, out)
 
     def _op_reshape(self, node: Node, ins: list[int], out: int) -> Step:
-        shape = tuple(node.attrs["shape"])
+        shape = tuple(cast("tuple[int, ...]", node.attrs["shape"]))
         return self._unary(lambda x: x.reshape(shape), ins, out)
 
     def _op_slice(self, node: Node, ins: list[int], out: int) -> Step:
-        axis, start, stop = node.attrs.get("axis", -1), node.attrs.get("start"), node.attrs.get("stop")
+        axis, start, stop = node.attr_int("axis", -1), node.attrs.get("start"), node.attrs.get("stop")
 
-        def take(x):
+        def take(x: np.ndarray) -> np.ndarray:
             index = [slice(None)] * x.ndim
             index[axis] = slice(start, stop)
             return x[tuple(index)]
@@ -204,8 +204,8 @@ class SplitCompiler(MoeSteps, RecurrentSteps, SplitCompilerBase[NumpyKV]):
         return self._unary(take, ins, out)
 
     def _op_rope(self, node: Node, ins: list[int], out: int) -> Step:
-        attrs = dict(node.attrs)
-        n_dims, mode = int(attrs["n_dims"]), attrs["mode"]
+        attrs: dict[str, Any] = dict(node.attrs)  # rope_cos_sin takes the node's attributes by name
+        n_dims, mode = node.attr_int("n_dims"), node.attr_str("mode")
         x_slot, pos_slot = ins[0], ins[1]
         ff_slot = ins[2] if len(ins) > 2 else None
         key = ("rope", pos_slot, ff_slot, tuple(sorted(attrs.items())))
@@ -237,7 +237,7 @@ class SplitCompiler(MoeSteps, RecurrentSteps, SplitCompilerBase[NumpyKV]):
     def _op_attention(self, node: Node, ins: list[int], out: int) -> Step:
         q_slot, k_slot, v_slot, idx_slot, mask_slot = ins[:5]
         storage = self.kv_storage(node)
-        scale, softcap = float(node.attrs["scale"]), float(node.attrs.get("softcap", 0.0) or 0.0)
+        scale, softcap = node.attr_float("scale"), node.attr_float("softcap", 0.0)
         env, memo, write, attend = self.env, self.memo, self._write_kv, self._attend
         sinks_slot, attend_with_sinks = (ins[5] if len(ins) > 5 else None), self._attend_with_sinks
         key = ("attn_limits", mask_slot)
@@ -256,9 +256,9 @@ class SplitCompiler(MoeSteps, RecurrentSteps, SplitCompilerBase[NumpyKV]):
         return step
 
     def _op_k_shift(self, node: Node, ins: list[int], out: int) -> Step:
-        attrs = {k: v for k, v in node.attrs.items() if k not in ("layer", "cache")}
+        attrs: dict[str, Any] = {k: v for k, v in node.attrs.items() if k not in ("layer", "cache")}
         storage = self.kv_storage(node)
-        n_dims, mode = int(attrs["n_dims"]), attrs["mode"]
+        n_dims, mode = node.attr_int("n_dims"), node.attr_str("mode")
         shift_slot = ins[0]
         ff_slot = ins[1] if len(ins) > 1 else None
         env = self.env

@@ -62,12 +62,14 @@ def silu(x: np.ndarray) -> np.ndarray:
         out = np.negative(x)
         np.exp(out, out=out)
         out += F32(1.0)
-        return np.divide(x, out, out=out)
+        result: np.ndarray = np.divide(x, out, out=out)
+        return result
 
 
 def gelu(x: np.ndarray) -> np.ndarray:
     c = F32(math.sqrt(2.0 / math.pi))
-    return F32(0.5) * x * (F32(1.0) + np.tanh(c * (x + F32(0.044715) * x * x * x)))
+    out: np.ndarray = F32(0.5) * x * (F32(1.0) + np.tanh(c * (x + F32(0.044715) * x * x * x)))
+    return out
 
 
 def rope_apply(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, n_dims: int, mode: str) -> np.ndarray:
@@ -125,7 +127,7 @@ def rope_apply_full(x: np.ndarray, table: RopeTable, n_dims: int, mode: str) -> 
     else:
         # a copy (np.array), never a view of x: it is scaled in place below
         partner = np.array(x.reshape(x.shape[:-1] + (n_dims // 2, 2))[..., ::-1], dtype=F32).reshape(x.shape)
-    out = np.multiply(x, table.full_c, dtype=F32)
+    out: np.ndarray = np.multiply(x, table.full_c, dtype=F32)
     partner *= table.full_s
     out += partner
     return out
@@ -189,8 +191,9 @@ def group_queries(q: np.ndarray, n_head_kv: int) -> np.ndarray:
     group = n_head // n_head_kv
     if n_tokens == 1:
         return q.reshape(n_head_kv, group, head_dim)
-    return q.reshape(n_tokens, n_head_kv, group, head_dim).transpose(1, 2, 0, 3).reshape(
+    grouped: np.ndarray = q.reshape(n_tokens, n_head_kv, group, head_dim).transpose(1, 2, 0, 3).reshape(
         n_head_kv, group * n_tokens, head_dim)
+    return grouped
 
 
 def ungroup_heads(out: np.ndarray, n_tokens: int) -> np.ndarray:
@@ -198,7 +201,9 @@ def ungroup_heads(out: np.ndarray, n_tokens: int) -> np.ndarray:
     n_head_kv, rows, dv = out.shape
     if n_tokens == 1:
         return out.reshape(1, n_head_kv * rows * dv)
-    return out.reshape(n_head_kv, rows // n_tokens, n_tokens, dv).transpose(2, 0, 1, 3).reshape(n_tokens, -1)
+    heads: np.ndarray = out.reshape(n_head_kv, rows // n_tokens, n_tokens, dv).transpose(2, 0, 1, 3).reshape(
+        n_tokens, -1)
+    return heads
 
 
 def masked_exp(scores: np.ndarray, mask: np.ndarray, softcap: float, n_tokens: int,
@@ -222,7 +227,8 @@ def masked_exp(scores: np.ndarray, mask: np.ndarray, softcap: float, n_tokens: i
     peak = np.maximum(peak, sink4)
     scores4 -= peak
     np.exp(scores, out=scores)
-    return np.exp(sink4 - peak).reshape(n_head_kv, rows, 1)
+    sink_terms: np.ndarray = np.exp(sink4 - peak).reshape(n_head_kv, rows, 1)
+    return sink_terms
 
 
 def write_kv(kv: NumpyKV, k: np.ndarray, v: np.ndarray, idx: np.ndarray) -> None:

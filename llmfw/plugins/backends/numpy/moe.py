@@ -15,12 +15,14 @@ Step = Callable[[], None]
 def softmax(x: np.ndarray) -> np.ndarray:
     """Softmax over the last axis (ggml sums the exponentials in double)."""
     shifted = np.exp(x - x.max(axis=-1, keepdims=True))
-    return (shifted / shifted.sum(axis=-1, keepdims=True, dtype=np.float64)).astype(F32)
+    out: np.ndarray = (shifted / shifted.sum(axis=-1, keepdims=True, dtype=np.float64)).astype(F32)
+    return out
 
 
 def sigmoid(x: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):
-        return (F32(1.0) / (F32(1.0) + np.exp(-x))).astype(F32, copy=False)
+        out: np.ndarray = (F32(1.0) / (F32(1.0) + np.exp(-x))).astype(F32, copy=False)
+    return out
 
 
 def top_k(x: np.ndarray, k: int) -> np.ndarray:
@@ -54,7 +56,8 @@ def mul_mat_id(w: "np.ndarray | QuantizedExperts", x: np.ndarray, ids: np.ndarra
 def swiglu_oai(gate: np.ndarray, up: np.ndarray, alpha: float, limit: float) -> np.ndarray:
     g = np.minimum(gate, F32(limit))
     u = np.clip(up, F32(-limit), F32(limit))
-    return (g * sigmoid(F32(alpha) * g) * (u + F32(1.0))).astype(F32, copy=False)
+    out: np.ndarray = (g * sigmoid(F32(alpha) * g) * (u + F32(1.0))).astype(F32, copy=False)
+    return out
 
 
 class MoeSteps:

@@ -22,7 +22,7 @@ def ssm_conv(window: np.ndarray, x: np.ndarray, kernel: np.ndarray) -> np.ndarra
     with ``xx = concat(window, x)`` (ggml_ssm_conv sums the K products in order k = 0, 1, ... in float32)."""
     xx = conv_input(window, x)
     n_tokens, width = x.shape[1], kernel.shape[1]
-    out = xx[:, 0:n_tokens, :] * kernel[:, 0]
+    out: np.ndarray = xx[:, 0:n_tokens, :] * kernel[:, 0]
     for k in range(1, width):
         out += xx[:, k:k + n_tokens, :] * kernel[:, k]
     return out

@@ -85,12 +85,12 @@ class NumpyWeights(Backend):
         # a matrix multiplied with activations is stored in the layout its one-token product streams fastest
         # (see the module docstring); the handle keeps the contract's [n_out, n_in] shape either way
         transposed = "mul_mat" in source.usage and len(source.ne) == 2 and source.ne[1] >= source.ne[0]
-        dense = self._dense_by_source.get(source.source_name)
-        if dense is not None and dense.shape == source.numpy_shape:
-            if transposed and not is_stored_transposed(dense):  # shared with a lookup table loaded before
-                self._rebind(dense, np.ascontiguousarray(dense.T).T)
-                dense = self._dense_by_source[source.source_name]
-            return dense
+        shared = self._dense_by_source.get(source.source_name)
+        if shared is not None and shared.shape == source.numpy_shape:
+            if transposed and not is_stored_transposed(shared):  # shared with a lookup table loaded before
+                self._rebind(shared, np.ascontiguousarray(shared.T).T)
+                shared = self._dense_by_source[source.source_name]
+            return shared
         dense = np.asarray(dequantize(source.raw, qtype, source.ne), dtype=F32)
         dense = np.ascontiguousarray(dense.T).T if transposed else np.ascontiguousarray(dense)
         if np.shares_memory(dense, source.raw):  # F32 tensors may come back as views of the mmap
