@@ -11,8 +11,8 @@ from __future__ import annotations
 from .core.arch.architecture import (INPUT_LAYER, OUTPUT_LAYER, Architecture, RopeParams, RopeType, TensorSpec,
                                      attention_qkv_tensors, default_rope_params, gated_ffn_tensors, layer_tensor)
 from .core.errors import (LLMFWError, GGUFError, QuantError, PluginError, UnknownPluginName, UnknownArchitecture,
-                          UnknownBackend, BackendUnavailable, ModelError, MissingMetadataKey, LoadCancelled,
-                          VocabError, TokenizerError, ContextError, LogitsIndexError, SamplerError, ConfigError,
+                          UnknownBackend, BackendUnavailable, ModelError, MissingMetadataKey, UnsupportedVariant,
+                          LoadCancelled, VocabError, TokenizerError, ContextError, LogitsIndexError, SamplerError, ConfigError,
                           CatalogError, ChatTemplateError, RequestError, EngineBusy, EngineStopped, EngineLoading,
                           GrammarError)
 from .core.exec.backend import (Backend, BackendOptions, CompiledSplit, KVLayerShape, Split, WeightSource,
@@ -50,7 +50,7 @@ __all__ = [
     "apply_temperature", "ids_lookup", "keep_top_k", "resolve_seed",
     # the exception hierarchy
     "LLMFWError", "GGUFError", "QuantError", "PluginError", "UnknownPluginName", "UnknownArchitecture",
-    "UnknownBackend", "BackendUnavailable", "ModelError", "MissingMetadataKey", "LoadCancelled", "VocabError",
+    "UnknownBackend", "BackendUnavailable", "ModelError", "MissingMetadataKey", "UnsupportedVariant", "LoadCancelled", "VocabError",
     "TokenizerError", "ContextError", "LogitsIndexError", "SamplerError", "ConfigError", "CatalogError",
     "ChatTemplateError", "RequestError", "EngineBusy", "EngineStopped", "EngineLoading", "GrammarError",
 ]

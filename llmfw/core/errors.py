@@ -50,6 +50,11 @@ class InsufficientMemory(ModelError):
     """A model's weights need more memory than is available (refused before anything is allocated)."""
 
 
+class UnsupportedVariant(ModelError):
+    """A file of a known architecture in a variant its plugin cannot run (Gemma 4's experts, for one); a
+    vocab-only load, which needs only the vocabulary, still opens it."""
+
+
 class MissingMetadataKey(ModelError):
     """A metadata key the architecture needs is not in the file (a vocab-only load may do without it)."""
 

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..arch.architecture import INPUT_LAYER, OUTPUT_LAYER, Architecture, TensorSpec, get_architecture
 from ..exec.backend import Backend, check_backend_options, choose_default_backend, choose_host_backend, create_backend
-from ..errors import MissingMetadataKey, ModelError
+from ..errors import MissingMetadataKey, ModelError, UnsupportedVariant
 from ..format.quants import GGMLType
 from ..validation import validation_error_message
 from ..ir.hparams import HParams, make_hparams, read_common_hparams
@@ -376,6 +376,9 @@ def _architecture_if_described(loader: ModelFileLoader) -> tuple[Architecture | 
         return arch, read_hparams(arch, loader)
     except MissingMetadataKey as exc:
         log.info("vocab-only load of a %s file without its hyperparameters (%s)", name, exc)
+        return arch, None
+    except UnsupportedVariant as exc:
+        log.info("vocab-only load of a %s file whose variant the plugin cannot run (%s)", name, exc)
         return arch, None
 
 

@@ -32,7 +32,7 @@ from typing import Any, ClassVar
 
 from llmfw.core.arch.architecture import (INPUT_LAYER, Architecture, RopeParams, TensorSpec,
                                           default_rope_params, layer_tensor)
-from llmfw.core.errors import ModelError
+from llmfw.core.errors import ModelError, UnsupportedVariant
 from llmfw.core.format.metadata import MetadataView
 from llmfw.core.ir.graph import GraphBuilder, Node
 from llmfw.core.ir.hparams import HParams
@@ -75,7 +75,7 @@ class Gemma4Architecture(Architecture):
 
     def own_hparams(self, keys: MetadataView, common: dict[str, Any]) -> dict[str, Any]:
         if keys.get_int("{arch}.expert_count", 0) > 0:
-            raise ModelError(f"{keys.arch}: the mixture-of-experts Gemma 4 (expert_count > 0) is not supported: its "
+            raise UnsupportedVariant(f"{keys.arch}: the mixture-of-experts Gemma 4 (expert_count > 0) is not supported: its "
                              "router reads its own normed input and its experts carry per-expert output scales")
         keys.get_float("{arch}.attention.layer_norm_rms_epsilon")  # required: ModelError names it when absent
         n_layer = common["n_layer"]

@@ -25,7 +25,7 @@ from typing import Any
 
 from llmfw.core.arch.architecture import (Architecture, TensorSpec, attention_qkv_tensors, gated_ffn_tensors,
                                      layer_tensor)
-from llmfw.core.errors import ModelError
+from llmfw.core.errors import ModelError, UnsupportedVariant
 from llmfw.core.ir.graph import GraphBuilder, Node
 from llmfw.core.ir.hparams import HParams
 from llmfw.core.format.metadata import MetadataView
@@ -53,9 +53,9 @@ class LFM2Architecture(Architecture):
     def own_hparams(self, keys: MetadataView, common: dict[str, Any]) -> dict[str, Any]:
         keys.get_float("{arch}.attention.layer_norm_rms_epsilon")  # required: ModelError names it when absent
         if keys.get_int("{arch}.attention.sliding_window", 0) > 0:
-            raise ModelError("lfm2: sliding-window attention (llama.cpp's hybrid iSWA memory) is not supported yet")
+            raise UnsupportedVariant("lfm2: sliding-window attention (llama.cpp's hybrid iSWA memory) is not supported yet")
         if keys.get_int("{arch}.expert_count", 0) > 0:
-            raise ModelError("lfm2: mixture-of-experts LFM2 files (expert_count > 0) are not supported")
+            raise UnsupportedVariant("lfm2: mixture-of-experts LFM2 files (expert_count > 0) are not supported")
         return {"n_shortconv_l_cache": keys.get_int("{arch}.shortconv.l_cache")}
 
     def check_hparams(self, hp: HParams) -> None:

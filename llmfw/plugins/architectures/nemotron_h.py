@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from llmfw.core.arch.architecture import Architecture, TensorSpec, attention_qkv_tensors, layer_tensor
-from llmfw.core.errors import ModelError
+from llmfw.core.errors import ModelError, UnsupportedVariant
 from llmfw.core.format.metadata import MetadataView
 from llmfw.core.ir.graph import GraphBuilder, Node
 from llmfw.core.ir.hparams import HParams
@@ -46,7 +46,7 @@ class NemotronHArchitecture(Architecture):
 
     def own_hparams(self, keys: MetadataView, common: dict[str, Any]) -> dict[str, Any]:
         if keys.get_int("{arch}.expert_count", 0) > 0:
-            raise ModelError(f"{keys.arch}: mixture-of-experts Nemotron-H files are the nemotron_h_moe family, "
+            raise UnsupportedVariant(f"{keys.arch}: mixture-of-experts Nemotron-H files are the nemotron_h_moe family, "
                              "which is not supported")
         extra: dict[str, Any] = read_mamba2_dims(keys)
         # llama.cpp requires the layer-norm epsilon (its MTP head's) and defaults the RMS one to it
