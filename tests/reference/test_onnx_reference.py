@@ -79,18 +79,24 @@ def test_smollm2_prompt_and_decode_share_one_session(smollm2_path, smollm2_ref, 
     assert_within_bar(score(record, np.concatenate(rows)), "prompt, then decode beside another sequence")
 
 
+def _mixed_placement_clears_the_bar(path, ref, score, placement: dict[int, str], label: str) -> set[str]:
+    """The shortest prompt teacher-forced through an onnx model with ``placement``; the backend classes its layers
+    ended up on."""
+    model = llmfw.load_model(path, backend="onnx", placement=placement)
+    try:
+        record = min(ref["prompts"], key=lambda p: len(p["sequence"]))
+        assert_within_bar(score(record, teacher_forced_logits(model, record["sequence"])), label)
+        return {type(model.backends[spec]).__name__ for spec in model.layer_specs}
+    finally:
+        model.close()
+
+
 def test_smollm2_mixed_placement_numpy_and_onnx(smollm2_path, smollm2_ref, score):
     """Layers 0-2 and 27-29 on numpy, the rest and the output head on ONNX Runtime: values cross backends
     at four cuts per token, each layer's KV cache lives on its own backend."""
     placement = {il: "numpy" for il in (0, 1, 2, 27, 28, 29)}
-    model = llmfw.load_model(smollm2_path, backend="onnx", placement=placement)
-    try:
-        record = min(smollm2_ref["prompts"], key=lambda p: len(p["sequence"]))
-        assert_within_bar(score(record, teacher_forced_logits(model, record["sequence"])), "mixed placement")
-        kinds = {type(model.backends[spec]).__name__ for spec in model.layer_specs}
-        assert kinds == {"NumpyBackend", "OnnxBackend"}
-    finally:
-        model.close()
+    kinds = _mixed_placement_clears_the_bar(smollm2_path, smollm2_ref, score, placement, "mixed placement")
+    assert kinds == {"NumpyBackend", "OnnxBackend"}
 
 
 def test_smollm2_mixed_placement_torch_and_onnx(smollm2_path, smollm2_ref, score):
@@ -98,11 +104,5 @@ def test_smollm2_mixed_placement_torch_and_onnx(smollm2_path, smollm2_ref, score
     pytest.importorskip("torch")
     placement = {il: "torch" for il in range(10, 20)}
     placement[30] = "torch"  # layer n_layer = the output head
-    model = llmfw.load_model(smollm2_path, backend="onnx", placement=placement)
-    try:
-        record = min(smollm2_ref["prompts"], key=lambda p: len(p["sequence"]))
-        assert_within_bar(score(record, teacher_forced_logits(model, record["sequence"])), "onnx + torch")
-        kinds = {type(model.backends[spec]).__name__ for spec in model.layer_specs}
-        assert kinds == {"TorchBackend", "OnnxBackend"}
-    finally:
-        model.close()
+    kinds = _mixed_placement_clears_the_bar(smollm2_path, smollm2_ref, score, placement, "onnx + torch")
+    assert kinds == {"TorchBackend", "OnnxBackend"}
