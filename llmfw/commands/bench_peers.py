@@ -13,6 +13,7 @@ from .bench_measure import (TOKEN_SEED, TURN_MARK, TURNS_ENV, current_rss, peak_
 #: run by ``PYTHON -c`` with the params JSON as argv[1]; each peer script defines the same measurements from
 #: source text so that the other interpreter needs nothing from llmfw
 LLAMA_CPP_SCRIPT = r'''
+from __future__ import annotations  # the pasted helpers' annotations name typing's types: never evaluated
 import json, os, resource, statistics, sys, time
 from typing import Any
 import numpy as np
@@ -49,6 +50,7 @@ print(json.dumps({{"engine": "llama.cpp", "backend": "llama-cpp-python " + __ver
 #: transformers loads the GGUF file itself (dequantized to float32, its GGUF support needs the ``gguf``
 #: package), pp is one forward over the prompt, tg one-token forwards on its KV cache, both from an empty cache
 TRANSFORMERS_SCRIPT = r'''
+from __future__ import annotations  # the pasted helpers' annotations name typing's types: never evaluated
 import json, os, resource, statistics, sys, time
 from typing import Any
 import numpy as np
