@@ -12,7 +12,8 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass, field
 from math import prod
-from typing import Sequence
+from functools import partial
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -27,9 +28,12 @@ INSTR = np.dtype([("op", "<i8"), ("buf", "<i8", (N_ARGS,)), ("off", "<i8", (N_AR
 assert INSTR.itemsize == kernels.INSTR_BYTES
 # enum nat_op
 BINARY, UNARY, SWIGLU, RMS_NORM, NORM, SOFTMAX, GET_ROWS, GET_ROWS_W, MUL_MAT, SLICE, ROPE, KV_WRITE, ATTEND = range(1, 14)
+# the recurrent ops (csrc/recurrent.c)
+SSM_CONV, CONV_WINDOW, SSM_SCAN, GATED_DELTA = range(14, 18)
 OP_NAMES = {BINARY: "binary", UNARY: "unary", SWIGLU: "swiglu", RMS_NORM: "rms_norm", NORM: "norm",
             SOFTMAX: "softmax", GET_ROWS: "get_rows", GET_ROWS_W: "get_rows", MUL_MAT: "mul_mat", SLICE: "slice",
-            ROPE: "rope", KV_WRITE: "kv_write", ATTEND: "attention"}
+            ROPE: "rope", KV_WRITE: "kv_write", ATTEND: "attention", SSM_CONV: "ssm_conv",
+            CONV_WINDOW: "conv_window", SSM_SCAN: "ssm_scan", GATED_DELTA: "gated_delta"}
 BINARY_KINDS = {"add": 0, "sub": 1, "mul": 2, "div": 3}
 UNARY_KINDS = {"silu": 0, "gelu": 1, "relu": 2, "sigmoid": 3, "softplus": 4, "scale": 5, "softcap": 6, "clamp": 7}
 #: words (4 bytes) every arena value is aligned to: a cache line
@@ -239,8 +243,56 @@ def _check_instruction(ins: np.void, buffer_words: Sequence[int], writable: Sequ
         need(3, n_head_kv * n_cells * dv)
         need(4, n_tokens * n_kv)
         need(5, n_head, optional=True)
+    elif op in RECURRENT_CHECKS:
+        RECURRENT_CHECKS[op](n[:6], need, positive)
     else:
         raise ProgramError(f"unknown op code {op}")
+
+
+Need = Callable[..., None]
+
+
+def _check_conv(n: list[int], need: Need, positive: Callable[..., None], window_out: bool) -> None:
+    """ssm_conv / conv_window: S sequences of T tokens of C channels, a carried window of K-1 rows."""
+    n_seqs, n_tokens, n_ch, keep = n[:4]
+    positive(n_seqs, n_tokens, n_ch, keep)
+    need(0, n_seqs * (keep if window_out else n_tokens) * n_ch, out=True)
+    need(1, n_seqs * keep * n_ch)
+    need(2, n_seqs * n_tokens * n_ch)
+    if not window_out:
+        need(3, n_ch * (keep + 1))
+
+
+def _check_ssm_scan(n: list[int], need: Need, positive: Callable[..., None]) -> None:
+    n_seqs, n_tokens, n_head, dim, d_state, n_group = n
+    positive(*n)
+    if n_group < 1 or n_head % n_group:
+        raise ProgramError(f"{n_head} heads in {n_group} groups")
+    need(0, n_seqs * (n_tokens * n_head * dim + n_head * dim * d_state), out=True)
+    need(1, n_seqs * n_head * dim * d_state)
+    need(2, n_seqs * n_tokens * n_head * dim)
+    need(3, n_seqs * n_tokens * n_head)
+    need(4, n_head)
+    need(5, 2 * n_seqs * n_tokens * n_group * d_state)  # B then C
+
+
+def _check_gated_delta(n: list[int], need: Need, positive: Callable[..., None]) -> None:
+    n_seqs, n_tokens, n_head, n_head_k, dv, dk = n
+    positive(*n)
+    if n_head_k < 1 or n_head % n_head_k:
+        raise ProgramError(f"{n_head} value heads over {n_head_k} key heads")
+    need(0, n_seqs * (n_tokens * n_head * dv + n_head * dv * dk), out=True)
+    need(1, n_seqs * n_head * dv * dk)
+    need(2, n_seqs * n_tokens * n_head_k * dk)
+    need(3, n_seqs * n_tokens * n_head_k * dk)
+    need(4, n_seqs * n_tokens * n_head * dv)
+    need(5, 2 * n_seqs * n_tokens * n_head)  # g then beta
+
+
+#: the checks of the recurrent ops: (n[:6], need, positive)
+RECURRENT_CHECKS: dict[int, Callable[[list[int], Need, Callable[..., None]], None]] = {
+    SSM_CONV: partial(_check_conv, window_out=False), CONV_WINDOW: partial(_check_conv, window_out=True),
+    SSM_SCAN: _check_ssm_scan, GATED_DELTA: _check_gated_delta}
 
 
 class Program:
