@@ -4,7 +4,8 @@ layers) and Qwen3.5 dense and MoE (Gated DeltaNet beside
 gated attention): ubatch splitting by sequence, llama.cpp's seq_* semantics for a state that cannot be taken apart, a
 seq_cp fork, saved state, the prompt cache and speculative decoding — on the numpy oracle; on the default onnx
 backend (which runs the scans itself) the bar on whole prompts, in ubatches of 32 and with two sequences, and the
-seq_cp fork."""
+seq_cp fork; on the native backend (the dense hybrids, every op in its C kernels) the same, with each sequence's
+logits the same bits however it is batched."""
 from __future__ import annotations
 
 import numpy as np
@@ -369,3 +370,66 @@ def test_qwen35_refuses_rope_sections_it_cannot_run(directory):
         unsupported = model.hparams.model_copy(update={"rope_sections": [4, 4, 4, 4]})
         with pytest.raises(ModelError, match="dimension_sections"):
             model.arch.check_hparams(unsupported)  # what loading such a file runs
+
+
+# -- the native backend ------------------------------------------------------------------------------------------
+#: the hybrid families the native backend runs entirely (the MoE ones also need its MoE ops)
+NATIVE_HYBRIDS = ["lfm2", "granitehybrid", "qwen35", "nemotron_h"]
+
+
+@pytest.fixture(scope="module", params=NATIVE_HYBRIDS)
+def native_hybrid(request, directory):
+    """(family, native-backend model) for each hybrid family the native kernels cover."""
+    from support.native import kernels_or_skip
+
+    kernels_or_skip()
+    with llmfw.load_model(model_file(request.param, directory), backend="native") as loaded:
+        yield request.param, loaded
+
+
+def test_native_runs_every_op_itself(native_hybrid):
+    """The convolutions and scans have native kernels: every split of a two-sequence ubatch is native's."""
+    family, native_model = native_hybrid
+    ctx = native_model.new_context(n_ctx=512, n_seq_max=2)
+    assert ctx.decode(Batch([1, 2, 3, 4], seq_id=[0, 0, 1, 1], pos=[0, 1, 0, 1])) == 0, ctx.last_error
+    ops = {n.op for s in ctx._plan.splits for n in s.nodes}
+    scans = ops & {"ssm_scan", "gated_delta"}  # LFM2 has convolutions only
+    assert {"ssm_conv", "conv_window"} <= ops and (scans or family == "lfm2"), ops
+    assert {s.backend.name for s in ctx._plan.splits} == {"native"}, family
+
+
+def test_native_clears_the_bar_on_every_prompt(native_hybrid, score):
+    family, native_model = native_hybrid
+    for record in records(reference(family)):
+        assert_clears_bar(score, record, decode_all(native_model, record["sequence"], n_ctx=record["n_ctx"]),
+                          f"native {family}")
+
+
+def test_native_ubatches_of_32_and_two_sequences_give_each_sequence_its_own_bits(native_hybrid, score):
+    """Batch invariance: a sequence's logits are the same bits in one ubatch, in ubatches of 32, one token at a
+    time and beside another sequence (the scans step token by token whatever the ubatch; every row is computed
+    alone), and they clear the bar."""
+    family, native_model = native_hybrid
+    ref = reference(family)
+    record = longest(ref)
+    whole = decode_all(native_model, record["sequence"], n_ctx=512)
+    split = decode_all(native_model, record["sequence"], n_ctx=512, n_ubatch=32)
+    assert_clears_bar(score, record, split, f"native {family} with n_ubatch 32")
+    assert np.array_equal(whole, split)
+    ctx = native_model.new_context(n_ctx=512)
+    stepped = np.stack([_last_logits(ctx, [t]) for t in record["sequence"][:12]])
+    assert np.array_equal(stepped, whole[:12])
+    first, second = records(ref)[:2]
+    logits_a, logits_b = decode_two_sequences(native_model, first["sequence"], second["sequence"], n_ctx=512,
+                                              n_ubatch=32)
+    assert_clears_bar(score, first, logits_a, f"native {family}, sequence 0 of 2")
+    assert_clears_bar(score, second, logits_b, f"native {family}, sequence 1 of 2")
+    assert np.array_equal(decode_all(native_model, first["sequence"], n_ctx=512), logits_a)
+    assert np.array_equal(decode_all(native_model, second["sequence"], n_ctx=512), logits_b)
+
+
+def test_native_seq_cp_fork_decodes_like_each_sequence_alone(native_hybrid):
+    """The same bits: a forked row sees the same cells in the same order as the row decoded alone, and every
+    row (matmul, attention, scan) is computed alone."""
+    family, native_model = native_hybrid
+    assert max(fork_errors(native_model, family)) == 0.0
