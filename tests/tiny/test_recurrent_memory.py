@@ -244,6 +244,23 @@ def test_pure_recurrent_memory_has_no_kv_cache(model):
 
 
 # -- the default backend -------------------------------------------------------------------------------------------
+def every_prompt_clears_the_bar(score, family, loaded, backend):
+    for record in records(reference(family)):
+        assert_clears_bar(score, record, decode_all(loaded, record["sequence"], n_ctx=record["n_ctx"]),
+                          f"{backend} {family}")
+
+
+def two_sequences_clear_the_bar(score, family, loaded, backend):
+    """The family's first two prompts as two sequences in ubatches of 32, each against the bar: both prompts
+    and their logits."""
+    first, second = records(reference(family))[:2]
+    logits_a, logits_b = decode_two_sequences(loaded, first["sequence"], second["sequence"], n_ctx=512,
+                                              n_ubatch=32)
+    assert_clears_bar(score, first, logits_a, f"{backend} {family}, sequence 0 of 2")
+    assert_clears_bar(score, second, logits_b, f"{backend} {family}, sequence 1 of 2")
+    return (first, logits_a), (second, logits_b)
+
+
 @pytest.fixture(scope="module")
 def onnx_hybrid(hybrid):
     """(family, onnx-backend model) for each hybrid family."""
@@ -264,10 +281,7 @@ def test_onnx_runs_the_recurrent_ops_itself(onnx_hybrid, caplog):
 
 
 def test_onnx_clears_the_bar_on_every_prompt(onnx_hybrid, score):
-    family, onnx_model = onnx_hybrid
-    for record in records(reference(family)):
-        assert_clears_bar(score, record, decode_all(onnx_model, record["sequence"], n_ctx=record["n_ctx"]),
-                          f"onnx {family}")
+    every_prompt_clears_the_bar(score, *onnx_hybrid, "onnx")
 
 
 def test_onnx_clears_the_bar_in_ubatches_of_32_and_two_sequences(onnx_hybrid, score):
@@ -276,15 +290,10 @@ def test_onnx_clears_the_bar_in_ubatches_of_32_and_two_sequences(onnx_hybrid, sc
     forms' float32 rounding differences into visible logit differences on these random weights (the numpy
     tests hold the two to SAME_LOGITS_ATOL)."""
     family, onnx_model = onnx_hybrid
-    ref = reference(family)
-    record = longest(ref)
+    record = longest(reference(family))
     split = decode_all(onnx_model, record["sequence"], n_ctx=512, n_ubatch=32)
     assert_clears_bar(score, record, split, f"onnx {family} with n_ubatch 32")
-    first, second = records(ref)[:2]
-    logits_a, logits_b = decode_two_sequences(onnx_model, first["sequence"], second["sequence"], n_ctx=512,
-                                              n_ubatch=32)
-    assert_clears_bar(score, first, logits_a, f"onnx {family}, sequence 0 of 2")
-    assert_clears_bar(score, second, logits_b, f"onnx {family}, sequence 1 of 2")
+    two_sequences_clear_the_bar(score, family, onnx_model, "onnx")
 
 
 #: onnx's forked rows ride in a two-row matmul, the lone ones in a one-row matmul: MatMulNBits quantizes its
@@ -399,10 +408,7 @@ def test_native_runs_every_op_itself(native_hybrid):
 
 
 def test_native_clears_the_bar_on_every_prompt(native_hybrid, score):
-    family, native_model = native_hybrid
-    for record in records(reference(family)):
-        assert_clears_bar(score, record, decode_all(native_model, record["sequence"], n_ctx=record["n_ctx"]),
-                          f"native {family}")
+    every_prompt_clears_the_bar(score, *native_hybrid, "native")
 
 
 def test_native_ubatches_of_32_and_two_sequences_give_each_sequence_its_own_bits(native_hybrid, score):
@@ -410,8 +416,7 @@ def test_native_ubatches_of_32_and_two_sequences_give_each_sequence_its_own_bits
     time and beside another sequence (the scans step token by token whatever the ubatch; every row is computed
     alone), and they clear the bar."""
     family, native_model = native_hybrid
-    ref = reference(family)
-    record = longest(ref)
+    record = longest(reference(family))
     whole = decode_all(native_model, record["sequence"], n_ctx=512)
     split = decode_all(native_model, record["sequence"], n_ctx=512, n_ubatch=32)
     assert_clears_bar(score, record, split, f"native {family} with n_ubatch 32")
@@ -419,13 +424,8 @@ def test_native_ubatches_of_32_and_two_sequences_give_each_sequence_its_own_bits
     ctx = native_model.new_context(n_ctx=512)
     stepped = np.stack([_last_logits(ctx, [t]) for t in record["sequence"][:12]])
     assert np.array_equal(stepped, whole[:12])
-    first, second = records(ref)[:2]
-    logits_a, logits_b = decode_two_sequences(native_model, first["sequence"], second["sequence"], n_ctx=512,
-                                              n_ubatch=32)
-    assert_clears_bar(score, first, logits_a, f"native {family}, sequence 0 of 2")
-    assert_clears_bar(score, second, logits_b, f"native {family}, sequence 1 of 2")
-    assert np.array_equal(decode_all(native_model, first["sequence"], n_ctx=512), logits_a)
-    assert np.array_equal(decode_all(native_model, second["sequence"], n_ctx=512), logits_b)
+    for prompt, logits in two_sequences_clear_the_bar(score, family, native_model, "native"):
+        assert np.array_equal(decode_all(native_model, prompt["sequence"], n_ctx=512), logits)
 
 
 def test_native_seq_cp_fork_decodes_like_each_sequence_alone(native_hybrid):

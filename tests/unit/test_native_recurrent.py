@@ -101,9 +101,9 @@ def test_operands_that_do_not_fit_are_refused_at_compile_time(backends):
 
 
 @pytest.mark.parametrize("op,n,reason", [
-    (pg.SSM_SCAN, [1, 2, 3, 4, 4, 2], "3 heads in 2 groups"),
-    (pg.SSM_SCAN, [1, 2, 4, 4, 4, 0], "4 heads in 0 groups"),
-    (pg.GATED_DELTA, [1, 2, 4, 0, 4, 4], "over 0 key heads"),
+    (pg.SSM_SCAN, [1, 2, 3, 2, 4, 4], "3 heads over 2 groups"),
+    (pg.SSM_SCAN, [1, 2, 4, 0, 4, 4], "4 heads over 0 groups"),
+    (pg.GATED_DELTA, [1, 2, 4, 0, 4, 4], "over 0 groups or key heads"),
     (pg.GATED_DELTA, [1, 8, 4, 2, 4, 4], "operand 0 spans"),
     (pg.SSM_CONV, [2, 8, 16, 3], "operand 0 spans"),
     (pg.CONV_WINDOW, [2, 1, 8, -3], "out of range"),

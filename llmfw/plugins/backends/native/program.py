@@ -13,7 +13,7 @@ import ctypes
 from dataclasses import dataclass, field
 from math import prod
 from functools import partial
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -263,36 +263,29 @@ def _check_conv(n: list[int], need: Need, positive: Callable[..., None], window_
         need(3, n_ch * (keep + 1))
 
 
-def _check_ssm_scan(n: list[int], need: Need, positive: Callable[..., None]) -> None:
-    n_seqs, n_tokens, n_head, dim, d_state, n_group = n
-    positive(*n)
-    if n_group < 1 or n_head % n_group:
-        raise ProgramError(f"{n_head} heads in {n_group} groups")
-    need(0, n_seqs * (n_tokens * n_head * dim + n_head * dim * d_state), out=True)
-    need(1, n_seqs * n_head * dim * d_state)
-    need(2, n_seqs * n_tokens * n_head * dim)
-    need(3, n_seqs * n_tokens * n_head)
-    need(4, n_head)
-    need(5, 2 * n_seqs * n_tokens * n_group * d_state)  # B then C
+def scan_operand_words(op: int, n: Sequence[int]) -> list[int]:
+    """The words of each operand of a scan (``ssm_scan`` / ``gated_delta``) with n = S, T, H, shared heads (B/C
+    groups or q/k heads), rows and columns of a head's state (P, N or Dv, Dk): out, state, then the inputs (the
+    last one the packed pair B then C, g then beta)."""
+    n_seqs, n_tokens, n_head, n_shared, rows, cols = n[:6]
+    tokens = n_seqs * n_tokens
+    inputs = ([tokens * n_head * rows, tokens * n_head, n_head, 2 * tokens * n_shared * cols] if op == SSM_SCAN
+              else [tokens * n_shared * cols, tokens * n_shared * cols, tokens * n_head * rows, 2 * tokens * n_head])
+    return [n_seqs * (n_tokens * n_head * rows + n_head * rows * cols), n_seqs * n_head * rows * cols, *inputs]
 
 
-def _check_gated_delta(n: list[int], need: Need, positive: Callable[..., None]) -> None:
-    n_seqs, n_tokens, n_head, n_head_k, dv, dk = n
+def _check_scan(op: int, n: list[int], need: Need, positive: Callable[..., None]) -> None:
     positive(*n)
-    if n_head_k < 1 or n_head % n_head_k:
-        raise ProgramError(f"{n_head} value heads over {n_head_k} key heads")
-    need(0, n_seqs * (n_tokens * n_head * dv + n_head * dv * dk), out=True)
-    need(1, n_seqs * n_head * dv * dk)
-    need(2, n_seqs * n_tokens * n_head_k * dk)
-    need(3, n_seqs * n_tokens * n_head_k * dk)
-    need(4, n_seqs * n_tokens * n_head * dv)
-    need(5, 2 * n_seqs * n_tokens * n_head)  # g then beta
+    if n[3] < 1 or n[2] % n[3]:
+        raise ProgramError(f"{n[2]} heads over {n[3]} groups or key heads")
+    for index, words in enumerate(scan_operand_words(op, n)):
+        need(index, words, out=index == 0)
 
 
 #: the checks of the recurrent ops: (n[:6], need, positive)
-RECURRENT_CHECKS: dict[int, Callable[[list[int], Need, Callable[..., None]], None]] = {
+RECURRENT_CHECKS: Mapping[int, Callable[[list[int], Need, Callable[..., None]], None]] = {
     SSM_CONV: partial(_check_conv, window_out=False), CONV_WINDOW: partial(_check_conv, window_out=True),
-    SSM_SCAN: _check_ssm_scan, GATED_DELTA: _check_gated_delta}
+    SSM_SCAN: partial(_check_scan, SSM_SCAN), GATED_DELTA: partial(_check_scan, GATED_DELTA)}
 
 
 class Program:

@@ -46,45 +46,39 @@ def compile_conv_window(c: "NativeCompiler", node: Node) -> None:
     c.emit(pg.CONV_WINDOW, [out.operand, window.operand, x.operand], n, label="conv_window")
 
 
-def _packed(c: "NativeCompiler", first: "Value", second: "Value") -> "Value":
-    """A temporary arena value holding ``first`` then ``second``: two same-shaped operands as one (an instruction
-    has six operands; the scans read seven)."""
-    temp = c.new_value((first.size + second.size,), "f32")
+def _emit_scan(c: "NativeCompiler", node: Node, op: int, values: list["Value"], n: list[int]) -> None:
+    """A scan over (state, three inputs, a pair of same-sized inputs) with n = S, T, H, shared heads, rows and
+    columns of a head's state (program.scan_operand_words). The pair goes as one operand (an instruction has six
+    operands; the scans read seven): a temporary arena value holding the first, then the second."""
+    first, second = values[-2:]
+    sizes = [v.size for v in values[:-2]] + [first.size + second.size]
+    if sizes != pg.scan_operand_words(op, n)[1:] or first.size != second.size:
+        raise ModelError(f"native backend: {node.op} operands of shapes {[v.shape for v in values]} disagree")
+    pair = c.new_value((first.size + second.size,), "f32")
     for at, value in ((0, first), (first.size, second)):
-        c.emit(pg.SLICE, [pg.Operand(0, temp.off + at), value.operand], [1, value.size, 0, value.size],
+        c.emit(pg.SLICE, [pg.Operand(0, pair.off + at), value.operand], [1, value.size, 0, value.size],
                label="pack")
-    return temp
+    out = c.define(node)
+    c.emit(op, [out.operand, *(v.operand for v in values[:-2]), pair.operand], n, label=node.op)
+    c.release(pair)
+
+
+def _four_dims(node: Node, *values: "Value") -> None:
+    if any(len(v.shape) != 4 for v in values):
+        raise ModelError(f"native backend: {node.op} of shapes {[v.shape for v in values]}")
 
 
 def compile_ssm_scan(c: "NativeCompiler", node: Node) -> None:
-    state, x, dt, a, b, cc = _float_values(c, node)
-    if len(state.shape) != 4 or len(x.shape) != 4 or len(b.shape) != 4 or b.shape != cc.shape:
-        raise ModelError(f"native backend: ssm_scan of state {state.shape}, x {x.shape}, B {b.shape}, C {cc.shape}")
+    values = _float_values(c, node)
+    state, x, b = values[0], values[1], values[4]
+    _four_dims(node, state, x, b)
     n_seqs, n_head, dim, d_state = state.shape
-    n_tokens, n_group = x.shape[1], b.shape[2]
-    if x.shape != (n_seqs, n_tokens, n_head, dim) or dt.size != n_seqs * n_tokens * n_head or a.size != n_head \
-            or b.shape != (n_seqs, n_tokens, n_group, d_state):
-        raise ModelError(f"native backend: ssm_scan operands disagree: state {state.shape}, x {x.shape}, dt "
-                         f"{dt.shape}, A {a.shape}, B/C {b.shape}")
-    bc = _packed(c, b, cc)
-    out = c.define(node)
-    c.emit(pg.SSM_SCAN, [out.operand, state.operand, x.operand, dt.operand, a.operand, bc.operand],
-           [n_seqs, n_tokens, n_head, dim, d_state, n_group], label="ssm_scan")
-    c.release(bc)
+    _emit_scan(c, node, pg.SSM_SCAN, values, [n_seqs, x.shape[1], n_head, b.shape[2], dim, d_state])
 
 
 def compile_gated_delta(c: "NativeCompiler", node: Node) -> None:
-    state, q, k, v, g, beta = _float_values(c, node)
-    if len(state.shape) != 4 or len(q.shape) != 4 or q.shape != k.shape or len(v.shape) != 4:
-        raise ModelError(f"native backend: gated_delta of state {state.shape}, q/k {q.shape}, v {v.shape}")
+    values = _float_values(c, node)
+    state, q = values[0], values[1]
+    _four_dims(node, state, q)
     n_seqs, n_head, dv, dk = state.shape
-    n_tokens, n_head_k = v.shape[1], q.shape[2]
-    if v.shape != (n_seqs, n_tokens, n_head, dv) or q.shape != (n_seqs, n_tokens, n_head_k, dk) \
-            or g.size != n_seqs * n_tokens * n_head or beta.size != g.size:
-        raise ModelError(f"native backend: gated_delta operands disagree: state {state.shape}, q/k {q.shape}, v "
-                         f"{v.shape}, g {g.shape}, beta {beta.shape}")
-    g_beta = _packed(c, g, beta)
-    out = c.define(node)
-    c.emit(pg.GATED_DELTA, [out.operand, state.operand, q.operand, k.operand, v.operand, g_beta.operand],
-           [n_seqs, n_tokens, n_head, n_head_k, dv, dk], label="gated_delta")
-    c.release(g_beta)
+    _emit_scan(c, node, pg.GATED_DELTA, values, [n_seqs, q.shape[1], n_head, q.shape[2], dv, dk])

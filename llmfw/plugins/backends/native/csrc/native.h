@@ -129,7 +129,7 @@ enum nat_op {
     /* the recurrent ops (recurrent.c); S sequences of T tokens each */
     NAT_OP_SSM_CONV = 14,    /* out, window, x, kernel [C, K]; n: S, T, C, K-1 */
     NAT_OP_CONV_WINDOW = 15, /* out, window, x; n: S, T, C, K-1 */
-    NAT_OP_SSM_SCAN = 16,    /* out, state, x, dt, A, B then C (one operand); n: S, T, H, P, N, G */
+    NAT_OP_SSM_SCAN = 16,    /* out, state, x, dt, A, B then C (one operand); n: S, T, H, G, P, N */
     NAT_OP_GATED_DELTA = 17, /* out, state, q, k, v, g then beta (one operand); n: S, T, H, Hk, Dv, Dk */
 };
 enum nat_unary { NAT_SILU = 0, NAT_GELU, NAT_RELU, NAT_SIGMOID, NAT_SOFTPLUS, NAT_SCALE, NAT_SOFTCAP, NAT_CLAMP };

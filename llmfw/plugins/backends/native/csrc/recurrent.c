@@ -71,14 +71,14 @@ static void conv_window(const nat_instr *in, void *const *bufs) {
 
 static float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
-/* n: S, T, H, P, N, G; operands out [S, T*H*P + H*P*N], state [S, H, P, N], x [S, T, H, P], dt [S, T, H], A [H],
+/* n: S, T, H, G, P, N; operands out [S, T*H*P + H*P*N], state [S, H, P, N], x [S, T, H, P], dt [S, T, H], A [H],
  * B then C [S, T, G, N] each. One (sequence, head) pair: its state copied into the output row, then per token
  * d = softplus(dt), state = state * exp(d * A) + (x * d) B (each product rounded, then the sum), y = state . C */
 static void ssm_scan_chunk(void *raw, int64_t chunk, int ith) {
     (void)ith;
     rec_job *job = raw;
     const nat_instr *in = job->in;
-    int64_t n_tokens = in->n[1], n_head = in->n[2], dim = in->n[3], d_state = in->n[4], n_group = in->n[5];
+    int64_t n_tokens = in->n[1], n_head = in->n[2], n_group = in->n[3], dim = in->n[4], d_state = in->n[5];
     int64_t row = n_tokens * n_head * dim + n_head * dim * d_state, bc = in->n[0] * n_tokens * n_group * d_state;
     const float *state = F32_AT(job->bufs, in, 1), *x = F32_AT(job->bufs, in, 2), *dt = F32_AT(job->bufs, in, 3);
     const float *a = F32_AT(job->bufs, in, 4), *b = F32_AT(job->bufs, in, 5), *c = b + bc;
