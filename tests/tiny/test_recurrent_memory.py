@@ -388,17 +388,18 @@ NATIVE_HYBRIDS = ["lfm2", "granitehybrid", "qwen35", "nemotron_h"]
 
 @pytest.fixture(scope="module", params=NATIVE_HYBRIDS)
 def native_hybrid(request, directory):
-    """(family, native-backend model) for each hybrid family the native kernels cover."""
+    """(family, native-backend model, file) for each hybrid family the native kernels cover."""
     from support.native import kernels_or_skip
 
     kernels_or_skip()
-    with llmfw.load_model(model_file(request.param, directory), backend="native") as loaded:
-        yield request.param, loaded
+    file = model_file(request.param, directory)
+    with llmfw.load_model(file, backend="native") as loaded:
+        yield request.param, loaded, file
 
 
 def test_native_runs_every_op_itself(native_hybrid):
     """The convolutions and scans have native kernels: every split of a two-sequence ubatch is native's."""
-    family, native_model = native_hybrid
+    family, native_model, _ = native_hybrid
     ctx = native_model.new_context(n_ctx=512, n_seq_max=2)
     assert ctx.decode(Batch([1, 2, 3, 4], seq_id=[0, 0, 1, 1], pos=[0, 1, 0, 1])) == 0, ctx.last_error
     ops = {n.op for s in ctx._plan.splits for n in s.nodes}
@@ -408,14 +409,14 @@ def test_native_runs_every_op_itself(native_hybrid):
 
 
 def test_native_clears_the_bar_on_every_prompt(native_hybrid, score):
-    every_prompt_clears_the_bar(score, *native_hybrid, "native")
+    every_prompt_clears_the_bar(score, *native_hybrid[:2], "native")
 
 
 def test_native_ubatches_of_32_and_two_sequences_give_each_sequence_its_own_bits(native_hybrid, score):
     """Batch invariance: a sequence's logits are the same bits in one ubatch, in ubatches of 32, one token at a
     time and beside another sequence (the scans step token by token whatever the ubatch; every row is computed
     alone), and they clear the bar."""
-    family, native_model = native_hybrid
+    family, native_model, _ = native_hybrid
     record = longest(reference(family))
     whole = decode_all(native_model, record["sequence"], n_ctx=512)
     split = decode_all(native_model, record["sequence"], n_ctx=512, n_ubatch=32)
@@ -428,8 +429,21 @@ def test_native_ubatches_of_32_and_two_sequences_give_each_sequence_its_own_bits
         assert np.array_equal(decode_all(native_model, prompt["sequence"], n_ctx=512), logits)
 
 
+def test_native_isa_paths_give_the_same_bits(native_hybrid):
+    """The matmuls' instruction sets sum in one order; the recurrent kernels have one path for every CPU."""
+    from support.native import kernels_or_skip
+
+    family, native_model, file = native_hybrid
+    sequence = longest(reference(family))["sequence"]
+    expected = decode_all(native_model, sequence, n_ctx=512)
+    for isa in kernels_or_skip().available_isas():
+        with llmfw.load_model(file, backend="native",
+                              backend_options={"native": {"isa": isa}}) as loaded:
+            assert np.array_equal(decode_all(loaded, sequence, n_ctx=512), expected), isa
+
+
 def test_native_seq_cp_fork_decodes_like_each_sequence_alone(native_hybrid):
     """The same bits: a forked row sees the same cells in the same order as the row decoded alone, and every
     row (matmul, attention, scan) is computed alone."""
-    family, native_model = native_hybrid
+    family, native_model, _ = native_hybrid
     assert max(fork_errors(native_model, family)) == 0.0
