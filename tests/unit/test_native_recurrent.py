@@ -10,16 +10,18 @@ from llmfw.core.errors import ModelError
 from llmfw.plugins.backends.numpy.recurrent import gated_delta_chunked, gated_delta_steps
 
 from support.native import kernels_or_skip
+from support.native_graph import Graph, both, native_and_oracle, random_f32
 
 kernels_or_skip()
 
 from llmfw.plugins.backends.native import program as pg  # noqa: E402
 
-# the hand-built splits of the program tests (pytest puts this folder on the path)
-import test_native_program as program_tests  # noqa: E402
-from test_native_program import Graph, both, f32  # noqa: E402
+f32 = random_f32(34)
 
-backends = program_tests.backends  # the native backend and the oracle, a fixture
+
+@pytest.fixture(scope="module")
+def backends():
+    yield from native_and_oracle()
 
 
 def conv_case(n_seqs: int = 3, n_tokens: int = 5, n_ch: int = 24, keep: int = 3) -> tuple[Graph, dict]:
