@@ -16,6 +16,7 @@ from llmfw.core.ir.graph import DYNAMIC, Node
 from llmfw.core.ir.rope import yarn_magnitude, yarn_ramp_mix
 import llmfw.plugins.backends.native.kernels as kernels
 import llmfw.plugins.backends.native.program as pg
+import llmfw.plugins.backends.native.recurrent as recurrent
 from llmfw.plugins.backends.native.repack import KIND_QBYTE, KIND_QNIB, PackedWeight
 from llmfw.plugins.backends.numpy.kernels import F32, NumpyKV
 
@@ -376,6 +377,12 @@ class NativeCompiler(SplitCompilerBase[NumpyKV]):
         self.emit(pg.ATTEND, [out.operand, q.operand, k_cache, v_cache, mask.operand, sinks],
                   [n_tokens, n_head, n_head_kv, dk, dv, mask.shape[1], n_cells],
                   [node.attr_float("scale"), softcap], label="attention")
+
+    # the recurrent ops (recurrent.py)
+    _op_ssm_conv = recurrent.compile_ssm_conv
+    _op_conv_window = recurrent.compile_conv_window
+    _op_ssm_scan = recurrent.compile_ssm_scan
+    _op_gated_delta = recurrent.compile_gated_delta
 
 
 def broadcast_strides(out: tuple[int, ...], a: tuple[int, ...], b: tuple[int, ...]) -> tuple[list[int], list[int],

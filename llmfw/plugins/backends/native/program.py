@@ -12,7 +12,8 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass, field
 from math import prod
-from typing import Sequence
+from functools import partial
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -27,9 +28,12 @@ INSTR = np.dtype([("op", "<i8"), ("buf", "<i8", (N_ARGS,)), ("off", "<i8", (N_AR
 assert INSTR.itemsize == kernels.INSTR_BYTES
 # enum nat_op
 BINARY, UNARY, SWIGLU, RMS_NORM, NORM, SOFTMAX, GET_ROWS, GET_ROWS_W, MUL_MAT, SLICE, ROPE, KV_WRITE, ATTEND = range(1, 14)
+# the recurrent ops (csrc/recurrent.c)
+SSM_CONV, CONV_WINDOW, SSM_SCAN, GATED_DELTA = range(14, 18)
 OP_NAMES = {BINARY: "binary", UNARY: "unary", SWIGLU: "swiglu", RMS_NORM: "rms_norm", NORM: "norm",
             SOFTMAX: "softmax", GET_ROWS: "get_rows", GET_ROWS_W: "get_rows", MUL_MAT: "mul_mat", SLICE: "slice",
-            ROPE: "rope", KV_WRITE: "kv_write", ATTEND: "attention"}
+            ROPE: "rope", KV_WRITE: "kv_write", ATTEND: "attention", SSM_CONV: "ssm_conv",
+            CONV_WINDOW: "conv_window", SSM_SCAN: "ssm_scan", GATED_DELTA: "gated_delta"}
 BINARY_KINDS = {"add": 0, "sub": 1, "mul": 2, "div": 3}
 UNARY_KINDS = {"silu": 0, "gelu": 1, "relu": 2, "sigmoid": 3, "softplus": 4, "scale": 5, "softcap": 6, "clamp": 7}
 #: words (4 bytes) every arena value is aligned to: a cache line
@@ -239,8 +243,49 @@ def _check_instruction(ins: np.void, buffer_words: Sequence[int], writable: Sequ
         need(3, n_head_kv * n_cells * dv)
         need(4, n_tokens * n_kv)
         need(5, n_head, optional=True)
+    elif op in RECURRENT_CHECKS:
+        RECURRENT_CHECKS[op](n[:6], need, positive)
     else:
         raise ProgramError(f"unknown op code {op}")
+
+
+Need = Callable[..., None]
+
+
+def _check_conv(n: list[int], need: Need, positive: Callable[..., None], window_out: bool) -> None:
+    """ssm_conv / conv_window: S sequences of T tokens of C channels, a carried window of K-1 rows."""
+    n_seqs, n_tokens, n_ch, keep = n[:4]
+    positive(n_seqs, n_tokens, n_ch, keep)
+    need(0, n_seqs * (keep if window_out else n_tokens) * n_ch, out=True)
+    need(1, n_seqs * keep * n_ch)
+    need(2, n_seqs * n_tokens * n_ch)
+    if not window_out:
+        need(3, n_ch * (keep + 1))
+
+
+def scan_operand_words(op: int, n: Sequence[int]) -> list[int]:
+    """The words of each operand of a scan (``ssm_scan`` / ``gated_delta``) with n = S, T, H, shared heads (B/C
+    groups or q/k heads), rows and columns of a head's state (P, N or Dv, Dk): out, state, then the inputs (the
+    last one the packed pair B then C, g then beta)."""
+    n_seqs, n_tokens, n_head, n_shared, rows, cols = n[:6]
+    tokens = n_seqs * n_tokens
+    inputs = ([tokens * n_head * rows, tokens * n_head, n_head, 2 * tokens * n_shared * cols] if op == SSM_SCAN
+              else [tokens * n_shared * cols, tokens * n_shared * cols, tokens * n_head * rows, 2 * tokens * n_head])
+    return [n_seqs * (n_tokens * n_head * rows + n_head * rows * cols), n_seqs * n_head * rows * cols, *inputs]
+
+
+def _check_scan(op: int, n: list[int], need: Need, positive: Callable[..., None]) -> None:
+    positive(*n)
+    if n[3] < 1 or n[2] % n[3]:
+        raise ProgramError(f"{n[2]} heads over {n[3]} groups or key heads")
+    for index, words in enumerate(scan_operand_words(op, n)):
+        need(index, words, out=index == 0)
+
+
+#: the checks of the recurrent ops: (n[:6], need, positive)
+RECURRENT_CHECKS: Mapping[int, Callable[[list[int], Need, Callable[..., None]], None]] = {
+    SSM_CONV: partial(_check_conv, window_out=False), CONV_WINDOW: partial(_check_conv, window_out=True),
+    SSM_SCAN: partial(_check_scan, SSM_SCAN), GATED_DELTA: partial(_check_scan, GATED_DELTA)}
 
 
 class Program:

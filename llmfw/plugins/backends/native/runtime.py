@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 #: the graph ops the programs run (and ``swiglu``, this backend's rewrite rule)
 NATIVE_OPS = frozenset({"get_rows", "mul_mat", "add", "sub", "mul", "div", "scale", "rms_norm", "norm", "silu",
                         "relu", "gelu", "sigmoid", "softplus", "softcap", "clamp", "softmax", "reshape", "slice",
-                        "rope", "attention", "k_shift"})
+                        "rope", "attention", "k_shift", "ssm_conv", "conv_window", "ssm_scan", "gated_delta"})
 #: GGML types whose weights the kernels take (as matrices, or as the float arrays of norms and biases)
 _KNOWN_TYPES = frozenset(int(t) for t in SUPPORTED_TYPES)
 

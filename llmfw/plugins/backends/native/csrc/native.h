@@ -126,6 +126,11 @@ enum nat_op {
     NAT_OP_KV_WRITE = 12,    /* K cache, V cache, k, v, cells (i64); n: T, Hkv, dk, dv, n_cells */
     NAT_OP_ATTEND = 13,      /* out, q, K cache, V cache, mask, sinks (or none); n: T, H, Hkv, dk, dv, n_kv, n_cells;
                               * f: scale, softcap */
+    /* the recurrent ops (recurrent.c); S sequences of T tokens each */
+    NAT_OP_SSM_CONV = 14,    /* out, window, x, kernel [C, K]; n: S, T, C, K-1 */
+    NAT_OP_CONV_WINDOW = 15, /* out, window, x; n: S, T, C, K-1 */
+    NAT_OP_SSM_SCAN = 16,    /* out, state, x, dt, A, B then C (one operand); n: S, T, H, G, P, N */
+    NAT_OP_GATED_DELTA = 17, /* out, state, q, k, v, g then beta (one operand); n: S, T, H, Hk, Dv, Dk */
 };
 enum nat_unary { NAT_SILU = 0, NAT_GELU, NAT_RELU, NAT_SIGMOID, NAT_SOFTPLUS, NAT_SCALE, NAT_SOFTCAP, NAT_CLAMP };
 
@@ -134,5 +139,9 @@ enum nat_status { NAT_OUT_OF_MEMORY = -1, NAT_BAD_INSTRUCTION = -2, NAT_ID_OUT_O
 
 int nat_run_op(nat_pool *pool, const nat_instr *in, void *const *bufs, const nat_weight *weights);
 int nat_mul_mat_into(nat_pool *pool, int isa, const nat_weight *w, const float *x, int64_t m, float *y, void *scratch);
+
+/* q . k in the canonical 16-lane order (ops.c), and the recurrent ops' instructions (recurrent.c) */
+float nat_dot16(const float *q, const float *k, int64_t n);
+int nat_run_recurrent(nat_pool *pool, const nat_instr *in, void *const *bufs);
 
 #endif

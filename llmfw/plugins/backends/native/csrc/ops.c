@@ -491,3 +491,6 @@ int nat_attention(nat_pool *pool, const float *q, const float *k, const float *v
     int64_t n[7] = {n_tokens, n_head, n_head_kv, dk, dv, n_kv, n_cells};
     return attend(pool, q, k, v, mask, NULL, out, n, scale, softcap);
 }
+
+/* dot16 for the other op files (recurrent.c) */
+float nat_dot16(const float *q, const float *k, int64_t n) { return dot16(q, k, n); }
