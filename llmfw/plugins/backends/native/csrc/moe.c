@@ -187,50 +187,46 @@ static int mul_mat_id(nat_pool *pool, nat_qgemm_fn qgemm, nat_fgemm_fn fgemm, co
 
 /* ---- the elementwise ones: add_id, swiglu_oai ------------------------------------------------------------------ */
 
+/* two inputs (and ids) to one output, elementwise or by rows */
 typedef struct {
-    const nat_instr *in;
-    void *const *bufs;
+    const float *a, *b;
+    const void *ids;      /* add_id: the expert of each row */
+    float *out;
+    int64_t width, id_bytes;
+    float alpha, limit;   /* swiglu_oai */
     int64_t count, n_chunks;
-} moe_flat;
+} pair_job;
 
 /* out[s, :] = a[s, :] + b[ids[s], :] over rows s (ids checked before) */
 static void add_id_part(void *raw, int64_t chunk, int ith) {
     (void)ith;
-    moe_flat *job = raw;
-    const nat_instr *in = job->in;
-    const float *a = FLOATS(job->bufs, in, 1), *b = FLOATS(job->bufs, in, 2);
-    const void *ids = OPERAND(job->bufs, in, 3);
-    float *out = FLOATS(job->bufs, in, 0);
-    int64_t n = in->n[1], r0, r1;
+    pair_job *job = raw;
+    int64_t n = job->width, r0, r1;
     nat_share(job->count, chunk, job->n_chunks, &r0, &r1);
     for (int64_t r = r0; r < r1; r++) {
-        const float *bias = b + expert_id(ids, r, in->n[3]) * n;
-        for (int64_t j = 0; j < n; j++) out[r * n + j] = a[r * n + j] + bias[j];
+        const float *bias = job->b + expert_id(job->ids, r, job->id_bytes) * n;
+        for (int64_t j = 0; j < n; j++) job->out[r * n + j] = job->a[r * n + j] + bias[j];
     }
 }
 
 /* g * sigmoid(alpha * g) * (u + 1) with g = min(gate, limit), u = clip(up, -limit, limit) (NaN stays NaN) */
 static void swiglu_oai_part(void *raw, int64_t chunk, int ith) {
     (void)ith;
-    moe_flat *job = raw;
-    const nat_instr *in = job->in;
-    const float *gate = FLOATS(job->bufs, in, 1), *up = FLOATS(job->bufs, in, 2);
-    float *out = FLOATS(job->bufs, in, 0);
-    float alpha = in->f[0], limit = in->f[1];
+    pair_job *job = raw;
+    float limit = job->limit;
     int64_t i0, i1;
     nat_share(job->count, chunk, job->n_chunks, &i0, &i1);
     for (int64_t i = i0; i < i1; i++) {
-        float g = gate[i] > limit ? limit : gate[i];
-        float u = up[i] > limit ? limit : (up[i] < -limit ? -limit : up[i]);
-        float sig = 1.0f / (1.0f + expf(-(alpha * g)));
-        out[i] = (g * sig) * (u + 1.0f);
+        float g = job->a[i] > limit ? limit : job->a[i];
+        float u = job->b[i] > limit ? limit : (job->b[i] < -limit ? -limit : job->b[i]);
+        float sig = 1.0f / (1.0f + expf(-(job->alpha * g)));
+        job->out[i] = (g * sig) * (u + 1.0f);
     }
 }
 
-static void run_flat_moe(nat_pool *pool, const nat_instr *in, void *const *bufs, int64_t count, int64_t per_item,
-                         nat_chunk_fn fn) {
-    moe_flat job = {in, bufs, count, count * per_item < SERIAL_ELEMENTS ? 1 : nat_pool_chunks(pool, count)};
-    nat_pool_for(pool, job.n_chunks, fn, &job);
+static void run_pair(nat_pool *pool, pair_job *job, int64_t per_item, nat_chunk_fn fn) {
+    job->n_chunks = job->count * per_item < SERIAL_ELEMENTS ? 1 : nat_pool_chunks(pool, job->count);
+    nat_pool_for(pool, job->n_chunks, fn, job);
 }
 
 /* ---- routing: top_k, take, id_mask, sum_rows; concat --------------------------------------------------------- */
@@ -298,13 +294,19 @@ int nat_run_moe_op(nat_pool *pool, nat_qgemm_fn qgemm, nat_fgemm_fn fgemm, const
     switch (in->op) {
     case NAT_OP_MUL_MAT_ID:
         return mul_mat_id(pool, qgemm, fgemm, in, bufs, weights);
-    case NAT_OP_ADD_ID:
-        if (!all_below(OPERAND(bufs, in, 3), in->n[0], in->n[3], in->n[2])) return NAT_ID_OUT_OF_RANGE;
-        run_flat_moe(pool, in, bufs, in->n[0], in->n[1], add_id_part);
+    case NAT_OP_ADD_ID: {
+        pair_job job = {FLOATS(bufs, in, 1), FLOATS(bufs, in, 2), OPERAND(bufs, in, 3), FLOATS(bufs, in, 0), in->n[1],
+                        in->n[3], 0.0f, 0.0f, in->n[0], 1};
+        if (!all_below(job.ids, job.count, job.id_bytes, in->n[2])) return NAT_ID_OUT_OF_RANGE;
+        run_pair(pool, &job, job.width, add_id_part);
         return 0;
-    case NAT_OP_SWIGLU_OAI:
-        run_flat_moe(pool, in, bufs, in->n[0], 1, swiglu_oai_part);
+    }
+    case NAT_OP_SWIGLU_OAI: {
+        pair_job job = {FLOATS(bufs, in, 1), FLOATS(bufs, in, 2), NULL, FLOATS(bufs, in, 0), 1, 4, in->f[0], in->f[1],
+                        in->n[0], 1};
+        run_pair(pool, &job, 1, swiglu_oai_part);
         return 0;
+    }
     case NAT_OP_TOP_K:
         top_k(FLOATS(bufs, in, 1), (int32_t *)OPERAND(bufs, in, 0), in->n[0], in->n[1], in->n[2]);
         return 0;
