@@ -382,8 +382,8 @@ def test_qwen35_refuses_rope_sections_it_cannot_run(directory):
 
 
 # -- the native backend ------------------------------------------------------------------------------------------
-#: the hybrid families the native backend runs entirely (the MoE ones also need its MoE ops)
-NATIVE_HYBRIDS = ["lfm2", "granitehybrid", "qwen35", "nemotron_h"]
+#: the hybrid families the native backend runs entirely (the MoE ones with its MoE ops)
+NATIVE_HYBRIDS = ["lfm2", "granitehybrid", "qwen35", "nemotron_h", "qwen35moe", "granitehybrid-moe"]
 
 
 @pytest.fixture(scope="module", params=NATIVE_HYBRIDS)
