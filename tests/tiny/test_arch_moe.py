@@ -29,7 +29,12 @@ from llmfw.core.quants import GGMLType, quantize
 from llmfw.plugins.backends.numpy.moe import mul_mat_id
 
 MODELS = sorted(MOE_MODELS.values())
-BACKENDS = ["numpy", "onnx"]
+BACKENDS = ["numpy", "onnx", "native"]
+#: the hybrids need recurrent ops the native backend has no kernel for yet: it declines them, naming the op
+NATIVE_DECLINES = {"qwen35moe", "granitehybrid-moe"}
+#: (model, backend) of the whole-model tests
+CASES = [(name, backend) for backend in BACKENDS for name in MODELS
+         if not (backend == "native" and name in NATIVE_DECLINES)]
 UBATCH = 32
 #: onnx: an expert's MatMulNBits gets another number of rows when the ubatch changes, and ONNX Runtime's kernels
 #: may sum a row in another order for another row count (its one-row kernel is not its many-row one); measured up to
@@ -54,8 +59,7 @@ def models(tmp_path_factory):
         model.close()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name,backend", CASES)
 def test_every_prompt_clears_the_bar(models, score, name, backend):
     model = models(name, backend)
     ref = reference(name)
@@ -65,8 +69,7 @@ def test_every_prompt_clears_the_bar(models, score, name, backend):
         assert_clears_bar(score, record, logits, f"{name} on {backend}")
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name,backend", CASES)
 def test_ubatches_of_32_give_the_same_logits(models, score, name, backend):
     model = models(name, backend)
     record = longest(reference(name))
@@ -75,6 +78,8 @@ def test_ubatches_of_32_give_the_same_logits(models, score, name, backend):
     assert_clears_bar(score, record, split, f"{name} on {backend} with n_ubatch {UBATCH}")
     if backend == "numpy":
         assert np.abs(whole - split).max() <= SAME_LOGITS_ATOL
+    elif backend == "native":  # batch invariant: a row's bits do not depend on the rows beside it
+        assert np.array_equal(whole, split)
     elif name not in ONNX_CHUNKED_DELTA:
         assert np.abs(whole - split).max() <= ONNX_UBATCH_ATOL
 

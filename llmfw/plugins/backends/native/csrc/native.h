@@ -126,6 +126,16 @@ enum nat_op {
     NAT_OP_KV_WRITE = 12,    /* K cache, V cache, k, v, cells (i64); n: T, Hkv, dk, dv, n_cells */
     NAT_OP_ATTEND = 13,      /* out, q, K cache, V cache, mask, sinks (or none); n: T, H, Hkv, dk, dv, n_kv, n_cells;
                               * f: scale, softcap */
+    /* the mixture-of-experts ops (moe.c) */
+    NAT_OP_MUL_MAT_ID = 14,  /* out [T, K, N], x [T or T*K, n_in], ids [T, K], scratch; n: first of the E expert
+                              * weights, E, T, K, x per slot (0/1), id bytes (4|8) */
+    NAT_OP_ADD_ID = 15,      /* out, a [S, n], b [E, n], ids [S]; n: S, n, E, id bytes */
+    NAT_OP_TOP_K = 16,       /* out i32 [rows, k], x [rows, n]; n: rows, n, k */
+    NAT_OP_TAKE = 17,        /* out [rows, k], x [rows, n], ids [rows, k]; n: rows, n, k, id bytes */
+    NAT_OP_SUM_ROWS = 18,    /* out [rows], x [rows, n]; n: rows, n */
+    NAT_OP_ID_MASK = 19,     /* out [rows, n], x, ids [rows, k]; n: rows, n, k, id bytes */
+    NAT_OP_SWIGLU_OAI = 20,  /* out, gate, up; n: count; f: alpha, limit */
+    NAT_OP_CONCAT = 21,      /* out [rows, na + nb], a [rows, na], b [rows, nb]; n: rows, na, nb */
 };
 enum nat_unary { NAT_SILU = 0, NAT_GELU, NAT_RELU, NAT_SIGMOID, NAT_SOFTPLUS, NAT_SCALE, NAT_SOFTCAP, NAT_CLAMP };
 
@@ -134,5 +144,7 @@ enum nat_status { NAT_OUT_OF_MEMORY = -1, NAT_BAD_INSTRUCTION = -2, NAT_ID_OUT_O
 
 int nat_run_op(nat_pool *pool, const nat_instr *in, void *const *bufs, const nat_weight *weights);
 int nat_mul_mat_into(nat_pool *pool, int isa, const nat_weight *w, const float *x, int64_t m, float *y, void *scratch);
+int nat_run_moe_op(nat_pool *pool, nat_qgemm_fn qgemm, nat_fgemm_fn fgemm, const nat_instr *in, void *const *bufs,
+                   const nat_weight *weights);
 
 #endif
