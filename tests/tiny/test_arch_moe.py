@@ -1,7 +1,8 @@
 """Mixture-of-experts families against llama.cpp on random-weight files (issue 33): qwen3moe, olmoe, a
 Mixtral-style llama, gpt-oss, glm4moe, deepseek2 (multi-head latent attention) and the hybrids qwen35moe and
-Granite 4.0-H's MoE (issue 34; their recurrent memory is tested in test_recurrent_memory.py), on the numpy oracle and on the default onnx backend,
-plus the MoE ops one by one.
+Granite 4.0-H's MoE (issue 34; their recurrent memory is tested in test_recurrent_memory.py), on the numpy oracle, on the default onnx backend
+and on the native one (all but the hybrids; its own op tests are tests/unit/test_native_moe.py), plus the MoE ops
+one by one.
 
 The files (``tests/reference_gen/arch_specs.py``) have 8-16 experts and K-quant / legacy blocks where a rounding
 difference cannot flip a routing decision (the spec says why); ``tests/data/arch/<model>.json`` holds llama.cpp's

@@ -13,18 +13,22 @@ from llmfw.core.quants import TYPE_INFO, GGMLType, dequantize, tensor_nbytes
 from llmfw.plugins.backends.numpy.runtime import NumpyBackend
 
 from support.native import BLOCK_TYPES, kernels_or_skip, random_blocks, random_float_tensor
+from support.native_split import Graph
 
 kernels = kernels_or_skip()
 
 from llmfw.plugins.backends.native import program as pg  # noqa: E402
 from llmfw.plugins.backends.native import repack as rp  # noqa: E402
 from llmfw.plugins.backends.native.runtime import NativeBackend, NativeOptions  # noqa: E402
-from test_native_program import Graph, f32  # noqa: E402  (the hand-built split of the program tests)
 
 ISAS = kernels.available_isas()
 RNG = np.random.default_rng(32)
 #: (block type, columns): a 4-bit table kind, an 8-bit kind, one with offsets and 16-element scales, a float kind
 EXPERT_TYPES = [(GGMLType.Q4_0, 64), (GGMLType.Q8_0, 64), (GGMLType.Q4_K, 256), (GGMLType.F16, 48)]
+
+
+def f32(*shape: int, scale: float = 1.0) -> np.ndarray:
+    return (RNG.standard_normal(shape) * scale).astype(np.float32)
 
 
 @pytest.fixture(scope="module")
