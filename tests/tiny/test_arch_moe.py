@@ -21,6 +21,7 @@ from reference_gen.arch_specs import MOE_MODELS, SPECS
 from reference_gen.arch_testing import (BAR, SAME_LOGITS_ATOL, assert_clears_bar, check_tokenization, decode_all,
                                         longest, model_file, records, reference)
 from reference_gen.variant_files import write_variant
+from support.native import kernels_or_skip
 
 import llmfw
 from llmfw.core.backend import WeightSource
@@ -30,7 +31,8 @@ from llmfw.core.quants import GGMLType, quantize
 from llmfw.plugins.backends.numpy.moe import mul_mat_id
 
 MODELS = sorted(MOE_MODELS.values())
-BACKENDS = ["numpy", "onnx", "native"]
+#: "default": no backend named — onnx, which leaves the expert weights (and the nodes reading them) to native
+BACKENDS = ["numpy", "onnx", "native", "default"]
 #: the hybrids need recurrent ops the native backend has no kernel for yet: it declines them, naming the op
 NATIVE_DECLINES = {"qwen35moe", "granitehybrid-moe"}
 #: (model, backend) of the whole-model tests
@@ -55,7 +57,8 @@ def models(tmp_path_factory):
     directory = tmp_path_factory.mktemp("moe")
     loaded = {}
     yield lambda name, backend: loaded.setdefault(
-        (name, backend), llmfw.load_model(model_file(name, directory), backend=backend))
+        (name, backend), llmfw.load_model(model_file(name, directory),
+                                          backend=None if backend == "default" else backend))
     for model in loaded.values():
         model.close()
 
@@ -83,6 +86,20 @@ def test_ubatches_of_32_give_the_same_logits(models, score, name, backend):
         assert np.array_equal(whole, split)
     elif name not in ONNX_CHUNKED_DELTA:
         assert np.abs(whole - split).max() <= ONNX_UBATCH_ATOL
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_the_default_backend_leaves_the_experts_to_native(models, name):
+    """onnx (the default) places every expert weight and expert bias on native, keeps the rest, and says so; asked
+    for by name, onnx keeps them and runs its own expert dispatch."""
+    kernels_or_skip()
+    default = models(name, "default")
+    experts = [w for w in default.weight_sources if "_exps." in w]
+    assert experts and {default.weight_backend(w).name for w in experts} == {"native"}
+    assert default.weight_backend("output_norm.weight").name == "onnx"
+    assert "mul_mat_id weights on native" in default.describe()
+    named = models(name, "onnx")
+    assert {named.weight_backend(w).name for w in experts} == {"onnx"} and "native" not in named.describe()
 
 
 @pytest.mark.parametrize("name", MODELS)
