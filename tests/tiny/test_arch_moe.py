@@ -102,6 +102,49 @@ def test_the_default_backend_leaves_the_experts_to_native(models, name):
     assert {named.weight_backend(w).name for w in experts} == {"onnx"} and "native" not in named.describe()
 
 
+def test_the_experts_stay_on_the_default_when_its_delegate_declines_or_is_missing(tmp_path, score):
+    """A default whose delegate declines the expert nodes (a native build without ``mul_mat_id``), or cannot run
+    here, keeps the experts and runs its own dispatch: the load still clears the bar."""
+    from llmfw.core.errors import BackendUnavailable
+    from llmfw.core.plugins import registry, reset_plugin_manager
+    from llmfw.plugins.backends.native import NativeBackend
+    from llmfw.plugins.backends.onnx import OnnxBackend
+
+    kernels_or_skip()
+
+    class NativeWithoutExperts(NativeBackend):
+        name = "native-without-experts"
+        supported_ops = NativeBackend.supported_ops - {"mul_mat_id"}
+
+    class Missing(NativeBackend):
+        name = "missing"
+
+        @classmethod
+        def check_available(cls, device=None):
+            raise BackendUnavailable("missing: not built here")
+
+    record = longest(reference("qwen3moe"))
+    path = model_file("qwen3moe", tmp_path)
+    for delegate in ("native-without-experts", "missing"):
+        class OnnxFirst(OnnxBackend):
+            name = "onnx-first"
+            default_priority = {"cpu": 5000}
+            delegated_weights = {"mul_mat_id": delegate}
+
+        reset_plugin_manager()
+        try:
+            for cls in (NativeWithoutExperts, Missing, OnnxFirst):
+                registry("backends").register(cls.name, cls)
+            with llmfw.load_model(path) as model:
+                assert model.backend_choice.startswith("onnx-first (the default")
+                assert model.weight_backend("blk.0.ffn_down_exps.weight").name == "onnx-first", delegate
+                assert "weights on" not in model.describe()
+                logits = decode_all(model, record["sequence"], n_ctx=record["n_ctx"])
+                assert_clears_bar(score, record, logits, f"qwen3moe, the experts kept from {delegate}")
+        finally:
+            reset_plugin_manager()
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_tokenization_and_expert_counts(models, name):
     model = models(name, "numpy")
