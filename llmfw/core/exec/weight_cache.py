@@ -298,23 +298,28 @@ class Spool:
             return None
 
     def spill(self, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """``arrays`` written out and seen as read-only views of the file (small ones as they are); OSError when
-        the file cannot take them."""
+        """``arrays`` written out and seen as read-only views of one mapping of the file (small ones as they
+        are: one mapping per weight, not per array, keeps a model of many experts under the system's count of
+        mappings); OSError when the file cannot take them."""
         release_freed_memory()  # the conversion buffers of the weights spilled before, freed by now
-        spilled = {}
-        for field, array in arrays.items():
-            spilled[field] = array if array.nbytes < _SPOOL_MIN_BYTES else self._spill_one(np.ascontiguousarray(array))
-        return spilled
-
-    def _spill_one(self, array: np.ndarray) -> np.ndarray:
+        large = {field: np.ascontiguousarray(a) for field, a in arrays.items() if a.nbytes >= _SPOOL_MIN_BYTES}
+        if not large:
+            return dict(arrays)
         start = -(-self.offset // mmap.ALLOCATIONGRANULARITY) * mmap.ALLOCATIONGRANULARITY  # a mapping's offset
-        self.file.seek(start)
-        self.file.write(array.reshape(-1).view(np.uint8).data)
+        at: dict[str, int] = {}
+        end = start
+        for field, array in large.items():
+            end += -end % _ALIGN
+            self.file.seek(end)
+            self.file.write(array.reshape(-1).view(np.uint8).data)
+            at[field], end = end - start, end + array.nbytes
         self.file.flush()
-        self.offset = start + array.nbytes
-        mapping = mmap.mmap(self.file.fileno(), array.nbytes, offset=start, access=mmap.ACCESS_READ)
+        self.offset = end
+        mapping = mmap.mmap(self.file.fileno(), end - start, offset=start, access=mmap.ACCESS_READ)
         self.mappings.append(mapping)
-        return np.ndarray(array.shape, array.dtype, buffer=mapping)  # its base is the mapping: slices stay views
+        # each view's base is the mapping itself, so slices of it (a fused weight's parts) stay views of the view
+        return {field: np.ndarray(large[field].shape, large[field].dtype, buffer=mapping, offset=at[field])
+                if field in large else array for field, array in arrays.items()}
 
     def drop_pages(self) -> None:
         """Every spilled array's pages out of RSS (read back from the page cache when touched again)."""
