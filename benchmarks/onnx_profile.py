@@ -4,6 +4,7 @@ of each token spent outside the session (Python: batch, memory, scheduler, bindi
     python3 benchmarks/onnx_profile.py [-m MODEL] [--tg 128] [--threads 2]
     python3 benchmarks/onnx_profile.py [-m MODEL] --pp 512 [--threads 2]     # one prompt ubatch instead
     python3 benchmarks/onnx_profile.py -m MOE_MODEL --tg 32 --moe           # the chosen experts' matmuls apart
+    python3 benchmarks/onnx_profile.py -m MOE_MODEL --tg 32 --default       # the default: experts on native
 
 With ``--pp N`` it profiles prompt ubatches of N tokens (one warm-up, three counted) and splits the matmul ops
 by their input shapes, so that the table shows which projection costs what; the last line says how fast the
@@ -59,12 +60,13 @@ def _op_key(args: dict, by_shape: bool, by_rows: bool = False) -> str:
     return f"{op} {' x '.join(str(shape) for shape in shapes)}"
 
 
-def profile_decode(model, args) -> float:
+def profile_decode(model, args, after_prompt=lambda: None) -> float:
     """The tg run: a 16-token prompt, then ``--tg`` one-token decodes; their wall time."""
     import llmfw
 
     ctx = model.new_context(n_ctx=args.tg + 64, n_threads=args.threads)
     ctx.decode(llmfw.Batch(list(range(100, 116))))
+    after_prompt()
     start = time.perf_counter()
     for i in range(args.tg):
         ctx.decode(llmfw.Batch([200 + i]))
@@ -101,30 +103,53 @@ def main() -> None:
     parser.add_argument("--pp", type=int, default=0, help="profile prompt ubatches of this many tokens instead")
     parser.add_argument("--moe", action="store_true",
                         help="split the matmuls of a decode into those on rows and those on none (unchosen experts)")
+    parser.add_argument("--default", action="store_true",
+                        help="load on the default backend (onnx, an MoE model's experts on native) and add the "
+                             "native programs' per-op times")
     args = parser.parse_args()
     repetitions = 3
 
     with tempfile.TemporaryDirectory() as folder:
         prefix = str(Path(folder) / "ort")
-        model = llmfw.load_model(resolve_model(args.model), backend="onnx",
-                                 backend_options={"onnx": {"profile": prefix}})
-        wall = profile_prompt(model, args, repetitions) if args.pp else profile_decode(model, args)
+        options = {"onnx": {"profile": prefix}, **({"native": {"profile": True}} if args.default else {})}
+        model = llmfw.load_model(resolve_model(args.model), backend=None if args.default else "onnx",
+                                 backend_options=options)
+        native = model.backends.get("native")
+        at_prompt_end: dict[str, float] = {}
+        if args.pp:
+            wall = profile_prompt(model, args, repetitions)
+        else:
+            wall = profile_decode(model, args, lambda: at_prompt_end.update(native.profile() if native else {}))
+        native_s = {op: s - at_prompt_end.get(op, 0.0) for op, s in native.profile().items()} if native else {}
         model.close()  # sessions end their profiles when released
-        traces = sorted(Path(folder).glob("ort*.json"), key=lambda p: p.stat().st_size)
-        trace = max((json.loads(p.read_text()) for p in traces), key=lambda t: op_times(t)[1])
+        traces = [json.loads(p.read_text()) for p in sorted(Path(folder).glob("ort*.json"))]
+        main_trace = max(traces, key=lambda t: op_times(t)[1])
     if args.pp:
-        report_prompt(trace, args, wall, repetitions)
-    else:
-        report_decode(trace, args, wall)
+        report_prompt(main_trace, args, wall, repetitions)
+    else:  # every split's session (each ran the prompt first)
+        report_decode(traces, args, wall, native_s)
 
 
-def report_decode(trace: list[dict], args, wall: float) -> None:
-    per_op, runs, run_us = op_times(trace, skip_runs=1, by_rows=args.moe)  # the prompt's run
+def report_decode(traces: list[list[dict]], args, wall: float, native_s: dict[str, float]) -> None:
+    """ORT's table over every session's trace; with ``--default``, native's, and the token's time split between
+    ORT, native and the rest."""
+    per_op: dict[str, float] = defaultdict(float)
+    runs, run_us = 0, 0.0
+    for trace in traces:
+        ops, n, us = op_times(trace, skip_runs=1, by_rows=args.moe)  # the prompt's run
+        runs, run_us = runs + n, run_us + us
+        for op, op_us in ops.items():
+            per_op[op] += op_us
     node_us = sum(per_op.values())
     print(f"{args.model}: tg{args.tg} {args.tg / wall:.1f} t/s, {1e3 * wall / args.tg:.2f} ms/token; "
           f"{runs} session runs: {run_us / 1e3 / max(runs, 1):.2f} ms/run in ORT "
           f"({100 * run_us / 1e6 / wall:.0f}% of the wall time), kernels {node_us / 1e3 / max(runs, 1):.2f} ms/run")
-    print_table(per_op, runs, "ms/token")
+    print_table(per_op, args.tg, "ms/token")  # a token may take several session runs (one per split)
+    if native_s:
+        ort_ms, native_ms, token_ms = run_us / 1e3 / args.tg, 1e3 * sum(native_s.values()) / args.tg, 1e3 * wall / args.tg
+        print(f"\nnative programs: {native_ms:.2f} ms/token; per token: ORT runs {ort_ms:.2f} ms, native "
+              f"{native_ms:.2f} ms, the rest (Python, scheduler, copies between them) {token_ms - ort_ms - native_ms:.2f} ms")
+        print_table({op: 1e6 * s for op, s in native_s.items()}, args.tg, "ms/token")
 
 
 def report_prompt(trace: list[dict], args, wall: float, repetitions: int) -> None:

@@ -1,6 +1,7 @@
 """The native backend's repacked-weight cache: a second load maps every repacked weight from the entry and computes
 the same logits as a load without a cache; a damaged entry is rebuilt, never trusted; `llmfw models` lists it and
-`--prune` removes it."""
+`--prune` removes it; a first load streams (its peak memory is a cached load's, not the whole model repacked in
+memory on top of the file's pages)."""
 from __future__ import annotations
 
 import json
@@ -12,6 +13,7 @@ import pytest
 import llmfw
 
 from support.tiny_cli import invoke, write_tiny_model
+from support.moe_file import measure_load
 from support.native import kernels_or_skip
 
 kernels_or_skip()
@@ -139,3 +141,14 @@ def test_a_stored_weight_of_another_shape_is_repacked_again(big_model, tmp_path,
     assert converted == 1
     np.testing.assert_array_equal(logits, fresh_logits)
     assert load_and_score(big_model, root)[2] == 0
+
+
+def test_a_first_load_adds_no_more_memory_than_a_cached_one(tmp_path):
+    """Each tensor is repacked, spilled to the cache's scratch file and its file pages dropped, so the first load's
+    peak is the cached load's (both end with the entry mapped): not the repacked model in anonymous memory on top
+    of the file's pages, which cost another ~1.1x the file before."""
+    model = write_tiny_model(tmp_path / "wide.gguf", n_ff=180224, quantized_ffn=True)  # 37 MB, 6 MB matrices
+    env = {"LLMFW_NATIVE_CACHE_DIR": str(tmp_path / "cache")}
+    first = measure_load(model, "native", env)
+    cached = measure_load(model, "native", env)
+    assert first["added"] - cached["added"] <= 0.25 * model.stat().st_size, (first, cached)

@@ -140,8 +140,9 @@ import json, sys
 import llmfw
 from llmfw.core.exec.backend import backend_class, backend_options_from_environment
 import os
-backend = sys.argv[2]
-backend_class(backend).check_available(None)
+from llmfw.core.exec.backend import default_backend_spec
+backend = sys.argv[2] or None  # "": the default backend
+backend_class(backend or default_backend_spec()).check_available(None)  # its libraries imported before the base
 def rss():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -157,8 +158,10 @@ print(json.dumps({"rss_base": base, "rss_after": after, "rss_peak": peak}))
 
 
 def measure_load(model: Path, backend: str, env: dict[str, str]) -> dict:
-    """Load ``model`` on ``backend`` in a fresh process; its RSS record plus ``added`` and ``ratio``."""
-    out = subprocess.run([sys.executable, "-c", _MEASURE, str(model), backend], env={**os.environ, **env},
+    """Load ``model`` on ``backend`` ("default": none named) in a fresh process; its RSS record plus ``added``
+    and ``ratio``."""
+    named = "" if backend == "default" else backend
+    out = subprocess.run([sys.executable, "-c", _MEASURE, str(model), named], env={**os.environ, **env},
                          capture_output=True, text=True, check=False)
     if out.returncode:
         raise RuntimeError(f"{backend} load failed:\n{out.stderr[-3000:]}")

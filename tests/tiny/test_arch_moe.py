@@ -21,6 +21,7 @@ from reference_gen.arch_specs import MOE_MODELS, SPECS
 from reference_gen.arch_testing import (BAR, SAME_LOGITS_ATOL, assert_clears_bar, check_tokenization, decode_all,
                                         longest, model_file, records, reference)
 from reference_gen.variant_files import write_variant
+from support.native import kernels_or_skip
 
 import llmfw
 from llmfw.core.backend import WeightSource
@@ -30,7 +31,8 @@ from llmfw.core.quants import GGMLType, quantize
 from llmfw.plugins.backends.numpy.moe import mul_mat_id
 
 MODELS = sorted(MOE_MODELS.values())
-BACKENDS = ["numpy", "onnx", "native"]
+#: "default": no backend named — onnx, which leaves the expert weights (and the nodes reading them) to native
+BACKENDS = ["numpy", "onnx", "native", "default"]
 #: (model, backend) of the whole-model tests
 CASES = [(name, backend) for backend in BACKENDS for name in MODELS]
 UBATCH = 32
@@ -52,7 +54,8 @@ def models(tmp_path_factory):
     directory = tmp_path_factory.mktemp("moe")
     loaded = {}
     yield lambda name, backend: loaded.setdefault(
-        (name, backend), llmfw.load_model(model_file(name, directory), backend=backend))
+        (name, backend), llmfw.load_model(model_file(name, directory),
+                                          backend=None if backend == "default" else backend))
     for model in loaded.values():
         model.close()
 
@@ -80,6 +83,63 @@ def test_ubatches_of_32_give_the_same_logits(models, score, name, backend):
         assert np.array_equal(whole, split)
     elif name not in ONNX_CHUNKED_DELTA:
         assert np.abs(whole - split).max() <= ONNX_UBATCH_ATOL
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_the_default_backend_leaves_the_experts_to_native(models, name):
+    """onnx (the default) places every expert weight and expert bias on native, keeps the rest, and says so; asked
+    for by name, onnx keeps them and runs its own expert dispatch."""
+    kernels_or_skip()
+    default = models(name, "default")
+    experts = [w for w in default.weight_sources if "_exps." in w]
+    assert experts and {default.weight_backend(w).name for w in experts} == {"native"}
+    assert default.weight_backend("output_norm.weight").name == "onnx"
+    assert "mul_mat_id weights on native" in default.describe()
+    named = models(name, "onnx")
+    assert {named.weight_backend(w).name for w in experts} == {"onnx"} and "native" not in named.describe()
+
+
+def test_the_experts_stay_on_the_default_when_its_delegate_declines_or_is_missing(tmp_path, score):
+    """A default whose delegate declines the expert nodes (a native build without ``mul_mat_id``), or cannot run
+    here, keeps the experts and runs its own dispatch: the load still clears the bar."""
+    from llmfw.core.errors import BackendUnavailable
+    from llmfw.core.plugins import registry, reset_plugin_manager
+    from llmfw.plugins.backends.native import NativeBackend
+    from llmfw.plugins.backends.onnx import OnnxBackend
+
+    kernels_or_skip()
+
+    class NativeWithoutExperts(NativeBackend):
+        name = "native-without-experts"
+        supported_ops = NativeBackend.supported_ops - {"mul_mat_id"}
+
+    class Missing(NativeBackend):
+        name = "missing"
+
+        @classmethod
+        def check_available(cls, device=None):
+            raise BackendUnavailable("missing: not built here")
+
+    record = longest(reference("qwen3moe"))
+    path = model_file("qwen3moe", tmp_path)
+    for delegate in ("native-without-experts", "missing"):
+        class OnnxFirst(OnnxBackend):
+            name = "onnx-first"
+            default_priority = {"cpu": 5000}
+            delegated_weights = {"mul_mat_id": delegate}
+
+        reset_plugin_manager()
+        try:
+            for cls in (NativeWithoutExperts, Missing, OnnxFirst):
+                registry("backends").register(cls.name, cls)
+            with llmfw.load_model(path) as model:
+                assert model.backend_choice.startswith("onnx-first (the default")
+                assert model.weight_backend("blk.0.ffn_down_exps.weight").name == "onnx-first", delegate
+                assert "weights on" not in model.describe()
+                logits = decode_all(model, record["sequence"], n_ctx=record["n_ctx"])
+                assert_clears_bar(score, record, logits, f"qwen3moe, the experts kept from {delegate}")
+        finally:
+            reset_plugin_manager()
 
 
 @pytest.mark.parametrize("name", MODELS)

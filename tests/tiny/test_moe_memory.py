@@ -3,9 +3,12 @@
 and a load that cannot fit is refused before anything is allocated.
 
 numpy keeps the experts as the file's blocks (decoded when a token picks them): the load adds at most 1.3x the
-file, with room for allocator noise. onnx converts every expert into ONNX Runtime's MatMulNBits form, which is
-larger than a K-quant block (float scales, block sums; docs/benchmarks.md, MoE memory): its bounds only guard
-against a regression. benchmarks/moe_memory.py measures the same on a file of at least 1 GB.
+file, with room for allocator noise. The default backend (onnx) leaves the experts to the native backend, which
+repacks them streaming into its cache and maps them (a token touches the pages of the experts it picks): at most
+1.3x too, on the first load (repacking, cache empty) and on a cached one. onnx asked for by name converts every
+expert into ONNX Runtime's MatMulNBits form, which is larger than a K-quant block (float scales, block sums;
+docs/benchmarks.md, MoE memory): its bounds only guard against a regression. benchmarks/moe_memory.py measures
+the same on a file of at least 1 GB.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from llmfw.core.errors import ConfigError, InsufficientMemory
 from llmfw.core.runtime.memory_fit import MEMORY_ENV, parse_size
 from llmfw.commands.bench_measure import current_rss
 from support.moe_file import MoeFileShape, measure_load, write_moe_file
+from support.native import kernels_or_skip
 
 SHAPE = MoeFileShape(n_layer=1, n_embd=1024, n_head=8, n_head_kv=2, n_expert=128, n_expert_used=4, n_ff_exp=512)
 #: the issue's bound on (peak RSS - RSS before the load) / file size
@@ -39,6 +43,16 @@ def test_onnx_load_memory_does_not_regress(moe_file, tmp_path):
     record = measure_load(moe_file, "onnx", {"LLMFW_ONNX_CACHE_DIR": str(tmp_path / "cache")})
     assert record["after_ratio"] <= ONNX_AFTER_GUARD, record
     assert record["ratio"] <= ONNX_PEAK_GUARD, record
+
+
+# the default today: 0.88x at the first load's peak (one expert tensor repacked beside its file pages), 0.43x
+# cached, 0.38x after either; held to the issue's bound, with room for noise
+def test_the_default_load_adds_at_most_1_3x_the_file(moe_file, tmp_path):
+    kernels_or_skip()
+    env = {"LLMFW_ONNX_CACHE_DIR": str(tmp_path / "onnx"), "LLMFW_NATIVE_CACHE_DIR": str(tmp_path / "native")}
+    first = measure_load(moe_file, "default", env)
+    cached = measure_load(moe_file, "default", env)
+    assert first["ratio"] <= RATIO_BOUND and cached["ratio"] <= RATIO_BOUND, (first, cached)
 
 
 @pytest.mark.parametrize("backend", ["numpy", "onnx"])

@@ -188,6 +188,10 @@ class Backend(ABC):
     #: the highest-priority device whose :meth:`default_unavailable_reason` is None; no entry = never chosen
     #: by default (only when asked for by name)
     default_priority: ClassVar[Mapping[str, int]] = {}
+    #: weight usage (a TensorSpec's ``usage``) → the backend spec this backend would rather leave such weights
+    #: to when it is the default: the model places them there when that backend runs here and takes them (the
+    #: scheduler runs the nodes reading them there too), else keeps them here
+    delegated_weights: ClassVar[Mapping[str, str]] = {}
     #: fusions this backend implements as ops of its own: the core's pass manager applies them to the nodes
     #: placed here (core/ir/passes.py), and :meth:`compile` then sees the rule's ``op``
     rewrite_rules: ClassVar[tuple[RewriteRule, ...]] = ()

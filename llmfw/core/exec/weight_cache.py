@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap
 import os
 import shutil
 import tempfile
@@ -29,7 +30,8 @@ from typing import Any, Callable, Generic, Mapping, TypeVar
 
 import numpy as np
 
-from llmfw.core.exec.backend import BackendOptions, WeightSource
+from llmfw.core.exec.backend import BackendOptions, WeightSource, release_freed_memory
+from llmfw.core.format.mapped_pages import drop_mapped_pages
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +42,8 @@ MAX_ENTRIES = 4
 #: files smaller than this convert about as fast as their cache entry is read: not cached
 MIN_FILE_BYTES = 8 << 20
 _ALIGN = 64
+#: arrays smaller than this stay in memory while a load spools (a mapping each would cost more than they do)
+_SPOOL_MIN_BYTES = 1 << 16
 _INDEX, _BLOB = "index.json", "weights.bin"
 
 
@@ -248,6 +252,7 @@ class ConvertedCache(ABC, Generic[W]):
                     blob.write(b"\0" * pad)
                     offset += pad
                     blob.write(contiguous.reshape(-1).view(np.uint8).data)
+                    drop_mapped_pages(contiguous)  # a spooled or mapped array: its pages were read only to copy
                     stored[id(array)] = (offset, contiguous)
                     offset += contiguous.nbytes
             blob.flush()
@@ -272,15 +277,72 @@ class ConvertedCache(ABC, Generic[W]):
             shutil.rmtree(stale, ignore_errors=True)
 
 
+class Spool:
+    """Converted arrays written to a scratch file as they are made and mapped back read-only, so that a load
+    that converts holds one weight's conversion in anonymous memory at a time, not the whole model's; the cache
+    entry is then written from here. The file has no name (``O_TMPFILE`` where the system has it): it goes with
+    the last mapping of it, whether the load finishes or fails."""
+
+    def __init__(self, root: Path):
+        root.mkdir(parents=True, exist_ok=True)
+        self.file = tempfile.TemporaryFile(dir=root)
+        self.offset = 0
+        self.mappings: list[mmap.mmap] = []
+
+    @classmethod
+    def open(cls, root: Path) -> "Spool | None":
+        try:
+            return cls(root)
+        except OSError as exc:
+            log.info("converted weights held in memory while loading (no scratch file in %s: %s)", root, exc)
+            return None
+
+    def spill(self, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """``arrays`` written out and seen as read-only views of one mapping of the file (small ones as they
+        are: one mapping per weight, not per array, keeps a model of many experts under the system's count of
+        mappings); OSError when the file cannot take them."""
+        release_freed_memory()  # the conversion buffers of the weights spilled before, freed by now
+        large = {field: np.ascontiguousarray(a) for field, a in arrays.items() if a.nbytes >= _SPOOL_MIN_BYTES}
+        if not large:
+            return dict(arrays)
+        start = -(-self.offset // mmap.ALLOCATIONGRANULARITY) * mmap.ALLOCATIONGRANULARITY  # a mapping's offset
+        at: dict[str, int] = {}
+        end = start
+        for field, array in large.items():
+            end += -end % _ALIGN
+            self.file.seek(end)
+            self.file.write(array.reshape(-1).view(np.uint8).data)
+            at[field], end = end - start, end + array.nbytes
+        self.file.flush()
+        self.offset = end
+        mapping = mmap.mmap(self.file.fileno(), end - start, offset=start, access=mmap.ACCESS_READ)
+        self.mappings.append(mapping)
+        # each view's base is the mapping itself, so slices of it (a fused weight's parts) stay views of the view
+        return {field: np.ndarray(large[field].shape, large[field].dtype, buffer=mapping, offset=at[field])
+                if field in large else array for field, array in arrays.items()}
+
+    def drop_pages(self) -> None:
+        """Every spilled array's pages out of RSS (read back from the page cache when touched again)."""
+        for mapping in self.mappings:
+            drop_mapped_pages(np.frombuffer(mapping, dtype=np.uint8))
+
+    def close(self) -> None:
+        """The file closed: the mappings of it stay valid for as long as arrays view them."""
+        self.mappings.clear()
+        self.file.close()
+
+
 class CachedLoad(Generic[W]):
     """One model file's weights loaded through its cache entry: restored where the entry has them, converted
-    (and the entry rewritten at the end) where it does not."""
+    (and the entry rewritten at the end) where it does not. A converted weight is spilled to a :class:`Spool`
+    at once, so the load's memory stays near one weight's conversion above what a cached load maps."""
 
     def __init__(self, cache: ConvertedCache[W] | None):
         self.cache = cache
         self.restored = cache.restore() if cache is not None else {}
         self.keys: dict[str, list[Any]] = {}
         self.converted = 0
+        self.spool: Spool | None = None
 
     def load(self, source: WeightSource, convert: Callable[[WeightSource], W]) -> W:
         key = self.keys[source.name] = source_key(source)
@@ -288,7 +350,7 @@ class CachedLoad(Generic[W]):
         if cached is not None and cached.key == key:
             return cached.weight
         self.converted += 1
-        return convert(source)
+        return self._spilled(convert(source))
 
     def fused(self, name: str, parts: tuple[str, ...], fuse: Callable[[], W]) -> W:
         """A fused weight (core/ir/passes.py) of ``parts``: restored when stored for these very parts, else built."""
@@ -297,7 +359,25 @@ class CachedLoad(Generic[W]):
         if cached is not None and cached.key == key:
             return cached.weight
         self.converted += 1
-        return fuse()
+        fused = self._spilled(fuse())
+        if self.spool is not None:
+            self.spool.drop_pages()  # the parts' pages, read to stack them
+        return fused
+
+    def _spilled(self, weight: W) -> W:
+        """``weight`` with its arrays spilled to the spool (as it is without a cache entry to write, or when the
+        spool fails: then the load holds its conversions in memory, as it would without one)."""
+        if self.cache is None:
+            return weight
+        if self.spool is None:
+            self.spool = Spool.open(self.cache.root)
+            if self.spool is None:
+                return weight
+        try:
+            return self.cache.weight_of(self.cache.meta_of(weight), self.spool.spill(self.cache.arrays_of(weight)))
+        except OSError as exc:
+            log.info("%s: converted weights held in memory while loading (%s)", self.cache.label, exc)
+            return weight
 
     @property
     def blob(self) -> MappedBlob | None:
@@ -313,6 +393,8 @@ class CachedLoad(Generic[W]):
             return {}
         self.cache.store({name: CachedWeight(key, weights[name]) for name, key in self.keys.items()
                           if name in weights})
+        if self.spool is not None:
+            self.spool.close()
         return {name: cached.weight for name, cached in self.cache.restore().items()
                 if name in weights and cached.key == self.keys.get(name)}
 

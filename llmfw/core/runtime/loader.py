@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from ..errors import LoadCancelled, ModelError
+from ..format.mapped_pages import drop_mapped_pages
 from ..format.metadata import MetadataView as MetadataView  # its old home: still importable from here
 
 if TYPE_CHECKING:
@@ -147,6 +148,7 @@ class ModelFileLoader(ABC):
                                       self.tensor_bytes(load.file_tensor), frozenset({load.usage}),
                                       lasting=partial(self.lasting_tensor_bytes, load.file_tensor))
             handle = load.backend.load_weight(source)
+            drop_mapped_pages(source.raw)  # converted (or copied): its file pages need not stay resident
             load.backend.weights[load.name] = handle
             handles[load.name] = handle
             done += size

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..arch.architecture import INPUT_LAYER, OUTPUT_LAYER, Architecture, TensorSpec, get_architecture
 from ..exec.backend import Backend, check_backend_options, choose_default_backend, choose_host_backend, create_backend
-from ..errors import MissingMetadataKey, ModelError, UnsupportedVariant
+from ..errors import BackendUnavailable, MissingMetadataKey, ModelError, UnsupportedVariant
 from ..format.quants import GGMLType
 from ..validation import validation_error_message
 from ..ir.hparams import HParams, make_hparams, read_common_hparams
@@ -30,6 +30,7 @@ from ..ir.passes import prepare_fused_weights, representative_graph
 from ..tokenizer.vocab import Vocab
 
 if TYPE_CHECKING:
+    from ..ir.graph import Node
     from .context import Context, ContextParams
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,8 @@ class Model:
         self.host_backend: Backend | None = None
         #: which backend runs the model and why (``llmfw run -v``): "onnx (default: ...)" or "numpy (asked for)"
         self.backend_choice = ""
+        #: weight usage → the backend spec the default backend left those weights to (Backend.delegated_weights)
+        self.delegated: dict[str, str] = {}
         self.closed = False
         self._sha256: str | None = None
 
@@ -194,8 +197,10 @@ class Model:
     def describe(self) -> str:
         n_params = self.n_params
         placement = ", ".join(sorted(set(self.layer_specs))) or "-"
+        delegated = "".join(f", {', '.join(sorted(u for u, s in self.delegated.items() if s == spec))} weights on "
+                            f"{spec}" for spec in sorted(set(self.delegated.values())))
         return (f"{self.path.name}: arch {self.arch_name}, {self.n_layer} layers, n_embd {self.n_embd}, "
-                f"n_vocab {self.n_vocab}, {n_params / 1e6:.1f}M params, backends {placement}")
+                f"n_vocab {self.n_vocab}, {n_params / 1e6:.1f}M params, backends {placement}{delegated}")
 
     def close(self) -> None:
         """Drop the weights on every backend (the model cannot be used afterwards)."""
@@ -311,12 +316,15 @@ def _build_model(loader: ModelFileLoader, path: Path, params: ModelParams) -> Mo
         try:
             default = _place_layers(model, params, declined)
             loads = plan_weights(model, loader, specs)
+            if default is not None:
+                _delegate_weights(model, loads, params, declined)
             for load in loads:
                 model._weights[load.name] = (load.backend, _spec_layer(hparams, load.layer))
                 model.weight_sources[load.name] = (load.source_name, load.ne)
             refusal = _declining_backend(model, loader, loads)
-            if refusal is not None and refusal[0] == default:
-                declined[default] = refusal[1]  # the next default by priority, with a fresh model
+            if refusal is not None and (refusal[0] == default or refusal[0] in model.delegated.values()):
+                # the next default by priority, or the default keeping the weights it delegated: a fresh model
+                declined[refusal[0]] = refusal[1]
                 model.close()
                 continue
             if refusal is not None:
@@ -339,15 +347,39 @@ def _declining_backend(model: Model, loader: ModelFileLoader, loads: list[Weight
     graph = representative_graph(model)
     if graph is None:  # the architecture cannot build it now: the first decode reports why
         return None
+    def runs_on(node: Node) -> Backend:  # the scheduler's rule: a node reading a weight runs where it lives
+        weights = [inp for inp in node.inputs if inp.op == "weight"]
+        return model.weight_backend(weights[0].attr_str("name")) if weights else model.layer_backend(node.layer)
+
     for spec, backend in model.backends.items():
         ops = frozenset(node.op for node in graph.nodes if node.op not in ("input", "weight")
-                        and model.layer_backend(node.layer) is backend)
+                        and runs_on(node) is backend)
         types = {load.name: (loader.tensor_record(load.file_tensor).ggml_type if load.generated is None
                              else int(GGMLType.F32)) for load in loads if load.backend is backend}
         reason = backend.decline_reason(ops, types)
         if reason is not None:
             return spec, reason
     return None
+
+
+def _delegate_weights(model: Model, loads: list[WeightLoad], params: ModelParams,
+                      declined: Mapping[str, str]) -> None:
+    """Move the weights the default backend would rather leave to another (:attr:`Backend.delegated_weights`:
+    onnx's experts to native) to that backend, when it runs here and has not declined this model."""
+    unavailable: set[str] = set()
+    for load in loads:
+        spec = load.backend.delegated_weights.get(load.usage)
+        if spec is None or spec in declined or spec in unavailable:
+            continue
+        if spec not in model.backends:
+            try:
+                model.backends[spec] = create_backend(spec, params.backend_options)
+            except BackendUnavailable as exc:
+                log.info("%s weights stay on the default backend: %s", load.usage, exc)
+                unavailable.add(spec)
+                continue
+        load.backend = model.backends[spec]
+        model.delegated[load.usage] = spec
 
 
 @contextmanager

@@ -11,6 +11,7 @@ from typing import Callable
 import numpy as np
 
 from llmfw.core.errors import QuantError
+from llmfw.core.format.mapped_pages import drop_mapped_pages
 from llmfw.core.format.quants import (IQ4_LEVELS, MXFP4_VALUES, GGMLType, _f16_at, _five_bit_quants, _k4_scales_mins,
                                       _q3_k_scales, _unpack_fields, block_view, iq4_xs_scales, mxfp4_codes,
                                       mxfp4_scales)
@@ -251,6 +252,7 @@ def repack(raw: np.ndarray, ggml_type: int, ne: tuple[int, ...]) -> PackedWeight
         stop = min(start + _CHUNK_ROWS, n_rows)
         with np.errstate(invalid="ignore", over="ignore"):  # NaN/inf scales stay NaN/inf, as in the oracle
             codes = layout.decode(per_row[start:stop])
+        drop_mapped_pages(per_row[start:stop])  # read: a mapped file's pages need not stay resident
         _place(out, start, codes, layout, nb)
     return PackedWeight(layout.kind, n_rows, n_cols, layout.n_scales, layout.has_offsets,
                         np.ascontiguousarray(layout.table, dtype=np.int8), out.reshape(-1), int(qtype))

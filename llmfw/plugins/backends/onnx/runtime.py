@@ -95,6 +95,10 @@ class OnnxBackend(Backend):
     requires = ("onnxruntime", "onnx")
     #: the default on a CPU: it decodes about twice as fast as numpy or torch there (docs/benchmarks.md)
     default_priority = {"cpu": 200}
+    #: the experts of a mixture-of-experts model go to our own kernels where they are built: ONNX Runtime's
+    #: dispatch has one node per expert (each called, used or not) and prepacks every expert at load
+    #: (docs/benchmarks.md, MoE memory and speed); without them onnx keeps its own dispatch (moe.py)
+    delegated_weights = {"mul_mat_id": "native", "add_id": "native"}
 
     options_schema = OnnxOptions
     environment_options = {"LLMFW_ONNX_PROFILE": "profile", "LLMFW_ONNX_SPIN": "spin", "LLMFW_ONNX_DUMP": "dump",
