@@ -70,12 +70,6 @@ void nat_quantize_rows(const float *x, int64_t m, int64_t k, nat_qact *a, int64_
     }
 }
 
-static inline int8_t weight_code(const nat_weight *w, const uint8_t *codes, int j) {
-    if (w->kind == NAT_QBYTE) return (int8_t)codes[j];
-    uint8_t byte = codes[j & 15];
-    return w->table[j < 16 ? (byte & 15) : (byte >> 4)];
-}
-
 void nat_qgemm_scalar(const nat_weight *w, const nat_qact *a, int64_t m, float *y, int64_t g0, int64_t g1) {
     int64_t nb = w->n_cols / NAT_BLOCK, n = w->n_rows;
     size_t cb = nat_code_bytes(w), bb = nat_block_bytes(w);
@@ -92,10 +86,9 @@ void nat_qgemm_scalar(const nat_weight *w, const nat_qact *a, int64_t m, float *
                 float da = a->d[i * nb + b];
                 float a0 = (float)a->sums[(i * nb + b) * 2], a1 = (float)a->sums[(i * nb + b) * 2 + 1];
                 for (int r = 0; r < NAT_ROWS; r++) {
-                    const uint8_t *codes = blk + r * cb;
                     int32_t i0 = 0, i1 = 0;
-                    for (int j = 0; j < 16; j++) i0 += weight_code(w, codes, j) * aq[j];
-                    for (int j = 16; j < 32; j++) i1 += weight_code(w, codes, j) * aq[j];
+                    for (int j = 0; j < 16; j++) i0 += nat_code_at(w, blk, r, j) * aq[j];
+                    for (int j = 16; j < 32; j++) i1 += nat_code_at(w, blk, r, j) * aq[j];
                     float v = p.s0[r] * (float)i0;
                     float t = p.s1[r] * (float)i1;
                     v = v + t;
