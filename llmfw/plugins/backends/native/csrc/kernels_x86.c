@@ -13,10 +13,11 @@
 #define INLINE static inline __attribute__((always_inline))
 
 /* How a weight's codes enter the byte dot products, a constant of each specialised kernel.
- * NIB_LINEAR: 4-bit codes whose table is table[0] + index (Q4_0, Q4_1, Q2_K, Q3_K, Q4_K): the unsigned index
- *   itself, table[0] * A added back (A: the activation codes' half sum); NIB_TABLE: 4-bit codes through a
- *   non-linear table (IQ4_NL, IQ4_XS, MXFP4), looked up with vpshufb; BYTE: 8-bit codes. */
-enum code_form { NIB_LINEAR, NIB_TABLE, BYTE };
+ * NIB_INDEX, NIB_LINEAR: 4-bit codes whose table is table[0] + index, table[0] zero (Q4_1, Q2_K, Q4_K) or not
+ *   (Q4_0, Q3_K): the unsigned index itself, table[0] * A added back (A: the activation codes' half sum);
+ * NIB_TABLE: 4-bit codes through a non-linear table (IQ4_NL, IQ4_XS, MXFP4), looked up with vpshufb;
+ * BYTE: 8-bit codes. */
+enum code_form { NIB_INDEX, NIB_LINEAR, NIB_TABLE, BYTE };
 
 /* What an ISA path needs of a weight: its code form, the lookup table it uses (both 128-bit lanes), and base:
  * a half's integer dot product i = (dot product of the path's operand bytes with the activation codes) + base*A. */
@@ -30,7 +31,7 @@ static int code_form_of(const nat_weight *w) {
     if (w->kind == NAT_QBYTE) return BYTE;
     for (int c = 1; c < 16; c++)
         if (w->table[c] != w->table[0] + c) return NIB_TABLE;
-    return NIB_LINEAR;
+    return w->table[0] ? NIB_LINEAR : NIB_INDEX;
 }
 
 TARGET INLINE __m256i broadcast_word(const int8_t *p) {
@@ -40,8 +41,8 @@ TARGET INLINE __m256i broadcast_word(const int8_t *p) {
 }
 
 /* a block's 8 code chunks (native.h), chunk c against activation bytes 4c..4c+3: nibble indices (the table not
- * yet applied) or int8 codes */
-TARGET INLINE void load_chunks(const uint8_t *codes, int form, __m256i chunk[8]) {
+ * yet applied; with high16, those of chunks 4-7 stay in the high nibble: 16 * index) or int8 codes */
+TARGET INLINE void load_chunks(const uint8_t *codes, int form, int high16, __m256i chunk[8]) {
     if (form == BYTE) {
         for (int c = 0; c < 8; c++) chunk[c] = _mm256_loadu_si256((const __m256i *)(codes + 32 * c));
         return;
@@ -50,7 +51,8 @@ TARGET INLINE void load_chunks(const uint8_t *codes, int form, __m256i chunk[8])
     for (int c = 0; c < 4; c++) {
         __m256i packed = _mm256_loadu_si256((const __m256i *)(codes + 32 * c));
         chunk[c] = _mm256_and_si256(packed, low4);
-        chunk[c + 4] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+        chunk[c + 4] = high16 ? _mm256_andnot_si256(low4, packed)
+                              : _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
     }
 }
 
@@ -80,11 +82,12 @@ TARGET static inline void store_rows(float *y, int64_t n, int64_t i, int64_t g, 
 #define M_TILE 4
 
 /* The quantized matmul of one ISA path (NAME): per row group, per tile of up to M_TILE activation rows, per block,
- * OPERANDS(form, table, chunk, signs) turns the 8 code chunks into the path's operands once, and
- * HALF_DOT(form, chunk, signs, aq) gives the 8 rows' dot products of 4 chunks with 16 activation codes. Each
- * (code form, offsets, tile size) gets its own copy of the loops, the branches on them compiled away; a row's
- * arithmetic is the same in every tile, so nothing depends on M. Exact integers: only the instructions differ. */
-#define QGEMM_PATH(ATTR, NAME, OPERANDS, HALF_DOT)                                                                 \
+ * the 8 code chunks are loaded (HIGH16(form): keep the high nibbles in place) and OPERANDS(form, table, chunk,
+ * signs) turns them into the path's operands once; HALF_DOT(form, half, chunk, signs, aq) gives the 8 rows' dot
+ * products of a half's 4 chunks with its 16 activation codes. Each (code form, offsets, tile size) gets its own
+ * copy of the loops, the branches on them compiled away; a row's arithmetic is the same in every tile, so nothing
+ * depends on M. Exact integers: only the instructions differ. */
+#define QGEMM_PATH(ATTR, NAME, HIGH16, OPERANDS, HALF_DOT)                                                         \
     ATTR INLINE void NAME##_tile(const nat_weight *w, const nat_qact *a, const code_plan *plan, int form,           \
                                  int offsets, int rows, int64_t i0, int64_t g, float *y) {                          \
         int64_t nb = w->n_cols / NAT_BLOCK;                                                                        \
@@ -95,16 +98,19 @@ TARGET static inline void store_rows(float *y, int64_t n, int64_t i, int64_t g, 
         for (int64_t b = 0; b < nb; b++) {                                                                         \
             const uint8_t *blk = group + b * bb;                                                                   \
             __m256i chunk[8], signs[8];                                                                            \
-            load_chunks(blk, form, chunk);                                                                         \
+            load_chunks(blk, form, HIGH16(form), chunk);                                                           \
             OPERANDS(form, plan->table, chunk, signs);                                                             \
             nat_params par = nat_block_params(w, (const float *)(blk + codes_bytes));                              \
             for (int t = 0; t < rows; t++) {                                                                       \
                 int64_t i = i0 + t;                                                                                \
                 const int8_t *aq = a->q + i * w->n_cols + b * NAT_BLOCK;                                           \
                 const int32_t *sums = a->sums + (i * nb + b) * 2;                                                  \
-                __m256i h0 = HALF_DOT(form, chunk, signs, aq), h1 = HALF_DOT(form, chunk + 4, signs + 4, aq + 16); \
-                h0 = _mm256_add_epi32(h0, _mm256_set1_epi32(plan->base * sums[0]));                                \
-                h1 = _mm256_add_epi32(h1, _mm256_set1_epi32(plan->base * sums[1]));                                \
+                __m256i h0 = HALF_DOT(form, 0, chunk, signs, aq);                                                  \
+                __m256i h1 = HALF_DOT(form, 1, chunk + 4, signs + 4, aq + 16);                                     \
+                if (form != NIB_INDEX) {                                                                           \
+                    h0 = _mm256_add_epi32(h0, _mm256_set1_epi32(plan->base * sums[0]));                            \
+                    h1 = _mm256_add_epi32(h1, _mm256_set1_epi32(plan->base * sums[1]));                            \
+                }                                                                                                  \
                 acc[t] = combine(acc[t], par, offsets, h0, h1, a->d[i * nb + b], (float)sums[0], (float)sums[1]);  \
             }                                                                                                      \
         }                                                                                                          \
@@ -126,12 +132,15 @@ TARGET static inline void store_rows(float *y, int64_t n, int64_t i, int64_t g, 
                                int64_t g1) {                                                                       \
         code_plan plan = NAME##_plan(w);                                                                           \
         int offsets = w->has_offsets != 0;                                                                         \
-        if (plan.form == NIB_LINEAR && offsets) NAME##_groups(w, a, &plan, NIB_LINEAR, 1, m, y, g0, g1);           \
-        else if (plan.form == NIB_LINEAR) NAME##_groups(w, a, &plan, NIB_LINEAR, 0, m, y, g0, g1);                 \
-        else if (plan.form == NIB_TABLE && offsets) NAME##_groups(w, a, &plan, NIB_TABLE, 1, m, y, g0, g1);        \
-        else if (plan.form == NIB_TABLE) NAME##_groups(w, a, &plan, NIB_TABLE, 0, m, y, g0, g1);                   \
-        else if (offsets) NAME##_groups(w, a, &plan, BYTE, 1, m, y, g0, g1);                                       \
-        else NAME##_groups(w, a, &plan, BYTE, 0, m, y, g0, g1);                                                    \
+        FOR_FORM(NAME, NIB_INDEX) FOR_FORM(NAME, NIB_LINEAR) FOR_FORM(NAME, NIB_TABLE) FOR_FORM(NAME, BYTE)        \
+    }
+
+/* the kernel specialised for code form FORM, with or without offsets (inside nat_qgemm_NAME) */
+#define FOR_FORM(NAME, FORM)                                                    \
+    if (plan.form == FORM) {                                                    \
+        if (offsets) NAME##_groups(w, a, &plan, FORM, 1, m, y, g0, g1);         \
+        else NAME##_groups(w, a, &plan, FORM, 0, m, y, g0, g1);                 \
+        return;                                                                 \
     }
 
 /* AVX2: vpmaddubsw multiplies unsigned by signed bytes into saturating 16-bit pair sums. Nibble indices (<= 15)
@@ -140,23 +149,28 @@ TARGET static inline void store_rows(float *y, int64_t n, int64_t i, int64_t g, 
  * (at most 4 * 2 * 15 * 127) before one vpmaddwd. */
 TARGET static code_plan avx2_plan(const nat_weight *w) {
     code_plan plan = {code_form_of(w), 0, _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)w->table))};
-    if (plan.form == NIB_LINEAR) plan.base = w->table[0];
+    if (plan.form <= NIB_LINEAR) plan.base = w->table[0];
     return plan;
 }
 
+#define AVX2_HIGH16(form) 0
+
 TARGET INLINE void avx2_operands(int form, __m256i table, __m256i chunk[8], __m256i signs[8]) {
-    if (form == NIB_LINEAR) return;
+    if (form <= NIB_LINEAR) return;
     for (int c = 0; c < 8; c++) {
         signs[c] = form == NIB_TABLE ? _mm256_shuffle_epi8(table, chunk[c]) : chunk[c];
         chunk[c] = _mm256_abs_epi8(signs[c]);
     }
 }
 
-TARGET INLINE __m256i avx2_half_dot(int form, const __m256i *chunk, const __m256i *signs, const int8_t *aq) {
+TARGET INLINE __m256i avx2_half_dot(int form, int half, const __m256i *chunk, const __m256i *signs,
+                                    const int8_t *aq) {
+    (void)half;
     __m256i ones = _mm256_set1_epi16(1);
-    if (form == NIB_LINEAR) {
+    if (form <= NIB_LINEAR) {
         __m256i pairs = _mm256_maddubs_epi16(chunk[0], broadcast_word(aq));
-        for (int c = 1; c < 4; c++) pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(chunk[c], broadcast_word(aq + 4 * c)));
+        for (int c = 1; c < 4; c++)
+            pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(chunk[c], broadcast_word(aq + 4 * c)));
         return _mm256_madd_epi16(pairs, ones);
     }
     __m256i sum = _mm256_setzero_si256();
@@ -167,33 +181,36 @@ TARGET INLINE __m256i avx2_half_dot(int form, const __m256i *chunk, const __m256
     return sum;
 }
 
-QGEMM_PATH(TARGET, avx2, avx2_operands, avx2_half_dot)
+QGEMM_PATH(TARGET, avx2, AVX2_HIGH16, avx2_operands, avx2_half_dot)
 
 /* AVX-512 VNNI: vpdpbusd multiplies unsigned by signed bytes into 32-bit lanes, exactly. Nibble indices go in as
- * they are (base table[0]), other codes as w + 128 (a table of entries + 128, or one xor; base -128). */
+ * they are (base table[0]; the second half's as 16 * index, saving a shift per chunk, its sum shifted back once),
+ * other codes as w + 128 (a table of entries + 128, or one xor; base -128). */
 TARGET512 static code_plan avx512_plan(const nat_weight *w) {
     __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)w->table));
     code_plan plan = {code_form_of(w), -128, _mm256_xor_si256(table, _mm256_set1_epi8((char)0x80))};
-    if (plan.form == NIB_LINEAR) plan.base = w->table[0];
+    if (plan.form <= NIB_LINEAR) plan.base = w->table[0];
     return plan;
 }
 
+#define VNNI_HIGH16(form) ((form) <= NIB_LINEAR)
+
 TARGET512 INLINE void vnni_operands(int form, __m256i table, __m256i chunk[8], __m256i signs[8]) {
     (void)signs;
-    for (int c = 0; c < 8 && form != NIB_LINEAR; c++)
+    for (int c = 0; c < 8 && form > NIB_LINEAR; c++)
         chunk[c] = form == NIB_TABLE ? _mm256_shuffle_epi8(table, chunk[c])
                                      : _mm256_xor_si256(chunk[c], _mm256_set1_epi8((char)0x80));
 }
 
-TARGET512 INLINE __m256i vnni_half_dot(int form, const __m256i *chunk, const __m256i *signs, const int8_t *aq) {
-    (void)form;
+TARGET512 INLINE __m256i vnni_half_dot(int form, int half, const __m256i *chunk, const __m256i *signs,
+                                       const int8_t *aq) {
     (void)signs;
     __m256i sum = _mm256_dpbusd_epi32(_mm256_setzero_si256(), chunk[0], broadcast_word(aq));
     for (int c = 1; c < 4; c++) sum = _mm256_dpbusd_epi32(sum, chunk[c], broadcast_word(aq + 4 * c));
-    return sum;
+    return half && VNNI_HIGH16(form) ? _mm256_srai_epi32(sum, 4) : sum;
 }
 
-QGEMM_PATH(TARGET512, avx512, vnni_operands, vnni_half_dot)
+QGEMM_PATH(TARGET512, avx512, VNNI_HIGH16, vnni_operands, vnni_half_dot)
 
 /* 8 weights from element j of a row as float (zero past n_cols) */
 TARGET static inline __m256 load_weights8(const nat_weight *w, const uint8_t *row, int64_t j, int64_t k) {
