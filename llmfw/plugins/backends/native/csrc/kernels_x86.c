@@ -57,13 +57,15 @@ TARGET INLINE void load_chunks(const uint8_t *codes, int form, int high16, __m25
 }
 
 /* acc + da * (((s0*i0 + s1*i1) + o0*A0) + o1*A1) for the 8 rows of a group: shared by the AVX2 and AVX-512 paths */
-TARGET INLINE __m256 combine(__m256 acc, nat_params p, int offsets, __m256i i0, __m256i i1, float da, float a0,
-                             float a1) {
+TARGET INLINE __m256 combine(__m256 acc, nat_params p, int offsets, __m256i i0, __m256i i1, float da,
+                             const int32_t *sums) {
     __m256 v = _mm256_mul_ps(_mm256_loadu_ps(p.s0), _mm256_cvtepi32_ps(i0));
     v = _mm256_add_ps(v, _mm256_mul_ps(_mm256_loadu_ps(p.s1), _mm256_cvtepi32_ps(i1)));
-    if (offsets) {
-        v = _mm256_add_ps(v, _mm256_mul_ps(_mm256_loadu_ps(p.o0), _mm256_set1_ps(a0)));
-        v = _mm256_add_ps(v, _mm256_mul_ps(_mm256_loadu_ps(p.o1), _mm256_set1_ps(a1)));
+    if (offsets) {  /* A0, A1 broadcast as integers and converted in the vector unit: the same exact floats */
+        __m256 a0 = _mm256_cvtepi32_ps(_mm256_set1_epi32(sums[0]));
+        __m256 a1 = _mm256_cvtepi32_ps(_mm256_set1_epi32(sums[1]));
+        v = _mm256_add_ps(v, _mm256_mul_ps(_mm256_loadu_ps(p.o0), a0));
+        v = _mm256_add_ps(v, _mm256_mul_ps(_mm256_loadu_ps(p.o1), a1));
     }
     return _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(da), v));
 }
@@ -83,10 +85,10 @@ TARGET static inline void store_rows(float *y, int64_t n, int64_t i, int64_t g, 
 
 /* The quantized matmul of one ISA path (NAME): per row group, per tile of up to M_TILE activation rows, per block,
  * the 8 code chunks are loaded (HIGH16(form): keep the high nibbles in place) and OPERANDS(form, table, chunk,
- * signs) turns them into the path's operands once; HALF_DOT(form, half, chunk, signs, aq) gives the 8 rows' dot
- * products of a half's 4 chunks with its 16 activation codes. Each (code form, offsets, tile size) gets its own
- * copy of the loops, the branches on them compiled away; a row's arithmetic is the same in every tile, so nothing
- * depends on M. Exact integers: only the instructions differ. */
+ * signs) turns them into the path's operands once; HALF_DOT(form, half, chunk, signs, aq, extra) gives the 8 rows'
+ * dot products of a half's 4 chunks with its 16 activation codes, plus extra (base * A). Each (code form, offsets,
+ * tile size) gets its own copy of the loops, the branches on them compiled away; a row's arithmetic is the same in
+ * every tile, so nothing depends on M. Exact integers: only the instructions differ. */
 #define QGEMM_PATH(ATTR, NAME, HIGH16, OPERANDS, HALF_DOT)                                                         \
     ATTR INLINE void NAME##_tile(const nat_weight *w, const nat_qact *a, const code_plan *plan, int form,           \
                                  int offsets, int rows, int64_t i0, int64_t g, float *y) {                          \
@@ -105,13 +107,10 @@ TARGET static inline void store_rows(float *y, int64_t n, int64_t i, int64_t g, 
                 int64_t i = i0 + t;                                                                                \
                 const int8_t *aq = a->q + i * w->n_cols + b * NAT_BLOCK;                                           \
                 const int32_t *sums = a->sums + (i * nb + b) * 2;                                                  \
-                __m256i h0 = HALF_DOT(form, 0, chunk, signs, aq);                                                  \
-                __m256i h1 = HALF_DOT(form, 1, chunk + 4, signs + 4, aq + 16);                                     \
-                if (form != NIB_INDEX) {                                                                           \
-                    h0 = _mm256_add_epi32(h0, _mm256_set1_epi32(plan->base * sums[0]));                            \
-                    h1 = _mm256_add_epi32(h1, _mm256_set1_epi32(plan->base * sums[1]));                            \
-                }                                                                                                  \
-                acc[t] = combine(acc[t], par, offsets, h0, h1, a->d[i * nb + b], (float)sums[0], (float)sums[1]);  \
+                __m256i h0 = HALF_DOT(form, 0, chunk, signs, aq, form == NIB_INDEX ? 0 : plan->base * sums[0]);    \
+                __m256i h1 = HALF_DOT(form, 1, chunk + 4, signs + 4, aq + 16,                                      \
+                                      form == NIB_INDEX ? 0 : plan->base * sums[1]);                               \
+                acc[t] = combine(acc[t], par, offsets, h0, h1, a->d[i * nb + b], sums);                            \
             }                                                                                                      \
         }                                                                                                          \
         for (int t = 0; t < rows; t++) store_rows(y, w->n_rows, i0 + t, g, acc[t]);                                \
@@ -164,16 +163,15 @@ TARGET INLINE void avx2_operands(int form, __m256i table, __m256i chunk[8], __m2
 }
 
 TARGET INLINE __m256i avx2_half_dot(int form, int half, const __m256i *chunk, const __m256i *signs,
-                                    const int8_t *aq) {
+                                    const int8_t *aq, int32_t extra) {
     (void)half;
-    __m256i ones = _mm256_set1_epi16(1);
+    __m256i ones = _mm256_set1_epi16(1), sum = _mm256_set1_epi32(extra);
     if (form <= NIB_LINEAR) {
         __m256i pairs = _mm256_maddubs_epi16(chunk[0], broadcast_word(aq));
         for (int c = 1; c < 4; c++)
             pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(chunk[c], broadcast_word(aq + 4 * c)));
-        return _mm256_madd_epi16(pairs, ones);
+        return _mm256_add_epi32(_mm256_madd_epi16(pairs, ones), sum);
     }
-    __m256i sum = _mm256_setzero_si256();
     for (int c = 0; c < 4; c++) {
         __m256i act = _mm256_sign_epi8(broadcast_word(aq + 4 * c), signs[c]);
         sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(chunk[c], act), ones));
@@ -203,11 +201,12 @@ TARGET512 INLINE void vnni_operands(int form, __m256i table, __m256i chunk[8], _
 }
 
 TARGET512 INLINE __m256i vnni_half_dot(int form, int half, const __m256i *chunk, const __m256i *signs,
-                                       const int8_t *aq) {
+                                       const int8_t *aq, int32_t extra) {
     (void)signs;
-    __m256i sum = _mm256_dpbusd_epi32(_mm256_setzero_si256(), chunk[0], broadcast_word(aq));
-    for (int c = 1; c < 4; c++) sum = _mm256_dpbusd_epi32(sum, chunk[c], broadcast_word(aq + 4 * c));
-    return half && VNNI_HIGH16(form) ? _mm256_srai_epi32(sum, 4) : sum;
+    int high16 = half && VNNI_HIGH16(form);  /* the sum is 16 times the dot product: extra too, until the shift */
+    __m256i sum = _mm256_set1_epi32(high16 ? extra * 16 : extra);
+    for (int c = 0; c < 4; c++) sum = _mm256_dpbusd_epi32(sum, chunk[c], broadcast_word(aq + 4 * c));
+    return high16 ? _mm256_srai_epi32(sum, 4) : sum;
 }
 
 QGEMM_PATH(TARGET512, avx512, VNNI_HIGH16, vnni_operands, vnni_half_dot)
