@@ -155,7 +155,7 @@ TARGET INLINE void prefetch_ahead(const uint8_t *blk, size_t block_bytes) {
 
 /* AVX2: vpmaddubsw multiplies unsigned by signed bytes into saturating 16-bit pair sums. Nibble indices (<= 15)
  * go in as they are (base table[0]); signed codes as |w|, their signs moved onto the activations (|w| <= 128,
- * |a| <= 127: a pair never saturates; base 0). NIB_LINEAR's pair sums of a half's 4 chunks add up in 16 bits
+ * |a| <= 127: a pair never saturates; base 0). The nibble indices' pair sums of a half's 4 chunks add up in 16 bits
  * (at most 4 * 2 * 15 * 127) before one vpmaddwd. */
 TARGET static code_plan avx2_plan(const nat_weight *w) {
     code_plan plan = {code_form_of(w), 0, _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)w->table))};
