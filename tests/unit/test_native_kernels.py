@@ -30,7 +30,8 @@ def unpack_values(packed: rp.PackedWeight) -> np.ndarray:
     nb, n_groups = packed.n_cols // rp.BLOCK, -(-packed.n_rows // rp.ROWS)
     cb = 16 if packed.kind == rp.KIND_QNIB else 32
     blocks = packed.data.reshape(n_groups, nb, -1)
-    codes = blocks[:, :, :rp.ROWS * cb].reshape(n_groups, nb, rp.ROWS, cb)
+    chunked = blocks[:, :, :rp.ROWS * cb].reshape(n_groups, nb, cb // 4, rp.ROWS, 4)  # [chunk][row][4 codes]
+    codes = chunked.transpose(0, 1, 3, 2, 4).reshape(n_groups, nb, rp.ROWS, cb)
     if packed.kind == rp.KIND_QNIB:
         nibbles = np.concatenate([codes & 15, codes >> 4], axis=-1)
         values = packed.table[nibbles].astype(np.float32)
@@ -86,7 +87,8 @@ def test_quantized_matmul_within_the_activation_rounding_bound(qtype, isa, pools
     k = n_blocks * TYPE_INFO[qtype].block_size
     raw = random_blocks(qtype, n_rows, n_blocks, rng)
     w = dequantize(raw, qtype, (k, n_rows)).astype(np.float64)
-    x = (rng.standard_normal((5, k)) * rng.uniform(0.1, 10, (5, 1))).astype(np.float32)
+    # 7 rows: one tile of each size the x86 paths use (4, 2, 1)
+    x = (rng.standard_normal((7, k)) * rng.uniform(0.1, 10, (7, 1))).astype(np.float32)
     got = kernels.mul_mat(rp.repack(raw, qtype, (k, n_rows)), x, pools[2], isa)
     err = np.abs(got - x.astype(np.float64) @ w.T)
     assert (err <= activation_bound(x, w)).all(), float(err.max())
@@ -130,14 +132,15 @@ def test_nan_and_inf_blocks_give_non_finite_results_where_the_oracle_does(qtype,
     assert np.isfinite(got).sum() == 2 * (n_rows - 2)  # rows 0 and 2 of x, minus the two bad weight rows
 
 
+@pytest.mark.parametrize("m", (1, 7))  # 7: a tile of each size the x86 paths use (4, 2, 1)
 @pytest.mark.parametrize("qtype", BLOCK_TYPES + FLOAT_TYPES, ids=lambda t: t.name)
-def test_every_isa_path_gives_the_same_bits(qtype, pools):
+def test_every_isa_path_gives_the_same_bits(qtype, m, pools):
     """By construction (csrc/native.h: one order of float operations, no fused multiply-add): scalar, AVX2 and
     AVX-512 differ in instructions, not in results."""
     rng = np.random.default_rng(500 + int(qtype))
     raw, ne = _weight(qtype, rng)
     packed = rp.repack(raw, qtype, ne)
-    x = rng.standard_normal((6, ne[0])).astype(np.float32)
+    x = rng.standard_normal((m, ne[0])).astype(np.float32)
     results = [kernels.mul_mat(packed, x, pools[2], isa) for isa in ISAS]
     for isa, result in zip(ISAS, results):
         assert np.array_equal(result, results[0]), isa
@@ -180,3 +183,25 @@ def test_isa_option_picks_a_path_this_cpu_runs_and_refuses_others():
     for isa in set(kernels.ISAS) - set(ISAS):
         with pytest.raises(ConfigError, match="cannot run on this CPU"):
             kernels.resolve_isa(isa)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_activation_codes_round_half_to_even_bit_exactly(isa, pools):
+    """The activation quantization's bits, read through a one-hot Q8_0 weight (row j picks element j with scale 1,
+    so y[j] = d * q[j] exactly): q = round-half-even(x * 127 / amax) in double, d = amax / 127 in float32."""
+    k = 96
+    raw = np.zeros((k, k // 32, 34), dtype=np.uint8)
+    raw[:, :, :2] = np.array([1.0], dtype=np.float16).view(np.uint8)
+    for j in range(k):
+        raw[j, j // 32, 2 + j % 32] = 1
+    rng = np.random.default_rng(17)
+    x = rng.standard_normal((1, k)).astype(np.float32)
+    x[0, :32] = np.arange(32) - 15.5
+    x[0, 0] = 127.0  # amax 127: the scale is 1, so each of the first block's x.5 values is a tie
+    x[0, 64:] *= np.float32(1e-39)  # subnormal inputs: the reciprocal in double does not overflow
+    amax = np.abs(x.reshape(-1, 32)).max(axis=1)
+    codes = np.clip(np.rint(x.reshape(-1, 32).astype(np.float64) * (127.0 / amax.astype(np.float64))[:, None]),
+                    -127, 127).astype(np.float32)
+    expected = ((amax / np.float32(127))[:, None] * codes).reshape(1, k)
+    got = kernels.mul_mat(rp.repack(raw.reshape(-1), GGMLType.Q8_0, (k, k)), x, pools[1], isa)
+    np.testing.assert_array_equal(got, expected)

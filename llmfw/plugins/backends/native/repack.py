@@ -1,7 +1,8 @@
 """Weights repacked for the native kernels, values exact: every GGUF block type becomes 8-bit (or 4-bit indexed)
 codes with a float scale (and offset) per 16 or 32 elements, computed with the oracle's own float32 operations, so
 ``scale * code + offset`` is the value ``llmfw.core.format.quants.dequantize`` gives, bit for bit — no requantization.
-Rows are interleaved in groups of 8 (csrc/native.h) so one activation load feeds eight output rows."""
+Rows are interleaved in groups of 8, four codes of each row at a time (csrc/native.h), so one 32-byte vector of
+codes times one broadcast activation word gives the eight rows' partial sums in eight lanes."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -271,9 +272,10 @@ def _place(out: np.ndarray, start: int, codes: Codes, layout: Layout, nb: int) -
     groups = padded // ROWS
     g0 = start // ROWS
     cb = code_bytes.shape[-1]
-    # codes: [group][block][row][cb]
-    out[g0:g0 + groups, :, :ROWS * cb] = code_bytes.reshape(groups, ROWS, nb, cb).transpose(0, 2, 1, 3).reshape(
-        groups, nb, ROWS * cb)
+    # codes: [group][block][chunk of 4 bytes][row][4]: one 32-byte chunk holds 4 codes of each of the 8 rows
+    chunks = cb // 4
+    out[g0:g0 + groups, :, :ROWS * cb] = code_bytes.reshape(groups, ROWS, nb, chunks, 4).transpose(
+        0, 2, 3, 1, 4).reshape(groups, nb, ROWS * cb)
     at = ROWS * cb
     for p in params:  # each (padded, nb, n_scales) -> [group][block][half][row] float32
         n_scales = p.shape[-1]

@@ -1,5 +1,6 @@
 /* Portable C kernels: the canonical arithmetic of native.h, written out one operation at a time. Every other ISA
  * path must give exactly these bits (tests compare them). */
+#include <float.h>
 #include <math.h>
 #include <string.h>
 
@@ -30,6 +31,18 @@ static float bf16_to_f32(uint16_t h) {
     return f;
 }
 
+/* nearbyint(r) in the default rounding mode (half to even) for |r| < 2^51, without a call into libm: adding and
+ * subtracting 1.5 * 2^52 leaves no fraction bits. Exact only where doubles are evaluated as doubles (no x87
+ * excess precision) and without -ffast-math (the build never enables it). */
+static inline double round_half_even(double r) {
+#if FLT_EVAL_METHOD == 0
+    const double magic = 6755399441055744.0;
+    return (r + magic) - magic;
+#else
+    return nearbyint(r);
+#endif
+}
+
 /* Activation rows [m0, m1) to 8-bit blocks: d = amax/127, q = round-half-even(x * 127/amax). A block with a NaN
  * or inf gets d = NaN (its products are NaN, as in float arithmetic), codes 0. One implementation for every ISA:
  * this is where the bits of the activations are decided. */
@@ -43,10 +56,10 @@ void nat_quantize_rows(const float *x, int64_t m, int64_t k, nat_qact *a, int64_
             int32_t *sums = a->sums + (i * nb + b) * 2;
             float amax = 0.0f;
             int finite = 1;
-            for (int j = 0; j < NAT_BLOCK; j++) {
+            for (int j = 0; j < NAT_BLOCK; j++) {  /* branch-free, so that the compiler vectorises it */
                 float v = fabsf(xb[j]);
-                if (!(v <= 3.0e38f)) finite = 0;   /* NaN or inf (or beyond: nothing finite is that large) */
-                else if (v > amax) amax = v;
+                finite &= v <= 3.0e38f;            /* NaN or inf (or beyond: nothing finite is that large) */
+                amax = v > amax ? v : amax;        /* used only when every value is finite */
             }
             if (!finite) {
                 memset(q, 0, NAT_BLOCK);
@@ -56,24 +69,20 @@ void nat_quantize_rows(const float *x, int64_t m, int64_t k, nat_qact *a, int64_
             }
             /* the reciprocal in double: it cannot overflow for a subnormal amax */
             double inv = amax > 0.0f ? 127.0 / (double)amax : 0.0;
-            int32_t s0 = 0, s1 = 0;
-            for (int j = 0; j < NAT_BLOCK; j++) {
-                double r = nearbyint((double)xb[j] * inv);
-                int32_t c = (int32_t)(r > 127.0 ? 127.0 : r < -127.0 ? -127.0 : r);
-                q[j] = (int8_t)c;
-                if (j < 16) s0 += c; else s1 += c;
+            for (int half = 0; half < 2; half++) {
+                int32_t sum = 0;
+                for (int j = 16 * half; j < 16 * half + 16; j++) {
+                    double r = round_half_even((double)xb[j] * inv);  /* |r| <= 127 */
+                    r = r > 127.0 ? 127.0 : r;
+                    r = r < -127.0 ? -127.0 : r;
+                    q[j] = (int8_t)(int32_t)r;
+                    sum += (int32_t)r;
+                }
+                sums[half] = sum;
             }
-            sums[0] = s0;
-            sums[1] = s1;
             a->d[i * nb + b] = amax / 127.0f;
         }
     }
-}
-
-static inline int8_t weight_code(const nat_weight *w, const uint8_t *codes, int j) {
-    if (w->kind == NAT_QBYTE) return (int8_t)codes[j];
-    uint8_t byte = codes[j & 15];
-    return w->table[j < 16 ? (byte & 15) : (byte >> 4)];
 }
 
 void nat_qgemm_scalar(const nat_weight *w, const nat_qact *a, int64_t m, float *y, int64_t g0, int64_t g1) {
@@ -92,10 +101,9 @@ void nat_qgemm_scalar(const nat_weight *w, const nat_qact *a, int64_t m, float *
                 float da = a->d[i * nb + b];
                 float a0 = (float)a->sums[(i * nb + b) * 2], a1 = (float)a->sums[(i * nb + b) * 2 + 1];
                 for (int r = 0; r < NAT_ROWS; r++) {
-                    const uint8_t *codes = blk + r * cb;
                     int32_t i0 = 0, i1 = 0;
-                    for (int j = 0; j < 16; j++) i0 += weight_code(w, codes, j) * aq[j];
-                    for (int j = 16; j < 32; j++) i1 += weight_code(w, codes, j) * aq[j];
+                    for (int j = 0; j < 16; j++) i0 += nat_code_at(w, blk, r, j) * aq[j];
+                    for (int j = 16; j < 32; j++) i1 += nat_code_at(w, blk, r, j) * aq[j];
                     float v = p.s0[r] * (float)i0;
                     float t = p.s1[r] * (float)i1;
                     v = v + t;

@@ -1,6 +1,7 @@
-/* AVX2 + FMA + F16C kernels (x86-64 only): the canonical arithmetic of native.h with 256-bit vectors. The integer
- * dot products use vpmaddubsw/vpmaddwd (exact: |w| <= 128, |a| <= 127, so a pair never saturates 16 bits); the
- * float part runs across the 8 interleaved rows of a group, one lane per row, in the scalar path's order. */
+/* x86-64 kernels: the canonical arithmetic of native.h with 256-bit vectors, for AVX2 + FMA + F16C and for
+ * AVX-512 (F/BW/VL + VNNI). The quantized matmul takes the integer dot products of native.h's row-interleaved codes
+ * with broadcast activation words, so each lane accumulates one of the group's 8 rows (no horizontal adds); the
+ * float part runs across the 8 rows, one lane per row, in the scalar path's order. */
 #include "native.h"
 
 #ifdef NAT_HAVE_X86
@@ -8,31 +9,63 @@
 #include <string.h>
 
 #define TARGET __attribute__((target("avx2,fma,f16c")))
+#define TARGET512 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+#define INLINE static inline __attribute__((always_inline))
 
-/* the 32 weight codes of one row of a block as int8 */
-TARGET static inline __m256i load_codes(const nat_weight *w, const uint8_t *codes, __m256i table) {
-    if (w->kind == NAT_QBYTE) return _mm256_loadu_si256((const __m256i *)codes);
-    __m128i packed = _mm_loadu_si128((const __m128i *)codes);
-    __m128i low = _mm_and_si128(packed, _mm_set1_epi8(15));
-    __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), _mm_set1_epi8(15));
-    return _mm256_shuffle_epi8(table, _mm256_set_m128i(high, low));
+/* How a weight's codes enter the byte dot products, a constant of each specialised kernel.
+ * NIB_INDEX, NIB_LINEAR: 4-bit codes whose table is table[0] + index, table[0] zero (Q4_1, Q2_K, Q4_K) or not
+ *   (Q4_0, Q3_K): the unsigned index itself, table[0] * A added back (A: the activation codes' half sum);
+ * NIB_TABLE: 4-bit codes through a non-linear table (IQ4_NL, IQ4_XS, MXFP4), looked up with vpshufb;
+ * BYTE: 8-bit codes. */
+enum code_form { NIB_INDEX, NIB_LINEAR, NIB_TABLE, BYTE };
+
+/* What an ISA path needs of a weight: its code form, the lookup table it uses (both 128-bit lanes), and base:
+ * a half's integer dot product i = (dot product of the path's operand bytes with the activation codes) + base*A. */
+typedef struct {
+    int form;
+    int32_t base;
+    __m256i table;
+} code_plan;
+
+static int code_form_of(const nat_weight *w) {
+    if (w->kind == NAT_QBYTE) return BYTE;
+    for (int c = 1; c < 16; c++)
+        if (w->table[c] != w->table[0] + c) return NIB_TABLE;
+    return w->table[0] ? NIB_LINEAR : NIB_INDEX;
 }
 
-/* per-row half sums of 8 rows' lane vectors: (i0 of rows 0-7, i1 of rows 0-7) */
-TARGET static inline void half_sums(const __m256i p[8], __m256i *i0, __m256i *i1) {
-    __m256i q0 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
-    __m256i q1 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
-    *i0 = _mm256_permute2x128_si256(q0, q1, 0x20);
-    *i1 = _mm256_permute2x128_si256(q0, q1, 0x31);
+TARGET INLINE __m256i broadcast_word(const int8_t *p) {
+    int32_t word;
+    memcpy(&word, p, 4);
+    return _mm256_set1_epi32(word);
+}
+
+/* a block's 8 code chunks (native.h), chunk c against activation bytes 4c..4c+3: nibble indices (the table not
+ * yet applied; with high16, those of chunks 4-7 stay in the high nibble: 16 * index) or int8 codes */
+TARGET INLINE void load_chunks(const uint8_t *codes, int form, int high16, __m256i chunk[8]) {
+    if (form == BYTE) {
+        for (int c = 0; c < 8; c++) chunk[c] = _mm256_loadu_si256((const __m256i *)(codes + 32 * c));
+        return;
+    }
+    __m256i low4 = _mm256_set1_epi8(15);
+    for (int c = 0; c < 4; c++) {
+        __m256i packed = _mm256_loadu_si256((const __m256i *)(codes + 32 * c));
+        chunk[c] = _mm256_and_si256(packed, low4);
+        chunk[c + 4] = high16 ? _mm256_andnot_si256(low4, packed)
+                              : _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+    }
 }
 
 /* acc + da * (((s0*i0 + s1*i1) + o0*A0) + o1*A1) for the 8 rows of a group: shared by the AVX2 and AVX-512 paths */
-TARGET static inline __m256 combine(__m256 acc, nat_params p, __m256i i0, __m256i i1, float da, float a0, float a1) {
+TARGET INLINE __m256 combine(__m256 acc, nat_params p, int offsets, __m256i i0, __m256i i1, float da,
+                             const int32_t *sums) {
     __m256 v = _mm256_mul_ps(_mm256_loadu_ps(p.s0), _mm256_cvtepi32_ps(i0));
     v = _mm256_add_ps(v, _mm256_mul_ps(_mm256_loadu_ps(p.s1), _mm256_cvtepi32_ps(i1)));
-    if (p.o0) {
-        v = _mm256_add_ps(v, _mm256_mul_ps(_mm256_loadu_ps(p.o0), _mm256_set1_ps(a0)));
-        v = _mm256_add_ps(v, _mm256_mul_ps(_mm256_loadu_ps(p.o1), _mm256_set1_ps(a1)));
+    if (offsets) {  /* A0, A1 broadcast as integers and converted in the vector unit: the same exact floats */
+        __m256 a0 = _mm256_cvtepi32_ps(_mm256_set1_epi32(sums[0]));
+        __m256 a1 = _mm256_cvtepi32_ps(_mm256_set1_epi32(sums[1]));
+        v = _mm256_add_ps(v, _mm256_mul_ps(_mm256_loadu_ps(p.o0), a0));
+        v = _mm256_add_ps(v, _mm256_mul_ps(_mm256_loadu_ps(p.o1), a1));
     }
     return _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(da), v));
 }
@@ -47,59 +80,147 @@ TARGET static inline void store_rows(float *y, int64_t n, int64_t i, int64_t g, 
     for (int r = 0; g * NAT_ROWS + r < n; r++) y[i * n + g * NAT_ROWS + r] = lanes[r];
 }
 
-/* activation rows per tile: their accumulators stay in L1 while a block's unpacked codes are reused by each */
-#define M_TILE 16
+/* How far ahead of the block being multiplied its successors are fetched into L1. The weights stream through once
+ * per matmul; the hardware prefetchers alone leave a decode step waiting on memory, most of all when other
+ * processes share the memory bus. */
+#define PREFETCH_BYTES 1024
 
-TARGET static inline void store_tile(float *y, int64_t n, int64_t i0, int64_t rows, int64_t g, const __m256 *acc) {
-    for (int64_t t = 0; t < rows; t++) store_rows(y, n, i0 + t, g, acc[t]);
+TARGET INLINE void prefetch_ahead(const uint8_t *blk, size_t block_bytes) {
+    for (size_t line = 0; line < block_bytes; line += 64)
+        _mm_prefetch((const char *)blk + PREFETCH_BYTES + line, _MM_HINT_T0);
 }
 
-/* The tiled quantized matmul of both x86 paths: per row group, per tile of M_TILE activation rows, per block, the
- * 8 rows' codes are unpacked once (with AUX, what the ISA's dot product needs per row, and FIX0/FIX1, a per-block
- * correction of the half sums) and reused by every activation row of the tile. ACT prepares an activation block,
- * DOT(act, r) gives row r's int32 lane vector. Exact integers throughout: only the instructions differ. */
-#define QGEMM_TILED(ROW_PREP, BLOCK_PREP, ACT, DOT)                                                                \
-    int64_t nb = w->n_cols / NAT_BLOCK, n = w->n_rows;                                                             \
-    size_t cb = nat_code_bytes(w), bb = nat_block_bytes(w);                                                        \
-    __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)w->table));                       \
-    for (int64_t g = g0; g < g1; g++) {                                                                            \
+/* activation rows per tile: a block's operands are prepared once for them all */
+#define M_TILE 4
+
+/* The quantized matmul of one ISA path (NAME): per row group, per tile of up to M_TILE activation rows, per block,
+ * the 8 code chunks are loaded (HIGH16(form): keep the high nibbles in place) and OPERANDS(form, table, chunk,
+ * signs) turns them into the path's operands once; HALF_DOT(form, half, chunk, signs, aq, extra) gives the 8 rows'
+ * dot products of a half's 4 chunks with its 16 activation codes, plus extra (base * A). Each (code form, offsets,
+ * tile size) gets its own copy of the loops, the branches on them compiled away; a row's arithmetic is the same in
+ * every tile, so nothing depends on M. Exact integers: only the instructions differ. */
+#define QGEMM_PATH(ATTR, NAME, HIGH16, OPERANDS, HALF_DOT)                                                         \
+    ATTR INLINE void NAME##_tile(const nat_weight *w, const nat_qact *a, const code_plan *plan, int form,           \
+                                 int offsets, int rows, int64_t i0, int64_t g, float *y) {                          \
+        int64_t nb = w->n_cols / NAT_BLOCK;                                                                        \
+        size_t bb = nat_block_bytes(w), codes_bytes = NAT_ROWS * nat_code_bytes(w);                                \
         const uint8_t *group = w->data + (size_t)g * nb * bb;                                                      \
-        for (int64_t i0 = 0; i0 < m; i0 += M_TILE) {                                                               \
-            int64_t rows = m - i0 < M_TILE ? m - i0 : M_TILE;                                                      \
-            __m256 acc[M_TILE];                                                                                    \
-            for (int t = 0; t < M_TILE; t++) acc[t] = _mm256_setzero_ps();                                         \
-            for (int64_t b = 0; b < nb; b++) {                                                                     \
-                const uint8_t *blk = group + b * bb;                                                               \
-                __m256i codes[NAT_ROWS], aux[NAT_ROWS], fix0 = _mm256_setzero_si256(), fix1 = fix0;                \
-                for (int r = 0; r < NAT_ROWS; r++) {                                                               \
-                    codes[r] = load_codes(w, blk + r * cb, table);                                                 \
-                    ROW_PREP;                                                                                      \
-                }                                                                                                  \
-                BLOCK_PREP;                                                                                        \
-                nat_params par = nat_block_params(w, (const float *)(blk + NAT_ROWS * cb));                        \
-                for (int64_t t = 0; t < rows; t++) {                                                               \
-                    int64_t i = i0 + t;                                                                            \
-                    __m256i act = ACT(_mm256_loadu_si256((const __m256i *)(a->q + i * w->n_cols + b * NAT_BLOCK))); \
-                    __m256i p[NAT_ROWS], h0, h1;                                                                   \
-                    for (int r = 0; r < NAT_ROWS; r++) p[r] = DOT(act, r);                                         \
-                    half_sums(p, &h0, &h1);                                                                        \
-                    const int32_t *sums = a->sums + (i * nb + b) * 2;                                              \
-                    acc[t] = combine(acc[t], par, _mm256_sub_epi32(h0, fix0), _mm256_sub_epi32(h1, fix1),          \
-                                     a->d[i * nb + b], (float)sums[0], (float)sums[1]);                            \
-                }                                                                                                  \
+        __m256 acc[M_TILE];                                                                                        \
+        for (int t = 0; t < rows; t++) acc[t] = _mm256_setzero_ps();                                               \
+        for (int64_t b = 0; b < nb; b++) {                                                                         \
+            const uint8_t *blk = group + b * bb;                                                                   \
+            prefetch_ahead(blk, bb);                                                                               \
+            __m256i chunk[8], signs[8];                                                                            \
+            load_chunks(blk, form, HIGH16(form), chunk);                                                           \
+            OPERANDS(form, plan->table, chunk, signs);                                                             \
+            nat_params par = nat_block_params(w, (const float *)(blk + codes_bytes));                              \
+            for (int t = 0; t < rows; t++) {                                                                       \
+                int64_t i = i0 + t;                                                                                \
+                const int8_t *aq = a->q + i * w->n_cols + b * NAT_BLOCK;                                           \
+                const int32_t *sums = a->sums + (i * nb + b) * 2;                                                  \
+                __m256i h0 = HALF_DOT(form, 0, chunk, signs, aq, form == NIB_INDEX ? 0 : plan->base * sums[0]);    \
+                __m256i h1 = HALF_DOT(form, 1, chunk + 4, signs + 4, aq + 16,                                      \
+                                      form == NIB_INDEX ? 0 : plan->base * sums[1]);                               \
+                acc[t] = combine(acc[t], par, offsets, h0, h1, a->d[i * nb + b], sums);                            \
             }                                                                                                      \
-            store_tile(y, n, i0, rows, g, acc);                                                                    \
         }                                                                                                          \
+        for (int t = 0; t < rows; t++) store_rows(y, w->n_rows, i0 + t, g, acc[t]);                                \
+    }                                                                                                              \
+    ATTR INLINE void NAME##_groups(const nat_weight *w, const nat_qact *a, const code_plan *plan, int form,         \
+                                   int offsets, int64_t m, float *y, int64_t g0, int64_t g1) {                      \
+        for (int64_t g = g0; g < g1; g++) {                                                                        \
+            int64_t i = 0;                                                                                         \
+            for (; i + M_TILE <= m; i += M_TILE) NAME##_tile(w, a, plan, form, offsets, M_TILE, i, g, y);         \
+            if (i + 2 <= m) {                                                                                      \
+                NAME##_tile(w, a, plan, form, offsets, 2, i, g, y);                                                \
+                i += 2;                                                                                            \
+            }                                                                                                      \
+            if (i < m) NAME##_tile(w, a, plan, form, offsets, 1, i, g, y);                                         \
+        }                                                                                                          \
+    }                                                                                                              \
+    ATTR void nat_qgemm_##NAME(const nat_weight *w, const nat_qact *a, int64_t m, float *y, int64_t g0,             \
+                               int64_t g1) {                                                                       \
+        code_plan plan = NAME##_plan(w);                                                                           \
+        int offsets = w->has_offsets != 0;                                                                         \
+        FOR_FORM(NAME, NIB_INDEX) FOR_FORM(NAME, NIB_LINEAR) FOR_FORM(NAME, NIB_TABLE) FOR_FORM(NAME, BYTE)        \
     }
 
-/* AVX2: vpmaddubsw takes |w| (unsigned) and a with w's sign; aux = |w| */
-#define AVX2_ACT(v) (v)
-#define AVX2_DOT(act, r) \
-    _mm256_madd_epi16(_mm256_maddubs_epi16(aux[r], _mm256_sign_epi8(act, codes[r])), _mm256_set1_epi16(1))
+/* the kernel specialised for code form FORM, with or without offsets (inside nat_qgemm_NAME) */
+#define FOR_FORM(NAME, FORM)                                                    \
+    if (plan.form == FORM) {                                                    \
+        if (offsets) NAME##_groups(w, a, &plan, FORM, 1, m, y, g0, g1);         \
+        else NAME##_groups(w, a, &plan, FORM, 0, m, y, g0, g1);                 \
+        return;                                                                 \
+    }
 
-TARGET void nat_qgemm_avx2(const nat_weight *w, const nat_qact *a, int64_t m, float *y, int64_t g0, int64_t g1) {
-    QGEMM_TILED(aux[r] = _mm256_sign_epi8(codes[r], codes[r]), (void)0, AVX2_ACT, AVX2_DOT)
+/* AVX2: vpmaddubsw multiplies unsigned by signed bytes into saturating 16-bit pair sums. Nibble indices (<= 15)
+ * go in as they are (base table[0]); signed codes as |w|, their signs moved onto the activations (|w| <= 128,
+ * |a| <= 127: a pair never saturates; base 0). The nibble indices' pair sums of a half's 4 chunks add up in 16 bits
+ * (at most 4 * 2 * 15 * 127) before one vpmaddwd. */
+TARGET static code_plan avx2_plan(const nat_weight *w) {
+    code_plan plan = {code_form_of(w), 0, _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)w->table))};
+    if (plan.form <= NIB_LINEAR) plan.base = w->table[0];
+    return plan;
 }
+
+#define AVX2_HIGH16(form) 0
+
+TARGET INLINE void avx2_operands(int form, __m256i table, __m256i chunk[8], __m256i signs[8]) {
+    if (form <= NIB_LINEAR) return;
+    for (int c = 0; c < 8; c++) {
+        signs[c] = form == NIB_TABLE ? _mm256_shuffle_epi8(table, chunk[c]) : chunk[c];
+        chunk[c] = _mm256_abs_epi8(signs[c]);
+    }
+}
+
+TARGET INLINE __m256i avx2_half_dot(int form, int half, const __m256i *chunk, const __m256i *signs,
+                                    const int8_t *aq, int32_t extra) {
+    (void)half;
+    __m256i ones = _mm256_set1_epi16(1), sum = _mm256_set1_epi32(extra);
+    if (form <= NIB_LINEAR) {
+        __m256i pairs = _mm256_maddubs_epi16(chunk[0], broadcast_word(aq));
+        for (int c = 1; c < 4; c++)
+            pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(chunk[c], broadcast_word(aq + 4 * c)));
+        return _mm256_add_epi32(_mm256_madd_epi16(pairs, ones), sum);
+    }
+    for (int c = 0; c < 4; c++) {
+        __m256i act = _mm256_sign_epi8(broadcast_word(aq + 4 * c), signs[c]);
+        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(chunk[c], act), ones));
+    }
+    return sum;
+}
+
+QGEMM_PATH(TARGET, avx2, AVX2_HIGH16, avx2_operands, avx2_half_dot)
+
+/* AVX-512 VNNI: vpdpbusd multiplies unsigned by signed bytes into 32-bit lanes, exactly. Nibble indices go in as
+ * they are (base table[0]; the second half's as 16 * index, saving a shift per chunk, its sum shifted back once),
+ * other codes as w + 128 (a table of entries + 128, or one xor; base -128). */
+TARGET512 static code_plan avx512_plan(const nat_weight *w) {
+    __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)w->table));
+    code_plan plan = {code_form_of(w), -128, _mm256_xor_si256(table, _mm256_set1_epi8((char)0x80))};
+    if (plan.form <= NIB_LINEAR) plan.base = w->table[0];
+    return plan;
+}
+
+#define VNNI_HIGH16(form) ((form) <= NIB_LINEAR)
+
+TARGET512 INLINE void vnni_operands(int form, __m256i table, __m256i chunk[8], __m256i signs[8]) {
+    (void)signs;
+    for (int c = 0; c < 8 && form > NIB_LINEAR; c++)
+        chunk[c] = form == NIB_TABLE ? _mm256_shuffle_epi8(table, chunk[c])
+                                     : _mm256_xor_si256(chunk[c], _mm256_set1_epi8((char)0x80));
+}
+
+TARGET512 INLINE __m256i vnni_half_dot(int form, int half, const __m256i *chunk, const __m256i *signs,
+                                       const int8_t *aq, int32_t extra) {
+    (void)signs;
+    int high16 = half && VNNI_HIGH16(form);  /* the sum is 16 times the dot product: extra too, until the shift */
+    __m256i sum = _mm256_set1_epi32(high16 ? extra * 16 : extra);
+    for (int c = 0; c < 4; c++) sum = _mm256_dpbusd_epi32(sum, chunk[c], broadcast_word(aq + 4 * c));
+    return high16 ? _mm256_srai_epi32(sum, 4) : sum;
+}
+
+QGEMM_PATH(TARGET512, avx512, VNNI_HIGH16, vnni_operands, vnni_half_dot)
 
 /* 8 weights from element j of a row as float (zero past n_cols) */
 TARGET static inline __m256 load_weights8(const nat_weight *w, const uint8_t *row, int64_t j, int64_t k) {
@@ -158,26 +279,7 @@ TARGET void nat_fgemm_avx2(const nat_weight *w, const float *x, int64_t m, float
     FGEMM_ROWS(avx2_lanes)
 }
 
-/* ---- AVX-512 (F/BW/VL + VNNI): vpdpbusd for the integer products, 512-bit float lanes ---- */
-#define TARGET512 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
-
-/* The activation codes enter vpdpbusd as unsigned bytes a + 128 (one xor); the weight codes stay signed, and
- * 128 * (sum of the weight codes) comes off again (aux: the code sums, fix: their half sums times 128). */
-#define VNNI_ACT(v) _mm256_xor_si256((v), _mm256_set1_epi8((char)0x80))
-#define VNNI_DOT(act, r) _mm256_dpbusd_epi32(_mm256_setzero_si256(), act, codes[r])
-#define VNNI_FIX                                       \
-    do {                                               \
-        half_sums(aux, &fix0, &fix1);                  \
-        fix0 = _mm256_slli_epi32(fix0, 7);             \
-        fix1 = _mm256_slli_epi32(fix1, 7);             \
-    } while (0)
-
-TARGET512 void nat_qgemm_avx512(const nat_weight *w, const nat_qact *a, int64_t m, float *y, int64_t g0,
-                                int64_t g1) {
-    QGEMM_TILED(aux[r] = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8(1), codes[r]), VNNI_FIX,
-                VNNI_ACT, VNNI_DOT)
-}
-
+/* ---- AVX-512 float lanes ---- */
 TARGET512 static inline void avx512_lanes(const nat_weight *w, const float *xi, const uint8_t *row, int64_t k,
                                          float *lanes) {
     __m512 acc = _mm512_setzero_ps();

@@ -26,7 +26,10 @@ enum nat_isa { NAT_ISA_SCALAR = 0, NAT_ISA_AVX2 = 1, NAT_ISA_AVX512 = 2 };
 
 /* A repacked weight [n_rows, n_cols].
  * Quantized kinds: n_groups = ceil(n_rows / 8) groups, each n_cols/32 blocks of
- *   codes  [8 rows][16 bytes (QNIB: element j low nibble of byte j, j+16 high nibble) or 32 int8 (QBYTE)]
+ *   codes  [chunk][8 rows][4 bytes], 4 (QNIB) or 8 (QBYTE) chunks of 32 bytes: each chunk holds 4 consecutive
+ *          codes of every row of the group, so one 32-byte vector times a broadcast 4-byte activation gives the
+ *          8 rows' partial dot products in 8 lanes. QBYTE: chunk c byte 4r+i is int8 element 4c+i of row r;
+ *          QNIB: chunk c byte 4r+i holds element 4c+i of row r in its low nibble, element 16+4c+i in its high one
  *   scales [n_scales][8 rows] float, then (has_offsets) offsets [n_scales][8 rows] float
  * (n_scales 2: one scale per 16 elements, 1: per 32)
  * a weight value is scale * table[code] + offset (QNIB) or scale * code + offset (QBYTE).
@@ -53,6 +56,13 @@ static inline size_t nat_code_bytes(const nat_weight *w) { return w->kind == NAT
 
 static inline size_t nat_block_bytes(const nat_weight *w) {
     return (size_t)NAT_ROWS * nat_code_bytes(w) + (size_t)w->n_scales * (1 + w->has_offsets) * NAT_ROWS * sizeof(float);
+}
+
+/* the code of element j (0..31) of row r (0..7) of a block whose codes start at `codes` (table applied) */
+static inline int nat_code_at(const nat_weight *w, const uint8_t *codes, int r, int j) {
+    if (w->kind == NAT_QBYTE) return (int8_t)codes[32 * (j >> 2) + 4 * r + (j & 3)];
+    uint8_t byte = codes[32 * ((j & 15) >> 2) + 4 * r + (j & 3)];
+    return w->table[j < 16 ? (byte & 15) : (byte >> 4)];
 }
 
 /* the parameter rows of a block: scale of each half, offset of each half (NULL without offsets) */

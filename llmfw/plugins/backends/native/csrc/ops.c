@@ -195,13 +195,12 @@ void nat_unpack_row(const nat_weight *w, int64_t row, float *out) {
     size_t cb = nat_code_bytes(w), bb = nat_block_bytes(w);
     const uint8_t *group = w->data + (size_t)(row / NAT_ROWS) * (size_t)nb * bb;
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = group + (size_t)b * bb, *codes = blk + lane * cb;
+        const uint8_t *blk = group + (size_t)b * bb;
         float par[4 * NAT_ROWS];
         memcpy(par, blk + NAT_ROWS * cb, bb - NAT_ROWS * cb);
         nat_params p = nat_block_params(w, par);
         for (int j = 0; j < NAT_BLOCK; j++) {
-            int code = w->kind == NAT_QBYTE ? (int8_t)codes[j]
-                                            : w->table[j < 16 ? (codes[j] & 15) : (codes[j - 16] >> 4)];
+            int code = nat_code_at(w, blk, (int)lane, j);
             float s = j < 16 ? p.s0[lane] : p.s1[lane];
             float v = s * (float)code;
             if (p.o0) v = v + (j < 16 ? p.o0[lane] : p.o1[lane]);
