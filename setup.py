@@ -7,7 +7,7 @@ import sys
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
-NATIVE_SOURCES = ["module.c", "pool.c", "ops.c", "kernels_scalar.c", "kernels_x86.c"]
+NATIVE_SOURCES = ["module.c", "pool.c", "ops.c", "attention.c", "kernels_scalar.c", "kernels_x86.c"]
 
 
 class OptionalBuildExt(build_ext):

@@ -25,7 +25,7 @@ int nat_cpu_isas(void) {
     return isas;
 }
 
-int nat_abi_version(void) { return 2; }
+int nat_abi_version(void) { return 3; }
 
 /* sizeof(nat_instr): runtime.py checks its record type against it */
 int64_t nat_instr_bytes(void) { return (int64_t)sizeof(nat_instr); }
@@ -140,7 +140,7 @@ int nat_program_run(nat_pool *pool, int isa, const nat_instr *prog, int64_t n, v
                                       in->n[1], (float *)((char *)bufs[in->buf[0]] + 4 * in->off[0]),
                                       in->buf[2] >= 0 ? (char *)bufs[in->buf[2]] + 4 * in->off[2] : NULL);
         else
-            status = nat_run_op(pool, in, bufs, weights);
+            status = nat_run_op(pool, isa, in, bufs, weights);
         if (times) times[i] += seconds_now() - start;
         if (status != 0) {
             *failed_at = i;
