@@ -38,7 +38,7 @@ def native_extension():
         flags.append("-DLLMFW_NATIVE_SCALAR_ONLY")
     return Extension("llmfw.plugins.backends.native._native",
                      sources=[f"llmfw/plugins/backends/native/csrc/{name}" for name in NATIVE_SOURCES],
-                     depends=["llmfw/plugins/backends/native/csrc/native.h",
+                     depends=["llmfw/plugins/backends/native/csrc/native.h", "llmfw/plugins/backends/native/csrc/nat_exp.h",
                               "llmfw/plugins/backends/native/csrc/pool.h"],
                      extra_compile_args=flags, extra_link_args=["-pthread"], optional=True)
 

@@ -6,8 +6,8 @@
  *   s_c  = dot(qs, k_j): element d into lane d % 16, lane = lane + qs[d]*k[d] (lanes from +0), then the lanes
  *          reduced l + l+8, l + l+4, l + l+2, l + l+1 (native.h's canonical sixteen lanes)
  *          [s_c = tanh(s_c / softcap) * softcap]; s_c = s_c + mask_j
- *   best = the largest s_c (and the sink);  p_c = attn_exp(s_c - best)  (below: one polynomial, same on every path)
- *   total = the p_c summed with p_c into lane c % 16, then the same reduction [+ attn_exp(sink - best)]
+ *   best = the largest s_c (and the sink);  p_c = nat_exp(s_c - best)  (nat_exp.h: one polynomial, the same on every path)
+ *   total = the p_c summed with p_c into lane c % 16, then the same reduction [+ nat_exp(sink - best)]
  *   out[d] = (0 + p_0*v_0[d] + p_1*v_1[d] + ...) / total   (cells in order, one lane per d)
  * A row that sees no cell gives NaN (0/0, like the oracle). Hidden cells cost nothing: a tile of query rows only
  * visits the key blocks some row of it sees (causal prefill never looks at future keys). Tiles share the K loads
@@ -18,49 +18,10 @@
 #include <string.h>
 
 #include "native.h"
+#include "nat_exp.h"
 #include "pool.h"
 
 #define KEYS 16  /* keys per score block: one call of an ISA's scores kernel */
-
-/* ---- the canonical exp: exp(x) = 2^n * poly(r), x = n ln2 + r, |r| <= ln2 / 2 ------------------------------- */
-
-#define EXP_LOW -87.0f      /* below: 0 (the result would be subnormal) */
-#define EXP_HIGH 88.0f      /* above: clamped (softmax arguments are <= 0) */
-#define EXP_LOG2E 1.44269504088896341f
-#define EXP_SHIFT 12582912.0f   /* 1.5 * 2^23: t + SHIFT rounds t to an integer, kept in the low mantissa bits */
-#define EXP_LN2_HI 0.693359375f  /* ln 2 split so that n * LN2_HI is exact */
-#define EXP_LN2_LO -2.12194440e-4f
-#define EXP_P0 1.9875691500e-4f
-#define EXP_P1 1.3981999507e-3f
-#define EXP_P2 8.3334519073e-3f
-#define EXP_P3 4.1665795894e-2f
-#define EXP_P4 1.6666665459e-1f
-#define EXP_P5 5.0000001201e-1f
-
-static inline uint32_t float_bits(float x) {
-    uint32_t u;
-    memcpy(&u, &x, 4);
-    return u;
-}
-
-static inline float bits_float(uint32_t u) {
-    float x;
-    memcpy(&x, &u, 4);
-    return x;
-}
-
-/* every vector path below performs these operations, in this order, lane by lane */
-static inline float attn_exp(float x) {
-    float c = x > EXP_HIGH ? EXP_HIGH : x;
-    float shifted = c * EXP_LOG2E + EXP_SHIFT;
-    float n = shifted - EXP_SHIFT;
-    float scale = bits_float((float_bits(shifted) - float_bits(EXP_SHIFT) + 127u) << 23);
-    float r = (c - n * EXP_LN2_HI) - n * EXP_LN2_LO;
-    float z = r * r;
-    float y = ((((EXP_P0 * r + EXP_P1) * r + EXP_P2) * r + EXP_P3) * r + EXP_P4) * r + EXP_P5;
-    y = (y * z + r) + 1.0f;
-    return c < EXP_LOW ? 0.0f : y * scale;
-}
 
 /* ---- one ISA's kernels ------------------------------------------------------------------------------------- */
 
@@ -68,9 +29,9 @@ typedef struct {
     /* out[i] = dot(q, k + i * dk) for the KEYS rows from k (q padded with zeros to whole 16s) */
     void (*scores)(const float *q, const float *k, int64_t dk, float *out);
     /* the largest of s[0..n) (n > 0; NaNs ignored; which zero of +0 and -0 when both are there is unspecified:
-     * it changes no result, as attn_exp(x - (+0)) and attn_exp(x - (-0)) are the same) */
+     * it changes no result, as nat_exp(x - (+0)) and nat_exp(x - (-0)) are the same) */
     float (*peak)(const float *s, int64_t n);
-    /* p[c] = attn_exp(p[c] - best) for c < n; returns their canonical sum */
+    /* p[c] = nat_exp(p[c] - best) for c < n; returns their canonical sum */
     float (*exp_sum)(float *p, int64_t n, float best);
     /* for each of the heads h: out[h][d] = out[h][d] + p[h][c] * v[cells[c] * dv + d], c = 0..n-1 in order */
     void (*weigh)(float *const *out, const float *const *p, int64_t heads, const int32_t *cells, int64_t n,
@@ -93,7 +54,7 @@ static void scores_scalar(const float *q, const float *k, int64_t dk, float *out
 static float exp_sum_scalar(float *p, int64_t n, float best) {
     float lanes[16] = {0};
     for (int64_t c = 0; c < n; c++) {
-        p[c] = attn_exp(p[c] - best);
+        p[c] = nat_exp(p[c] - best);
         lanes[c % 16] = lanes[c % 16] + p[c];
     }
     return nat_reduce16(lanes);
@@ -162,7 +123,7 @@ TARGET2 static void scores_avx2(const float *q, const float *k, int64_t dk, floa
     }
 }
 
-/* attn_exp on 8 lanes */
+/* nat_exp on 8 lanes */
 TARGET2 static inline __m256 avx2_exp(__m256 x) {
     __m256 c = _mm256_blendv_ps(x, _mm256_set1_ps(EXP_HIGH), _mm256_cmp_ps(x, _mm256_set1_ps(EXP_HIGH), _CMP_GT_OQ));
     __m256 shift = _mm256_set1_ps(EXP_SHIFT);
@@ -465,7 +426,7 @@ static void finish_row(const attn_job *job, float *scores, const int32_t *cells,
         float best = job->isa->peak(ps[g], count);
         if (job->sinks) best = job->sinks[h] > best ? job->sinks[h] : best;
         totals[g] = job->isa->exp_sum(ps[g], count, best);
-        if (job->sinks) totals[g] = totals[g] + attn_exp(job->sinks[h] - best);
+        if (job->sinks) totals[g] = totals[g] + nat_exp(job->sinks[h] - best);
         memset(outs[g], 0, (size_t)dv * sizeof(float));
     }
     if (count == 0) {  /* no visible cell: 0/0 */

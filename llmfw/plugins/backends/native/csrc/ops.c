@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "native.h"
+#include "nat_exp.h"
 #include "pool.h"
 
 /* elements per chunk of an elementwise op: below two chunks the op runs on the calling thread alone */
@@ -18,16 +19,23 @@
 
 /* ---- elementwise ------------------------------------------------------------------------------------------ */
 
+/* x * sigmoid(x) */
+static inline float silu(float x) { return x / (1.0f + nat_exp(-x)); }
+
+/* ggml's tanh form 0.5 x (1 + tanh(u)), u = c (x + 0.044715 x^3), computed as x / (1 + exp(-2u)) (the same
+ * function: no cancellation where tanh(u) is near -1, and no libm call, so the loop vectorises) */
+static inline float gelu(float x) {
+    const float c = 0.7978845608028654f;
+    float inner = c * (x + 0.044715f * x * x * x);
+    return x / (1.0f + nat_exp(-2.0f * inner));
+}
+
 static inline float unary(int kind, float x, const float *f) {
     switch (kind) {
-    case NAT_SILU: return x / (1.0f + expf(-x));
-    case NAT_GELU: {  /* ggml's tanh form, in the oracle's order of operations */
-        const float c = 0.7978845608028654f;
-        float inner = c * (x + 0.044715f * x * x * x);
-        return 0.5f * x * (1.0f + tanhf(inner));
-    }
+    case NAT_SILU: return silu(x);
+    case NAT_GELU: return gelu(x);
     case NAT_RELU: return x > 0.0f ? x : 0.0f;
-    case NAT_SIGMOID: return 1.0f / (1.0f + expf(-x));
+    case NAT_SIGMOID: return 1.0f / (1.0f + nat_exp(-x));
     case NAT_SOFTPLUS: return x > 20.0f ? x : log1pf(expf(x));
     case NAT_SCALE: return x * f[0];
     case NAT_SOFTCAP: return tanhf(x / f[0]) * f[0];
@@ -49,7 +57,12 @@ static void unary_chunk(void *raw, int64_t chunk, int ith) {
     int kind = (int)job->in->n[0];
     int64_t i0, i1;
     nat_share(job->count, chunk, job->n_chunks, &i0, &i1);
-    for (int64_t i = i0; i < i1; i++) out[i] = unary(kind, x[i], job->in->f);
+    if (kind == NAT_GELU)  /* the activations of the models' feed-forward layers: loops of their own, vectorised */
+        for (int64_t i = i0; i < i1; i++) out[i] = gelu(x[i]);
+    else if (kind == NAT_SILU)
+        for (int64_t i = i0; i < i1; i++) out[i] = silu(x[i]);
+    else
+        for (int64_t i = i0; i < i1; i++) out[i] = unary(kind, x[i], job->in->f);
 }
 
 static void swiglu_chunk(void *raw, int64_t chunk, int ith) {
@@ -59,7 +72,7 @@ static void swiglu_chunk(void *raw, int64_t chunk, int ith) {
     float *out = F32_AT(job->bufs, job->in, 0);
     int64_t i0, i1;
     nat_share(job->count, chunk, job->n_chunks, &i0, &i1);
-    for (int64_t i = i0; i < i1; i++) out[i] = unary(NAT_SILU, g[i], NULL) * u[i];
+    for (int64_t i = i0; i < i1; i++) out[i] = silu(g[i]) * u[i];
 }
 
 static inline float binary(int kind, float a, float b) {
