@@ -26,8 +26,9 @@
 /* ---- one ISA's kernels ------------------------------------------------------------------------------------- */
 
 typedef struct {
-    /* out[i] = dot(q, k + i * dk) for the KEYS rows from k (q padded with zeros to whole 16s) */
-    void (*scores)(const float *q, const float *k, int64_t dk, float *out);
+    /* out[i] = dot(q, k + i * dk) [+ add[i] when add is not NULL] for the KEYS rows from k (q padded with zeros to
+     * whole 16s) */
+    void (*scores)(const float *q, const float *k, int64_t dk, const float *add, float *out);
     /* the largest of s[0..n) (n > 0; NaNs ignored; which zero of +0 and -0 when both are there is unspecified:
      * it changes no result, as nat_exp(x - (+0)) and nat_exp(x - (-0)) are the same) */
     float (*peak)(const float *s, int64_t n);
@@ -43,11 +44,12 @@ static inline void add_products(float *lanes, const float *a, const float *b, in
     for (int64_t l = 0; l < n; l++) lanes[l] = lanes[l] + a[l] * b[l];
 }
 
-static void scores_scalar(const float *q, const float *k, int64_t dk, float *out) {
+static void scores_scalar(const float *q, const float *k, int64_t dk, const float *add, float *out) {
     for (int i = 0; i < KEYS; i++) {
         float lanes[16] = {0};
         for (int64_t d = 0; d < dk; d += 16) add_products(lanes, q + d, k + i * dk + d, dk - d < 16 ? dk - d : 16);
-        out[i] = nat_reduce16(lanes);  /* the padding would add +0 to lanes that are never -0: no change */
+        float dot = nat_reduce16(lanes);  /* the padding would add +0 to lanes that are never -0: no change */
+        out[i] = add ? dot + add[i] : dot;
     }
 }
 
@@ -94,15 +96,25 @@ TARGET2 static inline __m256 avx2_load(const float *p, int64_t n) {  /* n < 8: t
     return n >= 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, avx2_keep(n));
 }
 
+TARGET2 static inline __m256 avx2_load_cut(const float *p, int64_t n) { return _mm256_maskload_ps(p, avx2_keep(n)); }
+
 /* keys 4g..4g+3 reduced to their l + l+2 pairs: lanes [k0 k0 k2 k2 | k1 k1 k3 k3] (each pair (a, a+2) summed) */
 TARGET2 static inline __m256 avx2_four_keys(const float *q, const float *k, int64_t dk) {
     __m256 lo[4], hi[4];
     for (int i = 0; i < 4; i++) lo[i] = hi[i] = _mm256_setzero_ps();
-    for (int64_t d = 0; d < dk; d += 16) {
+    int64_t d = 0;
+    for (; d + 16 <= dk; d += 16) {
         __m256 q0 = _mm256_loadu_ps(q + d), q1 = _mm256_loadu_ps(q + d + 8);
         for (int i = 0; i < 4; i++) {
-            lo[i] = _mm256_add_ps(lo[i], _mm256_mul_ps(q0, avx2_load(k + i * dk + d, dk - d)));
-            hi[i] = _mm256_add_ps(hi[i], _mm256_mul_ps(q1, avx2_load(k + i * dk + d + 8, dk - d - 8)));
+            lo[i] = _mm256_add_ps(lo[i], _mm256_mul_ps(q0, _mm256_loadu_ps(k + i * dk + d)));
+            hi[i] = _mm256_add_ps(hi[i], _mm256_mul_ps(q1, _mm256_loadu_ps(k + i * dk + d + 8)));
+        }
+    }
+    if (d < dk) {
+        __m256 q0 = _mm256_loadu_ps(q + d), q1 = _mm256_loadu_ps(q + d + 8);
+        for (int i = 0; i < 4; i++) {
+            lo[i] = _mm256_add_ps(lo[i], _mm256_mul_ps(q0, avx2_load_cut(k + i * dk + d, dk - d)));
+            hi[i] = _mm256_add_ps(hi[i], _mm256_mul_ps(q1, avx2_load_cut(k + i * dk + d + 8, dk - d - 8)));
         }
     }
     __m256 s8[4];
@@ -113,12 +125,13 @@ TARGET2 static inline __m256 avx2_four_keys(const float *q, const float *k, int6
     return _mm256_add_ps(_mm256_shuffle_ps(a, b, 0x44), _mm256_shuffle_ps(a, b, 0xEE));
 }
 
-TARGET2 static void scores_avx2(const float *q, const float *k, int64_t dk, float *out) {
+TARGET2 static void scores_avx2(const float *q, const float *k, int64_t dk, const float *add, float *out) {
     for (int half = 0; half < 2; half++) {
         __m256 e = avx2_four_keys(q, k + 8 * half * dk, dk), f = avx2_four_keys(q, k + (8 * half + 4) * dk, dk);
         /* l + l+1: lanes [k0 k2 k4 k6 | k1 k3 k5 k7] of these 8 keys */
         __m256 s = _mm256_add_ps(_mm256_shuffle_ps(e, f, 0x88), _mm256_shuffle_ps(e, f, 0xDD));
         s = _mm256_permutevar8x32_ps(s, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        if (add) s = _mm256_add_ps(s, _mm256_loadu_ps(add + 8 * half));
         _mm256_storeu_ps(out + 8 * half, s);
     }
 }
@@ -181,7 +194,6 @@ TARGET2 static inline __m256 avx2_load_full(const float *p, int64_t n) {
     return _mm256_loadu_ps(p);
 }
 
-TARGET2 static inline __m256 avx2_load_cut(const float *p, int64_t n) { return _mm256_maskload_ps(p, avx2_keep(n)); }
 
 TARGET2 static inline void avx2_store(float *p, int64_t n, __m256 x) {
     if (n >= 8) _mm256_storeu_ps(p, x);
@@ -228,7 +240,7 @@ TARGET512 static inline __mmask16 avx512_keep(int64_t n) {
 #define PAIR_F32X4(a, b, lo, hi) _mm512_add_ps(_mm512_shuffle_f32x4(a, b, lo), _mm512_shuffle_f32x4(a, b, hi))
 #define PAIR_PS(a, b, lo, hi) _mm512_add_ps(_mm512_shuffle_ps(a, b, lo), _mm512_shuffle_ps(a, b, hi))
 
-TARGET512 static void scores_avx512(const float *q, const float *k, int64_t dk, float *out) {
+TARGET512 static void scores_avx512(const float *q, const float *k, int64_t dk, const float *add, float *out) {
     EACH_KEY(ZERO_ACC)
     int64_t d = 0;
     for (; d + 16 <= dk; d += 16) {
@@ -255,7 +267,9 @@ TARGET512 static void scores_avx512(const float *q, const float *k, int64_t dk, 
     __m512 s2_0 = PAIR_PS(s4_0, s4_2, 0x44, 0xEE), s2_1 = PAIR_PS(s4_1, s4_3, 0x44, 0xEE);
     __m512 s1 = PAIR_PS(s2_0, s2_1, 0x88, 0xDD);
     /* s1's lanes hold keys [0 2 1 3 8 10 9 11 4 6 5 7 12 14 13 15] */
-    _mm512_storeu_ps(out, _mm512_permutexvar_ps(_mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15), s1));
+    s1 = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15), s1);
+    if (add) s1 = _mm512_add_ps(s1, _mm512_loadu_ps(add));
+    _mm512_storeu_ps(out, s1);
 }
 
 TARGET512 static inline __m512 avx512_exp(__m512 x) {
@@ -372,8 +386,10 @@ static size_t scratch_floats(int64_t tile_rows, int64_t heads, int64_t dk, int64
 /* the visible cells of mask row `row`, in order; returns their count */
 static int64_t visible_cells(const float *row, int64_t n_kv, int32_t *cells) {
     int64_t count = 0;
-    for (int64_t j = 0; j < n_kv; j++)
-        if (!(isinf(row[j]) && row[j] < 0)) cells[count++] = (int32_t)j;
+    for (int64_t j = 0; j < n_kv; j++) {  /* without a branch: a mask row has runs of both kinds */
+        cells[count] = (int32_t)j;
+        count += row[j] != -INFINITY;
+    }
     return count;
 }
 
@@ -393,12 +409,19 @@ static void score_block(const attn_job *job, int64_t t0, int64_t rows, int64_t h
         const int32_t *vis = cells + r * job->n_kv;
         const float *mask = job->mask + (t0 + r) * job->n_kv;
         int64_t lo = cursor[r], hi = lo;
-        while (hi < count[r] && vis[hi] < j0 + KEYS) hi++;
+        if (lo + KEYS <= count[r] && vis[lo] == j0 && vis[lo + KEYS - 1] == j0 + KEYS - 1)
+            hi = lo + KEYS;  /* the row sees the whole block (cells ascend, each once) */
+        else
+            while (hi < count[r] && vis[hi] < j0 + KEYS) hi++;
         if (hi == lo) continue;
         for (int64_t g = 0; g < heads; g++) {
             int64_t i = r * heads + g;
             float *dst = scores + i * job->n_kv;
-            job->isa->scores(qs + i * dk16, keys, job->dk, block);
+            if (hi - lo == KEYS && job->softcap == 0.0f) {  /* the scores plus the mask, straight into place */
+                job->isa->scores(qs + i * dk16, keys, job->dk, mask + j0, dst + lo);
+                continue;
+            }
+            job->isa->scores(qs + i * dk16, keys, job->dk, NULL, block);
             if (job->softcap != 0.0f)
                 for (int64_t c = lo; c < hi; c++) {
                     float *s = &block[vis[c] - j0];
