@@ -464,7 +464,10 @@ static void finish_row(const attn_job *job, float *scores, const int32_t *cells,
 
 static void attend_item(const attn_job *job, int64_t item, float *scratch) {
     int64_t part = item % job->parts, kvh = (item / job->parts) % job->n_head_kv;
-    int64_t t0 = item / (job->parts * job->n_head_kv) * job->tile_rows;
+    /* the last tiles first: in a causal prefill they see the most keys, and the cheap ones then fill the threads'
+     * ends */
+    int64_t tiles = (job->n_tokens + job->tile_rows - 1) / job->tile_rows;
+    int64_t t0 = (tiles - 1 - item / (job->parts * job->n_head_kv)) * job->tile_rows;
     int64_t rows = job->n_tokens - t0 < job->tile_rows ? job->n_tokens - t0 : job->tile_rows;
     int64_t heads = job->heads_per_item, h0 = kvh * (job->n_head / job->n_head_kv) + part * heads;
     int64_t dk = job->dk, dk16 = (dk + 15) / 16 * 16, n_kv = job->n_kv;
