@@ -179,3 +179,21 @@ def test_a_rows_bits_do_not_depend_on_the_batch_its_cells_or_the_threads(pool, i
         elsewhere = kernels.attention(q[row:row + 1], moved.k, moved.v, moved_mask, 0.5, 0.0, pool, isa)
         assert np.array_equal(elsewhere[0], batch[row]), row
     one_thread.close()
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_a_decode_step_of_sequences_with_interleaved_cells(pool, isa):
+    """Four sequences decoding together own every fourth cell each: a step scores only its own cells (gathered),
+    matches the oracle, and gives each row the bits it has among a prefill's rows."""
+    rng = np.random.default_rng(9)
+    n_kv, n_seqs = 70, 4
+    q = rng.standard_normal((n_seqs, 6, 36)).astype(np.float32)
+    kv = random_cache(rng, 3, n_kv, 36, 20)
+    mask = np.full((n_seqs, n_kv), -np.inf, np.float32)
+    for s in range(n_seqs):
+        mask[s, s::n_seqs] = 0.0
+    step = kernels.attention(q, kv.k, kv.v, mask, 0.3, 0.0, pool, isa)
+    np.testing.assert_allclose(step, attention(q, kv, n_kv, mask, 0.3, 0.0), rtol=2e-5, atol=2e-6)
+    among = np.concatenate([q, rng.standard_normal((20, 6, 36)).astype(np.float32)])
+    among_mask = np.concatenate([mask, window_mask(20, n_kv, n_kv - 20, 30)])
+    assert np.array_equal(kernels.attention(among, kv.k, kv.v, among_mask, 0.3, 0.0, pool, isa)[:n_seqs], step)

@@ -376,8 +376,8 @@ typedef struct {
     float *scratch;
 } attn_job;
 
-/* per thread: q rows [tile * heads][dk padded], scores [tile * heads][n_kv], a block's scores [KEYS], the cache's
- * last keys [KEYS][dk], visible cells [tile][n_kv] */
+/* per thread: q rows [tile * heads][dk padded], scores [tile * heads][n_kv], a block's scores [KEYS], copied keys
+ * [KEYS][dk], visible cells [tile][n_kv] */
 static size_t scratch_floats(int64_t tile_rows, int64_t heads, int64_t dk, int64_t n_kv) {
     int64_t dk16 = (dk + 15) / 16 * 16;
     return (size_t)(tile_rows * heads * (dk16 + n_kv) + KEYS + KEYS * dk + tile_rows * n_kv);
@@ -393,17 +393,22 @@ static int64_t visible_cells(const float *row, int64_t n_kv, int32_t *cells) {
     return count;
 }
 
+/* a raw score, soft-capped when the model caps them */
+static inline float capped(const attn_job *job, float s) {
+    return job->softcap != 0.0f ? tanhf(s / job->softcap) * job->softcap : s;
+}
+
 /* the scores of key block [j0, j0 + KEYS) for the rows of the tile that see a cell of it, compacted by visible
  * index; cursor[r]: the first visible cell of row r not scored yet */
 static void score_block(const attn_job *job, int64_t t0, int64_t rows, int64_t h0, int64_t j0,
                         const float *qs, float *scores, const int32_t *cells, const int64_t *count, int64_t *cursor,
-                        float *block, float *tail_keys) {
+                        float *block, float *key_copy) {
     int64_t heads = job->heads_per_item, dk16 = (job->dk + 15) / 16 * 16;
     const float *keys = job->k + ((h0 / (job->n_head / job->n_head_kv)) * job->n_cells + j0) * job->dk;
     if (j0 + KEYS > job->n_cells) {  /* past the cache's end: the block's rows copied, zeros after them */
-        memset(tail_keys, 0, (size_t)(KEYS * job->dk) * sizeof(float));
-        memcpy(tail_keys, keys, (size_t)((job->n_cells - j0) * job->dk) * sizeof(float));
-        keys = tail_keys;
+        memset(key_copy, 0, (size_t)(KEYS * job->dk) * sizeof(float));
+        memcpy(key_copy, keys, (size_t)((job->n_cells - j0) * job->dk) * sizeof(float));
+        keys = key_copy;
     }
     for (int64_t r = 0; r < rows; r++) {
         const int32_t *vis = cells + r * job->n_kv;
@@ -422,17 +427,39 @@ static void score_block(const attn_job *job, int64_t t0, int64_t rows, int64_t h
                 continue;
             }
             job->isa->scores(qs + i * dk16, keys, job->dk, NULL, block);
-            if (job->softcap != 0.0f)
-                for (int64_t c = lo; c < hi; c++) {
-                    float *s = &block[vis[c] - j0];
-                    *s = tanhf(*s / job->softcap) * job->softcap;
-                }
-            if (hi - lo == KEYS)
-                for (int l = 0; l < KEYS; l++) dst[lo + l] = block[l] + mask[j0 + l];
-            else
-                for (int64_t c = lo; c < hi; c++) dst[c] = block[vis[c] - j0] + mask[vis[c]];
+            for (int64_t c = lo; c < hi; c++) dst[c] = capped(job, block[vis[c] - j0]) + mask[vis[c]];
         }
         cursor[r] = hi;
+    }
+}
+
+/* The scores of one query row (a decode step's tile) for the heads of the item, by chunks of KEYS visible cells:
+ * the cells of a sequence beside others in the cache are not contiguous, and a block of cells would score the
+ * other sequences' keys for nothing. A chunk of contiguous cells is read in place, any other gathered. */
+static void score_visible(const attn_job *job, int64_t t, int64_t h0, const float *qs, float *scores,
+                          const int32_t *vis, int64_t count, float *block, float *gathered) {
+    int64_t heads = job->heads_per_item, dk = job->dk, dk16 = (dk + 15) / 16 * 16;
+    const float *kbase = job->k + (h0 / (job->n_head / job->n_head_kv)) * job->n_cells * dk;
+    const float *mask = job->mask + t * job->n_kv;
+    float add[KEYS];
+    for (int64_t c0 = 0; c0 < count; c0 += KEYS) {
+        int64_t n = count - c0 < KEYS ? count - c0 : KEYS;
+        const float *keys = kbase + (int64_t)vis[c0] * dk;
+        if (n < KEYS || vis[c0 + KEYS - 1] - vis[c0] != KEYS - 1) {
+            for (int64_t i = 0; i < n; i++) memcpy(gathered + i * dk, kbase + (int64_t)vis[c0 + i] * dk, (size_t)dk * 4);
+            memset(gathered + n * dk, 0, (size_t)((KEYS - n) * dk) * 4);
+            keys = gathered;
+        }
+        for (int64_t i = 0; i < n; i++) add[i] = mask[vis[c0 + i]];
+        for (int64_t g = 0; g < heads; g++) {
+            float *dst = scores + g * job->n_kv + c0;
+            if (n == KEYS && job->softcap == 0.0f) {
+                job->isa->scores(qs + g * dk16, keys, dk, add, dst);
+                continue;
+            }
+            job->isa->scores(qs + g * dk16, keys, dk, NULL, block);
+            for (int64_t i = 0; i < n; i++) dst[i] = capped(job, block[i]) + add[i];
+        }
     }
 }
 
@@ -472,8 +499,8 @@ static void attend_item(const attn_job *job, int64_t item, float *scratch) {
     int64_t heads = job->heads_per_item, h0 = kvh * (job->n_head / job->n_head_kv) + part * heads;
     int64_t dk = job->dk, dk16 = (dk + 15) / 16 * 16, n_kv = job->n_kv;
     float *qs = scratch, *scores = qs + rows * heads * dk16, *block = scores + rows * heads * n_kv;
-    float *tail_keys = block + KEYS;
-    int32_t *cells = (int32_t *)(tail_keys + KEYS * dk);
+    float *key_copy = block + KEYS;
+    int32_t *cells = (int32_t *)(key_copy + KEYS * dk);
     int64_t count[DECODE_ROWS], cursor[DECODE_ROWS], first = n_kv, end = 0;
     for (int64_t r = 0; r < rows; r++) {
         count[r] = visible_cells(job->mask + (t0 + r) * n_kv, n_kv, cells + r * n_kv);
@@ -488,8 +515,11 @@ static void attend_item(const attn_job *job, int64_t item, float *scratch) {
             for (int64_t d = 0; d < dk16; d++) dst[d] = d < dk ? q[d] * job->scale : 0.0f;
         }
     }
-    for (int64_t j0 = first; j0 < end; j0 += KEYS)
-        score_block(job, t0, rows, h0, j0, qs, scores, cells, count, cursor, block, tail_keys);
+    if (rows == 1)
+        score_visible(job, t0, h0, qs, scores, cells, count[0], block, key_copy);
+    else
+        for (int64_t j0 = first; j0 < end; j0 += KEYS)
+            score_block(job, t0, rows, h0, j0, qs, scores, cells, count, cursor, block, key_copy);
     for (int64_t r = 0; r < rows; r++)
         finish_row(job, scores + r * heads * n_kv, cells + r * n_kv, count[r], t0 + r, h0);
 }
