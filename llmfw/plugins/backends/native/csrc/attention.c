@@ -44,22 +44,32 @@ static inline void add_products(float *lanes, const float *a, const float *b, in
     for (int64_t l = 0; l < n; l++) lanes[l] = lanes[l] + a[l] * b[l];
 }
 
+/* native.h's reduction of sixteen lanes (nat_reduce16), inlined: the scalar path runs it for every score */
+static inline float reduce_lanes(float *lanes) {
+    for (int step = 8; step >= 1; step >>= 1)
+        for (int l = 0; l < step; l++) lanes[l] = lanes[l] + lanes[l + step];
+    return lanes[0];
+}
+
 static void scores_scalar(const float *q, const float *k, int64_t dk, const float *add, float *out) {
     for (int i = 0; i < KEYS; i++) {
         float lanes[16] = {0};
         for (int64_t d = 0; d < dk; d += 16) add_products(lanes, q + d, k + i * dk + d, dk - d < 16 ? dk - d : 16);
-        float dot = nat_reduce16(lanes);  /* the padding would add +0 to lanes that are never -0: no change */
+        float dot = reduce_lanes(lanes);  /* the padding would add +0 to lanes that are never -0: no change */
         out[i] = add ? dot + add[i] : dot;
     }
 }
 
 static float exp_sum_scalar(float *p, int64_t n, float best) {
     float lanes[16] = {0};
-    for (int64_t c = 0; c < n; c++) {
-        p[c] = nat_exp(p[c] - best);
-        lanes[c % 16] = lanes[c % 16] + p[c];
+    for (int64_t c0 = 0; c0 < n; c0 += 16) {  /* p[c] into lane c % 16, by whole 16s: the loop vectorises */
+        int64_t m = n - c0 < 16 ? n - c0 : 16;
+        for (int64_t l = 0; l < m; l++) {
+            p[c0 + l] = nat_exp(p[c0 + l] - best);
+            lanes[l] = lanes[l] + p[c0 + l];
+        }
     }
-    return nat_reduce16(lanes);
+    return reduce_lanes(lanes);
 }
 
 static float peak_scalar(const float *s, int64_t n) {
