@@ -96,6 +96,28 @@ static void weigh_scalar(float *const *out, const float *const *p, int64_t heads
 #define TARGET2 __attribute__((target("avx2,fma,f16c")))
 #define TARGET512 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
 
+/* nat_exp's 2^n * poly(r) for the clamped argument c on W-bit vectors (256: AVX2, 512: AVX-512), into out */
+#define EXP_SCALED(W, c, out)                                                                                  \
+    do {                                                                                                       \
+        __m##W shift = _mm##W##_set1_ps(EXP_SHIFT);                                                            \
+        __m##W shifted = _mm##W##_add_ps(_mm##W##_mul_ps(c, _mm##W##_set1_ps(EXP_LOG2E)), shift);              \
+        __m##W n = _mm##W##_sub_ps(shifted, shift);                                                            \
+        __m##W##i e = _mm##W##_add_epi32(_mm##W##_sub_epi32(_mm##W##_castps_si##W(shifted),                    \
+                                                            _mm##W##_castps_si##W(shift)),                     \
+                                         _mm##W##_set1_epi32(127));                                            \
+        __m##W scale = _mm##W##_castsi##W##_ps(_mm##W##_slli_epi32(e, 23));                                    \
+        __m##W r = _mm##W##_sub_ps(_mm##W##_sub_ps(c, _mm##W##_mul_ps(n, _mm##W##_set1_ps(EXP_LN2_HI))),       \
+                                   _mm##W##_mul_ps(n, _mm##W##_set1_ps(EXP_LN2_LO)));                          \
+        __m##W z = _mm##W##_mul_ps(r, r);                                                                      \
+        __m##W y = _mm##W##_add_ps(_mm##W##_mul_ps(_mm##W##_set1_ps(EXP_P0), r), _mm##W##_set1_ps(EXP_P1));    \
+        y = _mm##W##_add_ps(_mm##W##_mul_ps(y, r), _mm##W##_set1_ps(EXP_P2));                                  \
+        y = _mm##W##_add_ps(_mm##W##_mul_ps(y, r), _mm##W##_set1_ps(EXP_P3));                                  \
+        y = _mm##W##_add_ps(_mm##W##_mul_ps(y, r), _mm##W##_set1_ps(EXP_P4));                                  \
+        y = _mm##W##_add_ps(_mm##W##_mul_ps(y, r), _mm##W##_set1_ps(EXP_P5));                                  \
+        y = _mm##W##_add_ps(_mm##W##_add_ps(_mm##W##_mul_ps(y, z), r), _mm##W##_set1_ps(1.0f));                \
+        out = _mm##W##_mul_ps(y, scale);                                                                       \
+    } while (0)
+
 /* ---- AVX2: the sixteen lanes as two 8-lane halves (lanes 0-7, 8-15) ---- */
 
 TARGET2 static inline __m256i avx2_keep(int64_t n) {  /* lanes < n of 8 */
@@ -149,23 +171,10 @@ TARGET2 static void scores_avx2(const float *q, const float *k, int64_t dk, cons
 /* nat_exp on 8 lanes */
 TARGET2 static inline __m256 avx2_exp(__m256 x) {
     __m256 c = _mm256_blendv_ps(x, _mm256_set1_ps(EXP_HIGH), _mm256_cmp_ps(x, _mm256_set1_ps(EXP_HIGH), _CMP_GT_OQ));
-    __m256 shift = _mm256_set1_ps(EXP_SHIFT);
-    __m256 shifted = _mm256_add_ps(_mm256_mul_ps(c, _mm256_set1_ps(EXP_LOG2E)), shift);
-    __m256 n = _mm256_sub_ps(shifted, shift);
-    __m256i e = _mm256_add_epi32(_mm256_sub_epi32(_mm256_castps_si256(shifted), _mm256_castps_si256(shift)),
-                                 _mm256_set1_epi32(127));
-    __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(e, 23));
-    __m256 r = _mm256_sub_ps(_mm256_sub_ps(c, _mm256_mul_ps(n, _mm256_set1_ps(EXP_LN2_HI))),
-                             _mm256_mul_ps(n, _mm256_set1_ps(EXP_LN2_LO)));
-    __m256 z = _mm256_mul_ps(r, r);
-    __m256 y = _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(EXP_P0), r), _mm256_set1_ps(EXP_P1));
-    y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(EXP_P2));
-    y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(EXP_P3));
-    y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(EXP_P4));
-    y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(EXP_P5));
-    y = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(y, z), r), _mm256_set1_ps(1.0f));
+    __m256 scaled;
+    EXP_SCALED(256, c, scaled);
     __m256 low = _mm256_cmp_ps(c, _mm256_set1_ps(EXP_LOW), _CMP_LT_OQ);
-    return _mm256_andnot_ps(low, _mm256_mul_ps(y, scale));
+    return _mm256_andnot_ps(low, scaled);
 }
 
 TARGET2 static float exp_sum_avx2(float *p, int64_t n, float best) {
@@ -284,23 +293,10 @@ TARGET512 static void scores_avx512(const float *q, const float *k, int64_t dk, 
 
 TARGET512 static inline __m512 avx512_exp(__m512 x) {
     __m512 c = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(EXP_HIGH), _CMP_GT_OQ), x, _mm512_set1_ps(EXP_HIGH));
-    __m512 shift = _mm512_set1_ps(EXP_SHIFT);
-    __m512 shifted = _mm512_add_ps(_mm512_mul_ps(c, _mm512_set1_ps(EXP_LOG2E)), shift);
-    __m512 n = _mm512_sub_ps(shifted, shift);
-    __m512i e = _mm512_add_epi32(_mm512_sub_epi32(_mm512_castps_si512(shifted), _mm512_castps_si512(shift)),
-                                 _mm512_set1_epi32(127));
-    __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(e, 23));
-    __m512 r = _mm512_sub_ps(_mm512_sub_ps(c, _mm512_mul_ps(n, _mm512_set1_ps(EXP_LN2_HI))),
-                             _mm512_mul_ps(n, _mm512_set1_ps(EXP_LN2_LO)));
-    __m512 z = _mm512_mul_ps(r, r);
-    __m512 y = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(EXP_P0), r), _mm512_set1_ps(EXP_P1));
-    y = _mm512_add_ps(_mm512_mul_ps(y, r), _mm512_set1_ps(EXP_P2));
-    y = _mm512_add_ps(_mm512_mul_ps(y, r), _mm512_set1_ps(EXP_P3));
-    y = _mm512_add_ps(_mm512_mul_ps(y, r), _mm512_set1_ps(EXP_P4));
-    y = _mm512_add_ps(_mm512_mul_ps(y, r), _mm512_set1_ps(EXP_P5));
-    y = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(y, z), r), _mm512_set1_ps(1.0f));
+    __m512 scaled;
+    EXP_SCALED(512, c, scaled);
     __mmask16 low = _mm512_cmp_ps_mask(c, _mm512_set1_ps(EXP_LOW), _CMP_LT_OQ);
-    return _mm512_maskz_mul_ps((__mmask16)~low, y, scale);
+    return _mm512_maskz_mov_ps((__mmask16)~low, scaled);
 }
 
 TARGET512 static float exp_sum_avx512(float *p, int64_t n, float best) {
