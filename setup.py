@@ -7,7 +7,8 @@ import sys
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
-NATIVE_SOURCES = ["module.c", "pool.c", "ops.c", "attention.c", "kernels_scalar.c", "kernels_x86.c"]
+NATIVE_SOURCES = ["module.c", "pool.c", "ops.c", "attention.c", "kernels_scalar.c", "kernels_x86.c", "recurrent.c",
+                  "moe.c"]
 
 
 class OptionalBuildExt(build_ext):

@@ -23,4 +23,4 @@ fi
 LD_PRELOAD="$("$CC" -print-file-name=libasan.so) $("$CC" -print-file-name=libubsan.so)" \
 ASAN_OPTIONS=detect_leaks=0 LLMFW_NATIVE_LIBRARY="$SO" \
     "$PY" -m pytest -q -p no:cacheprovider tests/unit/test_native_kernels.py tests/unit/test_native_ops.py \
-    tests/unit/test_native_repack_fuzz.py "$@"
+    tests/unit/test_native_repack_fuzz.py tests/unit/test_native_recurrent.py tests/unit/test_native_moe.py "$@"

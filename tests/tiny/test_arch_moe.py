@@ -1,7 +1,8 @@
 """Mixture-of-experts families against llama.cpp on random-weight files (issue 33): qwen3moe, olmoe, a
 Mixtral-style llama, gpt-oss, glm4moe, deepseek2 (multi-head latent attention) and the hybrids qwen35moe and
-Granite 4.0-H's MoE (issue 34; their recurrent memory is tested in test_recurrent_memory.py), on the numpy oracle and on the default onnx backend,
-plus the MoE ops one by one.
+Granite 4.0-H's MoE (issue 34; their recurrent memory is tested in test_recurrent_memory.py), on the numpy oracle, on the default onnx backend
+and on the native one (all but the hybrids; its own op tests are tests/unit/test_native_moe.py), plus the MoE ops
+one by one.
 
 The files (``tests/reference_gen/arch_specs.py``) have 8-16 experts and K-quant / legacy blocks where a rounding
 difference cannot flip a routing decision (the spec says why); ``tests/data/arch/<model>.json`` holds llama.cpp's
@@ -29,7 +30,9 @@ from llmfw.core.quants import GGMLType, quantize
 from llmfw.plugins.backends.numpy.moe import mul_mat_id
 
 MODELS = sorted(MOE_MODELS.values())
-BACKENDS = ["numpy", "onnx"]
+BACKENDS = ["numpy", "onnx", "native"]
+#: (model, backend) of the whole-model tests
+CASES = [(name, backend) for backend in BACKENDS for name in MODELS]
 UBATCH = 32
 #: onnx: an expert's MatMulNBits gets another number of rows when the ubatch changes, and ONNX Runtime's kernels
 #: may sum a row in another order for another row count (its one-row kernel is not its many-row one); measured up to
@@ -54,8 +57,7 @@ def models(tmp_path_factory):
         model.close()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name,backend", CASES)
 def test_every_prompt_clears_the_bar(models, score, name, backend):
     model = models(name, backend)
     ref = reference(name)
@@ -65,8 +67,7 @@ def test_every_prompt_clears_the_bar(models, score, name, backend):
         assert_clears_bar(score, record, logits, f"{name} on {backend}")
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name,backend", CASES)
 def test_ubatches_of_32_give_the_same_logits(models, score, name, backend):
     model = models(name, backend)
     record = longest(reference(name))
@@ -75,6 +76,8 @@ def test_ubatches_of_32_give_the_same_logits(models, score, name, backend):
     assert_clears_bar(score, record, split, f"{name} on {backend} with n_ubatch {UBATCH}")
     if backend == "numpy":
         assert np.abs(whole - split).max() <= SAME_LOGITS_ATOL
+    elif backend == "native":  # batch invariant: a row's bits do not depend on the rows beside it
+        assert np.array_equal(whole, split)
     elif name not in ONNX_CHUNKED_DELTA:
         assert np.abs(whole - split).max() <= ONNX_UBATCH_ATOL
 

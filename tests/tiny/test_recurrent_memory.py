@@ -4,7 +4,8 @@ layers) and Qwen3.5 dense and MoE (Gated DeltaNet beside
 gated attention): ubatch splitting by sequence, llama.cpp's seq_* semantics for a state that cannot be taken apart, a
 seq_cp fork, saved state, the prompt cache and speculative decoding — on the numpy oracle; on the default onnx
 backend (which runs the scans itself) the bar on whole prompts, in ubatches of 32 and with two sequences, and the
-seq_cp fork."""
+seq_cp fork; on the native backend (the dense hybrids, every op in its C kernels) the same, with each sequence's
+logits the same bits however it is batched."""
 from __future__ import annotations
 
 import numpy as np
@@ -243,6 +244,23 @@ def test_pure_recurrent_memory_has_no_kv_cache(model):
 
 
 # -- the default backend -------------------------------------------------------------------------------------------
+def every_prompt_clears_the_bar(score, family, loaded, backend):
+    for record in records(reference(family)):
+        assert_clears_bar(score, record, decode_all(loaded, record["sequence"], n_ctx=record["n_ctx"]),
+                          f"{backend} {family}")
+
+
+def two_sequences_clear_the_bar(score, family, loaded, backend):
+    """The family's first two prompts as two sequences in ubatches of 32, each against the bar: both prompts
+    and their logits."""
+    first, second = records(reference(family))[:2]
+    logits_a, logits_b = decode_two_sequences(loaded, first["sequence"], second["sequence"], n_ctx=512,
+                                              n_ubatch=32)
+    assert_clears_bar(score, first, logits_a, f"{backend} {family}, sequence 0 of 2")
+    assert_clears_bar(score, second, logits_b, f"{backend} {family}, sequence 1 of 2")
+    return (first, logits_a), (second, logits_b)
+
+
 @pytest.fixture(scope="module")
 def onnx_hybrid(hybrid):
     """(family, onnx-backend model) for each hybrid family."""
@@ -263,10 +281,7 @@ def test_onnx_runs_the_recurrent_ops_itself(onnx_hybrid, caplog):
 
 
 def test_onnx_clears_the_bar_on_every_prompt(onnx_hybrid, score):
-    family, onnx_model = onnx_hybrid
-    for record in records(reference(family)):
-        assert_clears_bar(score, record, decode_all(onnx_model, record["sequence"], n_ctx=record["n_ctx"]),
-                          f"onnx {family}")
+    every_prompt_clears_the_bar(score, *onnx_hybrid, "onnx")
 
 
 def test_onnx_clears_the_bar_in_ubatches_of_32_and_two_sequences(onnx_hybrid, score):
@@ -275,15 +290,10 @@ def test_onnx_clears_the_bar_in_ubatches_of_32_and_two_sequences(onnx_hybrid, sc
     forms' float32 rounding differences into visible logit differences on these random weights (the numpy
     tests hold the two to SAME_LOGITS_ATOL)."""
     family, onnx_model = onnx_hybrid
-    ref = reference(family)
-    record = longest(ref)
+    record = longest(reference(family))
     split = decode_all(onnx_model, record["sequence"], n_ctx=512, n_ubatch=32)
     assert_clears_bar(score, record, split, f"onnx {family} with n_ubatch 32")
-    first, second = records(ref)[:2]
-    logits_a, logits_b = decode_two_sequences(onnx_model, first["sequence"], second["sequence"], n_ctx=512,
-                                              n_ubatch=32)
-    assert_clears_bar(score, first, logits_a, f"onnx {family}, sequence 0 of 2")
-    assert_clears_bar(score, second, logits_b, f"onnx {family}, sequence 1 of 2")
+    two_sequences_clear_the_bar(score, family, onnx_model, "onnx")
 
 
 #: onnx's forked rows ride in a two-row matmul, the lone ones in a one-row matmul: MatMulNBits quantizes its
@@ -369,3 +379,71 @@ def test_qwen35_refuses_rope_sections_it_cannot_run(directory):
         unsupported = model.hparams.model_copy(update={"rope_sections": [4, 4, 4, 4]})
         with pytest.raises(ModelError, match="dimension_sections"):
             model.arch.check_hparams(unsupported)  # what loading such a file runs
+
+
+# -- the native backend ------------------------------------------------------------------------------------------
+#: the hybrid families the native backend runs entirely (the MoE ones with its MoE ops)
+NATIVE_HYBRIDS = ["lfm2", "granitehybrid", "qwen35", "nemotron_h", "qwen35moe", "granitehybrid-moe"]
+
+
+@pytest.fixture(scope="module", params=NATIVE_HYBRIDS)
+def native_hybrid(request, directory):
+    """(family, native-backend model, file) for each hybrid family the native kernels cover."""
+    from support.native import kernels_or_skip
+
+    kernels_or_skip()
+    file = model_file(request.param, directory)
+    with llmfw.load_model(file, backend="native") as loaded:
+        yield request.param, loaded, file
+
+
+def test_native_runs_every_op_itself(native_hybrid):
+    """The convolutions and scans have native kernels: every split of a two-sequence ubatch is native's."""
+    family, native_model, _ = native_hybrid
+    ctx = native_model.new_context(n_ctx=512, n_seq_max=2)
+    assert ctx.decode(Batch([1, 2, 3, 4], seq_id=[0, 0, 1, 1], pos=[0, 1, 0, 1])) == 0, ctx.last_error
+    ops = {n.op for s in ctx._plan.splits for n in s.nodes}
+    scans = ops & {"ssm_scan", "gated_delta"}  # LFM2 has convolutions only
+    assert {"ssm_conv", "conv_window"} <= ops and (scans or family == "lfm2"), ops
+    assert {s.backend.name for s in ctx._plan.splits} == {"native"}, family
+
+
+def test_native_clears_the_bar_on_every_prompt(native_hybrid, score):
+    every_prompt_clears_the_bar(score, *native_hybrid[:2], "native")
+
+
+def test_native_ubatches_of_32_and_two_sequences_give_each_sequence_its_own_bits(native_hybrid, score):
+    """Batch invariance: a sequence's logits are the same bits in one ubatch, in ubatches of 32, one token at a
+    time and beside another sequence (the scans step token by token whatever the ubatch; every row is computed
+    alone), and they clear the bar."""
+    family, native_model, _ = native_hybrid
+    record = longest(reference(family))
+    whole = decode_all(native_model, record["sequence"], n_ctx=512)
+    split = decode_all(native_model, record["sequence"], n_ctx=512, n_ubatch=32)
+    assert_clears_bar(score, record, split, f"native {family} with n_ubatch 32")
+    assert np.array_equal(whole, split)
+    ctx = native_model.new_context(n_ctx=512)
+    stepped = np.stack([_last_logits(ctx, [t]) for t in record["sequence"][:12]])
+    assert np.array_equal(stepped, whole[:12])
+    for prompt, logits in two_sequences_clear_the_bar(score, family, native_model, "native"):
+        assert np.array_equal(decode_all(native_model, prompt["sequence"], n_ctx=512), logits)
+
+
+def test_native_isa_paths_give_the_same_bits(native_hybrid):
+    """The matmuls' instruction sets sum in one order; the recurrent kernels have one path for every CPU."""
+    from support.native import kernels_or_skip
+
+    family, native_model, file = native_hybrid
+    sequence = longest(reference(family))["sequence"]
+    expected = decode_all(native_model, sequence, n_ctx=512)
+    for isa in kernels_or_skip().available_isas():
+        with llmfw.load_model(file, backend="native",
+                              backend_options={"native": {"isa": isa}}) as loaded:
+            assert np.array_equal(decode_all(loaded, sequence, n_ctx=512), expected), isa
+
+
+def test_native_seq_cp_fork_decodes_like_each_sequence_alone(native_hybrid):
+    """The same bits: a forked row sees the same cells in the same order as the row decoded alone, and every
+    row (matmul, attention, scan) is computed alone."""
+    family, native_model, _ = native_hybrid
+    assert max(fork_errors(native_model, family)) == 0.0

@@ -16,6 +16,8 @@ from llmfw.core.ir.graph import DYNAMIC, Node
 from llmfw.core.ir.rope import yarn_magnitude, yarn_ramp_mix
 import llmfw.plugins.backends.native.kernels as kernels
 import llmfw.plugins.backends.native.program as pg
+import llmfw.plugins.backends.native.recurrent as recurrent
+from llmfw.plugins.backends.native.experts import NativeExperts
 from llmfw.plugins.backends.native.repack import KIND_QBYTE, KIND_QNIB, PackedWeight
 from llmfw.plugins.backends.numpy.kernels import F32, NumpyKV
 
@@ -183,6 +185,14 @@ class NativeCompiler(SplitCompilerBase[NumpyKV]):
                 self.weights.append(handle.c_struct)
                 packed = handle.packed
                 self.weight_infos.append(pg.WeightInfo(packed.kind, packed.n_rows, packed.n_cols))
+            self.values[node.id] = Value(-1, 0, handle.shape, "f32", weight=self._weight_ids[name])
+            return
+        if isinstance(handle, NativeExperts):  # E weight records side by side: the first one's index
+            if name not in self._weight_ids:
+                self._weight_ids[name] = len(self.weights)
+                self.weights.extend(handle.c_structs)
+                info = pg.WeightInfo(handle.packed.kind, handle.n_out, handle.packed.n_cols)
+                self.weight_infos.extend([info] * handle.n_expert)
             self.values[node.id] = Value(-1, 0, handle.shape, "f32", weight=self._weight_ids[name])
             return
         if not isinstance(handle, np.ndarray):
@@ -376,6 +386,99 @@ class NativeCompiler(SplitCompilerBase[NumpyKV]):
         self.emit(pg.ATTEND, [out.operand, q.operand, k_cache, v_cache, mask.operand, sinks],
                   [n_tokens, n_head, n_head_kv, dk, dv, mask.shape[1], n_cells],
                   [node.attr_float("scale"), softcap], label="attention")
+
+    # the recurrent ops (recurrent.py)
+    _op_ssm_conv = recurrent.compile_ssm_conv
+    _op_conv_window = recurrent.compile_conv_window
+    _op_ssm_scan = recurrent.compile_ssm_scan
+    _op_gated_delta = recurrent.compile_gated_delta
+
+    # -- the mixture-of-experts ops (csrc/moe.c) ---------------------------------------------------------------------
+    def expert_matmul(self, node: Node, x: Value, ids: pg.Operand, n_tokens: int, n_used: int, id_bytes: int) -> None:
+        """Row (t, j) of the output = x's row of (t, j) times expert ids[t, j]'s matrix (x: a row per token, or
+        per (token, slot))."""
+        weight = self.values[node.inputs[0].id]
+        if weight.weight < 0 or len(weight.shape) != 3:
+            raise ModelError(f"native backend cannot compile op {node.op!r} of {node!r}: its first input is not a "
+                             "repacked 3-D weight")
+        n_expert, _, n_in = weight.shape
+        per_slot = int(len(x.shape) == 3)
+        if x.shape[-1] != n_in or x.size != n_tokens * (n_used if per_slot else 1) * n_in:
+            raise ModelError(f"native backend: {node.op} of activations {x.shape} by matrices {weight.shape}")
+        info = self.weight_infos[weight.weight]
+        scratch = self.new_value((pg.moe_scratch_words(n_expert, n_tokens * n_used, x.size // n_in, info),), "f32")
+        out = self.define(node)
+        self.emit(pg.MUL_MAT_ID, [out.operand, x.operand, ids, scratch.operand],
+                  [weight.weight, n_expert, n_tokens, n_used, per_slot, id_bytes], label=node.op)
+        self.release(scratch)
+
+    def ids(self, node: Node) -> tuple[Value, int]:
+        """An id operand and its bytes per id."""
+        value = self.v(node)
+        if value.dtype not in ("i32", "i64"):
+            raise ModelError(f"native backend: ids of type {value.dtype}")
+        return value, 4 * WORDS_PER[value.dtype]
+
+    def _op_mul_mat_id(self, node: Node) -> None:
+        ids, id_bytes = self.ids(node.inputs[2])
+        n_tokens, n_used = ids.shape
+        self.expert_matmul(node, self.v(node.inputs[1]), ids.operand, n_tokens, n_used, id_bytes)
+
+    def _op_mul_mat_heads(self, node: Node) -> None:
+        """Head h's rows times matrix h: a mul_mat_id whose ids are 0..H-1 on every token."""
+        x = self.v(node.inputs[1])
+        n_tokens, n_head = x.shape[0], x.shape[1]
+        heads = np.tile(np.arange(n_head, dtype=np.int32), n_tokens)
+        self.expert_matmul(node, x, pg.Operand(self.buffer(heads), 0), n_tokens, n_head, 4)
+
+    def _op_add_id(self, node: Node) -> None:
+        a, b = self.v(node.inputs[0]), self.v(node.inputs[1])
+        ids, id_bytes = self.ids(node.inputs[2])
+        width = a.shape[-1]
+        if len(b.shape) != 2 or b.shape[1] != width or ids.size * width != a.size:
+            raise ModelError(f"native backend: add_id of {a.shape}, {b.shape} and ids {ids.shape}")
+        out = self.define(node)
+        self.emit(pg.ADD_ID, [out.operand, a.operand, b.operand, ids.operand], [ids.size, width, b.shape[0], id_bytes],
+                  label="add_id")
+
+    def _op_top_k(self, node: Node) -> None:
+        x = self.v(node.inputs[0])
+        width, k = x.shape[-1], node.attr_int("k")
+        out = self.define(node)
+        self.emit(pg.TOP_K, [out.operand, x.operand], [x.size // width, width, k], label="top_k")
+
+    def _rows_by_ids(self, node: Node) -> None:
+        x = self.v(node.inputs[0])
+        ids, id_bytes = self.ids(node.inputs[1])
+        width, k = x.shape[-1], ids.shape[-1]
+        if x.size // width != ids.size // k:
+            raise ModelError(f"native backend: {node.op} of {x.shape} by ids {ids.shape}")
+        out = self.define(node)
+        op = pg.TAKE if node.op == "take" else pg.ID_MASK
+        self.emit(op, [out.operand, x.operand, ids.operand], [x.size // width, width, k, id_bytes], label=node.op)
+
+    _op_take = _op_id_mask = _rows_by_ids
+
+    def _op_sum_rows(self, node: Node) -> None:
+        x = self.v(node.inputs[0])
+        out = self.define(node)
+        self.emit(pg.SUM_ROWS, [out.operand, x.operand], [x.size // x.shape[-1], x.shape[-1]], label="sum_rows")
+
+    def _op_swiglu_oai(self, node: Node) -> None:
+        gate, up = (self.v(i) for i in node.inputs)
+        if gate.shape != up.shape:
+            raise ModelError(f"native backend: swiglu_oai of shapes {gate.shape} and {up.shape}")
+        out = self.define(node)
+        self.emit(pg.SWIGLU_OAI, [out.operand, gate.operand, up.operand], [gate.size],
+                  [float(F32(node.attr_float("alpha"))), float(F32(node.attr_float("limit")))], label="swiglu_oai")
+
+    def _op_concat(self, node: Node) -> None:
+        a, b = (self.v(i) for i in node.inputs)
+        if a.shape[:-1] != b.shape[:-1]:
+            raise ModelError(f"native backend: concat of shapes {a.shape} and {b.shape}")
+        out = self.define(node)
+        self.emit(pg.CONCAT, [out.operand, a.operand, b.operand], [a.size // a.shape[-1], a.shape[-1], b.shape[-1]],
+                  label="concat")
 
 
 def broadcast_strides(out: tuple[int, ...], a: tuple[int, ...], b: tuple[int, ...]) -> tuple[list[int], list[int],

@@ -12,7 +12,8 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass, field
 from math import prod
-from typing import Sequence
+from functools import partial
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -27,17 +28,24 @@ INSTR = np.dtype([("op", "<i8"), ("buf", "<i8", (N_ARGS,)), ("off", "<i8", (N_AR
 assert INSTR.itemsize == kernels.INSTR_BYTES
 # enum nat_op
 BINARY, UNARY, SWIGLU, RMS_NORM, NORM, SOFTMAX, GET_ROWS, GET_ROWS_W, MUL_MAT, SLICE, ROPE, KV_WRITE, ATTEND = range(1, 14)
+# the recurrent ops (csrc/recurrent.c)
+SSM_CONV, CONV_WINDOW, SSM_SCAN, GATED_DELTA = range(14, 18)
 OP_NAMES = {BINARY: "binary", UNARY: "unary", SWIGLU: "swiglu", RMS_NORM: "rms_norm", NORM: "norm",
             SOFTMAX: "softmax", GET_ROWS: "get_rows", GET_ROWS_W: "get_rows", MUL_MAT: "mul_mat", SLICE: "slice",
-            ROPE: "rope", KV_WRITE: "kv_write", ATTEND: "attention"}
+            ROPE: "rope", KV_WRITE: "kv_write", ATTEND: "attention", SSM_CONV: "ssm_conv",
+            CONV_WINDOW: "conv_window", SSM_SCAN: "ssm_scan", GATED_DELTA: "gated_delta"}
+# the mixture-of-experts ops (csrc/moe.c)
+MUL_MAT_ID, ADD_ID, TOP_K, TAKE, SUM_ROWS, ID_MASK, SWIGLU_OAI, CONCAT = range(18, 26)
+MOE_OP_NAMES = {MUL_MAT_ID: "mul_mat_id", ADD_ID: "add_id", TOP_K: "top_k", TAKE: "take", SUM_ROWS: "sum_rows",
+                ID_MASK: "id_mask", SWIGLU_OAI: "swiglu_oai", CONCAT: "concat"}
 BINARY_KINDS = {"add": 0, "sub": 1, "mul": 2, "div": 3}
 UNARY_KINDS = {"silu": 0, "gelu": 1, "relu": 2, "sigmoid": 3, "softplus": 4, "scale": 5, "softcap": 6, "clamp": 7}
 #: words (4 bytes) every arena value is aligned to: a cache line
 ALIGN = 16
 #: the rotated dimensions the C rope keeps on its stack
 MAX_ROPE_DIMS = 1024
-STATUS = {-1: "out of memory", -2: "an instruction it does not know", -3: "an id outside its table (a token id or "
-          "KV cell out of range)"}
+STATUS = {-1: "out of memory", -2: "an instruction it does not know", -3: "an id outside its table (a token id, "
+          "KV cell or expert id out of range)"}
 
 
 class ProgramError(ModelError):
@@ -48,6 +56,16 @@ def activation_words(m: int, n_cols: int) -> int:
     """Words of a quantized matmul's activation buffers (module.c ``act_words``): codes, scales, code sums."""
     nb = n_cols // BLOCK
     return (m * n_cols + 3) // 4 + m * nb + m * nb * 2
+
+
+def moe_scratch_words(n_expert: int, n_slots: int, x_rows: int, info: "WeightInfo") -> int:
+    """Words of a ``mul_mat_id``'s scratch (csrc/moe.c ``mul_mat_id``): the expert starts and the active experts
+    (int64), the slots in expert order (int64), the activations of the x rows and of the sorted rows (quantized
+    kinds) or the sorted x rows (float kinds), the sorted results."""
+    k = info.n_cols
+    rows = activation_words(x_rows, k) + activation_words(n_slots, k) if info.kind in (KIND_QNIB, KIND_QBYTE) \
+        else n_slots * k
+    return 2 * (2 * n_expert + 1 + n_slots) + rows + n_slots * info.n_rows
 
 
 @dataclass(frozen=True)
@@ -123,7 +141,8 @@ def check_program(instrs: np.ndarray, buffer_words: Sequence[int], writable: Seq
         try:
             _check_instruction(ins, buffer_words, writable, weights)
         except ProgramError as exc:
-            raise ProgramError(f"native program: instruction {index} ({OP_NAMES.get(int(ins['op']), '?')}): "
+            name = OP_NAMES.get(int(ins["op"])) or MOE_OP_NAMES.get(int(ins["op"]), "?")
+            raise ProgramError(f"native program: instruction {index} ({name}): "
                                f"{exc}") from None
 
 
@@ -239,8 +258,104 @@ def _check_instruction(ins: np.void, buffer_words: Sequence[int], writable: Sequ
         need(3, n_head_kv * n_cells * dv)
         need(4, n_tokens * n_kv)
         need(5, n_head, optional=True)
+    elif op in RECURRENT_CHECKS:
+        RECURRENT_CHECKS[op](n[:6], need, positive)
+    elif op in MOE_OP_NAMES:
+        _check_moe_instruction(op, n, need, positive, weight)
     else:
         raise ProgramError(f"unknown op code {op}")
+
+
+Need = Callable[..., None]
+
+
+def _check_conv(n: list[int], need: Need, positive: Callable[..., None], window_out: bool) -> None:
+    """ssm_conv / conv_window: S sequences of T tokens of C channels, a carried window of K-1 rows."""
+    n_seqs, n_tokens, n_ch, keep = n[:4]
+    positive(n_seqs, n_tokens, n_ch, keep)
+    need(0, n_seqs * (keep if window_out else n_tokens) * n_ch, out=True)
+    need(1, n_seqs * keep * n_ch)
+    need(2, n_seqs * n_tokens * n_ch)
+    if not window_out:
+        need(3, n_ch * (keep + 1))
+
+
+def scan_operand_words(op: int, n: Sequence[int]) -> list[int]:
+    """The words of each operand of a scan (``ssm_scan`` / ``gated_delta``) with n = S, T, H, shared heads (B/C
+    groups or q/k heads), rows and columns of a head's state (P, N or Dv, Dk): out, state, then the inputs (the
+    last one the packed pair B then C, g then beta)."""
+    n_seqs, n_tokens, n_head, n_shared, rows, cols = n[:6]
+    tokens = n_seqs * n_tokens
+    inputs = ([tokens * n_head * rows, tokens * n_head, n_head, 2 * tokens * n_shared * cols] if op == SSM_SCAN
+              else [tokens * n_shared * cols, tokens * n_shared * cols, tokens * n_head * rows, 2 * tokens * n_head])
+    return [n_seqs * (n_tokens * n_head * rows + n_head * rows * cols), n_seqs * n_head * rows * cols, *inputs]
+
+
+def _check_scan(op: int, n: list[int], need: Need, positive: Callable[..., None]) -> None:
+    positive(*n)
+    if n[3] < 1 or n[2] % n[3]:
+        raise ProgramError(f"{n[2]} heads over {n[3]} groups or key heads")
+    for index, words in enumerate(scan_operand_words(op, n)):
+        need(index, words, out=index == 0)
+
+
+#: the checks of the recurrent ops: (n[:6], need, positive)
+RECURRENT_CHECKS: Mapping[int, Callable[[list[int], Need, Callable[..., None]], None]] = {
+    SSM_CONV: partial(_check_conv, window_out=False), CONV_WINDOW: partial(_check_conv, window_out=True),
+    SSM_SCAN: partial(_check_scan, SSM_SCAN), GATED_DELTA: partial(_check_scan, GATED_DELTA)}
+
+
+def _check_moe_instruction(op: int, n: list[int], need: Callable[..., None], positive: Callable[..., None],
+                           weight: Callable[[int], WeightInfo]) -> None:
+    """The operands of the mixture-of-experts ops (csrc/native.h's enum): ``need(i, words, out=)`` checks operand
+    i's extent, ``positive`` the counts, ``weight`` a weight index."""
+    if op in (ADD_ID, TAKE, ID_MASK) and n[3] not in (4, 8) or op == MUL_MAT_ID and n[5] not in (4, 8):
+        raise ProgramError("ids of 4 or 8 bytes")
+    if op == MUL_MAT_ID:
+        first, n_expert, n_tokens, n_used, per_slot, id_bytes = n[0:6]
+        positive(n_tokens, n_used)
+        if not 1 <= n_expert <= 1 << 20 or per_slot not in (0, 1):
+            raise ProgramError(f"{n_expert} experts, x per slot {per_slot}")
+        info = weight(first)
+        if any(weight(first + e) != info for e in range(1, n_expert)):
+            raise ProgramError(f"weights {first}..{first + n_expert - 1} are not experts of one shape and kind")
+        if info.kind in (KIND_QNIB, KIND_QBYTE) and info.n_cols % BLOCK:
+            raise ProgramError(f"{info.n_cols} columns are not whole blocks")
+        n_slots = n_tokens * n_used
+        x_rows = n_slots if per_slot else n_tokens
+        need(0, n_slots * info.n_rows, out=True)
+        need(1, x_rows * info.n_cols)
+        need(2, n_slots * id_bytes // 4)
+        need(3, moe_scratch_words(n_expert, n_slots, x_rows, info), out=True)
+    elif op == ADD_ID:
+        rows, width, n_expert, id_bytes = n[0:4]
+        positive(rows, width, n_expert)
+        need(0, rows * width, out=True)
+        need(1, rows * width)
+        need(2, n_expert * width)
+        need(3, rows * id_bytes // 4)
+    elif op in (TOP_K, TAKE, ID_MASK):
+        rows, width, k = n[0:3]
+        positive(rows, width, k)
+        if op == TOP_K and not 0 < k <= width:
+            raise ProgramError(f"the {k} best of {width}")
+        need(0, rows * (width if op == ID_MASK else k), out=True)
+        need(1, rows * width)
+        if op != TOP_K:
+            need(2, rows * k * n[3] // 4)
+    elif op == SUM_ROWS:
+        positive(n[0], n[1])
+        need(0, n[0], out=True)
+        need(1, n[0] * n[1])
+    elif op == SWIGLU_OAI:
+        positive(n[0])
+        for i in range(3):
+            need(i, n[0], out=i == 0)
+    else:  # CONCAT
+        positive(n[0], n[1], n[2])
+        need(0, n[0] * (n[1] + n[2]), out=True)
+        need(1, n[0] * n[1])
+        need(2, n[0] * n[2])
 
 
 class Program:

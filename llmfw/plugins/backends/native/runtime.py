@@ -25,6 +25,8 @@ from llmfw.plugins.backends.native.compiler import (CompiledProgram as CompiledP
                                                    broadcast_strides as broadcast_strides,
                                                    native_matrix as native_matrix)
 from llmfw.plugins.backends.native.cache import NativeCache
+from llmfw.plugins.backends.native.experts import (EXPERT_OPS, NativeExperts, native_experts, packed_expert_shape,
+                                                  repack_experts)
 from llmfw.plugins.backends.native.repack import ROWS, SUPPORTED_TYPES, PackedWeight, repack
 from llmfw.plugins.backends.numpy.kernels import F32, NumpyKV
 from llmfw.plugins.backends.numpy.runtime import SWIGLU
@@ -35,7 +37,10 @@ log = logging.getLogger(__name__)
 #: the graph ops the programs run (and ``swiglu``, this backend's rewrite rule)
 NATIVE_OPS = frozenset({"get_rows", "mul_mat", "add", "sub", "mul", "div", "scale", "rms_norm", "norm", "silu",
                         "relu", "gelu", "sigmoid", "softplus", "softcap", "clamp", "softmax", "reshape", "slice",
-                        "rope", "attention", "k_shift"})
+                        "rope", "attention", "k_shift", "ssm_conv", "conv_window", "ssm_scan", "gated_delta",
+                        # the mixture-of-experts ops (csrc/moe.c)
+                        "mul_mat_id", "add_id", "top_k", "take", "sum_rows", "id_mask", "swiglu_oai", "concat",
+                        "mul_mat_heads"})
 #: GGML types whose weights the kernels take (as matrices, or as the float arrays of norms and biases)
 _KNOWN_TYPES = frozenset(int(t) for t in SUPPORTED_TYPES)
 
@@ -119,39 +124,47 @@ class NativeBackend(NumpyWeights):
             names_of: dict[int, list[str]] = {}
             packed_of: dict[int, PackedWeight] = {}
             for name, handle in self.weights.items():
-                if isinstance(handle, NativeMatrix):
+                if isinstance(handle, (NativeMatrix, NativeExperts)):
                     names_of.setdefault(id(handle), []).append(name)
                     packed_of[id(handle)] = handle.packed
             stored = self._load.finish({names[0]: packed_of[key] for key, names in names_of.items()})
             for names in names_of.values():
                 if names[0] in stored:
-                    mapped = native_matrix(stored[names[0]])
+                    handle = self.weights[names[0]]
+                    mapped = handle.with_packed(stored[names[0]]) if isinstance(handle, NativeExperts) else \
+                        native_matrix(stored[names[0]])
                     for name in names:
                         self.weights[name] = mapped
         self._packed_by_source.clear()
         self._load = None
 
     def _repacked(self, source: WeightSource) -> PackedWeight:
+        experts = len(source.ne) == 3
+
         def convert(s: WeightSource) -> PackedWeight:
-            return repack(s.raw, s.ggml_type, s.ne)
+            return (repack_experts if experts else repack)(s.raw, s.ggml_type, s.ne)
 
         if self._load is None:
             return convert(source)
         packed = self._load.load(source, convert)
         # a stored weight was checked against its own description; this checks that against the tensor
-        expected = (int(np.prod(source.ne[1:], dtype=np.int64)), int(source.ne[0]))
+        expected = packed_expert_shape(source.ggml_type, source.ne) if experts else \
+            (int(np.prod(source.ne[1:], dtype=np.int64)), int(source.ne[0]))
         if packed.shape == expected:
             return packed
         self._load.converted += 1  # so that the entry is rewritten
         return convert(source)
 
     def load_weight(self, source: WeightSource) -> Any:
-        if not source.usage & {"mul_mat", "get_rows"} or len(source.ne) != 2:
+        experts = len(source.ne) == 3 and bool(source.usage & EXPERT_OPS)
+        if not experts and (not source.usage & {"mul_mat", "get_rows"} or len(source.ne) != 2):
             return super().load_weight(source)
         qtype = GGMLType(source.ggml_type)
         if qtype not in SUPPORTED_TYPES:
             raise ModelError(f"native backend: no kernel for {qtype.name} weights ({source.name}); use another "
                              "backend for this model")
+        if experts:
+            return native_experts(self._repacked(source), int(source.ne[2]), int(source.ne[1]))
         shared = self._packed_by_source.get(source.source_name)
         if shared is None or shared.packed.shape != tuple(reversed(source.ne)):
             shared = self._packed_by_source[source.source_name] = native_matrix(self._repacked(source))
@@ -195,7 +208,7 @@ class NativeBackend(NumpyWeights):
         its parts' views share one)."""
         buffers = {}
         for handle in self.weights.values():
-            if isinstance(handle, NativeMatrix):
+            if isinstance(handle, (NativeMatrix, NativeExperts)):
                 owner = handle.packed.data
                 while isinstance(owner.base, np.ndarray):
                     owner = owner.base

@@ -51,11 +51,16 @@ static inline float reduce_lanes(float *lanes) {
     return lanes[0];
 }
 
+/* q . k in native.h's canonical sixteen lanes (also the recurrent ops' dot product, recurrent.c) */
+float nat_dot16(const float *q, const float *k, int64_t n) {
+    float lanes[16] = {0};
+    for (int64_t d = 0; d < n; d += 16) add_products(lanes, q + d, k + d, n - d < 16 ? n - d : 16);
+    return reduce_lanes(lanes);  /* the padding would add +0 to lanes that are never -0: no change */
+}
+
 static void scores_scalar(const float *q, const float *k, int64_t dk, const float *add, float *out) {
     for (int i = 0; i < KEYS; i++) {
-        float lanes[16] = {0};
-        for (int64_t d = 0; d < dk; d += 16) add_products(lanes, q + d, k + i * dk + d, dk - d < 16 ? dk - d : 16);
-        float dot = reduce_lanes(lanes);  /* the padding would add +0 to lanes that are never -0: no change */
+        float dot = nat_dot16(q, k + i * dk, dk);
         out[i] = add ? dot + add[i] : dot;
     }
 }

@@ -25,7 +25,7 @@ int nat_cpu_isas(void) {
     return isas;
 }
 
-int nat_abi_version(void) { return 3; }
+int nat_abi_version(void) { return 5; }
 
 /* sizeof(nat_instr): runtime.py checks its record type against it */
 int64_t nat_instr_bytes(void) { return (int64_t)sizeof(nat_instr); }
@@ -139,6 +139,10 @@ int nat_program_run(nat_pool *pool, int isa, const nat_instr *prog, int64_t n, v
             status = nat_mul_mat_into(pool, isa, &weights[in->n[0]], (const float *)((char *)bufs[in->buf[1]] + 4 * in->off[1]),
                                       in->n[1], (float *)((char *)bufs[in->buf[0]] + 4 * in->off[0]),
                                       in->buf[2] >= 0 ? (char *)bufs[in->buf[2]] + 4 * in->off[2] : NULL);
+        else if (in->op >= NAT_OP_SSM_CONV && in->op <= NAT_OP_GATED_DELTA)
+            status = nat_run_recurrent(pool, in, bufs);
+        else if (in->op >= NAT_OP_MUL_MAT_ID && in->op <= NAT_OP_CONCAT)
+            status = nat_run_moe_op(pool, kernels_for(isa).qgemm, kernels_for(isa).fgemm, in, bufs, weights);
         else
             status = nat_run_op(pool, isa, in, bufs, weights);
         if (times) times[i] += seconds_now() - start;

@@ -126,6 +126,21 @@ enum nat_op {
     NAT_OP_KV_WRITE = 12,    /* K cache, V cache, k, v, cells (i64); n: T, Hkv, dk, dv, n_cells */
     NAT_OP_ATTEND = 13,      /* out, q, K cache, V cache, mask, sinks (or none); n: T, H, Hkv, dk, dv, n_kv, n_cells;
                               * f: scale, softcap */
+    /* the recurrent ops (recurrent.c); S sequences of T tokens each */
+    NAT_OP_SSM_CONV = 14,    /* out, window, x, kernel [C, K]; n: S, T, C, K-1 */
+    NAT_OP_CONV_WINDOW = 15, /* out, window, x; n: S, T, C, K-1 */
+    NAT_OP_SSM_SCAN = 16,    /* out, state, x, dt, A, B then C (one operand); n: S, T, H, G, P, N */
+    NAT_OP_GATED_DELTA = 17, /* out, state, q, k, v, g then beta (one operand); n: S, T, H, Hk, Dv, Dk */
+    /* the mixture-of-experts ops (moe.c) */
+    NAT_OP_MUL_MAT_ID = 18,  /* out [T, K, N], x [T or T*K, n_in], ids [T, K], scratch; n: first of the E expert
+                              * weights, E, T, K, x per slot (0/1), id bytes (4|8) */
+    NAT_OP_ADD_ID = 19,      /* out, a [S, n], b [E, n], ids [S]; n: S, n, E, id bytes */
+    NAT_OP_TOP_K = 20,       /* out i32 [rows, k], x [rows, n]; n: rows, n, k */
+    NAT_OP_TAKE = 21,        /* out [rows, k], x [rows, n], ids [rows, k]; n: rows, n, k, id bytes */
+    NAT_OP_SUM_ROWS = 22,    /* out [rows], x [rows, n]; n: rows, n */
+    NAT_OP_ID_MASK = 23,     /* out [rows, n], x, ids [rows, k]; n: rows, n, k, id bytes */
+    NAT_OP_SWIGLU_OAI = 24,  /* out, gate, up; n: count; f: alpha, limit */
+    NAT_OP_CONCAT = 25,      /* out [rows, na + nb], a [rows, na], b [rows, nb]; n: rows, na, nb */
 };
 enum nat_unary { NAT_SILU = 0, NAT_GELU, NAT_RELU, NAT_SIGMOID, NAT_SOFTPLUS, NAT_SCALE, NAT_SOFTCAP, NAT_CLAMP };
 
@@ -137,5 +152,11 @@ int nat_run_op(nat_pool *pool, int isa, const nat_instr *in, void *const *bufs, 
 int nat_attend(nat_pool *pool, int isa, const float *q, const float *k, const float *v, const float *mask,
                const float *sinks, float *out, const int64_t *n, float scale, float softcap);
 int nat_mul_mat_into(nat_pool *pool, int isa, const nat_weight *w, const float *x, int64_t m, float *y, void *scratch);
+int nat_run_moe_op(nat_pool *pool, nat_qgemm_fn qgemm, nat_fgemm_fn fgemm, const nat_instr *in, void *const *bufs,
+                   const nat_weight *weights);
+
+/* q . k in the canonical 16-lane order (attention.c), and the recurrent ops' instructions (recurrent.c) */
+float nat_dot16(const float *q, const float *k, int64_t n);
+int nat_run_recurrent(nat_pool *pool, const nat_instr *in, void *const *bufs);
 
 #endif
