@@ -7,7 +7,8 @@ import sys
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
-NATIVE_SOURCES = ["module.c", "pool.c", "ops.c", "kernels_scalar.c", "kernels_x86.c", "recurrent.c", "moe.c"]
+NATIVE_SOURCES = ["module.c", "pool.c", "ops.c", "attention.c", "kernels_scalar.c", "kernels_x86.c", "recurrent.c",
+                  "moe.c"]
 
 
 class OptionalBuildExt(build_ext):
@@ -38,7 +39,7 @@ def native_extension():
         flags.append("-DLLMFW_NATIVE_SCALAR_ONLY")
     return Extension("llmfw.plugins.backends.native._native",
                      sources=[f"llmfw/plugins/backends/native/csrc/{name}" for name in NATIVE_SOURCES],
-                     depends=["llmfw/plugins/backends/native/csrc/native.h",
+                     depends=["llmfw/plugins/backends/native/csrc/native.h", "llmfw/plugins/backends/native/csrc/nat_exp.h",
                               "llmfw/plugins/backends/native/csrc/pool.h"],
                      extra_compile_args=flags, extra_link_args=["-pthread"], optional=True)
 

@@ -1,5 +1,6 @@
 """The native backend's row-wise ops (RMS norm, attention over the KV cache) against the numpy backend's kernels
-(the oracle), and the property they are built for: a row's result is the same bits alone or in any batch."""
+(the oracle), and the property they are built for: a row's result is the same bits alone or in any batch, on any
+thread split and on every ISA path (csrc/attention.c's canonical arithmetic)."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,6 +11,8 @@ from llmfw.plugins.backends.numpy.kernels import NumpyKV, attention, rms_norm
 from support.native import kernels_or_skip
 
 kernels = kernels_or_skip()
+#: every ISA path this CPU runs (the portable C one everywhere)
+ISAS = kernels.available_isas()
 
 
 @pytest.fixture(scope="module")
@@ -77,3 +80,120 @@ def test_attention_refuses_shapes_that_do_not_fit(pool):
         kernels.attention(q, k, k, np.zeros((1, 32), np.float32), 1.0, 0.0, pool)  # more cells than the cache
     with pytest.raises(ValueError, match="C-contiguous"):
         kernels.attention(q, k[:, ::2], k[:, ::2], np.zeros((1, 4), np.float32), 1.0, 0.0, pool)
+
+
+def random_cache(rng, n_head_kv, n_cells, dk, dv):
+    return NumpyKV(rng.standard_normal((n_head_kv, n_cells, dk)).astype(np.float32),
+                   rng.standard_normal((n_head_kv, n_cells, dv)).astype(np.float32))
+
+
+def window_mask(n_tokens, n_kv, start, window):
+    """Causal with a sliding window: row t (at position start + t) sees cells (pos - window, pos]."""
+    pos = start + np.arange(n_tokens)[:, None]
+    cells = np.arange(n_kv)[None, :]
+    return np.where((cells <= pos) & (cells > pos - window), 0.0, -np.inf).astype(np.float32)
+
+
+# (T, H, Hkv, dk, dv, n_kv, start): odd head sizes (tails of 16 / 8 lanes), GQA groups of 1-8, a decode step's
+# few rows and a prefill's tiles, key counts that end mid-block and at the cache's end
+SHAPES = [(1, 8, 1, 64, 64, 40, 39), (3, 4, 4, 7, 33, 19, 16), (21, 6, 2, 20, 13, 45, 24), (37, 9, 3, 64, 64, 64, 27),
+          (17, 4, 1, 256, 256, 50, 33), (18, 16, 2, 24, 40, 70, 52)]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_attention_matches_the_oracle_on_every_path(pool, isa, shape):
+    n_tokens, n_head, n_head_kv, dk, dv, n_kv, start = shape
+    rng = np.random.default_rng(sum(shape))
+    q = rng.standard_normal((n_tokens, n_head, dk)).astype(np.float32)
+    kv = random_cache(rng, n_head_kv, n_kv + 3 * (n_kv % 2), dk, dv)  # odd n_kv: the cache ends past the mask
+    mask = window_mask(n_tokens, n_kv, start, n_kv)
+    scale = dk ** -0.5
+    got = kernels.attention(q, kv.k, kv.v, mask, scale, 0.0, pool, isa)
+    np.testing.assert_allclose(got, attention(q, kv, n_kv, mask, scale, 0.0), rtol=2e-5, atol=2e-6)
+
+
+def masks_of_every_kind(rng, n_tokens, n_kv):
+    """A sliding window, finite additive values (ALiBi-like) with holes, and rows of a batch of two sequences."""
+    window = window_mask(n_tokens, n_kv, n_kv - n_tokens, 9)
+    biased = np.where(rng.random((n_tokens, n_kv)) < 0.3, -np.inf, rng.standard_normal((n_tokens, n_kv)))
+    biased[:, 0] = 0.0  # every row sees a cell
+    two = np.full((n_tokens, n_kv), -np.inf)
+    for t in range(n_tokens):  # sequence t % 2 owns the cells of its parity, causally
+        two[t, t % 2:n_kv - n_tokens + t + 1:2] = 0.0
+    return {"window": window, "biased": biased.astype(np.float32), "two sequences": two.astype(np.float32)}
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kind", ["window", "biased", "two sequences"])
+def test_attention_honours_windows_additive_masks_and_sequences(pool, isa, kind):
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((20, 6, 32)).astype(np.float32)
+    kv = random_cache(rng, 3, 48, 32, 24)
+    mask = masks_of_every_kind(rng, 20, 48)[kind]
+    got = kernels.attention(q, kv.k, kv.v, mask, 0.2, 0.0, pool, isa)
+    np.testing.assert_allclose(got, attention(q, kv, 48, mask, 0.2, 0.0), rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("softcap", [0.0, 20.0])
+def test_attention_with_sinks_and_softcaps(pool, isa, softcap):
+    rng = np.random.default_rng(6)
+    q = (rng.standard_normal((19, 8, 40)) * 3).astype(np.float32)
+    kv = random_cache(rng, 2, 40, 40, 40)
+    mask = window_mask(19, 40, 21, 12)
+    sinks = rng.standard_normal(8).astype(np.float32) * 2
+    got = kernels.attention(q, kv.k, kv.v, mask, 0.4, softcap, pool, isa, sinks=sinks)
+    np.testing.assert_allclose(got, attention(q, kv, 40, mask, 0.4, softcap, sinks=sinks), rtol=2e-5, atol=2e-6)
+
+
+def test_every_isa_path_gives_the_same_bits(pool):
+    rng = np.random.default_rng(7)
+    q = (rng.standard_normal((23, 8, 72)) * 4).astype(np.float32)
+    kv = random_cache(rng, 2, 80, 72, 56)
+    for mask in masks_of_every_kind(rng, 23, 80).values():
+        for softcap, sinks in ((0.0, None), (15.0, rng.standard_normal(8).astype(np.float32))):
+            outs = [kernels.attention(q, kv.k, kv.v, mask, 0.25, softcap, pool, isa, sinks=sinks) for isa in ISAS]
+            for isa, out in zip(ISAS, outs):
+                assert np.array_equal(out, outs[0], equal_nan=True), isa
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_a_rows_bits_do_not_depend_on_the_batch_its_cells_or_the_threads(pool, isa):
+    """A query row gives the same bits in a prefill's tile, alone (a decode step), with its cells moved elsewhere
+    in the cache (a sequence beside another one), and on one thread or three."""
+    rng = np.random.default_rng(8)
+    n_tokens, n_kv = 30, 50
+    q = rng.standard_normal((n_tokens, 6, 48)).astype(np.float32)
+    kv = random_cache(rng, 2, 64, 48, 48)
+    mask = window_mask(n_tokens, n_kv, n_kv - n_tokens, 40)
+    batch = kernels.attention(q, kv.k, kv.v, mask, 0.5, 0.0, pool, isa)
+    one_thread = kernels.ThreadPool(1)
+    shift = 11  # the same cells' contents 11 cells later, with other data before them
+    moved = NumpyKV(np.roll(kv.k, shift, axis=1).copy(), np.roll(kv.v, shift, axis=1).copy())
+    for row in (0, 13, 29):
+        alone = kernels.attention(q[row:row + 1], kv.k, kv.v, mask[row:row + 1], 0.5, 0.0, one_thread, isa)
+        assert np.array_equal(alone[0], batch[row]), row
+        moved_mask = np.full((1, n_kv + shift), -np.inf, np.float32)
+        moved_mask[0, shift:] = mask[row]
+        elsewhere = kernels.attention(q[row:row + 1], moved.k, moved.v, moved_mask, 0.5, 0.0, pool, isa)
+        assert np.array_equal(elsewhere[0], batch[row]), row
+    one_thread.close()
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_a_decode_step_of_sequences_with_interleaved_cells(pool, isa):
+    """Four sequences decoding together own every fourth cell each: a step scores only its own cells (gathered),
+    matches the oracle, and gives each row the bits it has among a prefill's rows."""
+    rng = np.random.default_rng(9)
+    n_kv, n_seqs = 70, 4
+    q = rng.standard_normal((n_seqs, 6, 36)).astype(np.float32)
+    kv = random_cache(rng, 3, n_kv, 36, 20)
+    mask = np.full((n_seqs, n_kv), -np.inf, np.float32)
+    for s in range(n_seqs):
+        mask[s, s::n_seqs] = 0.0
+    step = kernels.attention(q, kv.k, kv.v, mask, 0.3, 0.0, pool, isa)
+    np.testing.assert_allclose(step, attention(q, kv, n_kv, mask, 0.3, 0.0), rtol=2e-5, atol=2e-6)
+    among = np.concatenate([q, rng.standard_normal((20, 6, 36)).astype(np.float32)])
+    among_mask = np.concatenate([mask, window_mask(20, n_kv, n_kv - 20, 30)])
+    assert np.array_equal(kernels.attention(among, kv.k, kv.v, among_mask, 0.3, 0.0, pool, isa)[:n_seqs], step)

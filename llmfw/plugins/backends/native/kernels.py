@@ -18,7 +18,7 @@ from llmfw.core.errors import BackendUnavailable, ConfigError, LLMFWError
 from llmfw.plugins.backends.native.repack import BLOCK, KIND_QBYTE, KIND_QNIB, PackedWeight
 
 EXTENSION = "llmfw.plugins.backends.native._native"
-ABI_VERSION = 4
+ABI_VERSION = 5
 #: the path of a build of the extension to load instead of the installed one (the sanitizer run,
 #: benchmarks/native_sanitizers.sh)
 LIBRARY_VARIABLE = "LLMFW_NATIVE_LIBRARY"
@@ -78,7 +78,8 @@ def _typed(lib: Any) -> Any:
     lib.nat_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                                  ctypes.c_int64, ctypes.c_float]
     lib.nat_attention.restype = ctypes.c_int
-    lib.nat_attention.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float] * 2
+    lib.nat_attention.argtypes = ([ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7
+                                  + [ctypes.c_float] * 2)
     lib.nat_instr_bytes.restype = ctypes.c_int64
     if lib.nat_instr_bytes() != INSTR_BYTES:
         raise BackendUnavailable(f"the native backend's C extension has {lib.nat_instr_bytes()}-byte instructions, "
@@ -176,9 +177,10 @@ def rms_norm(x: np.ndarray, eps: float, weight: np.ndarray | None, pool: ThreadP
 
 
 def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, mask: np.ndarray, scale: float,
-              softcap: float, pool: ThreadPool) -> np.ndarray:
-    """softmax(softcap(scale·q·Kᵀ) + mask)·V over the cache's first ``mask.shape[1]`` cells, GQA by head groups:
-    q [T, H, Dk], caches [Hkv, n_cells, D] (float32, C-contiguous), mask [T, n_kv] → [T, H*Dv]."""
+              softcap: float, pool: ThreadPool, isa: str = "auto", sinks: np.ndarray | None = None) -> np.ndarray:
+    """softmax(softcap(scale·q·Kᵀ) + mask)·V over the cache's first ``mask.shape[1]`` cells, GQA by head groups
+    (with ``sinks`` [H], a sink logit per head in the softmax's denominator): q [T, H, Dk], caches [Hkv, n_cells, D]
+    (float32, C-contiguous), mask [T, n_kv] → [T, H*Dv], on ISA path ``isa`` (``auto``: the widest here)."""
     q, mask = _f32(q), _f32(mask)
     n_tokens, n_head, dk = q.shape
     n_head_kv, n_cells, dv = v_cache.shape
@@ -186,14 +188,17 @@ def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, mask: np.
     for cache in (k_cache, v_cache):  # the C code indexes them directly: no copy, so check before it reads
         if cache.dtype != np.float32 or not cache.flags.c_contiguous:
             raise ValueError("native attention: the KV cache must be C-contiguous float32")
+    if sinks is not None:
+        sinks = _f32(sinks)
     if (k_cache.shape != (n_head_kv, n_cells, dk) or mask.shape[0] != n_tokens or n_kv > n_cells
-            or n_head_kv == 0 or n_head % n_head_kv):
+            or n_head_kv == 0 or n_head % n_head_kv or (sinks is not None and sinks.shape != (n_head,))):
         raise ValueError(f"native attention: q {q.shape}, K {k_cache.shape}, V {v_cache.shape}, mask {mask.shape} "
                          "do not fit")
     out = np.empty((n_tokens, n_head * dv), dtype=np.float32)
-    status = load_library().nat_attention(pool.handle, q.ctypes.data, k_cache.ctypes.data, v_cache.ctypes.data,
-                                          mask.ctypes.data, out.ctypes.data, n_tokens, n_head, n_head_kv, dk, dv,
-                                          n_kv, n_cells, scale, softcap)
+    status = load_library().nat_attention(pool.handle, ISAS.index(resolve_isa(isa)), q.ctypes.data,
+                                          k_cache.ctypes.data, v_cache.ctypes.data, mask.ctypes.data,
+                                          None if sinks is None else sinks.ctypes.data, out.ctypes.data, n_tokens,
+                                          n_head, n_head_kv, dk, dv, n_kv, n_cells, scale, softcap)
     if status != 0:
         raise NativeError("native attention: out of memory for its score buffers")
     return out

@@ -25,7 +25,7 @@ int nat_cpu_isas(void) {
     return isas;
 }
 
-int nat_abi_version(void) { return 4; }
+int nat_abi_version(void) { return 5; }
 
 /* sizeof(nat_instr): runtime.py checks its record type against it */
 int64_t nat_instr_bytes(void) { return (int64_t)sizeof(nat_instr); }
@@ -144,7 +144,7 @@ int nat_program_run(nat_pool *pool, int isa, const nat_instr *prog, int64_t n, v
         else if (in->op >= NAT_OP_MUL_MAT_ID && in->op <= NAT_OP_CONCAT)
             status = nat_run_moe_op(pool, kernels_for(isa).qgemm, kernels_for(isa).fgemm, in, bufs, weights);
         else
-            status = nat_run_op(pool, in, bufs, weights);
+            status = nat_run_op(pool, isa, in, bufs, weights);
         if (times) times[i] += seconds_now() - start;
         if (status != 0) {
             *failed_at = i;

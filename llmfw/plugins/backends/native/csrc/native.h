@@ -157,12 +157,15 @@ enum nat_unary { NAT_SILU = 0, NAT_GELU, NAT_RELU, NAT_SIGMOID, NAT_SOFTPLUS, NA
 /* the status of a program run: 0, or one of these (the instruction's index goes to *failed_at) */
 enum nat_status { NAT_OUT_OF_MEMORY = -1, NAT_BAD_INSTRUCTION = -2, NAT_ID_OUT_OF_RANGE = -3 };
 
-int nat_run_op(nat_pool *pool, const nat_instr *in, void *const *bufs, const nat_weight *weights);
+int nat_run_op(nat_pool *pool, int isa, const nat_instr *in, void *const *bufs, const nat_weight *weights);
+/* attention over the KV cache (attention.c); n: NAT_OP_ATTEND's n[0..6] */
+int nat_attend(nat_pool *pool, int isa, const float *q, const float *k, const float *v, const float *mask,
+               const float *sinks, float *out, const int64_t *n, float scale, float softcap);
 int nat_mul_mat_into(nat_pool *pool, int isa, const nat_weight *w, const float *x, int64_t m, float *y, void *scratch);
 int nat_run_moe_op(nat_pool *pool, nat_qgemm_fn qgemm, nat_fgemm_fn fgemm, const nat_instr *in, void *const *bufs,
                    const nat_weight *weights);
 
-/* q . k in the canonical 16-lane order (ops.c), and the recurrent ops' instructions (recurrent.c) */
+/* q . k in the canonical 16-lane order (attention.c), and the recurrent ops' instructions (recurrent.c) */
 float nat_dot16(const float *q, const float *k, int64_t n);
 int nat_run_recurrent(nat_pool *pool, const nat_instr *in, void *const *bufs);
 

@@ -1,13 +1,13 @@
-/* Every op of the core IR but the matmul (module.c): elementwise ops, norms, softmax, row lookups (also from a
- * repacked weight), slices, RoPE, the KV cache write and attention over the cache. Portable C (one path for every
+/* Every op of the core IR but the matmul (module.c) and attention (attention.c): elementwise ops, norms, softmax,
+ * row lookups (also from a repacked weight), slices, RoPE, the KV cache write. Portable C (one path for every
  * CPU); each output row is computed alone in a fixed order and the work is split by whole rows (or (row, head)
  * pairs), so a row's bits never depend on the batch around it or on the threads. */
 #include <math.h>
-#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "native.h"
+#include "nat_exp.h"
 #include "pool.h"
 
 /* elements per chunk of an elementwise op: below two chunks the op runs on the calling thread alone */
@@ -19,16 +19,23 @@
 
 /* ---- elementwise ------------------------------------------------------------------------------------------ */
 
+/* x * sigmoid(x) */
+static inline float silu(float x) { return x / (1.0f + nat_exp(-x)); }
+
+/* ggml's tanh form 0.5 x (1 + tanh(u)), u = c (x + 0.044715 x^3), computed as x / (1 + exp(-2u)) (the same
+ * function: no cancellation where tanh(u) is near -1, and no libm call, so the loop vectorises) */
+static inline float gelu(float x) {
+    const float c = 0.7978845608028654f;
+    float inner = c * (x + 0.044715f * x * x * x);
+    return x / (1.0f + nat_exp(-2.0f * inner));
+}
+
 static inline float unary(int kind, float x, const float *f) {
     switch (kind) {
-    case NAT_SILU: return x / (1.0f + expf(-x));
-    case NAT_GELU: {  /* ggml's tanh form, in the oracle's order of operations */
-        const float c = 0.7978845608028654f;
-        float inner = c * (x + 0.044715f * x * x * x);
-        return 0.5f * x * (1.0f + tanhf(inner));
-    }
+    case NAT_SILU: return silu(x);
+    case NAT_GELU: return gelu(x);
     case NAT_RELU: return x > 0.0f ? x : 0.0f;
-    case NAT_SIGMOID: return 1.0f / (1.0f + expf(-x));
+    case NAT_SIGMOID: return 1.0f / (1.0f + nat_exp(-x));
     case NAT_SOFTPLUS: return x > 20.0f ? x : log1pf(expf(x));
     case NAT_SCALE: return x * f[0];
     case NAT_SOFTCAP: return tanhf(x / f[0]) * f[0];
@@ -50,7 +57,12 @@ static void unary_chunk(void *raw, int64_t chunk, int ith) {
     int kind = (int)job->in->n[0];
     int64_t i0, i1;
     nat_share(job->count, chunk, job->n_chunks, &i0, &i1);
-    for (int64_t i = i0; i < i1; i++) out[i] = unary(kind, x[i], job->in->f);
+    if (kind == NAT_GELU)  /* the activations of the models' feed-forward layers: loops of their own, vectorised */
+        for (int64_t i = i0; i < i1; i++) out[i] = gelu(x[i]);
+    else if (kind == NAT_SILU)
+        for (int64_t i = i0; i < i1; i++) out[i] = silu(x[i]);
+    else
+        for (int64_t i = i0; i < i1; i++) out[i] = unary(kind, x[i], job->in->f);
 }
 
 static void swiglu_chunk(void *raw, int64_t chunk, int ith) {
@@ -60,7 +72,7 @@ static void swiglu_chunk(void *raw, int64_t chunk, int ith) {
     float *out = F32_AT(job->bufs, job->in, 0);
     int64_t i0, i1;
     nat_share(job->count, chunk, job->n_chunks, &i0, &i1);
-    for (int64_t i = i0; i < i1; i++) out[i] = unary(NAT_SILU, g[i], NULL) * u[i];
+    for (int64_t i = i0; i < i1; i++) out[i] = silu(g[i]) * u[i];
 }
 
 static inline float binary(int kind, float a, float b) {
@@ -312,136 +324,9 @@ static int kv_write(const nat_instr *in, void *const *bufs) {
     return 0;
 }
 
-typedef struct {
-    const float *q, *k, *v, *mask, *sinks;
-    float *out;
-    int64_t n_tokens, n_head, n_head_kv, dk, dv, n_kv, n_cells;
-    float scale, softcap;
-    int64_t n_tiles, n_chunks;
-    atomic_int failed;
-} attn_job;
-
-/* four lanes of native.h's canonical sixteen (GCC/clang vector extension: SSE on x86-64, NEON on aarch64) */
-typedef float lanes4 __attribute__((vector_size(16)));
-
-static inline lanes4 load4(const float *p) {
-    lanes4 v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-/* q . k in the canonical 16-lane order: element d into lane d % 16, then the fixed reduction */
-static float dot16(const float *q, const float *k, int64_t n) {
-    lanes4 acc[4] = {{0}};
-    int64_t full = n & ~(int64_t)15;
-    for (int64_t d = 0; d < full; d += 16)
-        for (int part = 0; part < 4; part++) acc[part] = acc[part] + load4(q + d + 4 * part) * load4(k + d + 4 * part);
-    if (full == n) {  /* nat_reduce16's steps as vector adds: lanes l + l+8, l + l+4, then l + l+2, l + l+1 */
-        lanes4 quad = (acc[0] + acc[2]) + (acc[1] + acc[3]);
-        float pair0 = quad[0] + quad[2], pair1 = quad[1] + quad[3];
-        return pair0 + pair1;
-    }
-    float lanes[16];
-    memcpy(lanes, acc, sizeof lanes);
-    for (int64_t d = full; d < n; d++) lanes[d - full] = lanes[d - full] + q[d] * k[d];
-    return nat_reduce16(lanes);
-}
-
-static int hidden(float mask) { return isinf(mask) && mask < 0; }
-
-/* query rows per attention work item: each K and V row read serves TILE_T rows x the heads of its group */
-#define TILE_T 4
-
-/* Rows t0.. (up to TILE_T) of every query head h of KV head kvh: for each (t, h) alone,
- * softmax(softcap(scale q . k_j) + mask_j) . v_j over the visible cells j in cell order (plus exp(sink - max) in
- * the denominator with sinks); hidden cells (mask -inf) are skipped, which is what their zero probability does to
- * the sums. The tile only shares the loads: a row's operations are the same whatever tile (or thread) it is in.
- * scratch: TILE_T * group * (dk + n_kv + 2) floats */
-static void attend_tile(const attn_job *job, int64_t t0, int64_t kvh, float *scratch) {
-    int64_t group = job->n_head / job->n_head_kv, rows = job->n_tokens - t0 < TILE_T ? job->n_tokens - t0 : TILE_T;
-    int64_t n = rows * group, dk = job->dk, dv = job->dv;
-    float *qs = scratch, *scores = qs + n * dk, *best = scores + n * job->n_kv, *total = best + n;
-    for (int64_t i = 0; i < n; i++) {  /* i = row * group + head in group; the scale on q, as the oracle */
-        const float *q = job->q + ((t0 + i / group) * job->n_head + kvh * group + i % group) * dk;
-        for (int64_t d = 0; d < dk; d++) qs[i * dk + d] = q[d] * job->scale;
-        best[i] = -INFINITY;
-        total[i] = 0.0f;
-    }
-    int seen[TILE_T] = {0};
-    int64_t end = 0;  /* past the last cell a row of the tile sees: the hidden cells after it need no look */
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t j = job->n_kv; j > end; j--)
-            if (!hidden(job->mask[(t0 + r) * job->n_kv + j - 1])) { end = j; break; }
-    for (int64_t j = 0; j < end; j++) {
-        const float *k = job->k + (kvh * job->n_cells + j) * dk;
-        for (int64_t r = 0; r < rows; r++) {
-            float mask = job->mask[(t0 + r) * job->n_kv + j];
-            if (hidden(mask)) continue;
-            for (int64_t g = 0; g < group; g++) {
-                int64_t i = r * group + g;
-                float s = dot16(qs + i * dk, k, dk);
-                if (job->softcap != 0.0f) s = tanhf(s / job->softcap) * job->softcap;
-                s = s + mask;
-                scores[i * job->n_kv + j] = s;
-                if (!seen[r] || s > best[i]) best[i] = s;
-            }
-            seen[r] = 1;
-        }
-    }
-    if (job->sinks)
-        for (int64_t i = 0; i < n; i++) {
-            float sink = job->sinks[kvh * group + i % group];
-            if (!seen[i / group] || sink > best[i]) best[i] = sink;
-        }
-    for (int64_t i = 0; i < n; i++) {
-        float *out = job->out + ((t0 + i / group) * job->n_head + kvh * group + i % group) * dv;
-        for (int64_t d = 0; d < dv; d++) out[d] = seen[i / group] ? 0.0f : NAN;  /* no visible cell: 0/0 */
-    }
-    for (int64_t j = 0; j < end; j++) {
-        const float *v = job->v + (kvh * job->n_cells + j) * dv;
-        for (int64_t r = 0; r < rows; r++) {
-            if (hidden(job->mask[(t0 + r) * job->n_kv + j])) continue;
-            for (int64_t g = 0; g < group; g++) {
-                int64_t i = r * group + g;
-                float *out = job->out + ((t0 + r) * job->n_head + kvh * group + g) * dv;
-                float p = expf(scores[i * job->n_kv + j] - best[i]);
-                total[i] = total[i] + p;
-                for (int64_t d = 0; d < dv; d++) out[d] = out[d] + p * v[d];
-            }
-        }
-    }
-    for (int64_t i = 0; i < n; i++) {
-        if (!seen[i / group]) continue;
-        if (job->sinks) total[i] = total[i] + expf(job->sinks[kvh * group + i % group] - best[i]);
-        float *out = job->out + ((t0 + i / group) * job->n_head + kvh * group + i % group) * dv;
-        for (int64_t d = 0; d < dv; d++) out[d] = out[d] / total[i];
-    }
-}
-
-static void attn_chunk(void *raw, int64_t chunk, int ith) {
-    (void)ith;
-    attn_job *job = raw;
-    int64_t i0, i1, group = job->n_head / job->n_head_kv;
-    nat_share(job->n_tiles * job->n_head_kv, chunk, job->n_chunks, &i0, &i1);
-    if (i0 == i1) return;
-    float *scratch = malloc((size_t)(TILE_T * group * (job->dk + job->n_kv + 2)) * sizeof(float));
-    if (!scratch) { atomic_store(&job->failed, 1); return; }
-    for (int64_t i = i0; i < i1; i++) attend_tile(job, (i / job->n_head_kv) * TILE_T, i % job->n_head_kv, scratch);
-    free(scratch);
-}
-
-static int attend(nat_pool *pool, const float *q, const float *k, const float *v, const float *mask,
-                  const float *sinks, float *out, const int64_t *n, float scale, float softcap) {
-    attn_job job = {q, k, v, mask, sinks, out, n[0], n[1], n[2], n[3], n[4], n[5], n[6], scale, softcap,
-                    (n[0] + TILE_T - 1) / TILE_T, 1, 0};
-    job.n_chunks = nat_pool_chunks(pool, job.n_tiles * job.n_head_kv);
-    nat_pool_for(pool, job.n_chunks, attn_chunk, &job);
-    return atomic_load(&job.failed) ? NAT_OUT_OF_MEMORY : 0;
-}
-
 /* ---- one instruction ----------------------------------------------------------------------------------------- */
 
-int nat_run_op(nat_pool *pool, const nat_instr *in, void *const *bufs, const nat_weight *weights) {
+int nat_run_op(nat_pool *pool, int isa, const nat_instr *in, void *const *bufs, const nat_weight *weights) {
     switch (in->op) {
     case NAT_OP_BINARY:
         run_flat(pool, in, bufs, in->n[1] * in->n[2] * in->n[3], in->n[4], binary_chunk);
@@ -466,8 +351,9 @@ int nat_run_op(nat_pool *pool, const nat_instr *in, void *const *bufs, const nat
     case NAT_OP_KV_WRITE:
         return kv_write(in, bufs);
     case NAT_OP_ATTEND:
-        return attend(pool, F32_AT(bufs, in, 1), F32_AT(bufs, in, 2), F32_AT(bufs, in, 3), F32_AT(bufs, in, 4),
-                      HAS(in, 5) ? F32_AT(bufs, in, 5) : NULL, F32_AT(bufs, in, 0), in->n, in->f[0], in->f[1]);
+        return nat_attend(pool, isa, F32_AT(bufs, in, 1), F32_AT(bufs, in, 2), F32_AT(bufs, in, 3),
+                          F32_AT(bufs, in, 4), HAS(in, 5) ? F32_AT(bufs, in, 5) : NULL, F32_AT(bufs, in, 0), in->n,
+                          in->f[0], in->f[1]);
     default:
         return NAT_BAD_INSTRUCTION;
     }
@@ -479,17 +365,14 @@ int nat_run_op(nat_pool *pool, const nat_instr *in, void *const *bufs, const nat
 void nat_rms_norm(nat_pool *pool, const float *x, const float *w, float *out, int64_t rows, int64_t n, float eps) {
     void *bufs[3] = {out, (void *)x, (void *)w};
     nat_instr in = {.op = NAT_OP_RMS_NORM, .buf = {0, 1, w ? 2 : -1, -1, -1, -1}, .n = {rows, n}, .f = {eps}};
-    nat_run_op(pool, &in, bufs, NULL);
+    nat_run_op(pool, NAT_ISA_SCALAR, &in, bufs, NULL);
 }
 
-/* q [T, H, Dk], k cache [Hkv, n_cells, Dk], v cache [Hkv, n_cells, Dv], mask [T, n_kv] -> out [T, H * Dv].
- * Returns 0, or -1 when a thread's score buffer cannot be allocated. */
-int nat_attention(nat_pool *pool, const float *q, const float *k, const float *v, const float *mask, float *out,
-                  int64_t n_tokens, int64_t n_head, int64_t n_head_kv, int64_t dk, int64_t dv, int64_t n_kv,
-                  int64_t n_cells, float scale, float softcap) {
+/* q [T, H, Dk], k cache [Hkv, n_cells, Dk], v cache [Hkv, n_cells, Dv], mask [T, n_kv], sinks [H] (or NULL)
+ * -> out [T, H * Dv] on ISA path isa. Returns 0, or -1 when the threads' score buffers cannot be allocated. */
+int nat_attention(nat_pool *pool, int isa, const float *q, const float *k, const float *v, const float *mask,
+                  const float *sinks, float *out, int64_t n_tokens, int64_t n_head, int64_t n_head_kv, int64_t dk,
+                  int64_t dv, int64_t n_kv, int64_t n_cells, float scale, float softcap) {
     int64_t n[7] = {n_tokens, n_head, n_head_kv, dk, dv, n_kv, n_cells};
-    return attend(pool, q, k, v, mask, NULL, out, n, scale, softcap);
+    return nat_attend(pool, isa, q, k, v, mask, sinks, out, n, scale, softcap);
 }
-
-/* dot16 for the other op files (recurrent.c) */
-float nat_dot16(const float *q, const float *k, int64_t n) { return dot16(q, k, n); }

@@ -1,0 +1,566 @@
+/* Attention over the KV cache (NAT_OP_ATTEND): a portable C path and AVX2 / AVX-512 paths that compute the same
+ * bits. For each query row t and head h alone, over the cells j its mask row shows (mask_j > -inf), in cell order,
+ * numbering them c = 0, 1, ... (the c-th visible cell: never its cell index, so a sequence's result does not move
+ * with where its cells sit in the cache):
+ *   qs   = q * scale
+ *   s_c  = dot(qs, k_j): element d into lane d % 16, lane = lane + qs[d]*k[d] (lanes from +0), then the lanes
+ *          reduced l + l+8, l + l+4, l + l+2, l + l+1 (native.h's canonical sixteen lanes)
+ *          [s_c = tanh(s_c / softcap) * softcap]; s_c = s_c + mask_j
+ *   best = the largest s_c (and the sink);  p_c = nat_exp(s_c - best)  (nat_exp.h: one polynomial, the same on every path)
+ *   total = the p_c summed with p_c into lane c % 16, then the same reduction [+ nat_exp(sink - best)]
+ *   out[d] = (0 + p_0*v_0[d] + p_1*v_1[d] + ...) / total   (cells in order, one lane per d)
+ * A row that sees no cell gives NaN (0/0, like the oracle). Hidden cells cost nothing: a tile of query rows only
+ * visits the key blocks some row of it sees (causal prefill never looks at future keys). Tiles share the K loads
+ * across their rows and the heads of a GQA group; a row's arithmetic is the same whatever tile, thread or ISA
+ * path computes it. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "native.h"
+#include "nat_exp.h"
+#include "pool.h"
+
+#define KEYS 16  /* keys per score block: one call of an ISA's scores kernel */
+
+/* ---- one ISA's kernels ------------------------------------------------------------------------------------- */
+
+typedef struct {
+    /* out[i] = dot(q, k + i * dk) [+ add[i] when add is not NULL] for the KEYS rows from k (q padded with zeros to
+     * whole 16s) */
+    void (*scores)(const float *q, const float *k, int64_t dk, const float *add, float *out);
+    /* the largest of s[0..n) (n > 0; NaNs ignored; which zero of +0 and -0 when both are there is unspecified:
+     * it changes no result, as nat_exp(x - (+0)) and nat_exp(x - (-0)) are the same) */
+    float (*peak)(const float *s, int64_t n);
+    /* p[c] = nat_exp(p[c] - best) for c < n; returns their canonical sum */
+    float (*exp_sum)(float *p, int64_t n, float best);
+    /* for each of the heads h: out[h][d] = out[h][d] + p[h][c] * v[cells[c] * dv + d], c = 0..n-1 in order */
+    void (*weigh)(float *const *out, const float *const *p, int64_t heads, const int32_t *cells, int64_t n,
+                  const float *v, int64_t dv);
+} attn_kernels;
+
+/* lanes[l] = lanes[l] + a[l] * b[l], l < n (the compiler vectorises this as it stands) */
+static inline void add_products(float *lanes, const float *a, const float *b, int64_t n) {
+    for (int64_t l = 0; l < n; l++) lanes[l] = lanes[l] + a[l] * b[l];
+}
+
+/* native.h's reduction of sixteen lanes (nat_reduce16), inlined: the scalar path runs it for every score */
+static inline float reduce_lanes(float *lanes) {
+    for (int step = 8; step >= 1; step >>= 1)
+        for (int l = 0; l < step; l++) lanes[l] = lanes[l] + lanes[l + step];
+    return lanes[0];
+}
+
+/* q . k in native.h's canonical sixteen lanes (also the recurrent ops' dot product, recurrent.c) */
+float nat_dot16(const float *q, const float *k, int64_t n) {
+    float lanes[16] = {0};
+    for (int64_t d = 0; d < n; d += 16) add_products(lanes, q + d, k + d, n - d < 16 ? n - d : 16);
+    return reduce_lanes(lanes);  /* the padding would add +0 to lanes that are never -0: no change */
+}
+
+static void scores_scalar(const float *q, const float *k, int64_t dk, const float *add, float *out) {
+    for (int i = 0; i < KEYS; i++) {
+        float dot = nat_dot16(q, k + i * dk, dk);
+        out[i] = add ? dot + add[i] : dot;
+    }
+}
+
+static float exp_sum_scalar(float *p, int64_t n, float best) {
+    float lanes[16] = {0};
+    for (int64_t c0 = 0; c0 < n; c0 += 16) {  /* p[c] into lane c % 16, by whole 16s: the loop vectorises */
+        int64_t m = n - c0 < 16 ? n - c0 : 16;
+        for (int64_t l = 0; l < m; l++) {
+            p[c0 + l] = nat_exp(p[c0 + l] - best);
+            lanes[l] = lanes[l] + p[c0 + l];
+        }
+    }
+    return reduce_lanes(lanes);
+}
+
+static float peak_scalar(const float *s, int64_t n) {
+    float best = -INFINITY;
+    for (int64_t c = 0; c < n; c++) best = s[c] > best ? s[c] : best;
+    return best;
+}
+
+static void weigh_scalar(float *const *out, const float *const *p, int64_t heads, const int32_t *cells, int64_t n,
+                         const float *v, int64_t dv) {
+    for (int64_t h = 0; h < heads; h++) {
+        float *restrict acc = out[h];
+        for (int64_t c = 0; c < n; c++) {
+            const float *restrict row = v + (int64_t)cells[c] * dv;
+            float pc = p[h][c];
+            for (int64_t d = 0; d < dv; d++) acc[d] = acc[d] + pc * row[d];
+        }
+    }
+}
+
+#ifdef NAT_HAVE_X86
+#include <immintrin.h>
+
+#define TARGET2 __attribute__((target("avx2,fma,f16c")))
+#define TARGET512 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+
+/* nat_exp's 2^n * poly(r) for the clamped argument c on W-bit vectors (256: AVX2, 512: AVX-512), into out */
+#define EXP_SCALED(W, c, out)                                                                                  \
+    do {                                                                                                       \
+        __m##W shift = _mm##W##_set1_ps(EXP_SHIFT);                                                            \
+        __m##W shifted = _mm##W##_add_ps(_mm##W##_mul_ps(c, _mm##W##_set1_ps(EXP_LOG2E)), shift);              \
+        __m##W n = _mm##W##_sub_ps(shifted, shift);                                                            \
+        __m##W##i e = _mm##W##_add_epi32(_mm##W##_sub_epi32(_mm##W##_castps_si##W(shifted),                    \
+                                                            _mm##W##_castps_si##W(shift)),                     \
+                                         _mm##W##_set1_epi32(127));                                            \
+        __m##W scale = _mm##W##_castsi##W##_ps(_mm##W##_slli_epi32(e, 23));                                    \
+        __m##W r = _mm##W##_sub_ps(_mm##W##_sub_ps(c, _mm##W##_mul_ps(n, _mm##W##_set1_ps(EXP_LN2_HI))),       \
+                                   _mm##W##_mul_ps(n, _mm##W##_set1_ps(EXP_LN2_LO)));                          \
+        __m##W z = _mm##W##_mul_ps(r, r);                                                                      \
+        __m##W y = _mm##W##_add_ps(_mm##W##_mul_ps(_mm##W##_set1_ps(EXP_P0), r), _mm##W##_set1_ps(EXP_P1));    \
+        y = _mm##W##_add_ps(_mm##W##_mul_ps(y, r), _mm##W##_set1_ps(EXP_P2));                                  \
+        y = _mm##W##_add_ps(_mm##W##_mul_ps(y, r), _mm##W##_set1_ps(EXP_P3));                                  \
+        y = _mm##W##_add_ps(_mm##W##_mul_ps(y, r), _mm##W##_set1_ps(EXP_P4));                                  \
+        y = _mm##W##_add_ps(_mm##W##_mul_ps(y, r), _mm##W##_set1_ps(EXP_P5));                                  \
+        y = _mm##W##_add_ps(_mm##W##_add_ps(_mm##W##_mul_ps(y, z), r), _mm##W##_set1_ps(1.0f));                \
+        out = _mm##W##_mul_ps(y, scale);                                                                       \
+    } while (0)
+
+/* ---- AVX2: the sixteen lanes as two 8-lane halves (lanes 0-7, 8-15) ---- */
+
+TARGET2 static inline __m256i avx2_keep(int64_t n) {  /* lanes < n of 8 */
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+TARGET2 static inline __m256 avx2_load(const float *p, int64_t n) {  /* n < 8: the rest zeros, never read */
+    return n >= 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, avx2_keep(n));
+}
+
+TARGET2 static inline __m256 avx2_load_cut(const float *p, int64_t n) { return _mm256_maskload_ps(p, avx2_keep(n)); }
+
+/* keys 4g..4g+3 reduced to their l + l+2 pairs: lanes [k0 k0 k2 k2 | k1 k1 k3 k3] (each pair (a, a+2) summed) */
+TARGET2 static inline __m256 avx2_four_keys(const float *q, const float *k, int64_t dk) {
+    __m256 lo[4], hi[4];
+    for (int i = 0; i < 4; i++) lo[i] = hi[i] = _mm256_setzero_ps();
+    int64_t d = 0;
+    for (; d + 16 <= dk; d += 16) {
+        __m256 q0 = _mm256_loadu_ps(q + d), q1 = _mm256_loadu_ps(q + d + 8);
+        for (int i = 0; i < 4; i++) {
+            lo[i] = _mm256_add_ps(lo[i], _mm256_mul_ps(q0, _mm256_loadu_ps(k + i * dk + d)));
+            hi[i] = _mm256_add_ps(hi[i], _mm256_mul_ps(q1, _mm256_loadu_ps(k + i * dk + d + 8)));
+        }
+    }
+    if (d < dk) {
+        __m256 q0 = _mm256_loadu_ps(q + d), q1 = _mm256_loadu_ps(q + d + 8);
+        for (int i = 0; i < 4; i++) {
+            lo[i] = _mm256_add_ps(lo[i], _mm256_mul_ps(q0, avx2_load_cut(k + i * dk + d, dk - d)));
+            hi[i] = _mm256_add_ps(hi[i], _mm256_mul_ps(q1, avx2_load_cut(k + i * dk + d + 8, dk - d - 8)));
+        }
+    }
+    __m256 s8[4];
+    for (int i = 0; i < 4; i++) s8[i] = _mm256_add_ps(lo[i], hi[i]);  /* l + l+8 */
+    __m256 a = _mm256_add_ps(_mm256_permute2f128_ps(s8[0], s8[1], 0x20), _mm256_permute2f128_ps(s8[0], s8[1], 0x31));
+    __m256 b = _mm256_add_ps(_mm256_permute2f128_ps(s8[2], s8[3], 0x20), _mm256_permute2f128_ps(s8[2], s8[3], 0x31));
+    /* a = [k0 s4 | k1 s4], b = [k2 s4 | k3 s4]; l + l+2: */
+    return _mm256_add_ps(_mm256_shuffle_ps(a, b, 0x44), _mm256_shuffle_ps(a, b, 0xEE));
+}
+
+TARGET2 static void scores_avx2(const float *q, const float *k, int64_t dk, const float *add, float *out) {
+    for (int half = 0; half < 2; half++) {
+        __m256 e = avx2_four_keys(q, k + 8 * half * dk, dk), f = avx2_four_keys(q, k + (8 * half + 4) * dk, dk);
+        /* l + l+1: lanes [k0 k2 k4 k6 | k1 k3 k5 k7] of these 8 keys */
+        __m256 s = _mm256_add_ps(_mm256_shuffle_ps(e, f, 0x88), _mm256_shuffle_ps(e, f, 0xDD));
+        s = _mm256_permutevar8x32_ps(s, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        if (add) s = _mm256_add_ps(s, _mm256_loadu_ps(add + 8 * half));
+        _mm256_storeu_ps(out + 8 * half, s);
+    }
+}
+
+/* nat_exp on 8 lanes */
+TARGET2 static inline __m256 avx2_exp(__m256 x) {
+    __m256 c = _mm256_blendv_ps(x, _mm256_set1_ps(EXP_HIGH), _mm256_cmp_ps(x, _mm256_set1_ps(EXP_HIGH), _CMP_GT_OQ));
+    __m256 scaled;
+    EXP_SCALED(256, c, scaled);
+    __m256 low = _mm256_cmp_ps(c, _mm256_set1_ps(EXP_LOW), _CMP_LT_OQ);
+    return _mm256_andnot_ps(low, scaled);
+}
+
+TARGET2 static float exp_sum_avx2(float *p, int64_t n, float best) {
+    __m256 lanes[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, b = _mm256_set1_ps(best);
+    for (int64_t c = 0; c < n; c += 8) {
+        int64_t left = n - c;
+        __m256 e = avx2_exp(_mm256_sub_ps(avx2_load(p + c, left), b));
+        if (left >= 8) _mm256_storeu_ps(p + c, e);
+        else {
+            e = _mm256_and_ps(e, _mm256_castsi256_ps(avx2_keep(left)));  /* padding adds +0 */
+            _mm256_maskstore_ps(p + c, avx2_keep(left), e);
+        }
+        lanes[(c / 8) % 2] = _mm256_add_ps(lanes[(c / 8) % 2], e);
+    }
+    float all[16];
+    _mm256_storeu_ps(all, lanes[0]);
+    _mm256_storeu_ps(all + 8, lanes[1]);
+    return nat_reduce16(all);
+}
+
+/* 64 lanes of out from d0 (the chunk is whole: FULL, or cut at dv) in registers over every cell */
+#define AVX2_WEIGH_CHUNK(LOAD)                                                                                 \
+    do {                                                                                                       \
+        __m256 acc[8];                                                                                         \
+        for (int i = 0; i < 8; i++) acc[i] = LOAD(out + d0 + 8 * i, dv - d0 - 8 * i);                          \
+        for (int64_t c = 0; c < n; c++) {                                                                      \
+            const float *row = v + (int64_t)cells[c] * dv + d0;                                                \
+            __m256 pc = _mm256_set1_ps(p[c]);                                                                  \
+            for (int i = 0; i < 8; i++) acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(pc, LOAD(row + 8 * i, dv - d0 - 8 * i))); \
+        }                                                                                                      \
+        for (int i = 0; i < 8; i++) avx2_store(out + d0 + 8 * i, dv - d0 - 8 * i, acc[i]);                    \
+    } while (0)
+
+TARGET2 static inline __m256 avx2_load_full(const float *p, int64_t n) {
+    (void)n;
+    return _mm256_loadu_ps(p);
+}
+
+
+TARGET2 static inline void avx2_store(float *p, int64_t n, __m256 x) {
+    if (n >= 8) _mm256_storeu_ps(p, x);
+    else if (n > 0) _mm256_maskstore_ps(p, avx2_keep(n), x);
+}
+
+TARGET2 static void weigh_one_avx2(float *out, const float *p, const int32_t *cells, int64_t n, const float *v,
+                                   int64_t dv) {
+    int64_t d0 = 0;
+    for (; d0 + 64 <= dv; d0 += 64) AVX2_WEIGH_CHUNK(avx2_load_full);
+    if (d0 < dv) AVX2_WEIGH_CHUNK(avx2_load_cut);
+}
+
+TARGET2 static void weigh_avx2(float *const *out, const float *const *p, int64_t heads, const int32_t *cells,
+                               int64_t n, const float *v, int64_t dv) {
+    for (int64_t h = 0; h < heads; h++) weigh_one_avx2(out[h], p[h], cells, n, v, dv);
+}
+
+TARGET2 static float peak_avx2(const float *s, int64_t n) {
+    __m256 best = _mm256_set1_ps(-INFINITY);
+    for (int64_t c = 0; c < n; c += 8) {
+        __m256 x = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), avx2_load(s + c, n - c),
+                                    _mm256_castsi256_ps(avx2_keep(n - c)));
+        best = _mm256_max_ps(x, best);  /* x > best ? x : best */
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, best);
+    return peak_scalar(lanes, 8);
+}
+
+/* ---- AVX-512: the sixteen lanes as one register ---- */
+
+/* lanes < n of 16 (none for n <= 0) */
+TARGET512 static inline __mmask16 avx512_keep(int64_t n) {
+    return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);
+}
+
+#define EACH_KEY(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12) X(13) X(14) X(15)
+#define ZERO_ACC(i) __m512 acc##i = _mm512_setzero_ps();
+#define ADD_KEY(i) acc##i = _mm512_add_ps(acc##i, _mm512_mul_ps(qv, LOAD(k + i * dk + d)));
+#define FULL_LOAD(p) _mm512_loadu_ps(p)
+#define CUT_LOAD(p) _mm512_maskz_loadu_ps(keep, p)
+/* one reduction step of two registers: lanes (l, l + width) summed, per TAKE's two operand selections */
+#define PAIR_F32X4(a, b, lo, hi) _mm512_add_ps(_mm512_shuffle_f32x4(a, b, lo), _mm512_shuffle_f32x4(a, b, hi))
+#define PAIR_PS(a, b, lo, hi) _mm512_add_ps(_mm512_shuffle_ps(a, b, lo), _mm512_shuffle_ps(a, b, hi))
+
+TARGET512 static void scores_avx512(const float *q, const float *k, int64_t dk, const float *add, float *out) {
+    EACH_KEY(ZERO_ACC)
+    int64_t d = 0;
+    for (; d + 16 <= dk; d += 16) {
+        __m512 qv = _mm512_loadu_ps(q + d);
+#define LOAD FULL_LOAD
+        EACH_KEY(ADD_KEY)
+#undef LOAD
+    }
+    if (d < dk) {
+        __m512 qv = _mm512_loadu_ps(q + d);
+        __mmask16 keep = avx512_keep(dk - d);
+#define LOAD CUT_LOAD
+        EACH_KEY(ADD_KEY)
+#undef LOAD
+    }
+    /* the fixed reduction, 16 keys at once: l + l+8 (keys i, i+8 share a register), l + l+4, l + l+2, l + l+1 */
+    __m512 s8_0 = PAIR_F32X4(acc0, acc8, 0x44, 0xEE), s8_1 = PAIR_F32X4(acc1, acc9, 0x44, 0xEE);
+    __m512 s8_2 = PAIR_F32X4(acc2, acc10, 0x44, 0xEE), s8_3 = PAIR_F32X4(acc3, acc11, 0x44, 0xEE);
+    __m512 s8_4 = PAIR_F32X4(acc4, acc12, 0x44, 0xEE), s8_5 = PAIR_F32X4(acc5, acc13, 0x44, 0xEE);
+    __m512 s8_6 = PAIR_F32X4(acc6, acc14, 0x44, 0xEE), s8_7 = PAIR_F32X4(acc7, acc15, 0x44, 0xEE);
+    /* 128-bit blocks: keys [i, i+8, i+4, i+12] */
+    __m512 s4_0 = PAIR_F32X4(s8_0, s8_4, 0x88, 0xDD), s4_1 = PAIR_F32X4(s8_1, s8_5, 0x88, 0xDD);
+    __m512 s4_2 = PAIR_F32X4(s8_2, s8_6, 0x88, 0xDD), s4_3 = PAIR_F32X4(s8_3, s8_7, 0x88, 0xDD);
+    __m512 s2_0 = PAIR_PS(s4_0, s4_2, 0x44, 0xEE), s2_1 = PAIR_PS(s4_1, s4_3, 0x44, 0xEE);
+    __m512 s1 = PAIR_PS(s2_0, s2_1, 0x88, 0xDD);
+    /* s1's lanes hold keys [0 2 1 3 8 10 9 11 4 6 5 7 12 14 13 15] */
+    s1 = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15), s1);
+    if (add) s1 = _mm512_add_ps(s1, _mm512_loadu_ps(add));
+    _mm512_storeu_ps(out, s1);
+}
+
+TARGET512 static inline __m512 avx512_exp(__m512 x) {
+    __m512 c = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(EXP_HIGH), _CMP_GT_OQ), x, _mm512_set1_ps(EXP_HIGH));
+    __m512 scaled;
+    EXP_SCALED(512, c, scaled);
+    __mmask16 low = _mm512_cmp_ps_mask(c, _mm512_set1_ps(EXP_LOW), _CMP_LT_OQ);
+    return _mm512_maskz_mov_ps((__mmask16)~low, scaled);
+}
+
+TARGET512 static float exp_sum_avx512(float *p, int64_t n, float best) {
+    __m512 lanes = _mm512_setzero_ps(), b = _mm512_set1_ps(best);
+    for (int64_t c = 0; c < n; c += 16) {
+        __mmask16 keep = avx512_keep(n - c);
+        __m512 e = _mm512_maskz_mov_ps(keep, avx512_exp(_mm512_sub_ps(_mm512_maskz_loadu_ps(keep, p + c), b)));
+        _mm512_mask_storeu_ps(p + c, keep, e);
+        lanes = _mm512_add_ps(lanes, e);  /* the padding adds +0 */
+    }
+    float all[16];
+    _mm512_storeu_ps(all, lanes);
+    return nat_reduce16(all);
+}
+
+/* HEADS heads at once over 64-lane chunks: each V load serves every head, 4 * HEADS independent sums per cell */
+#define AVX512_WEIGH(HEADS)                                                                                    \
+    for (int64_t d0 = 0; d0 < dv; d0 += 64) {                                                                  \
+        __mmask16 keep[4];                                                                                     \
+        __m512 acc[HEADS][4];                                                                                  \
+        for (int i = 0; i < 4; i++) keep[i] = avx512_keep(dv - d0 - 16 * i);                                  \
+        for (int h = 0; h < HEADS; h++)                                                                        \
+            for (int i = 0; i < 4; i++) acc[h][i] = _mm512_maskz_loadu_ps(keep[i], out[h] + d0 + 16 * i);      \
+        for (int64_t c = 0; c < n; c++) {                                                                      \
+            const float *row = v + (int64_t)cells[c] * dv + d0;                                                \
+            __m512 vr[4];                                                                                      \
+            for (int i = 0; i < 4; i++) vr[i] = _mm512_maskz_loadu_ps(keep[i], row + 16 * i);                  \
+            for (int h = 0; h < HEADS; h++) {                                                                  \
+                __m512 pc = _mm512_set1_ps(p[h][c]);                                                           \
+                for (int i = 0; i < 4; i++) acc[h][i] = _mm512_add_ps(acc[h][i], _mm512_mul_ps(pc, vr[i]));    \
+            }                                                                                                  \
+        }                                                                                                      \
+        for (int h = 0; h < HEADS; h++)                                                                        \
+            for (int i = 0; i < 4; i++) _mm512_mask_storeu_ps(out[h] + d0 + 16 * i, keep[i], acc[h][i]);       \
+    }
+
+TARGET512 static void weigh_avx512(float *const *out, const float *const *p, int64_t heads, const int32_t *cells,
+                                   int64_t n, const float *v, int64_t dv) {
+    for (; heads >= 4; heads -= 4, out += 4, p += 4) { AVX512_WEIGH(4) }
+    if (heads == 3) { AVX512_WEIGH(3) }
+    if (heads == 2) { AVX512_WEIGH(2) }
+    if (heads == 1) { AVX512_WEIGH(1) }
+}
+
+TARGET512 static float peak_avx512(const float *s, int64_t n) {
+    __m512 best = _mm512_set1_ps(-INFINITY);
+    for (int64_t c = 0; c < n; c += 16)
+        best = _mm512_max_ps(_mm512_mask_loadu_ps(best, avx512_keep(n - c), s + c), best);  /* x > best ? x : best */
+    float lanes[16];
+    _mm512_storeu_ps(lanes, best);
+    return peak_scalar(lanes, 16);
+}
+#endif
+
+static const attn_kernels *kernels_for(int isa) {
+    static const attn_kernels scalar = {scores_scalar, peak_scalar, exp_sum_scalar, weigh_scalar};
+#ifdef NAT_HAVE_X86
+    static const attn_kernels avx2 = {scores_avx2, peak_avx2, exp_sum_avx2, weigh_avx2};
+    static const attn_kernels avx512 = {scores_avx512, peak_avx512, exp_sum_avx512, weigh_avx512};
+    if (isa == NAT_ISA_AVX512) return &avx512;
+    if (isa == NAT_ISA_AVX2) return &avx2;
+#endif
+    (void)isa;
+    return &scalar;
+}
+
+/* ---- the driver: work items of (query tile, KV head, heads of its group) ---------------------------------- */
+
+/* query rows per tile in a prefill (a decode step gives each row, and each head, its own item for the threads) */
+#define TILE_ROWS 4
+#define DECODE_ROWS 16  /* fewer rows than this: a decode step */
+#define MAX_HEADS 8  /* heads of a GQA group per work item, at most */
+#define ITEMS_PER_THREAD 4  /* work items per thread, at least, where the heads can be split that far */
+
+typedef struct {
+    const float *q, *k, *v, *mask, *sinks;
+    float *out;
+    int64_t n_tokens, n_head, n_head_kv, dk, dv, n_kv, n_cells;
+    float scale, softcap;
+    const attn_kernels *isa;
+    int64_t tile_rows, heads_per_item, parts, n_items, n_chunks;
+    size_t scratch_floats;  /* per thread */
+    float *scratch;
+} attn_job;
+
+/* per thread: q rows [tile * heads][dk padded], scores [tile * heads][n_kv], a block's scores [KEYS], copied keys
+ * [KEYS][dk], visible cells [tile][n_kv] */
+static size_t scratch_floats(int64_t tile_rows, int64_t heads, int64_t dk, int64_t n_kv) {
+    int64_t dk16 = (dk + 15) / 16 * 16;
+    return (size_t)(tile_rows * heads * (dk16 + n_kv) + KEYS + KEYS * dk + tile_rows * n_kv);
+}
+
+/* the visible cells of mask row `row`, in order; returns their count */
+static int64_t visible_cells(const float *row, int64_t n_kv, int32_t *cells) {
+    int64_t count = 0;
+    for (int64_t j = 0; j < n_kv; j++) {  /* without a branch: a mask row has runs of both kinds */
+        cells[count] = (int32_t)j;
+        count += row[j] != -INFINITY;
+    }
+    return count;
+}
+
+/* a raw score, soft-capped when the model caps them */
+static inline float capped(const attn_job *job, float s) {
+    return job->softcap != 0.0f ? tanhf(s / job->softcap) * job->softcap : s;
+}
+
+/* the scores of key block [j0, j0 + KEYS) for the rows of the tile that see a cell of it, compacted by visible
+ * index; cursor[r]: the first visible cell of row r not scored yet */
+static void score_block(const attn_job *job, int64_t t0, int64_t rows, int64_t h0, int64_t j0,
+                        const float *qs, float *scores, const int32_t *cells, const int64_t *count, int64_t *cursor,
+                        float *block, float *key_copy) {
+    int64_t heads = job->heads_per_item, dk16 = (job->dk + 15) / 16 * 16;
+    const float *keys = job->k + ((h0 / (job->n_head / job->n_head_kv)) * job->n_cells + j0) * job->dk;
+    if (j0 + KEYS > job->n_cells) {  /* past the cache's end: the block's rows copied, zeros after them */
+        memset(key_copy, 0, (size_t)(KEYS * job->dk) * sizeof(float));
+        memcpy(key_copy, keys, (size_t)((job->n_cells - j0) * job->dk) * sizeof(float));
+        keys = key_copy;
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        const int32_t *vis = cells + r * job->n_kv;
+        const float *mask = job->mask + (t0 + r) * job->n_kv;
+        int64_t lo = cursor[r], hi = lo;
+        if (lo + KEYS <= count[r] && vis[lo] == j0 && vis[lo + KEYS - 1] == j0 + KEYS - 1)
+            hi = lo + KEYS;  /* the row sees the whole block (cells ascend, each once) */
+        else
+            while (hi < count[r] && vis[hi] < j0 + KEYS) hi++;
+        if (hi == lo) continue;
+        for (int64_t g = 0; g < heads; g++) {
+            int64_t i = r * heads + g;
+            float *dst = scores + i * job->n_kv;
+            if (hi - lo == KEYS && job->softcap == 0.0f) {  /* the scores plus the mask, straight into place */
+                job->isa->scores(qs + i * dk16, keys, job->dk, mask + j0, dst + lo);
+                continue;
+            }
+            job->isa->scores(qs + i * dk16, keys, job->dk, NULL, block);
+            for (int64_t c = lo; c < hi; c++) dst[c] = capped(job, block[vis[c] - j0]) + mask[vis[c]];
+        }
+        cursor[r] = hi;
+    }
+}
+
+/* The scores of one query row (a decode step's tile) for the heads of the item, by chunks of KEYS visible cells:
+ * the cells of a sequence beside others in the cache are not contiguous, and a block of cells would score the
+ * other sequences' keys for nothing. A chunk of contiguous cells is read in place, any other gathered. */
+static void score_visible(const attn_job *job, int64_t t, int64_t h0, const float *qs, float *scores,
+                          const int32_t *vis, int64_t count, float *block, float *gathered) {
+    int64_t heads = job->heads_per_item, dk = job->dk, dk16 = (dk + 15) / 16 * 16;
+    const float *kbase = job->k + (h0 / (job->n_head / job->n_head_kv)) * job->n_cells * dk;
+    const float *mask = job->mask + t * job->n_kv;
+    float add[KEYS];
+    for (int64_t c0 = 0; c0 < count; c0 += KEYS) {
+        int64_t n = count - c0 < KEYS ? count - c0 : KEYS;
+        const float *keys = kbase + (int64_t)vis[c0] * dk;
+        if (n < KEYS || vis[c0 + KEYS - 1] - vis[c0] != KEYS - 1) {
+            for (int64_t i = 0; i < n; i++) memcpy(gathered + i * dk, kbase + (int64_t)vis[c0 + i] * dk, (size_t)dk * 4);
+            memset(gathered + n * dk, 0, (size_t)((KEYS - n) * dk) * 4);
+            keys = gathered;
+        }
+        for (int64_t i = 0; i < n; i++) add[i] = mask[vis[c0 + i]];
+        for (int64_t g = 0; g < heads; g++) {
+            float *dst = scores + g * job->n_kv + c0;
+            if (n == KEYS && job->softcap == 0.0f) {
+                job->isa->scores(qs + g * dk16, keys, dk, add, dst);
+                continue;
+            }
+            job->isa->scores(qs + g * dk16, keys, dk, NULL, block);
+            for (int64_t i = 0; i < n; i++) dst[i] = capped(job, block[i]) + add[i];
+        }
+    }
+}
+
+/* softmax(scores) . V of one query row for its heads h0.. of the item: out rows of dv floats */
+static void finish_row(const attn_job *job, float *scores, const int32_t *cells, int64_t count, int64_t t,
+                       int64_t h0) {
+    float *outs[MAX_HEADS] = {NULL}, *ps[MAX_HEADS] = {NULL}, totals[MAX_HEADS];
+    int64_t heads = job->heads_per_item, dv = job->dv, kvh = h0 / (job->n_head / job->n_head_kv);
+    for (int64_t g = 0; g < heads; g++) {
+        int64_t h = h0 + g;
+        outs[g] = job->out + (t * job->n_head + h) * dv;
+        ps[g] = scores + g * job->n_kv;
+        if (count == 0) continue;
+        float best = job->isa->peak(ps[g], count);
+        if (job->sinks) best = job->sinks[h] > best ? job->sinks[h] : best;
+        totals[g] = job->isa->exp_sum(ps[g], count, best);
+        if (job->sinks) totals[g] = totals[g] + nat_exp(job->sinks[h] - best);
+        memset(outs[g], 0, (size_t)dv * sizeof(float));
+    }
+    if (count == 0) {  /* no visible cell: 0/0 */
+        for (int64_t g = 0; g < heads; g++)
+            for (int64_t d = 0; d < dv; d++) outs[g][d] = NAN;
+        return;
+    }
+    job->isa->weigh(outs, (const float *const *)ps, heads, cells, count, job->v + kvh * job->n_cells * dv, dv);
+    for (int64_t g = 0; g < heads; g++)
+        for (int64_t d = 0; d < dv; d++) outs[g][d] = outs[g][d] / totals[g];
+}
+
+static void attend_item(const attn_job *job, int64_t item, float *scratch) {
+    int64_t part = item % job->parts, kvh = (item / job->parts) % job->n_head_kv;
+    /* the last tiles first: in a causal prefill they see the most keys, and the cheap ones then fill the threads'
+     * ends */
+    int64_t tiles = (job->n_tokens + job->tile_rows - 1) / job->tile_rows;
+    int64_t t0 = (tiles - 1 - item / (job->parts * job->n_head_kv)) * job->tile_rows;
+    int64_t rows = job->n_tokens - t0 < job->tile_rows ? job->n_tokens - t0 : job->tile_rows;
+    int64_t heads = job->heads_per_item, h0 = kvh * (job->n_head / job->n_head_kv) + part * heads;
+    int64_t dk = job->dk, dk16 = (dk + 15) / 16 * 16, n_kv = job->n_kv;
+    float *qs = scratch, *scores = qs + rows * heads * dk16, *block = scores + rows * heads * n_kv;
+    float *key_copy = block + KEYS;
+    int32_t *cells = (int32_t *)(key_copy + KEYS * dk);
+    int64_t count[DECODE_ROWS], cursor[DECODE_ROWS], first = n_kv, end = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        count[r] = visible_cells(job->mask + (t0 + r) * n_kv, n_kv, cells + r * n_kv);
+        cursor[r] = 0;
+        if (count[r]) {
+            first = cells[r * n_kv] < first ? cells[r * n_kv] : first;
+            end = cells[r * n_kv + count[r] - 1] + 1 > end ? cells[r * n_kv + count[r] - 1] + 1 : end;
+        }
+        for (int64_t g = 0; g < heads; g++) {
+            const float *q = job->q + ((t0 + r) * job->n_head + h0 + g) * dk;
+            float *dst = qs + (r * heads + g) * dk16;
+            for (int64_t d = 0; d < dk16; d++) dst[d] = d < dk ? q[d] * job->scale : 0.0f;
+        }
+    }
+    if (rows == 1)
+        score_visible(job, t0, h0, qs, scores, cells, count[0], block, key_copy);
+    else
+        for (int64_t j0 = first; j0 < end; j0 += KEYS)
+            score_block(job, t0, rows, h0, j0, qs, scores, cells, count, cursor, block, key_copy);
+    for (int64_t r = 0; r < rows; r++)
+        finish_row(job, scores + r * heads * n_kv, cells + r * n_kv, count[r], t0 + r, h0);
+}
+
+static void attend_chunk(void *raw, int64_t chunk, int ith) {
+    attn_job *job = raw;
+    int64_t i0, i1;
+    nat_share(job->n_items, chunk, job->n_chunks, &i0, &i1);
+    for (int64_t i = i0; i < i1; i++) attend_item(job, i, job->scratch + (size_t)ith * job->scratch_floats);
+}
+
+/* n: T, H, Hkv, dk, dv, n_kv, n_cells (native.h's NAT_OP_ATTEND). Returns 0 or NAT_OUT_OF_MEMORY. */
+int nat_attend(nat_pool *pool, int isa, const float *q, const float *k, const float *v, const float *mask,
+               const float *sinks, float *out, const int64_t *n, float scale, float softcap) {
+    attn_job job = {q, k, v, mask, sinks, out, n[0], n[1], n[2], n[3], n[4], n[5], n[6], scale, softcap,
+                    kernels_for(isa), n[0] < DECODE_ROWS ? 1 : TILE_ROWS, 1, 1, 0, 1, 0, NULL};
+    int64_t group = n[1] / n[2], tiles = (job.n_tokens + job.tile_rows - 1) / job.tile_rows;
+    /* the most heads of a group per item (sharing their K and V loads) that still leaves every thread items */
+    for (job.heads_per_item = group < MAX_HEADS ? group : MAX_HEADS; job.heads_per_item > 1; job.heads_per_item--)
+        if (group % job.heads_per_item == 0
+            && tiles * job.n_head_kv * (group / job.heads_per_item) >= ITEMS_PER_THREAD * nat_pool_threads(pool))
+            break;
+    job.parts = group / job.heads_per_item;
+    job.n_items = tiles * job.n_head_kv * job.parts;
+    if (job.n_items == 0) return 0;
+    job.scratch_floats = scratch_floats(job.tile_rows, job.heads_per_item, job.dk, job.n_kv);
+    job.scratch = malloc(job.scratch_floats * sizeof(float) * (size_t)nat_pool_threads(pool));
+    if (!job.scratch) return NAT_OUT_OF_MEMORY;
+    job.n_chunks = nat_pool_chunks(pool, job.n_items);
+    nat_pool_for(pool, job.n_chunks, attend_chunk, &job);
+    free(job.scratch);
+    return 0;
+}
