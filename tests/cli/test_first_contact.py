@@ -23,7 +23,7 @@ BLOCKER = '''import sys
 BLOCKED = {blocked!r}
 class _Blocked:
     def find_spec(self, name, path=None, target=None):
-        if name.partition(".")[0] in BLOCKED:
+        if name in BLOCKED or name.partition(".")[0] in BLOCKED:
             raise ModuleNotFoundError(f"No module named {{name!r}} (not installed in this test)", name=name)
         return None
 sys.meta_path.insert(0, _Blocked())
@@ -95,20 +95,32 @@ def test_help_states_the_default_backend_rule():
         assert "-t, --threads" in text
 
 
-def test_default_backend_is_onnx_on_a_cpu_and_run_says_why(smollm2_path):
-    result = llmfw("run", "-m", str(smollm2_path), "Hi", "-n", "1", "-v", "--no-progress")
+#: the native backend's C extension: absent where the install had no working C compiler
+NATIVE_EXTENSION = "llmfw.plugins.backends.native._native"
+
+
+def backend_line(result: subprocess.CompletedProcess) -> str:
     assert result.returncode == 0, result.stderr
-    line = next(x for x in result.stderr.splitlines() if x.startswith("backend: "))
-    assert line.startswith("backend: onnx (the default: the highest-priority backend usable here (priority 200)")
+    return next(x for x in result.stderr.splitlines() if x.startswith("backend: "))
+
+
+def test_default_backend_is_native_on_a_cpu_and_run_says_why(smollm2_path):
+    line = backend_line(llmfw("run", "-m", str(smollm2_path), "Hi", "-n", "1", "-v", "--no-progress"))
+    assert line.startswith("backend: native (the default: the highest-priority backend usable here (priority 250)")
     if not os.path.exists("/proc/driver/nvidia/version"):
         assert "skipped torch:cuda: no CUDA GPU" in line
 
 
-def test_default_backend_is_numpy_without_onnxruntime(smollm2_path, tmp_path):
-    env = console_env(without_modules(tmp_path, "onnxruntime"))
-    result = llmfw("run", "-m", str(smollm2_path), "Hi", "-n", "1", "-v", "--no-progress", env=env)
-    assert result.returncode == 0, result.stderr
-    line = next(x for x in result.stderr.splitlines() if x.startswith("backend: "))
+def test_default_backend_is_onnx_without_the_native_extension(smollm2_path, tmp_path):
+    env = console_env(without_modules(tmp_path, NATIVE_EXTENSION))
+    line = backend_line(llmfw("run", "-m", str(smollm2_path), "Hi", "-n", "1", "-v", "--no-progress", env=env))
+    assert line.startswith("backend: onnx (the default: the highest-priority backend usable here (priority 200)")
+    assert f"native: {NATIVE_EXTENSION} not installed" in line
+
+
+def test_default_backend_is_numpy_without_onnxruntime_or_the_native_extension(smollm2_path, tmp_path):
+    env = console_env(without_modules(tmp_path, "onnxruntime", NATIVE_EXTENSION))
+    line = backend_line(llmfw("run", "-m", str(smollm2_path), "Hi", "-n", "1", "-v", "--no-progress", env=env))
     assert line.startswith("backend: numpy (the default") and "onnx: onnxruntime not installed" in line
 
 
@@ -302,7 +314,11 @@ def test_the_default_follows_the_backends_declarations():
     assert "priority 500" in choice.reason
     assert "broken: its availability check failed: RuntimeError: driver exploded" in choice.reason
     assert "unavailable: llmfw_no_such_library not installed" in choice.reason
-    assert choose_default_backend().spec in ("onnx", "torch:cuda")  # the built-ins again
+    # the built-ins again: native where its extension is built (onnx, the fallback default, where it is not)
+    from llmfw.plugins.backends.native import NativeBackend
+
+    cpu_default = "native" if NativeBackend.default_unavailable_reason("cpu") is None else "onnx"
+    assert choose_default_backend().spec in (cpu_default, "torch:cuda")
 
 
 @pytest.mark.cuda

@@ -1,6 +1,6 @@
 """Mixture-of-experts families against llama.cpp on random-weight files (issue 33): qwen3moe, olmoe, a
 Mixtral-style llama, gpt-oss, glm4moe, deepseek2 (multi-head latent attention) and the hybrids qwen35moe and
-Granite 4.0-H's MoE (issue 34; their recurrent memory is tested in test_recurrent_memory.py), on the numpy oracle, on the default onnx backend
+Granite 4.0-H's MoE (issue 34; their recurrent memory is tested in test_recurrent_memory.py), on the numpy oracle, on onnx, on native (the default) and under an onnx default
 and on the native one (all but the hybrids; its own op tests are tests/unit/test_native_moe.py), plus the MoE ops
 one by one.
 
@@ -27,12 +27,15 @@ import llmfw
 from llmfw.core.backend import WeightSource
 from llmfw.core.errors import ModelError
 from llmfw.core.graph import Graph
+from llmfw.core.plugins import registry, reset_plugin_manager
 from llmfw.core.quants import GGMLType, quantize
 from llmfw.plugins.backends.numpy.moe import mul_mat_id
+from llmfw.plugins.backends.onnx import OnnxBackend
 
 MODELS = sorted(MOE_MODELS.values())
-#: "default": no backend named — onnx, which leaves the expert weights (and the nodes reading them) to native
-BACKENDS = ["numpy", "onnx", "native", "default"]
+#: "onnx-default": onnx as the default (as where the native extension is not built, here by registering it above
+#: native), which leaves the expert weights (and the nodes reading them) to native; the plain default is native
+BACKENDS = ["numpy", "onnx", "native", "onnx-default"]
 #: (model, backend) of the whole-model tests
 CASES = [(name, backend) for backend in BACKENDS for name in MODELS]
 UBATCH = 32
@@ -53,11 +56,32 @@ def models(tmp_path_factory):
     """(model name, backend) -> loaded model, built once per module."""
     directory = tmp_path_factory.mktemp("moe")
     loaded = {}
-    yield lambda name, backend: loaded.setdefault(
-        (name, backend), llmfw.load_model(model_file(name, directory),
-                                          backend=None if backend == "default" else backend))
+
+    def load(name: str, backend: str):
+        path = model_file(name, directory)
+        return llmfw.load_model(path, backend=backend) if backend != "onnx-default" else load_with_onnx_default(path)
+
+    yield lambda name, backend: loaded[(name, backend)] if (name, backend) in loaded else loaded.setdefault(
+        (name, backend), load(name, backend))
     for model in loaded.values():
         model.close()
+
+
+class OnnxFirst(OnnxBackend):
+    """onnx registered above every other CPU backend: the default a machine without the native extension has."""
+    name = "onnx-first"
+    default_priority = {"cpu": 5000}
+
+
+def load_with_onnx_default(path, backend_cls: type = OnnxFirst, *others: type):
+    """Load ``path`` with no backend named while ``backend_cls`` (and ``others``) are registered."""
+    reset_plugin_manager()
+    try:
+        for cls in (backend_cls, *others):
+            registry("backends").register(cls.name, cls)
+        return llmfw.load_model(path)
+    finally:
+        reset_plugin_manager()
 
 
 @pytest.mark.parametrize("name,backend", CASES)
@@ -86,14 +110,14 @@ def test_ubatches_of_32_give_the_same_logits(models, score, name, backend):
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_the_default_backend_leaves_the_experts_to_native(models, name):
-    """onnx (the default) places every expert weight and expert bias on native, keeps the rest, and says so; asked
+def test_an_onnx_default_leaves_the_experts_to_native(models, name):
+    """onnx as the default places every expert weight and expert bias on native, keeps the rest, and says so; asked
     for by name, onnx keeps them and runs its own expert dispatch."""
     kernels_or_skip()
-    default = models(name, "default")
+    default = models(name, "onnx-default")
     experts = [w for w in default.weight_sources if "_exps." in w]
     assert experts and {default.weight_backend(w).name for w in experts} == {"native"}
-    assert default.weight_backend("output_norm.weight").name == "onnx"
+    assert default.weight_backend("output_norm.weight").name == "onnx-first"
     assert "mul_mat_id weights on native" in default.describe()
     named = models(name, "onnx")
     assert {named.weight_backend(w).name for w in experts} == {"onnx"} and "native" not in named.describe()
@@ -103,9 +127,7 @@ def test_the_experts_stay_on_the_default_when_its_delegate_declines_or_is_missin
     """A default whose delegate declines the expert nodes (a native build without ``mul_mat_id``), or cannot run
     here, keeps the experts and runs its own dispatch: the load still clears the bar."""
     from llmfw.core.errors import BackendUnavailable
-    from llmfw.core.plugins import registry, reset_plugin_manager
     from llmfw.plugins.backends.native import NativeBackend
-    from llmfw.plugins.backends.onnx import OnnxBackend
 
     kernels_or_skip()
 
@@ -123,23 +145,15 @@ def test_the_experts_stay_on_the_default_when_its_delegate_declines_or_is_missin
     record = longest(reference("qwen3moe"))
     path = model_file("qwen3moe", tmp_path)
     for delegate in ("native-without-experts", "missing"):
-        class OnnxFirst(OnnxBackend):
-            name = "onnx-first"
-            default_priority = {"cpu": 5000}
+        class OnnxFirstDelegating(OnnxFirst):
             delegated_weights = {"mul_mat_id": delegate}
 
-        reset_plugin_manager()
-        try:
-            for cls in (NativeWithoutExperts, Missing, OnnxFirst):
-                registry("backends").register(cls.name, cls)
-            with llmfw.load_model(path) as model:
-                assert model.backend_choice.startswith("onnx-first (the default")
-                assert model.weight_backend("blk.0.ffn_down_exps.weight").name == "onnx-first", delegate
-                assert "weights on" not in model.describe()
-                logits = decode_all(model, record["sequence"], n_ctx=record["n_ctx"])
-                assert_clears_bar(score, record, logits, f"qwen3moe, the experts kept from {delegate}")
-        finally:
-            reset_plugin_manager()
+        with load_with_onnx_default(path, OnnxFirstDelegating, NativeWithoutExperts, Missing) as model:
+            assert model.backend_choice.startswith("onnx-first (the default")
+            assert model.weight_backend("blk.0.ffn_down_exps.weight").name == "onnx-first", delegate
+            assert "weights on" not in model.describe()
+            logits = decode_all(model, record["sequence"], n_ctx=record["n_ctx"])
+            assert_clears_bar(score, record, logits, f"qwen3moe, the experts kept from {delegate}")
 
 
 @pytest.mark.parametrize("name", MODELS)

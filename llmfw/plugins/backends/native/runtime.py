@@ -58,8 +58,9 @@ class NativeBackend(NumpyWeights):
                            "LLMFW_NATIVE_CACHE_DIR": "cache_dir"}
     #: the built extension: missing when the install could not compile it (``llmfw plugins`` says so)
     requires = (kernels.EXTENSION,)
-    #: not a default yet (``--backend native`` opts in)
-    default_priority: ClassVar[Mapping[str, int]] = {}
+    #: the CPU default when the extension is built (above onnx's 200, which stays the fallback default; below
+    #: torch:cuda's 300 where a GPU is present)
+    default_priority: ClassVar[Mapping[str, int]] = {"cpu": 250}
 
     def __init__(self, device: str | None = None, options: BackendOptions | None = None):
         super().__init__(device, options)
