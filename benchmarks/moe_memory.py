@@ -6,7 +6,7 @@ it in a fresh Python process and decodes one token (the onnx backend builds its 
 ``added`` = peak RSS of that process minus its RSS just before the load, ``ratio`` = added / file size. The onnx
 backend is measured twice with an empty converted-weight cache (the first load converts and writes the cache)
 and then with the cache written (later loads map it); so are the native backend (its repacked-weight cache) and
-``default`` (no backend named: onnx, which leaves the experts to native). Prints one JSON object.
+``default`` (no backend named: native where its extension is built). Prints one JSON object.
 
     python benchmarks/moe_memory.py                 # a 1.05 GiB file: numpy, onnx, the default
     python benchmarks/moe_memory.py --gib 0.3 --backends onnx,native
@@ -29,7 +29,7 @@ from support.moe_file import MoeFileShape, expert_bytes, measure_load, write_moe
 
 #: the backends with a converted-weight cache, measured twice (empty cache, then written), and where it goes
 CACHE_VARIABLES = {"onnx": "LLMFW_ONNX_CACHE_DIR", "native": "LLMFW_NATIVE_CACHE_DIR"}
-#: what is measured with its caches empty, then written: those backends, and the default (onnx + native experts)
+#: what is measured with its caches empty, then written: those backends, and the default (native where built)
 CACHED = (*CACHE_VARIABLES, "default")
 
 
@@ -66,7 +66,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gib", type=float, default=1.05, help="file size to reach (GiB)")
     parser.add_argument("--backends", default="numpy,onnx,default",
-                        help="comma-separated; 'default': no backend named (onnx, its experts on native)")
+                        help="comma-separated; 'default': no backend named (native where its extension is built)")
     parser.add_argument("--dir", help="folder for the file (default: a temporary one, removed after)")
     args = parser.parse_args()
     backends = [b for b in args.backends.split(",") if b]
