@@ -55,8 +55,10 @@ def test_the_default_load_adds_at_most_1_3x_the_file(moe_file, tmp_path):
     assert first["ratio"] <= RATIO_BOUND and cached["ratio"] <= RATIO_BOUND, (first, cached)
 
 
-@pytest.mark.parametrize("backend", ["numpy", "onnx"])
+@pytest.mark.parametrize("backend", ["numpy", "onnx", "native"])
 def test_a_load_that_does_not_fit_is_refused_before_allocating(moe_file, backend):
+    if backend == "native":
+        kernels_or_skip()
     before = current_rss()
     with pytest.raises(InsufficientMemory, match=r"need 0\.\d\d GiB .* 0\.05 GiB is available"):
         llmfw.load_model(moe_file, backend=backend, memory_available=50 << 20)
