@@ -242,25 +242,31 @@ def test_models_lists_the_converted_weight_cache_and_prune_removes_it(tmp_path, 
 
     monkeypatch.setenv("LLMFW_MODELS_DIR", str(tmp_path))
     monkeypatch.delenv("LLMFW_ONNX_CACHE_DIR", raising=False)
+    monkeypatch.delenv("LLMFW_NATIVE_CACHE_DIR", raising=False)
     # a file over the onnx cache's 8 MiB threshold, its FFN quantized so that the backend converts it
     path = write_tiny_model(tmp_path / "big.gguf", n_ff=45056, quantized_ffn=True)
     with llmfw.load_model(path, backend="onnx") as model:
         assert model.n_vocab == 3 + 256 + len(PIECES)
+        host = model.host_backend.name  # the token embedding's backend: native where it is built, with its own cache
     entries = [p for p in (tmp_path / ".onnx").iterdir() if p.is_dir()]
     assert len(entries) == 1
     size = sum(f.stat().st_size for f in entries[0].rglob("*") if f.is_file())
     assert size > 4_000_000  # the converted FFN matrices
+    host_entries = [p for p in (tmp_path / ".native").iterdir() if p.is_dir()] if host == "native" else []
+    total = size + sum(f.stat().st_size for e in host_entries for f in e.rglob("*") if f.is_file())
+    count = 1 + len(host_entries)
+    noun = "entry" if count == 1 else "entries"
 
     listed = invoke("models")
     assert listed.exit_code == 0, listed.output
     assert f"converted weights (onnx): {tmp_path / '.onnx'}" in listed.output
     row = next(line for line in listed.output.splitlines() if entries[0].name in line)
     assert row.split()[-2:] == [f"{size / 1e6:.1f}", "MB"]
-    assert "1 converted-weight entry" in listed.output and "--prune" in listed.output
+    assert f"{count} converted-weight {noun}" in listed.output and "--prune" in listed.output
 
     pruned = invoke("models", "--prune")
     assert pruned.exit_code == 0, pruned.output
-    assert pruned.output.strip() == f"removed 1 converted-weight entry, {size / 1e6:.1f} MB"
+    assert pruned.output.strip() == f"removed {count} converted-weight {noun}, {total / 1e6:.1f} MB"
     assert not entries[0].exists() and path.exists()  # the model file stays
     assert f"converted weights (onnx): {tmp_path / '.onnx'} (empty)" in invoke("models").output
 
