@@ -57,12 +57,14 @@ def models(tmp_path_factory):
     directory = tmp_path_factory.mktemp("moe")
     loaded = {}
 
-    def load(name: str, backend: str):
-        path = model_file(name, directory)
-        return llmfw.load_model(path, backend=backend) if backend != "onnx-default" else load_with_onnx_default(path)
+    def get(name: str, backend: str):
+        if (name, backend) not in loaded:
+            path = model_file(name, directory)
+            loaded[(name, backend)] = (load_with_onnx_default(path) if backend == "onnx-default"
+                                       else llmfw.load_model(path, backend=backend))
+        return loaded[(name, backend)]
 
-    yield lambda name, backend: loaded[(name, backend)] if (name, backend) in loaded else loaded.setdefault(
-        (name, backend), load(name, backend))
+    yield get
     for model in loaded.values():
         model.close()
 
