@@ -144,10 +144,11 @@ def _fuse_group(group: MatmulGroup) -> list[Node]:
     return [fused_weight, product]
 
 
-def prepare_fused_weights(model: "FusingModel") -> dict[tuple[str, ...], str]:
-    """At load: find the matmul groups of a representative graph (the detection :func:`optimize` uses) and
-    have each group's backend build its fused weight once. Returns the groups it built (parts → name)."""
-    graph = representative_graph(model)
+def prepare_fused_weights(model: "FusingModel", graph: Graph | None = None) -> dict[tuple[str, ...], str]:
+    """At load: find the matmul groups of a representative graph (``graph``, built here when not given; the
+    detection :func:`optimize` uses) and have each group's backend build its fused weight once. Returns the groups
+    it built (parts → name)."""
+    graph = graph if graph is not None else representative_graph(model)
     return {} if graph is None else fuse_weight_groups(graph, model.weight_backend)
 
 

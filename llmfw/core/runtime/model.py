@@ -30,7 +30,7 @@ from ..ir.passes import prepare_fused_weights, representative_graph
 from ..tokenizer.vocab import Vocab
 
 if TYPE_CHECKING:
-    from ..ir.graph import Node
+    from ..ir.graph import Graph, Node
     from .context import Context, ContextParams
 
 log = logging.getLogger(__name__)
@@ -321,7 +321,8 @@ def _build_model(loader: ModelFileLoader, path: Path, params: ModelParams) -> Mo
             for load in loads:
                 model._weights[load.name] = (load.backend, _spec_layer(hparams, load.layer))
                 model.weight_sources[load.name] = (load.source_name, load.ne)
-            refusal = _declining_backend(model, loader, loads)
+            graph = representative_graph(model)  # built once: both checks below read it
+            refusal = _declining_backend(model, graph, loader, loads)
             if refusal is not None and (refusal[0] == default or refusal[0] in model.delegated.values()):
                 # the next default by priority, or the default keeping the weights it delegated: a fresh model
                 declined[refusal[0]] = refusal[1]
@@ -332,7 +333,7 @@ def _build_model(loader: ModelFileLoader, path: Path, params: ModelParams) -> Mo
             check_memory(loads, loader, params.memory_available)
             with _loading(loads, path):
                 loader.load_all_data(loads, params.progress)
-                for parts, name in prepare_fused_weights(model).items():
+                for parts, name in prepare_fused_weights(model, graph).items():
                     model.add_fused_weight(name, parts)
         except BaseException:
             model.close()
@@ -341,10 +342,11 @@ def _build_model(loader: ModelFileLoader, path: Path, params: ModelParams) -> Mo
         return model
 
 
-def _declining_backend(model: Model, loader: ModelFileLoader, loads: list[WeightLoad]) -> tuple[str, str] | None:
+def _declining_backend(model: Model, graph: Graph | None, loader: ModelFileLoader,
+                       loads: list[WeightLoad]) -> tuple[str, str] | None:
     """(spec, reason) of the first backend of ``model`` that declines the part of it placed there
-    (:meth:`Backend.decline_reason`, asked with the ops of a one-token graph and its weights' types), or None."""
-    graph = representative_graph(model)
+    (:meth:`Backend.decline_reason`, asked with the ops of ``graph``, its representative one-token graph, and its
+    weights' types), or None."""
     if graph is None:  # the architecture cannot build it now: the first decode reports why
         return None
     def runs_on(node: Node) -> Backend:  # the scheduler's rule: a node reading a weight runs where it lives
