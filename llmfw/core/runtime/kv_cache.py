@@ -210,6 +210,16 @@ class KVCache(Memory):
         mask[visible] = 0.0
         return mask
 
+    def _order(self, n_kv: int) -> np.ndarray:
+        """int32 [n_kv]: the cells by ascending position, ties (and the empty cells, first) by cell index. A
+        sliding window's ring that wrapped, or cells freed and reused, put positions out of cell order: a backend
+        that sums a row's visible cells in this order gives it the same bits wherever its cells sit."""
+        pos = self.cells.pos[:n_kv]
+        used = pos[pos >= 0]
+        if used.size < 2 or bool(np.all(used[1:] >= used[:-1])):
+            return np.arange(n_kv, dtype=np.int32)  # the empty cells' places change no visible cell's rank
+        return np.argsort(pos, kind="stable").astype(np.int32)
+
     # -- maintenance -----------------------------------------------------------------------------------------
     def update(self, run_graph: GraphRunner) -> None:
         if not self.has_shift:
@@ -326,3 +336,4 @@ class KVCacheBatch(MemoryBatch):
         n_kv = self.cache.get_n_kv()
         inputs[f"kv_idx:{self.cache.name}"] = self.slots[i]
         inputs[f"kq_mask:{self.cache.name}"] = self.cache._mask(ubatch, n_kv)
+        inputs[f"kv_order:{self.cache.name}"] = self.cache._order(n_kv)
