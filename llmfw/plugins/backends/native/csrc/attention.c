@@ -381,6 +381,7 @@ static const attn_kernels *kernels_for(int isa) {
 typedef struct {
     const float *q, *k, *v, *mask, *sinks;
     const int32_t *order;  /* the n_kv cells in the order their scores are summed, each in [0, n_kv) */
+    int in_cell_order;     /* order[o] == o for every o: a cell's place in the order is the cell */
     float *out;
     int64_t n_tokens, n_head, n_head_kv, dk, dv, n_kv, n_cells;
     float scale, softcap;
@@ -401,7 +402,14 @@ static size_t scratch_floats(int64_t tile_rows, int64_t heads, int64_t dk, int64
  * their count */
 static int64_t visible_cells(const attn_job *job, const float *row, int32_t *cells, int32_t *at) {
     int64_t count = 0;
-    for (int64_t o = 0; o < job->n_kv; o++) {  /* without a branch: a mask row has runs of both kinds */
+    if (job->in_cell_order) {  /* at is cells */
+        for (int64_t j = 0; j < job->n_kv; j++) {  /* without a branch: a mask row has runs of both kinds */
+            cells[count] = (int32_t)j;
+            count += row[j] != -INFINITY;
+        }
+        return count;
+    }
+    for (int64_t o = 0; o < job->n_kv; o++) {
         int32_t j = job->order[o];
         cells[count] = j;
         at[count] = (int32_t)o;
@@ -526,7 +534,7 @@ static void attend_item(const attn_job *job, int64_t item, float *scratch) {
     int64_t dk = job->dk, dk16 = (dk + 15) / 16 * 16, n_kv = job->n_kv;
     float *qs = scratch, *scores = qs + rows * heads * dk16, *block = scores + rows * heads * n_kv;
     float *key_copy = block + KEYS;
-    int32_t *cells = (int32_t *)(key_copy + KEYS * dk), *at = cells + rows * n_kv;
+    int32_t *cells = (int32_t *)(key_copy + KEYS * dk), *at = job->in_cell_order ? cells : cells + rows * n_kv;
     int64_t count[DECODE_ROWS], cursor[DECODE_ROWS], first = n_kv, end = 0;
     for (int64_t r = 0; r < rows; r++) {
         count[r] = visible_cells(job, job->mask + (t0 + r) * n_kv, cells + r * n_kv, at + r * n_kv);
@@ -564,11 +572,17 @@ static int order_in_range(const int32_t *order, int64_t n_kv) {
     return !bad;
 }
 
+static int is_cell_order(const int32_t *order, int64_t n_kv) {
+    int other = 0;
+    for (int64_t o = 0; o < n_kv; o++) other |= order[o] != o;
+    return !other;
+}
+
 /* n: T, H, Hkv, dk, dv, n_kv, n_cells (native.h's NAT_OP_ATTEND); order: the n_kv cells in the order to sum them
  * (NULL: cell order). Returns 0, NAT_OUT_OF_MEMORY, or NAT_ID_OUT_OF_RANGE for a cell of the order out of range. */
 int nat_attend(nat_pool *pool, int isa, const float *q, const float *k, const float *v, const float *mask,
                const float *sinks, const int32_t *order, float *out, const int64_t *n, float scale, float softcap) {
-    attn_job job = {q, k, v, mask, sinks, order, out, n[0], n[1], n[2], n[3], n[4], n[5], n[6], scale, softcap,
+    attn_job job = {q, k, v, mask, sinks, order, !order || is_cell_order(order, n[5]), out, n[0], n[1], n[2], n[3], n[4], n[5], n[6], scale, softcap,
                     kernels_for(isa), n[0] < DECODE_ROWS ? 1 : TILE_ROWS, 1, 1, 0, 1, 0, NULL};
     if (order && !order_in_range(order, job.n_kv)) return NAT_ID_OUT_OF_RANGE;
     int64_t group = n[1] / n[2], tiles = (job.n_tokens + job.tile_rows - 1) / job.tile_rows;
