@@ -211,14 +211,14 @@ class KVCache(Memory):
         return mask
 
     def _order(self, n_kv: int) -> np.ndarray:
-        """int32 [n_kv]: the cells by ascending position, ties (and the empty cells, first) by cell index. A
-        sliding window's ring that wrapped, or cells freed and reused, put positions out of cell order: a backend
-        that sums a row's visible cells in this order gives it the same bits wherever its cells sit."""
+        """int32 [n_kv]: the cells by ascending position, ties by cell index, the empty cells last (so a cache
+        filled in position order, the padding after its cells included, gives cell order itself). A sliding
+        window's ring that wrapped, or cells freed and reused, put positions out of cell order: a backend that sums
+        a row's visible cells in this order gives it the same bits wherever its cells sit."""
         pos = self.cells.pos[:n_kv]
-        used = pos[pos >= 0]
-        if used.size < 2 or bool(np.all(used[1:] >= used[:-1])):
-            return np.arange(n_kv, dtype=np.int32)  # the empty cells' places change no visible cell's rank
-        return np.argsort(pos, kind="stable").astype(np.int32)
+        # a stable sort merges the ascending runs the cells hold (one per sequence, two for a wrapped ring):
+        # tens of microseconds for 32k cells
+        return np.argsort(np.where(pos < 0, np.iinfo(np.int64).max, pos), kind="stable").astype(np.int32)
 
     # -- maintenance -----------------------------------------------------------------------------------------
     def update(self, run_graph: GraphRunner) -> None:
