@@ -93,6 +93,30 @@ def test_a_sequence_gives_the_same_logits_bit_for_bit_alone_token_by_token_and_b
     assert np.array_equal(beside, together)
 
 
+def test_gemma3_rows_past_its_window_ring_have_the_whole_prompts_bits(gemma3_native):
+    """Gemma 3's sliding-window cache keeps n_swa + n_ubatch cells (768 in ubatches of 64), a ring this prompt
+    wraps: ubatches of 64 then one token at a time give the rows past the window the bits of the whole prompt
+    in one ubatch, whose cache does not wrap (the native attention sums the cells by position, not by cell)."""
+    tokens = [int(t) for t in np.random.default_rng(1).integers(100, 5000, 820)]
+    kept = 700  # the rows compared: their windows span the ring's wrap (logits of every row would be 0.9 GB)
+
+    def decode(n_ubatch: int, together: int) -> tuple[np.ndarray, bool]:
+        ctx = gemma3_native.new_context(n_ctx=1024, n_ubatch=n_ubatch, n_batch=1024)
+        assert ctx.decode(llmfw.Batch(tokens[:together], logits=[i >= kept for i in range(together)])) == 0
+        rows = [ctx.get_logits().copy()]
+        for pos in range(together, len(tokens)):
+            assert ctx.decode(llmfw.Batch([tokens[pos]], pos=[pos], logits=True)) == 0
+            rows.append(ctx.get_logits().copy())
+        wrapped = ctx.memory.swa.n_cells < len(tokens)
+        ctx.close()
+        return np.concatenate(rows), wrapped
+
+    whole, whole_wrapped = decode(1024, len(tokens))
+    pieces, pieces_wrapped = decode(64, 790)
+    assert (whole_wrapped, pieces_wrapped) == (False, True)
+    assert np.array_equal(pieces, whole)
+
+
 def test_every_isa_path_gives_the_same_logits(smollm2_path, smollm2_ref):
     """The kernels' paths differ in instructions, never in results (csrc/native.h), so forcing the portable C
     path changes no bit of a model's logits."""

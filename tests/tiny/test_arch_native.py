@@ -1,6 +1,7 @@
 """The dense random-weight families on the native backend (issue 32: every family of tests/data/arch/ runs entirely
 in llmfw's own kernels): every split of a prompt is native's, every prompt clears llama.cpp's bar, and ubatches
-of 32 give the whole prompt's bits (batch invariance). The MoE families are held on native in test_arch_moe.py,
+of 32 and (for the sliding-window families, whose window cache wraps) one token at a time give the whole
+prompt's bits (batch invariance). The MoE families are held on native in test_arch_moe.py,
 the hybrids in test_recurrent_memory.py."""
 from __future__ import annotations
 
@@ -19,10 +20,9 @@ kernels_or_skip()
 HYBRIDS = {"lfm2", "granitehybrid", "qwen35", "nemotron_h"}
 DENSE = sorted(set(SPECS) - set(MOE_MODELS.values()) - HYBRIDS)
 UBATCH = 32
-#: families with sliding-window layers: in ubatches of 32 their window cache is a ring whose cells wrap, and
-#: attention sums the visible cells in cell order, not position order, so rows past the window differ in the last
-#: bits there (not batch invariant yet: issue 32); they are held to the bar instead
-RING_WINDOW = {"gemma2", "gemma4"}
+#: families with sliding-window layers: their window cache is a ring whose cells wrap (in ubatches of 32, or one
+#: token at a time), so cell order is not position order there; the native attention sums by position
+WINDOWED = {"gemma2", "gemma4"}
 
 
 @pytest.fixture(scope="module", params=DENSE)
@@ -50,7 +50,21 @@ def test_ubatches_of_32_give_the_whole_prompts_bits(native_family, score):
     record = longest(reference(family))
     whole = decode_all(model, record["sequence"], n_ctx=record["n_ctx"])
     split = decode_all(model, record["sequence"], n_ctx=record["n_ctx"], n_ubatch=UBATCH)
-    if family in RING_WINDOW:
-        assert_clears_bar(score, record, split, f"{family} on native in ubatches of {UBATCH}")
-    else:
-        assert np.array_equal(whole, split), family
+    assert np.array_equal(whole, split), family
+
+
+@pytest.mark.parametrize("native_family", sorted(WINDOWED), indirect=True)
+def test_one_token_at_a_time_past_the_window_gives_the_whole_prompts_bits(native_family):
+    """One token per decode (and one thread) keeps a window cache of 256 cells, which the longest prompt wraps:
+    every row, those whose window spans the wrap included, has the bits of the whole prompt in one ubatch."""
+    family, model = native_family
+    record = longest(reference(family))
+    sequence = record["sequence"]
+    whole = decode_all(model, sequence, n_ctx=record["n_ctx"])
+    with model.new_context(n_ctx=record["n_ctx"], n_ubatch=1, n_threads=1) as ctx:
+        assert ctx.memory.swa.n_cells < len(sequence), "the window cache must wrap for this test to hold"
+        rows = []
+        for pos, token in enumerate(sequence):
+            assert ctx.decode(llmfw.Batch([token], pos=[pos], logits=True)) == 0, ctx.last_error
+            rows.append(ctx.get_logits()[0].copy())
+    assert np.array_equal(whole, np.stack(rows)), family

@@ -84,6 +84,25 @@ def test_sliding_window_reuses_cells(tiny_model):
     assert np.array_equal(kept, np.arange(kept[0], 600))
 
 
+def test_the_order_input_lists_the_cells_by_position(tiny_model):
+    """kv_order: cell order while the cells fill in position order (the empty padding last), and the ring's cells
+    by position once a sliding window reuses them."""
+    cache = KVCache(tiny_model, n_ctx=256, n_seq_max=2, n_swa=8, swa_type="standard")
+    ubatches, reserved = reserve(cache, list(range(100)))
+    inputs = {}
+    reserved.set_inputs(0, ubatches[0], inputs)
+    assert np.array_equal(inputs["kv_order:kv"], np.arange(256)) and inputs["kv_order:kv"].dtype == np.int32
+    for start in range(100, 300, 50):  # past 256 cells: the window reuses the oldest ones
+        ubatches, reserved = reserve(cache, list(range(start, start + 50)), pos=list(range(start, start + 50)))
+    inputs = {}
+    reserved.set_inputs(0, ubatches[0], inputs)
+    order = inputs["kv_order:kv"]
+    assert sorted(order.tolist()) == list(range(256)) and not np.array_equal(order, np.arange(256))
+    used = order[cache.cells.pos[order] >= 0]
+    assert np.all(np.diff(cache.cells.pos[used]) > 0)  # one sequence: strictly by position
+    assert np.all(cache.cells.pos[order[len(used):]] == -1)
+
+
 def test_plain_cache_does_not_reuse_cells(tiny_model):
     cache = KVCache(tiny_model, n_ctx=256)
     reserve(cache, list(range(250)))

@@ -197,3 +197,33 @@ def test_a_decode_step_of_sequences_with_interleaved_cells(pool, isa):
     among = np.concatenate([q, rng.standard_normal((20, 6, 36)).astype(np.float32)])
     among_mask = np.concatenate([mask, window_mask(20, n_kv, n_kv - 20, 30)])
     assert np.array_equal(kernels.attention(among, kv.k, kv.v, among_mask, 0.3, 0.0, pool, isa)[:n_seqs], step)
+
+
+@pytest.mark.parametrize("layout", ["ring", "scattered"])
+@pytest.mark.parametrize("softcap", [0.0, 20.0])
+def test_cells_summed_in_the_orders_place_give_the_bits_of_position_order(pool, layout, softcap):
+    """A sliding window's ring that wrapped (or cells reused anywhere) holds positions out of cell order: with the
+    order (the cells by position) a row has the bits of the same keys laid out one cell per position, in a
+    prefill's tile and alone, on every ISA path; an order naming a cell past n_kv is refused before C reads it."""
+    rng = np.random.default_rng(10)
+    n_pos, n_ring, window, n_tokens = 100, 72, 40, 30  # the ring holds every position a row sees
+    q = rng.standard_normal((n_tokens, 4, 40)).astype(np.float32)
+    straight = random_cache(rng, 2, n_pos, 40, 24)  # cell = position
+    kept = np.arange(n_pos - n_ring, n_pos)  # the positions the ring still holds
+    cell_of = kept % n_ring if layout == "ring" else rng.permutation(n_ring)
+    ring = NumpyKV(np.empty((2, n_ring, 40), np.float32), np.empty((2, n_ring, 24), np.float32))
+    ring.k[:, cell_of], ring.v[:, cell_of] = straight.k[:, kept], straight.v[:, kept]
+    order = cell_of.astype(np.int32)  # the cells by position
+    straight_mask = window_mask(n_tokens, n_pos, n_pos - n_tokens, window)
+    ring_mask = np.full((n_tokens, n_ring), -np.inf, np.float32)
+    ring_mask[:, cell_of] = straight_mask[:, kept]
+    expected = kernels.attention(q, straight.k, straight.v, straight_mask, 0.3, softcap, pool, "scalar")
+    for isa in ISAS:
+        assert np.array_equal(kernels.attention(q, ring.k, ring.v, ring_mask, 0.3, softcap, pool, isa, order=order),
+                              expected), isa
+        for row in (0, 17, 29):
+            alone = kernels.attention(q[row:row + 1], ring.k, ring.v, ring_mask[row:row + 1], 0.3, softcap, pool,
+                                      isa, order=order)
+            assert np.array_equal(alone[0], expected[row]), (isa, row)
+    with pytest.raises(kernels.NativeError, match="outside"):
+        kernels.attention(q, ring.k, ring.v, ring_mask, 0.3, softcap, pool, order=np.full(n_ring, n_ring, np.int32))

@@ -11,6 +11,7 @@ import pytest
 
 from llmfw.core.exec.backend import KVLayerShape
 from llmfw.core.errors import ModelError
+from llmfw.core.ir.graph import Node
 
 from support.native import kernels_or_skip
 from support.native_graph import Graph, both, native_and_oracle
@@ -105,8 +106,9 @@ def kv_pair(backend, n_cells=32, n_head_kv=2, dk=16, dv=8):
     return {("kv", 0): backend.alloc_kv(shape)}
 
 
-@pytest.mark.parametrize("softcap,sinks", [(0.0, False), (20.0, False), (0.0, True)])
-def test_attention_writes_the_cache_and_attends_like_the_oracle(backends, softcap, sinks):
+def attention_graph(sinks: bool = False, order: np.ndarray | None = None, softcap: float = 0.0) -> tuple[Graph, Node]:
+    """Five tokens written to cells 3..7 and attending causally past a window's hidden start (with ``order``, the
+    kv_order input, and ``sinks``)."""
     g = Graph()
     n_tokens, n_kv = 5, 16
     q = g.input(f32(n_tokens, 6, 16))
@@ -116,9 +118,17 @@ def test_attention_writes_the_cache_and_attends_like_the_oracle(backends, softca
     visible = np.arange(n_kv)[None, :] <= 3 + np.arange(n_tokens)[:, None]
     visible[:, :2] = False  # a sliding window's hidden start
     mask = g.input(np.where(visible, 0.0, -np.inf).astype(np.float32))
-    extra = [g.weight("sinks", f32(6))] if sinks else []
+    extra = ([] if order is None else [g.input(order)]) + ([g.weight("sinks", f32(6))] if sinks else [])
     out = g.op("attention", q, k, v, cells, mask, *extra, out=(n_tokens, 48), layer=0, cache="kv", scale=0.25,
                softcap=softcap, window=0)
+    return g, out
+
+
+@pytest.mark.parametrize("softcap,sinks,ordered", [(0.0, False, False), (20.0, False, False), (0.0, True, False),
+                                                   (0.0, True, True), (20.0, False, True)])
+def test_attention_writes_the_cache_and_attends_like_the_oracle(backends, softcap, sinks, ordered):
+    order = np.random.default_rng(3).permutation(16).astype(np.int32) if ordered else None  # any order: same sums
+    g, out = attention_graph(sinks, order, softcap)
     results = []
     for backend in backends:
         kv = kv_pair(backend)
@@ -128,6 +138,15 @@ def test_attention_writes_the_cache_and_attends_like_the_oracle(backends, softca
     (got, got_kv), (expected, expected_kv) = results
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
     assert np.array_equal(got_kv.k, expected_kv.k) and np.array_equal(got_kv.v, expected_kv.v)
+
+
+def test_an_attention_order_outside_the_cells_fails_the_run_and_a_misshapen_one_the_compile(backends):
+    g, out = attention_graph(order=np.array([*range(15), 16], np.int32))  # cell 16 of 16
+    with pytest.raises(ModelError, match="outside its table"):
+        g.run(backends[0], out, kv_pair(backends[0]))
+    g, out = attention_graph(order=np.arange(16, dtype=np.int64))
+    with pytest.raises(ModelError, match="kv_order"):
+        g.run(backends[0], out, kv_pair(backends[0]))
 
 
 def test_k_shift_rotates_the_cached_keys_like_the_oracle(backends):

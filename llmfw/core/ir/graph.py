@@ -228,12 +228,12 @@ class GraphBuilder:
         types: dict[str, tuple[Shape, DType]] = {
             "tokens": ((p.n_tokens,), "i32"), "pos": ((p.n_tokens,), "i32"), "out_ids": ((p.n_outputs,), "i32"),
             "embd": ((p.n_tokens, self.hp.n_embd), "f32"), "kv_idx": ((p.n_tokens,), "i64"),
-            "kq_mask": ((p.n_tokens, n_kv), "f32"), "k_shift": ((DYNAMIC,), "i32"),
+            "kq_mask": ((p.n_tokens, n_kv), "f32"), "kv_order": ((n_kv,), "i32"), "k_shift": ((DYNAMIC,), "i32"),
             "attn_temp": ((p.n_tokens, 1, 1), "f32"),
         }
         if kind not in types:
             raise ModelError(f"unknown graph input {name!r}; known: {', '.join(sorted(types))} (<kind>:<cache> "
-                             f"for kv_idx, kq_mask, k_shift)")
+                             f"for kv_idx, kq_mask, kv_order, k_shift)")
         return types[kind]
 
     def _recurrent_state_type(self, name: str) -> tuple[Shape, DType]:
@@ -353,7 +353,7 @@ class GraphBuilder:
         cache = self.cache_of_layer(il)
         out = self.op(
             "attention", q, k, v, self.input(f"kv_idx:{cache}"), self.input(f"kq_mask:{cache}"),
-            *([self.weight(sinks)] if sinks else []),
+            self.input(f"kv_order:{cache}"), *([self.weight(sinks)] if sinks else []),
             layer=il, cache=cache, scale=self.hp.kq_scale if kq_scale is None else kq_scale,
             softcap=self.hp.f_attn_logit_softcapping if softcap is None else softcap, window=self._window(il),
         )

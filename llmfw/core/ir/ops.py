@@ -7,7 +7,8 @@ Ops (inputs in order; attributes in ``Node.attrs``):
                     ``embd`` f32 [T, n_embd], ``pos`` int32 [T], ``out_ids`` int32 [n_outputs],
                     ``attn_temp`` f32 [T, 1, 1] (a per-position query scale, Architecture.ubatch_inputs),
                     ``kv_idx:<cache>`` int64 [T] (KV cells written by this ubatch), ``kq_mask:<cache>``
-                    f32 [T, n_kv] (0 = visible, -inf = hidden) for each KV cache ``<cache>``.
+                    f32 [T, n_kv] (0 = visible, -inf = hidden) and ``kv_order:<cache>`` int32 [n_kv] (the
+                    cells ``0 .. n_kv-1`` by ascending position, ties by cell) for each KV cache ``<cache>``.
 ``weight``          a model tensor. attrs: ``name`` (GGUF tensor name). ``layer`` says who owns it. A fused
                     weight (core pass) also has ``parts`` (its members' names, stacked by output rows).
 ``get_rows``        (table, ids) → ``table[ids]`` as float32 (table may be a quantized weight).
@@ -35,8 +36,12 @@ Ops (inputs in order; attributes in ``Node.attrs``):
                     (n_kv = mask.shape[1]). attrs: ``layer``, ``cache``, ``scale``, ``softcap`` (0 = off),
                     ``window``: the standard sliding window the mask applies (llama.cpp's n_swa; 0 = none).
                     The mask decides what is seen; ``window`` lets a fused kernel know it in advance.
-                    An optional 6th input ``sinks`` [H] (gpt-oss's attention sinks) adds ``exp(sinks[h])`` to
+                    After the mask, optionally ``kv_order`` int32 [n_kv] (the cells by ascending position: a
+                    backend that sums the visible cells in this order gives a row the same bits wherever its
+                    cells sit, a sliding window's ring that wrapped included; a backend may ignore it), then
+                    optionally ``sinks`` f32 [H] (gpt-oss's attention sinks), which adds ``exp(sinks[h])`` to
                     each row's softmax denominator: a logit that takes probability but has no value.
+                    :func:`attention_extras` tells them apart.
 ``k_shift``         (shift int32 [n_kv] [, freq_factors]) → empty f32 [0]. Side effect only: rotates rows
                     ``0 .. n_kv-1`` of the K cache of (``cache``, ``layer``) in place by the positions
                     ``shift`` (llama.cpp's K-shift after ``seq_add``); same rope attrs as ``rope``.
@@ -252,9 +257,22 @@ def _attention(inputs: Sequence[Node], attrs: Mapping[str, AttrValue]) -> tuple[
         raise ShapeError(f"attention inputs disagree on the token count: {q}, {k}, {v}, [{n_idx}], {mask}")
     if not (_dims_match(q[2], k[2]) and _dims_match(k[1], v[1])) or k[1] <= 0 or q[1] % k[1]:
         raise ShapeError(f"attention heads do not match: q {list(q)}, k {list(k)}, v {list(v)}")
-    if len(inputs) > 5 and _require_float(inputs[5], "the sinks") != (q[1],):
-        raise ShapeError(f"attention sinks must be one per query head ({q[1]}), got {list(_typed(inputs[5])[0])}")
+    order, sinks = attention_extras(inputs)
+    if len(inputs) > 5 + (order is not None) + (sinks is not None):
+        raise ShapeError("attention takes at most one kv_order (an integer input) then one sinks input after the mask")
+    if order is not None and not _dims_match(_require_int(order, "kv_order", 1)[0], mask[1]):
+        raise ShapeError(f"attention kv_order must list the mask's {mask[1]} cells, got {list(_typed(order)[0])}")
+    if sinks is not None and _require_float(sinks, "the sinks") != (q[1],):
+        raise ShapeError(f"attention sinks must be one per query head ({q[1]}), got {list(_typed(sinks)[0])}")
     return (n_tokens, q[1] * v[2]), "f32"
+
+
+def attention_extras(inputs: Sequence[Node]) -> tuple[Node | None, Node | None]:
+    """The optional inputs of an ``attention`` node after its mask: (``kv_order``, ``sinks``), None where absent
+    (the order is the integer one, and comes first)."""
+    extras = list(inputs[5:7])
+    order = extras.pop(0) if extras and extras[0].dtype in ("i32", "i64") else None
+    return order, (extras[0] if extras else None)
 
 
 def _k_shift(inputs: Sequence[Node], attrs: Mapping[str, AttrValue]) -> tuple[Shape, DType]:
@@ -430,7 +448,7 @@ OP_TABLE: Mapping[str, OpSpec] = {
     "reshape": OpSpec(1, 1, _reshape),
     "slice": OpSpec(1, 1, _slice),
     "rope": OpSpec(2, 3, _rope),
-    "attention": OpSpec(5, 6, _attention),
+    "attention": OpSpec(5, 7, _attention),
     "k_shift": OpSpec(1, 2, _k_shift),
     **MOE_OP_TABLE,
     # recurrent layers (issue 34): pure functions of the carried state, see "recurrent ops" below

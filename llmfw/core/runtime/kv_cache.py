@@ -210,6 +210,16 @@ class KVCache(Memory):
         mask[visible] = 0.0
         return mask
 
+    def _order(self, n_kv: int) -> np.ndarray:
+        """int32 [n_kv]: the cells by ascending position, ties by cell index, the empty cells last (so a cache
+        filled in position order, the padding after its cells included, gives cell order itself). A sliding
+        window's ring that wrapped, or cells freed and reused, put positions out of cell order: a backend that sums
+        a row's visible cells in this order gives it the same bits wherever its cells sit."""
+        pos = self.cells.pos[:n_kv]
+        # a stable sort merges the ascending runs the cells hold (one per sequence, two for a wrapped ring):
+        # tens of microseconds for 32k cells
+        return np.argsort(np.where(pos < 0, np.iinfo(np.int64).max, pos), kind="stable").astype(np.int32)
+
     # -- maintenance -----------------------------------------------------------------------------------------
     def update(self, run_graph: GraphRunner) -> None:
         if not self.has_shift:
@@ -326,3 +336,4 @@ class KVCacheBatch(MemoryBatch):
         n_kv = self.cache.get_n_kv()
         inputs[f"kv_idx:{self.cache.name}"] = self.slots[i]
         inputs[f"kq_mask:{self.cache.name}"] = self.cache._mask(ubatch, n_kv)
+        inputs[f"kv_order:{self.cache.name}"] = self.cache._order(n_kv)

@@ -10,7 +10,9 @@ needs in ``Architecture.memory``). :class:`KVCache` is one unified KV cache:
   ``find_slot`` on a scratch copy of the cells); if one does not fit nothing changes and decode returns 1;
 * **inputs** — per ubatch the cells written (``kv_idx:<cache>``) and the attention mask
   (``kq_mask:<cache>``, [n_tokens, n_kv], 0 = visible / -inf = hidden): a token of sequence s at position p
-  sees the cells of s at positions ≤ p (and, with a sliding window, not older than the window). ``n_kv``, the
+  sees the cells of s at positions ≤ p (and, with a sliding window, not older than the window); and the cells by
+  ascending position (``kv_order:<cache>``, [n_kv]: a sliding window's ring wraps, so cell order is not position
+  order, and the native backend sums in position order to stay batch invariant). ``n_kv``, the
   number of cells attended, is padded to :data:`KV_PAD` so graphs are reused across decode steps;
 * **sequence operations** — ``seq_rm``, ``seq_cp``, ``seq_keep``, ``seq_add`` (positions shift; the cached K is
   re-roped lazily before the next decode: llama.cpp's K-shift), ``seq_div``, ``seq_pos_min/max``, ``clear``.

@@ -56,7 +56,7 @@ class MemoryBatch(ABC):
 
     @abstractmethod
     def set_inputs(self, i: int, ubatch: "UBatch", inputs: dict[str, np.ndarray]) -> None:
-        """Fill ``kv_idx:<cache>`` and ``kq_mask:<cache>`` for ubatch ``i``."""
+        """Fill ``kv_idx:<cache>``, ``kq_mask:<cache>`` and ``kv_order:<cache>`` for ubatch ``i``."""
 
     def take_outputs(self, i: int, ubatch: "UBatch", outputs: dict[str, np.ndarray]) -> None:
         """Read what ubatch ``i``'s graph computed for the memory (a recurrent state's ``rs:*`` outputs) once it

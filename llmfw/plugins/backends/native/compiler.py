@@ -13,6 +13,7 @@ from llmfw.core.exec.compiler import SplitCompilerBase, check_inputs
 from llmfw.core.exec.weight_cache import CacheOptions
 from llmfw.core.errors import ModelError
 from llmfw.core.ir.graph import DYNAMIC, Node
+from llmfw.core.ir.ops import attention_extras
 from llmfw.core.ir.rope import yarn_magnitude, yarn_ramp_mix
 import llmfw.plugins.backends.native.kernels as kernels
 import llmfw.plugins.backends.native.program as pg
@@ -380,12 +381,24 @@ class NativeCompiler(SplitCompilerBase[NumpyKV]):
         v_cache = pg.Operand(self.buffer(storage.v, writable=True), 0)
         self.emit(pg.KV_WRITE, [k_cache, v_cache, k.operand, v.operand, idx.operand],
                   [n_tokens, n_head_kv, dk, dv, n_cells], label="kv_write")
-        sinks = self.v(node.inputs[5]).operand if len(node.inputs) > 5 else pg.NONE
+        order, sinks = attention_extras(node.inputs)
         out = self.define(node)
         softcap = node.attr_float("softcap", 0.0)
-        self.emit(pg.ATTEND, [out.operand, q.operand, k_cache, v_cache, mask.operand, sinks],
+        self.emit(pg.ATTEND, [out.operand, q.operand, k_cache, v_cache, mask.operand,
+                              pg.NONE if sinks is None else self.v(sinks).operand, self.cell_order(order, mask)],
                   [n_tokens, n_head, n_head_kv, dk, dv, mask.shape[1], n_cells],
                   [node.attr_float("scale"), softcap], label="attention")
+
+    def cell_order(self, order: Node | None, mask: Value) -> pg.Operand:
+        """The attention's kv_order operand (the cells in the order their terms are summed: by position, so a row
+        has the same bits wherever its cells sit), or none (cell order) for a graph without one."""
+        if order is None:
+            return pg.NONE
+        value = self.v(order)
+        if value.dtype != "i32" or value.shape != (mask.shape[1],):
+            raise ModelError(f"native backend: an attention kv_order {value.dtype}{list(value.shape)} for "
+                             f"{mask.shape[1]} cells")
+        return value.operand
 
     # the recurrent ops (recurrent.py)
     _op_ssm_conv = recurrent.compile_ssm_conv

@@ -25,7 +25,7 @@ LIBRARY_VARIABLE = "LLMFW_NATIVE_LIBRARY"
 #: what to do when the extension is missing
 BUILD_HINT = "its C extension is not built: install gcc and the Python headers, then reinstall llmfw (pip install -e .)"
 #: sizeof(nat_instr) (csrc/native.h; program.INSTR is the same record)
-INSTR_BYTES = 264
+INSTR_BYTES = 280
 ISAS = ("scalar", "avx2", "avx512")  # the index is enum nat_isa
 #: the order ``isa: auto`` prefers (the widest path this CPU runs)
 AUTO_ORDER = ("avx512", "avx2", "scalar")
@@ -78,7 +78,7 @@ def _typed(lib: Any) -> Any:
     lib.nat_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                                  ctypes.c_int64, ctypes.c_float]
     lib.nat_attention.restype = ctypes.c_int
-    lib.nat_attention.argtypes = ([ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7
+    lib.nat_attention.argtypes = ([ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 7
                                   + [ctypes.c_float] * 2)
     lib.nat_instr_bytes.restype = ctypes.c_int64
     if lib.nat_instr_bytes() != INSTR_BYTES:
@@ -177,10 +177,12 @@ def rms_norm(x: np.ndarray, eps: float, weight: np.ndarray | None, pool: ThreadP
 
 
 def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, mask: np.ndarray, scale: float,
-              softcap: float, pool: ThreadPool, isa: str = "auto", sinks: np.ndarray | None = None) -> np.ndarray:
+              softcap: float, pool: ThreadPool, isa: str = "auto", sinks: np.ndarray | None = None,
+              order: np.ndarray | None = None) -> np.ndarray:
     """softmax(softcap(scale·q·Kᵀ) + mask)·V over the cache's first ``mask.shape[1]`` cells, GQA by head groups
     (with ``sinks`` [H], a sink logit per head in the softmax's denominator): q [T, H, Dk], caches [Hkv, n_cells, D]
-    (float32, C-contiguous), mask [T, n_kv] → [T, H*Dv], on ISA path ``isa`` (``auto``: the widest here)."""
+    (float32, C-contiguous), mask [T, n_kv] → [T, H*Dv], on ISA path ``isa`` (``auto``: the widest here). ``order``
+    [n_kv]: the cells in the order their terms are summed (the graph's ``kv_order``; None: cell order)."""
     q, mask = _f32(q), _f32(mask)
     n_tokens, n_head, dk = q.shape
     n_head_kv, n_cells, dv = v_cache.shape
@@ -190,15 +192,20 @@ def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, mask: np.
             raise ValueError("native attention: the KV cache must be C-contiguous float32")
     if sinks is not None:
         sinks = _f32(sinks)
-    if (k_cache.shape != (n_head_kv, n_cells, dk) or mask.shape[0] != n_tokens or n_kv > n_cells
+    if order is not None:
+        order = np.ascontiguousarray(order, dtype=np.int32)
+    if (order is not None and order.shape != (mask.shape[1],)) or (k_cache.shape != (n_head_kv, n_cells, dk) or mask.shape[0] != n_tokens or n_kv > n_cells
             or n_head_kv == 0 or n_head % n_head_kv or (sinks is not None and sinks.shape != (n_head,))):
         raise ValueError(f"native attention: q {q.shape}, K {k_cache.shape}, V {v_cache.shape}, mask {mask.shape} "
                          "do not fit")
     out = np.empty((n_tokens, n_head * dv), dtype=np.float32)
     status = load_library().nat_attention(pool.handle, ISAS.index(resolve_isa(isa)), q.ctypes.data,
                                           k_cache.ctypes.data, v_cache.ctypes.data, mask.ctypes.data,
-                                          None if sinks is None else sinks.ctypes.data, out.ctypes.data, n_tokens,
+                                          None if sinks is None else sinks.ctypes.data,
+                                          None if order is None else order.ctypes.data, out.ctypes.data, n_tokens,
                                           n_head, n_head_kv, dk, dv, n_kv, n_cells, scale, softcap)
+    if status == -3:
+        raise NativeError(f"native attention: a cell of the order outside 0..{n_kv - 1}")
     if status != 0:
         raise NativeError("native attention: out of memory for its score buffers")
     return out

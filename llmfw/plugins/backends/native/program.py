@@ -21,7 +21,7 @@ from llmfw.core.errors import ModelError
 import llmfw.plugins.backends.native.kernels as kernels
 from llmfw.plugins.backends.native.repack import BLOCK, KIND_QBYTE, KIND_QNIB
 
-N_ARGS, N_INTS, N_FLOATS = 6, 16, 8
+N_ARGS, N_INTS, N_FLOATS = 7, 16, 8
 #: one ``nat_instr``
 INSTR = np.dtype([("op", "<i8"), ("buf", "<i8", (N_ARGS,)), ("off", "<i8", (N_ARGS,)), ("n", "<i8", (N_INTS,)),
                   ("f", "<f4", (N_FLOATS,))])
@@ -258,6 +258,7 @@ def _check_instruction(ins: np.void, buffer_words: Sequence[int], writable: Sequ
         need(3, n_head_kv * n_cells * dv)
         need(4, n_tokens * n_kv)
         need(5, n_head, optional=True)
+        need(6, n_kv, optional=True)  # the order's cells: C checks each is below n_kv
     elif op in RECURRENT_CHECKS:
         RECURRENT_CHECKS[op](n[:6], need, positive)
     elif op in MOE_OP_NAMES:

@@ -8,6 +8,7 @@ import numpy as np
 from llmfw.core.exec.backend import Backend, CompiledSplit, Split
 from llmfw.core.exec.compiler import SplitCompilerBase, check_inputs
 from llmfw.core.ir.graph import Node
+from llmfw.core.ir.ops import attention_extras
 from llmfw.core.ir.rope import rope_cos_sin
 from llmfw.plugins.backends.numpy.kernels import (F32, NumpyKV, attention, gelu, layer_norm, rms_norm, rope_apply,
                                                   rope_apply_full, rope_table, silu, visible_limits, write_kv)
@@ -239,7 +240,9 @@ class SplitCompiler(MoeSteps, RecurrentSteps, SplitCompilerBase[NumpyKV]):
         storage = self.kv_storage(node)
         scale, softcap = node.attr_float("scale"), node.attr_float("softcap", 0.0)
         env, memo, write, attend = self.env, self.memo, self._write_kv, self._attend
-        sinks_slot, attend_with_sinks = (ins[5] if len(ins) > 5 else None), self._attend_with_sinks
+        # the sinks are the last input when present (numpy ignores the kv_order: its sums follow numpy's)
+        sinks_slot = ins[-1] if attention_extras(node.inputs)[1] is not None else None
+        attend_with_sinks = self._attend_with_sinks
         key = ("attn_limits", mask_slot)
 
         def step() -> None:

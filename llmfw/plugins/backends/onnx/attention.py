@@ -20,6 +20,7 @@ import numpy as np
 
 from llmfw.core.errors import ModelError
 from llmfw.core.ir.graph import Node, Shape
+from llmfw.core.ir.ops import attention_extras
 from llmfw.core.ir.rope import rope_angle_slopes
 from llmfw.plugins.backends.onnx.emit import ONNX_FLOAT, ONNX_INT32, ONNX_INT64, Emitter, freeze, kv_name
 from llmfw.plugins.backends.onnx.fused import USE_GQA, AttentionForm, fusable_rope, packed_qkv
@@ -254,8 +255,9 @@ class AttentionTranslation:
         if softcap:
             scores = self._softcap(scores, softcap)
         logits = self.e.op("Add", [scores, self._grouped_mask(mask, rows)])
-        if len(node.inputs) > 5:
-            probs = self._softmax_with_sinks(logits, node.inputs[5], n_head_kv, group, rows)
+        sinks = attention_extras(node.inputs)[1]  # (the kv_order: ONNX Runtime's sums have no promised order)
+        if sinks is not None:
+            probs = self._softmax_with_sinks(logits, sinks, n_head_kv, group, rows)
         else:
             probs = self.e.op("Softmax", [logits], axis=-1)
         out = self.e.op("MatMul", [probs, values], hint="kqv")                 # [Hkv, S, R*T/S, Dv]

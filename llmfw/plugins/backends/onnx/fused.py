@@ -27,6 +27,7 @@ import numpy as np
 
 from llmfw.core.exec.backend import Split
 from llmfw.core.ir.graph import Node
+from llmfw.core.ir.ops import attention_extras
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +141,7 @@ def _not_fusable(split: Split, attentions: list[Node]) -> str:
     inputs = set(split.input_ids)
     for node in attentions:
         q, k, v, kv_idx, mask = node.inputs[:5]
-        if len(node.inputs) > 5:
+        if attention_extras(node.inputs)[1] is not None:
             return f"layer {node.attrs.get('layer')}: attention sinks (GroupQueryAttention has none here)"
         if kv_idx.id not in inputs or mask.id not in inputs:
             return f"layer {node.attrs.get('layer')}: kv_idx / mask are computed in the split"

@@ -18,6 +18,7 @@ from llmfw.core.exec.backend import Split
 from llmfw.core.exec.compiler import SplitCompilerBase, check_inputs
 from llmfw.core.errors import ModelError
 from llmfw.core.ir.graph import Node
+from llmfw.core.ir.ops import attention_extras
 from llmfw.plugins.backends.torch.environment import import_torch
 from llmfw.plugins.backends.torch.weights import Linear, TorchWeight
 from llmfw.plugins.backends.torch.kernels import (
@@ -264,7 +265,9 @@ class SplitCompiler(SplitCompilerBase[KVStorage]):
         self.emit(node, "k_shift", lambda shift, f=None: k_shift(shift, f, storage, params), ins)
 
     def _op_attention(self, node: Node) -> None:
-        q, k, v, kv_idx, mask = node.inputs
+        q, k, v, kv_idx, mask = node.inputs[:5]  # the kv_order is not used: torch's sums have no promised order
+        if attention_extras(node.inputs)[1] is not None:
+            raise ModelError(f"torch backend: attention node %{node.id} has sinks, which it has no kernel for")
         storage = self.kv_storage(node)
         group = query_heads_per_kv_head(node)
         scale, softcap = node.attr_float("scale"), node.attr_float("softcap", 0.0)

@@ -1,7 +1,8 @@
 /* Attention over the KV cache (NAT_OP_ATTEND): a portable C path and AVX2 / AVX-512 paths that compute the same
- * bits. For each query row t and head h alone, over the cells j its mask row shows (mask_j > -inf), in cell order,
- * numbering them c = 0, 1, ... (the c-th visible cell: never its cell index, so a sequence's result does not move
- * with where its cells sit in the cache):
+ * bits. For each query row t and head h alone, over the cells j its mask row shows (mask_j > -inf), in the order
+ * `order` lists the cells (the graph's kv_order: the cells by ascending position), numbering them c = 0, 1, ...
+ * (the c-th visible cell: never its cell index, so a sequence's result does not move with where its cells sit in
+ * the cache, a sliding window's ring that wrapped included):
  *   qs   = q * scale
  *   s_c  = dot(qs, k_j): element d into lane d % 16, lane = lane + qs[d]*k[d] (lanes from +0), then the lanes
  *          reduced l + l+8, l + l+4, l + l+2, l + l+1 (native.h's canonical sixteen lanes)
@@ -10,7 +11,8 @@
  *   total = the p_c summed with p_c into lane c % 16, then the same reduction [+ nat_exp(sink - best)]
  *   out[d] = (0 + p_0*v_0[d] + p_1*v_1[d] + ...) / total   (cells in order, one lane per d)
  * A row that sees no cell gives NaN (0/0, like the oracle). Hidden cells cost nothing: a tile of query rows only
- * visits the key blocks some row of it sees (causal prefill never looks at future keys). Tiles share the K loads
+ * visits the key blocks (16 entries of `order`) some row of it sees (causal prefill never looks at future keys); a
+ * block of consecutive cells is read in place, any other gathered. Tiles share the K loads
  * across their rows and the heads of a GQA group; a row's arithmetic is the same whatever tile, thread or ISA
  * path computes it. */
 #include <math.h>
@@ -378,6 +380,8 @@ static const attn_kernels *kernels_for(int isa) {
 
 typedef struct {
     const float *q, *k, *v, *mask, *sinks;
+    const int32_t *order;  /* the n_kv cells in the order their scores are summed, each in [0, n_kv) */
+    int in_cell_order;     /* order[o] == o for every o: a cell's place in the order is the cell */
     float *out;
     int64_t n_tokens, n_head, n_head_kv, dk, dv, n_kv, n_cells;
     float scale, softcap;
@@ -388,20 +392,48 @@ typedef struct {
 } attn_job;
 
 /* per thread: q rows [tile * heads][dk padded], scores [tile * heads][n_kv], a block's scores [KEYS], copied keys
- * [KEYS][dk], visible cells [tile][n_kv] */
+ * [KEYS][dk], visible cells [tile][n_kv] and their places in `order` [tile][n_kv] */
 static size_t scratch_floats(int64_t tile_rows, int64_t heads, int64_t dk, int64_t n_kv) {
     int64_t dk16 = (dk + 15) / 16 * 16;
-    return (size_t)(tile_rows * heads * (dk16 + n_kv) + KEYS + KEYS * dk + tile_rows * n_kv);
+    return (size_t)(tile_rows * heads * (dk16 + n_kv) + KEYS + KEYS * dk + 2 * tile_rows * n_kv);
 }
 
-/* the visible cells of mask row `row`, in order; returns their count */
-static int64_t visible_cells(const float *row, int64_t n_kv, int32_t *cells) {
+/* the visible cells of mask row `row` in the job's order (cells) and their places in it (at, ascending); returns
+ * their count */
+static int64_t visible_cells(const attn_job *job, const float *row, int32_t *cells, int32_t *at) {
     int64_t count = 0;
-    for (int64_t j = 0; j < n_kv; j++) {  /* without a branch: a mask row has runs of both kinds */
-        cells[count] = (int32_t)j;
+    if (job->in_cell_order) {  /* at is cells */
+        for (int64_t j = 0; j < job->n_kv; j++) {  /* without a branch: a mask row has runs of both kinds */
+            cells[count] = (int32_t)j;
+            count += row[j] != -INFINITY;
+        }
+        return count;
+    }
+    for (int64_t o = 0; o < job->n_kv; o++) {
+        int32_t j = job->order[o];
+        cells[count] = j;
+        at[count] = (int32_t)o;
         count += row[j] != -INFINITY;
     }
     return count;
+}
+
+/* x[0] when x[0..n) are consecutive cells x[0], x[0] + 1, ... (rows to read in place), else -1 */
+static inline int64_t consecutive(const int32_t *x, int64_t n) {
+    for (int64_t i = 1; i < n; i++)
+        if (x[i] != x[0] + i) return -1;
+    return x[0];
+}
+
+/* the keys of cells[0..n) of KV head kvh: in place when consecutive, else copied into `gathered` (zeros after
+ * them, to KEYS rows) */
+static const float *block_keys(const attn_job *job, int64_t kvh, const int32_t *cells, int64_t n, float *gathered) {
+    int64_t dk = job->dk, first = n == KEYS ? consecutive(cells, n) : -1;
+    const float *kbase = job->k + kvh * job->n_cells * dk;
+    if (first >= 0) return kbase + first * dk;
+    for (int64_t i = 0; i < n; i++) memcpy(gathered + i * dk, kbase + (int64_t)cells[i] * dk, (size_t)dk * 4);
+    memset(gathered + n * dk, 0, (size_t)((KEYS - n) * dk) * 4);
+    return gathered;
 }
 
 /* a raw score, soft-capped when the model caps them */
@@ -409,36 +441,33 @@ static inline float capped(const attn_job *job, float s) {
     return job->softcap != 0.0f ? tanhf(s / job->softcap) * job->softcap : s;
 }
 
-/* the scores of key block [j0, j0 + KEYS) for the rows of the tile that see a cell of it, compacted by visible
- * index; cursor[r]: the first visible cell of row r not scored yet */
-static void score_block(const attn_job *job, int64_t t0, int64_t rows, int64_t h0, int64_t j0,
-                        const float *qs, float *scores, const int32_t *cells, const int64_t *count, int64_t *cursor,
-                        float *block, float *key_copy) {
+/* the scores of key block [o0, o0 + KEYS) of the order for the rows of the tile that see a cell of it, compacted
+ * by visible index; cursor[r]: the first visible cell of row r not scored yet */
+static void score_block(const attn_job *job, int64_t t0, int64_t rows, int64_t h0, int64_t o0,
+                        const float *qs, float *scores, const int32_t *cells, const int32_t *at, const int64_t *count,
+                        int64_t *cursor, float *block, float *key_copy) {
     int64_t heads = job->heads_per_item, dk16 = (job->dk + 15) / 16 * 16;
-    const float *keys = job->k + ((h0 / (job->n_head / job->n_head_kv)) * job->n_cells + j0) * job->dk;
-    if (j0 + KEYS > job->n_cells) {  /* past the cache's end: the block's rows copied, zeros after them */
-        memset(key_copy, 0, (size_t)(KEYS * job->dk) * sizeof(float));
-        memcpy(key_copy, keys, (size_t)((job->n_cells - j0) * job->dk) * sizeof(float));
-        keys = key_copy;
-    }
+    int64_t n = job->n_kv - o0 < KEYS ? job->n_kv - o0 : KEYS;
+    const float *keys = block_keys(job, h0 / (job->n_head / job->n_head_kv), job->order + o0, n, key_copy);
+    int64_t first = keys == key_copy ? -1 : job->order[o0];  /* the block's first cell, when read in place */
     for (int64_t r = 0; r < rows; r++) {
-        const int32_t *vis = cells + r * job->n_kv;
+        const int32_t *vis = at + r * job->n_kv, *row_cells = cells + r * job->n_kv;
         const float *mask = job->mask + (t0 + r) * job->n_kv;
         int64_t lo = cursor[r], hi = lo;
-        if (lo + KEYS <= count[r] && vis[lo] == j0 && vis[lo + KEYS - 1] == j0 + KEYS - 1)
-            hi = lo + KEYS;  /* the row sees the whole block (cells ascend, each once) */
+        if (lo + KEYS <= count[r] && vis[lo] == o0 && vis[lo + KEYS - 1] == o0 + KEYS - 1)
+            hi = lo + KEYS;  /* the row sees the whole block (places ascend, each once) */
         else
-            while (hi < count[r] && vis[hi] < j0 + KEYS) hi++;
+            while (hi < count[r] && vis[hi] < o0 + KEYS) hi++;
         if (hi == lo) continue;
         for (int64_t g = 0; g < heads; g++) {
             int64_t i = r * heads + g;
             float *dst = scores + i * job->n_kv;
-            if (hi - lo == KEYS && job->softcap == 0.0f) {  /* the scores plus the mask, straight into place */
-                job->isa->scores(qs + i * dk16, keys, job->dk, mask + j0, dst + lo);
+            if (hi - lo == KEYS && first >= 0 && job->softcap == 0.0f) {  /* scores plus mask, straight in place */
+                job->isa->scores(qs + i * dk16, keys, job->dk, mask + first, dst + lo);
                 continue;
             }
             job->isa->scores(qs + i * dk16, keys, job->dk, NULL, block);
-            for (int64_t c = lo; c < hi; c++) dst[c] = capped(job, block[vis[c] - j0]) + mask[vis[c]];
+            for (int64_t c = lo; c < hi; c++) dst[c] = capped(job, block[vis[c] - o0]) + mask[row_cells[c]];
         }
         cursor[r] = hi;
     }
@@ -450,17 +479,11 @@ static void score_block(const attn_job *job, int64_t t0, int64_t rows, int64_t h
 static void score_visible(const attn_job *job, int64_t t, int64_t h0, const float *qs, float *scores,
                           const int32_t *vis, int64_t count, float *block, float *gathered) {
     int64_t heads = job->heads_per_item, dk = job->dk, dk16 = (dk + 15) / 16 * 16;
-    const float *kbase = job->k + (h0 / (job->n_head / job->n_head_kv)) * job->n_cells * dk;
     const float *mask = job->mask + t * job->n_kv;
     float add[KEYS];
     for (int64_t c0 = 0; c0 < count; c0 += KEYS) {
         int64_t n = count - c0 < KEYS ? count - c0 : KEYS;
-        const float *keys = kbase + (int64_t)vis[c0] * dk;
-        if (n < KEYS || vis[c0 + KEYS - 1] - vis[c0] != KEYS - 1) {
-            for (int64_t i = 0; i < n; i++) memcpy(gathered + i * dk, kbase + (int64_t)vis[c0 + i] * dk, (size_t)dk * 4);
-            memset(gathered + n * dk, 0, (size_t)((KEYS - n) * dk) * 4);
-            keys = gathered;
-        }
+        const float *keys = block_keys(job, h0 / (job->n_head / job->n_head_kv), vis + c0, n, gathered);
         for (int64_t i = 0; i < n; i++) add[i] = mask[vis[c0 + i]];
         for (int64_t g = 0; g < heads; g++) {
             float *dst = scores + g * job->n_kv + c0;
@@ -511,14 +534,14 @@ static void attend_item(const attn_job *job, int64_t item, float *scratch) {
     int64_t dk = job->dk, dk16 = (dk + 15) / 16 * 16, n_kv = job->n_kv;
     float *qs = scratch, *scores = qs + rows * heads * dk16, *block = scores + rows * heads * n_kv;
     float *key_copy = block + KEYS;
-    int32_t *cells = (int32_t *)(key_copy + KEYS * dk);
+    int32_t *cells = (int32_t *)(key_copy + KEYS * dk), *at = job->in_cell_order ? cells : cells + rows * n_kv;
     int64_t count[DECODE_ROWS], cursor[DECODE_ROWS], first = n_kv, end = 0;
     for (int64_t r = 0; r < rows; r++) {
-        count[r] = visible_cells(job->mask + (t0 + r) * n_kv, n_kv, cells + r * n_kv);
+        count[r] = visible_cells(job, job->mask + (t0 + r) * n_kv, cells + r * n_kv, at + r * n_kv);
         cursor[r] = 0;
-        if (count[r]) {
-            first = cells[r * n_kv] < first ? cells[r * n_kv] : first;
-            end = cells[r * n_kv + count[r] - 1] + 1 > end ? cells[r * n_kv + count[r] - 1] + 1 : end;
+        if (count[r]) {  /* the places in the order the tile sees: the blocks it visits */
+            first = at[r * n_kv] < first ? at[r * n_kv] : first;
+            end = at[r * n_kv + count[r] - 1] + 1 > end ? at[r * n_kv + count[r] - 1] + 1 : end;
         }
         for (int64_t g = 0; g < heads; g++) {
             const float *q = job->q + ((t0 + r) * job->n_head + h0 + g) * dk;
@@ -529,8 +552,8 @@ static void attend_item(const attn_job *job, int64_t item, float *scratch) {
     if (rows == 1)
         score_visible(job, t0, h0, qs, scores, cells, count[0], block, key_copy);
     else
-        for (int64_t j0 = first; j0 < end; j0 += KEYS)
-            score_block(job, t0, rows, h0, j0, qs, scores, cells, count, cursor, block, key_copy);
+        for (int64_t o0 = first; o0 < end; o0 += KEYS)
+            score_block(job, t0, rows, h0, o0, qs, scores, cells, at, count, cursor, block, key_copy);
     for (int64_t r = 0; r < rows; r++)
         finish_row(job, scores + r * heads * n_kv, cells + r * n_kv, count[r], t0 + r, h0);
 }
@@ -542,11 +565,26 @@ static void attend_chunk(void *raw, int64_t chunk, int ith) {
     for (int64_t i = i0; i < i1; i++) attend_item(job, i, job->scratch + (size_t)ith * job->scratch_floats);
 }
 
-/* n: T, H, Hkv, dk, dv, n_kv, n_cells (native.h's NAT_OP_ATTEND). Returns 0 or NAT_OUT_OF_MEMORY. */
+/* whether every cell of order[0..n_kv) is one of the n_kv cells attended (the data decides: checked per run) */
+static int order_in_range(const int32_t *order, int64_t n_kv) {
+    int bad = 0;
+    for (int64_t o = 0; o < n_kv; o++) bad |= (uint32_t)order[o] >= (uint64_t)n_kv;
+    return !bad;
+}
+
+static int is_cell_order(const int32_t *order, int64_t n_kv) {
+    int other = 0;
+    for (int64_t o = 0; o < n_kv; o++) other |= order[o] != o;
+    return !other;
+}
+
+/* n: T, H, Hkv, dk, dv, n_kv, n_cells (native.h's NAT_OP_ATTEND); order: the n_kv cells in the order to sum them
+ * (NULL: cell order). Returns 0, NAT_OUT_OF_MEMORY, or NAT_ID_OUT_OF_RANGE for a cell of the order out of range. */
 int nat_attend(nat_pool *pool, int isa, const float *q, const float *k, const float *v, const float *mask,
-               const float *sinks, float *out, const int64_t *n, float scale, float softcap) {
-    attn_job job = {q, k, v, mask, sinks, out, n[0], n[1], n[2], n[3], n[4], n[5], n[6], scale, softcap,
+               const float *sinks, const int32_t *order, float *out, const int64_t *n, float scale, float softcap) {
+    attn_job job = {q, k, v, mask, sinks, order, !order || is_cell_order(order, n[5]), out, n[0], n[1], n[2], n[3], n[4], n[5], n[6], scale, softcap,
                     kernels_for(isa), n[0] < DECODE_ROWS ? 1 : TILE_ROWS, 1, 1, 0, 1, 0, NULL};
+    if (order && !order_in_range(order, job.n_kv)) return NAT_ID_OUT_OF_RANGE;
     int64_t group = n[1] / n[2], tiles = (job.n_tokens + job.tile_rows - 1) / job.tile_rows;
     /* the most heads of a group per item (sharing their K and V loads) that still leaves every thread items */
     for (job.heads_per_item = group < MAX_HEADS ? group : MAX_HEADS; job.heads_per_item > 1; job.heads_per_item--)
@@ -558,9 +596,19 @@ int nat_attend(nat_pool *pool, int isa, const float *q, const float *k, const fl
     if (job.n_items == 0) return 0;
     job.scratch_floats = scratch_floats(job.tile_rows, job.heads_per_item, job.dk, job.n_kv);
     job.scratch = malloc(job.scratch_floats * sizeof(float) * (size_t)nat_pool_threads(pool));
-    if (!job.scratch) return NAT_OUT_OF_MEMORY;
+    int32_t *identity = order ? NULL : malloc((size_t)job.n_kv * sizeof(int32_t));
+    if (!job.scratch || (!order && !identity)) {
+        free(job.scratch);
+        free(identity);
+        return NAT_OUT_OF_MEMORY;
+    }
+    if (identity) {
+        for (int64_t o = 0; o < job.n_kv; o++) identity[o] = (int32_t)o;
+        job.order = identity;
+    }
     job.n_chunks = nat_pool_chunks(pool, job.n_items);
     nat_pool_for(pool, job.n_chunks, attend_chunk, &job);
     free(job.scratch);
+    free(identity);
     return 0;
 }

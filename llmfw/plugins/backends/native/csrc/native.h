@@ -106,7 +106,7 @@ void nat_unpack_row(const nat_weight *w, int64_t row, float *out);
  * norm weights, constants). An operand is (buffer, offset in 4-byte words); operand 0 is the output. The Python
  * compiler checks every operand's extent against its buffer before a program may run: C trusts the shapes and
  * offsets, and checks only what the data decides (token ids, KV cells) as it runs. */
-#define NAT_ARGS 6
+#define NAT_ARGS 7
 #define NAT_INTS 16
 #define NAT_FLOATS 8
 
@@ -134,7 +134,8 @@ enum nat_op {
                               * x stride t, x stride h, out stride t, out stride h; f: theta scale, freq scale,
                               * magnitude, ext (0/1) */
     NAT_OP_KV_WRITE = 12,    /* K cache, V cache, k, v, cells (i64); n: T, Hkv, dk, dv, n_cells */
-    NAT_OP_ATTEND = 13,      /* out, q, K cache, V cache, mask, sinks (or none); n: T, H, Hkv, dk, dv, n_kv, n_cells;
+    NAT_OP_ATTEND = 13,      /* out, q, K cache, V cache, mask, sinks (or none), order (i32 [n_kv], the cells in the
+                              * order to sum them; or none: cell order); n: T, H, Hkv, dk, dv, n_kv, n_cells;
                               * f: scale, softcap */
     /* the recurrent ops (recurrent.c); S sequences of T tokens each */
     NAT_OP_SSM_CONV = 14,    /* out, window, x, kernel [C, K]; n: S, T, C, K-1 */
@@ -160,7 +161,7 @@ enum nat_status { NAT_OUT_OF_MEMORY = -1, NAT_BAD_INSTRUCTION = -2, NAT_ID_OUT_O
 int nat_run_op(nat_pool *pool, int isa, const nat_instr *in, void *const *bufs, const nat_weight *weights);
 /* attention over the KV cache (attention.c); n: NAT_OP_ATTEND's n[0..6] */
 int nat_attend(nat_pool *pool, int isa, const float *q, const float *k, const float *v, const float *mask,
-               const float *sinks, float *out, const int64_t *n, float scale, float softcap);
+               const float *sinks, const int32_t *order, float *out, const int64_t *n, float scale, float softcap);
 int nat_mul_mat_into(nat_pool *pool, int isa, const nat_weight *w, const float *x, int64_t m, float *y, void *scratch);
 int nat_run_moe_op(nat_pool *pool, nat_qgemm_fn qgemm, nat_fgemm_fn fgemm, const nat_instr *in, void *const *bufs,
                    const nat_weight *weights);

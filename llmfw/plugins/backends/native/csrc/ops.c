@@ -352,7 +352,8 @@ int nat_run_op(nat_pool *pool, int isa, const nat_instr *in, void *const *bufs, 
         return kv_write(in, bufs);
     case NAT_OP_ATTEND:
         return nat_attend(pool, isa, F32_AT(bufs, in, 1), F32_AT(bufs, in, 2), F32_AT(bufs, in, 3),
-                          F32_AT(bufs, in, 4), HAS(in, 5) ? F32_AT(bufs, in, 5) : NULL, F32_AT(bufs, in, 0), in->n,
+                          F32_AT(bufs, in, 4), HAS(in, 5) ? F32_AT(bufs, in, 5) : NULL,
+                          HAS(in, 6) ? (const int32_t *)WORDS(bufs, in, 6) : NULL, F32_AT(bufs, in, 0), in->n,
                           in->f[0], in->f[1]);
     default:
         return NAT_BAD_INSTRUCTION;
@@ -364,15 +365,16 @@ int nat_run_op(nat_pool *pool, int isa, const nat_instr *in, void *const *bufs, 
 /* out[rows, n] = x / sqrt(mean(x^2) + eps) (* w[n] when w is not NULL) */
 void nat_rms_norm(nat_pool *pool, const float *x, const float *w, float *out, int64_t rows, int64_t n, float eps) {
     void *bufs[3] = {out, (void *)x, (void *)w};
-    nat_instr in = {.op = NAT_OP_RMS_NORM, .buf = {0, 1, w ? 2 : -1, -1, -1, -1}, .n = {rows, n}, .f = {eps}};
+    nat_instr in = {.op = NAT_OP_RMS_NORM, .buf = {0, 1, w ? 2 : -1, -1, -1, -1, -1}, .n = {rows, n}, .f = {eps}};
     nat_run_op(pool, NAT_ISA_SCALAR, &in, bufs, NULL);
 }
 
-/* q [T, H, Dk], k cache [Hkv, n_cells, Dk], v cache [Hkv, n_cells, Dv], mask [T, n_kv], sinks [H] (or NULL)
- * -> out [T, H * Dv] on ISA path isa. Returns 0, or -1 when the threads' score buffers cannot be allocated. */
+/* q [T, H, Dk], k cache [Hkv, n_cells, Dk], v cache [Hkv, n_cells, Dv], mask [T, n_kv], sinks [H] (or NULL),
+ * order [n_kv] (or NULL: cell order) -> out [T, H * Dv] on ISA path isa. Returns nat_attend's status. */
 int nat_attention(nat_pool *pool, int isa, const float *q, const float *k, const float *v, const float *mask,
-                  const float *sinks, float *out, int64_t n_tokens, int64_t n_head, int64_t n_head_kv, int64_t dk,
-                  int64_t dv, int64_t n_kv, int64_t n_cells, float scale, float softcap) {
+                  const float *sinks, const int32_t *order, float *out, int64_t n_tokens, int64_t n_head,
+                  int64_t n_head_kv, int64_t dk, int64_t dv, int64_t n_kv, int64_t n_cells, float scale,
+                  float softcap) {
     int64_t n[7] = {n_tokens, n_head, n_head_kv, dk, dv, n_kv, n_cells};
-    return nat_attend(pool, isa, q, k, v, mask, sinks, out, n, scale, softcap);
+    return nat_attend(pool, isa, q, k, v, mask, sinks, order, out, n, scale, softcap);
 }
