@@ -56,18 +56,46 @@ TARGET INLINE void load_chunks(const uint8_t *codes, int form, int high16, __m25
     }
 }
 
-/* acc + da * (((s0*i0 + s1*i1) + o0*A0) + o1*A1) for the 8 rows of a group: shared by the AVX2 and AVX-512 paths */
-TARGET INLINE __m256 combine(__m256 acc, nat_params p, int offsets, __m256i i0, __m256i i1, float da,
-                             const int32_t *sums) {
-    __m256 v = _mm256_mul_ps(_mm256_loadu_ps(p.s0), _mm256_cvtepi32_ps(i0));
-    v = _mm256_add_ps(v, _mm256_mul_ps(_mm256_loadu_ps(p.s1), _mm256_cvtepi32_ps(i1)));
-    if (offsets) {  /* A0, A1 broadcast as integers and converted in the vector unit: the same exact floats */
-        __m256 a0 = _mm256_cvtepi32_ps(_mm256_set1_epi32(sums[0]));
-        __m256 a1 = _mm256_cvtepi32_ps(_mm256_set1_epi32(sums[1]));
-        v = _mm256_add_ps(v, _mm256_mul_ps(_mm256_loadu_ps(p.o0), a0));
-        v = _mm256_add_ps(v, _mm256_mul_ps(_mm256_loadu_ps(p.o1), a1));
+/* How a weight's float parameters enter (flags, a constant of each specialised kernel): PAR_OFFSETS, it has
+ * offsets; PAR_ONE_SCALE, one scale (and offset) per block, so the halves' integer sums are added first (native.h). */
+#define PAR_OFFSETS 1
+#define PAR_ONE_SCALE 2
+
+/* The float part of native.h for the rows of one vector (W: 256, 8 rows; 512, 16 rows), par: s0, s1, o0, o1:
+ * two scales: acc + da * (((s0*i0 + s1*i1) + o0*A0) + o1*A1); one: acc + da * (s0*(i0+i1) + o0*(A0+A1)) (the
+ * bracketed offset terms only with PAR_OFFSETS). A0, A1 are broadcast as integers and converted in the vector
+ * unit: the same exact floats. */
+#define DEFINE_COMBINE(ATTR, NAME, W)                                                                              \
+    ATTR INLINE __m##W NAME(__m##W acc, const __m##W par[4], int pars, __m##W##i i0, __m##W##i i1, float da,       \
+                            const int32_t *sums) {                                                                 \
+        __m##W v;                                                                                                  \
+        if (pars & PAR_ONE_SCALE) {                                                                                \
+            v = _mm##W##_mul_ps(par[0], _mm##W##_cvtepi32_ps(_mm##W##_add_epi32(i0, i1)));                        \
+            if (pars & PAR_OFFSETS)                                                                                \
+                v = _mm##W##_add_ps(v, _mm##W##_mul_ps(par[2],                                                     \
+                                                       _mm##W##_cvtepi32_ps(_mm##W##_set1_epi32(sums[0] + sums[1])))); \
+        } else {                                                                                                   \
+            v = _mm##W##_mul_ps(par[0], _mm##W##_cvtepi32_ps(i0));                                                 \
+            v = _mm##W##_add_ps(v, _mm##W##_mul_ps(par[1], _mm##W##_cvtepi32_ps(i1)));                             \
+            if (pars & PAR_OFFSETS) {                                                                              \
+                v = _mm##W##_add_ps(v, _mm##W##_mul_ps(par[2], _mm##W##_cvtepi32_ps(_mm##W##_set1_epi32(sums[0])))); \
+                v = _mm##W##_add_ps(v, _mm##W##_mul_ps(par[3], _mm##W##_cvtepi32_ps(_mm##W##_set1_epi32(sums[1])))); \
+            }                                                                                                      \
+        }                                                                                                          \
+        return _mm##W##_add_ps(acc, _mm##W##_mul_ps(_mm##W##_set1_ps(da), v));                                     \
     }
-    return _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(da), v));
+
+DEFINE_COMBINE(TARGET, combine, 256)
+
+/* the base terms (base * A) of a row's two half dot products; with one scale all of it goes into the first half
+ * (whose sum is never shifted), as the halves' sums are added anyway */
+INLINE void base_terms(const code_plan *plan, int form, int pars, const int32_t *sums, int32_t extra[2]) {
+    extra[0] = form == NIB_INDEX ? 0 : plan->base * sums[0];
+    extra[1] = form == NIB_INDEX ? 0 : plan->base * sums[1];
+    if (pars & PAR_ONE_SCALE) {
+        extra[0] += extra[1];
+        extra[1] = 0;
+    }
 }
 
 TARGET static inline void store_rows(float *y, int64_t n, int64_t i, int64_t g, __m256 acc) {
@@ -93,29 +121,29 @@ TARGET INLINE void prefetch_ahead(const uint8_t *blk, size_t block_bytes) {
 /* activation rows per tile: a block's operands are prepared once for them all */
 #define M_TILE 4
 
-/* TILE(w, a, plan, form, offsets, rows, i0, g, y) over all m activation rows: tiles of M_TILE rows, then 2, then 1
+/* TILE(w, a, plan, form, pars, rows, i0, g, y) over all m activation rows: tiles of M_TILE rows, then 2, then 1
  * (each tile size a constant, so each gets its own specialised copy) */
-#define RUN_TILES(TILE, w, a, plan, form, offsets, m, g, y)                          \
+#define RUN_TILES(TILE, w, a, plan, form, pars, m, g, y)                             \
     do {                                                                             \
         int64_t i_ = 0;                                                              \
-        for (; i_ + M_TILE <= (m); i_ += M_TILE) TILE(w, a, plan, form, offsets, M_TILE, i_, g, y); \
+        for (; i_ + M_TILE <= (m); i_ += M_TILE) TILE(w, a, plan, form, pars, M_TILE, i_, g, y); \
         if (i_ + 2 <= (m)) {                                                         \
-            TILE(w, a, plan, form, offsets, 2, i_, g, y);                            \
+            TILE(w, a, plan, form, pars, 2, i_, g, y);                            \
             i_ += 2;                                                                 \
         }                                                                            \
-        if (i_ < (m)) TILE(w, a, plan, form, offsets, 1, i_, g, y);                  \
+        if (i_ < (m)) TILE(w, a, plan, form, pars, 1, i_, g, y);                  \
     } while (0)
 
 /* The quantized matmul of one ISA path (NAME): per row group, per tile of up to M_TILE activation rows, per block,
  * the 8 code chunks are loaded (HIGH16(form): keep the high nibbles in place) and OPERANDS(form, table, chunk,
  * signs) turns them into the path's operands once; HALF_DOT(form, half, chunk, signs, aq, extra) gives the 8 rows'
- * dot products of a half's 4 chunks with its 16 activation codes, plus extra (base * A). Each (code form, offsets,
+ * dot products of a half's 4 chunks with its 16 activation codes, plus extra (base * A). Each (code form, parameter flags,
  * tile size) gets its own copy of the loops, the branches on them compiled away; a row's arithmetic is the same in
  * every tile, so nothing depends on M. Exact integers: only the instructions differ. PAIRS(w, a, plan, form,
- * offsets, m, y, g) may take groups g and g+1 together (all m rows) and return 1, or return 0. */
+ * pars, m, y, g) may take groups g and g+1 together (all m rows) and return 1, or return 0. */
 #define QGEMM_PATH(ATTR, NAME, HIGH16, OPERANDS, HALF_DOT, PAIRS)                                                         \
     ATTR INLINE void NAME##_tile(const nat_weight *w, const nat_qact *a, const code_plan *plan, int form,           \
-                                 int offsets, int rows, int64_t i0, int64_t g, float *y) {                          \
+                                 int pars, int rows, int64_t i0, int64_t g, float *y) {                             \
         int64_t nb = w->n_cols / NAT_BLOCK;                                                                        \
         size_t bb = nat_block_bytes(w), codes_bytes = NAT_ROWS * nat_code_bytes(w);                                \
         const uint8_t *group = w->data + (size_t)g * nb * bb;                                                      \
@@ -127,42 +155,50 @@ TARGET INLINE void prefetch_ahead(const uint8_t *blk, size_t block_bytes) {
             __m256i chunk[8], signs[8];                                                                            \
             load_chunks(blk, form, HIGH16(form), chunk);                                                           \
             OPERANDS(form, plan->table, chunk, signs);                                                             \
-            nat_params par = nat_block_params(w, (const float *)(blk + codes_bytes));                              \
+            nat_params p = nat_block_params(w, (const float *)(blk + codes_bytes));                                \
+            __m256 par[4] = {_mm256_loadu_ps(p.s0), _mm256_loadu_ps(p.s1), _mm256_setzero_ps(), _mm256_setzero_ps()}; \
+            if (pars & PAR_OFFSETS) {                                                                              \
+                par[2] = _mm256_loadu_ps(p.o0);                                                                    \
+                par[3] = _mm256_loadu_ps(p.o1);                                                                    \
+            }                                                                                                      \
             for (int t = 0; t < rows; t++) {                                                                       \
                 int64_t i = i0 + t;                                                                                \
                 const int8_t *aq = a->q + i * w->n_cols + b * NAT_BLOCK;                                           \
                 const int32_t *sums = a->sums + (i * nb + b) * 2;                                                  \
-                __m256i h0 = HALF_DOT(form, 0, chunk, signs, aq, form == NIB_INDEX ? 0 : plan->base * sums[0]);    \
-                __m256i h1 = HALF_DOT(form, 1, chunk + 4, signs + 4, aq + 16,                                      \
-                                      form == NIB_INDEX ? 0 : plan->base * sums[1]);                               \
-                acc[t] = combine(acc[t], par, offsets, h0, h1, a->d[i * nb + b], sums);                            \
+                int32_t extra[2];                                                                                  \
+                base_terms(plan, form, pars, sums, extra);                                                         \
+                __m256i h0 = HALF_DOT(form, 0, chunk, signs, aq, extra[0]);                                        \
+                __m256i h1 = HALF_DOT(form, 1, chunk + 4, signs + 4, aq + 16, extra[1]);                           \
+                acc[t] = combine(acc[t], par, pars, h0, h1, a->d[i * nb + b], sums);                               \
             }                                                                                                      \
         }                                                                                                          \
         for (int t = 0; t < rows; t++) store_rows(y, w->n_rows, i0 + t, g, acc[t]);                                \
     }                                                                                                              \
     ATTR INLINE void NAME##_groups(const nat_weight *w, const nat_qact *a, const code_plan *plan, int form,         \
-                                   int offsets, int64_t m, float *y, int64_t g0, int64_t g1) {                      \
+                                   int pars, int64_t m, float *y, int64_t g0, int64_t g1) {                         \
         for (int64_t g = g0; g < g1; g++) {                                                                        \
-            if (g + 1 < g1 && PAIRS(w, a, plan, form, offsets, m, y, g)) {                                        \
+            if (g + 1 < g1 && PAIRS(w, a, plan, form, pars, m, y, g)) {                                           \
                 g++;                                                                                               \
                 continue;                                                                                          \
             }                                                                                                      \
-            RUN_TILES(NAME##_tile, w, a, plan, form, offsets, m, g, y);                                            \
+            RUN_TILES(NAME##_tile, w, a, plan, form, pars, m, g, y);                                               \
         }                                                                                                          \
     }                                                                                                              \
     ATTR void nat_qgemm_##NAME(const nat_weight *w, const nat_qact *a, int64_t m, float *y, int64_t g0,             \
                                int64_t g1) {                                                                       \
         code_plan plan = NAME##_plan(w);                                                                           \
-        int offsets = w->has_offsets != 0;                                                                         \
+        int pars = (w->has_offsets ? PAR_OFFSETS : 0) | (w->n_scales == 1 ? PAR_ONE_SCALE : 0);                   \
         FOR_FORM(NAME, NIB_INDEX) FOR_FORM(NAME, NIB_LINEAR) FOR_FORM(NAME, NIB_TABLE) FOR_FORM(NAME, BYTE)        \
     }
 
-/* the kernel specialised for code form FORM, with or without offsets (inside nat_qgemm_NAME) */
-#define FOR_FORM(NAME, FORM)                                                    \
-    if (plan.form == FORM) {                                                    \
-        if (offsets) NAME##_groups(w, a, &plan, FORM, 1, m, y, g0, g1);         \
-        else NAME##_groups(w, a, &plan, FORM, 0, m, y, g0, g1);                 \
-        return;                                                                 \
+/* the kernel specialised for code form FORM and parameter flags pars (inside nat_qgemm_NAME) */
+#define FOR_FORM(NAME, FORM)                                                                        \
+    if (plan.form == FORM) {                                                                        \
+        if (pars == 0) NAME##_groups(w, a, &plan, FORM, 0, m, y, g0, g1);                           \
+        else if (pars == PAR_OFFSETS) NAME##_groups(w, a, &plan, FORM, PAR_OFFSETS, m, y, g0, g1);  \
+        else if (pars == PAR_ONE_SCALE) NAME##_groups(w, a, &plan, FORM, PAR_ONE_SCALE, m, y, g0, g1); \
+        else NAME##_groups(w, a, &plan, FORM, PAR_OFFSETS | PAR_ONE_SCALE, m, y, g0, g1);           \
+        return;                                                                                     \
     }
 
 /* AVX2: vpmaddubsw multiplies unsigned by signed bytes into saturating 16-bit pair sums. Nibble indices (<= 15)
@@ -202,7 +238,7 @@ TARGET INLINE __m256i avx2_half_dot(int form, int half, const __m256i *chunk, co
     return sum;
 }
 
-#define NO_PAIRS(w, a, plan, form, offsets, m, y, g) 0
+#define NO_PAIRS(w, a, plan, form, pars, m, y, g) 0
 
 QGEMM_PATH(TARGET, avx2, AVX2_HIGH16, avx2_operands, avx2_half_dot, NO_PAIRS)
 
@@ -275,19 +311,9 @@ TARGET512 INLINE __m512i pair_half_dot(int form, int half, const __m512i *chunk,
     return high16 ? _mm512_srai_epi32(sum, 4) : sum;
 }
 
-/* combine over 16 rows; par: s0, s1, o0, o1 of both groups */
-TARGET512 INLINE __m512 pair_combine(__m512 acc, const __m512 par[4], int offsets, __m512i i0, __m512i i1, float da,
-                                     const int32_t *sums) {
-    __m512 v = _mm512_mul_ps(par[0], _mm512_cvtepi32_ps(i0));
-    v = _mm512_add_ps(v, _mm512_mul_ps(par[1], _mm512_cvtepi32_ps(i1)));
-    if (offsets) {
-        v = _mm512_add_ps(v, _mm512_mul_ps(par[2], _mm512_cvtepi32_ps(_mm512_set1_epi32(sums[0]))));
-        v = _mm512_add_ps(v, _mm512_mul_ps(par[3], _mm512_cvtepi32_ps(_mm512_set1_epi32(sums[1]))));
-    }
-    return _mm512_add_ps(acc, _mm512_mul_ps(_mm512_set1_ps(da), v));
-}
+DEFINE_COMBINE(TARGET512, pair_combine, 512)
 
-TARGET512 INLINE void pair_tile(const nat_weight *w, const nat_qact *a, const code_plan *plan, int form, int offsets,
+TARGET512 INLINE void pair_tile(const nat_weight *w, const nat_qact *a, const code_plan *plan, int form, int pars,
                                 int rows, int64_t i0, int64_t g, float *y) {
     int64_t nb = w->n_cols / NAT_BLOCK;
     size_t bb = nat_block_bytes(w), codes_bytes = NAT_ROWS * nat_code_bytes(w);
@@ -305,7 +331,7 @@ TARGET512 INLINE void pair_tile(const nat_weight *w, const nat_qact *a, const co
         nat_params p1 = nat_block_params(w, (const float *)(hi + codes_bytes));
         __m512 par[4] = {load_pair_ps(p0.s0, p1.s0), load_pair_ps(p0.s1, p1.s1), _mm512_setzero_ps(),
                          _mm512_setzero_ps()};
-        if (offsets) {
+        if (pars & PAR_OFFSETS) {
             par[2] = load_pair_ps(p0.o0, p1.o0);
             par[3] = load_pair_ps(p0.o1, p1.o1);
         }
@@ -313,9 +339,11 @@ TARGET512 INLINE void pair_tile(const nat_weight *w, const nat_qact *a, const co
             int64_t i = i0 + t;
             const int8_t *aq = a->q + i * w->n_cols + b * NAT_BLOCK;
             const int32_t *sums = a->sums + (i * nb + b) * 2;
-            __m512i h0 = pair_half_dot(form, 0, chunk, aq, form == NIB_INDEX ? 0 : plan->base * sums[0]);
-            __m512i h1 = pair_half_dot(form, 1, chunk + 4, aq + 16, form == NIB_INDEX ? 0 : plan->base * sums[1]);
-            acc[t] = pair_combine(acc[t], par, offsets, h0, h1, a->d[i * nb + b], sums);
+            int32_t extra[2];
+            base_terms(plan, form, pars, sums, extra);
+            __m512i h0 = pair_half_dot(form, 0, chunk, aq, extra[0]);
+            __m512i h1 = pair_half_dot(form, 1, chunk + 4, aq + 16, extra[1]);
+            acc[t] = pair_combine(acc[t], par, pars, h0, h1, a->d[i * nb + b], sums);
         }
     }
     for (int t = 0; t < rows; t++) {
@@ -325,9 +353,9 @@ TARGET512 INLINE void pair_tile(const nat_weight *w, const nat_qact *a, const co
 }
 
 /* groups g and g+1 for all m activation rows */
-TARGET512 INLINE int pair_groups(const nat_weight *w, const nat_qact *a, const code_plan *plan, int form, int offsets,
+TARGET512 INLINE int pair_groups(const nat_weight *w, const nat_qact *a, const code_plan *plan, int form, int pars,
                                  int64_t m, float *y, int64_t g) {
-    RUN_TILES(pair_tile, w, a, plan, form, offsets, m, g, y);
+    RUN_TILES(pair_tile, w, a, plan, form, pars, m, g, y);
     return 1;
 }
 
