@@ -130,7 +130,8 @@ def bench_llmfw(params: BenchParams, backend: str) -> dict[str, Any]:
     try:
         ctx = model.new_context(n_ctx=params.n_ctx, n_batch=max(params.n_prompt, params.batch_seqs, 1),
                                 n_seq_max=params.batch_seqs,
-                                n_ubatch=min(params.n_ubatch, max(params.n_prompt, 1)), n_threads=params.n_threads)
+                                n_ubatch=min(params.n_ubatch, max(params.n_prompt, params.batch_seqs, 1)),
+                                n_threads=params.n_threads)
         tokens = random_tokens(model.n_vocab, max(params.n_prompt, params.n_gen, 1))
         _check(ctx.decode(llmfw.Batch(tokens[:1])), ctx)  # what a backend builds at its first decode is load
         ctx.memory.clear()

@@ -99,19 +99,29 @@ void nat_qgemm_scalar(const nat_weight *w, const nat_qact *a, int64_t m, float *
                 nat_params p = nat_block_params(w, par);
                 const int8_t *aq = a->q + i * w->n_cols + b * NAT_BLOCK;
                 float da = a->d[i * nb + b];
-                float a0 = (float)a->sums[(i * nb + b) * 2], a1 = (float)a->sums[(i * nb + b) * 2 + 1];
+                const int32_t *sums = a->sums + (i * nb + b) * 2;
+                float a0 = (float)sums[0], a1 = (float)sums[1], a01 = (float)(sums[0] + sums[1]);
                 for (int r = 0; r < NAT_ROWS; r++) {
                     int32_t i0 = 0, i1 = 0;
                     for (int j = 0; j < 16; j++) i0 += nat_code_at(w, blk, r, j) * aq[j];
                     for (int j = 16; j < 32; j++) i1 += nat_code_at(w, blk, r, j) * aq[j];
-                    float v = p.s0[r] * (float)i0;
-                    float t = p.s1[r] * (float)i1;
-                    v = v + t;
-                    if (p.o0) {
-                        t = p.o0[r] * a0;
+                    float v, t;
+                    if (w->n_scales == 1) {  /* exact integer sums first: one conversion, one product */
+                        v = p.s0[r] * (float)(i0 + i1);
+                        if (p.o0) {
+                            t = p.o0[r] * a01;
+                            v = v + t;
+                        }
+                    } else {
+                        v = p.s0[r] * (float)i0;
+                        t = p.s1[r] * (float)i1;
                         v = v + t;
-                        t = p.o1[r] * a1;
-                        v = v + t;
+                        if (p.o0) {
+                            t = p.o0[r] * a0;
+                            v = v + t;
+                            t = p.o1[r] * a1;
+                            v = v + t;
+                        }
                     }
                     t = da * v;
                     acc[r] = acc[r] + t;

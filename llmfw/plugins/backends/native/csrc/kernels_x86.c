@@ -56,18 +56,46 @@ TARGET INLINE void load_chunks(const uint8_t *codes, int form, int high16, __m25
     }
 }
 
-/* acc + da * (((s0*i0 + s1*i1) + o0*A0) + o1*A1) for the 8 rows of a group: shared by the AVX2 and AVX-512 paths */
-TARGET INLINE __m256 combine(__m256 acc, nat_params p, int offsets, __m256i i0, __m256i i1, float da,
-                             const int32_t *sums) {
-    __m256 v = _mm256_mul_ps(_mm256_loadu_ps(p.s0), _mm256_cvtepi32_ps(i0));
-    v = _mm256_add_ps(v, _mm256_mul_ps(_mm256_loadu_ps(p.s1), _mm256_cvtepi32_ps(i1)));
-    if (offsets) {  /* A0, A1 broadcast as integers and converted in the vector unit: the same exact floats */
-        __m256 a0 = _mm256_cvtepi32_ps(_mm256_set1_epi32(sums[0]));
-        __m256 a1 = _mm256_cvtepi32_ps(_mm256_set1_epi32(sums[1]));
-        v = _mm256_add_ps(v, _mm256_mul_ps(_mm256_loadu_ps(p.o0), a0));
-        v = _mm256_add_ps(v, _mm256_mul_ps(_mm256_loadu_ps(p.o1), a1));
+/* How a weight's float parameters enter (flags, a constant of each specialised kernel): PAR_OFFSETS, it has
+ * offsets; PAR_ONE_SCALE, one scale (and offset) per block, so the halves' integer sums are added first (native.h). */
+#define PAR_OFFSETS 1
+#define PAR_ONE_SCALE 2
+
+/* The float part of native.h for the rows of one vector (W: 256, 8 rows; 512, 16 rows), par: s0, s1, o0, o1:
+ * two scales: acc + da * (((s0*i0 + s1*i1) + o0*A0) + o1*A1); one: acc + da * (s0*(i0+i1) + o0*(A0+A1)) (the
+ * bracketed offset terms only with PAR_OFFSETS). A0, A1 are broadcast as integers and converted in the vector
+ * unit: the same exact floats. */
+#define DEFINE_COMBINE(ATTR, NAME, W)                                                                              \
+    ATTR INLINE __m##W NAME(__m##W acc, const __m##W par[4], int pars, __m##W##i i0, __m##W##i i1, float da,       \
+                            const int32_t *sums) {                                                                 \
+        __m##W v;                                                                                                  \
+        if (pars & PAR_ONE_SCALE) {                                                                                \
+            v = _mm##W##_mul_ps(par[0], _mm##W##_cvtepi32_ps(_mm##W##_add_epi32(i0, i1)));                        \
+            if (pars & PAR_OFFSETS)                                                                                \
+                v = _mm##W##_add_ps(v, _mm##W##_mul_ps(par[2],                                                     \
+                                                       _mm##W##_cvtepi32_ps(_mm##W##_set1_epi32(sums[0] + sums[1])))); \
+        } else {                                                                                                   \
+            v = _mm##W##_mul_ps(par[0], _mm##W##_cvtepi32_ps(i0));                                                 \
+            v = _mm##W##_add_ps(v, _mm##W##_mul_ps(par[1], _mm##W##_cvtepi32_ps(i1)));                             \
+            if (pars & PAR_OFFSETS) {                                                                              \
+                v = _mm##W##_add_ps(v, _mm##W##_mul_ps(par[2], _mm##W##_cvtepi32_ps(_mm##W##_set1_epi32(sums[0])))); \
+                v = _mm##W##_add_ps(v, _mm##W##_mul_ps(par[3], _mm##W##_cvtepi32_ps(_mm##W##_set1_epi32(sums[1])))); \
+            }                                                                                                      \
+        }                                                                                                          \
+        return _mm##W##_add_ps(acc, _mm##W##_mul_ps(_mm##W##_set1_ps(da), v));                                     \
     }
-    return _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(da), v));
+
+DEFINE_COMBINE(TARGET, combine, 256)
+
+/* the base terms (base * A) of a row's two half dot products; with one scale all of it goes into the first half
+ * (whose sum is never shifted), as the halves' sums are added anyway */
+INLINE void base_terms(const code_plan *plan, int form, int pars, const int32_t *sums, int32_t extra[2]) {
+    extra[0] = form == NIB_INDEX ? 0 : plan->base * sums[0];
+    extra[1] = form == NIB_INDEX ? 0 : plan->base * sums[1];
+    if (pars & PAR_ONE_SCALE) {
+        extra[0] += extra[1];
+        extra[1] = 0;
+    }
 }
 
 TARGET static inline void store_rows(float *y, int64_t n, int64_t i, int64_t g, __m256 acc) {
@@ -84,24 +112,42 @@ TARGET static inline void store_rows(float *y, int64_t n, int64_t i, int64_t g, 
  * per matmul; the hardware prefetchers alone leave a decode step waiting on memory, most of all when other
  * processes share the memory bus. */
 #define PREFETCH_BYTES 1024
+/* the AVX-512 two-group path's distance (per stream): measured on a Sapphire Rapids decode step, 8 KiB ran one
+ * sequence and four together faster than 1-4 KiB (a batched step takes longer per block, so 1 KiB ahead arrives
+ * late); the AVX2 path keeps 1 KiB, as nothing measured it elsewhere */
+#define PAIR_PREFETCH_BYTES 8192
 
-TARGET INLINE void prefetch_ahead(const uint8_t *blk, size_t block_bytes) {
+TARGET INLINE void prefetch_ahead(const uint8_t *blk, size_t block_bytes, size_t distance) {
     for (size_t line = 0; line < block_bytes; line += 64)
-        _mm_prefetch((const char *)blk + PREFETCH_BYTES + line, _MM_HINT_T0);
+        _mm_prefetch((const char *)blk + distance + line, _MM_HINT_T0);
 }
 
 /* activation rows per tile: a block's operands are prepared once for them all */
 #define M_TILE 4
 
+/* TILE(w, a, plan, form, pars, rows, i0, g, y) over all m activation rows: tiles of M_TILE rows, then 2, then 1
+ * (each tile size a constant, so each gets its own specialised copy) */
+#define RUN_TILES(TILE, w, a, plan, form, pars, m, g, y)                             \
+    do {                                                                             \
+        int64_t i_ = 0;                                                              \
+        for (; i_ + M_TILE <= (m); i_ += M_TILE) TILE(w, a, plan, form, pars, M_TILE, i_, g, y); \
+        if (i_ + 2 <= (m)) {                                                         \
+            TILE(w, a, plan, form, pars, 2, i_, g, y);                            \
+            i_ += 2;                                                                 \
+        }                                                                            \
+        if (i_ < (m)) TILE(w, a, plan, form, pars, 1, i_, g, y);                  \
+    } while (0)
+
 /* The quantized matmul of one ISA path (NAME): per row group, per tile of up to M_TILE activation rows, per block,
  * the 8 code chunks are loaded (HIGH16(form): keep the high nibbles in place) and OPERANDS(form, table, chunk,
  * signs) turns them into the path's operands once; HALF_DOT(form, half, chunk, signs, aq, extra) gives the 8 rows'
- * dot products of a half's 4 chunks with its 16 activation codes, plus extra (base * A). Each (code form, offsets,
+ * dot products of a half's 4 chunks with its 16 activation codes, plus extra (base * A). Each (code form, parameter flags,
  * tile size) gets its own copy of the loops, the branches on them compiled away; a row's arithmetic is the same in
- * every tile, so nothing depends on M. Exact integers: only the instructions differ. */
-#define QGEMM_PATH(ATTR, NAME, HIGH16, OPERANDS, HALF_DOT)                                                         \
+ * every tile, so nothing depends on M. Exact integers: only the instructions differ. PAIRS(w, a, plan, form,
+ * pars, m, y, g) may take groups g and g+1 together (all m rows) and return 1, or return 0. */
+#define QGEMM_PATH(ATTR, NAME, HIGH16, OPERANDS, HALF_DOT, PAIRS)                                                         \
     ATTR INLINE void NAME##_tile(const nat_weight *w, const nat_qact *a, const code_plan *plan, int form,           \
-                                 int offsets, int rows, int64_t i0, int64_t g, float *y) {                          \
+                                 int pars, int rows, int64_t i0, int64_t g, float *y) {                             \
         int64_t nb = w->n_cols / NAT_BLOCK;                                                                        \
         size_t bb = nat_block_bytes(w), codes_bytes = NAT_ROWS * nat_code_bytes(w);                                \
         const uint8_t *group = w->data + (size_t)g * nb * bb;                                                      \
@@ -109,48 +155,54 @@ TARGET INLINE void prefetch_ahead(const uint8_t *blk, size_t block_bytes) {
         for (int t = 0; t < rows; t++) acc[t] = _mm256_setzero_ps();                                               \
         for (int64_t b = 0; b < nb; b++) {                                                                         \
             const uint8_t *blk = group + b * bb;                                                                   \
-            prefetch_ahead(blk, bb);                                                                               \
+            prefetch_ahead(blk, bb, PREFETCH_BYTES);                                                               \
             __m256i chunk[8], signs[8];                                                                            \
             load_chunks(blk, form, HIGH16(form), chunk);                                                           \
             OPERANDS(form, plan->table, chunk, signs);                                                             \
-            nat_params par = nat_block_params(w, (const float *)(blk + codes_bytes));                              \
+            nat_params p = nat_block_params(w, (const float *)(blk + codes_bytes));                                \
+            __m256 par[4] = {_mm256_loadu_ps(p.s0), _mm256_loadu_ps(p.s1), _mm256_setzero_ps(), _mm256_setzero_ps()}; \
+            if (pars & PAR_OFFSETS) {                                                                              \
+                par[2] = _mm256_loadu_ps(p.o0);                                                                    \
+                par[3] = _mm256_loadu_ps(p.o1);                                                                    \
+            }                                                                                                      \
             for (int t = 0; t < rows; t++) {                                                                       \
                 int64_t i = i0 + t;                                                                                \
                 const int8_t *aq = a->q + i * w->n_cols + b * NAT_BLOCK;                                           \
                 const int32_t *sums = a->sums + (i * nb + b) * 2;                                                  \
-                __m256i h0 = HALF_DOT(form, 0, chunk, signs, aq, form == NIB_INDEX ? 0 : plan->base * sums[0]);    \
-                __m256i h1 = HALF_DOT(form, 1, chunk + 4, signs + 4, aq + 16,                                      \
-                                      form == NIB_INDEX ? 0 : plan->base * sums[1]);                               \
-                acc[t] = combine(acc[t], par, offsets, h0, h1, a->d[i * nb + b], sums);                            \
+                int32_t extra[2];                                                                                  \
+                base_terms(plan, form, pars, sums, extra);                                                         \
+                __m256i h0 = HALF_DOT(form, 0, chunk, signs, aq, extra[0]);                                        \
+                __m256i h1 = HALF_DOT(form, 1, chunk + 4, signs + 4, aq + 16, extra[1]);                           \
+                acc[t] = combine(acc[t], par, pars, h0, h1, a->d[i * nb + b], sums);                               \
             }                                                                                                      \
         }                                                                                                          \
         for (int t = 0; t < rows; t++) store_rows(y, w->n_rows, i0 + t, g, acc[t]);                                \
     }                                                                                                              \
     ATTR INLINE void NAME##_groups(const nat_weight *w, const nat_qact *a, const code_plan *plan, int form,         \
-                                   int offsets, int64_t m, float *y, int64_t g0, int64_t g1) {                      \
+                                   int pars, int64_t m, float *y, int64_t g0, int64_t g1) {                         \
         for (int64_t g = g0; g < g1; g++) {                                                                        \
-            int64_t i = 0;                                                                                         \
-            for (; i + M_TILE <= m; i += M_TILE) NAME##_tile(w, a, plan, form, offsets, M_TILE, i, g, y);         \
-            if (i + 2 <= m) {                                                                                      \
-                NAME##_tile(w, a, plan, form, offsets, 2, i, g, y);                                                \
-                i += 2;                                                                                            \
+            if (g + 1 < g1 && PAIRS(w, a, plan, form, pars, m, y, g)) {                                           \
+                g++;                                                                                               \
+                continue;                                                                                          \
             }                                                                                                      \
-            if (i < m) NAME##_tile(w, a, plan, form, offsets, 1, i, g, y);                                         \
+            RUN_TILES(NAME##_tile, w, a, plan, form, pars, m, g, y);                                               \
         }                                                                                                          \
     }                                                                                                              \
     ATTR void nat_qgemm_##NAME(const nat_weight *w, const nat_qact *a, int64_t m, float *y, int64_t g0,             \
                                int64_t g1) {                                                                       \
         code_plan plan = NAME##_plan(w);                                                                           \
-        int offsets = w->has_offsets != 0;                                                                         \
+        int pars = (w->has_offsets ? PAR_OFFSETS : 0) | (w->n_scales == 1 ? PAR_ONE_SCALE : 0);                   \
         FOR_FORM(NAME, NIB_INDEX) FOR_FORM(NAME, NIB_LINEAR) FOR_FORM(NAME, NIB_TABLE) FOR_FORM(NAME, BYTE)        \
     }
 
-/* the kernel specialised for code form FORM, with or without offsets (inside nat_qgemm_NAME) */
-#define FOR_FORM(NAME, FORM)                                                    \
-    if (plan.form == FORM) {                                                    \
-        if (offsets) NAME##_groups(w, a, &plan, FORM, 1, m, y, g0, g1);         \
-        else NAME##_groups(w, a, &plan, FORM, 0, m, y, g0, g1);                 \
-        return;                                                                 \
+/* the kernel specialised for code form FORM and parameter flags pars (inside nat_qgemm_NAME) */
+#define FOR_FORM(NAME, FORM)                                                                        \
+    if (plan.form == FORM) {                                                                        \
+        if (pars == 0) NAME##_groups(w, a, &plan, FORM, 0, m, y, g0, g1);                           \
+        else if (pars == PAR_OFFSETS) NAME##_groups(w, a, &plan, FORM, PAR_OFFSETS, m, y, g0, g1);  \
+        else if (pars == PAR_ONE_SCALE) NAME##_groups(w, a, &plan, FORM, PAR_ONE_SCALE, m, y, g0, g1); \
+        else NAME##_groups(w, a, &plan, FORM, PAR_OFFSETS | PAR_ONE_SCALE, m, y, g0, g1);           \
+        return;                                                                                     \
     }
 
 /* AVX2: vpmaddubsw multiplies unsigned by signed bytes into saturating 16-bit pair sums. Nibble indices (<= 15)
@@ -190,7 +242,9 @@ TARGET INLINE __m256i avx2_half_dot(int form, int half, const __m256i *chunk, co
     return sum;
 }
 
-QGEMM_PATH(TARGET, avx2, AVX2_HIGH16, avx2_operands, avx2_half_dot)
+#define NO_PAIRS(w, a, plan, form, pars, m, y, g) 0
+
+QGEMM_PATH(TARGET, avx2, AVX2_HIGH16, avx2_operands, avx2_half_dot, NO_PAIRS)
 
 /* AVX-512 VNNI: vpdpbusd multiplies unsigned by signed bytes into 32-bit lanes, exactly. Nibble indices go in as
  * they are (base table[0]; the second half's as 16 * index, saving a shift per chunk, its sum shifted back once),
@@ -220,7 +274,96 @@ TARGET512 INLINE __m256i vnni_half_dot(int form, int half, const __m256i *chunk,
     return high16 ? _mm256_srai_epi32(sum, 4) : sum;
 }
 
-QGEMM_PATH(TARGET512, avx512, VNNI_HIGH16, vnni_operands, vnni_half_dot)
+/* AVX-512 over two row groups at once: groups g and g+1 in the two 256-bit halves of each 512-bit vector, so one
+ * vpdpbusd with a broadcast activation word gives 16 rows' partial dot products and the float part runs over 16
+ * lanes. Each lane does exactly its row's operations of the one-group kernel above: the same bits. */
+TARGET512 INLINE __m512i load_pair(const uint8_t *lo, const uint8_t *hi) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)lo)),
+                              _mm256_loadu_si256((const __m256i *)hi), 1);
+}
+
+TARGET512 INLINE __m512 load_pair_ps(const float *lo, const float *hi) {
+    return _mm512_castsi512_ps(load_pair((const uint8_t *)lo, (const uint8_t *)hi));
+}
+
+/* the two groups' 8 code chunks as vnni_operands makes them (table: the plan's, in all four 128-bit lanes) */
+TARGET512 INLINE void pair_operands(const uint8_t *lo, const uint8_t *hi, int form, __m512i table, __m512i chunk[8]) {
+    if (form == BYTE) {
+        for (int c = 0; c < 8; c++)
+            chunk[c] = _mm512_xor_si512(load_pair(lo + 32 * c, hi + 32 * c), _mm512_set1_epi8((char)0x80));
+        return;
+    }
+    __m512i low4 = _mm512_set1_epi8(15);
+    for (int c = 0; c < 4; c++) {
+        __m512i packed = load_pair(lo + 32 * c, hi + 32 * c);
+        chunk[c] = _mm512_and_si512(packed, low4);
+        chunk[c + 4] = VNNI_HIGH16(form) ? _mm512_andnot_si512(low4, packed)
+                                         : _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
+    }
+    for (int c = 0; c < 8 && form == NIB_TABLE; c++) chunk[c] = _mm512_shuffle_epi8(table, chunk[c]);
+}
+
+/* vnni_half_dot over 16 rows */
+TARGET512 INLINE __m512i pair_half_dot(int form, int half, const __m512i *chunk, const int8_t *aq, int32_t extra) {
+    int high16 = half && VNNI_HIGH16(form);
+    __m512i sum = _mm512_set1_epi32(high16 ? extra * 16 : extra);
+    for (int c = 0; c < 4; c++) {
+        int32_t word;
+        memcpy(&word, aq + 4 * c, 4);
+        sum = _mm512_dpbusd_epi32(sum, chunk[c], _mm512_set1_epi32(word));
+    }
+    return high16 ? _mm512_srai_epi32(sum, 4) : sum;
+}
+
+DEFINE_COMBINE(TARGET512, pair_combine, 512)
+
+TARGET512 INLINE void pair_tile(const nat_weight *w, const nat_qact *a, const code_plan *plan, int form, int pars,
+                                int rows, int64_t i0, int64_t g, float *y) {
+    int64_t nb = w->n_cols / NAT_BLOCK;
+    size_t bb = nat_block_bytes(w), codes_bytes = NAT_ROWS * nat_code_bytes(w);
+    const uint8_t *group = w->data + (size_t)g * nb * bb, *next = group + (size_t)nb * bb;
+    __m512i table = _mm512_broadcast_i64x4(plan->table);
+    __m512 acc[M_TILE];
+    for (int t = 0; t < rows; t++) acc[t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *lo = group + b * bb, *hi = next + b * bb;
+        prefetch_ahead(lo, bb, PAIR_PREFETCH_BYTES);
+        prefetch_ahead(hi, bb, PAIR_PREFETCH_BYTES);
+        __m512i chunk[8];
+        pair_operands(lo, hi, form, table, chunk);
+        nat_params p0 = nat_block_params(w, (const float *)(lo + codes_bytes));
+        nat_params p1 = nat_block_params(w, (const float *)(hi + codes_bytes));
+        __m512 par[4] = {load_pair_ps(p0.s0, p1.s0), load_pair_ps(p0.s1, p1.s1), _mm512_setzero_ps(),
+                         _mm512_setzero_ps()};
+        if (pars & PAR_OFFSETS) {
+            par[2] = load_pair_ps(p0.o0, p1.o0);
+            par[3] = load_pair_ps(p0.o1, p1.o1);
+        }
+        for (int t = 0; t < rows; t++) {
+            int64_t i = i0 + t;
+            const int8_t *aq = a->q + i * w->n_cols + b * NAT_BLOCK;
+            const int32_t *sums = a->sums + (i * nb + b) * 2;
+            int32_t extra[2];
+            base_terms(plan, form, pars, sums, extra);
+            __m512i h0 = pair_half_dot(form, 0, chunk, aq, extra[0]);
+            __m512i h1 = pair_half_dot(form, 1, chunk + 4, aq + 16, extra[1]);
+            acc[t] = pair_combine(acc[t], par, pars, h0, h1, a->d[i * nb + b], sums);
+        }
+    }
+    for (int t = 0; t < rows; t++) {
+        store_rows(y, w->n_rows, i0 + t, g, _mm512_castps512_ps256(acc[t]));
+        store_rows(y, w->n_rows, i0 + t, g + 1, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[t]), 1)));
+    }
+}
+
+/* groups g and g+1 for all m activation rows */
+TARGET512 INLINE int pair_groups(const nat_weight *w, const nat_qact *a, const code_plan *plan, int form, int pars,
+                                 int64_t m, float *y, int64_t g) {
+    RUN_TILES(pair_tile, w, a, plan, form, pars, m, g, y);
+    return 1;
+}
+
+QGEMM_PATH(TARGET512, avx512, VNNI_HIGH16, vnni_operands, vnni_half_dot, pair_groups)
 
 /* 8 weights from element j of a row as float (zero past n_cols) */
 TARGET static inline __m256 load_weights8(const nat_weight *w, const uint8_t *row, int64_t j, int64_t k) {

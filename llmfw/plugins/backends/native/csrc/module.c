@@ -64,9 +64,9 @@ static void quantize_chunk(void *raw, int64_t chunk, int ith) {
 static void qgemm_chunk(void *raw, int64_t chunk, int ith) {
     (void)ith;
     mul_mat_job *job = raw;
-    int64_t g0, g1;
-    nat_share((job->w->n_rows + NAT_ROWS - 1) / NAT_ROWS, chunk, job->n_chunks, &g0, &g1);
-    job->qgemm(job->w, &job->act, job->m, job->y, g0, g1);
+    int64_t n_groups = (job->w->n_rows + NAT_ROWS - 1) / NAT_ROWS, p0, p1;
+    nat_share((n_groups + 1) / 2, chunk, job->n_chunks, &p0, &p1);  /* whole pairs: the AVX-512 path takes two */
+    job->qgemm(job->w, &job->act, job->m, job->y, 2 * p0, 2 * p1 < n_groups ? 2 * p1 : n_groups);
 }
 
 static void fgemm_chunk(void *raw, int64_t chunk, int ith) {
@@ -104,7 +104,7 @@ int nat_mul_mat_into(nat_pool *pool, int isa, const nat_weight *w, const float *
     job.act.sums = (int32_t *)scratch + sums_at;
     job.n_chunks = m * w->n_cols < 65536 ? 1 : nat_pool_chunks(pool, m);
     nat_pool_for(pool, job.n_chunks, quantize_chunk, &job);
-    job.n_chunks = nat_pool_chunks(pool, (w->n_rows + NAT_ROWS - 1) / NAT_ROWS);
+    job.n_chunks = nat_pool_chunks(pool, ((w->n_rows + NAT_ROWS - 1) / NAT_ROWS + 1) / 2);
     nat_pool_for(pool, job.n_chunks, qgemm_chunk, &job);
     return 0;
 }

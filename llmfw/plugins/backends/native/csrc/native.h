@@ -5,9 +5,12 @@
  *
  *  quantized weights (kind NAT_QNIB / NAT_QBYTE), per output row r, per 32-element block b:
  *      i0, i1 = integer dot products of the block's weight codes with the activation codes, elements 0-15 / 16-31
- *      v = s0*i0 + s1*i1;  [v = v + o0*A0;  v = v + o1*A1;]  acc = acc + da*v
+ *      two scales per block (one per half):  v = s0*i0 + s1*i1;  [v = v + o0*A0;  v = v + o1*A1;]
+ *      one scale per block (s, o):           v = s*(i0 + i1);    [v = v + o*(A0 + A1);]
+ *      acc = acc + da*v
  *    (A0/A1: sums of the activation codes of each half, da: the activation block's scale; the bracket only for a
- *    weight with offsets; s1 = s0 and o1 = o0 for a weight with one scale per block); blocks in order.
+ *    weight with offsets; with one scale the integers are added exactly before the one conversion); blocks in
+ *    order.
  *  float weights (NAT_F32 / NAT_F16 / NAT_BF16): 16 lanes, element i into lane i % 16 (acc = acc + x*w; the row
  *    padded with zeros to a multiple of 16), then lanes l + l+8, l + l+4, l + l+2, l + l+1.
  * Products and sums are separate roundings (compiled with -ffp-contract=off: never a fused multiply-add).
