@@ -28,7 +28,7 @@ import math
 from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Mapping, Sequence
 
 import numpy as np
 from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo, field_validator,
@@ -94,9 +94,7 @@ class Candidates:
     @classmethod
     def from_logits(cls, logits: Any) -> "Candidates":
         """Every token of the vocabulary with its logit (a copy: samplers modify the logits)."""
-        values = np.array(logits, dtype=np.float32, copy=True).reshape(-1)
-        if values.size == 0:
-            raise SamplerError("cannot sample from an empty logits vector")
+        values = vocabulary_logits(logits)
         return cls(np.arange(values.size, dtype=np.int32), values)
 
     def __len__(self) -> int:
@@ -154,6 +152,14 @@ class Candidates:
                 "(greedy, dist, mirostat or mirostat_v2)"
             )
         return int(self.ids[self.selected])
+
+
+def vocabulary_logits(logits: Any) -> np.ndarray:
+    """A float32 copy of a logits vector, every token in id order (samplers modify it)."""
+    values = np.array(logits, dtype=np.float32, copy=True).reshape(-1)
+    if values.size == 0:
+        raise SamplerError("cannot sample from an empty logits vector")
+    return values
 
 
 def apply_temperature(cur: Candidates, temp: float) -> None:
@@ -219,12 +225,26 @@ class Sampler(ABC):
 
     #: the registry name (set by subclasses)
     name: ClassVar[str] = "sampler"
+    #: :meth:`apply_logits` does to the whole vocabulary's logits in id order what :meth:`apply` does to such
+    #: candidates: it changes logits only, dropping and reordering nothing
+    logits_only: ClassVar[bool] = False
+    #: :meth:`select_logits` picks the token that :meth:`apply` selects from the whole vocabulary in id order
+    selects_from_logits: ClassVar[bool] = False
     #: a sampler that draws random numbers keeps its generator here (saved states carry its state)
     rng: MT19937Rng | None = None
 
     @abstractmethod
     def apply(self, cur: Candidates) -> None:
         """Transform the candidates (see the class docstring)."""
+
+    def apply_logits(self, logits: np.ndarray) -> None:
+        """A ``logits_only`` sampler's fast path: change ``logits`` (float32, every token in id order, the
+        chain's own copy) in place exactly as :meth:`apply` would change the candidates' logits."""
+        raise NotImplementedError(f"sampler {self.name!r} works on candidates only")
+
+    def select_logits(self, logits: np.ndarray) -> int:
+        """A ``selects_from_logits`` sampler's fast path: the token :meth:`apply` would select."""
+        raise NotImplementedError(f"sampler {self.name!r} works on candidates only")
 
     def accept(self, token: int) -> None:  # optional hook
         """Record a chosen token (default: no state)."""
@@ -539,11 +559,24 @@ class SamplerChain(Sampler):
             logits = ctx_or_logits
         else:
             logits = ctx_or_logits.get_logits_ith(idx)
-        cur = Candidates.from_logits(logits)
-        self.apply(cur)
-        token = cur.selected_token
+        if self.in_vocabulary_order():
+            values = vocabulary_logits(logits)
+            for sampler in self.samplers[:-1]:
+                sampler.apply_logits(values)
+            token = self.samplers[-1].select_logits(values)
+        else:
+            cur = Candidates.from_logits(logits)
+            self.apply(cur)
+            token = cur.selected_token
         self.accept(token)
         return token
+
+    def in_vocabulary_order(self) -> bool:
+        """True when every sampler but the last only changes logits and the last selects from them (greedy
+        with a logit bias or penalties): :meth:`sample` then works on the logits vector itself — no id array,
+        no :class:`Candidates`, no copy per sampler — and picks the same token."""
+        return (bool(self.samplers) and self.samplers[-1].selects_from_logits
+                and all(sampler.logits_only for sampler in self.samplers[:-1]))
 
     @property
     def names(self) -> list[str]:
@@ -581,12 +614,25 @@ class RingHistory:
         self.tokens.clear()
 
 
-def ids_lookup(ids: np.ndarray, table: dict[int, float]) -> tuple[np.ndarray, np.ndarray]:
+def _table_arrays(table: Mapping[int, float]) -> tuple[np.ndarray, np.ndarray]:
+    keys = np.fromiter(table.keys(), dtype=np.int64, count=len(table))
+    values = np.fromiter(table.values(), dtype=np.float64, count=len(table))
+    return keys, values
+
+
+def vocab_lookup(n_vocab: int, table: Mapping[int, float]) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`ids_lookup` for the whole vocabulary in id order (position == id): the keys of ``table`` inside
+    it, and their values."""
+    keys, values = _table_arrays(table)
+    inside = (keys >= 0) & (keys < n_vocab)
+    return (keys, values) if inside.all() else (keys[inside], values[inside])
+
+
+def ids_lookup(ids: np.ndarray, table: Mapping[int, float]) -> tuple[np.ndarray, np.ndarray]:
     """Positions in ``ids`` whose token is a key of ``table``, and the table values for them."""
     if not table:
         return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.float64)
-    keys = np.fromiter(table.keys(), dtype=np.int64, count=len(table))
-    values = np.fromiter(table.values(), dtype=np.float64, count=len(table))
+    keys, values = _table_arrays(table)
     inside = (keys >= 0) & (keys < len(ids))
     if inside.all() and np.array_equal(ids[keys], keys):
         return keys, values  # the usual case: candidates still in vocabulary order (position == id)
