@@ -27,15 +27,15 @@ def model_path(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def model(model_path):
-    with llmfw.load_model(str(model_path), backend="numpy") as loaded:
-        yield loaded
+def engine(model_path):
+    with llmfw.load_model(str(model_path), backend="numpy") as model, \
+            Engine(model, parallel=2, n_ctx=256, alias="tiny") as e:
+        yield e
 
 
 @pytest.fixture(scope="module")
-def engine(model):
-    with Engine(model, parallel=2, n_ctx=256, alias="tiny") as e:
-        yield e
+def model(engine):
+    return engine.model
 
 
 @pytest.fixture(scope="module")
