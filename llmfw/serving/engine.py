@@ -9,7 +9,7 @@ it; the engine thread never blocks on them. Each :meth:`Engine._step`:
 3. decodes **one batch**: the next token of every generating job plus prompt chunks of admitted ones, at most
    ``n_batch`` tokens;
 4. samples each job whose row came out with that job's own sampler chain (own seed), and pushes a
-   :class:`TokenEvent` / :class:`FinishEvent` to the job's event queue.
+   :class:`TokenEvent` / :class:`FinishEvent` to the job's event queue once the step is over (and counted).
 
 Every step is timed (:mod:`.step_profile`): the decode call against the engine's own work around it, in the
 ``llmfw_step_*_seconds`` histograms, :attr:`Engine.step_profile` and, when the engine goes idle, one INFO line of
@@ -91,6 +91,8 @@ class Engine:
         self.metrics = metrics or EngineMetrics()
         self.metrics.attach(lambda: sum(j is not None for j in self._slots), lambda: len(self._waiting))
         self.profile = StepProfile(self.metrics.step_decode, self.metrics.step_engine)
+        #: the events of the step running now, handed to the jobs' queues when it is over (:meth:`_deliver`)
+        self._outbox: list[tuple[Job, Event]] = []
         self._thread = threading.Thread(target=self._run, name="llmfw-engine", daemon=True)
         self._thread.start()
 
@@ -185,6 +187,7 @@ class Engine:
             while self._wait_for_work():
                 self._run_calls()
                 self._step()
+                self._deliver()
         except Exception as exc:  # report to every waiting client, then stop
             log.exception("the serving engine failed")
             message = f"the engine failed: {type(exc).__name__}: {exc}"
@@ -214,7 +217,19 @@ class Engine:
             except Exception as exc:  # noqa: BLE001 - the caller's error, raised in the caller's thread
                 future.set_exception(exc)
 
+    def _deliver(self) -> None:
+        """Hand the step's events to their jobs' queues — after the step is counted, so a client that saw its
+        stream end sees that step in the metrics too. The time it takes counts with the next step."""
+        if not self._outbox:
+            return
+        t_start = time.perf_counter()
+        outbox, self._outbox = self._outbox, []
+        for job, event in outbox:
+            job.events.put(event)
+        self.profile.carry(time.perf_counter() - t_start)
+
     def _fail_all(self, message: str) -> None:
+        self._deliver()
         with self._cond:
             jobs = [j for j in self._slots if j is not None] + list(self._waiting)
             calls = list(self._calls)
@@ -313,7 +328,7 @@ class Engine:
             token = job.chain.sample(logits)
         except LLMFWError as exc:
             self._release(job)
-            job.events.put(ErrorEvent(job.index, f"sampling failed: {exc}", stopped=False))
+            self._outbox.append((job, ErrorEvent(job.index, f"sampling failed: {exc}", stopped=False)))
             return
         finally:
             step.sample_s += time.perf_counter() - t_start
@@ -331,7 +346,7 @@ class Engine:
             t_logprobs = time.perf_counter()
             event.logprob, event.top = _token_logprobs(logits, token, job.n_logprobs)
             step.sample_s += time.perf_counter() - t_logprobs
-        job.events.put(event)
+        self._outbox.append((job, event))
         reason = stop_reason(job.text, job.chain, job.n_generated, job.max_tokens, job.n_past, self.n_ctx_slot)
         if reason:
             self._finish(job, FINISH_REASONS[reason])
@@ -342,9 +357,10 @@ class Engine:
         assert job.text is not None
         rest = "" if job.text.stopped else job.text.flush()
         if rest:
-            job.events.put(TokenEvent(job.index, rest))
+            self._outbox.append((job, TokenEvent(job.index, rest)))
         self._release(job)
-        job.events.put(FinishEvent(job.index, reason, len(job.tokens), job.n_generated, job.text.stopped_by))
+        self._outbox.append((job, FinishEvent(job.index, reason, len(job.tokens), job.n_generated,
+                                              job.text.stopped_by)))
 
     def _release(self, job: Job) -> None:
         with self._cond:

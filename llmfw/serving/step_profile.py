@@ -5,7 +5,8 @@ Each :meth:`Engine._step <llmfw.serving.engine.Engine._step>` is one decode call
 sampler chain and logprobs) and ``output`` (detokenizing, stop checks, events to the clients, metrics). A
 :class:`StepProfile` adds them up from the engine's start and for the current busy period (from the first step
 after the engine was idle), feeds the ``llmfw_step_decode_seconds`` / ``llmfw_step_engine_seconds`` histograms and
-says the engine's share of a step in one line (the ``-v`` log when a busy period ends).
+says the engine's share of a step in one line (the ``-v`` log when a busy period ends). A step's events reach the
+clients after the step is counted; the time to hand them out counts with the next step's ``output``.
 """
 from __future__ import annotations
 
@@ -64,9 +65,16 @@ class StepProfile:
         self._decode_histogram, self._engine_histogram = decode_histogram, engine_histogram
         self.total = StepTotals()
         self.period = StepTotals()
+        self._carried_s = 0.0
+
+    def carry(self, seconds: float) -> None:
+        """Engine work done after a step was counted (handing out its events): it counts with the next step."""
+        self._carried_s += seconds
 
     def record(self, step: StepTotals) -> None:
         """Count one step (a :class:`StepTotals` of one step)."""
+        step.output_s += self._carried_s
+        self._carried_s = 0.0
         self.total.add(step)
         self.period.add(step)
         self._decode_histogram.observe(step.decode_s)
