@@ -35,8 +35,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: decode-shaped plans a context keeps besides its last one (:meth:`Context._graph_for`)
+#: decode-shaped plans a context keeps besides its last one (:meth:`Context._graph_for`), at most ...
 DECODE_PLANS_KEPT = 8
+#: ... holding this many tokens per sequence of the context in all (a plan's buffers grow with its tokens: the
+#: kept ones take at most about as much memory as this many of the largest decode plan)
+DECODE_PLAN_TOKENS_PER_SEQ = 3
 
 
 class ContextModel(GraphModel, PlacedModel, Protocol):
@@ -266,8 +269,8 @@ class Context:
         """The previous plan when the build parameters are unchanged, or a kept decode plan with these parameters,
         else a new graph planned on backends.
 
-        Decode-shaped plans (at most one token per sequence) are kept, the :data:`DECODE_PLANS_KEPT` most recently
-        used: a server alternates each request's prompt with the decode steps of all, and without them every
+        Decode-shaped plans (at most one token per sequence) are kept, the most recently used ones up to
+        :data:`DECODE_PLANS_KEPT` plans and :data:`DECODE_PLAN_TOKENS_PER_SEQ` tokens per sequence: a server alternates each request's prompt with the decode steps of all, and without them every
         request would build the decode graph again after its prompt. Prompt plans (their size varies with each
         prompt, and their buffers grow with it) are not kept beyond the last one."""
         if self._plan is not None and self._plan_params == params:
@@ -289,10 +292,14 @@ class Context:
         self._plan_params = params
         self.n_graph_builds += 1
         if params.n_tokens <= self.n_seq_max:
-            self._decode_plans[params] = self._plan
-            if len(self._decode_plans) > DECODE_PLANS_KEPT:
-                self._decode_plans.popitem(last=False)
+            self._keep_decode_plan(params, self._plan)
         return self._plan
+
+    def _keep_decode_plan(self, params: BuildParams, plan: Plan) -> None:
+        self._decode_plans[params] = plan
+        budget = DECODE_PLAN_TOKENS_PER_SEQ * self.n_seq_max
+        while len(self._decode_plans) > DECODE_PLANS_KEPT or sum(p.n_tokens for p in self._decode_plans) > budget:
+            self._decode_plans.popitem(last=False)  # never the new one: its tokens alone fit the budget
 
     def _run_maintenance(self, graph: Graph, inputs: dict[str, np.ndarray]) -> None:
         self._compute(self.scheduler.plan(graph), inputs)
