@@ -20,7 +20,8 @@ from .core.exec.backend import (Backend, BackendOptions, CompiledSplit, KVLayerS
 from .core.format.metadata import MetadataView
 from .core.format.quants import GGMLType, dequantize, dequantize_rows
 from .core.generation.sampling import (Candidates, MT19937Rng, RingHistory, Sampler, SamplerChain, SamplerEnv,
-                                       SamplerParams, apply_temperature, ids_lookup, keep_top_k, resolve_seed)
+                                       SamplerParams, apply_temperature, ids_lookup, keep_top_k, resolve_seed,
+                                       vocab_lookup)
 from .core.ir.graph import DYNAMIC, OPS, BuildParams, Graph, GraphBuilder, Node, Shape
 from .core.ir.hparams import HParams
 from .core.ir.passes import ANY, Pattern, RewriteRule
@@ -47,7 +48,7 @@ __all__ = [
     "Tokenizer", "TokenizerDefaults", "TokenAttr", "TokenType", "Vocab",
     # samplers
     "Sampler", "SamplerChain", "SamplerEnv", "SamplerParams", "Candidates", "MT19937Rng", "RingHistory",
-    "apply_temperature", "ids_lookup", "keep_top_k", "resolve_seed",
+    "apply_temperature", "ids_lookup", "keep_top_k", "resolve_seed", "vocab_lookup",
     # the exception hierarchy
     "LLMFWError", "GGUFError", "QuantError", "PluginError", "UnknownPluginName", "UnknownArchitecture",
     "UnknownBackend", "BackendUnavailable", "ModelError", "MissingMetadataKey", "UnsupportedVariant", "LoadCancelled", "VocabError",

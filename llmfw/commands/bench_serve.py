@@ -3,7 +3,10 @@
 Per concurrency level, that many streaming ``/v1/completions`` requests start at once (each its own prompt,
 greedy, ``-n`` tokens, end-of-generation banned through ``logit_bias`` so every request runs its full length);
 the table shows the aggregate generated tokens/s (all tokens / wall time of the level), and p50 / p99 of the
-time to first token and of the per-token latency (the gaps between streamed tokens, all requests pooled).
+time to first token and of the per-token latency (the gaps between streamed tokens, all requests pooled). An llmfw
+server's ``/metrics`` is read before and after each level: the ``engine`` column is the engine's own work as a share
+of its steps (``llmfw_step_engine_seconds`` against ``llmfw_step_decode_seconds``), the JSON adds the steps and
+their mean decode and engine milliseconds (a server without those metrics leaves them empty).
 
 Given a model instead of a URL, it starts ``llmfw serve`` on a free port; ``--compare-llama-cpp PYTHON`` also
 starts llama-cpp-python's server (``PYTHON -m llama_cpp.server``, a throw-away environment, never a dependency)
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -90,8 +94,43 @@ def stream_completion(url: str, body: dict[str, Any], api_key: str | None = None
     return timing
 
 
+#: the step histograms' sums and counts in the Prometheus text (any labels: several models are summed)
+STEP_SAMPLE = re.compile(r"^llmfw_step_(decode|engine)_seconds_(sum|count)(?:\{[^}]*\})? (\S+)$", re.M)
+
+
+def scrape_steps(url: str, api_key: str | None) -> dict[str, float] | None:
+    """``decode_sum``, ``decode_count``, ``engine_sum``, ``engine_count`` from the server's ``/metrics`` (None when
+    it has no such metrics: another server, or one that failed to answer)."""
+    conn = connection(url, 30)
+    try:
+        conn.request("GET", "/metrics", headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+        response = conn.getresponse()
+        text = response.read().decode("utf-8", errors="replace")
+        if response.status != 200:
+            return None
+    except (OSError, http.client.HTTPException):
+        return None
+    finally:
+        conn.close()
+    totals: dict[str, float] = {}
+    for part, kind, value in STEP_SAMPLE.findall(text):
+        totals[f"{part}_{kind}"] = totals.get(f"{part}_{kind}", 0.0) + float(value)
+    return totals if len(totals) == 4 else None
+
+
+def step_profile(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, Any]:
+    """The steps a level ran: how many, their mean decode and engine milliseconds, the engine's share."""
+    if before is None or after is None or after["decode_count"] <= before["decode_count"]:
+        return {"steps": None, "step_decode_ms": None, "step_engine_ms": None, "engine_share": None}
+    steps = after["decode_count"] - before["decode_count"]
+    decode, engine = after["decode_sum"] - before["decode_sum"], after["engine_sum"] - before["engine_sum"]
+    return {"steps": int(steps), "step_decode_ms": 1e3 * decode / steps, "step_engine_ms": 1e3 * engine / steps,
+            "engine_share": engine / (decode + engine) if decode + engine > 0 else 0.0}
+
+
 def run_level(url: str, concurrency: int, n_tokens: int, banned: list[int], api_key: str | None) -> dict[str, Any]:
-    """``concurrency`` requests at once; their aggregate tokens/s and latency percentiles."""
+    """``concurrency`` requests at once; their aggregate tokens/s, latency percentiles and (from an llmfw server)
+    the engine's step profile."""
     timings: list[RequestTiming] = []
     lock = threading.Lock()
 
@@ -105,11 +144,13 @@ def run_level(url: str, concurrency: int, n_tokens: int, banned: list[int], api_
             timings.append(result)
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(concurrency)]
+    steps_before = scrape_steps(url, api_key)
     t0 = time.perf_counter()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    steps = step_profile(steps_before, scrape_steps(url, api_key))
     wall = max((t.t_last or t0) for t in timings) - t0
     errors = [t.error for t in timings if t.error]
     total = sum(t.n_tokens for t in timings)
@@ -119,7 +160,7 @@ def run_level(url: str, concurrency: int, n_tokens: int, banned: list[int], api_
             "aggregate_tps": total / wall if wall > 0 else 0.0,
             "ttft_p50_s": _percentile(ttft, 50), "ttft_p99_s": _percentile(ttft, 99),
             "tpot_p50_s": _percentile(gaps, 50), "tpot_p99_s": _percentile(gaps, 99),
-            "errors": errors[:3], "n_errors": len(errors)}
+            **steps, "errors": errors[:3], "n_errors": len(errors)}
 
 
 # -- servers started for the run ---------------------------------------------------------------------------------------
@@ -200,14 +241,15 @@ def measure(servers: list[tuple[str, str, str | None]], levels: list[int], n_tok
 
 
 HEADER = (f"{'server':<24} {'conc':>4} {'tokens':>6} {'agg t/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} "
-          f"{'tok p50':>8} {'tok p99':>8}")
+          f"{'tok p50':>8} {'tok p99':>8} {'engine':>7}")
 
 
 def format_row(row: dict[str, Any]) -> str:
     errors = f"  ({row['n_errors']} errors: {row['errors'][0]})" if row["n_errors"] else ""
+    share = "-" if row.get("engine_share") is None else f"{100 * row['engine_share']:.1f}%"
     return (f"{row['server']:<24} {row['concurrency']:>4} {row['tokens']:>6} {row['aggregate_tps']:>8.1f} "
             f"{row['ttft_p50_s'] * 1000:>7.0f}ms {row['ttft_p99_s'] * 1000:>7.0f}ms "
-            f"{row['tpot_p50_s'] * 1000:>6.0f}ms {row['tpot_p99_s'] * 1000:>6.0f}ms{errors}")
+            f"{row['tpot_p50_s'] * 1000:>6.0f}ms {row['tpot_p99_s'] * 1000:>6.0f}ms {share:>7}{errors}")
 
 
 def _levels(text: str) -> list[int]:

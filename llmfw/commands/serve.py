@@ -90,6 +90,18 @@ def parse_autoscale(text: str) -> tuple[int, int]:
     return bounds
 
 
+def log_engine_steps() -> None:
+    """``-v``: the serving engines' INFO lines on stderr (a busy period's step profile, ``llmfw.serving.engine``)."""
+    import logging
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    logger = logging.getLogger("llmfw.serving")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False  # a root handler someone configured would print each line twice
+
+
 def make_server(app: Any, host: str, port: int, verbose: bool, on_listening: Callable[[], None] | None = None) -> Any:
     """A uvicorn server whose first stop signal also stops the engine (streams end with an error event)
     and exits normally; a second Ctrl-C forces the exit. ``on_listening`` runs once it accepts connections."""
@@ -149,7 +161,8 @@ def make_server(app: Any, host: str, port: int, verbose: bool, on_listening: Cal
               help="With --ray: autoscale between MIN and MAX replicas.")
 @click.option("--ray-address", default=None, metavar="auto|ray://HOST:PORT",
               help="With --ray: join this cluster (default: start a local Ray instance).")
-@click.option("-v", "--verbose", is_flag=True, help="Log every request.")
+@click.option("-v", "--verbose", is_flag=True,
+              help="Log every request, and each engine's step profile when it goes idle (decode vs. its own work).")
 def serve(**opts: Any) -> None:
     """Serve a model (or several) over OpenAI- and Anthropic-compatible HTTP APIs with continuous batching."""
     from ..serving.app import pipeline_app, read_api_key
@@ -159,6 +172,8 @@ def serve(**opts: Any) -> None:
     from .run import load_model_with_progress
 
     pipeline = serve_pipeline(opts)
+    if opts["verbose"]:
+        log_engine_steps()
     cfg = pipeline.config
     server_cfg = cfg.server
     url = f"http://{server_cfg.host}:{server_cfg.port}"

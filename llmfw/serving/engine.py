@@ -9,7 +9,11 @@ it; the engine thread never blocks on them. Each :meth:`Engine._step`:
 3. decodes **one batch**: the next token of every generating job plus prompt chunks of admitted ones, at most
    ``n_batch`` tokens;
 4. samples each job whose row came out with that job's own sampler chain (own seed), and pushes a
-   :class:`TokenEvent` / :class:`FinishEvent` to the job's event queue.
+   :class:`TokenEvent` / :class:`FinishEvent` to the job's event queue once the step is over (and counted).
+
+Every step is timed (:mod:`.step_profile`): the decode call against the engine's own work around it, in the
+``llmfw_step_*_seconds`` histograms, :attr:`Engine.step_profile` and, when the engine goes idle, one INFO line of
+the busy period (``llmfw serve -v``).
 
 Each slot may hold ``n_ctx / parallel`` tokens (llama-server's rule); a job that cannot fit is refused at
 submit time with a :class:`RequestError` whose message names the context.
@@ -32,6 +36,7 @@ from ..core.generation.generate import FINISH_REASONS, TextStream, accept_prompt
 from .jobs import Cancel as Cancel, ErrorEvent as ErrorEvent, Event as Event, FinishEvent, Job, TokenEvent
 from .chat_options import ChatOptions
 from .metrics import EngineMetrics
+from .step_profile import StepProfile, StepTotals
 
 if TYPE_CHECKING:
     from ..core.runtime.model import Model
@@ -85,6 +90,9 @@ class Engine:
         self._cond = threading.Condition()
         self.metrics = metrics or EngineMetrics()
         self.metrics.attach(lambda: sum(j is not None for j in self._slots), lambda: len(self._waiting))
+        self.profile = StepProfile(self.metrics.step_decode, self.metrics.step_engine)
+        #: the events of the step running now, handed to the jobs' queues when it is over (:meth:`_deliver`)
+        self._outbox: list[tuple[Job, Event]] = []
         self._thread = threading.Thread(target=self._run, name="llmfw-engine", daemon=True)
         self._thread.start()
 
@@ -152,6 +160,11 @@ class Engine:
     def running(self) -> bool:
         return self._thread.is_alive() and not self._stopping.is_set()
 
+    @property
+    def step_profile(self) -> StepTotals:
+        """The steps since the engine started: their decode calls' time and the engine's own work (a copy)."""
+        return self.profile.snapshot()
+
     def close(self, timeout: float = 5.0) -> None:
         """Stop the engine thread: every unfinished job ends with an error event."""
         with self._cond:
@@ -174,6 +187,7 @@ class Engine:
             while self._wait_for_work():
                 self._run_calls()
                 self._step()
+                self._deliver()
         except Exception as exc:  # report to every waiting client, then stop
             log.exception("the serving engine failed")
             message = f"the engine failed: {type(exc).__name__}: {exc}"
@@ -184,8 +198,14 @@ class Engine:
     def _wait_for_work(self) -> bool:
         with self._cond:
             while not self._stopping.is_set() and not self._waiting and not self._calls and not any(self._slots):
+                self._report_busy_period()
                 self._cond.wait()
             return not self._stopping.is_set()
+
+    def _report_busy_period(self) -> None:
+        period = self.profile.end_period()
+        if period is not None:
+            log.info("%s: %s", self.alias, period.summary())
 
     def _run_calls(self) -> None:
         with self._cond:
@@ -197,7 +217,19 @@ class Engine:
             except Exception as exc:  # noqa: BLE001 - the caller's error, raised in the caller's thread
                 future.set_exception(exc)
 
+    def _deliver(self) -> None:
+        """Hand the step's events to their jobs' queues — after the step is counted, so a client that saw its
+        stream end sees that step in the metrics too. The time it takes counts with the next step."""
+        if not self._outbox:
+            return
+        t_start = time.perf_counter()
+        outbox, self._outbox = self._outbox, []
+        for job, event in outbox:
+            job.events.put(event)
+        self.profile.carry(time.perf_counter() - t_start)
+
     def _fail_all(self, message: str) -> None:
+        self._deliver()
         with self._cond:
             jobs = [j for j in self._slots if j is not None] + list(self._waiting)
             calls = list(self._calls)
@@ -210,20 +242,20 @@ class Engine:
             job.events.put(ErrorEvent(job.index, message, stopped=True))
 
     def _step(self) -> None:
+        t_start = time.perf_counter()
         self._drop_cancelled()
         self._admit()
         plan = self._plan_batch()
         if not plan:
             return
-        tokens = [t for _, chunk in plan for t in chunk]
-        pos = [job.n_past + i for job, chunk in plan for i in range(len(chunk))]
-        seqs = [job.seq for job, chunk in plan for _ in chunk]
-        outputs = [i == len(chunk) - 1 and len(chunk) == len(job.pending)
-                   for job, chunk in plan for i in range(len(chunk))]
-        code = self.ctx.decode(Batch(tokens, pos=pos, seq_id=seqs, logits=outputs))
+        batch = _batch_of(plan)
+        t_decode = time.perf_counter()
+        code = self.ctx.decode(batch)
+        t_decoded = time.perf_counter()
         if code != 0:
             self._fail_batch(plan, code)
             return
+        step = StepTotals(steps=1, schedule_s=t_decode - t_start, decode_s=t_decoded - t_decode)
         row = 0
         for job, chunk in plan:
             finished_prompt = len(chunk) == len(job.pending)
@@ -231,7 +263,9 @@ class Engine:
             job.pending = job.pending[len(chunk):]
             row += len(chunk)
             if finished_prompt:
-                self._sample(job, row - 1)
+                self._sample(job, row - 1, step)
+        step.output_s = time.perf_counter() - t_decoded - step.sample_s
+        self.profile.record(step)
 
     def _drop_cancelled(self) -> None:
         with self._cond:
@@ -286,14 +320,19 @@ class Engine:
             job.events.put(ErrorEvent(job.index, f"decoding failed: {reason}", stopped=stopped))
 
     # -- sampling ------------------------------------------------------------------------------------------------
-    def _sample(self, job: Job, row: int) -> None:
+    def _sample(self, job: Job, row: int, step: StepTotals) -> None:
+        """Sample the job's next token from output row ``row`` and report it (``step``: counts its time)."""
+        t_start = time.perf_counter()
         logits = self.ctx.get_logits_ith(row)
         try:
             token = job.chain.sample(logits)
         except LLMFWError as exc:
             self._release(job)
-            job.events.put(ErrorEvent(job.index, f"sampling failed: {exc}", stopped=False))
+            self._outbox.append((job, ErrorEvent(job.index, f"sampling failed: {exc}", stopped=False)))
             return
+        finally:
+            step.sample_s += time.perf_counter() - t_start
+        step.tokens += 1
         if job.n_generated == 0:
             self.metrics.time_to_first_token.observe(time.perf_counter() - job.t_submit)
         job.n_generated += 1
@@ -304,8 +343,10 @@ class Engine:
         assert job.text is not None
         event = TokenEvent(job.index, job.text.feed(token), token)
         if job.n_logprobs is not None:
+            t_logprobs = time.perf_counter()
             event.logprob, event.top = _token_logprobs(logits, token, job.n_logprobs)
-        job.events.put(event)
+            step.sample_s += time.perf_counter() - t_logprobs
+        self._outbox.append((job, event))
         reason = stop_reason(job.text, job.chain, job.n_generated, job.max_tokens, job.n_past, self.n_ctx_slot)
         if reason:
             self._finish(job, FINISH_REASONS[reason])
@@ -316,14 +357,26 @@ class Engine:
         assert job.text is not None
         rest = "" if job.text.stopped else job.text.flush()
         if rest:
-            job.events.put(TokenEvent(job.index, rest))
+            self._outbox.append((job, TokenEvent(job.index, rest)))
         self._release(job)
-        job.events.put(FinishEvent(job.index, reason, len(job.tokens), job.n_generated, job.text.stopped_by))
+        self._outbox.append((job, FinishEvent(job.index, reason, len(job.tokens), job.n_generated,
+                                              job.text.stopped_by)))
 
     def _release(self, job: Job) -> None:
         with self._cond:
             if 0 <= job.seq < self.parallel and self._slots[job.seq] is job:
                 self._slots[job.seq] = None
+
+
+def _batch_of(plan: list[tuple[Job, list[int]]]) -> Batch:
+    """The batch of a step's plan: each job's tokens at its next positions, logits for a job's last token once its
+    pending tokens are all in (a prompt's last chunk, a generating job's token)."""
+    tokens = [t for _, chunk in plan for t in chunk]
+    pos = [job.n_past + i for job, chunk in plan for i in range(len(chunk))]
+    seqs = [job.seq for job, chunk in plan for _ in chunk]
+    outputs = [i == len(chunk) - 1 and len(chunk) == len(job.pending)
+               for job, chunk in plan for i in range(len(chunk))]
+    return Batch(tokens, pos=pos, seq_id=seqs, logits=outputs)
 
 
 def _token_logprobs(logits: np.ndarray, token: int, n_top: int) -> tuple[float, list[tuple[int, float]]]:

@@ -3,9 +3,11 @@ the OpenAI-shaped errors ``{"error": {"message", "type", "param", "code"}}`` and
 answers with, the server's state on the app, reading a bounded JSON body, and server-sent events."""
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import logging
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -162,10 +164,6 @@ async def on_model(request: Request, body: dict[str, Any], work: Callable[[Engin
     return await in_thread(server_state(request).with_engine, body.get("model"), work)
 
 
-def _next_chunk(stream: Any) -> dict[str, Any] | None:
-    return next(stream, None)
-
-
 def _openai_event(chunk: dict[str, Any]) -> str:
     return f"data: {finite_json(chunk)}\n\n"
 
@@ -174,21 +172,43 @@ def _openai_error_event(exc: BaseException) -> str:
     return f"data: {bytes(response_for_error(exc).body).decode()}\n\n"
 
 
+def _pump(stream: Any, render: Callable[[dict[str, Any]], str], render_error: Callable[[BaseException], str],
+          done: str, put: Callable[[str | None], None]) -> None:
+    """Read and render the whole stream (blocking on the engine), handing each event's text to ``put``; None
+    ends it."""
+    try:
+        for chunk in stream:
+            put(render(chunk))
+        if done:
+            put(done)
+    except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band, as llama-server does
+        put(render_error(exc))
+    finally:
+        put(None)
+
+
 async def sse_events(stream: Any, render: Callable[[dict[str, Any]], str] = _openai_event,
                      render_error: Callable[[BaseException], str] = _openai_error_event,
                      done: str = "data: [DONE]\n\n") -> AsyncIterator[str]:
     """``data: {chunk}`` per chunk, then ``data: [DONE]``; a failure mid-stream becomes an error event (another
     API's events: ``render``, ``render_error``, ``done``). A client that goes away cancels this generator, which
-    closes the stream (the engine frees the slot next step)."""
+    closes the stream (the engine frees the slot next step).
+
+    One thread per response reads and renders the stream and hands the texts to the event loop: a token costs
+    the loop one wake-up, not a worker-thread round trip per chunk, so little Python runs beside the engine."""
+    loop = asyncio.get_running_loop()
+    texts: asyncio.Queue[str | None] = asyncio.Queue()
+
+    def put(text: str | None) -> None:
+        try:
+            loop.call_soon_threadsafe(texts.put_nowait, text)
+        except RuntimeError:  # the loop is closed: nobody reads any more
+            pass
+
+    threading.Thread(target=_pump, args=(stream, render, render_error, done, put), name="llmfw-sse",
+                     daemon=True).start()
     try:
-        while True:
-            chunk = await anyio.to_thread.run_sync(_next_chunk, stream, abandon_on_cancel=True)
-            if chunk is None:
-                break
-            yield render(chunk)
-        if done:
-            yield done
-    except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band, as llama-server does
-        yield render_error(exc)
+        while (text := await texts.get()) is not None:
+            yield text
     finally:
         stream.close()

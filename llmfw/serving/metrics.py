@@ -2,7 +2,10 @@
 
 Names are pinned (docs/design.md, "Public API"): ``llmfw_requests_running``, ``llmfw_requests_waiting`` (gauges),
 ``llmfw_prompt_tokens_total``, ``llmfw_generated_tokens_total`` (counters), ``llmfw_time_to_first_token_seconds``
-(histogram). Requests are counted per choice (a request with ``n = 2`` runs two sequences).
+(histogram). Requests are counted per choice (a request with ``n = 2`` runs two sequences). Each engine step is
+observed into two histograms (:mod:`.step_profile`): ``llmfw_step_decode_seconds``, the backend's decode call,
+and ``llmfw_step_engine_seconds``, the engine's own work around it; their ``_count`` is the number of steps and
+``engine_sum / (engine_sum + decode_sum)`` the engine's share of a step.
 
 One engine (``llmfw serve -m MODEL``) has its own :class:`MetricFamilies` without labels. Several models behind
 one server share one :class:`MetricFamilies` whose samples carry a ``model`` label; each model's
@@ -16,6 +19,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 #: time-to-first-token buckets, seconds
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+#: step-part buckets, seconds: from a fraction of a millisecond (a small model's decode) to a long prompt chunk
+STEP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 #: the label that names the model when one server holds several
@@ -27,7 +32,7 @@ def _idle() -> float:
 
 
 class MetricFamilies:
-    """The five metrics in one registry; ``by_model``: every sample carries a ``model`` label."""
+    """The metrics in one registry; ``by_model``: every sample carries a ``model`` label."""
 
     def __init__(self, by_model: bool = False):
         self.by_model = by_model
@@ -43,6 +48,13 @@ class MetricFamilies:
         self.time_to_first_token = Histogram("llmfw_time_to_first_token_seconds",
                                              "Seconds from submission to the first sampled token", labels,
                                              buckets=TTFT_BUCKETS, registry=self.registry)
+        self.step_decode = Histogram("llmfw_step_decode_seconds",
+                                     "Seconds of each engine step's decode call (the backend's compute)", labels,
+                                     buckets=STEP_BUCKETS, registry=self.registry)
+        self.step_engine = Histogram("llmfw_step_engine_seconds",
+                                     "Seconds of each engine step outside its decode call (scheduling, batch "
+                                     "building, sampling, detokenization, stop checks, events, metrics)", labels,
+                                     buckets=STEP_BUCKETS, registry=self.registry)
 
     def exposition(self) -> bytes:
         """The Prometheus text format."""
@@ -65,6 +77,8 @@ class EngineMetrics:
         self.prompt_tokens = share(self.families.prompt_tokens)
         self.generated_tokens = share(self.families.generated_tokens)
         self.time_to_first_token = share(self.families.time_to_first_token)
+        self.step_decode = share(self.families.step_decode)
+        self.step_engine = share(self.families.step_engine)
         self.detach()
 
     @property

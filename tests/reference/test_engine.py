@@ -188,6 +188,22 @@ def test_graph_reuse_during_one_token_decodes(model):
     assert (ctx.n_graph_builds, ctx.n_graph_reuses) == (2, 4)
 
 
+def test_a_decode_graph_outlives_the_prompts_between_its_steps(model):
+    """A server decodes one sequence's token, then another request's prompt, then the token again: the decode
+    graph is kept beside the prompt's, so it is built once, not after every prompt."""
+    ctx = new_ctx(model, n_seq_max=2)
+    assert ctx.decode(llmfw.Batch(PROMPT_A)) == 0
+    token = int(ctx.get_logits_ith(-1).argmax())
+    assert ctx.decode(llmfw.Batch([token])) == 0
+    builds = ctx.n_graph_builds
+    assert ctx.decode(llmfw.Batch(PROMPT_B, seq_id=1)) == 0  # a prompt of another shape: a graph of its own
+    assert ctx.n_graph_builds == builds + 1
+    _, alone = decode_alone(model, PROMPT_A + [token, 17])
+    assert ctx.decode(llmfw.Batch([17], pos=[len(PROMPT_A) + 1], seq_id=0)) == 0
+    assert ctx.n_graph_builds == builds + 1  # the decode graph again, not rebuilt
+    np.testing.assert_allclose(ctx.get_logits_ith(-1), alone[-1], atol=TOL)
+
+
 def test_prompt_and_decode_graphs_have_one_structure(model):
     """Every graph selects its output rows through the ``out_ids`` input, also when every token is an output:
     a prompt wanting the last logits only and a one-token decode then differ in sizes only, so a backend that

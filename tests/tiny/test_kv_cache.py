@@ -125,3 +125,36 @@ def test_composite_memory_reserves_in_every_part(tiny_model):
     assert base.seq_pos_max(0) == 99 and swa.seq_pos_max(0) == 99
     memory.clear()
     assert memory.seq_pos_max(0) == -1
+
+
+def test_kept_decode_plans_stay_within_their_token_budget(tiny_model):
+    """A context keeps its recent decode plans (at most one token per sequence) up to 3 tokens per sequence in all:
+    with two sequences, decode shapes of 1 + 2 + 2 tokens over a short cache and 1 + 2 over a longer one (the
+    cache's padded length is part of a plan) keep the last three; a kept shape is reused, the first one was let
+    go and is built again."""
+    ctx = tiny_model.new_context(n_ctx=512, n_seq_max=2)
+    n_past = {0: 0, 1: 0}
+
+    def decode(seqs, outputs=None):
+        pos = []
+        for s in seqs:
+            pos.append(n_past[s])
+            n_past[s] += 1
+        assert ctx.decode(Batch([5] * len(seqs), pos=pos, seq_id=seqs, logits=outputs)) == 0
+
+    decode([0] * 8)
+    short = [([0], [True]), ([0, 1], [False, True]), ([0, 1], [True, True])]
+    for shape in short:
+        decode(*shape)
+    decode([1] * 250)  # the cache now holds over 256 cells: the decode plans differ
+    for shape in short[:2]:
+        decode(*shape)
+    builds = ctx.n_graph_builds
+    decode(*short[0])
+    assert ctx.n_graph_builds == builds  # the longer cache's one-token plan: kept
+    ctx.memory.clear()  # back to the short cache
+    n_past.update({0: 0, 1: 0})
+    decode(*short[2])
+    assert ctx.n_graph_builds == builds  # kept
+    decode(*short[0])
+    assert ctx.n_graph_builds == builds + 1  # let go for the budget: built again

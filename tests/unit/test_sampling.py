@@ -409,3 +409,34 @@ def test_discrete_distribution_matches_libstdcxx_rule():
     weights = np.array([0.2, 0.5, 0.3])
     u = b.uniform_double()
     assert a.discrete(weights) == int(np.searchsorted(np.cumsum(weights / weights.sum()), u, side="left"))
+
+
+@pytest.mark.parametrize("make", [
+    lambda: [Greedy()],
+    lambda: [LogitBias({3: -100.0, 7: 2.5, 11: -math.inf}), Greedy()],
+    lambda: [LogitBias({5: 1.0}), Penalties(last_n=8, repeat=1.3, freq=0.2, present=0.1), Greedy()],
+])
+def test_greedy_chains_pick_as_the_candidates_path_does(make):
+    """A chain of logit-only samplers ending in greedy samples on the logits vector itself (no Candidates); it
+    must pick exactly what the candidates path picks, ties and banned tokens included, and record the same
+    history."""
+    rng = np.random.default_rng(7)
+    fast, slow = SamplerChain(make()), SamplerChain(make())
+    assert fast.in_vocabulary_order()
+    for step in range(200):
+        logits = rng.normal(size=50).astype(np.float32)
+        logits[rng.integers(0, 50, 3)] = logits.max()  # ties: the first best wins
+        if step % 3 == 0:
+            logits[7] = logits[3] = logits.max() + 1  # a biased token leads before its bias
+        cur = Candidates.from_logits(logits)
+        slow.apply(cur)
+        expected = cur.selected_token
+        slow.accept(expected)
+        assert fast.sample(logits) == expected
+    assert fast.history == slow.history
+
+
+def test_a_chain_with_a_truncating_or_random_sampler_uses_the_candidates():
+    assert not SamplerChain([LogitBias({1: 1.0}), TopK(5), Greedy()]).in_vocabulary_order()
+    assert not SamplerChain([LogitBias({1: 1.0}), Dist(0)]).in_vocabulary_order()
+    assert not SamplerChain([]).in_vocabulary_order()

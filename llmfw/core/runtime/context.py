@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
 
 import numpy as np
@@ -33,6 +34,12 @@ if TYPE_CHECKING:
     from .state import SamplerChainState
 
 log = logging.getLogger(__name__)
+
+#: decode-shaped plans a context keeps besides its last one (:meth:`Context._graph_for`), at most ...
+DECODE_PLANS_KEPT = 8
+#: ... holding this many tokens per sequence of the context in all (a plan's buffers grow with its tokens: the
+#: kept ones take at most about as much memory as this many of the largest decode plan)
+DECODE_PLAN_TOKENS_PER_SEQ = 3
 
 
 class ContextModel(GraphModel, PlacedModel, Protocol):
@@ -127,6 +134,8 @@ class Context:
         self.last_error: str | None = None
         self._plan: Plan | None = None
         self._plan_params: BuildParams | None = None
+        #: decode-shaped plans kept besides the last one (:meth:`_graph_for`), least recently used first
+        self._decode_plans: OrderedDict[BuildParams, Plan] = OrderedDict()
         self._logits = np.zeros((0, model.n_vocab), dtype=np.float32)
         self._output_ids = np.zeros(0, dtype=np.int32)
         self._written = np.zeros(0, dtype=bool)
@@ -145,6 +154,7 @@ class Context:
 
     def close(self) -> None:
         self._plan = None
+        self._decode_plans.clear()
         self.kv_storage = {}
 
     def __enter__(self) -> "Context":
@@ -256,10 +266,22 @@ class Context:
         return self.model.n_embd if self.params.embeddings else self.n_vocab
 
     def _graph_for(self, params: BuildParams) -> Plan:
-        """The previous plan when the build parameters are unchanged, else a new graph planned on backends."""
+        """The previous plan when the build parameters are unchanged, or a kept decode plan with these parameters,
+        else a new graph planned on backends.
+
+        Decode-shaped plans (at most one token per sequence) are kept, the most recently used ones up to
+        :data:`DECODE_PLANS_KEPT` plans and :data:`DECODE_PLAN_TOKENS_PER_SEQ` tokens per sequence: a server alternates each request's prompt with the decode steps of all, and without them every
+        request would build the decode graph again after its prompt. Prompt plans (their size varies with each
+        prompt, and their buffers grow with it) are not kept beyond the last one."""
         if self._plan is not None and self._plan_params == params:
             self.n_graph_reuses += 1
             return self._plan
+        kept = self._decode_plans.get(params)
+        if kept is not None:
+            self._decode_plans.move_to_end(params)
+            self._plan, self._plan_params = kept, params
+            self.n_graph_reuses += 1
+            return kept
         arch = self.model.known_arch
         builder = GraphBuilder(self.model, params, self.memory.cache_of_layer)
         arch.build_graph(builder)
@@ -269,7 +291,15 @@ class Context:
         self._plan = self.scheduler.plan(builder.graph)
         self._plan_params = params
         self.n_graph_builds += 1
+        if params.n_tokens <= self.n_seq_max:
+            self._keep_decode_plan(params, self._plan)
         return self._plan
+
+    def _keep_decode_plan(self, params: BuildParams, plan: Plan) -> None:
+        self._decode_plans[params] = plan
+        budget = DECODE_PLAN_TOKENS_PER_SEQ * self.n_seq_max
+        while len(self._decode_plans) > DECODE_PLANS_KEPT or sum(p.n_tokens for p in self._decode_plans) > budget:
+            self._decode_plans.popitem(last=False)  # never the new one: its tokens alone fit the budget
 
     def _run_maintenance(self, graph: Graph, inputs: dict[str, np.ndarray]) -> None:
         self._compute(self.scheduler.plan(graph), inputs)

@@ -12,9 +12,13 @@ class Greedy(Sampler):
     """Select the candidate with the highest logit (the first one on ties), like llama.cpp's greedy."""
 
     name = "greedy"
+    selects_from_logits = True
 
     def apply(self, cur: Candidates) -> None:
-        cur.selected = int(np.argmax(cur.logits))
+        cur.selected = self.select_logits(cur.logits)
+
+    def select_logits(self, logits: np.ndarray) -> int:
+        return int(np.argmax(logits))
 
 
 class Dist(Sampler):

@@ -6,7 +6,8 @@ from typing import Any
 
 import numpy as np
 
-from llmfw.sdk import Candidates, RingHistory, Sampler, SamplerEnv, SamplerError, SamplerParams, ids_lookup
+from llmfw.sdk import Candidates, RingHistory, Sampler, SamplerEnv, SamplerError, SamplerParams, ids_lookup, \
+    vocab_lookup
 
 
 class Penalties(Sampler):
@@ -18,6 +19,7 @@ class Penalties(Sampler):
     """
 
     name = "penalties"
+    logits_only = True
 
     def __init__(self, last_n: int = 64, repeat: float = 1.0, freq: float = 0.0, present: float = 0.0):
         self.last_n = max(int(last_n), 0)
@@ -44,19 +46,30 @@ class Penalties(Sampler):
             if self.counts[dropped] == 0:
                 del self.counts[dropped]
 
+    def _neutral(self) -> bool:
+        return self.last_n == 0 or (self.repeat == 1.0 and self.freq == 0.0 and self.present == 0.0)
+
+    def _penalized(self, hit: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """The logits ``hit`` of tokens seen ``counts`` times, penalized."""
+        hit = np.where(hit <= 0, hit * np.float32(self.repeat), hit / np.float32(self.repeat))
+        hit = hit - (counts * self.freq + (counts > 0) * self.present).astype(np.float32)
+        return hit.astype(np.float32)
+
     def apply(self, cur: Candidates) -> None:
-        if self.last_n == 0 or (self.repeat == 1.0 and self.freq == 0.0 and self.present == 0.0):
+        if self._neutral():
             return
-        positions, counts = ids_lookup(cur.ids, dict(self.counts))
+        positions, counts = ids_lookup(cur.ids, self.counts)
         if positions.size == 0:
             return
         logits = cur.logits.copy()
-        hit = logits[positions]
-        hit = np.where(hit <= 0, hit * np.float32(self.repeat), hit / np.float32(self.repeat))
-        hit = hit - (counts * self.freq + (counts > 0) * self.present).astype(np.float32)
-        logits[positions] = hit.astype(np.float32)
+        logits[positions] = self._penalized(logits[positions], counts)
         cur.logits = logits
         cur.sorted = False
+
+    def apply_logits(self, logits: np.ndarray) -> None:
+        if not self._neutral():
+            positions, counts = vocab_lookup(logits.size, self.counts)
+            logits[positions] = self._penalized(logits[positions], counts)
 
     def reset(self) -> None:
         self.window.clear()
@@ -67,6 +80,7 @@ class LogitBias(Sampler):
     """Add a fixed bias to chosen tokens' logits (``-inf`` bans a token)."""
 
     name = "logit_bias"
+    logits_only = True
 
     def __init__(self, bias: dict[int, float] | None = None):
         self.bias = {int(k): float(v) for k, v in (bias or {}).items()}
@@ -91,3 +105,7 @@ class LogitBias(Sampler):
         logits[positions] = (logits[positions] + values).astype(np.float32)
         cur.logits = logits
         cur.sorted = False
+
+    def apply_logits(self, logits: np.ndarray) -> None:
+        positions, values = vocab_lookup(logits.size, self.bias)
+        logits[positions] = (logits[positions] + values).astype(np.float32)
