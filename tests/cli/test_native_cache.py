@@ -152,3 +152,21 @@ def test_a_first_load_adds_no_more_memory_than_a_cached_one(tmp_path):
     first = measure_load(model, "native", env)
     cached = measure_load(model, "native", env)
     assert first["added"] - cached["added"] <= 0.25 * model.stat().st_size, (first, cached)
+
+
+def test_a_load_that_asks_for_some_weights_leaves_the_others_in_the_entry(big_model, tmp_path, fresh_logits):
+    """An onnx load keeps the token embedding on native (the host backend): it maps that one weight from the entry
+    and leaves the entry whole, so the next native load repacks nothing (dropping the rest made native and onnx
+    loads of one file take turns repacking the whole model)."""
+    root = tmp_path / "cache"
+    load_and_score(big_model, root)
+    index = entry_of(root) / "index.json"
+    stored = json.loads(index.read_text())["weights"]
+    options = {"native": {"cache_dir": str(root)}, "onnx": {"cache": False}}
+    with llmfw.load_model(big_model, backend="onnx", backend_options=options) as model:
+        on_native = set(model.backends["native"].weights)
+    assert on_native and on_native < set(stored)
+    assert json.loads(index.read_text())["weights"] == stored
+    logits, mapped, converted = load_and_score(big_model, root)
+    assert converted == 0 and all(mapped.values())
+    np.testing.assert_array_equal(logits, fresh_logits)

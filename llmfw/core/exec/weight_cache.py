@@ -385,14 +385,18 @@ class CachedLoad(Generic[W]):
         return None if self.cache is None else self.cache.blob
 
     def finish(self, weights: Mapping[str, W]) -> dict[str, W]:
-        """Rewrite the entry when any weight had to be converted or a stored one was not asked for, and return
-        the weights mapped back from it: they replace the converted arrays, so a first load ends with what a
-        cached load has (file pages, no conversion buffers). Empty when nothing was written or the entry cannot
-        be read back."""
-        if self.cache is None or not (self.converted or self.restored):
+        """Rewrite the entry when any weight had to be converted, and return the weights mapped back from it: they
+        replace the converted arrays, so a first load ends with what a cached load has (file pages, no conversion
+        buffers). Empty when nothing was written or the entry cannot be read back.
+
+        The stored weights this load did not ask for stay in the entry: another load of the same file may ask for
+        only some of them (an onnx load keeps its token embedding on native), and dropping the rest made the next
+        full load repack the whole model."""
+        if self.cache is None or not self.converted:
             return {}
-        self.cache.store({name: CachedWeight(key, weights[name]) for name, key in self.keys.items()
-                          if name in weights})
+        not_asked = {name: cached for name, cached in self.restored.items() if name not in self.keys}
+        self.cache.store({**not_asked, **{name: CachedWeight(key, weights[name]) for name, key in self.keys.items()
+                                          if name in weights}})
         if self.spool is not None:
             self.spool.close()
         return {name: cached.weight for name, cached in self.cache.restore().items()
