@@ -22,8 +22,15 @@ ALLOCATION_LIMIT = 8 << 20
 REAL_PREFIX_BYTES = 64 << 10
 TOKENS_KEY = "tokenizer.ggml.tokens"
 
-_WORK = Path(tempfile.mkdtemp(prefix="llmfw-gguf-fuzz-"))
-_SMALL = write_small_model(_WORK / "small.gguf").read_bytes()
+with tempfile.TemporaryDirectory(prefix="llmfw-gguf-fuzz-") as _folder:  # the bytes are needed at collection
+    _SMALL = write_small_model(Path(_folder) / "small.gguf").read_bytes()
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    """Where the mutated files are written (pytest's temporary folders are cleaned up, a module-level mkdtemp
+    was not)."""
+    return tmp_path_factory.mktemp("gguf-fuzz")
 
 
 @pytest.fixture(scope="module")
@@ -73,9 +80,9 @@ def _apply(data: bytes, edits: list[tuple[int, bytes]], cut: int | None) -> byte
     return bytes(buf[:cut] if cut else buf)
 
 
-def _open_and_touch(data: bytes, mode: str) -> None:
+def _open_and_touch(work: Path, data: bytes, mode: str) -> None:
     """Open the mutated bytes; only llmfw errors may escape; allocations stay bounded."""
-    path = _WORK / f"mutated-{mode}.gguf"
+    path = work / f"mutated-{mode}.gguf"
     path.write_bytes(data)
     tracemalloc.start()
     try:
@@ -97,21 +104,23 @@ _SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[Hea
 @_SETTINGS
 @given(edits=mutations(focus=len(_SMALL)), cut=st.one_of(st.none(), st.integers(1, len(_SMALL))),
        mode=st.sampled_from(["mmap", "read"]))
-def test_mutated_small_model(edits, cut, mode) -> None:
-    _open_and_touch(_apply(_SMALL, edits, cut), mode)
+def test_mutated_small_model(work: Path, edits, cut, mode) -> None:
+    _open_and_touch(work, _apply(_SMALL, edits, cut), mode)
 
 
 @_SETTINGS
 @given(edits=mutations(focus=2048), mode=st.sampled_from(["mmap", "read"]))
-def test_mutated_real_header(real_prefix: bytes, edits, mode) -> None:
-    _open_and_touch(_apply(real_prefix, edits, None), mode)
+def test_mutated_real_header(work: Path, real_prefix: bytes, edits, mode) -> None:
+    _open_and_touch(work, _apply(real_prefix, edits, None), mode)
 
 
-def test_unmutated_inputs_open(real_prefix: bytes) -> None:
+def test_unmutated_inputs_open(work: Path, real_prefix: bytes) -> None:
     """Sanity: both inputs are valid before mutation, so the mutations are what the reader must survive."""
-    with open_gguf(_WORK / "small.gguf") as g:
+    small = work / "small.gguf"
+    small.write_bytes(_SMALL)
+    with open_gguf(small) as g:
         assert len(g.tensors) == 3 and np.isfinite(g.tensor_array("token_embd.weight")).all()
-    path = _WORK / "prefix.gguf"
+    path = work / "prefix.gguf"
     path.write_bytes(real_prefix)
     with open_gguf(path) as g:
         assert g.architecture == "llama" and g.tensors == {}
