@@ -190,20 +190,25 @@ def test_isa_option_picks_a_path_this_cpu_runs_and_refuses_others():
 @pytest.mark.parametrize("isa", ISAS)
 def test_activation_codes_round_half_to_even_bit_exactly(isa, pools):
     """The activation quantization's bits, read through a one-hot Q8_0 weight (row j picks element j with scale 1,
-    so y[j] = d * q[j] exactly): q = round-half-even(x * 127 / amax) in double, d = amax / 127 in float32."""
+    so y[j] = d * q[j] exactly): q = round-half-even(x * 127 / amax) in double, d = amax / 127 in float32; the
+    scalar path and the vector one (AVX2 and AVX-512) alike."""
     k = 96
     raw = np.zeros((k, k // 32, 34), dtype=np.uint8)
     raw[:, :, :2] = np.array([1.0], dtype=np.float16).view(np.uint8)
     for j in range(k):
         raw[j, j // 32, 2 + j % 32] = 1
     rng = np.random.default_rng(17)
-    x = rng.standard_normal((1, k)).astype(np.float32)
+    x = rng.standard_normal((3, k)).astype(np.float32)
     x[0, :32] = np.arange(32) - 15.5
     x[0, 0] = 127.0  # amax 127: the scale is 1, so each of the first block's x.5 values is a tie
     x[0, 64:] *= np.float32(1e-39)  # subnormal inputs: the reciprocal in double does not overflow
+    x[1, :32] = -0.0  # an all-zero block: scale 0, codes 0
+    x[1, 32:64] *= np.float32(1e37)  # the largest magnitudes still taken as finite
+    x[2] = (rng.standard_normal(k) * 2.0 ** rng.integers(-30, 30, k)).astype(np.float32)  # exponents apart
+    blocks = x.reshape(-1, 32).astype(np.float64)
     amax = np.abs(x.reshape(-1, 32)).max(axis=1)
-    codes = np.clip(np.rint(x.reshape(-1, 32).astype(np.float64) * (127.0 / amax.astype(np.float64))[:, None]),
-                    -127, 127).astype(np.float32)
-    expected = ((amax / np.float32(127))[:, None] * codes).reshape(1, k)
+    inv = np.divide(127.0, amax.astype(np.float64), out=np.zeros(amax.shape), where=amax > 0)
+    codes = np.clip(np.rint(blocks * inv[:, None]), -127, 127).astype(np.float32)
+    expected = ((amax / np.float32(127))[:, None] * codes).reshape(x.shape)
     got = kernels.mul_mat(rp.repack(raw.reshape(-1), GGMLType.Q8_0, (k, k)), x, pools[1], isa)
     np.testing.assert_array_equal(got, expected)

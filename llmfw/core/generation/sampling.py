@@ -35,9 +35,9 @@ from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from ..validation import validation_error_message as validation_error_message
 from .rng import DEFAULT_SEED as DEFAULT_SEED, MT19937Rng as MT19937Rng, resolve_seed as resolve_seed
-from .candidates import Candidates as Candidates, RingHistory as RingHistory, apply_temperature as apply_temperature, \
-    ids_lookup as ids_lookup, keep_top_k as keep_top_k, vocab_lookup as vocab_lookup, \
-    vocabulary_logits as vocabulary_logits
+from .candidates import (Candidates as Candidates, RingHistory as RingHistory, apply_temperature as apply_temperature,
+                         ids_lookup as ids_lookup, keep_top_k as keep_top_k, vocab_lookup as vocab_lookup,
+                         vocabulary_logits as vocabulary_logits)
 from ..validation import validation_problems as validation_problems
 from ..errors import GrammarError, SamplerError
 

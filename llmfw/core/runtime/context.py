@@ -270,8 +270,9 @@ class Context:
         else a new graph planned on backends.
 
         Decode-shaped plans (at most one token per sequence) are kept, the most recently used ones up to
-        :data:`DECODE_PLANS_KEPT` plans and :data:`DECODE_PLAN_TOKENS_PER_SEQ` tokens per sequence: a server alternates each request's prompt with the decode steps of all, and without them every
-        request would build the decode graph again after its prompt. Prompt plans (their size varies with each
+        :data:`DECODE_PLANS_KEPT` plans and :data:`DECODE_PLAN_TOKENS_PER_SEQ` tokens per sequence: a server
+        alternates each request's prompt with the decode steps of all, and without them every request would build
+        the decode graph again after its prompt. Prompt plans (their size varies with each
         prompt, and their buffers grow with it) are not kept beyond the last one."""
         if self._plan is not None and self._plan_params == params:
             self.n_graph_reuses += 1

@@ -194,8 +194,9 @@ def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, mask: np.
         sinks = _f32(sinks)
     if order is not None:
         order = np.ascontiguousarray(order, dtype=np.int32)
-    if (order is not None and order.shape != (mask.shape[1],)) or (k_cache.shape != (n_head_kv, n_cells, dk) or mask.shape[0] != n_tokens or n_kv > n_cells
-            or n_head_kv == 0 or n_head % n_head_kv or (sinks is not None and sinks.shape != (n_head,))):
+    if (k_cache.shape != (n_head_kv, n_cells, dk) or mask.shape[0] != n_tokens or n_kv > n_cells
+            or n_head_kv == 0 or n_head % n_head_kv or (sinks is not None and sinks.shape != (n_head,))
+            or (order is not None and order.shape != (mask.shape[1],))):
         raise ValueError(f"native attention: q {q.shape}, K {k_cache.shape}, V {v_cache.shape}, mask {mask.shape} "
                          "do not fit")
     out = np.empty((n_tokens, n_head * dv), dtype=np.float32)

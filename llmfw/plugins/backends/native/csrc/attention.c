@@ -582,8 +582,8 @@ static int is_cell_order(const int32_t *order, int64_t n_kv) {
  * (NULL: cell order). Returns 0, NAT_OUT_OF_MEMORY, or NAT_ID_OUT_OF_RANGE for a cell of the order out of range. */
 int nat_attend(nat_pool *pool, int isa, const float *q, const float *k, const float *v, const float *mask,
                const float *sinks, const int32_t *order, float *out, const int64_t *n, float scale, float softcap) {
-    attn_job job = {q, k, v, mask, sinks, order, !order || is_cell_order(order, n[5]), out, n[0], n[1], n[2], n[3], n[4], n[5], n[6], scale, softcap,
-                    kernels_for(isa), n[0] < DECODE_ROWS ? 1 : TILE_ROWS, 1, 1, 0, 1, 0, NULL};
+    attn_job job = {q, k, v, mask, sinks, order, !order || is_cell_order(order, n[5]), out,
+                    n[0], n[1], n[2], n[3], n[4], n[5], n[6], scale, softcap, kernels_for(isa), n[0] < DECODE_ROWS ? 1 : TILE_ROWS, 1, 1, 0, 1, 0, NULL};
     if (order && !order_in_range(order, job.n_kv)) return NAT_ID_OUT_OF_RANGE;
     int64_t group = n[1] / n[2], tiles = (job.n_tokens + job.tile_rows - 1) / job.tile_rows;
     /* the most heads of a group per item (sharing their K and V loads) that still leaves every thread items */

@@ -44,10 +44,10 @@ static inline double round_half_even(double r) {
 }
 
 /* Activation rows [m0, m1) to 8-bit blocks: d = amax/127, q = round-half-even(x * 127/amax). A block with a NaN
- * or inf gets d = NaN (its products are NaN, as in float arithmetic), codes 0. One implementation for every ISA:
- * this is where the bits of the activations are decided. */
-void nat_quantize_rows(const float *x, int64_t m, int64_t k, nat_qact *a, int64_t m0, int64_t m1) {
-    (void)m;
+ * or inf gets d = NaN (its products are NaN, as in float arithmetic), codes 0. This is where the bits of the
+ * activations are decided: kernels_x86.c's vector version does the same IEEE operations, so every ISA path gets
+ * these bits. */
+void nat_quantize_rows(const float *x, int64_t k, nat_qact *a, int64_t m0, int64_t m1) {
     int64_t nb = k / NAT_BLOCK;
     for (int64_t i = m0; i < m1; i++) {
         for (int64_t b = 0; b < nb; b++) {

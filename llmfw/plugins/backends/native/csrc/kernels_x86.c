@@ -6,6 +6,7 @@
 
 #ifdef NAT_HAVE_X86
 #include <immintrin.h>
+#include <math.h>
 #include <string.h>
 
 #define TARGET __attribute__((target("avx2,fma,f16c")))
@@ -364,6 +365,56 @@ TARGET512 INLINE int pair_groups(const nat_weight *w, const nat_qact *a, const c
 }
 
 QGEMM_PATH(TARGET512, avx512, VNNI_HIGH16, vnni_operands, vnni_half_dot, pair_groups)
+
+/* nat_quantize_rows (kernels_scalar.c) in vectors, for the AVX2 and AVX-512 paths: the same operations in IEEE
+ * float and double — |x| and its maximum, the double reciprocal, x * inv in double rounded half to even
+ * (vroundpd), clamped to +-127 — so the same codes, scales and sums. */
+TARGET static void quantize_half(const float *x, __m256d inv, int8_t *q, int32_t *sum) {
+    __m128i codes[4];
+    __m256d top = _mm256_set1_pd(127.0), bottom = _mm256_set1_pd(-127.0);
+    for (int c = 0; c < 4; c++) {
+        __m256d r = _mm256_mul_pd(_mm256_cvtps_pd(_mm_loadu_ps(x + 4 * c)), inv);
+        r = _mm256_round_pd(r, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        codes[c] = _mm256_cvtpd_epi32(_mm256_max_pd(_mm256_min_pd(r, top), bottom));
+    }
+    __m128i total = _mm_add_epi32(_mm_add_epi32(codes[0], codes[1]), _mm_add_epi32(codes[2], codes[3]));
+    total = _mm_add_epi32(total, _mm_shuffle_epi32(total, _MM_SHUFFLE(1, 0, 3, 2)));
+    total = _mm_add_epi32(total, _mm_shuffle_epi32(total, _MM_SHUFFLE(2, 3, 0, 1)));
+    *sum = _mm_cvtsi128_si32(total);
+    __m128i bytes = _mm_packs_epi16(_mm_packs_epi32(codes[0], codes[1]), _mm_packs_epi32(codes[2], codes[3]));
+    _mm_storeu_si128((__m128i *)q, bytes);
+}
+
+TARGET void nat_quantize_rows_avx2(const float *x, int64_t k, nat_qact *a, int64_t m0, int64_t m1) {
+    int64_t nb = k / NAT_BLOCK;
+    __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)), largest = _mm256_set1_ps(3.0e38f);
+    for (int64_t i = m0; i < m1; i++) {
+        for (int64_t b = 0; b < nb; b++) {
+            const float *xb = x + i * k + b * NAT_BLOCK;
+            int8_t *q = a->q + i * k + b * NAT_BLOCK;
+            int32_t *sums = a->sums + (i * nb + b) * 2;
+            __m256 amax = _mm256_setzero_ps(), finite = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+            for (int c = 0; c < 4; c++) {
+                __m256 v = _mm256_and_ps(_mm256_loadu_ps(xb + 8 * c), magnitude);
+                finite = _mm256_and_ps(finite, _mm256_cmp_ps(v, largest, _CMP_LE_OQ));  /* false for NaN */
+                amax = _mm256_max_ps(amax, v);
+            }
+            if (_mm256_movemask_ps(finite) != 0xff) {
+                memset(q, 0, NAT_BLOCK);
+                a->d[i * nb + b] = NAN;
+                sums[0] = sums[1] = 0;
+                continue;
+            }
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            float top = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
+            __m256d inv = _mm256_set1_pd(top > 0.0f ? 127.0 / (double)top : 0.0);
+            quantize_half(xb, inv, q, &sums[0]);
+            quantize_half(xb + 16, inv, q + 16, &sums[1]);
+            a->d[i * nb + b] = top / 127.0f;
+        }
+    }
+}
 
 /* 8 weights from element j of a row as float (zero past n_cols) */
 TARGET static inline __m256 load_weights8(const nat_weight *w, const uint8_t *row, int64_t j, int64_t k) {

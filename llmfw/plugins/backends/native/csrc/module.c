@@ -31,15 +31,13 @@ int nat_abi_version(void) { return 5; }
 int64_t nat_instr_bytes(void) { return (int64_t)sizeof(nat_instr); }
 
 /* the kernels of each ISA path, by enum nat_isa (a path not compiled in falls back to the scalar one) */
-typedef struct { nat_qgemm_fn qgemm; nat_fgemm_fn fgemm; } isa_kernels;
-
-static isa_kernels kernels_for(int isa) {
+nat_kernels nat_kernels_for(int isa) {
 #ifdef NAT_HAVE_X86
-    if (isa == NAT_ISA_AVX512) return (isa_kernels){nat_qgemm_avx512, nat_fgemm_avx512};
-    if (isa == NAT_ISA_AVX2) return (isa_kernels){nat_qgemm_avx2, nat_fgemm_avx2};
+    if (isa == NAT_ISA_AVX512) return (nat_kernels){nat_qgemm_avx512, nat_fgemm_avx512, nat_quantize_rows_avx2};
+    if (isa == NAT_ISA_AVX2) return (nat_kernels){nat_qgemm_avx2, nat_fgemm_avx2, nat_quantize_rows_avx2};
 #endif
     (void)isa;
-    return (isa_kernels){nat_qgemm_scalar, nat_fgemm_scalar};
+    return (nat_kernels){nat_qgemm_scalar, nat_fgemm_scalar, nat_quantize_rows};
 }
 
 typedef struct {
@@ -48,8 +46,7 @@ typedef struct {
     int64_t m;
     float *y;
     nat_qact act;
-    nat_qgemm_fn qgemm;
-    nat_fgemm_fn fgemm;
+    nat_kernels paths;
     int64_t n_chunks;
 } mul_mat_job;
 
@@ -58,7 +55,7 @@ static void quantize_chunk(void *raw, int64_t chunk, int ith) {
     mul_mat_job *job = raw;
     int64_t m0, m1;
     nat_share(job->m, chunk, job->n_chunks, &m0, &m1);
-    nat_quantize_rows(job->x, job->m, job->w->n_cols, &job->act, m0, m1);
+    job->paths.quantize(job->x, job->w->n_cols, &job->act, m0, m1);
 }
 
 static void qgemm_chunk(void *raw, int64_t chunk, int ith) {
@@ -66,7 +63,7 @@ static void qgemm_chunk(void *raw, int64_t chunk, int ith) {
     mul_mat_job *job = raw;
     int64_t n_groups = (job->w->n_rows + NAT_ROWS - 1) / NAT_ROWS, p0, p1;
     nat_share((n_groups + 1) / 2, chunk, job->n_chunks, &p0, &p1);  /* whole pairs: the AVX-512 path takes two */
-    job->qgemm(job->w, &job->act, job->m, job->y, 2 * p0, 2 * p1 < n_groups ? 2 * p1 : n_groups);
+    job->paths.qgemm(job->w, &job->act, job->m, job->y, 2 * p0, 2 * p1 < n_groups ? 2 * p1 : n_groups);
 }
 
 static void fgemm_chunk(void *raw, int64_t chunk, int ith) {
@@ -74,7 +71,7 @@ static void fgemm_chunk(void *raw, int64_t chunk, int ith) {
     mul_mat_job *job = raw;
     int64_t r0, r1;
     nat_share(job->w->n_rows, chunk, job->n_chunks, &r0, &r1);
-    job->fgemm(job->w, job->x, job->m, job->y, r0, r1);
+    job->paths.fgemm(job->w, job->x, job->m, job->y, r0, r1);
 }
 
 /* the bytes of the activation buffers of a quantized matmul of m rows: codes, then scales, then code sums (each
@@ -89,8 +86,7 @@ static size_t act_words(int64_t m, int64_t n_cols, size_t *d_at, size_t *sums_at
 /* y[m, n_rows] = x[m, n_cols] @ w^T with the activation buffers in scratch (act_words words; unused for float
  * weights). Returns 0, or NAT_BAD_INSTRUCTION for a weight the kernels do not know. */
 int nat_mul_mat_into(nat_pool *pool, int isa, const nat_weight *w, const float *x, int64_t m, float *y, void *scratch) {
-    isa_kernels paths = kernels_for(isa);
-    mul_mat_job job = {w, x, m, y, {NULL, NULL, NULL}, paths.qgemm, paths.fgemm, 1};
+    mul_mat_job job = {w, x, m, y, {NULL, NULL, NULL}, nat_kernels_for(isa), 1};
     if (w->kind == NAT_F32 || w->kind == NAT_F16 || w->kind == NAT_BF16) {
         job.n_chunks = nat_pool_chunks(pool, w->n_rows);
         nat_pool_for(pool, job.n_chunks, fgemm_chunk, &job);
@@ -141,8 +137,10 @@ int nat_program_run(nat_pool *pool, int isa, const nat_instr *prog, int64_t n, v
                                       in->buf[2] >= 0 ? (char *)bufs[in->buf[2]] + 4 * in->off[2] : NULL);
         else if (in->op >= NAT_OP_SSM_CONV && in->op <= NAT_OP_GATED_DELTA)
             status = nat_run_recurrent(pool, in, bufs);
-        else if (in->op >= NAT_OP_MUL_MAT_ID && in->op <= NAT_OP_CONCAT)
-            status = nat_run_moe_op(pool, kernels_for(isa).qgemm, kernels_for(isa).fgemm, in, bufs, weights);
+        else if (in->op >= NAT_OP_MUL_MAT_ID && in->op <= NAT_OP_CONCAT) {
+            nat_kernels paths = nat_kernels_for(isa);
+            status = nat_run_moe_op(pool, &paths, in, bufs, weights);
+        }
         else
             status = nat_run_op(pool, isa, in, bufs, weights);
         if (times) times[i] += seconds_now() - start;

@@ -51,8 +51,7 @@ static int is_float_kind(const nat_weight *w) { return w->kind == NAT_F32 || w->
 
 typedef struct {
     const nat_weight *w;       /* the E experts */
-    nat_qgemm_fn qgemm;
-    nat_fgemm_fn fgemm;
+    nat_kernels paths;
     const float *x;            /* [R][k]: a row per token (per_slot 0) or per (token, slot) (per_slot 1) */
     int64_t per_slot, n_used, k, n, n_slots;
     int64_t *starts;           /* [E + 1]: the sorted positions of each expert's slots */
@@ -73,7 +72,7 @@ static void quantize_part(void *raw, int64_t chunk, int ith) {
     moe_job *job = raw;
     int64_t rows = job->per_slot ? job->n_slots : job->n_slots / job->n_used, r0, r1;
     nat_share(rows, chunk, job->n_chunks, &r0, &r1);
-    nat_quantize_rows(job->x, rows, job->k, &job->act, r0, r1);
+    job->paths.quantize(job->x, job->k, &job->act, r0, r1);
 }
 
 static void gather_part(void *raw, int64_t chunk, int ith) {
@@ -98,12 +97,12 @@ static void expert_units(const moe_job *job, int64_t a, int64_t u0, int64_t u1) 
     int64_t e = job->active[a], start = job->starts[e], m = job->starts[e + 1] - start;
     float *y = job->ys + start * job->n;
     if (job->xg) {
-        job->fgemm(&job->w[e], job->xg + start * job->k, m, y, u0, u1);
+        job->paths.fgemm(&job->w[e], job->xg + start * job->k, m, y, u0, u1);
         return;
     }
     int64_t nb = job->k / NAT_BLOCK;
     nat_qact rows = {job->gathered.q + start * job->k, job->gathered.d + start * nb, job->gathered.sums + start * nb * 2};
-    job->qgemm(&job->w[e], &rows, m, y, u0, u1);
+    job->paths.qgemm(&job->w[e], &rows, m, y, u0, u1);
 }
 
 static void gemm_part(void *raw, int64_t chunk, int ith) {
@@ -152,8 +151,8 @@ static void run_step(nat_pool *pool, moe_job *job, int64_t items, int64_t per_it
  * Scratch (program.py moe_scratch_words mirrors it): starts [E + 1] and active [E] int64, order [S] int64, then
  * the activations of the R rows and of the S sorted rows (quantized kinds) or the S sorted x rows (float kinds),
  * then the sorted results [S][n]. */
-static int mul_mat_id(nat_pool *pool, nat_qgemm_fn qgemm, nat_fgemm_fn fgemm, const nat_instr *in,
-                      void *const *bufs, const nat_weight *weights) {
+static int mul_mat_id(nat_pool *pool, const nat_kernels *paths, const nat_instr *in, void *const *bufs,
+                      const nat_weight *weights) {
     const nat_weight *w = &weights[in->n[0]];
     int64_t n_expert = in->n[1], n_tokens = in->n[2], n_used = in->n[3], id_bytes = in->n[5];
     const void *ids = OPERAND(bufs, in, 2);
@@ -162,7 +161,7 @@ static int mul_mat_id(nat_pool *pool, nat_qgemm_fn qgemm, nat_fgemm_fn fgemm, co
     if (!is_float_kind(w) && w->kind != NAT_QNIB && w->kind != NAT_QBYTE) return NAT_BAD_INSTRUCTION;
     int64_t k = w->n_cols, n = w->n_rows, rows = in->n[4] ? n_slots : n_tokens;
     int64_t *scratch = (int64_t *)OPERAND(bufs, in, 3);
-    moe_job job = {w, qgemm, fgemm, FLOATS(bufs, in, 1), in->n[4], n_used, k, n, n_slots, scratch,
+    moe_job job = {w, *paths, FLOATS(bufs, in, 1), in->n[4], n_used, k, n, n_slots, scratch,
                    scratch + n_expert + 1, 0, scratch + 2 * n_expert + 1, {0}, {0}, NULL, NULL, FLOATS(bufs, in, 0),
                    0, 1};
     float *after = (float *)(job.order + n_slots);
@@ -289,11 +288,11 @@ static void concat(const nat_instr *in, void *const *bufs) {
     }
 }
 
-int nat_run_moe_op(nat_pool *pool, nat_qgemm_fn qgemm, nat_fgemm_fn fgemm, const nat_instr *in, void *const *bufs,
+int nat_run_moe_op(nat_pool *pool, const nat_kernels *paths, const nat_instr *in, void *const *bufs,
                    const nat_weight *weights) {
     switch (in->op) {
     case NAT_OP_MUL_MAT_ID:
-        return mul_mat_id(pool, qgemm, fgemm, in, bufs, weights);
+        return mul_mat_id(pool, paths, in, bufs, weights);
     case NAT_OP_ADD_ID: {
         pair_job job = {FLOATS(bufs, in, 1), FLOATS(bufs, in, 2), OPERAND(bufs, in, 3), FLOATS(bufs, in, 0), in->n[1],
                         in->n[3], 0.0f, 0.0f, in->n[0], 1};

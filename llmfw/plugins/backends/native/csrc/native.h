@@ -84,6 +84,9 @@ static inline nat_params nat_block_params(const nat_weight *w, const float *par)
 typedef void (*nat_qgemm_fn)(const nat_weight *w, const nat_qact *a, int64_t m, float *y, int64_t g0, int64_t g1);
 typedef void (*nat_fgemm_fn)(const nat_weight *w, const float *x, int64_t m, float *y, int64_t r0, int64_t r1);
 
+/* activation rows [m0, m1) of x [m][k] to 8-bit blocks in a (kernels_scalar.c says how; every ISA's the same bits) */
+typedef void (*nat_quantize_fn)(const float *x, int64_t k, nat_qact *a, int64_t m0, int64_t m1);
+
 void nat_qgemm_scalar(const nat_weight *w, const nat_qact *a, int64_t m, float *y, int64_t g0, int64_t g1);
 void nat_fgemm_scalar(const nat_weight *w, const float *x, int64_t m, float *y, int64_t r0, int64_t r1);
 #if (defined(__x86_64__) || defined(_M_X64)) && !defined(LLMFW_NATIVE_SCALAR_ONLY)
@@ -92,11 +95,20 @@ void nat_qgemm_avx2(const nat_weight *w, const nat_qact *a, int64_t m, float *y,
 void nat_fgemm_avx2(const nat_weight *w, const float *x, int64_t m, float *y, int64_t r0, int64_t r1);
 void nat_qgemm_avx512(const nat_weight *w, const nat_qact *a, int64_t m, float *y, int64_t g0, int64_t g1);
 void nat_fgemm_avx512(const nat_weight *w, const float *x, int64_t m, float *y, int64_t r0, int64_t r1);
+void nat_quantize_rows_avx2(const float *x, int64_t k, nat_qact *a, int64_t m0, int64_t m1);
 #endif
+
+/* the matmul kernels of one ISA path (module.c's nat_kernels_for: a path not compiled in gives the scalar ones) */
+typedef struct {
+    nat_qgemm_fn qgemm;
+    nat_fgemm_fn fgemm;
+    nat_quantize_fn quantize;
+} nat_kernels;
+nat_kernels nat_kernels_for(int isa);
 
 float nat_f16_to_f32(uint16_t h);
 float nat_reduce16(float *lanes);
-void nat_quantize_rows(const float *x, int64_t m, int64_t k, nat_qact *a, int64_t m0, int64_t m1);
+void nat_quantize_rows(const float *x, int64_t k, nat_qact *a, int64_t m0, int64_t m1);
 
 
 /* ---- the kernels of the row-wise ops (ops.c) ---- */
@@ -166,7 +178,7 @@ int nat_run_op(nat_pool *pool, int isa, const nat_instr *in, void *const *bufs, 
 int nat_attend(nat_pool *pool, int isa, const float *q, const float *k, const float *v, const float *mask,
                const float *sinks, const int32_t *order, float *out, const int64_t *n, float scale, float softcap);
 int nat_mul_mat_into(nat_pool *pool, int isa, const nat_weight *w, const float *x, int64_t m, float *y, void *scratch);
-int nat_run_moe_op(nat_pool *pool, nat_qgemm_fn qgemm, nat_fgemm_fn fgemm, const nat_instr *in, void *const *bufs,
+int nat_run_moe_op(nat_pool *pool, const nat_kernels *paths, const nat_instr *in, void *const *bufs,
                    const nat_weight *weights);
 
 /* q . k in the canonical 16-lane order (attention.c), and the recurrent ops' instructions (recurrent.c) */
