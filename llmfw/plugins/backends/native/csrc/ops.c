@@ -1,6 +1,6 @@
 /* Every op of the core IR but the matmul (module.c) and attention (attention.c): elementwise ops, norms, softmax,
  * row lookups (also from a repacked weight), slices, RoPE, the KV cache write. Portable C (one path for every
- * CPU); each output row is computed alone in a fixed order and the work is split by whole rows (or (row, head)
+ * CPU; the exp loops also in an AVX2 copy of the same operations); each output row is computed alone in a fixed order and the work is split by whole rows (or (row, head)
  * pairs), so a row's bits never depend on the batch around it or on the threads. */
 #include <math.h>
 #include <stdlib.h>
@@ -12,6 +12,18 @@
 
 /* elements per chunk of an elementwise op: below two chunks the op runs on the calling thread alone */
 #define ELEMENTS_PER_CHUNK 16384
+/* what an element of an op through nat_exp costs, in elements of an add (for the chunks: such an op splits over the
+ * threads from a few thousand elements on, a batched decode step's SwiGLU among them) */
+#define EXP_ELEMENT_COST 8
+
+/* The elementwise loops that call nat_exp, compiled twice where the compiler and loader can choose a copy at load
+ * time (GCC/Clang ifuncs on x86-64 Linux): for AVX2's 8 lanes and for the baseline. The same IEEE operations in
+ * the same order either way (no fused multiply-add: -ffp-contract=off), so the same bits on every CPU. */
+#if defined(NAT_HAVE_X86) && defined(__linux__) && defined(__GNUC__)
+#define VECTOR_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define VECTOR_CLONES
+#endif
 
 #define WORDS(bufs, in, i) ((char *)(bufs)[(in)->buf[i]] + 4 * (in)->off[i])
 #define F32_AT(bufs, in, i) ((float *)WORDS(bufs, in, i))
@@ -49,7 +61,7 @@ typedef struct {
     int64_t count, n_chunks;
 } flat_job;
 
-static void unary_chunk(void *raw, int64_t chunk, int ith) {
+VECTOR_CLONES static void unary_chunk(void *raw, int64_t chunk, int ith) {
     (void)ith;
     flat_job *job = raw;
     const float *x = F32_AT(job->bufs, job->in, 1);
@@ -65,7 +77,7 @@ static void unary_chunk(void *raw, int64_t chunk, int ith) {
         for (int64_t i = i0; i < i1; i++) out[i] = unary(kind, x[i], job->in->f);
 }
 
-static void swiglu_chunk(void *raw, int64_t chunk, int ith) {
+VECTOR_CLONES static void swiglu_chunk(void *raw, int64_t chunk, int ith) {
     (void)ith;
     flat_job *job = raw;
     const float *g = F32_AT(job->bufs, job->in, 1), *u = F32_AT(job->bufs, job->in, 2);
@@ -332,10 +344,11 @@ int nat_run_op(nat_pool *pool, int isa, const nat_instr *in, void *const *bufs, 
         run_flat(pool, in, bufs, in->n[1] * in->n[2] * in->n[3], in->n[4], binary_chunk);
         return 0;
     case NAT_OP_UNARY:
-        run_flat(pool, in, bufs, in->n[1], 1, unary_chunk);
+        run_flat(pool, in, bufs, in->n[1], in->n[0] == NAT_SILU || in->n[0] == NAT_GELU ? EXP_ELEMENT_COST : 1,
+                 unary_chunk);
         return 0;
     case NAT_OP_SWIGLU:
-        run_flat(pool, in, bufs, in->n[1], 1, swiglu_chunk);
+        run_flat(pool, in, bufs, in->n[1], EXP_ELEMENT_COST, swiglu_chunk);
         return 0;
     case NAT_OP_RMS_NORM: case NAT_OP_NORM: case NAT_OP_SOFTMAX:
         run_flat(pool, in, bufs, in->n[0], in->n[1], row_chunk);
