@@ -11,8 +11,9 @@
  *   total = the p_c summed with p_c into lane c % 16, then the same reduction [+ nat_exp(sink - best)]
  *   out[d] = (0 + p_0*v_0[d] + p_1*v_1[d] + ...) / total   (cells in order, one lane per d)
  * A row that sees no cell gives NaN (0/0, like the oracle). Hidden cells cost nothing: a tile of query rows only
- * visits the key blocks (16 entries of `order`) some row of it sees (causal prefill never looks at future keys); a
- * block of consecutive cells is read in place, any other gathered. Tiles share the K loads
+ * visits the key blocks (16 entries of `order`) some row of it sees (causal prefill never looks at future keys); the
+ * kernels read each key through its own row pointer, so keys of cells anywhere (a sequence beside others) are read
+ * where they lie, never copied. Tiles share the K loads
  * across their rows and the heads of a GQA group; a row's arithmetic is the same whatever tile, thread or ISA
  * path computes it. */
 #include <math.h>
@@ -28,9 +29,9 @@
 /* ---- one ISA's kernels ------------------------------------------------------------------------------------- */
 
 typedef struct {
-    /* out[i] = dot(q, k + i * dk) [+ add[i] when add is not NULL] for the KEYS rows from k (q padded with zeros to
-     * whole 16s) */
-    void (*scores)(const float *q, const float *k, int64_t dk, const float *add, float *out);
+    /* out[i] = dot(q, keys[i]) [+ add[i] when add is not NULL] for the KEYS key rows (q padded with zeros to whole
+     * 16s) */
+    void (*scores)(const float *q, const float *const *keys, int64_t dk, const float *add, float *out);
     /* the largest of s[0..n) (n > 0; NaNs ignored; which zero of +0 and -0 when both are there is unspecified:
      * it changes no result, as nat_exp(x - (+0)) and nat_exp(x - (-0)) are the same) */
     float (*peak)(const float *s, int64_t n);
@@ -60,9 +61,9 @@ float nat_dot16(const float *q, const float *k, int64_t n) {
     return reduce_lanes(lanes);  /* the padding would add +0 to lanes that are never -0: no change */
 }
 
-static void scores_scalar(const float *q, const float *k, int64_t dk, const float *add, float *out) {
+static void scores_scalar(const float *q, const float *const *keys, int64_t dk, const float *add, float *out) {
     for (int i = 0; i < KEYS; i++) {
-        float dot = nat_dot16(q, k + i * dk, dk);
+        float dot = nat_dot16(q, keys[i], dk);
         out[i] = add ? dot + add[i] : dot;
     }
 }
@@ -138,22 +139,22 @@ TARGET2 static inline __m256 avx2_load(const float *p, int64_t n) {  /* n < 8: t
 TARGET2 static inline __m256 avx2_load_cut(const float *p, int64_t n) { return _mm256_maskload_ps(p, avx2_keep(n)); }
 
 /* keys 4g..4g+3 reduced to their l + l+2 pairs: lanes [k0 k0 k2 k2 | k1 k1 k3 k3] (each pair (a, a+2) summed) */
-TARGET2 static inline __m256 avx2_four_keys(const float *q, const float *k, int64_t dk) {
+TARGET2 static inline __m256 avx2_four_keys(const float *q, const float *const *k, int64_t dk) {
     __m256 lo[4], hi[4];
     for (int i = 0; i < 4; i++) lo[i] = hi[i] = _mm256_setzero_ps();
     int64_t d = 0;
     for (; d + 16 <= dk; d += 16) {
         __m256 q0 = _mm256_loadu_ps(q + d), q1 = _mm256_loadu_ps(q + d + 8);
         for (int i = 0; i < 4; i++) {
-            lo[i] = _mm256_add_ps(lo[i], _mm256_mul_ps(q0, _mm256_loadu_ps(k + i * dk + d)));
-            hi[i] = _mm256_add_ps(hi[i], _mm256_mul_ps(q1, _mm256_loadu_ps(k + i * dk + d + 8)));
+            lo[i] = _mm256_add_ps(lo[i], _mm256_mul_ps(q0, _mm256_loadu_ps(k[i] + d)));
+            hi[i] = _mm256_add_ps(hi[i], _mm256_mul_ps(q1, _mm256_loadu_ps(k[i] + d + 8)));
         }
     }
     if (d < dk) {
         __m256 q0 = _mm256_loadu_ps(q + d), q1 = _mm256_loadu_ps(q + d + 8);
         for (int i = 0; i < 4; i++) {
-            lo[i] = _mm256_add_ps(lo[i], _mm256_mul_ps(q0, avx2_load_cut(k + i * dk + d, dk - d)));
-            hi[i] = _mm256_add_ps(hi[i], _mm256_mul_ps(q1, avx2_load_cut(k + i * dk + d + 8, dk - d - 8)));
+            lo[i] = _mm256_add_ps(lo[i], _mm256_mul_ps(q0, avx2_load_cut(k[i] + d, dk - d)));
+            hi[i] = _mm256_add_ps(hi[i], _mm256_mul_ps(q1, avx2_load_cut(k[i] + d + 8, dk - d - 8)));
         }
     }
     __m256 s8[4];
@@ -164,9 +165,9 @@ TARGET2 static inline __m256 avx2_four_keys(const float *q, const float *k, int6
     return _mm256_add_ps(_mm256_shuffle_ps(a, b, 0x44), _mm256_shuffle_ps(a, b, 0xEE));
 }
 
-TARGET2 static void scores_avx2(const float *q, const float *k, int64_t dk, const float *add, float *out) {
+TARGET2 static void scores_avx2(const float *q, const float *const *k, int64_t dk, const float *add, float *out) {
     for (int half = 0; half < 2; half++) {
-        __m256 e = avx2_four_keys(q, k + 8 * half * dk, dk), f = avx2_four_keys(q, k + (8 * half + 4) * dk, dk);
+        __m256 e = avx2_four_keys(q, k + 8 * half, dk), f = avx2_four_keys(q, k + 8 * half + 4, dk);
         /* l + l+1: lanes [k0 k2 k4 k6 | k1 k3 k5 k7] of these 8 keys */
         __m256 s = _mm256_add_ps(_mm256_shuffle_ps(e, f, 0x88), _mm256_shuffle_ps(e, f, 0xDD));
         s = _mm256_permutevar8x32_ps(s, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
@@ -259,14 +260,14 @@ TARGET512 static inline __mmask16 avx512_keep(int64_t n) {
 
 #define EACH_KEY(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12) X(13) X(14) X(15)
 #define ZERO_ACC(i) __m512 acc##i = _mm512_setzero_ps();
-#define ADD_KEY(i) acc##i = _mm512_add_ps(acc##i, _mm512_mul_ps(qv, LOAD(k + i * dk + d)));
+#define ADD_KEY(i) acc##i = _mm512_add_ps(acc##i, _mm512_mul_ps(qv, LOAD(k[i] + d)));
 #define FULL_LOAD(p) _mm512_loadu_ps(p)
 #define CUT_LOAD(p) _mm512_maskz_loadu_ps(keep, p)
 /* one reduction step of two registers: lanes (l, l + width) summed, per TAKE's two operand selections */
 #define PAIR_F32X4(a, b, lo, hi) _mm512_add_ps(_mm512_shuffle_f32x4(a, b, lo), _mm512_shuffle_f32x4(a, b, hi))
 #define PAIR_PS(a, b, lo, hi) _mm512_add_ps(_mm512_shuffle_ps(a, b, lo), _mm512_shuffle_ps(a, b, hi))
 
-TARGET512 static void scores_avx512(const float *q, const float *k, int64_t dk, const float *add, float *out) {
+TARGET512 static void scores_avx512(const float *q, const float *const *k, int64_t dk, const float *add, float *out) {
     EACH_KEY(ZERO_ACC)
     int64_t d = 0;
     for (; d + 16 <= dk; d += 16) {
@@ -391,11 +392,11 @@ typedef struct {
     float *scratch;
 } attn_job;
 
-/* per thread: q rows [tile * heads][dk padded], scores [tile * heads][n_kv], a block's scores [KEYS], copied keys
- * [KEYS][dk], visible cells [tile][n_kv] and their places in `order` [tile][n_kv] */
+/* per thread: q rows [tile * heads][dk padded], scores [tile * heads][n_kv], a block's scores [KEYS], visible
+ * cells [tile][n_kv] and their places in `order` [tile][n_kv] */
 static size_t scratch_floats(int64_t tile_rows, int64_t heads, int64_t dk, int64_t n_kv) {
     int64_t dk16 = (dk + 15) / 16 * 16;
-    return (size_t)(tile_rows * heads * (dk16 + n_kv) + KEYS + KEYS * dk + 2 * tile_rows * n_kv);
+    return (size_t)(tile_rows * heads * (dk16 + n_kv) + KEYS + 2 * tile_rows * n_kv);
 }
 
 /* the visible cells of mask row `row` in the job's order (cells) and their places in it (at, ascending); returns
@@ -425,15 +426,10 @@ static inline int64_t consecutive(const int32_t *x, int64_t n) {
     return x[0];
 }
 
-/* the keys of cells[0..n) of KV head kvh: in place when consecutive, else copied into `gathered` (zeros after
- * them, to KEYS rows) */
-static const float *block_keys(const attn_job *job, int64_t kvh, const int32_t *cells, int64_t n, float *gathered) {
-    int64_t dk = job->dk, first = n == KEYS ? consecutive(cells, n) : -1;
-    const float *kbase = job->k + kvh * job->n_cells * dk;
-    if (first >= 0) return kbase + first * dk;
-    for (int64_t i = 0; i < n; i++) memcpy(gathered + i * dk, kbase + (int64_t)cells[i] * dk, (size_t)dk * 4);
-    memset(gathered + n * dk, 0, (size_t)((KEYS - n) * dk) * 4);
-    return gathered;
+/* the key rows of cells[0..n) of KV head kvh, to KEYS rows (past n: the first again, its score never read) */
+static void block_keys(const attn_job *job, int64_t kvh, const int32_t *cells, int64_t n, const float *keys[KEYS]) {
+    const float *kbase = job->k + kvh * job->n_cells * job->dk;
+    for (int64_t i = 0; i < KEYS; i++) keys[i] = kbase + (int64_t)cells[i < n ? i : 0] * job->dk;
 }
 
 /* a raw score, soft-capped when the model caps them */
@@ -445,11 +441,12 @@ static inline float capped(const attn_job *job, float s) {
  * by visible index; cursor[r]: the first visible cell of row r not scored yet */
 static void score_block(const attn_job *job, int64_t t0, int64_t rows, int64_t h0, int64_t o0,
                         const float *qs, float *scores, const int32_t *cells, const int32_t *at, const int64_t *count,
-                        int64_t *cursor, float *block, float *key_copy) {
+                        int64_t *cursor, float *block) {
     int64_t heads = job->heads_per_item, dk16 = (job->dk + 15) / 16 * 16;
     int64_t n = job->n_kv - o0 < KEYS ? job->n_kv - o0 : KEYS;
-    const float *keys = block_keys(job, h0 / (job->n_head / job->n_head_kv), job->order + o0, n, key_copy);
-    int64_t first = keys == key_copy ? -1 : job->order[o0];  /* the block's first cell, when read in place */
+    const float *keys[KEYS];
+    block_keys(job, h0 / (job->n_head / job->n_head_kv), job->order + o0, n, keys);
+    int64_t first = n == KEYS ? consecutive(job->order + o0, n) : -1;  /* its first cell, when they are consecutive */
     for (int64_t r = 0; r < rows; r++) {
         const int32_t *vis = at + r * job->n_kv, *row_cells = cells + r * job->n_kv;
         const float *mask = job->mask + (t0 + r) * job->n_kv;
@@ -462,7 +459,7 @@ static void score_block(const attn_job *job, int64_t t0, int64_t rows, int64_t h
         for (int64_t g = 0; g < heads; g++) {
             int64_t i = r * heads + g;
             float *dst = scores + i * job->n_kv;
-            if (hi - lo == KEYS && first >= 0 && job->softcap == 0.0f) {  /* scores plus mask, straight in place */
+            if (hi - lo == KEYS && first >= 0 && job->softcap == 0.0f) {  /* scores plus the mask's run, in place */
                 job->isa->scores(qs + i * dk16, keys, job->dk, mask + first, dst + lo);
                 continue;
             }
@@ -473,17 +470,31 @@ static void score_block(const attn_job *job, int64_t t0, int64_t rows, int64_t h
     }
 }
 
+/* the rows of cells[0..n) from base (rows of `floats` floats) towards the cache: a decode step reads a few keys
+ * and values of each cell, from wherever the layer's cache lies (the weights streaming through push it out of L2) */
+static void prefetch_rows(const float *base, const int32_t *cells, int64_t n, int64_t floats) {
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t f = 0; f < floats; f += 16) __builtin_prefetch(base + (int64_t)cells[i] * floats + f, 0, 3);
+}
+
 /* The scores of one query row (a decode step's tile) for the heads of the item, by chunks of KEYS visible cells:
  * the cells of a sequence beside others in the cache are not contiguous, and a block of cells would score the
- * other sequences' keys for nothing. A chunk of contiguous cells is read in place, any other gathered. */
+ * other sequences' keys for nothing. */
 static void score_visible(const attn_job *job, int64_t t, int64_t h0, const float *qs, float *scores,
-                          const int32_t *vis, int64_t count, float *block, float *gathered) {
+                          const int32_t *vis, int64_t count, float *block) {
     int64_t heads = job->heads_per_item, dk = job->dk, dk16 = (dk + 15) / 16 * 16;
     const float *mask = job->mask + t * job->n_kv;
+    int64_t kvh = h0 / (job->n_head / job->n_head_kv);
+    const float *kbase = job->k + kvh * job->n_cells * dk, *vbase = job->v + kvh * job->n_cells * job->dv;
     float add[KEYS];
+    prefetch_rows(kbase, vis, count < KEYS ? count : KEYS, dk);
     for (int64_t c0 = 0; c0 < count; c0 += KEYS) {
         int64_t n = count - c0 < KEYS ? count - c0 : KEYS;
-        const float *keys = block_keys(job, h0 / (job->n_head / job->n_head_kv), vis + c0, n, gathered);
+        int64_t next = count - c0 - KEYS < KEYS ? count - c0 - KEYS : KEYS;
+        if (next > 0) prefetch_rows(kbase, vis + c0 + KEYS, next, dk);  /* the next chunk's keys */
+        prefetch_rows(vbase, vis + c0, n, job->dv);
+        const float *keys[KEYS];
+        block_keys(job, kvh, vis + c0, n, keys);
         for (int64_t i = 0; i < n; i++) add[i] = mask[vis[c0 + i]];
         for (int64_t g = 0; g < heads; g++) {
             float *dst = scores + g * job->n_kv + c0;
@@ -533,8 +544,7 @@ static void attend_item(const attn_job *job, int64_t item, float *scratch) {
     int64_t heads = job->heads_per_item, h0 = kvh * (job->n_head / job->n_head_kv) + part * heads;
     int64_t dk = job->dk, dk16 = (dk + 15) / 16 * 16, n_kv = job->n_kv;
     float *qs = scratch, *scores = qs + rows * heads * dk16, *block = scores + rows * heads * n_kv;
-    float *key_copy = block + KEYS;
-    int32_t *cells = (int32_t *)(key_copy + KEYS * dk), *at = job->in_cell_order ? cells : cells + rows * n_kv;
+    int32_t *cells = (int32_t *)(block + KEYS), *at = job->in_cell_order ? cells : cells + rows * n_kv;
     int64_t count[DECODE_ROWS], cursor[DECODE_ROWS], first = n_kv, end = 0;
     for (int64_t r = 0; r < rows; r++) {
         count[r] = visible_cells(job, job->mask + (t0 + r) * n_kv, cells + r * n_kv, at + r * n_kv);
@@ -550,10 +560,10 @@ static void attend_item(const attn_job *job, int64_t item, float *scratch) {
         }
     }
     if (rows == 1)
-        score_visible(job, t0, h0, qs, scores, cells, count[0], block, key_copy);
+        score_visible(job, t0, h0, qs, scores, cells, count[0], block);
     else
         for (int64_t o0 = first; o0 < end; o0 += KEYS)
-            score_block(job, t0, rows, h0, o0, qs, scores, cells, at, count, cursor, block, key_copy);
+            score_block(job, t0, rows, h0, o0, qs, scores, cells, at, count, cursor, block);
     for (int64_t r = 0; r < rows; r++)
         finish_row(job, scores + r * heads * n_kv, cells + r * n_kv, count[r], t0 + r, h0);
 }
@@ -583,7 +593,8 @@ static int is_cell_order(const int32_t *order, int64_t n_kv) {
 int nat_attend(nat_pool *pool, int isa, const float *q, const float *k, const float *v, const float *mask,
                const float *sinks, const int32_t *order, float *out, const int64_t *n, float scale, float softcap) {
     attn_job job = {q, k, v, mask, sinks, order, !order || is_cell_order(order, n[5]), out,
-                    n[0], n[1], n[2], n[3], n[4], n[5], n[6], scale, softcap, kernels_for(isa), n[0] < DECODE_ROWS ? 1 : TILE_ROWS, 1, 1, 0, 1, 0, NULL};
+                    n[0], n[1], n[2], n[3], n[4], n[5], n[6], scale, softcap, kernels_for(isa),
+                    n[0] < DECODE_ROWS ? 1 : TILE_ROWS, 1, 1, 0, 1, 0, NULL};
     if (order && !order_in_range(order, job.n_kv)) return NAT_ID_OUT_OF_RANGE;
     int64_t group = n[1] / n[2], tiles = (job.n_tokens + job.tile_rows - 1) / job.tile_rows;
     /* the most heads of a group per item (sharing their K and V loads) that still leaves every thread items */
