@@ -304,15 +304,21 @@ TARGET512 INLINE void pair_operands(const uint8_t *lo, const uint8_t *hi, int fo
     for (int c = 0; c < 8 && form == NIB_TABLE; c++) chunk[c] = _mm512_shuffle_epi8(table, chunk[c]);
 }
 
-/* vnni_half_dot over 16 rows */
+TARGET512 INLINE __m512i pair_dot_word(__m512i sum, __m512i chunk, const int8_t *aq) {
+    int32_t word;
+    memcpy(&word, aq, 4);
+    return _mm512_dpbusd_epi32(sum, chunk, _mm512_set1_epi32(word));
+}
+
+/* vnni_half_dot over 16 rows, in two chains of two (exact integers: the order is free), so a block's dot products
+ * are ready sooner: a batched step's tiles wait on these chains, not on the vector units */
 TARGET512 INLINE __m512i pair_half_dot(int form, int half, const __m512i *chunk, const int8_t *aq, int32_t extra) {
     int high16 = half && VNNI_HIGH16(form);
-    __m512i sum = _mm512_set1_epi32(high16 ? extra * 16 : extra);
-    for (int c = 0; c < 4; c++) {
-        int32_t word;
-        memcpy(&word, aq + 4 * c, 4);
-        sum = _mm512_dpbusd_epi32(sum, chunk[c], _mm512_set1_epi32(word));
-    }
+    __m512i first = pair_dot_word(_mm512_set1_epi32(high16 ? extra * 16 : extra), chunk[0], aq);
+    __m512i second = pair_dot_word(_mm512_setzero_si512(), chunk[2], aq + 8);
+    first = pair_dot_word(first, chunk[1], aq + 4);
+    second = pair_dot_word(second, chunk[3], aq + 12);
+    __m512i sum = _mm512_add_epi32(first, second);
     return high16 ? _mm512_srai_epi32(sum, 4) : sum;
 }
 
