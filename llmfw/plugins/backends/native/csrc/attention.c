@@ -426,10 +426,10 @@ static inline int64_t consecutive(const int32_t *x, int64_t n) {
     return x[0];
 }
 
-/* the key rows of cells[0..n) of KV head kvh, to KEYS rows (past n: the first again, its score never read) */
-static void block_keys(const attn_job *job, int64_t kvh, const int32_t *cells, int64_t n, const float *keys[KEYS]) {
-    const float *kbase = job->k + kvh * job->n_cells * job->dk;
-    for (int64_t i = 0; i < KEYS; i++) keys[i] = kbase + (int64_t)cells[i < n ? i : 0] * job->dk;
+/* the rows of cells[0..n) from a KV head's keys kbase, to KEYS rows (past n: the first again, its score never
+ * read) */
+static void block_keys(const float *kbase, int64_t dk, const int32_t *cells, int64_t n, const float *keys[KEYS]) {
+    for (int64_t i = 0; i < KEYS; i++) keys[i] = kbase + (int64_t)cells[i < n ? i : 0] * dk;
 }
 
 /* a raw score, soft-capped when the model caps them */
@@ -445,7 +445,8 @@ static void score_block(const attn_job *job, int64_t t0, int64_t rows, int64_t h
     int64_t heads = job->heads_per_item, dk16 = (job->dk + 15) / 16 * 16;
     int64_t n = job->n_kv - o0 < KEYS ? job->n_kv - o0 : KEYS;
     const float *keys[KEYS];
-    block_keys(job, h0 / (job->n_head / job->n_head_kv), job->order + o0, n, keys);
+    block_keys(job->k + h0 / (job->n_head / job->n_head_kv) * job->n_cells * job->dk, job->dk, job->order + o0, n,
+               keys);
     int64_t first = n == KEYS ? consecutive(job->order + o0, n) : -1;  /* its first cell, when they are consecutive */
     for (int64_t r = 0; r < rows; r++) {
         const int32_t *vis = at + r * job->n_kv, *row_cells = cells + r * job->n_kv;
@@ -494,7 +495,7 @@ static void score_visible(const attn_job *job, int64_t t, int64_t h0, const floa
         if (next > 0) prefetch_rows(kbase, vis + c0 + KEYS, next, dk);  /* the next chunk's keys */
         prefetch_rows(vbase, vis + c0, n, job->dv);
         const float *keys[KEYS];
-        block_keys(job, kvh, vis + c0, n, keys);
+        block_keys(kbase, dk, vis + c0, n, keys);
         for (int64_t i = 0; i < n; i++) add[i] = mask[vis[c0 + i]];
         for (int64_t g = 0; g < heads; g++) {
             float *dst = scores + g * job->n_kv + c0;

@@ -43,6 +43,12 @@ static inline double round_half_even(double r) {
 #endif
 }
 
+void nat_quantize_nonfinite(int8_t *q, float *d, int32_t *sums) {
+    memset(q, 0, NAT_BLOCK);
+    *d = NAN;
+    sums[0] = sums[1] = 0;
+}
+
 /* Activation rows [m0, m1) to 8-bit blocks: d = amax/127, q = round-half-even(x * 127/amax). A block with a NaN
  * or inf gets d = NaN (its products are NaN, as in float arithmetic), codes 0. This is where the bits of the
  * activations are decided: kernels_x86.c's vector version does the same IEEE operations, so every ISA path gets
@@ -62,9 +68,7 @@ void nat_quantize_rows(const float *x, int64_t k, nat_qact *a, int64_t m0, int64
                 amax = v > amax ? v : amax;        /* used only when every value is finite */
             }
             if (!finite) {
-                memset(q, 0, NAT_BLOCK);
-                a->d[i * nb + b] = NAN;
-                sums[0] = sums[1] = 0;
+                nat_quantize_nonfinite(q, &a->d[i * nb + b], sums);
                 continue;
             }
             /* the reciprocal in double: it cannot overflow for a subnormal amax */

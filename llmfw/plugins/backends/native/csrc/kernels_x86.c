@@ -6,7 +6,6 @@
 
 #ifdef NAT_HAVE_X86
 #include <immintrin.h>
-#include <math.h>
 #include <string.h>
 
 #define TARGET __attribute__((target("avx2,fma,f16c")))
@@ -406,9 +405,7 @@ TARGET void nat_quantize_rows_avx2(const float *x, int64_t k, nat_qact *a, int64
                 amax = _mm256_max_ps(amax, v);
             }
             if (_mm256_movemask_ps(finite) != 0xff) {
-                memset(q, 0, NAT_BLOCK);
-                a->d[i * nb + b] = NAN;
-                sums[0] = sums[1] = 0;
+                nat_quantize_nonfinite(q, &a->d[i * nb + b], sums);
                 continue;
             }
             __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));

@@ -109,6 +109,8 @@ nat_kernels nat_kernels_for(int isa);
 float nat_f16_to_f32(uint16_t h);
 float nat_reduce16(float *lanes);
 void nat_quantize_rows(const float *x, int64_t k, nat_qact *a, int64_t m0, int64_t m1);
+/* a quantized block with a NaN or inf: scale NaN (its products are NaN), codes and sums 0 (every ISA's quantizer) */
+void nat_quantize_nonfinite(int8_t *q, float *d, int32_t *sums);
 
 
 /* ---- the kernels of the row-wise ops (ops.c) ---- */
