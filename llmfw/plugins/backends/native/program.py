@@ -53,9 +53,10 @@ class ProgramError(ModelError):
 
 
 def activation_words(m: int, n_cols: int) -> int:
-    """Words of a quantized matmul's activation buffers (module.c ``act_words``): codes, scales, code sums."""
+    """Words of a quantized matmul's activation buffers (native.h ``nat_act_words``): codes, scales, code sums, float
+    sums."""
     nb = n_cols // BLOCK
-    return (m * n_cols + 3) // 4 + m * nb + m * nb * 2
+    return (m * n_cols + 3) // 4 + m * nb + m * nb * 2 + m * nb
 
 
 def moe_scratch_words(n_expert: int, n_slots: int, x_rows: int, info: "WeightInfo") -> int:

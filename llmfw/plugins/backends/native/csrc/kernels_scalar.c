@@ -43,10 +43,11 @@ static inline double round_half_even(double r) {
 #endif
 }
 
-void nat_quantize_nonfinite(int8_t *q, float *d, int32_t *sums) {
+void nat_quantize_nonfinite(int8_t *q, float *d, int32_t *sums, float *asum) {
     memset(q, 0, NAT_BLOCK);
     *d = NAN;
     sums[0] = sums[1] = 0;
+    *asum = 0.0f;
 }
 
 /* Activation rows [m0, m1) to 8-bit blocks: d = amax/127, q = round-half-even(x * 127/amax). A block with a NaN
@@ -68,7 +69,7 @@ void nat_quantize_rows(const float *x, int64_t k, nat_qact *a, int64_t m0, int64
                 amax = v > amax ? v : amax;        /* used only when every value is finite */
             }
             if (!finite) {
-                nat_quantize_nonfinite(q, &a->d[i * nb + b], sums);
+                nat_quantize_nonfinite(q, &a->d[i * nb + b], sums, &a->asum[i * nb + b]);
                 continue;
             }
             /* the reciprocal in double: it cannot overflow for a subnormal amax */
@@ -84,6 +85,7 @@ void nat_quantize_rows(const float *x, int64_t k, nat_qact *a, int64_t m0, int64
                 }
                 sums[half] = sum;
             }
+            a->asum[i * nb + b] = (float)(sums[0] + sums[1]);
             a->d[i * nb + b] = amax / 127.0f;
         }
     }

@@ -64,16 +64,16 @@ TARGET INLINE void load_chunks(const uint8_t *codes, int form, int high16, __m25
 /* The float part of native.h for the rows of one vector (W: 256, 8 rows; 512, 16 rows), par: s0, s1, o0, o1:
  * two scales: acc + da * (((s0*i0 + s1*i1) + o0*A0) + o1*A1); one: acc + da * (s0*(i0+i1) + o0*(A0+A1)) (the
  * bracketed offset terms only with PAR_OFFSETS). A0, A1 are broadcast as integers and converted in the vector
- * unit: the same exact floats. */
+ * unit; A0+A1 (asum) comes converted by the quantizer, so a tile row spends no conversion on it: the same exact
+ * floats. */
 #define DEFINE_COMBINE(ATTR, NAME, W)                                                                              \
     ATTR INLINE __m##W NAME(__m##W acc, const __m##W par[4], int pars, __m##W##i i0, __m##W##i i1, float da,       \
-                            const int32_t *sums) {                                                                 \
+                            const int32_t *sums, float asum) {                                                     \
         __m##W v;                                                                                                  \
         if (pars & PAR_ONE_SCALE) {                                                                                \
             v = _mm##W##_mul_ps(par[0], _mm##W##_cvtepi32_ps(_mm##W##_add_epi32(i0, i1)));                        \
             if (pars & PAR_OFFSETS)                                                                                \
-                v = _mm##W##_add_ps(v, _mm##W##_mul_ps(par[2],                                                     \
-                                                       _mm##W##_cvtepi32_ps(_mm##W##_set1_epi32(sums[0] + sums[1])))); \
+                v = _mm##W##_add_ps(v, _mm##W##_mul_ps(par[2], _mm##W##_set1_ps(asum)));                           \
         } else {                                                                                                   \
             v = _mm##W##_mul_ps(par[0], _mm##W##_cvtepi32_ps(i0));                                                 \
             v = _mm##W##_add_ps(v, _mm##W##_mul_ps(par[1], _mm##W##_cvtepi32_ps(i1)));                             \
@@ -173,7 +173,7 @@ TARGET INLINE void prefetch_ahead(const uint8_t *blk, size_t block_bytes, size_t
                 base_terms(plan, form, pars, sums, extra);                                                         \
                 __m256i h0 = HALF_DOT(form, 0, chunk, signs, aq, extra[0]);                                        \
                 __m256i h1 = HALF_DOT(form, 1, chunk + 4, signs + 4, aq + 16, extra[1]);                           \
-                acc[t] = combine(acc[t], par, pars, h0, h1, a->d[i * nb + b], sums);                               \
+                acc[t] = combine(acc[t], par, pars, h0, h1, a->d[i * nb + b], sums, a->asum[i * nb + b]);         \
             }                                                                                                      \
         }                                                                                                          \
         for (int t = 0; t < rows; t++) store_rows(y, w->n_rows, i0 + t, g, acc[t]);                                \
@@ -286,8 +286,10 @@ TARGET512 INLINE __m512 load_pair_ps(const float *lo, const float *hi) {
     return _mm512_castsi512_ps(load_pair((const uint8_t *)lo, (const uint8_t *)hi));
 }
 
-/* the two groups' 8 code chunks as vnni_operands makes them (table: the plan's, in all four 128-bit lanes) */
-TARGET512 INLINE void pair_operands(const uint8_t *lo, const uint8_t *hi, int form, __m512i table, __m512i chunk[8]) {
+/* the two groups' 8 code chunks as vnni_operands makes them (table: the plan's, in all four 128-bit lanes); high16:
+ * the second half's nibbles stay in the high nibble (16 * index), or are shifted down like the first half's */
+TARGET512 INLINE void pair_operands(const uint8_t *lo, const uint8_t *hi, int form, int high16, __m512i table,
+                                    __m512i chunk[8]) {
     if (form == BYTE) {
         for (int c = 0; c < 8; c++)
             chunk[c] = _mm512_xor_si512(load_pair(lo + 32 * c, hi + 32 * c), _mm512_set1_epi8((char)0x80));
@@ -297,8 +299,8 @@ TARGET512 INLINE void pair_operands(const uint8_t *lo, const uint8_t *hi, int fo
     for (int c = 0; c < 4; c++) {
         __m512i packed = load_pair(lo + 32 * c, hi + 32 * c);
         chunk[c] = _mm512_and_si512(packed, low4);
-        chunk[c + 4] = VNNI_HIGH16(form) ? _mm512_andnot_si512(low4, packed)
-                                         : _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
+        chunk[c + 4] = high16 ? _mm512_andnot_si512(low4, packed)
+                              : _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
     }
     for (int c = 0; c < 8 && form == NIB_TABLE; c++) chunk[c] = _mm512_shuffle_epi8(table, chunk[c]);
 }
@@ -321,6 +323,18 @@ TARGET512 INLINE __m512i pair_half_dot(int form, int half, const __m512i *chunk,
     return high16 ? _mm512_srai_epi32(sum, 4) : sum;
 }
 
+/* one scale per block: only the halves' sum i0 + i1 (+ extra) enters the float part, so the whole block is one
+ * integer dot product of its 8 chunks (the second half's nibbles shifted down, pair_operands), in two chains */
+TARGET512 INLINE __m512i pair_block_dot(const __m512i *chunk, const int8_t *aq, int32_t extra) {
+    __m512i first = pair_dot_word(_mm512_set1_epi32(extra), chunk[0], aq);
+    __m512i second = pair_dot_word(_mm512_setzero_si512(), chunk[4], aq + 16);
+    for (int c = 1; c < 4; c++) {
+        first = pair_dot_word(first, chunk[c], aq + 4 * c);
+        second = pair_dot_word(second, chunk[c + 4], aq + 16 + 4 * c);
+    }
+    return _mm512_add_epi32(first, second);
+}
+
 DEFINE_COMBINE(TARGET512, pair_combine, 512)
 
 TARGET512 INLINE void pair_tile(const nat_weight *w, const nat_qact *a, const code_plan *plan, int form, int pars,
@@ -336,7 +350,7 @@ TARGET512 INLINE void pair_tile(const nat_weight *w, const nat_qact *a, const co
         prefetch_ahead(lo, bb, PAIR_PREFETCH_BYTES);
         prefetch_ahead(hi, bb, PAIR_PREFETCH_BYTES);
         __m512i chunk[8];
-        pair_operands(lo, hi, form, table, chunk);
+        pair_operands(lo, hi, form, VNNI_HIGH16(form) && !(pars & PAR_ONE_SCALE), table, chunk);
         nat_params p0 = nat_block_params(w, (const float *)(lo + codes_bytes));
         nat_params p1 = nat_block_params(w, (const float *)(hi + codes_bytes));
         __m512 par[4] = {load_pair_ps(p0.s0, p1.s0), load_pair_ps(p0.s1, p1.s1), _mm512_setzero_ps(),
@@ -351,9 +365,14 @@ TARGET512 INLINE void pair_tile(const nat_weight *w, const nat_qact *a, const co
             const int32_t *sums = a->sums + (i * nb + b) * 2;
             int32_t extra[2];
             base_terms(plan, form, pars, sums, extra);
-            __m512i h0 = pair_half_dot(form, 0, chunk, aq, extra[0]);
-            __m512i h1 = pair_half_dot(form, 1, chunk + 4, aq + 16, extra[1]);
-            acc[t] = pair_combine(acc[t], par, pars, h0, h1, a->d[i * nb + b], sums);
+            __m512i h0, h1 = _mm512_setzero_si512();  /* one scale: the combine adds h1 = 0 to the block's sum */
+            if (pars & PAR_ONE_SCALE) {
+                h0 = pair_block_dot(chunk, aq, extra[0]);
+            } else {
+                h0 = pair_half_dot(form, 0, chunk, aq, extra[0]);
+                h1 = pair_half_dot(form, 1, chunk + 4, aq + 16, extra[1]);
+            }
+            acc[t] = pair_combine(acc[t], par, pars, h0, h1, a->d[i * nb + b], sums, a->asum[i * nb + b]);
         }
     }
     for (int t = 0; t < rows; t++) {
@@ -405,7 +424,7 @@ TARGET void nat_quantize_rows_avx2(const float *x, int64_t k, nat_qact *a, int64
                 amax = _mm256_max_ps(amax, v);
             }
             if (_mm256_movemask_ps(finite) != 0xff) {
-                nat_quantize_nonfinite(q, &a->d[i * nb + b], sums);
+                nat_quantize_nonfinite(q, &a->d[i * nb + b], sums, &a->asum[i * nb + b]);
                 continue;
             }
             __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
@@ -414,6 +433,7 @@ TARGET void nat_quantize_rows_avx2(const float *x, int64_t k, nat_qact *a, int64
             __m256d inv = _mm256_set1_pd(top > 0.0f ? 127.0 / (double)top : 0.0);
             quantize_half(xb, inv, q, &sums[0]);
             quantize_half(xb + 16, inv, q + 16, &sums[1]);
+            a->asum[i * nb + b] = (float)(sums[0] + sums[1]);
             a->d[i * nb + b] = top / 127.0f;
         }
     }

@@ -25,7 +25,7 @@ int nat_cpu_isas(void) {
     return isas;
 }
 
-int nat_abi_version(void) { return 5; }
+int nat_abi_version(void) { return 6; }
 
 /* sizeof(nat_instr): runtime.py checks its record type against it */
 int64_t nat_instr_bytes(void) { return (int64_t)sizeof(nat_instr); }
@@ -74,30 +74,30 @@ static void fgemm_chunk(void *raw, int64_t chunk, int ith) {
     job->paths.fgemm(job->w, job->x, job->m, job->y, r0, r1);
 }
 
-/* the bytes of the activation buffers of a quantized matmul of m rows: codes, then scales, then code sums (each
- * part starting on a 4-byte word; runtime.py computes the same size for the program's scratch) */
-static size_t act_words(int64_t m, int64_t n_cols, size_t *d_at, size_t *sums_at) {
+size_t nat_act_words(int64_t m, int64_t n_cols, void *scratch, nat_qact *act) {
     int64_t nb = n_cols / NAT_BLOCK;
-    *d_at = (size_t)((m * n_cols + 3) / 4);
-    *sums_at = *d_at + (size_t)(m * nb);
-    return *sums_at + (size_t)(m * nb * 2);
+    size_t d_at = (size_t)((m * n_cols + 3) / 4), sums_at = d_at + (size_t)(m * nb);
+    size_t asum_at = sums_at + (size_t)(m * nb * 2);
+    if (act) {
+        act->q = scratch;
+        act->d = (float *)scratch + d_at;
+        act->sums = (int32_t *)scratch + sums_at;
+        act->asum = (float *)scratch + asum_at;
+    }
+    return asum_at + (size_t)(m * nb);
 }
 
-/* y[m, n_rows] = x[m, n_cols] @ w^T with the activation buffers in scratch (act_words words; unused for float
+/* y[m, n_rows] = x[m, n_cols] @ w^T with the activation buffers in scratch (nat_act_words words; unused for float
  * weights). Returns 0, or NAT_BAD_INSTRUCTION for a weight the kernels do not know. */
 int nat_mul_mat_into(nat_pool *pool, int isa, const nat_weight *w, const float *x, int64_t m, float *y, void *scratch) {
-    mul_mat_job job = {w, x, m, y, {NULL, NULL, NULL}, nat_kernels_for(isa), 1};
+    mul_mat_job job = {w, x, m, y, {NULL, NULL, NULL, NULL}, nat_kernels_for(isa), 1};
     if (w->kind == NAT_F32 || w->kind == NAT_F16 || w->kind == NAT_BF16) {
         job.n_chunks = nat_pool_chunks(pool, w->n_rows);
         nat_pool_for(pool, job.n_chunks, fgemm_chunk, &job);
         return 0;
     }
     if (w->kind != NAT_QNIB && w->kind != NAT_QBYTE) return NAT_BAD_INSTRUCTION;
-    size_t d_at, sums_at;
-    act_words(m, w->n_cols, &d_at, &sums_at);
-    job.act.q = scratch;
-    job.act.d = (float *)scratch + d_at;
-    job.act.sums = (int32_t *)scratch + sums_at;
+    nat_act_words(m, w->n_cols, scratch, &job.act);
     job.n_chunks = m * w->n_cols < 65536 ? 1 : nat_pool_chunks(pool, m);
     nat_pool_for(pool, job.n_chunks, quantize_chunk, &job);
     job.n_chunks = nat_pool_chunks(pool, ((w->n_rows + NAT_ROWS - 1) / NAT_ROWS + 1) / 2);
@@ -108,8 +108,7 @@ int nat_mul_mat_into(nat_pool *pool, int isa, const nat_weight *w, const float *
 /* y[m, n_rows] = x[m, n_cols] @ w^T (the kernel tests' entry point). Returns 0, or -1 when the activation buffers
  * cannot be allocated, -2 for a weight the kernels do not know (the Python side validated shapes and sizes). */
 int nat_mul_mat(nat_pool *pool, int isa, const nat_weight *w, const float *x, int64_t m, float *y) {
-    size_t d_at, sums_at;
-    void *scratch = malloc(act_words(m, w->n_cols, &d_at, &sums_at) * 4 + 4);
+    void *scratch = malloc(nat_act_words(m, w->n_cols, NULL, NULL) * 4 + 4);
     if (!scratch) return NAT_OUT_OF_MEMORY;
     int status = nat_mul_mat_into(pool, isa, w, x, m, y, scratch);
     free(scratch);

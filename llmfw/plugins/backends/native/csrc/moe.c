@@ -33,17 +33,14 @@ static int all_below(const void *ids, int64_t count, int64_t id_bytes, int64_t l
     return 1;
 }
 
-/* the activation buffers of m rows of k columns (k whole blocks) at base: codes, scales, code sums */
+/* the activation buffers of m rows of k columns at base (native.h's nat_act_words) */
 static nat_qact act_at(void *base, int64_t m, int64_t k) {
-    int64_t nb = k / NAT_BLOCK;
     nat_qact a;
-    a.q = base;
-    a.d = (float *)base + m * k / 4;
-    a.sums = (int32_t *)(a.d + m * nb);
+    nat_act_words(m, k, base, &a);
     return a;
 }
 
-static int64_t act_size(int64_t m, int64_t k) { return m * k / 4 + 3 * m * (k / NAT_BLOCK); }
+static int64_t act_size(int64_t m, int64_t k) { return (int64_t)nat_act_words(m, k, NULL, NULL); }
 
 static int is_float_kind(const nat_weight *w) { return w->kind == NAT_F32 || w->kind == NAT_F16 || w->kind == NAT_BF16; }
 
@@ -89,6 +86,7 @@ static void gather_part(void *raw, int64_t chunk, int ith) {
         memcpy(job->gathered.q + p * k, job->act.q + r * k, (size_t)k);
         memcpy(job->gathered.d + p * nb, job->act.d + r * nb, (size_t)nb * sizeof(float));
         memcpy(job->gathered.sums + p * nb * 2, job->act.sums + r * nb * 2, (size_t)nb * 2 * sizeof(int32_t));
+        memcpy(job->gathered.asum + p * nb, job->act.asum + r * nb, (size_t)nb * sizeof(float));
     }
 }
 
@@ -101,7 +99,8 @@ static void expert_units(const moe_job *job, int64_t a, int64_t u0, int64_t u1) 
         return;
     }
     int64_t nb = job->k / NAT_BLOCK;
-    nat_qact rows = {job->gathered.q + start * job->k, job->gathered.d + start * nb, job->gathered.sums + start * nb * 2};
+    nat_qact rows = {job->gathered.q + start * job->k, job->gathered.d + start * nb, job->gathered.sums + start * nb * 2,
+                     job->gathered.asum + start * nb};
     job->paths.qgemm(&job->w[e], &rows, m, y, u0, u1);
 }
 

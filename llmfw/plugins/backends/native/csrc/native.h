@@ -53,6 +53,7 @@ typedef struct {
     int8_t *q;        /* [M][n_cols] codes */
     float *d;         /* [M][n_blocks] scales */
     int32_t *sums;    /* [M][n_blocks][2] code sums of each half */
+    float *asum;      /* [M][n_blocks] (float)(sum of both halves): a one-scale weight's offset term (exact) */
 } nat_qact;
 
 static inline size_t nat_code_bytes(const nat_weight *w) { return w->kind == NAT_QNIB ? 16 : 32; }
@@ -109,8 +110,12 @@ nat_kernels nat_kernels_for(int isa);
 float nat_f16_to_f32(uint16_t h);
 float nat_reduce16(float *lanes);
 void nat_quantize_rows(const float *x, int64_t k, nat_qact *a, int64_t m0, int64_t m1);
+/* the 4-byte words of the activation buffers of m rows of n_cols (whole blocks) at scratch: codes, then scales,
+ * code sums and float sums, each part on a word (program.py's activation_words: the same size); with act, points
+ * its buffers there (module.c) */
+size_t nat_act_words(int64_t m, int64_t n_cols, void *scratch, nat_qact *act);
 /* a quantized block with a NaN or inf: scale NaN (its products are NaN), codes and sums 0 (every ISA's quantizer) */
-void nat_quantize_nonfinite(int8_t *q, float *d, int32_t *sums);
+void nat_quantize_nonfinite(int8_t *q, float *d, int32_t *sums, float *asum);
 
 
 /* ---- the kernels of the row-wise ops (ops.c) ---- */
