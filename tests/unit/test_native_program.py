@@ -215,6 +215,12 @@ def test_a_corrupted_program_is_refused_before_c_runs_it(change, reason):
         pg.Program(instrs, **parts)
 
 
+@pytest.mark.parametrize("m,n_cols", [(1, 32), (4, 576), (3, 1536), (7, 96), (512, 2048)])
+def test_the_checker_sizes_a_matmuls_activation_buffers_as_the_c_code_lays_them_out(m, n_cols):
+    # the program's scratch for a quantized matmul is sized in Python and filled in C: a mismatch writes past it
+    assert kernels.load_library().nat_act_words(m, n_cols, None, None) == pg.activation_words(m, n_cols)
+
+
 def test_an_id_outside_its_table_fails_the_run_instead_of_reading_past_it():
     instr = pg.Instr(pg.GET_ROWS, [pg.Operand(0, 0), pg.Operand(1, 0), pg.Operand(0, 64)], [2, 8, 4, 4])
     program = pg.Program([instr], 80, [np.zeros(32, np.float32)], [False], [], [])

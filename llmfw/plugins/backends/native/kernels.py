@@ -90,6 +90,8 @@ def _typed(lib: Any) -> Any:
     lib.nat_mul_mat.restype = ctypes.c_int
     lib.nat_mul_mat.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(NatWeight), ctypes.c_void_p,
                                 ctypes.c_int64, ctypes.c_void_p]
+    lib.nat_act_words.restype = ctypes.c_size_t
+    lib.nat_act_words.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
     return lib
 
 
