@@ -1,7 +1,8 @@
 /* Every op of the core IR but the matmul (module.c) and attention (attention.c): elementwise ops, norms, softmax,
  * row lookups (also from a repacked weight), slices, RoPE, the KV cache write. Portable C (one path for every
- * CPU; the exp loops also in an AVX2 copy of the same operations); each output row is computed alone in a fixed order and the work is split by whole rows (or (row, head)
- * pairs), so a row's bits never depend on the batch around it or on the threads. */
+ * CPU; the exp loops and the contiguous elementwise rows also in an AVX2 copy of the same operations); each
+ * output row is computed alone in a fixed order and the work is split by whole rows (or (row, head) pairs), so a
+ * row's bits never depend on the batch around it or on the threads. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -16,8 +17,8 @@
  * threads from a few thousand elements on, a batched decode step's SwiGLU among them) */
 #define EXP_ELEMENT_COST 8
 
-/* The elementwise loops that call nat_exp, compiled twice where the compiler and loader can choose a copy at load
- * time (GCC/Clang ifuncs on x86-64 Linux): for AVX2's 8 lanes and for the baseline. The same IEEE operations in
+/* The elementwise loops (those that call nat_exp, and binary_row), compiled twice where the compiler and loader can
+ * choose a copy at load time (GCC/Clang ifuncs on x86-64 Linux): for AVX2's 8 lanes and for the baseline. The same IEEE operations in
  * the same order either way (no fused multiply-add: -ffp-contract=off), so the same bits on every CPU. */
 #if defined(NAT_HAVE_X86) && defined(__linux__) && defined(__GNUC__)
 #define VECTOR_CLONES __attribute__((target_clones("avx2", "default")))
@@ -96,6 +97,16 @@ static inline float binary(int kind, float a, float b) {
     }
 }
 
+/* o = a op b over n contiguous elements: a loop per op, so each vectorises (a residual add of a batched step) */
+VECTOR_CLONES static void binary_row(int kind, const float *a, const float *b, float *o, int64_t n) {
+    switch (kind) {
+    case 0: for (int64_t j = 0; j < n; j++) o[j] = a[j] + b[j]; break;
+    case 1: for (int64_t j = 0; j < n; j++) o[j] = a[j] - b[j]; break;
+    case 2: for (int64_t j = 0; j < n; j++) o[j] = a[j] * b[j]; break;
+    default: for (int64_t j = 0; j < n; j++) o[j] = a[j] / b[j]; break;
+    }
+}
+
 /* out[i0, i1, i2, i3] = a[...] op b[...] over 4-D dims with per-operand strides (0 on a broadcast axis); chunks
  * are ranges of the (i0, i1, i2) rows */
 static void binary_chunk(void *raw, int64_t chunk, int ith) {
@@ -114,7 +125,7 @@ static void binary_chunk(void *raw, int64_t chunk, int ith) {
         const float *br = b + i0 * sb[0] + i1 * sb[1] + i2 * sb[2];
         float *o = out + r * d[3];
         if (sa[3] == 1 && sb[3] == 1) {
-            for (int64_t j = 0; j < d[3]; j++) o[j] = binary(kind, ar[j], br[j]);
+            binary_row(kind, ar, br, o, d[3]);
         } else {
             for (int64_t j = 0; j < d[3]; j++) o[j] = binary(kind, ar[j * sa[3]], br[j * sb[3]]);
         }
