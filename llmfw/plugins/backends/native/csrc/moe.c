@@ -83,10 +83,11 @@ static void gather_part(void *raw, int64_t chunk, int ith) {
             memcpy(job->xg + p * k, job->x + r * k, (size_t)k * sizeof(float));
             continue;
         }
-        memcpy(job->gathered.q + p * k, job->act.q + r * k, (size_t)k);
-        memcpy(job->gathered.d + p * nb, job->act.d + r * nb, (size_t)nb * sizeof(float));
-        memcpy(job->gathered.sums + p * nb * 2, job->act.sums + r * nb * 2, (size_t)nb * 2 * sizeof(int32_t));
-        memcpy(job->gathered.asum + p * nb, job->act.asum + r * nb, (size_t)nb * sizeof(float));
+        nat_qact from = nat_qact_from(&job->act, r, k), to = nat_qact_from(&job->gathered, p, k);
+        memcpy(to.q, from.q, (size_t)k);
+        memcpy(to.d, from.d, (size_t)nb * sizeof(float));
+        memcpy(to.sums, from.sums, (size_t)nb * 2 * sizeof(int32_t));
+        memcpy(to.asum, from.asum, (size_t)nb * sizeof(float));
     }
 }
 
@@ -98,9 +99,7 @@ static void expert_units(const moe_job *job, int64_t a, int64_t u0, int64_t u1) 
         job->paths.fgemm(&job->w[e], job->xg + start * job->k, m, y, u0, u1);
         return;
     }
-    int64_t nb = job->k / NAT_BLOCK;
-    nat_qact rows = {job->gathered.q + start * job->k, job->gathered.d + start * nb, job->gathered.sums + start * nb * 2,
-                     job->gathered.asum + start * nb};
+    nat_qact rows = nat_qact_from(&job->gathered, start, job->k);
     job->paths.qgemm(&job->w[e], &rows, m, y, u0, u1);
 }
 

@@ -114,6 +114,13 @@ void nat_quantize_rows(const float *x, int64_t k, nat_qact *a, int64_t m0, int64
  * code sums and float sums, each part on a word (program.py's activation_words: the same size); with act, points
  * its buffers there (module.c) */
 size_t nat_act_words(int64_t m, int64_t n_cols, void *scratch, nat_qact *act);
+
+/* the activation rows of a from row `row` on (n_cols columns, whole blocks): a view, nothing copied */
+static inline nat_qact nat_qact_from(const nat_qact *a, int64_t row, int64_t n_cols) {
+    int64_t nb = n_cols / NAT_BLOCK;
+    nat_qact v = {a->q + row * n_cols, a->d + row * nb, a->sums + row * nb * 2, a->asum + row * nb};
+    return v;
+}
 /* a quantized block with a NaN or inf: scale NaN (its products are NaN), codes and sums 0 (every ISA's quantizer) */
 void nat_quantize_nonfinite(int8_t *q, float *d, int32_t *sums, float *asum);
 

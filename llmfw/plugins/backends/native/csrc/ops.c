@@ -18,8 +18,9 @@
 #define EXP_ELEMENT_COST 8
 
 /* The elementwise loops (those that call nat_exp, and binary_row), compiled twice where the compiler and loader can
- * choose a copy at load time (GCC/Clang ifuncs on x86-64 Linux): for AVX2's 8 lanes and for the baseline. The same IEEE operations in
- * the same order either way (no fused multiply-add: -ffp-contract=off), so the same bits on every CPU. */
+ * choose a copy at load time (GCC/Clang ifuncs on x86-64 Linux): for AVX2's 8 lanes and for the baseline. The same
+ * IEEE operations in the same order either way (no fused multiply-add: -ffp-contract=off), so the same bits on every
+ * CPU. */
 #if defined(NAT_HAVE_X86) && defined(__linux__) && defined(__GNUC__)
 #define VECTOR_CLONES __attribute__((target_clones("avx2", "default")))
 #else
