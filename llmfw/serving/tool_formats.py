@@ -169,7 +169,7 @@ __all__ = ["FORMATS", "MarkedCallStream", "MarkedFormat", "detect_marked_format"
 # ---------------------------------------------------------------------------------------------------------------
 XML_CALL_OPEN, XML_CALL_CLOSE = "<tool_call>", "</tool_call>"
 _XML_FUNCTION = re.compile(r"\s*<function=(?P<name>[^>\n]+)>\s*")
-_XML_PARAMETER = re.compile(r"\s*<parameter=(?P<key>[^>\n]+)>\n?")
+_XML_PARAMETER = re.compile(r"\s*<parameter=(?P<key>[^>\n]+)>")
 XML_PARAMETER_CLOSE = "</parameter>"
 
 
@@ -179,9 +179,13 @@ def is_xml_call_template(template: str) -> bool:
 
 
 def xml_value_json(text: str) -> str:
-    """A parameter's raw text as JSON: the template writes objects, arrays, numbers and booleans as JSON and
-    strings as they are, so text that parses as a non-string JSON value is that value, anything else a string."""
-    value = text[:-1] if text.endswith("\n") else text
+    """A parameter's raw text (all between ``<parameter=KEY>`` and ``</parameter>``) as JSON: the newline the
+    template writes after the tag and the one before the close are not the value's (stripped here, once the whole
+    value is in, so a stream cut right after the tag gives the same value). The template writes objects, arrays,
+    numbers and booleans as JSON and strings as they are, so text that parses as a non-string JSON value is that
+    value, anything else a string."""
+    value = text[1:] if text.startswith("\n") else text
+    value = value[:-1] if value.endswith("\n") else value
     try:
         parsed = json.loads(value)
     except ValueError:

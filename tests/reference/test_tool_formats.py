@@ -70,22 +70,39 @@ def test_the_templates_own_call_is_read_back(name):
     assert "get_weather" not in content and "Paris" not in content
 
 
-@settings(max_examples=60, deadline=None)
-@given(st.sampled_from(sorted(CASES)), st.lists(st.integers(1, 7), min_size=1, max_size=80))
-def test_calls_stream_as_they_arrive_whatever_the_pieces(name, cuts):
+def streamed_call(name: str, cuts: list[int]) -> list[dict]:
+    """The deltas of the template's call after some text, fed to the stream in pieces of the given sizes (then the
+    rest)."""
     fmt, start = CASES[name]
     text = "Let me check. " + written_call(name, start)
     stream, deltas, at = tool_call_stream(fmt), [], 0
     for size in cuts:
         deltas += stream.feed(text[at:at + size])
         at += size
-    deltas += stream.feed(text[at:]) + stream.finish()
+    return deltas + stream.feed(text[at:]) + stream.finish()
+
+
+def streamed_arguments(deltas: list[dict]) -> str:
+    return "".join(c["function"].get("arguments", "") for delta in deltas for c in delta.get("tool_calls", []))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(sorted(CASES)), st.lists(st.integers(1, 7), min_size=1, max_size=80))
+def test_calls_stream_as_they_arrive_whatever_the_pieces(name, cuts):
+    deltas = streamed_call(name, cuts)
     calls = [d for delta in deltas for d in delta.get("tool_calls", [])]
     assert calls[0]["function"]["name"] == "get_weather" and calls[0]["id"]
-    arguments = "".join(c["function"].get("arguments", "") for c in calls)
-    assert json.loads(arguments) == {"city": "Paris"}
+    assert json.loads(streamed_arguments(deltas)) == {"city": "Paris"}
     content = "".join(d.get("content", "") for d in deltas)
     assert content.startswith("Let me check.") and "get_weather" not in content
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_one_cut_anywhere_leaves_the_arguments_as_they_are(name):
+    # every place one piece can end, the end of a tag among them (Qwen3-Coder's "<parameter=city>" then "\nParis")
+    fmt, start = CASES[name]
+    for at in range(len("Let me check. " + written_call(name, start)) + 1):
+        assert json.loads(streamed_arguments(streamed_call(name, [at]))) == {"city": "Paris"}, f"cut at {at}"
 
 
 @pytest.fixture(scope="module")
