@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 
-from llmfw.core.exec.backend import KVLayerShape
+from llmfw.core.exec.backend import KVLayerShape, Split
 from llmfw.core.errors import ModelError
 from llmfw.core.ir.graph import Node
 
@@ -162,6 +162,57 @@ def test_k_shift_rotates_the_cached_keys_like_the_oracle(backends):
     np.testing.assert_allclose(caches[0], caches[1], rtol=1e-5, atol=1e-5)
 
 
+def fused_step_graph(n_tokens: int = 5) -> tuple[Graph, Node]:
+    """A batched step's fused matmul output (q | k | v | gate | up columns of each token's row) cut into columns:
+    q and k rotated, k and v written to the cache and attended, gate and up through SwiGLU, and k also normed (an
+    op that reads rows contiguously); the results side by side."""
+    g = Graph()
+    fused = g.input(f32(n_tokens, 96 + 32 + 16 + 48))
+
+    def columns(start: int, stop: int, shape: tuple[int, ...]) -> Node:
+        cut = g.op("slice", fused, out=(n_tokens, stop - start), axis=-1, start=start, stop=stop)
+        return g.op("reshape", cut, out=shape, shape=shape)
+
+    pos = g.input(np.arange(3, 3 + n_tokens, dtype=np.int32))
+    q = g.op("rope", columns(0, 96, (n_tokens, 6, 16)), pos, out=(n_tokens, 6, 16), n_dims=16, mode="neox", **ROPE)
+    k_raw = columns(96, 128, (n_tokens, 2, 16))
+    k = g.op("rope", k_raw, pos, out=(n_tokens, 2, 16), n_dims=16, mode="neox", **ROPE)
+    v = columns(128, 144, (n_tokens, 2, 8))
+    cells = g.input(np.arange(3, 3 + n_tokens, dtype=np.int64))
+    visible = np.arange(16)[None, :] <= 3 + np.arange(n_tokens)[:, None]
+    mask = g.input(np.where(visible, 0.0, -np.inf).astype(np.float32))
+    attended = g.op("attention", q, k, v, cells, mask, out=(n_tokens, 48), layer=0, cache="kv", scale=0.25,
+                    softcap=0.0, window=0)
+    h = g.op("swiglu", columns(144, 168, (n_tokens, 24)), columns(168, 192, (n_tokens, 24)), out=(n_tokens, 24))
+    normed = g.op("rms_norm", k_raw, out=(n_tokens, 2, 16), eps=1e-6)
+    flat = g.op("reshape", normed, out=(n_tokens, 32), shape=(n_tokens, 32))
+    both_parts = g.op("concat", attended, h, out=(n_tokens, 72))
+    return g, g.op("concat", both_parts, flat, out=(n_tokens, 104))
+
+
+def program_labels(backend, g: Graph, output: Node, kv) -> list[str]:
+    backend.weights.update(g.weights)
+    split = Split(backend, nodes=list(g.nodes), input_ids=list(g.inputs), output_ids=[output.id])
+    return backend.compile(split, kv).programs[()][0].labels
+
+
+def test_column_slices_of_a_batched_step_are_read_in_place_by_rope_swiglu_and_the_cache_write(backends):
+    g, out = fused_step_graph()
+    results = [g.run(backend, out, kv_pair(backend)) for backend in backends]
+    np.testing.assert_allclose(results[0], results[1], rtol=1e-5, atol=1e-5)
+    labels = program_labels(backends[0], g, out, kv_pair(backends[0]))
+    assert labels.count("slice") == 1  # only the norm's copy of k: no copy of q, k, v, gate or up
+    assert {"rope", "kv_write", "attention", "swiglu", "rms_norm"} <= set(labels)
+
+
+def test_a_column_slice_that_is_a_splits_output_comes_out_contiguous(backends):
+    g = Graph()
+    x = g.input(f32(4, 40))
+    out = g.op("slice", x, out=(4, 24), axis=-1, start=8, stop=32)
+    got, expected = both(g, out, backends)
+    assert np.array_equal(got, expected) and np.array_equal(got, g.inputs[x.id][:, 8:32])
+
+
 def test_an_op_without_a_kernel_is_refused_naming_it(backends):
     g = Graph()
     x = g.input(f32(4, 8))
@@ -205,6 +256,9 @@ def test_a_checked_program_runs_and_its_instructions_are_frozen():
     ({"op": pg.MUL_MAT, "n": [0, 4]}, "weight 0 of 0"),
     ({"op": pg.GET_ROWS, "n": [4, 16, 1, 3]}, "ids of 4 or 8 bytes"),
     ({"op": pg.SLICE, "n": [4, 16, 10, 8]}, "slice 10\\+8"),
+    ({"op": pg.SWIGLU, "n": [4, 16, 8, 16]}, "16 words 8 and 16 words apart"),
+    ({"op": pg.SWIGLU, "n": [2, 16, 120, 16]}, "operand 1 spans"),
+    ({"op": pg.KV_WRITE, "n": [1, 1, 8, 8, 4, 4, 8]}, "k and v 4 and 8 words apart"),
     ({"op": pg.ATTEND, "n": [1, 3, 2, 4, 4, 4, 4]}, "3 heads over 2 KV heads"),
     ({"op": pg.ATTEND, "n": [1, 3, 0, 4, 4, 4, 4]}, "3 heads over 0 KV heads"),
     ({"op": pg.BINARY, "n": [0, 1, 1, 4, 16, 0, 0, 64, 1, 0, 0, 0, 1]}, "operand 1 spans"),

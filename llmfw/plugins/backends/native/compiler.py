@@ -78,8 +78,12 @@ class Value:
     shape: tuple[int, ...]
     dtype: str
     weight: int = -1
-    #: the arena allocation this value is a view of (reshapes and contiguous slices share it)
+    #: the arena allocation this value is a view of (reshapes and slices share it)
     root: int = -1
+    #: words from one row (along the first axis) to the next, for a view of every row's columns [a, b) of a wider
+    #: value (a slice of a multi-row matmul's fused output); 0: contiguous. Only the ops that take row strides
+    #: (rope, swiglu, the KV write) read such a view as it is; any other use gets a contiguous copy (``v``).
+    row_stride: int = 0
 
     @property
     def operand(self) -> pg.Operand:
@@ -167,10 +171,27 @@ class NativeCompiler(SplitCompilerBase[NumpyKV]):
         return pg.Operand(len(self.buffers), 0)
 
     def v(self, node: Node) -> Value:
+        """``node``'s activation, contiguous (a strided view is copied out once, where an op first needs it so)."""
+        value = self.v_rows(node)
+        if value.row_stride:
+            value = self.contiguous(node.id, value)
+        return value
+
+    def v_rows(self, node: Node) -> Value:
+        """``node``'s activation as it is, possibly a strided view (for the ops that take row strides)."""
         value = self.values.get(node.id)
         if value is None or value.weight >= 0:
             raise ModelError(f"native backend: {node!r} is used as an activation but is a matrix")
         return value
+
+    def contiguous(self, node_id: int, view: Value) -> Value:
+        """Copy the strided ``view`` of node ``node_id`` into a fresh value, which stands for it from now on."""
+        rows, width, stride = row_layout(view)
+        out = self.new_value(view.shape, view.dtype)
+        self.emit(pg.SLICE, [out.operand, view.operand], [rows, stride, 0, width], label="slice")
+        self.values[node_id] = out
+        self.release(view)
+        return out
 
     def emit(self, op: int, args: Sequence[pg.Operand], n: Sequence[int] = (), f: Sequence[float] = (),
              label: str = "") -> None:
@@ -215,6 +236,10 @@ class NativeCompiler(SplitCompilerBase[NumpyKV]):
             node = graph_inputs.get(node_id) or consumers[node_id]
             self.define(node)
         self.walk()
+        for node_id in self.split.output_ids:  # the caller reads outputs as contiguous arrays
+            value = self.values[node_id]
+            if value.row_stride:
+                self.contiguous(node_id, value)
         program = pg.Program(self.instrs, self.arena.size, self.buffers, self.writable, self.weights,
                              self.weight_infos)
         inputs = [(i, self.view_of(program, self.values[i])) for i, _ in self.required_inputs()]
@@ -229,8 +254,11 @@ class NativeCompiler(SplitCompilerBase[NumpyKV]):
 
     # -- ops ---------------------------------------------------------------------------------------------------------
     def _op_reshape(self, node: Node) -> None:
-        base = self.v(node.inputs[0])
-        self.alias(node, base, self.node_shape(node))
+        shape = self.node_shape(node)
+        base = self.v_rows(node.inputs[0])
+        if base.row_stride and (len(shape) < 2 or shape[0] != base.shape[0]):  # the rows must stay the rows
+            base = self.v(node.inputs[0])
+        self.alias(node, base, shape)
 
     def _op_slice(self, node: Node) -> None:
         base = self.v(node.inputs[0])
@@ -242,6 +270,10 @@ class NativeCompiler(SplitCompilerBase[NumpyKV]):
         out_shape = self.node_shape(node)
         if outer == 1 or out_shape[axis] == shape[axis]:  # one contiguous range: a view
             self.alias(node, base, out_shape, start * inner)
+            return
+        if len(shape) == 2 and axis == 1:  # columns of every row: a strided view, copied only if an op needs it
+            self.alias(node, base, out_shape, start * inner)
+            self.values[node.id] = replace(self.values[node.id], row_stride=shape[1] * inner)
             return
         out = self.define(node)
         self.emit(pg.SLICE, [out.operand, base.operand], [outer, shape[axis] * inner, start * inner,
@@ -305,11 +337,13 @@ class NativeCompiler(SplitCompilerBase[NumpyKV]):
         self._unary(node, [float(F32(node.attr_float("min"))), float(F32(node.attr_float("max")))])
 
     def _op_swiglu(self, node: Node) -> None:
-        gate, up = (self.v(i) for i in node.inputs)
+        gate, up = (self.v_rows(i) for i in node.inputs)
         if gate.shape != up.shape:
             raise ModelError(f"native backend: swiglu of shapes {gate.shape} and {up.shape}")
+        (rows, width, gate_stride), (_, _, up_stride) = row_layout(gate), row_layout(up)
         out = self.define(node)
-        self.emit(pg.SWIGLU, [out.operand, gate.operand, up.operand], [0, gate.size], label="swiglu")
+        self.emit(pg.SWIGLU, [out.operand, gate.operand, up.operand], [rows, width, gate_stride, up_stride],
+                  label="swiglu")
 
     def _norm(self, node: Node) -> None:
         x = self.v(node.inputs[0])
@@ -351,12 +385,12 @@ class NativeCompiler(SplitCompilerBase[NumpyKV]):
                   [float(theta_scale), float(F32(freq_scale)), float(magnitude), float(ext != 0.0)], label=label)
 
     def _op_rope(self, node: Node) -> None:
-        x, pos = self.v(node.inputs[0]), self.v(node.inputs[1])
+        x, pos = self.v_rows(node.inputs[0]), self.v(node.inputs[1])
         n_tokens, n_head, dim = x.shape
         out = self.define(node)
         factors = node.inputs[2] if len(node.inputs) > 2 else None
         self.rope(node, x.operand, out.operand, pos, factors, (n_tokens, n_head, dim),
-                  (n_head * dim, dim, n_head * dim, dim), "rope")
+                  (row_layout(x)[2], dim, n_head * dim, dim), "rope")
 
     def _op_k_shift(self, node: Node) -> None:
         storage = self.kv_storage(node)
@@ -369,18 +403,20 @@ class NativeCompiler(SplitCompilerBase[NumpyKV]):
         self.define(node)
 
     def _op_attention(self, node: Node) -> None:
-        q, k, v, idx, mask = (self.v(i) for i in node.inputs[:5])
+        q, idx, mask = self.v(node.inputs[0]), self.v(node.inputs[3]), self.v(node.inputs[4])
         storage = self.kv_storage(node)
         n_head_kv, n_cells, dk = storage.k.shape
         dv = storage.v.shape[2]
         n_tokens, n_head = q.shape[0], q.shape[1]
+        k, v = (self.token_rows(i, n_tokens) for i in node.inputs[1:3])
         if idx.dtype != "i64" or k.size != n_tokens * n_head_kv * dk or v.size != n_tokens * n_head_kv * dv:
             raise ModelError(f"native backend: attention inputs {q.shape}, {k.shape}, {v.shape} do not fit the KV "
                              f"cache {storage.k.shape}")
         k_cache = pg.Operand(self.buffer(storage.k, writable=True), 0)
         v_cache = pg.Operand(self.buffer(storage.v, writable=True), 0)
         self.emit(pg.KV_WRITE, [k_cache, v_cache, k.operand, v.operand, idx.operand],
-                  [n_tokens, n_head_kv, dk, dv, n_cells], label="kv_write")
+                  [n_tokens, n_head_kv, dk, dv, n_cells, k.row_stride or n_head_kv * dk,
+                   v.row_stride or n_head_kv * dv], label="kv_write")
         order, sinks = attention_extras(node.inputs)
         out = self.define(node)
         softcap = node.attr_float("softcap", 0.0)
@@ -388,6 +424,11 @@ class NativeCompiler(SplitCompilerBase[NumpyKV]):
                               pg.NONE if sinks is None else self.v(sinks).operand, self.cell_order(order, mask)],
                   [n_tokens, n_head, n_head_kv, dk, dv, mask.shape[1], n_cells],
                   [node.attr_float("scale"), softcap], label="attention")
+
+    def token_rows(self, node: Node, n_tokens: int) -> Value:
+        """``node``'s activation with a row per token, possibly strided (contiguous if its rows are not the tokens)."""
+        value = self.v_rows(node)
+        return value if value.shape[:1] == (n_tokens,) else self.v(node)
 
     def cell_order(self, order: Node | None, mask: Value) -> pg.Operand:
         """The attention's kv_order operand (the cells in the order their terms are summed: by position, so a row
@@ -492,6 +533,14 @@ class NativeCompiler(SplitCompilerBase[NumpyKV]):
         out = self.define(node)
         self.emit(pg.CONCAT, [out.operand, a.operand, b.operand], [a.size // a.shape[-1], a.shape[-1], b.shape[-1]],
                   label="concat")
+
+
+def row_layout(value: Value) -> tuple[int, int, int]:
+    """(rows, words per row, words from a row to the next) of an activation: rows along the first axis (a vector is
+    one row)."""
+    rows = value.shape[0] if len(value.shape) > 1 else 1
+    width = value.size // rows if rows else 0
+    return rows, width, value.row_stride or width
 
 
 def broadcast_strides(out: tuple[int, ...], a: tuple[int, ...], b: tuple[int, ...]) -> tuple[list[int], list[int],

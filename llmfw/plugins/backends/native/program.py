@@ -188,13 +188,19 @@ def _check_instruction(ins: np.void, buffer_words: Sequence[int], writable: Sequ
         need(0, prod(dims), out=True)
         need(1, span(prod(dims), *zip(dims, sa)))
         need(2, span(prod(dims), *zip(dims, sb)))
-    elif op in (UNARY, SWIGLU):
-        if n[1] < 0 or (op == UNARY and not 0 <= n[0] < len(UNARY_KINDS)):
+    elif op == UNARY:
+        if n[1] < 0 or not 0 <= n[0] < len(UNARY_KINDS):
             raise ProgramError("a bad kind or count")
         need(0, n[1], out=True)
         need(1, n[1])
-        if op == SWIGLU:
-            need(2, n[1])
+    elif op == SWIGLU:
+        rows, width, gate_stride, up_stride = n[0:4]
+        positive(rows, width)
+        if min(gate_stride, up_stride) < width:
+            raise ProgramError(f"rows of {width} words {gate_stride} and {up_stride} words apart")
+        need(0, rows * width, out=True)
+        need(1, span(rows, (rows, gate_stride), (width, 1)))
+        need(2, span(rows, (rows, up_stride), (width, 1)))
     elif op in (RMS_NORM, NORM, SOFTMAX):
         positive(n[0], n[1])
         need(0, n[0] * n[1], out=True)
@@ -229,7 +235,7 @@ def _check_instruction(ins: np.void, buffer_words: Sequence[int], writable: Sequ
         if n[2] < 0 or n[3] < 0 or n[2] + n[3] > n[1]:
             raise ProgramError(f"slice {n[2]}+{n[3]} of rows of {n[1]}")
         need(0, n[0] * n[3], out=True)
-        need(1, n[0] * n[1])
+        need(1, span(n[0], (n[0], n[1]), (n[2] + n[3], 1)))
     elif op == ROPE:
         n_tokens, n_head, dim, n_dims = n[0:4]
         positive(n_tokens, n_head, dim, n_dims)
@@ -245,8 +251,11 @@ def _check_instruction(ins: np.void, buffer_words: Sequence[int], writable: Sequ
         positive(n_tokens, n_head_kv, dk, dv, n_cells)
         need(0, n_head_kv * n_cells * dk, out=True)
         need(1, n_head_kv * n_cells * dv, out=True)
-        need(2, n_tokens * n_head_kv * dk)
-        need(3, n_tokens * n_head_kv * dv)
+        k_stride, v_stride = n[5:7]
+        if k_stride < n_head_kv * dk or v_stride < n_head_kv * dv:
+            raise ProgramError(f"tokens' k and v {k_stride} and {v_stride} words apart")
+        need(2, span(n_tokens, (n_tokens, k_stride), (n_head_kv * dk, 1)))
+        need(3, span(n_tokens, (n_tokens, v_stride), (n_head_kv * dv, 1)))
         need(4, 2 * n_tokens)
     elif op == ATTEND:
         n_tokens, n_head, n_head_kv, dk, dv, n_kv, n_cells = n[0:7]

@@ -151,7 +151,7 @@ typedef struct {
 enum nat_op {
     NAT_OP_BINARY = 1,       /* out, a, b; n: kind (0 add, 1 sub, 2 mul, 3 div), dims[4], a strides[4], b strides[4] */
     NAT_OP_UNARY = 2,        /* out, x; n: kind (enum nat_unary), count; f: parameters */
-    NAT_OP_SWIGLU = 3,       /* out, gate, up; n: -, count */
+    NAT_OP_SWIGLU = 3,       /* out, gate, up; n: rows, width, gate row stride, up row stride (out: contiguous) */
     NAT_OP_RMS_NORM = 4,     /* out, x, w (or none); n: rows, n; f: eps */
     NAT_OP_NORM = 5,         /* out, x, w (or none); n: rows, n; f: eps */
     NAT_OP_SOFTMAX = 6,      /* out, x; n: rows, n */
@@ -162,7 +162,8 @@ enum nat_op {
     NAT_OP_ROPE = 11,        /* out, x, pos (i32), freq factors, YaRN mix (or none); n: T, H, D, n_dims, neox,
                               * x stride t, x stride h, out stride t, out stride h; f: theta scale, freq scale,
                               * magnitude, ext (0/1) */
-    NAT_OP_KV_WRITE = 12,    /* K cache, V cache, k, v, cells (i64); n: T, Hkv, dk, dv, n_cells */
+    NAT_OP_KV_WRITE = 12,    /* K cache, V cache, k, v, cells (i64); n: T, Hkv, dk, dv, n_cells, k token stride,
+                              * v token stride */
     NAT_OP_ATTEND = 13,      /* out, q, K cache, V cache, mask, sinks (or none), order (i32 [n_kv], the cells in the
                               * order to sum them; or none: cell order); n: T, H, Hkv, dk, dv, n_kv, n_cells;
                               * f: scale, softcap */

@@ -79,14 +79,25 @@ VECTOR_CLONES static void unary_chunk(void *raw, int64_t chunk, int ith) {
         for (int64_t i = i0; i < i1; i++) out[i] = unary(kind, x[i], job->in->f);
 }
 
-VECTOR_CLONES static void swiglu_chunk(void *raw, int64_t chunk, int ith) {
+VECTOR_CLONES static void swiglu_span(const float *g, const float *u, float *out, int64_t n) {
+    for (int64_t j = 0; j < n; j++) out[j] = silu(g[j]) * u[j];
+}
+
+/* elements [i0, i1) of the rows x width output; gate and up rows may be strided (columns of a fused matmul's
+ * rows), so each piece of the range within one row is one contiguous loop */
+static void swiglu_chunk(void *raw, int64_t chunk, int ith) {
     (void)ith;
     flat_job *job = raw;
-    const float *g = F32_AT(job->bufs, job->in, 1), *u = F32_AT(job->bufs, job->in, 2);
-    float *out = F32_AT(job->bufs, job->in, 0);
-    int64_t i0, i1;
+    const nat_instr *in = job->in;
+    const float *g = F32_AT(job->bufs, in, 1), *u = F32_AT(job->bufs, in, 2);
+    float *out = F32_AT(job->bufs, in, 0);
+    int64_t width = in->n[1], i0, i1;
     nat_share(job->count, chunk, job->n_chunks, &i0, &i1);
-    for (int64_t i = i0; i < i1; i++) out[i] = silu(g[i]) * u[i];
+    for (int64_t i = i0; i < i1;) {
+        int64_t row = i / width, col = i % width, n = width - col < i1 - i ? width - col : i1 - i;
+        swiglu_span(g + row * in->n[2] + col, u + row * in->n[3] + col, out + i, n);
+        i += n;
+    }
 }
 
 static inline float binary(int kind, float a, float b) {
@@ -339,11 +350,12 @@ static int kv_write(const nat_instr *in, void *const *bufs) {
     const float *k = F32_AT(bufs, in, 2), *v = F32_AT(bufs, in, 3);
     const int64_t *cells = (const int64_t *)WORDS(bufs, in, 4);
     int64_t n_tokens = in->n[0], n_head_kv = in->n[1], dk = in->n[2], dv = in->n[3], n_cells = in->n[4];
+    int64_t k_stride = in->n[5], v_stride = in->n[6];  /* a token's k and v rows: maybe columns of a fused row */
     if (!ids_in_range(cells, n_tokens, 8, n_cells)) return NAT_ID_OUT_OF_RANGE;
     for (int64_t t = 0; t < n_tokens; t++)
         for (int64_t h = 0; h < n_head_kv; h++) {
-            memcpy(kc + (h * n_cells + cells[t]) * dk, k + (t * n_head_kv + h) * dk, (size_t)dk * 4);
-            memcpy(vc + (h * n_cells + cells[t]) * dv, v + (t * n_head_kv + h) * dv, (size_t)dv * 4);
+            memcpy(kc + (h * n_cells + cells[t]) * dk, k + t * k_stride + h * dk, (size_t)dk * 4);
+            memcpy(vc + (h * n_cells + cells[t]) * dv, v + t * v_stride + h * dv, (size_t)dv * 4);
         }
     return 0;
 }
@@ -360,7 +372,7 @@ int nat_run_op(nat_pool *pool, int isa, const nat_instr *in, void *const *bufs, 
                  unary_chunk);
         return 0;
     case NAT_OP_SWIGLU:
-        run_flat(pool, in, bufs, in->n[1], EXP_ELEMENT_COST, swiglu_chunk);
+        run_flat(pool, in, bufs, in->n[0] * in->n[1], EXP_ELEMENT_COST, swiglu_chunk);
         return 0;
     case NAT_OP_RMS_NORM: case NAT_OP_NORM: case NAT_OP_SOFTMAX:
         run_flat(pool, in, bufs, in->n[0], in->n[1], row_chunk);
