@@ -164,8 +164,9 @@ def test_k_shift_rotates_the_cached_keys_like_the_oracle(backends):
 
 def fused_step_graph(n_tokens: int = 5) -> tuple[Graph, Node]:
     """A batched step's fused matmul output (q | k | v | gate | up columns of each token's row) cut into columns:
-    q and k rotated, k and v written to the cache and attended, gate and up through SwiGLU, and k also normed (an
-    op that reads rows contiguously); the results side by side."""
+    q and k normed per head and rotated, k and v written to the cache and attended, gate and up through SwiGLU and
+    through GELU times up (an elementwise pair), and v also concatenated (an op that reads rows contiguously); the
+    results side by side."""
     g = Graph()
     fused = g.input(f32(n_tokens, 96 + 32 + 16 + 48))
 
@@ -173,21 +174,27 @@ def fused_step_graph(n_tokens: int = 5) -> tuple[Graph, Node]:
         cut = g.op("slice", fused, out=(n_tokens, stop - start), axis=-1, start=start, stop=stop)
         return g.op("reshape", cut, out=shape, shape=shape)
 
+    def normed_and_rotated(start: int, n_head: int) -> Node:
+        heads = columns(start, start + 16 * n_head, (n_tokens, n_head, 16))
+        normed = g.op("rms_norm", heads, out=(n_tokens, n_head, 16), eps=1e-6)
+        return g.op("rope", normed, pos, out=(n_tokens, n_head, 16), n_dims=16, mode="neox", **ROPE)
+
     pos = g.input(np.arange(3, 3 + n_tokens, dtype=np.int32))
-    q = g.op("rope", columns(0, 96, (n_tokens, 6, 16)), pos, out=(n_tokens, 6, 16), n_dims=16, mode="neox", **ROPE)
-    k_raw = columns(96, 128, (n_tokens, 2, 16))
-    k = g.op("rope", k_raw, pos, out=(n_tokens, 2, 16), n_dims=16, mode="neox", **ROPE)
+    q, k = normed_and_rotated(0, 6), normed_and_rotated(96, 2)
     v = columns(128, 144, (n_tokens, 2, 8))
     cells = g.input(np.arange(3, 3 + n_tokens, dtype=np.int64))
     visible = np.arange(16)[None, :] <= 3 + np.arange(n_tokens)[:, None]
     mask = g.input(np.where(visible, 0.0, -np.inf).astype(np.float32))
-    attended = g.op("attention", q, k, v, cells, mask, out=(n_tokens, 48), layer=0, cache="kv", scale=0.25,
-                    softcap=0.0, window=0)
-    h = g.op("swiglu", columns(144, 168, (n_tokens, 24)), columns(168, 192, (n_tokens, 24)), out=(n_tokens, 24))
-    normed = g.op("rms_norm", k_raw, out=(n_tokens, 2, 16), eps=1e-6)
-    flat = g.op("reshape", normed, out=(n_tokens, 32), shape=(n_tokens, 32))
-    both_parts = g.op("concat", attended, h, out=(n_tokens, 72))
-    return g, g.op("concat", both_parts, flat, out=(n_tokens, 104))
+    parts = [g.op("attention", q, k, v, cells, mask, out=(n_tokens, 48), layer=0, cache="kv", scale=0.25,
+                  softcap=0.0, window=0),
+             g.op("swiglu", columns(144, 168, (n_tokens, 24)), columns(168, 192, (n_tokens, 24)), out=(n_tokens, 24)),
+             g.op("mul", g.op("gelu", columns(144, 168, (n_tokens, 24)), out=(n_tokens, 24)),
+                  columns(168, 192, (n_tokens, 24)), out=(n_tokens, 24)),
+             g.op("reshape", v, out=(n_tokens, 16), shape=(n_tokens, 16))]
+    out = parts[0]
+    for part in parts[1:]:
+        out = g.op("concat", out, part, out=(n_tokens, out.shape[1] + part.shape[1]))
+    return g, out
 
 
 def program_labels(backend, g: Graph, output: Node, kv) -> list[str]:
@@ -196,13 +203,14 @@ def program_labels(backend, g: Graph, output: Node, kv) -> list[str]:
     return backend.compile(split, kv).programs[()][0].labels
 
 
-def test_column_slices_of_a_batched_step_are_read_in_place_by_rope_swiglu_and_the_cache_write(backends):
+def test_column_slices_of_a_batched_step_are_read_in_place_by_the_ops_that_take_row_strides(backends):
     g, out = fused_step_graph()
     results = [g.run(backend, out, kv_pair(backend)) for backend in backends]
     np.testing.assert_allclose(results[0], results[1], rtol=1e-5, atol=1e-5)
     labels = program_labels(backends[0], g, out, kv_pair(backends[0]))
-    assert labels.count("slice") == 1  # only the norm's copy of k: no copy of q, k, v, gate or up
-    assert {"rope", "kv_write", "attention", "swiglu", "rms_norm"} <= set(labels)
+    # one copy, v's for the concat; the norms, rope, the cache write, SwiGLU, GELU and mul read the columns in place
+    assert labels.count("slice") == 1
+    assert {"rms_norm", "rope", "kv_write", "attention", "swiglu", "gelu", "mul", "concat"} <= set(labels)
 
 
 def test_a_column_slice_that_is_a_splits_output_comes_out_contiguous(backends):
@@ -225,7 +233,7 @@ def test_an_op_without_a_kernel_is_refused_naming_it(backends):
 
 def small_program(**changes) -> tuple[list[pg.Instr], dict]:
     """One RMS norm of 4 rows of 16 (arena words 0..63 → 64..127) with a read-only weight buffer."""
-    instr = pg.Instr(pg.RMS_NORM, [pg.Operand(0, 64), pg.Operand(0, 0), pg.Operand(1, 0)], [4, 16], [1e-6])
+    instr = pg.Instr(pg.RMS_NORM, [pg.Operand(0, 64), pg.Operand(0, 0), pg.Operand(1, 0)], [4, 16, 4, 64], [1e-6])
     for key, value in changes.items():
         setattr(instr, key, value)
     return [instr], {"arena_words": 128, "buffers": [np.ones(16, np.float32)], "writable": [False], "weights": [],
@@ -249,8 +257,12 @@ def test_a_checked_program_runs_and_its_instructions_are_frozen():
     ({"args": [pg.Operand(0, -8), pg.Operand(0, 0), pg.Operand(1, 0)]}, "spans words"),
     ({"args": [pg.Operand(0, 64), pg.Operand(7, 0), pg.Operand(1, 0)]}, "names buffer 7"),
     ({"args": [pg.Operand(1, 0), pg.Operand(0, 0), pg.Operand(1, 0)]}, "spans words"),
-    ({"args": [pg.Operand(1, 0), pg.Operand(0, 0)], "n": [1, 16]}, "writes read-only buffer"),
-    ({"n": [4, 32]}, "spans words"),
+    ({"args": [pg.Operand(1, 0), pg.Operand(0, 0)], "n": [1, 16, 1, 16]}, "writes read-only buffer"),
+    ({"n": [4, 32, 4, 128]}, "spans words"),
+    ({"n": [4, 16, 3, 64]}, "4 rows in groups of 3"),
+    ({"n": [4, 16, 2, 24]}, "rows of 32, 24 words apart"),
+    ({"n": [4, 16, 2, 100]}, "operand 1 spans"),
+    ({"op": pg.UNARY, "n": [0, 64, 16, 8]}, "64 words in rows of 16, 8 words apart"),
     ({"n": [-4, 16]}, "out of range"),
     ({"op": 99}, "unknown op code"),
     ({"op": pg.MUL_MAT, "n": [0, 4]}, "weight 0 of 0"),

@@ -81,8 +81,9 @@ class Value:
     #: the arena allocation this value is a view of (reshapes and slices share it)
     root: int = -1
     #: words from one row (along the first axis) to the next, for a view of every row's columns [a, b) of a wider
-    #: value (a slice of a multi-row matmul's fused output); 0: contiguous. Only the ops that take row strides
-    #: (rope, swiglu, the KV write) read such a view as it is; any other use gets a contiguous copy (``v``).
+    #: value (a slice of a multi-row matmul's fused output); 0: contiguous. The ops that take row strides
+    #: (elementwise, row ops, rope, swiglu, the KV write) read such a view as it is; any other use gets a contiguous
+    #: copy (``v``).
     row_stride: int = 0
 
     @property
@@ -312,18 +313,24 @@ class NativeCompiler(SplitCompilerBase[NumpyKV]):
             self.release(temp)
 
     def _binary(self, node: Node) -> None:
-        a, b = (self.v(i) for i in node.inputs)
+        a, b = (self.v_rows(i) for i in node.inputs)
         out = self.define(node)
         dims, sa, sb = broadcast_strides(out.shape, a.shape, b.shape)
+        for value, strides in ((a, sa), (b, sb)):  # a strided view's rows (its first axis) are row_stride apart
+            first = 4 - len(value.shape)
+            if value.row_stride and strides[first]:
+                strides[first] = value.row_stride
         self.emit(pg.BINARY, [out.operand, a.operand, b.operand], [pg.BINARY_KINDS[node.op], *dims, *sa, *sb],
                   label=node.op)
 
     _op_add = _op_sub = _op_mul = _op_div = _binary
 
     def _unary(self, node: Node, params: Sequence[float] = ()) -> None:
-        x = self.v(node.inputs[0])
+        x = self.v_rows(node.inputs[0])
+        _, width, stride = row_layout(x)
         out = self.define(node)
-        self.emit(pg.UNARY, [out.operand, x.operand], [pg.UNARY_KINDS[node.op], x.size], params, label=node.op)
+        self.emit(pg.UNARY, [out.operand, x.operand], [pg.UNARY_KINDS[node.op], x.size, width, stride], params,
+                  label=node.op)
 
     _op_silu = _op_relu = _op_gelu = _op_sigmoid = _op_softplus = _unary
 
@@ -345,8 +352,18 @@ class NativeCompiler(SplitCompilerBase[NumpyKV]):
         self.emit(pg.SWIGLU, [out.operand, gate.operand, up.operand], [rows, width, gate_stride, up_stride],
                   label="swiglu")
 
+    def row_groups(self, node: Node) -> tuple[Value, list[int]]:
+        """``node``'s activation for a row op over its last axis, and the op's rows, row length, rows per group and
+        group stride (a strided view's groups: the rows of one of its rows, e.g. a token's heads)."""
+        x = self.v_rows(node.inputs[0])
+        n = x.shape[-1]
+        rows = x.size // n if n else 0
+        if x.row_stride and len(x.shape) > 1:
+            return x, [rows, n, x.size // x.shape[0] // n, x.row_stride]
+        return x, [rows, n, max(rows, 1), rows * n]
+
     def _norm(self, node: Node) -> None:
-        x = self.v(node.inputs[0])
+        x, shape = self.row_groups(node)
         n = x.shape[-1]
         w = pg.NONE
         if len(node.inputs) > 1:
@@ -356,14 +373,14 @@ class NativeCompiler(SplitCompilerBase[NumpyKV]):
             w = weight.operand
         out = self.define(node)
         op = pg.RMS_NORM if node.op == "rms_norm" else pg.NORM
-        self.emit(op, [out.operand, x.operand, w], [x.size // n, n], [node.attr_float("eps")], label=node.op)
+        self.emit(op, [out.operand, x.operand, w], shape, [node.attr_float("eps")], label=node.op)
 
     _op_rms_norm = _op_norm = _norm
 
     def _op_softmax(self, node: Node) -> None:
-        x = self.v(node.inputs[0])
+        x, shape = self.row_groups(node)
         out = self.define(node)
-        self.emit(pg.SOFTMAX, [out.operand, x.operand], [x.size // x.shape[-1], x.shape[-1]], label="softmax")
+        self.emit(pg.SOFTMAX, [out.operand, x.operand], shape, label="softmax")
 
     def rope(self, node: Node, x: pg.Operand, out: pg.Operand, pos: Value, factors: Node | None,
              dims: tuple[int, int, int], strides: tuple[int, int, int, int], label: str) -> None:

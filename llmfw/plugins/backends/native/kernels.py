@@ -18,7 +18,7 @@ from llmfw.core.errors import BackendUnavailable, ConfigError, LLMFWError
 from llmfw.plugins.backends.native.repack import BLOCK, KIND_QBYTE, KIND_QNIB, PackedWeight
 
 EXTENSION = "llmfw.plugins.backends.native._native"
-ABI_VERSION = 7
+ABI_VERSION = 8
 #: the path of a build of the extension to load instead of the installed one (the sanitizer run,
 #: benchmarks/native_sanitizers.sh)
 LIBRARY_VARIABLE = "LLMFW_NATIVE_LIBRARY"

@@ -175,6 +175,14 @@ def _check_instruction(ins: np.void, buffer_words: Sequence[int], writable: Sequ
             return 0
         return 1 + sum((extent - 1) * stride for extent, stride in strided)
 
+    def strided_rows(count: int, width: int, stride: int) -> int:
+        """The rows of ``width`` words, ``stride`` apart, that ``count`` words fill (whole rows, not overlapping)."""
+        if count == 0:
+            return 0
+        if width < 1 or count % width or stride < width:
+            raise ProgramError(f"{count} words in rows of {width}, {stride} words apart")
+        return count // width
+
     def weight(index: int) -> WeightInfo:
         if not 0 <= index < len(weights):
             raise ProgramError(f"weight {index} of {len(weights)}")
@@ -189,10 +197,12 @@ def _check_instruction(ins: np.void, buffer_words: Sequence[int], writable: Sequ
         need(1, span(prod(dims), *zip(dims, sa)))
         need(2, span(prod(dims), *zip(dims, sb)))
     elif op == UNARY:
-        if n[1] < 0 or not 0 <= n[0] < len(UNARY_KINDS):
+        count, width, stride = n[1:4]
+        if count < 0 or not 0 <= n[0] < len(UNARY_KINDS):
             raise ProgramError("a bad kind or count")
-        need(0, n[1], out=True)
-        need(1, n[1])
+        rows = strided_rows(count, width, stride)
+        need(0, count, out=True)
+        need(1, span(rows, (rows, stride), (width, 1)))
     elif op == SWIGLU:
         rows, width, gate_stride, up_stride = n[0:4]
         positive(rows, width)
@@ -202,9 +212,13 @@ def _check_instruction(ins: np.void, buffer_words: Sequence[int], writable: Sequ
         need(1, span(rows, (rows, gate_stride), (width, 1)))
         need(2, span(rows, (rows, up_stride), (width, 1)))
     elif op in (RMS_NORM, NORM, SOFTMAX):
-        positive(n[0], n[1])
-        need(0, n[0] * n[1], out=True)
-        need(1, n[0] * n[1])
+        rows, width, group, group_stride = n[0:4]
+        positive(rows, width)
+        if rows and (group < 1 or rows % group):
+            raise ProgramError(f"{rows} rows in groups of {group}")
+        groups = strided_rows(rows * width, group * width, group_stride)
+        need(0, rows * width, out=True)
+        need(1, span(groups, (groups, group_stride), (group * width, 1)))
         if op != SOFTMAX:
             need(2, n[1], optional=True)
     elif op == GET_ROWS:

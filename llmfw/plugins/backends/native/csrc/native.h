@@ -150,11 +150,14 @@ typedef struct {
 /* operands (0 = the output) and n[] of each op */
 enum nat_op {
     NAT_OP_BINARY = 1,       /* out, a, b; n: kind (0 add, 1 sub, 2 mul, 3 div), dims[4], a strides[4], b strides[4] */
-    NAT_OP_UNARY = 2,        /* out, x; n: kind (enum nat_unary), count; f: parameters */
+    NAT_OP_UNARY = 2,        /* out, x; n: kind (enum nat_unary), count, width, x row stride (out: contiguous rows of
+                              * width); f: parameters */
     NAT_OP_SWIGLU = 3,       /* out, gate, up; n: rows, width, gate row stride, up row stride (out: contiguous) */
-    NAT_OP_RMS_NORM = 4,     /* out, x, w (or none); n: rows, n; f: eps */
-    NAT_OP_NORM = 5,         /* out, x, w (or none); n: rows, n; f: eps */
-    NAT_OP_SOFTMAX = 6,      /* out, x; n: rows, n */
+    /* the row ops: rows of n, x's in groups of `group` contiguous rows, `group stride` words apart (the heads of a
+     * token, columns of a fused row); out contiguous */
+    NAT_OP_RMS_NORM = 4,     /* out, x, w (or none); n: rows, n, group, group stride; f: eps */
+    NAT_OP_NORM = 5,         /* out, x, w (or none); n: rows, n, group, group stride; f: eps */
+    NAT_OP_SOFTMAX = 6,      /* out, x; n: rows, n, group, group stride */
     NAT_OP_GET_ROWS = 7,     /* out, table, ids; n: n_ids, row words, table rows, id bytes (4|8) */
     NAT_OP_GET_ROWS_W = 8,   /* out, ids; n: n_ids, weight index, -, id bytes */
     NAT_OP_MUL_MAT = 9,      /* out, x, scratch (quantized kinds); n: weight index, m */

@@ -63,40 +63,53 @@ typedef struct {
     int64_t count, n_chunks;
 } flat_job;
 
-VECTOR_CLONES static void unary_chunk(void *raw, int64_t chunk, int ith) {
-    (void)ith;
-    flat_job *job = raw;
-    const float *x = F32_AT(job->bufs, job->in, 1);
-    float *out = F32_AT(job->bufs, job->in, 0);
-    int kind = (int)job->in->n[0];
-    int64_t i0, i1;
-    nat_share(job->count, chunk, job->n_chunks, &i0, &i1);
+VECTOR_CLONES static void unary_span(int kind, const float *x, float *out, int64_t n, const float *f) {
     if (kind == NAT_GELU)  /* the activations of the models' feed-forward layers: loops of their own, vectorised */
-        for (int64_t i = i0; i < i1; i++) out[i] = gelu(x[i]);
+        for (int64_t j = 0; j < n; j++) out[j] = gelu(x[j]);
     else if (kind == NAT_SILU)
-        for (int64_t i = i0; i < i1; i++) out[i] = silu(x[i]);
+        for (int64_t j = 0; j < n; j++) out[j] = silu(x[j]);
     else
-        for (int64_t i = i0; i < i1; i++) out[i] = unary(kind, x[i], job->in->f);
+        for (int64_t j = 0; j < n; j++) out[j] = unary(kind, x[j], f);
 }
 
 VECTOR_CLONES static void swiglu_span(const float *g, const float *u, float *out, int64_t n) {
     for (int64_t j = 0; j < n; j++) out[j] = silu(g[j]) * u[j];
 }
 
-/* elements [i0, i1) of the rows x width output; gate and up rows may be strided (columns of a fused matmul's
- * rows), so each piece of the range within one row is one contiguous loop */
+/* The next piece of elements [i, i1) of a contiguous output of rows of `width` that lies in one row: its row and
+ * column (the inputs' rows may be strided: columns of a fused matmul's rows, so a piece is one contiguous loop);
+ * returns its length. */
+static inline int64_t row_piece(int64_t i, int64_t i1, int64_t width, int64_t *row, int64_t *col) {
+    *row = i / width;
+    *col = i % width;
+    return width - *col < i1 - i ? width - *col : i1 - i;
+}
+
+static void unary_chunk(void *raw, int64_t chunk, int ith) {
+    (void)ith;
+    flat_job *job = raw;
+    const nat_instr *in = job->in;
+    const float *x = F32_AT(job->bufs, in, 1);
+    float *out = F32_AT(job->bufs, in, 0);
+    int64_t i0, i1, row, col;
+    nat_share(job->count, chunk, job->n_chunks, &i0, &i1);
+    for (int64_t i = i0, n; i < i1; i += n) {
+        n = row_piece(i, i1, in->n[2], &row, &col);
+        unary_span((int)in->n[0], x + row * in->n[3] + col, out + i, n, in->f);
+    }
+}
+
 static void swiglu_chunk(void *raw, int64_t chunk, int ith) {
     (void)ith;
     flat_job *job = raw;
     const nat_instr *in = job->in;
     const float *g = F32_AT(job->bufs, in, 1), *u = F32_AT(job->bufs, in, 2);
     float *out = F32_AT(job->bufs, in, 0);
-    int64_t width = in->n[1], i0, i1;
+    int64_t i0, i1, row, col;
     nat_share(job->count, chunk, job->n_chunks, &i0, &i1);
-    for (int64_t i = i0; i < i1;) {
-        int64_t row = i / width, col = i % width, n = width - col < i1 - i ? width - col : i1 - i;
+    for (int64_t i = i0, n; i < i1; i += n) {
+        n = row_piece(i, i1, in->n[1], &row, &col);
         swiglu_span(g + row * in->n[2] + col, u + row * in->n[3] + col, out + i, n);
-        i += n;
     }
 }
 
@@ -198,12 +211,13 @@ static void row_chunk(void *raw, int64_t chunk, int ith) {
     const float *x = F32_AT(job->bufs, in, 1);
     const float *w = in->op != NAT_OP_SOFTMAX && HAS(in, 2) ? F32_AT(job->bufs, in, 2) : NULL;
     float *out = F32_AT(job->bufs, in, 0);
-    int64_t n = in->n[1], r0, r1;
+    int64_t n = in->n[1], group = in->n[2], r0, r1;
     nat_share(job->count, chunk, job->n_chunks, &r0, &r1);
     for (int64_t r = r0; r < r1; r++) {
-        if (in->op == NAT_OP_RMS_NORM) rms_row(x + r * n, w, out + r * n, n, in->f[0]);
-        else if (in->op == NAT_OP_NORM) layer_norm_row(x + r * n, w, out + r * n, n, in->f[0]);
-        else softmax_row(x + r * n, out + r * n, n);
+        const float *xr = x + r / group * in->n[3] + r % group * n;  /* groups of rows may be strided (heads of a token) */
+        if (in->op == NAT_OP_RMS_NORM) rms_row(xr, w, out + r * n, n, in->f[0]);
+        else if (in->op == NAT_OP_NORM) layer_norm_row(xr, w, out + r * n, n, in->f[0]);
+        else softmax_row(xr, out + r * n, n);
     }
 }
 
@@ -402,7 +416,8 @@ int nat_run_op(nat_pool *pool, int isa, const nat_instr *in, void *const *bufs, 
 /* out[rows, n] = x / sqrt(mean(x^2) + eps) (* w[n] when w is not NULL) */
 void nat_rms_norm(nat_pool *pool, const float *x, const float *w, float *out, int64_t rows, int64_t n, float eps) {
     void *bufs[3] = {out, (void *)x, (void *)w};
-    nat_instr in = {.op = NAT_OP_RMS_NORM, .buf = {0, 1, w ? 2 : -1, -1, -1, -1, -1}, .n = {rows, n}, .f = {eps}};
+    nat_instr in = {.op = NAT_OP_RMS_NORM, .buf = {0, 1, w ? 2 : -1, -1, -1, -1, -1}, .n = {rows, n, rows, rows * n},
+                    .f = {eps}};
     nat_run_op(pool, NAT_ISA_SCALAR, &in, bufs, NULL);
 }
 
