@@ -17,8 +17,9 @@ def test_pp_profile_splits_matmuls_by_shape_and_prints_the_matmul_ceiling(smollm
     onnx_profile.main()
     out = capsys.readouterr().out
     assert re.search(r"pp24 [\d.]+ t/s", out), out
-    # one row per projection shape: 24 prompt rows times SmolLM2's 576-wide hidden state
-    rows = re.findall(r"^\| MatMulNBits \[24, 576\] x \[(\d+), \d+\] \| ([\d.]+) \|", out, re.M)
+    # one row per projection shape: 24 prompt rows times SmolLM2's 576-wide hidden state, plus the padding row on a
+    # CPU whose one-row ORT products differ (row_padding auto, docs/backends.md): 25 on AVX2 without AVX-512
+    rows = re.findall(r"^\| MatMulNBits \[2[45], 576\] x \[(\d+), \d+\] \| ([\d.]+) \|", out, re.M)
     assert rows, out
     assert all(float(ms) > 0 for _, ms in rows)
     ceiling = re.search(r"MatMulNBits alone: (\d+)% of the kernel time; .* run ([\d.]+)x as fast", out)
