@@ -19,8 +19,8 @@ from llmfw.core.errors import BackendUnavailable, ModelError
 from llmfw.core.format.quants import GGMLType
 import llmfw.plugins.backends.native.kernels as kernels
 # the compiler's names stay importable from here, where they were first defined (``X as X``: re-exported)
-from llmfw.plugins.backends.native.compiler import (CompiledProgram as CompiledProgram,
-                                                   NativeCompiler as NativeCompiler, NativeMatrix as NativeMatrix,
+from llmfw.plugins.backends.native.compiled import CompiledProgram as CompiledProgram
+from llmfw.plugins.backends.native.compiler import (NativeCompiler as NativeCompiler, NativeMatrix as NativeMatrix,
                                                    NativeOptions as NativeOptions, Value as Value,
                                                    broadcast_strides as broadcast_strides,
                                                    native_matrix as native_matrix)
