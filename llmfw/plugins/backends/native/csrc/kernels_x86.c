@@ -140,12 +140,13 @@ TARGET INLINE void prefetch_ahead(const uint8_t *blk, size_t block_bytes, size_t
 
 /* The quantized matmul of one ISA path (NAME): per row group, per tile of up to M_TILE activation rows, per block,
  * the 8 code chunks are loaded (HIGH16(form): keep the high nibbles in place) and OPERANDS(form, table, chunk,
- * signs) turns them into the path's operands once; HALF_DOT(form, half, chunk, signs, aq, extra) gives the 8 rows'
- * dot products of a half's 4 chunks with its 16 activation codes, plus extra (base * A). Each (code form, parameter flags,
+ * signs) turns them into the path's operands once; DOTS(form, pars, chunk, signs, aq, extra, h) gives the 8 rows'
+ * integer dot products of each half's 4 chunks with its 16 activation codes, plus extra (base * A), in h[0], h[1]
+ * (with one scale only their sum counts: a path may put all of it in h[0] and zeros in h[1]). Each (code form, parameter flags,
  * tile size) gets its own copy of the loops, the branches on them compiled away; a row's arithmetic is the same in
  * every tile, so nothing depends on M. Exact integers: only the instructions differ. PAIRS(w, a, plan, form,
  * pars, m, y, g) may take groups g and g+1 together (all m rows) and return 1, or return 0. */
-#define QGEMM_PATH(ATTR, NAME, HIGH16, OPERANDS, HALF_DOT, PAIRS)                                                         \
+#define QGEMM_PATH(ATTR, NAME, HIGH16, OPERANDS, DOTS, PAIRS)                                                              \
     ATTR INLINE void NAME##_tile(const nat_weight *w, const nat_qact *a, const code_plan *plan, int form,           \
                                  int pars, int rows, int64_t i0, int64_t g, float *y) {                             \
         int64_t nb = w->n_cols / NAT_BLOCK;                                                                        \
@@ -171,9 +172,9 @@ TARGET INLINE void prefetch_ahead(const uint8_t *blk, size_t block_bytes, size_t
                 const int32_t *sums = a->sums + (i * nb + b) * 2;                                                  \
                 int32_t extra[2];                                                                                  \
                 base_terms(plan, form, pars, sums, extra);                                                         \
-                __m256i h0 = HALF_DOT(form, 0, chunk, signs, aq, extra[0]);                                        \
-                __m256i h1 = HALF_DOT(form, 1, chunk + 4, signs + 4, aq + 16, extra[1]);                           \
-                acc[t] = combine(acc[t], par, pars, h0, h1, a->d[i * nb + b], sums, a->asum[i * nb + b]);         \
+                __m256i h[2];                                                                                      \
+                DOTS(form, pars, chunk, signs, aq, extra, h);                                                      \
+                acc[t] = combine(acc[t], par, pars, h[0], h[1], a->d[i * nb + b], sums, a->asum[i * nb + b]);     \
             }                                                                                                      \
         }                                                                                                          \
         for (int t = 0; t < rows; t++) store_rows(y, w->n_rows, i0 + t, g, acc[t]);                                \
@@ -225,26 +226,42 @@ TARGET INLINE void avx2_operands(int form, __m256i table, __m256i chunk[8], __m2
     }
 }
 
-TARGET INLINE __m256i avx2_half_dot(int form, int half, const __m256i *chunk, const __m256i *signs,
-                                    const int8_t *aq, int32_t extra) {
-    (void)half;
-    __m256i ones = _mm256_set1_epi16(1), sum = _mm256_set1_epi32(extra);
-    if (form <= NIB_LINEAR) {
-        __m256i pairs = _mm256_maddubs_epi16(chunk[0], broadcast_word(aq));
-        for (int c = 1; c < 4; c++)
-            pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(chunk[c], broadcast_word(aq + 4 * c)));
-        return _mm256_add_epi32(_mm256_madd_epi16(pairs, ones), sum);
+/* the 16-bit pair sums of chunks [c0, c1) of nibble indices against their activation words, added in 16 bits */
+TARGET INLINE __m256i avx2_nibble_pairs(const __m256i *chunk, const int8_t *aq, int c0, int c1) {
+    __m256i pairs = _mm256_maddubs_epi16(chunk[c0], broadcast_word(aq + 4 * c0));
+    for (int c = c0 + 1; c < c1; c++)
+        pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(chunk[c], broadcast_word(aq + 4 * c)));
+    return pairs;
+}
+
+/* A block's two half dot products (QGEMM_PATH's DOTS). Nibble indices under one scale: all 8 chunks' pair sums add
+ * up in 16 bits (at most 8 * 2 * 15 * 127 = 30480) before a single vpmaddwd, the whole block's sum in h[0]. */
+TARGET INLINE void avx2_dots(int form, int pars, const __m256i *chunk, const __m256i *signs, const int8_t *aq,
+                             const int32_t extra[2], __m256i h[2]) {
+    __m256i ones = _mm256_set1_epi16(1);
+    if (form <= NIB_LINEAR && (pars & PAR_ONE_SCALE)) {
+        __m256i pairs = _mm256_add_epi16(avx2_nibble_pairs(chunk, aq, 0, 4), avx2_nibble_pairs(chunk, aq, 4, 8));
+        h[0] = _mm256_add_epi32(_mm256_madd_epi16(pairs, ones), _mm256_set1_epi32(extra[0] + extra[1]));
+        h[1] = _mm256_setzero_si256();
+        return;
     }
-    for (int c = 0; c < 4; c++) {
-        __m256i act = _mm256_sign_epi8(broadcast_word(aq + 4 * c), signs[c]);
-        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(chunk[c], act), ones));
+    for (int half = 0; half < 2; half++) {
+        __m256i sum = _mm256_set1_epi32(extra[half]);
+        if (form <= NIB_LINEAR) {
+            sum = _mm256_add_epi32(_mm256_madd_epi16(avx2_nibble_pairs(chunk, aq, 4 * half, 4 * half + 4), ones), sum);
+        } else {
+            for (int c = 4 * half; c < 4 * half + 4; c++) {
+                __m256i act = _mm256_sign_epi8(broadcast_word(aq + 4 * c), signs[c]);
+                sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(chunk[c], act), ones));
+            }
+        }
+        h[half] = sum;
     }
-    return sum;
 }
 
 #define NO_PAIRS(w, a, plan, form, pars, m, y, g) 0
 
-QGEMM_PATH(TARGET, avx2, AVX2_HIGH16, avx2_operands, avx2_half_dot, NO_PAIRS)
+QGEMM_PATH(TARGET, avx2, AVX2_HIGH16, avx2_operands, avx2_dots, NO_PAIRS)
 
 /* AVX-512 VNNI: vpdpbusd multiplies unsigned by signed bytes into 32-bit lanes, exactly. Nibble indices go in as
  * they are (base table[0]; the second half's as 16 * index, saving a shift per chunk, its sum shifted back once),
@@ -272,6 +289,13 @@ TARGET512 INLINE __m256i vnni_half_dot(int form, int half, const __m256i *chunk,
     __m256i sum = _mm256_set1_epi32(high16 ? extra * 16 : extra);
     for (int c = 0; c < 4; c++) sum = _mm256_dpbusd_epi32(sum, chunk[c], broadcast_word(aq + 4 * c));
     return high16 ? _mm256_srai_epi32(sum, 4) : sum;
+}
+
+TARGET512 INLINE void vnni_dots(int form, int pars, const __m256i *chunk, const __m256i *signs, const int8_t *aq,
+                                const int32_t extra[2], __m256i h[2]) {
+    (void)pars;
+    h[0] = vnni_half_dot(form, 0, chunk, signs, aq, extra[0]);
+    h[1] = vnni_half_dot(form, 1, chunk + 4, signs + 4, aq + 16, extra[1]);
 }
 
 /* AVX-512 over two row groups at once: groups g and g+1 in the two 256-bit halves of each 512-bit vector, so one
@@ -388,7 +412,7 @@ TARGET512 INLINE int pair_groups(const nat_weight *w, const nat_qact *a, const c
     return 1;
 }
 
-QGEMM_PATH(TARGET512, avx512, VNNI_HIGH16, vnni_operands, vnni_half_dot, pair_groups)
+QGEMM_PATH(TARGET512, avx512, VNNI_HIGH16, vnni_operands, vnni_dots, pair_groups)
 
 /* nat_quantize_rows (kernels_scalar.c) in vectors, for the AVX2 and AVX-512 paths: the same operations in IEEE
  * float and double — |x| and its maximum, the double reciprocal, x * inv in double rounded half to even
