@@ -128,6 +128,8 @@ nat_pool *nat_pool_new(int n_threads) {
             pool->n_threads = i;   /* run with the threads that started */
             break;
         }
+        /* named by the creator, so the name is there when the pool is (top -H, /proc/<pid>/task/<tid>/comm) */
+        pthread_setname_np(pool->threads[i], NAT_WORKER_NAME);
     }
     return pool;
 }

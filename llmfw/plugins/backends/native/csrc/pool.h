@@ -2,6 +2,9 @@
 #define LLMFW_NATIVE_POOL_H
 #include <stdint.h>
 
+/* the name every worker thread carries (tests count the pool's threads by it) */
+#define NAT_WORKER_NAME "llmfw-native"
+
 typedef struct nat_pool nat_pool;
 /* one chunk of a job: chunk index, and the index of the thread running it (0 = the caller) for per-thread scratch */
 typedef void (*nat_chunk_fn)(void *ctx, int64_t chunk, int ith);
