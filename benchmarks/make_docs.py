@@ -100,11 +100,30 @@ def render_bound(name: str, run: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def render_kv_cache_types(runs: dict[str, dict[str, Any]]) -> str:
+    """One table of ``benchmarks/kv_cache_type.py`` runs: decode after a deep prompt, f16 KV cache against float32."""
+    lines = ["## The native KV cache: f16 against float32", "",
+             "`python3 benchmarks/kv_cache_type.py` (the two cache types taking turns in one process; medians)", ""]
+    rows = [["file", "model", "prompt depth", "sequences", "f32 t/s", "f16 t/s", "f16 / f32", "cache MiB (f32 / f16)"],
+            ["---"] * 8]
+    for name, run in runs.items():
+        f32, f16 = run["runs"]["f32"], run["runs"]["f16"]
+        rows.append([f"`{name}`", run["model"], str(run["depth"]), str(run["seqs"]), f"{f32['tps_median']:.1f}",
+                     f"{f16['tps_median']:.1f}", f"{f16['tps_median'] / f32['tps_median']:.2f}x",
+                     f"{f32['kv_mib']:.0f} / {f16['kv_mib']:.0f}"])
+    lines += ["| " + " | ".join(cells) + " |" for cells in rows]
+    return "\n".join(lines) + "\n"
+
+
 def render_page(results: Path = RESULTS) -> str:
     files = sorted(results.glob("*.json"))
     runs = {path.name: json.loads(path.read_text()) for path in files}
-    sections = [render_run(name, run) for name, run in runs.items() if run.get("kind") != "bandwidth_bound"]
+    special = ("bandwidth_bound", "kv_cache_type")
+    sections = [render_run(name, run) for name, run in runs.items() if run.get("kind") not in special]
     sections += [render_bound(name, run) for name, run in runs.items() if run.get("kind") == "bandwidth_bound"]
+    kv_runs = {name: run for name, run in runs.items() if run.get("kind") == "kv_cache_type"}
+    if kv_runs:
+        sections.append(render_kv_cache_types(kv_runs))
     if not sections:
         sections = ["No results yet: run `llmfw bench ... --json` into `benchmarks/results/`.\n"]
     return HEADER + "\n" + "\n".join(sections)

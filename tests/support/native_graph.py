@@ -45,11 +45,12 @@ class Graph:
         return np.asarray(run({i: v.copy() for i, v in self.inputs.items()})[output.id])
 
 
-def native_and_oracle() -> Iterator[tuple[object, NumpyBackend]]:
-    """A module fixture's body: the native backend on two threads and the numpy backend."""
-    from llmfw.plugins.backends.native.runtime import NativeBackend  # after the caller checked the extension
+def native_and_oracle(kv_type: str = "f32") -> Iterator[tuple[object, NumpyBackend]]:
+    """A module fixture's body: the native backend on two threads and the numpy backend (the native KV cache float32
+    like the oracle's unless ``kv_type`` says f16)."""
+    from llmfw.plugins.backends.native.runtime import NativeBackend, NativeOptions  # after the caller's check
 
-    native = NativeBackend()
+    native = NativeBackend(options=NativeOptions(kv_type=kv_type))
     native.set_n_threads(2)
     yield native, NumpyBackend()
     native.free_weights()

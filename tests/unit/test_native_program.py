@@ -163,6 +163,68 @@ def test_k_shift_rotates_the_cached_keys_like_the_oracle(backends):
     np.testing.assert_allclose(caches[0], caches[1], rtol=1e-5, atol=1e-5)
 
 
+@pytest.fixture(scope="module")
+def f16_backends():
+    """Native backends with an f16 KV cache on each ISA path this CPU runs, and one with a float32 cache."""
+    from llmfw.plugins.backends.native.runtime import NativeBackend, NativeOptions
+    made = {isa: NativeBackend(options=NativeOptions(isa=isa, kv_type="f16")) for isa in kernels.available_isas()}
+    yield made, NativeBackend(options=NativeOptions(kv_type="f32"))
+
+
+def test_an_f16_cache_holds_each_value_rounded_to_nearest_even_on_every_isa_path(f16_backends):
+    """The KV write rounds as numpy's float16 conversion does (IEEE, ties to even): ties, subnormals, the least
+    normal, overflow to inf, infinities and NaN, through both the vector and the scalar tail of each row."""
+    specials = np.array([0.0, -0.0, 1.0 + 2.0 ** -11, 1.0 + 3 * 2.0 ** -11, 2.0 ** -25, 3 * 2.0 ** -26, 2.0 ** -24,
+                         2.0 ** -14 - 2.0 ** -25, 6e-8, -6.1e-5, 65504.0, 65519.99, 65520.0, 1e6, np.inf, -np.inf,
+                         np.nan, -np.nan, 0.1, -3.14159], np.float32)
+    g = Graph()
+    values = np.resize(specials, (5, 2, 20))  # rows of 20: two vectors of 8 and a scalar tail of 4
+    values[:, 1] = f32(5, 20) * 1000
+    q, k, v = g.input(f32(5, 6, 20)), g.input(values), g.input(values[:, :, :12].copy())
+    cells = g.input(np.array([3, 4, 5, 6, 7], np.int64))
+    mask = g.input(np.zeros((5, 16), np.float32))
+    out = g.op("attention", q, k, v, cells, mask, out=(5, 72), layer=0, cache="kv", scale=0.25, softcap=0.0,
+               window=0)
+    with np.errstate(over="ignore"):  # 1e6 to inf, as intended
+        expected = values.transpose(1, 0, 2).astype(np.float16).view(np.uint16)
+    backends, _ = f16_backends
+    for isa, backend in backends.items():
+        kv = kv_pair(backend, dk=20, dv=12)
+        with np.errstate(invalid="ignore"):
+            g.run(backend, out, kv)
+        stored = kv[("kv", 0)].k[:, 3:8]
+        assert stored.dtype == np.float16
+        assert np.array_equal(stored.view(np.uint16), expected), isa
+
+
+def test_an_f16_cache_attends_and_shifts_keys_with_the_bits_of_a_float32_cache_of_its_values(f16_backends):
+    """A graph over an f16 cache gives what the same graph gives over a float32 cache holding the f16 values (its
+    inputs rounded the same way): attention reads widened values, and a K shift rotates the widened keys and rounds
+    them back."""
+    backends, exact = f16_backends
+    g, out = attention_graph()
+    k_node, v_node = g.nodes[-1].inputs[1:3]
+    shift = Graph()
+    shift_out = shift.op("k_shift", shift.input(np.array([5, 5, 5, -2, 0, 7], np.int32)), out=(0,), layer=0,
+                         cache="kv", n_dims=16, mode="neox", **ROPE)
+    start = (np.arange(2 * 32 * 16, dtype=np.float32).reshape(2, 32, 16) / 97).astype(np.float16)
+    reference_kv = kv_pair(exact)
+    reference_kv[("kv", 0)].k[:] = start
+    exact_graph = Graph()
+    exact_graph.nodes, exact_graph.weights = g.nodes, g.weights
+    exact_graph.inputs = {i: (value.astype(np.float16).astype(np.float32) if i in (k_node.id, v_node.id) else value)
+                          for i, value in g.inputs.items()}
+    expected = exact_graph.run(exact, out, reference_kv)
+    shift.run(exact, shift_out, reference_kv)
+    for isa, backend in backends.items():
+        kv = kv_pair(backend)
+        kv[("kv", 0)].k[:] = start
+        assert np.array_equal(g.run(backend, out, kv), expected), isa
+        shift.run(backend, shift_out, kv)
+        assert np.array_equal(kv[("kv", 0)].k, reference_kv[("kv", 0)].k.astype(np.float16)), isa
+        assert np.array_equal(kv[("kv", 0)].v, reference_kv[("kv", 0)].v.astype(np.float16)), isa
+
+
 def fused_step_graph(n_tokens: int = 5) -> tuple[Graph, Node]:
     """A batched step's fused matmul output (q | k | v | gate | up columns of each token's row) cut into columns:
     q and k normed per head and rotated, k and v written to the cache and attended, gate and up through SwiGLU and

@@ -363,9 +363,11 @@ class Backend(ABC):
     def read_kv_cells(self, kv: KVHandle, cells: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """K and V rows of ``cells`` as float32 numpy ``[n_head_kv, len(cells), head_dim]`` (saved states).
 
-        The default serves storage whose ``k`` / ``v`` are numpy arrays ``[n_head_kv, n_cells, head_dim]``."""
+        The default serves storage whose ``k`` / ``v`` are numpy arrays ``[n_head_kv, n_cells, head_dim]`` of any
+        float type (an f16 cache's values widen exactly; :meth:`write_kv_cells` rounds to the storage's type)."""
         storage = _array_kv(self, kv)
-        return np.ascontiguousarray(storage.k[:, cells]), np.ascontiguousarray(storage.v[:, cells])
+        return (np.ascontiguousarray(storage.k[:, cells], dtype=np.float32),
+                np.ascontiguousarray(storage.v[:, cells], dtype=np.float32))
 
     def write_kv_cells(self, kv: KVHandle, cells: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
         """Overwrite the K and V rows of ``cells`` in place (a loaded state)."""

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Callable, Iterable
 
 import numpy as np
 
-from ..exec.backend import Backend, KVHandle, KVLayerShape
+from ..exec.backend import ArrayKV, Backend, KVHandle, KVLayerShape
 from ..errors import ContextError
 from .memory_base import KV_PAD, MAX_SEQ, NEG_INF, GraphRunner, Memory, MemoryBatch, MemoryParams, _range, pad_to
 
@@ -83,8 +83,16 @@ class KVCache(Memory):
 
     @property
     def nbytes(self) -> int:
+        """Bytes of K and V: as the backends allocated them (a backend may keep f16), float32 before that."""
         hp = self.hp
-        return sum(4 * self.n_cells * (hp.n_embd_k_gqa(il) + hp.n_embd_v_gqa(il)) for il in self.layers)
+        total = 0
+        for il in self.layers:
+            storage = self.storage.get((self.name, il))
+            if isinstance(storage, ArrayKV):
+                total += int(storage.k.nbytes) + int(storage.v.nbytes)
+            else:
+                total += 4 * self.n_cells * (hp.n_embd_k_gqa(il) + hp.n_embd_v_gqa(il))
+        return total
 
     # -- cell queries ---------------------------------------------------------------------------------------
     def _seq_bit(self, seq_id: int) -> np.uint64:

@@ -33,6 +33,9 @@ class NativeOptions(CacheOptions):
     isa: Literal["auto", "scalar", "avx2", "avx512"] = "auto"
     #: time every instruction of every program (``NativeBackend.profile()`` sums them per op)
     profile: bool = False
+    #: the KV cache's values: f16 (llama.cpp's default cache type: half the memory, and half the bytes attention
+    #: reads per step) or f32 (the exact float32 the ops compute)
+    kv_type: Literal["f16", "f32"] = "f16"
 
 
 
@@ -158,7 +161,7 @@ class NativeCompiler(SplitCompilerBase[NumpyKV]):
         """The index of ``array`` (kept alive by the program) in the buffer table."""
         key = id(array)
         if key not in self._buffer_ids:
-            if array.dtype not in (np.float32, np.int32, np.int64) or not array.flags.c_contiguous:
+            if array.dtype not in (np.float32, np.int32, np.int64, np.float16) or not array.flags.c_contiguous:
                 array = np.ascontiguousarray(array, dtype=np.float32)
             self.buffers.append(array)
             self.writable.append(writable)
@@ -383,7 +386,7 @@ class NativeCompiler(SplitCompilerBase[NumpyKV]):
         self.emit(pg.SOFTMAX, [out.operand, x.operand], shape, label="softmax")
 
     def rope(self, node: Node, x: pg.Operand, out: pg.Operand, pos: Value, factors: Node | None,
-             dims: tuple[int, int, int], strides: tuple[int, int, int, int], label: str) -> None:
+             dims: tuple[int, int, int], strides: tuple[int, int, int, int], label: str, f16: bool = False) -> None:
         n_dims, mode = node.attr_int("n_dims"), node.attr_str("mode")
         if mode not in ("norm", "neox"):
             raise ModelError(f"native backend: rope mode {mode!r} has no kernel")
@@ -398,7 +401,7 @@ class NativeCompiler(SplitCompilerBase[NumpyKV]):
         ff = pg.NONE if factors is None else self.v(factors).operand
         theta_scale = F32(freq_base ** (-2.0 / n_dims))
         magnitude = F32(F32(node.attr_float("attn_factor", 1.0)) * yarn_magnitude(freq_scale, ext))
-        self.emit(pg.ROPE, [out, x, pos.operand, ff, mix], [*dims, n_dims, int(mode == "neox"), *strides],
+        self.emit(pg.ROPE, [out, x, pos.operand, ff, mix], [*dims, n_dims, int(mode == "neox"), *strides, int(f16)],
                   [float(theta_scale), float(F32(freq_scale)), float(magnitude), float(ext != 0.0)], label=label)
 
     def _op_rope(self, node: Node) -> None:
@@ -416,7 +419,7 @@ class NativeCompiler(SplitCompilerBase[NumpyKV]):
         cache = pg.Operand(self.buffer(storage.k, writable=True), 0)
         factors = node.inputs[1] if len(node.inputs) > 1 else None
         self.rope(node, cache, cache, shift, factors, (shift.size, n_head_kv, dim),
-                  (dim, n_cells * dim, dim, n_cells * dim), "k_shift")
+                  (dim, n_cells * dim, dim, n_cells * dim), "k_shift", f16=storage.k.dtype == np.float16)
         self.define(node)
 
     def _op_attention(self, node: Node) -> None:
@@ -431,15 +434,16 @@ class NativeCompiler(SplitCompilerBase[NumpyKV]):
                              f"cache {storage.k.shape}")
         k_cache = pg.Operand(self.buffer(storage.k, writable=True), 0)
         v_cache = pg.Operand(self.buffer(storage.v, writable=True), 0)
+        f16 = int(storage.k.dtype == np.float16)
         self.emit(pg.KV_WRITE, [k_cache, v_cache, k.operand, v.operand, idx.operand],
                   [n_tokens, n_head_kv, dk, dv, n_cells, k.row_stride or n_head_kv * dk,
-                   v.row_stride or n_head_kv * dv], label="kv_write")
+                   v.row_stride or n_head_kv * dv, f16], label="kv_write")
         order, sinks = attention_extras(node.inputs)
         out = self.define(node)
         softcap = node.attr_float("softcap", 0.0)
         self.emit(pg.ATTEND, [out.operand, q.operand, k_cache, v_cache, mask.operand,
                               pg.NONE if sinks is None else self.v(sinks).operand, self.cell_order(order, mask)],
-                  [n_tokens, n_head, n_head_kv, dk, dv, mask.shape[1], n_cells],
+                  [n_tokens, n_head, n_head_kv, dk, dv, mask.shape[1], n_cells, f16],
                   [node.attr_float("scale"), softcap], label="attention")
 
     def token_rows(self, node: Node, n_tokens: int) -> Value:

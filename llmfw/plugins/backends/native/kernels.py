@@ -18,7 +18,7 @@ from llmfw.core.errors import BackendUnavailable, ConfigError, LLMFWError
 from llmfw.plugins.backends.native.repack import BLOCK, KIND_QBYTE, KIND_QNIB, PackedWeight
 
 EXTENSION = "llmfw.plugins.backends.native._native"
-ABI_VERSION = 8
+ABI_VERSION = 9
 #: the path of a build of the extension to load instead of the installed one (the sanitizer run,
 #: benchmarks/native_sanitizers.sh)
 LIBRARY_VARIABLE = "LLMFW_NATIVE_LIBRARY"
@@ -79,7 +79,7 @@ def _typed(lib: Any) -> Any:
                                  ctypes.c_int64, ctypes.c_float]
     lib.nat_attention.restype = ctypes.c_int
     lib.nat_attention.argtypes = ([ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 7
-                                  + [ctypes.c_float] * 2)
+                                  + [ctypes.c_float] * 2 + [ctypes.c_int64])
     lib.nat_instr_bytes.restype = ctypes.c_int64
     if lib.nat_instr_bytes() != INSTR_BYTES:
         raise BackendUnavailable(f"the native backend's C extension has {lib.nat_instr_bytes()}-byte instructions, "
@@ -183,15 +183,16 @@ def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, mask: np.
               order: np.ndarray | None = None) -> np.ndarray:
     """softmax(softcap(scale·q·Kᵀ) + mask)·V over the cache's first ``mask.shape[1]`` cells, GQA by head groups
     (with ``sinks`` [H], a sink logit per head in the softmax's denominator): q [T, H, Dk], caches [Hkv, n_cells, D]
-    (float32, C-contiguous), mask [T, n_kv] → [T, H*Dv], on ISA path ``isa`` (``auto``: the widest here). ``order``
-    [n_kv]: the cells in the order their terms are summed (the graph's ``kv_order``; None: cell order)."""
+    (float32 or float16, both the same, C-contiguous), mask [T, n_kv] → [T, H*Dv], on ISA path ``isa`` (``auto``:
+    the widest here). ``order`` [n_kv]: the cells in the order their terms are summed (the graph's ``kv_order``;
+    None: cell order)."""
     q, mask = _f32(q), _f32(mask)
     n_tokens, n_head, dk = q.shape
     n_head_kv, n_cells, dv = v_cache.shape
     n_kv = mask.shape[1]
     for cache in (k_cache, v_cache):  # the C code indexes them directly: no copy, so check before it reads
-        if cache.dtype != np.float32 or not cache.flags.c_contiguous:
-            raise ValueError("native attention: the KV cache must be C-contiguous float32")
+        if cache.dtype not in (np.float32, np.float16) or cache.dtype != k_cache.dtype or not cache.flags.c_contiguous:
+            raise ValueError("native attention: the KV cache must be C-contiguous float32 or float16 (K and V alike)")
     if sinks is not None:
         sinks = _f32(sinks)
     if order is not None:
@@ -206,7 +207,8 @@ def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, mask: np.
                                           k_cache.ctypes.data, v_cache.ctypes.data, mask.ctypes.data,
                                           None if sinks is None else sinks.ctypes.data,
                                           None if order is None else order.ctypes.data, out.ctypes.data, n_tokens,
-                                          n_head, n_head_kv, dk, dv, n_kv, n_cells, scale, softcap)
+                                          n_head, n_head_kv, dk, dv, n_kv, n_cells, scale, softcap,
+                                          int(k_cache.dtype == np.float16))
     if status == -3:
         raise NativeError(f"native attention: a cell of the order outside 0..{n_kv - 1}")
     if status != 0:

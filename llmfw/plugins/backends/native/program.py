@@ -183,6 +183,12 @@ def _check_instruction(ins: np.void, buffer_words: Sequence[int], writable: Sequ
             raise ProgramError(f"{count} words in rows of {width}, {stride} words apart")
         return count // width
 
+    def cache_words(values: int, f16: int) -> int:
+        """Words of ``values`` cache values: float32, or f16 (``f16`` 1) two to a word."""
+        if f16 not in (0, 1):
+            raise ProgramError(f"a cache flag {f16} (0: float32, 1: f16)")
+        return (values + 1) // 2 if f16 else values
+
     def weight(index: int) -> WeightInfo:
         if not 0 <= index < len(weights):
             raise ProgramError(f"weight {index} of {len(weights)}")
@@ -255,16 +261,18 @@ def _check_instruction(ins: np.void, buffer_words: Sequence[int], writable: Sequ
         positive(n_tokens, n_head, dim, n_dims)
         if n_head < 1 or n_dims < 2 or n_dims % 2 or n_dims > dim or n_dims > MAX_ROPE_DIMS or min(n[5:9]) < 0:
             raise ProgramError(f"rotating {n_dims} of {dim} dimensions")
-        need(0, span(n_tokens, (n_tokens, n[7]), (n_head, n[8]), (dim, 1)), out=True)
-        need(1, span(n_tokens, (n_tokens, n[5]), (n_head, n[6]), (dim, 1)))
+        if n[9] and (buf[0] != buf[1] or off[0] != off[1] or n[5:7] != n[7:9]):
+            raise ProgramError("an f16 rope that is not in place (only a K shift rotates f16 keys)")
+        need(0, cache_words(span(n_tokens, (n_tokens, n[7]), (n_head, n[8]), (dim, 1)), n[9]), out=True)
+        need(1, cache_words(span(n_tokens, (n_tokens, n[5]), (n_head, n[6]), (dim, 1)), n[9]))
         need(2, n_tokens)
         need(3, n_dims // 2, optional=True)
         need(4, n_dims // 2, optional=True)
     elif op == KV_WRITE:
         n_tokens, n_head_kv, dk, dv, n_cells = n[0:5]
         positive(n_tokens, n_head_kv, dk, dv, n_cells)
-        need(0, n_head_kv * n_cells * dk, out=True)
-        need(1, n_head_kv * n_cells * dv, out=True)
+        need(0, cache_words(n_head_kv * n_cells * dk, n[7]), out=True)
+        need(1, cache_words(n_head_kv * n_cells * dv, n[7]), out=True)
         k_stride, v_stride = n[5:7]
         if k_stride < n_head_kv * dk or v_stride < n_head_kv * dv:
             raise ProgramError(f"tokens' k and v {k_stride} and {v_stride} words apart")
@@ -278,8 +286,8 @@ def _check_instruction(ins: np.void, buffer_words: Sequence[int], writable: Sequ
             raise ProgramError(f"{n_head} heads over {n_head_kv} KV heads, {n_kv} of {n_cells} cells")
         need(0, n_tokens * n_head * dv, out=True)
         need(1, n_tokens * n_head * dk)
-        need(2, n_head_kv * n_cells * dk)
-        need(3, n_head_kv * n_cells * dv)
+        need(2, cache_words(n_head_kv * n_cells * dk, n[7]))
+        need(3, cache_words(n_head_kv * n_cells * dv, n[7]))
         need(4, n_tokens * n_kv)
         need(5, n_head, optional=True)
         need(6, n_kv, optional=True)  # the order's cells: C checks each is below n_kv

@@ -55,7 +55,7 @@ class NativeBackend(NumpyWeights):
     rewrite_rules = (SWIGLU,)
     is_host = True
     environment_options = {"LLMFW_NATIVE_ISA": "isa", "LLMFW_NATIVE_CACHE": "cache",
-                           "LLMFW_NATIVE_CACHE_DIR": "cache_dir"}
+                           "LLMFW_NATIVE_CACHE_DIR": "cache_dir", "LLMFW_NATIVE_KV_TYPE": "kv_type"}
     #: the built extension: missing when the install could not compile it (``llmfw plugins`` says so)
     requires = (kernels.EXTENSION,)
     #: the CPU default when the extension is built (above onnx's 200, which stays the fallback default; below
@@ -227,8 +227,10 @@ class NativeBackend(NumpyWeights):
 
     # -- KV, values ---------------------------------------------------------------------------------------
     def alloc_kv(self, shape: KVLayerShape) -> NumpyKV:
-        return NumpyKV(k=np.zeros((shape.n_head_kv, shape.n_cells, shape.head_dim_k), dtype=F32),
-                       v=np.zeros((shape.n_head_kv, shape.n_cells, shape.head_dim_v), dtype=F32))
+        """K and V of one layer, f16 or float32 (the ``kv_type`` option); zeros, so a masked cell adds nothing."""
+        dtype = np.float16 if self.native_options.kv_type == "f16" else F32
+        return NumpyKV(k=np.zeros((shape.n_head_kv, shape.n_cells, shape.head_dim_k), dtype=dtype),
+                       v=np.zeros((shape.n_head_kv, shape.n_cells, shape.head_dim_v), dtype=dtype))
 
     def from_numpy(self, array: np.ndarray) -> np.ndarray:
         return array

@@ -15,7 +15,9 @@
  * kernels read each key through its own row pointer, so keys of cells anywhere (a sequence beside others) are read
  * where they lie, never copied. Tiles share the K loads
  * across their rows and the heads of a GQA group; a row's arithmetic is the same whatever tile, thread or ISA
- * path computes it. */
+ * path computes it. K and V are float32, or f16 (the default cache) widened exactly where they are read: in the AVX2
+ * kernels' loads, else into a buffer of 16 keys or 64 value rows (the sums run on over the chunks), so an f16 cache
+ * gives the bits of a float32 cache holding its values. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -40,6 +42,11 @@ typedef struct {
     /* for each of the heads h: out[h][d] = out[h][d] + p[h][c] * v[cells[c] * dv + d], c = 0..n-1 in order */
     void (*weigh)(float *const *out, const float *const *p, int64_t heads, const int32_t *cells, int64_t n,
                   const float *v, int64_t dv);
+    /* scores and weigh over f16 keys and values, widened as they are loaded (dk a multiple of 16, dv of 8), the
+     * same bits; NULL: the driver widens rows into a buffer for scores and weigh */
+    void (*scores_f16)(const float *q, const uint16_t *const *keys, int64_t dk, const float *add, float *out);
+    void (*weigh_f16)(float *const *out, const float *const *p, int64_t heads, const int32_t *cells, int64_t n,
+                      const uint16_t *v, int64_t dv);
 } attn_kernels;
 
 /* lanes[l] = lanes[l] + a[l] * b[l], l < n (the compiler vectorises this as it stands) */
@@ -138,25 +145,36 @@ TARGET2 static inline __m256 avx2_load(const float *p, int64_t n) {  /* n < 8: t
 
 TARGET2 static inline __m256 avx2_load_cut(const float *p, int64_t n) { return _mm256_maskload_ps(p, avx2_keep(n)); }
 
-/* keys 4g..4g+3 reduced to their l + l+2 pairs: lanes [k0 k0 k2 k2 | k1 k1 k3 k3] (each pair (a, a+2) summed) */
-TARGET2 static inline __m256 avx2_four_keys(const float *q, const float *const *k, int64_t dk) {
-    __m256 lo[4], hi[4];
-    for (int i = 0; i < 4; i++) lo[i] = hi[i] = _mm256_setzero_ps();
-    int64_t d = 0;
-    for (; d + 16 <= dk; d += 16) {
-        __m256 q0 = _mm256_loadu_ps(q + d), q1 = _mm256_loadu_ps(q + d + 8);
-        for (int i = 0; i < 4; i++) {
-            lo[i] = _mm256_add_ps(lo[i], _mm256_mul_ps(q0, _mm256_loadu_ps(k[i] + d)));
-            hi[i] = _mm256_add_ps(hi[i], _mm256_mul_ps(q1, _mm256_loadu_ps(k[i] + d + 8)));
-        }
-    }
-    if (d < dk) {
-        __m256 q0 = _mm256_loadu_ps(q + d), q1 = _mm256_loadu_ps(q + d + 8);
-        for (int i = 0; i < 4; i++) {
-            lo[i] = _mm256_add_ps(lo[i], _mm256_mul_ps(q0, avx2_load_cut(k[i] + d, dk - d)));
-            hi[i] = _mm256_add_ps(hi[i], _mm256_mul_ps(q1, avx2_load_cut(k[i] + d + 8, dk - d - 8)));
-        }
-    }
+/* 8 f16 values from p, widened */
+TARGET2 static inline __m256 avx2_load_f16(const uint16_t *p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+
+/* the 16-lane sums of q . k for keys k[0..3] over dims [0, dk): float32 keys (a cut tail masked) or f16 keys (whole
+ * 16s), LOAD(key, d) giving 8 of a key's values from d on */
+#define AVX2_KEY_SUMS(LOAD, CUT)                                                                               \
+    do {                                                                                                       \
+        int64_t d = 0;                                                                                         \
+        for (; d + 16 <= dk; d += 16) {                                                                        \
+            __m256 q0 = _mm256_loadu_ps(q + d), q1 = _mm256_loadu_ps(q + d + 8);                               \
+            for (int i = 0; i < 4; i++) {                                                                      \
+                lo[i] = _mm256_add_ps(lo[i], _mm256_mul_ps(q0, LOAD(k[i], d)));                                \
+                hi[i] = _mm256_add_ps(hi[i], _mm256_mul_ps(q1, LOAD(k[i], d + 8)));                            \
+            }                                                                                                  \
+        }                                                                                                      \
+        if (CUT && d < dk) {                                                                                   \
+            __m256 q0 = _mm256_loadu_ps(q + d), q1 = _mm256_loadu_ps(q + d + 8);                               \
+            for (int i = 0; i < 4; i++) {                                                                      \
+                lo[i] = _mm256_add_ps(lo[i], _mm256_mul_ps(q0, avx2_load_cut((const float *)k[i] + d, dk - d))); \
+                hi[i] = _mm256_add_ps(hi[i], _mm256_mul_ps(q1, avx2_load_cut((const float *)k[i] + d + 8, dk - d - 8))); \
+            }                                                                                                  \
+        }                                                                                                      \
+    } while (0)
+#define AVX2_LOAD_KEY(key, d) _mm256_loadu_ps((key) + (d))
+#define AVX2_LOAD_KEY_F16(key, d) avx2_load_f16((key) + (d))
+
+/* lanes l + l+8 of each key, then keys 4g..4g+3 reduced to their l + l+2 pairs: [k0 k0 k2 k2 | k1 k1 k3 k3] */
+TARGET2 static inline __m256 avx2_four_pairs(const __m256 *lo, const __m256 *hi) {
     __m256 s8[4];
     for (int i = 0; i < 4; i++) s8[i] = _mm256_add_ps(lo[i], hi[i]);  /* l + l+8 */
     __m256 a = _mm256_add_ps(_mm256_permute2f128_ps(s8[0], s8[1], 0x20), _mm256_permute2f128_ps(s8[0], s8[1], 0x31));
@@ -165,15 +183,39 @@ TARGET2 static inline __m256 avx2_four_keys(const float *q, const float *const *
     return _mm256_add_ps(_mm256_shuffle_ps(a, b, 0x44), _mm256_shuffle_ps(a, b, 0xEE));
 }
 
+TARGET2 static inline __m256 avx2_four_keys(const float *q, const float *const *k, int64_t dk) {
+    __m256 lo[4], hi[4];
+    for (int i = 0; i < 4; i++) lo[i] = hi[i] = _mm256_setzero_ps();
+    AVX2_KEY_SUMS(AVX2_LOAD_KEY, 1);
+    return avx2_four_pairs(lo, hi);
+}
+
+TARGET2 static inline __m256 avx2_four_keys_f16(const float *q, const uint16_t *const *k, int64_t dk) {
+    __m256 lo[4], hi[4];
+    for (int i = 0; i < 4; i++) lo[i] = hi[i] = _mm256_setzero_ps();
+    AVX2_KEY_SUMS(AVX2_LOAD_KEY_F16, 0);
+    return avx2_four_pairs(lo, hi);
+}
+
+/* l + l+1 of two four-key pair sums: lanes [k0 k2 k4 k6 | k1 k3 k5 k7] of these 8 keys, in key order, [+ add] */
+TARGET2 static inline void avx2_store_scores(__m256 e, __m256 f, const float *add, float *out) {
+    __m256 s = _mm256_add_ps(_mm256_shuffle_ps(e, f, 0x88), _mm256_shuffle_ps(e, f, 0xDD));
+    s = _mm256_permutevar8x32_ps(s, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    if (add) s = _mm256_add_ps(s, _mm256_loadu_ps(add));
+    _mm256_storeu_ps(out, s);
+}
+
 TARGET2 static void scores_avx2(const float *q, const float *const *k, int64_t dk, const float *add, float *out) {
-    for (int half = 0; half < 2; half++) {
-        __m256 e = avx2_four_keys(q, k + 8 * half, dk), f = avx2_four_keys(q, k + 8 * half + 4, dk);
-        /* l + l+1: lanes [k0 k2 k4 k6 | k1 k3 k5 k7] of these 8 keys */
-        __m256 s = _mm256_add_ps(_mm256_shuffle_ps(e, f, 0x88), _mm256_shuffle_ps(e, f, 0xDD));
-        s = _mm256_permutevar8x32_ps(s, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-        if (add) s = _mm256_add_ps(s, _mm256_loadu_ps(add + 8 * half));
-        _mm256_storeu_ps(out + 8 * half, s);
-    }
+    for (int half = 0; half < 2; half++)
+        avx2_store_scores(avx2_four_keys(q, k + 8 * half, dk), avx2_four_keys(q, k + 8 * half + 4, dk),
+                          add ? add + 8 * half : NULL, out + 8 * half);
+}
+
+TARGET2 static void scores_f16_avx2(const float *q, const uint16_t *const *k, int64_t dk, const float *add,
+                                    float *out) {
+    for (int half = 0; half < 2; half++)
+        avx2_store_scores(avx2_four_keys_f16(q, k + 8 * half, dk), avx2_four_keys_f16(q, k + 8 * half + 4, dk),
+                          add ? add + 8 * half : NULL, out + 8 * half);
 }
 
 /* nat_exp on 8 lanes */
@@ -203,18 +245,24 @@ TARGET2 static float exp_sum_avx2(float *p, int64_t n, float best) {
     return nat_reduce16(all);
 }
 
-/* 64 lanes of out from d0 (the chunk is whole: FULL, or cut at dv) in registers over every cell */
-#define AVX2_WEIGH_CHUNK(LOAD)                                                                                 \
+/* 64 lanes of out from d0 (the chunk is whole: FULL, or cut at dv) in registers over every cell; LOAD reads out,
+ * ROW_LOAD(row, n) 8 values of a value row (n of them left) */
+#define AVX2_WEIGH_CHUNK(LOAD, ROW_LOAD, T)                                                                    \
     do {                                                                                                       \
         __m256 acc[8];                                                                                         \
         for (int i = 0; i < 8; i++) acc[i] = LOAD(out + d0 + 8 * i, dv - d0 - 8 * i);                          \
         for (int64_t c = 0; c < n; c++) {                                                                      \
-            const float *row = v + (int64_t)cells[c] * dv + d0;                                                \
+            const T *row = v + (int64_t)cells[c] * dv + d0;                                                    \
             __m256 pc = _mm256_set1_ps(p[c]);                                                                  \
-            for (int i = 0; i < 8; i++) acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(pc, LOAD(row + 8 * i, dv - d0 - 8 * i))); \
+            for (int i = 0; i < 8; i++) acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(pc, ROW_LOAD(row + 8 * i, dv - d0 - 8 * i))); \
         }                                                                                                      \
         for (int i = 0; i < 8; i++) avx2_store(out + d0 + 8 * i, dv - d0 - 8 * i, acc[i]);                    \
     } while (0)
+
+/* 8 f16 values (dv a multiple of 8: a piece is whole, or past dv: zeros, never stored) */
+TARGET2 static inline __m256 avx2_load_f16_piece(const uint16_t *p, int64_t n) {
+    return n >= 8 ? avx2_load_f16(p) : _mm256_setzero_ps();
+}
 
 TARGET2 static inline __m256 avx2_load_full(const float *p, int64_t n) {
     (void)n;
@@ -230,8 +278,19 @@ TARGET2 static inline void avx2_store(float *p, int64_t n, __m256 x) {
 TARGET2 static void weigh_one_avx2(float *out, const float *p, const int32_t *cells, int64_t n, const float *v,
                                    int64_t dv) {
     int64_t d0 = 0;
-    for (; d0 + 64 <= dv; d0 += 64) AVX2_WEIGH_CHUNK(avx2_load_full);
-    if (d0 < dv) AVX2_WEIGH_CHUNK(avx2_load_cut);
+    for (; d0 + 64 <= dv; d0 += 64) AVX2_WEIGH_CHUNK(avx2_load_full, avx2_load_full, float);
+    if (d0 < dv) AVX2_WEIGH_CHUNK(avx2_load_cut, avx2_load_cut, float);
+}
+
+TARGET2 static void weigh_f16_avx2(float *const *out_h, const float *const *p_h, int64_t heads, const int32_t *cells,
+                                   int64_t n, const uint16_t *v, int64_t dv) {
+    for (int64_t h = 0; h < heads; h++) {
+        float *out = out_h[h];
+        const float *p = p_h[h];
+        int64_t d0 = 0;
+        for (; d0 + 64 <= dv; d0 += 64) AVX2_WEIGH_CHUNK(avx2_load_full, avx2_load_f16_piece, uint16_t);
+        if (d0 < dv) AVX2_WEIGH_CHUNK(avx2_load_cut, avx2_load_f16_piece, uint16_t);
+    }
 }
 
 TARGET2 static void weigh_avx2(float *const *out, const float *const *p, int64_t heads, const int32_t *cells,
@@ -360,10 +419,11 @@ TARGET512 static float peak_avx512(const float *s, int64_t n) {
 #endif
 
 static const attn_kernels *kernels_for(int isa) {
-    static const attn_kernels scalar = {scores_scalar, peak_scalar, exp_sum_scalar, weigh_scalar};
+    static const attn_kernels scalar = {scores_scalar, peak_scalar, exp_sum_scalar, weigh_scalar, NULL, NULL};
 #ifdef NAT_HAVE_X86
-    static const attn_kernels avx2 = {scores_avx2, peak_avx2, exp_sum_avx2, weigh_avx2};
-    static const attn_kernels avx512 = {scores_avx512, peak_avx512, exp_sum_avx512, weigh_avx512};
+    static const attn_kernels avx2 = {scores_avx2, peak_avx2, exp_sum_avx2, weigh_avx2, scores_f16_avx2,
+                                      weigh_f16_avx2};
+    static const attn_kernels avx512 = {scores_avx512, peak_avx512, exp_sum_avx512, weigh_avx512, NULL, NULL};
     if (isa == NAT_ISA_AVX512) return &avx512;
     if (isa == NAT_ISA_AVX2) return &avx2;
 #endif
@@ -378,9 +438,15 @@ static const attn_kernels *kernels_for(int isa) {
 #define DECODE_ROWS 16  /* fewer rows than this: a decode step */
 #define MAX_HEADS 8  /* heads of a GQA group per work item, at most */
 #define ITEMS_PER_THREAD 4  /* work items per thread, at least, where the heads can be split that far */
+#define VALUES 64  /* value rows of an f16 cache widened at a time (the weighted sum runs on over the chunks) */
 
 typedef struct {
-    const float *q, *k, *v, *mask, *sinks;
+    const float *q, *mask, *sinks;
+    const char *k, *v;     /* the caches: float32, or f16 (widen: their rows to float32, as they are used) */
+    size_t esize;
+    nat_from_f16_fn widen;
+    int direct16;          /* f16 caches the ISA's f16 kernels read in place (else widened into a buffer) */
+    int32_t local[VALUES]; /* 0, 1, ...: the cells of a chunk of widened value rows */
     const int32_t *order;  /* the n_kv cells in the order their scores are summed, each in [0, n_kv) */
     int in_cell_order;     /* order[o] == o for every o: a cell's place in the order is the cell */
     float *out;
@@ -393,10 +459,17 @@ typedef struct {
 } attn_job;
 
 /* per thread: q rows [tile * heads][dk padded], scores [tile * heads][n_kv], a block's scores [KEYS], visible
- * cells [tile][n_kv] and their places in `order` [tile][n_kv] */
-static size_t scratch_floats(int64_t tile_rows, int64_t heads, int64_t dk, int64_t n_kv) {
-    int64_t dk16 = (dk + 15) / 16 * 16;
-    return (size_t)(tile_rows * heads * (dk16 + n_kv) + KEYS + 2 * tile_rows * n_kv);
+ * cells [tile][n_kv] and their places in `order` [tile][n_kv]; for an f16 cache, widened keys [KEYS][dk] and values
+ * [VALUES][dv] */
+static size_t scratch_floats(const attn_job *job) {
+    int64_t dk16 = (job->dk + 15) / 16 * 16, rows = job->tile_rows, n_kv = job->n_kv;
+    int64_t widened = job->widen ? KEYS * job->dk + VALUES * job->dv : 0;
+    return (size_t)(rows * job->heads_per_item * (dk16 + n_kv) + KEYS + 2 * rows * n_kv + widened);
+}
+
+/* KV head kvh's rows of a cache (row: floats per cell) */
+static inline const char *head_rows(const attn_job *job, const char *cache, int64_t kvh, int64_t row) {
+    return cache + (size_t)(kvh * job->n_cells * row) * job->esize;
 }
 
 /* the visible cells of mask row `row` in the job's order (cells) and their places in it (at, ascending); returns
@@ -426,10 +499,39 @@ static inline int64_t consecutive(const int32_t *x, int64_t n) {
     return x[0];
 }
 
-/* the rows of cells[0..n) from a KV head's keys kbase, to KEYS rows (past n: the first again, its score never
- * read) */
-static void block_keys(const float *kbase, int64_t dk, const int32_t *cells, int64_t n, const float *keys[KEYS]) {
-    for (int64_t i = 0; i < KEYS; i++) keys[i] = kbase + (int64_t)cells[i < n ? i : 0] * dk;
+/* a block's key rows: float32 (in a float32 cache, or widened into a buffer) or f16 (in an f16 cache) */
+typedef struct {
+    const float *f32[KEYS];
+    const uint16_t *f16[KEYS];
+} key_rows;
+
+/* the key rows of cells[0..n) (n >= 1) from a KV head's keys kbase, to KEYS rows (past n: the first again, its
+ * score never read): read in place, or widened into buf (KEYS rows of dk) from an f16 cache the ISA's kernels do
+ * not read */
+static void block_keys(const attn_job *job, const char *kbase, const int32_t *cells, int64_t n, float *buf,
+                       key_rows *keys) {
+    int64_t dk = job->dk;
+    for (int64_t i = 0; i < KEYS; i++) {
+        int64_t cell = cells[i < n ? i : 0];
+        if (job->direct16) {
+            keys->f16[i] = (const uint16_t *)kbase + cell * dk;
+        } else if (!job->widen) {
+            keys->f32[i] = (const float *)kbase + cell * dk;
+        } else if (i < n) {
+            job->widen((const uint16_t *)kbase + cell * dk, buf + i * dk, dk);
+            keys->f32[i] = buf + i * dk;
+        } else {
+            keys->f32[i] = buf;
+        }
+    }
+}
+
+static inline void score_keys(const attn_job *job, const float *q, const key_rows *keys, const float *add,
+                              float *out) {
+    if (job->direct16)
+        job->isa->scores_f16(q, keys->f16, job->dk, add, out);
+    else
+        job->isa->scores(q, keys->f32, job->dk, add, out);
 }
 
 /* a raw score, soft-capped when the model caps them */
@@ -441,12 +543,12 @@ static inline float capped(const attn_job *job, float s) {
  * by visible index; cursor[r]: the first visible cell of row r not scored yet */
 static void score_block(const attn_job *job, int64_t t0, int64_t rows, int64_t h0, int64_t o0,
                         const float *qs, float *scores, const int32_t *cells, const int32_t *at, const int64_t *count,
-                        int64_t *cursor, float *block) {
+                        int64_t *cursor, float *block, float *widened) {
     int64_t heads = job->heads_per_item, dk16 = (job->dk + 15) / 16 * 16;
     int64_t n = job->n_kv - o0 < KEYS ? job->n_kv - o0 : KEYS;
-    const float *keys[KEYS];
-    block_keys(job->k + h0 / (job->n_head / job->n_head_kv) * job->n_cells * job->dk, job->dk, job->order + o0, n,
-               keys);
+    key_rows keys;
+    block_keys(job, head_rows(job, job->k, h0 / (job->n_head / job->n_head_kv), job->dk), job->order + o0, n,
+               widened, &keys);
     int64_t first = n == KEYS ? consecutive(job->order + o0, n) : -1;  /* its first cell, when they are consecutive */
     for (int64_t r = 0; r < rows; r++) {
         const int32_t *vis = at + r * job->n_kv, *row_cells = cells + r * job->n_kv;
@@ -461,10 +563,10 @@ static void score_block(const attn_job *job, int64_t t0, int64_t rows, int64_t h
             int64_t i = r * heads + g;
             float *dst = scores + i * job->n_kv;
             if (hi - lo == KEYS && first >= 0 && job->softcap == 0.0f) {  /* scores plus the mask's run, in place */
-                job->isa->scores(qs + i * dk16, keys, job->dk, mask + first, dst + lo);
+                score_keys(job, qs + i * dk16, &keys, mask + first, dst + lo);
                 continue;
             }
-            job->isa->scores(qs + i * dk16, keys, job->dk, NULL, block);
+            score_keys(job, qs + i * dk16, &keys, NULL, block);
             for (int64_t c = lo; c < hi; c++) dst[c] = capped(job, block[vis[c] - o0]) + mask[row_cells[c]];
         }
         cursor[r] = hi;
@@ -473,45 +575,68 @@ static void score_block(const attn_job *job, int64_t t0, int64_t rows, int64_t h
 
 /* the rows of cells[0..n) from base (rows of `floats` floats) towards the cache: a decode step reads a few keys
  * and values of each cell, from wherever the layer's cache lies (the weights streaming through push it out of L2) */
-static void prefetch_rows(const float *base, const int32_t *cells, int64_t n, int64_t floats) {
+static void prefetch_rows(const char *base, const int32_t *cells, int64_t n, int64_t row_bytes) {
     for (int64_t i = 0; i < n; i++)
-        for (int64_t f = 0; f < floats; f += 16) __builtin_prefetch(base + (int64_t)cells[i] * floats + f, 0, 3);
+        for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(base + (int64_t)cells[i] * row_bytes + b, 0, 3);
 }
 
 /* The scores of one query row (a decode step's tile) for the heads of the item, by chunks of KEYS visible cells:
  * the cells of a sequence beside others in the cache are not contiguous, and a block of cells would score the
  * other sequences' keys for nothing. */
 static void score_visible(const attn_job *job, int64_t t, int64_t h0, const float *qs, float *scores,
-                          const int32_t *vis, int64_t count, float *block) {
+                          const int32_t *vis, int64_t count, float *block, float *widened) {
     int64_t heads = job->heads_per_item, dk = job->dk, dk16 = (dk + 15) / 16 * 16;
     const float *mask = job->mask + t * job->n_kv;
-    int64_t kvh = h0 / (job->n_head / job->n_head_kv);
-    const float *kbase = job->k + kvh * job->n_cells * dk, *vbase = job->v + kvh * job->n_cells * job->dv;
+    int64_t kvh = h0 / (job->n_head / job->n_head_kv), k_bytes = dk * (int64_t)job->esize;
+    const char *kbase = head_rows(job, job->k, kvh, dk), *vbase = head_rows(job, job->v, kvh, job->dv);
     float add[KEYS];
-    prefetch_rows(kbase, vis, count < KEYS ? count : KEYS, dk);
+    prefetch_rows(kbase, vis, count < KEYS ? count : KEYS, k_bytes);
     for (int64_t c0 = 0; c0 < count; c0 += KEYS) {
         int64_t n = count - c0 < KEYS ? count - c0 : KEYS;
         int64_t next = count - c0 - KEYS < KEYS ? count - c0 - KEYS : KEYS;
-        if (next > 0) prefetch_rows(kbase, vis + c0 + KEYS, next, dk);  /* the next chunk's keys */
-        prefetch_rows(vbase, vis + c0, n, job->dv);
-        const float *keys[KEYS];
-        block_keys(kbase, dk, vis + c0, n, keys);
+        if (next > 0) prefetch_rows(kbase, vis + c0 + KEYS, next, k_bytes);  /* the next chunk's keys */
+        prefetch_rows(vbase, vis + c0, n, job->dv * (int64_t)job->esize);
+        key_rows keys;
+        block_keys(job, kbase, vis + c0, n, widened, &keys);
         for (int64_t i = 0; i < n; i++) add[i] = mask[vis[c0 + i]];
         for (int64_t g = 0; g < heads; g++) {
             float *dst = scores + g * job->n_kv + c0;
             if (n == KEYS && job->softcap == 0.0f) {
-                job->isa->scores(qs + g * dk16, keys, dk, add, dst);
+                score_keys(job, qs + g * dk16, &keys, add, dst);
                 continue;
             }
-            job->isa->scores(qs + g * dk16, keys, dk, NULL, block);
+            score_keys(job, qs + g * dk16, &keys, NULL, block);
             for (int64_t i = 0; i < n; i++) dst[i] = capped(job, block[i]) + add[i];
         }
     }
 }
 
+/* out[g] = out[g] + the p[g]-weighted value rows of cells[0..count), in order: read in place from a float32
+ * cache; from an f16 one, chunks of VALUES rows widened into buf (each chunk's sums stored and reloaded exactly, so
+ * the bits are those of one pass) */
+static void weigh_values(const attn_job *job, float *const *outs, float *const *ps, int64_t heads,
+                         const int32_t *cells, int64_t count, const char *vbase, float *buf) {
+    int64_t dv = job->dv;
+    if (job->direct16) {
+        job->isa->weigh_f16(outs, (const float *const *)ps, heads, cells, count, (const uint16_t *)vbase, dv);
+        return;
+    }
+    if (!job->widen) {
+        job->isa->weigh(outs, (const float *const *)ps, heads, cells, count, (const float *)vbase, dv);
+        return;
+    }
+    for (int64_t c0 = 0; c0 < count; c0 += VALUES) {
+        int64_t n = count - c0 < VALUES ? count - c0 : VALUES;
+        const float *p[MAX_HEADS];
+        for (int64_t i = 0; i < n; i++) job->widen((const uint16_t *)vbase + (int64_t)cells[c0 + i] * dv, buf + i * dv, dv);
+        for (int64_t g = 0; g < heads; g++) p[g] = ps[g] + c0;
+        job->isa->weigh(outs, p, heads, job->local, n, buf, dv);
+    }
+}
+
 /* softmax(scores) . V of one query row for its heads h0.. of the item: out rows of dv floats */
 static void finish_row(const attn_job *job, float *scores, const int32_t *cells, int64_t count, int64_t t,
-                       int64_t h0) {
+                       int64_t h0, float *widened) {
     float *outs[MAX_HEADS] = {NULL}, *ps[MAX_HEADS] = {NULL}, totals[MAX_HEADS];
     int64_t heads = job->heads_per_item, dv = job->dv, kvh = h0 / (job->n_head / job->n_head_kv);
     for (int64_t g = 0; g < heads; g++) {
@@ -530,7 +655,7 @@ static void finish_row(const attn_job *job, float *scores, const int32_t *cells,
             for (int64_t d = 0; d < dv; d++) outs[g][d] = NAN;
         return;
     }
-    job->isa->weigh(outs, (const float *const *)ps, heads, cells, count, job->v + kvh * job->n_cells * dv, dv);
+    weigh_values(job, outs, ps, heads, cells, count, head_rows(job, job->v, kvh, dv), widened);
     for (int64_t g = 0; g < heads; g++)
         for (int64_t d = 0; d < dv; d++) outs[g][d] = outs[g][d] / totals[g];
 }
@@ -546,6 +671,7 @@ static void attend_item(const attn_job *job, int64_t item, float *scratch) {
     int64_t dk = job->dk, dk16 = (dk + 15) / 16 * 16, n_kv = job->n_kv;
     float *qs = scratch, *scores = qs + rows * heads * dk16, *block = scores + rows * heads * n_kv;
     int32_t *cells = (int32_t *)(block + KEYS), *at = job->in_cell_order ? cells : cells + rows * n_kv;
+    float *widened = (float *)(cells + 2 * job->tile_rows * n_kv);  /* f16 caches: keys, then values */
     int64_t count[DECODE_ROWS], cursor[DECODE_ROWS], first = n_kv, end = 0;
     for (int64_t r = 0; r < rows; r++) {
         count[r] = visible_cells(job, job->mask + (t0 + r) * n_kv, cells + r * n_kv, at + r * n_kv);
@@ -561,12 +687,12 @@ static void attend_item(const attn_job *job, int64_t item, float *scratch) {
         }
     }
     if (rows == 1)
-        score_visible(job, t0, h0, qs, scores, cells, count[0], block);
+        score_visible(job, t0, h0, qs, scores, cells, count[0], block, widened);
     else
         for (int64_t o0 = first; o0 < end; o0 += KEYS)
-            score_block(job, t0, rows, h0, o0, qs, scores, cells, at, count, cursor, block);
+            score_block(job, t0, rows, h0, o0, qs, scores, cells, at, count, cursor, block, widened);
     for (int64_t r = 0; r < rows; r++)
-        finish_row(job, scores + r * heads * n_kv, cells + r * n_kv, count[r], t0 + r, h0);
+        finish_row(job, scores + r * heads * n_kv, cells + r * n_kv, count[r], t0 + r, h0, widened + KEYS * dk);
 }
 
 static void attend_chunk(void *raw, int64_t chunk, int ith) {
@@ -589,13 +715,17 @@ static int is_cell_order(const int32_t *order, int64_t n_kv) {
     return !other;
 }
 
-/* n: T, H, Hkv, dk, dv, n_kv, n_cells (native.h's NAT_OP_ATTEND); order: the n_kv cells in the order to sum them
- * (NULL: cell order). Returns 0, NAT_OUT_OF_MEMORY, or NAT_ID_OUT_OF_RANGE for a cell of the order out of range. */
-int nat_attend(nat_pool *pool, int isa, const float *q, const float *k, const float *v, const float *mask,
+/* n: T, H, Hkv, dk, dv, n_kv, n_cells, f16 (native.h's NAT_OP_ATTEND); order: the n_kv cells in the order to sum
+ * them (NULL: cell order). Returns 0, NAT_OUT_OF_MEMORY, or NAT_ID_OUT_OF_RANGE for a cell of the order out of
+ * range. */
+int nat_attend(nat_pool *pool, int isa, const float *q, const void *k, const void *v, const float *mask,
                const float *sinks, const int32_t *order, float *out, const int64_t *n, float scale, float softcap) {
-    attn_job job = {q, k, v, mask, sinks, order, !order || is_cell_order(order, n[5]), out,
+    attn_job job = {q, mask, sinks, k, v, n[7] ? 2 : 4, n[7] ? nat_kernels_for(isa).from_f16 : NULL, 0, {0},
+                    order, !order || is_cell_order(order, n[5]), out,
                     n[0], n[1], n[2], n[3], n[4], n[5], n[6], scale, softcap, kernels_for(isa),
                     n[0] < DECODE_ROWS ? 1 : TILE_ROWS, 1, 1, 0, 1, 0, NULL};
+    for (int i = 0; i < VALUES; i++) job.local[i] = i;
+    job.direct16 = job.widen && job.isa->scores_f16 && job.dk % 16 == 0 && job.dv % 8 == 0;
     if (order && !order_in_range(order, job.n_kv)) return NAT_ID_OUT_OF_RANGE;
     int64_t group = n[1] / n[2], tiles = (job.n_tokens + job.tile_rows - 1) / job.tile_rows;
     /* the most heads of a group per item (sharing their K and V loads) that still leaves every thread items */
@@ -606,7 +736,7 @@ int nat_attend(nat_pool *pool, int isa, const float *q, const float *k, const fl
     job.parts = group / job.heads_per_item;
     job.n_items = tiles * job.n_head_kv * job.parts;
     if (job.n_items == 0) return 0;
-    job.scratch_floats = scratch_floats(job.tile_rows, job.heads_per_item, job.dk, job.n_kv);
+    job.scratch_floats = scratch_floats(&job);
     job.scratch = malloc(job.scratch_floats * sizeof(float) * (size_t)nat_pool_threads(pool));
     int32_t *identity = order ? NULL : malloc((size_t)job.n_kv * sizeof(int32_t));
     if (!job.scratch || (!order && !identity)) {

@@ -24,6 +24,38 @@ float nat_f16_to_f32(uint16_t h) {
     return f;
 }
 
+/* f to the nearest f16, ties to even (IEEE, as F16C's vcvtps2ph with rounding 0): overflow to inf, small values to
+ * subnormals or zero, a NaN to a quiet NaN keeping its payload's top bits */
+uint16_t nat_f32_to_f16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    uint32_t sign = (x >> 16) & 0x8000u, mag = x & 0x7fffffffu;
+    if (mag > 0x7f800000u) return (uint16_t)(sign | 0x7e00u | ((mag >> 13) & 0x3ffu));
+    if (mag >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);  /* 65520 and up (a tie with 2^16: even) and inf */
+    if (mag < 0x33000000u) return (uint16_t)sign;                /* below 2^-25 (2^-25 itself: the tie goes to 0) */
+    uint32_t kept, dropped, tie;
+    if (mag < 0x38800000u) {  /* below 2^-14: a subnormal, in units of 2^-24 (may round up to the least normal) */
+        uint32_t shift = 126 - (mag >> 23), m = (mag & 0x7fffffu) | 0x800000u;
+        kept = m >> shift;
+        dropped = m & ((1u << shift) - 1);
+        tie = 1u << (shift - 1);
+    } else {                  /* normal: rebias 127 -> 15 (a carry out of the mantissa raises the exponent) */
+        kept = (mag - 0x38000000u) >> 13;
+        dropped = mag & 0x1fffu;
+        tie = 0x1000u;
+    }
+    kept += dropped > tie || (dropped == tie && (kept & 1u));
+    return (uint16_t)(sign | kept);
+}
+
+void nat_f32_to_f16_row(const float *x, uint16_t *out, int64_t n) {
+    for (int64_t i = 0; i < n; i++) out[i] = nat_f32_to_f16(x[i]);
+}
+
+void nat_f16_to_f32_row(const uint16_t *h, float *out, int64_t n) {
+    for (int64_t i = 0; i < n; i++) out[i] = nat_f16_to_f32(h[i]);
+}
+
 static float bf16_to_f32(uint16_t h) {
     uint32_t bits = (uint32_t)h << 16;
     float f;

@@ -542,4 +542,19 @@ TARGET512 static inline void avx512_lanes(const nat_weight *w, const float *xi, 
 TARGET512 void nat_fgemm_avx512(const nat_weight *w, const float *x, int64_t m, float *y, int64_t r0, int64_t r1) {
     FGEMM_ROWS(avx512_lanes)
 }
+
+/* ---- f16 rows (an f16 KV cache): F16C's conversions, round to nearest even, the scalar functions' bits ---- */
+
+TARGET void nat_f32_to_f16_row_f16c(const float *x, uint16_t *out, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(out + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+    for (; i < n; i++) out[i] = nat_f32_to_f16(x[i]);
+}
+
+TARGET void nat_f16_to_f32_row_f16c(const uint16_t *h, float *out, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+    for (; i < n; i++) out[i] = nat_f16_to_f32(h[i]);
+}
 #endif

@@ -25,7 +25,7 @@ int nat_cpu_isas(void) {
     return isas;
 }
 
-int nat_abi_version(void) { return 8; }
+int nat_abi_version(void) { return 9; }
 
 /* sizeof(nat_instr): runtime.py checks its record type against it */
 int64_t nat_instr_bytes(void) { return (int64_t)sizeof(nat_instr); }
@@ -33,11 +33,15 @@ int64_t nat_instr_bytes(void) { return (int64_t)sizeof(nat_instr); }
 /* the kernels of each ISA path, by enum nat_isa (a path not compiled in falls back to the scalar one) */
 nat_kernels nat_kernels_for(int isa) {
 #ifdef NAT_HAVE_X86
-    if (isa == NAT_ISA_AVX512) return (nat_kernels){nat_qgemm_avx512, nat_fgemm_avx512, nat_quantize_rows_avx2};
-    if (isa == NAT_ISA_AVX2) return (nat_kernels){nat_qgemm_avx2, nat_fgemm_avx2, nat_quantize_rows_avx2};
+    if (isa == NAT_ISA_AVX512)
+        return (nat_kernels){nat_qgemm_avx512, nat_fgemm_avx512, nat_quantize_rows_avx2, nat_f32_to_f16_row_f16c,
+                             nat_f16_to_f32_row_f16c};
+    if (isa == NAT_ISA_AVX2)
+        return (nat_kernels){nat_qgemm_avx2, nat_fgemm_avx2, nat_quantize_rows_avx2, nat_f32_to_f16_row_f16c,
+                             nat_f16_to_f32_row_f16c};
 #endif
     (void)isa;
-    return (nat_kernels){nat_qgemm_scalar, nat_fgemm_scalar, nat_quantize_rows};
+    return (nat_kernels){nat_qgemm_scalar, nat_fgemm_scalar, nat_quantize_rows, nat_f32_to_f16_row, nat_f16_to_f32_row};
 }
 
 typedef struct {

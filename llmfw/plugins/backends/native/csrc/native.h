@@ -87,6 +87,9 @@ typedef void (*nat_fgemm_fn)(const nat_weight *w, const float *x, int64_t m, flo
 
 /* activation rows [m0, m1) of x [m][k] to 8-bit blocks in a (kernels_scalar.c says how; every ISA's the same bits) */
 typedef void (*nat_quantize_fn)(const float *x, int64_t k, nat_qact *a, int64_t m0, int64_t m1);
+/* n values to f16 (round to nearest, ties to even) and back (exact): an f16 KV cache's rows */
+typedef void (*nat_to_f16_fn)(const float *x, uint16_t *out, int64_t n);
+typedef void (*nat_from_f16_fn)(const uint16_t *h, float *out, int64_t n);
 
 void nat_qgemm_scalar(const nat_weight *w, const nat_qact *a, int64_t m, float *y, int64_t g0, int64_t g1);
 void nat_fgemm_scalar(const nat_weight *w, const float *x, int64_t m, float *y, int64_t r0, int64_t r1);
@@ -97,6 +100,8 @@ void nat_fgemm_avx2(const nat_weight *w, const float *x, int64_t m, float *y, in
 void nat_qgemm_avx512(const nat_weight *w, const nat_qact *a, int64_t m, float *y, int64_t g0, int64_t g1);
 void nat_fgemm_avx512(const nat_weight *w, const float *x, int64_t m, float *y, int64_t r0, int64_t r1);
 void nat_quantize_rows_avx2(const float *x, int64_t k, nat_qact *a, int64_t m0, int64_t m1);
+void nat_f32_to_f16_row_f16c(const float *x, uint16_t *out, int64_t n);
+void nat_f16_to_f32_row_f16c(const uint16_t *h, float *out, int64_t n);
 #endif
 
 /* the matmul kernels of one ISA path (module.c's nat_kernels_for: a path not compiled in gives the scalar ones) */
@@ -104,10 +109,15 @@ typedef struct {
     nat_qgemm_fn qgemm;
     nat_fgemm_fn fgemm;
     nat_quantize_fn quantize;
+    nat_to_f16_fn to_f16;
+    nat_from_f16_fn from_f16;
 } nat_kernels;
 nat_kernels nat_kernels_for(int isa);
 
 float nat_f16_to_f32(uint16_t h);
+uint16_t nat_f32_to_f16(float f);
+void nat_f32_to_f16_row(const float *x, uint16_t *out, int64_t n);
+void nat_f16_to_f32_row(const uint16_t *h, float *out, int64_t n);
 float nat_reduce16(float *lanes);
 void nat_quantize_rows(const float *x, int64_t k, nat_qact *a, int64_t m0, int64_t m1);
 /* the 4-byte words of the activation buffers of m rows of n_cols (whole blocks) at scratch: codes, then scales,
@@ -163,13 +173,14 @@ enum nat_op {
     NAT_OP_MUL_MAT = 9,      /* out, x, scratch (quantized kinds); n: weight index, m */
     NAT_OP_SLICE = 10,       /* out, x; n: outer, row words, start, length */
     NAT_OP_ROPE = 11,        /* out, x, pos (i32), freq factors, YaRN mix (or none); n: T, H, D, n_dims, neox,
-                              * x stride t, x stride h, out stride t, out stride h; f: theta scale, freq scale,
+                              * x stride t, x stride h, out stride t, out stride h, f16 (0/1: out is x, f16 keys:
+                              * a K shift of an f16 cache, strides in values); f: theta scale, freq scale,
                               * magnitude, ext (0/1) */
     NAT_OP_KV_WRITE = 12,    /* K cache, V cache, k, v, cells (i64); n: T, Hkv, dk, dv, n_cells, k token stride,
-                              * v token stride */
+                              * v token stride, f16 (0/1: the caches hold f16, the rows are rounded to it) */
     NAT_OP_ATTEND = 13,      /* out, q, K cache, V cache, mask, sinks (or none), order (i32 [n_kv], the cells in the
-                              * order to sum them; or none: cell order); n: T, H, Hkv, dk, dv, n_kv, n_cells;
-                              * f: scale, softcap */
+                              * order to sum them; or none: cell order); n: T, H, Hkv, dk, dv, n_kv, n_cells,
+                              * f16 (0/1: the caches hold f16); f: scale, softcap */
     /* the recurrent ops (recurrent.c); S sequences of T tokens each */
     NAT_OP_SSM_CONV = 14,    /* out, window, x, kernel [C, K]; n: S, T, C, K-1 */
     NAT_OP_CONV_WINDOW = 15, /* out, window, x; n: S, T, C, K-1 */
@@ -192,8 +203,8 @@ enum nat_unary { NAT_SILU = 0, NAT_GELU, NAT_RELU, NAT_SIGMOID, NAT_SOFTPLUS, NA
 enum nat_status { NAT_OUT_OF_MEMORY = -1, NAT_BAD_INSTRUCTION = -2, NAT_ID_OUT_OF_RANGE = -3 };
 
 int nat_run_op(nat_pool *pool, int isa, const nat_instr *in, void *const *bufs, const nat_weight *weights);
-/* attention over the KV cache (attention.c); n: NAT_OP_ATTEND's n[0..6] */
-int nat_attend(nat_pool *pool, int isa, const float *q, const float *k, const float *v, const float *mask,
+/* attention over the KV cache (attention.c); n: NAT_OP_ATTEND's n[0..7]; k, v: float32 or f16 (n[7]) */
+int nat_attend(nat_pool *pool, int isa, const float *q, const void *k, const void *v, const float *mask,
                const float *sinks, const int32_t *order, float *out, const int64_t *n, float scale, float softcap);
 int nat_mul_mat_into(nat_pool *pool, int isa, const nat_weight *w, const float *x, int64_t m, float *y, void *scratch);
 int nat_run_moe_op(nat_pool *pool, const nat_kernels *paths, const nat_instr *in, void *const *bufs,

@@ -329,6 +329,16 @@ static void rope_angles(const nat_instr *in, void *const *bufs, float pos, float
     }
 }
 
+/* the n_dims rotated dimensions of one head's row x into o (o may be x: each pair is read before it is written) */
+static void rotate_pairs(const float *x, float *o, int64_t half, int neox, const float *cs, const float *sn) {
+    for (int64_t i = 0; i < half; i++) {
+        int64_t i0 = neox ? i : 2 * i, i1 = neox ? i + half : 2 * i + 1;
+        float x0 = x[i0], x1 = x[i1];
+        o[i0] = x0 * cs[i] - x1 * sn[i];
+        o[i1] = x0 * sn[i] + x1 * cs[i];
+    }
+}
+
 static void rope_chunk(void *raw, int64_t chunk, int ith) {
     (void)ith;
     flat_job *job = raw;
@@ -337,20 +347,22 @@ static void rope_chunk(void *raw, int64_t chunk, int ith) {
     const int32_t *pos = (const int32_t *)WORDS(job->bufs, in, 2);
     float *out = F32_AT(job->bufs, in, 0);
     int64_t n_head = in->n[1], dim = in->n[2], n_dims = in->n[3], half = n_dims / 2, t0, t1;
-    int neox = (int)in->n[4];
-    float cs[512], sn[512];  /* n_dims <= 1024: the compiler checks */
+    int neox = (int)in->n[4], f16 = (int)in->n[9];  /* f16: an f16 KV cache's keys, rotated in place (a K shift) */
+    float cs[512], sn[512], row[1024];  /* n_dims <= 1024: the compiler checks */
     nat_share(job->count, chunk, job->n_chunks, &t0, &t1);
     for (int64_t t = t0; t < t1; t++) {
         rope_angles(in, job->bufs, (float)pos[t], cs, sn);
         for (int64_t h = 0; h < n_head; h++) {
+            if (f16) {
+                uint16_t *keys = (uint16_t *)out + t * in->n[7] + h * in->n[8];
+                nat_f16_to_f32_row(keys, row, n_dims);
+                rotate_pairs(row, row, half, neox, cs, sn);
+                nat_f32_to_f16_row(row, keys, n_dims);
+                continue;
+            }
             const float *xr = x + t * in->n[5] + h * in->n[6];
             float *o = out + t * in->n[7] + h * in->n[8];
-            for (int64_t i = 0; i < half; i++) {
-                int64_t i0 = neox ? i : 2 * i, i1 = neox ? i + half : 2 * i + 1;
-                float x0 = xr[i0], x1 = xr[i1];
-                o[i0] = x0 * cs[i] - x1 * sn[i];
-                o[i1] = x0 * sn[i] + x1 * cs[i];
-            }
+            rotate_pairs(xr, o, half, neox, cs, sn);
             if (o != xr)
                 for (int64_t d = n_dims; d < dim; d++) o[d] = xr[d];
         }
@@ -359,17 +371,29 @@ static void rope_chunk(void *raw, int64_t chunk, int ith) {
 
 /* ---- the KV cache and attention ------------------------------------------------------------------------------ */
 
-static int kv_write(const nat_instr *in, void *const *bufs) {
-    float *kc = F32_AT(bufs, in, 0), *vc = F32_AT(bufs, in, 1);
+/* a token's k and v rows into its cell of each KV head: copied, or rounded to f16 for an f16 cache (n[7]) */
+static int kv_write(int isa, const nat_instr *in, void *const *bufs) {
+    char *kc = WORDS(bufs, in, 0), *vc = WORDS(bufs, in, 1);
     const float *k = F32_AT(bufs, in, 2), *v = F32_AT(bufs, in, 3);
     const int64_t *cells = (const int64_t *)WORDS(bufs, in, 4);
     int64_t n_tokens = in->n[0], n_head_kv = in->n[1], dk = in->n[2], dv = in->n[3], n_cells = in->n[4];
     int64_t k_stride = in->n[5], v_stride = in->n[6];  /* a token's k and v rows: maybe columns of a fused row */
+    int f16 = (int)in->n[7];
+    size_t esize = f16 ? 2 : 4;
+    nat_to_f16_fn to_f16 = nat_kernels_for(isa).to_f16;
     if (!ids_in_range(cells, n_tokens, 8, n_cells)) return NAT_ID_OUT_OF_RANGE;
     for (int64_t t = 0; t < n_tokens; t++)
         for (int64_t h = 0; h < n_head_kv; h++) {
-            memcpy(kc + (h * n_cells + cells[t]) * dk, k + t * k_stride + h * dk, (size_t)dk * 4);
-            memcpy(vc + (h * n_cells + cells[t]) * dv, v + t * v_stride + h * dv, (size_t)dv * 4);
+            char *kd = kc + (size_t)((h * n_cells + cells[t]) * dk) * esize;
+            char *vd = vc + (size_t)((h * n_cells + cells[t]) * dv) * esize;
+            const float *ks = k + t * k_stride + h * dk, *vs = v + t * v_stride + h * dv;
+            if (f16) {
+                to_f16(ks, (uint16_t *)kd, dk);
+                to_f16(vs, (uint16_t *)vd, dv);
+            } else {
+                memcpy(kd, ks, (size_t)dk * 4);
+                memcpy(vd, vs, (size_t)dv * 4);
+            }
         }
     return 0;
 }
@@ -400,9 +424,9 @@ int nat_run_op(nat_pool *pool, int isa, const nat_instr *in, void *const *bufs, 
         run_flat(pool, in, bufs, in->n[0], in->n[1] * in->n[2], rope_chunk);
         return 0;
     case NAT_OP_KV_WRITE:
-        return kv_write(in, bufs);
+        return kv_write(isa, in, bufs);
     case NAT_OP_ATTEND:
-        return nat_attend(pool, isa, F32_AT(bufs, in, 1), F32_AT(bufs, in, 2), F32_AT(bufs, in, 3),
+        return nat_attend(pool, isa, F32_AT(bufs, in, 1), WORDS(bufs, in, 2), WORDS(bufs, in, 3),
                           F32_AT(bufs, in, 4), HAS(in, 5) ? F32_AT(bufs, in, 5) : NULL,
                           HAS(in, 6) ? (const int32_t *)WORDS(bufs, in, 6) : NULL, F32_AT(bufs, in, 0), in->n,
                           in->f[0], in->f[1]);
@@ -421,12 +445,13 @@ void nat_rms_norm(nat_pool *pool, const float *x, const float *w, float *out, in
     nat_run_op(pool, NAT_ISA_SCALAR, &in, bufs, NULL);
 }
 
-/* q [T, H, Dk], k cache [Hkv, n_cells, Dk], v cache [Hkv, n_cells, Dv], mask [T, n_kv], sinks [H] (or NULL),
- * order [n_kv] (or NULL: cell order) -> out [T, H * Dv] on ISA path isa. Returns nat_attend's status. */
-int nat_attention(nat_pool *pool, int isa, const float *q, const float *k, const float *v, const float *mask,
+/* q [T, H, Dk], k cache [Hkv, n_cells, Dk], v cache [Hkv, n_cells, Dv] (float32, or f16 with kv_f16), mask
+ * [T, n_kv], sinks [H] (or NULL), order [n_kv] (or NULL: cell order) -> out [T, H * Dv] on ISA path isa. Returns
+ * nat_attend's status. */
+int nat_attention(nat_pool *pool, int isa, const float *q, const void *k, const void *v, const float *mask,
                   const float *sinks, const int32_t *order, float *out, int64_t n_tokens, int64_t n_head,
                   int64_t n_head_kv, int64_t dk, int64_t dv, int64_t n_kv, int64_t n_cells, float scale,
-                  float softcap) {
-    int64_t n[7] = {n_tokens, n_head, n_head_kv, dk, dv, n_kv, n_cells};
+                  float softcap, int64_t kv_f16) {
+    int64_t n[8] = {n_tokens, n_head, n_head_kv, dk, dv, n_kv, n_cells, kv_f16};
     return nat_attend(pool, isa, q, k, v, mask, sinks, order, out, n, scale, softcap);
 }
