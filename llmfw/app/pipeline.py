@@ -3,7 +3,7 @@ chain, the chat settings and the generation limits.
 
 ```yaml
 model: smollm2                 # a catalog name or a path (relative paths are relative to this file)
-backend: numpy                 # optional; default: torch:cuda on a CUDA GPU, else onnx, else numpy
+backend: numpy                 # optional; default: torch:cuda on a CUDA GPU, else native, else onnx, else numpy
 context: {n_ctx: 2048}
 tokenizer: {parse_special: true}
 sampling: {temp: 0.7, top_k: 40, samplers: [penalties, top_k, top_p, temperature]}

@@ -42,7 +42,8 @@ SAMPLING_FLAGS: dict[str, tuple[str, Any, str]] = {
 #: what --backend's help says about the default (core/exec/backend.py choose_default_backend: the backends'
 #: declared priorities; these are the built-in ones)
 BACKEND_HELP = ("numpy, onnx, native, torch, torch:cuda, ggml. Default: torch:cuda when a CUDA GPU and torch are "
-                "present, else onnx (onnxruntime importable), else numpy; -v says which and why.")
+                "present, else native (its C extension built), else onnx (onnxruntime importable), else numpy; a "
+                "backend that declines the model is skipped for the next; -v says which and why.")
 #: llama.cpp's -n values below 0 (llmfw has no context shift, so both run until the context is full at most)
 N_PREDICT_UNTIL_EOG, N_PREDICT_UNTIL_FULL = -1, -2
 

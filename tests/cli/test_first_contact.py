@@ -90,8 +90,9 @@ def test_context_padding_is_visible(smollm2_path):
 def test_help_states_the_default_backend_rule():
     for command in ("run", "chat"):
         text = " ".join(llmfw_in_process(command, "--help").stdout.split())
-        assert "Default: torch:cuda when a CUDA GPU and torch are present, else onnx (onnxruntime importable), " \
-               "else numpy" in text
+        assert "Default: torch:cuda when a CUDA GPU and torch are present, else native (its C extension built), " \
+               "else onnx (onnxruntime importable), else numpy; a backend that declines the model is skipped for " \
+               "the next" in text
         assert "-t, --threads" in text
 
 
