@@ -37,7 +37,9 @@ def unpack_values(packed: rp.PackedWeight) -> np.ndarray:
         values = packed.table[nibbles].astype(np.float32)
     else:
         values = codes.view(np.int8).astype(np.float32)
-    params = blocks[:, :, rp.ROWS * cb:].copy().view(np.float32).reshape(n_groups, nb, -1, packed.n_scales, rp.ROWS)
+    stored = np.float16 if packed.half_params else np.float32
+    params = blocks[:, :, rp.ROWS * cb:].copy().view(stored).astype(np.float32).reshape(
+        n_groups, nb, -1, packed.n_scales, rp.ROWS)
     halves = values.reshape(n_groups, nb, rp.ROWS, 2, 16)
     scale = params[:, :, 0].transpose(0, 1, 3, 2)  # [g, b, row, n_scales]
     scale = np.repeat(scale, 2 // packed.n_scales, axis=-1)[..., None]
@@ -66,6 +68,27 @@ def test_repacking_keeps_every_value_bit_exact(qtype):
     ne = (n_blocks * TYPE_INFO[qtype].block_size, 21)
     packed = rp.repack(raw, qtype, ne)
     np.testing.assert_array_equal(unpack_values(packed), dequantize(raw, qtype, ne))
+
+
+#: the block types whose scales (and offsets) are one f16 per 32 values in the file
+F16_PARAM_TYPES = {GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0, GGMLType.IQ4_NL}
+
+
+@pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda t: t.name)
+def test_f16_block_parameters_stay_f16_so_a_weight_streams_no_more_than_its_file(qtype):
+    """A decode step reads every byte of every weight: the types whose parameters are f16 in the file keep them
+    so (4- and 8-bit codes then take exactly the file's bytes); the others' products of scales are float32."""
+    rng = np.random.default_rng(int(qtype) + 100)
+    n_blocks = 2 if TYPE_INFO[qtype].block_size == 256 else 5
+    raw = random_blocks(qtype, 16, n_blocks, rng)
+    packed = rp.repack(raw, qtype, (n_blocks * TYPE_INFO[qtype].block_size, 16))
+    assert packed.half_params == (qtype in F16_PARAM_TYPES)
+    if qtype in {GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.IQ4_NL}:
+        assert packed.nbytes == raw.nbytes
+    param_bytes = 2 if packed.half_params else 4
+    per_block = rp.ROWS * (16 if packed.kind == rp.KIND_QNIB else 32) + \
+        packed.n_scales * (1 + packed.has_offsets) * rp.ROWS * param_bytes
+    assert packed.nbytes == 2 * packed.n_cols // rp.BLOCK * per_block
 
 
 def test_mxfp4_subnormal_and_largest_exponents_repack_bit_exact():

@@ -12,7 +12,7 @@ from llmfw.core.exec.weight_cache import ConvertedCache
 from llmfw.plugins.backends.native.repack import PackedWeight, checked
 
 #: bumped whenever the repacked layout changes, so that entries written by older code are rebuilt
-CACHE_FORMAT = 2
+CACHE_FORMAT = 3
 
 
 class NativeCache(ConvertedCache[PackedWeight]):
@@ -32,13 +32,13 @@ class NativeCache(ConvertedCache[PackedWeight]):
     @staticmethod
     def meta_of(weight: PackedWeight) -> dict[str, Any]:
         return {"kind": weight.kind, "n_rows": weight.n_rows, "n_cols": weight.n_cols, "n_scales": weight.n_scales,
-                "has_offsets": weight.has_offsets, "ggml_type": weight.ggml_type}
+                "has_offsets": weight.has_offsets, "ggml_type": weight.ggml_type, "half_params": weight.half_params}
 
     @staticmethod
     def weight_of(meta: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> PackedWeight:
         fields = {name: int(meta[name]) for name in ("kind", "n_rows", "n_cols", "n_scales", "ggml_type")}
-        weight = PackedWeight(has_offsets=bool(meta["has_offsets"]), table=arrays["table"], data=arrays["data"],
-                              **fields)
+        weight = PackedWeight(has_offsets=bool(meta["has_offsets"]), half_params=bool(meta["half_params"]),
+                              table=arrays["table"], data=arrays["data"], **fields)
         try:
             return checked(weight)
         except QuantError as exc:  # the entry is corrupt: the cache deletes and rebuilds it

@@ -44,6 +44,8 @@ class Layout:
     has_offsets: bool
     table: np.ndarray  # 16 int8 (QNIB)
     decode: Callable[[np.ndarray], Codes]  # (rows, blocks, type_size) uint8 -> Codes
+    #: the scales (and offsets) are f16 values in the file, one per block: stored as f16 (csrc/native.h), exact
+    half_params: bool = False
 
 
 def _per_half(values: np.ndarray, n_cols: int) -> np.ndarray:
@@ -160,17 +162,17 @@ def _mxfp4(blocks: np.ndarray) -> Codes:
 
 
 LAYOUTS: dict[GGMLType, Layout] = {
-    GGMLType.Q4_0: Layout(KIND_QNIB, 1, False, _IDENTITY - np.int8(8), _q4_0),
-    GGMLType.Q4_1: Layout(KIND_QNIB, 1, True, _IDENTITY, _q4_1),
-    GGMLType.Q5_0: Layout(KIND_QBYTE, 1, False, _IDENTITY, _q5_0),
-    GGMLType.Q5_1: Layout(KIND_QBYTE, 1, True, _IDENTITY, _q5_1),
-    GGMLType.Q8_0: Layout(KIND_QBYTE, 1, False, _IDENTITY, _q8_0),
+    GGMLType.Q4_0: Layout(KIND_QNIB, 1, False, _IDENTITY - np.int8(8), _q4_0, half_params=True),
+    GGMLType.Q4_1: Layout(KIND_QNIB, 1, True, _IDENTITY, _q4_1, half_params=True),
+    GGMLType.Q5_0: Layout(KIND_QBYTE, 1, False, _IDENTITY, _q5_0, half_params=True),
+    GGMLType.Q5_1: Layout(KIND_QBYTE, 1, True, _IDENTITY, _q5_1, half_params=True),
+    GGMLType.Q8_0: Layout(KIND_QBYTE, 1, False, _IDENTITY, _q8_0, half_params=True),
     GGMLType.Q2_K: Layout(KIND_QNIB, 2, True, _IDENTITY, _q2_k),
     GGMLType.Q3_K: Layout(KIND_QNIB, 2, False, _IDENTITY - np.int8(4), _q3_k),
     GGMLType.Q4_K: Layout(KIND_QNIB, 1, True, _IDENTITY, _q4_k),
     GGMLType.Q5_K: Layout(KIND_QBYTE, 1, True, _IDENTITY, _q5_k),
     GGMLType.Q6_K: Layout(KIND_QBYTE, 2, False, _IDENTITY, _q6_k),
-    GGMLType.IQ4_NL: Layout(KIND_QNIB, 1, False, IQ4_LEVELS, _iq4_nl),
+    GGMLType.IQ4_NL: Layout(KIND_QNIB, 1, False, IQ4_LEVELS, _iq4_nl, half_params=True),
     GGMLType.IQ4_XS: Layout(KIND_QNIB, 1, False, IQ4_LEVELS, _iq4_xs),
     GGMLType.MXFP4: Layout(KIND_QNIB, 1, False, MXFP4_VALUES.astype(np.int8), _mxfp4),
 }
@@ -191,6 +193,8 @@ class PackedWeight:
     table: np.ndarray
     data: np.ndarray
     ggml_type: int
+    #: scales and offsets stored as f16 (Layout.half_params)
+    half_params: bool = False
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -201,12 +205,17 @@ class PackedWeight:
         return int(self.data.nbytes)
 
 
-def block_bytes(kind: int, n_scales: int, has_offsets: bool) -> int:
+def block_bytes(kind: int, n_scales: int, has_offsets: bool, half_params: bool = False) -> int:
     """nat_block_bytes (csrc/native.h): one block of one row group."""
-    return ROWS * (16 if kind == KIND_QNIB else 32) + n_scales * (1 + int(has_offsets)) * ROWS * 4
+    return ROWS * (16 if kind == KIND_QNIB else 32) + n_scales * (1 + int(has_offsets)) * ROWS * _param_bytes(half_params)
 
 
-def packed_bytes(kind: int, n_rows: int, n_cols: int, n_scales: int, has_offsets: bool) -> int:
+def _param_bytes(half_params: bool) -> int:
+    return 2 if half_params else 4
+
+
+def packed_bytes(kind: int, n_rows: int, n_cols: int, n_scales: int, has_offsets: bool,
+                 half_params: bool = False) -> int:
     """The bytes of a weight in the kernels' layout (csrc/native.h); QuantError for a description the kernels
     cannot take (what the C code reads is exactly this many bytes)."""
     if n_rows < 0 or n_cols < 0:
@@ -215,13 +224,14 @@ def packed_bytes(kind: int, n_rows: int, n_cols: int, n_scales: int, has_offsets
         return n_rows * n_cols * (4 if kind == KIND_F32 else 2)
     if kind not in (KIND_QNIB, KIND_QBYTE) or n_scales not in (1, 2) or n_cols % BLOCK:
         raise QuantError(f"no kernel layout of kind {kind} with {n_scales} scales and {n_cols} columns")
-    return -(-n_rows // ROWS) * (n_cols // BLOCK) * block_bytes(kind, n_scales, has_offsets)
+    return -(-n_rows // ROWS) * (n_cols // BLOCK) * block_bytes(kind, n_scales, has_offsets, half_params)
 
 
 def checked(weight: PackedWeight) -> PackedWeight:
     """``weight`` when its arrays are what its description says (contiguous bytes of :func:`packed_bytes`, a
     16-entry code table), else QuantError: the check before a stored weight reaches the kernels."""
-    expected = packed_bytes(weight.kind, weight.n_rows, weight.n_cols, weight.n_scales, weight.has_offsets)
+    expected = packed_bytes(weight.kind, weight.n_rows, weight.n_cols, weight.n_scales, weight.has_offsets,
+                            weight.half_params)
     data, table = weight.data, weight.table
     if data.dtype != np.uint8 or data.ndim != 1 or not data.flags.c_contiguous or data.size != expected:
         raise QuantError(f"repacked weight of {data.size} bytes ({data.dtype}), its layout needs {expected}")
@@ -248,7 +258,8 @@ def repack(raw: np.ndarray, ggml_type: int, ne: tuple[int, ...]) -> PackedWeight
     per_row = blocks.reshape(n_rows, -1, blocks.shape[-1])  # (rows, blocks of the file's type, type_size)
     n_groups = (n_rows + ROWS - 1) // ROWS
     nb = n_cols // BLOCK
-    out = np.zeros((n_groups, nb, block_bytes(layout.kind, layout.n_scales, layout.has_offsets)), dtype=np.uint8)
+    out = np.zeros((n_groups, nb, block_bytes(layout.kind, layout.n_scales, layout.has_offsets, layout.half_params)),
+                   dtype=np.uint8)
     for start in range(0, n_rows, _CHUNK_ROWS):
         stop = min(start + _CHUNK_ROWS, n_rows)
         with np.errstate(invalid="ignore", over="ignore"):  # NaN/inf scales stay NaN/inf, as in the oracle
@@ -256,7 +267,8 @@ def repack(raw: np.ndarray, ggml_type: int, ne: tuple[int, ...]) -> PackedWeight
         drop_mapped_pages(per_row[start:stop])  # read: a mapped file's pages need not stay resident
         _place(out, start, codes, layout, nb)
     return PackedWeight(layout.kind, n_rows, n_cols, layout.n_scales, layout.has_offsets,
-                        np.ascontiguousarray(layout.table, dtype=np.int8), out.reshape(-1), int(qtype))
+                        np.ascontiguousarray(layout.table, dtype=np.int8), out.reshape(-1), int(qtype),
+                        layout.half_params)
 
 
 def _place(out: np.ndarray, start: int, codes: Codes, layout: Layout, nb: int) -> None:
@@ -277,11 +289,12 @@ def _place(out: np.ndarray, start: int, codes: Codes, layout: Layout, nb: int) -
     out[g0:g0 + groups, :, :ROWS * cb] = code_bytes.reshape(groups, ROWS, nb, chunks, 4).transpose(
         0, 2, 3, 1, 4).reshape(groups, nb, ROWS * cb)
     at = ROWS * cb
-    for p in params:  # each (padded, nb, n_scales) -> [group][block][half][row] float32
+    stored = np.float16 if layout.half_params else np.float32  # f16 values of the file: exact either way
+    for p in params:  # each (padded, nb, n_scales) -> [group][block][half][row]
         n_scales = p.shape[-1]
         arranged = p.reshape(groups, ROWS, nb, n_scales).transpose(0, 2, 3, 1)
-        width = n_scales * ROWS * 4
-        out[g0:g0 + groups, :, at:at + width] = np.ascontiguousarray(arranged, dtype=np.float32).view(
+        width = n_scales * ROWS * _param_bytes(layout.half_params)
+        out[g0:g0 + groups, :, at:at + width] = np.ascontiguousarray(arranged, dtype=stored).view(
             np.uint8).reshape(groups, nb, width)
         at += width
 

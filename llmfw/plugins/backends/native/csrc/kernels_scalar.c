@@ -123,18 +123,43 @@ void nat_quantize_rows(const float *x, int64_t k, nat_qact *a, int64_t m0, int64
     }
 }
 
+/* one row of 8 block parameters as float32 */
+static void widen_param_row(const nat_weight *w, const uint8_t *row, float *out) {
+    if (!w->half_params) {
+        memcpy(out, row, NAT_ROWS * sizeof(float));
+        return;
+    }
+    for (int r = 0; r < NAT_ROWS; r++) {
+        uint16_t h;
+        memcpy(&h, row + 2 * r, 2);
+        out[r] = nat_f16_to_f32(h);
+    }
+}
+
+nat_params nat_block_params(const nat_weight *w, const uint8_t *blk, float *store) {
+    nat_param_rows rows = nat_block_param_rows(w, blk);
+    const uint8_t *stored[4] = {rows.s0, rows.s1, rows.o0, rows.o1};
+    const float *widened[4] = {NULL, NULL, NULL, NULL};
+    for (int k = 0; k < 4; k++) {
+        if (!stored[k]) continue;
+        widen_param_row(w, stored[k], store + k * NAT_ROWS);
+        widened[k] = store + k * NAT_ROWS;
+    }
+    nat_params p = {widened[0], widened[1], widened[2], widened[3]};
+    return p;
+}
+
 void nat_qgemm_scalar(const nat_weight *w, const nat_qact *a, int64_t m, float *y, int64_t g0, int64_t g1) {
     int64_t nb = w->n_cols / NAT_BLOCK, n = w->n_rows;
-    size_t cb = nat_code_bytes(w), bb = nat_block_bytes(w);
+    size_t bb = nat_block_bytes(w);
     for (int64_t g = g0; g < g1; g++) {
         const uint8_t *group = w->data + (size_t)g * nb * bb;
         for (int64_t i = 0; i < m; i++) {
             float acc[NAT_ROWS] = {0};
             for (int64_t b = 0; b < nb; b++) {
                 const uint8_t *blk = group + b * bb;
-                float par[4 * NAT_ROWS];
-                memcpy(par, blk + NAT_ROWS * cb, bb - NAT_ROWS * cb);
-                nat_params p = nat_block_params(w, par);
+                float store[4 * NAT_ROWS];
+                nat_params p = nat_block_params(w, blk, store);
                 const int8_t *aq = a->q + i * w->n_cols + b * NAT_BLOCK;
                 float da = a->d[i * nb + b];
                 const int32_t *sums = a->sums + (i * nb + b) * 2;

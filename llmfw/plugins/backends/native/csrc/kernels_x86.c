@@ -57,9 +57,17 @@ TARGET INLINE void load_chunks(const uint8_t *codes, int form, int high16, __m25
 }
 
 /* How a weight's float parameters enter (flags, a constant of each specialised kernel): PAR_OFFSETS, it has
- * offsets; PAR_ONE_SCALE, one scale (and offset) per block, so the halves' integer sums are added first (native.h). */
+ * offsets; PAR_ONE_SCALE, one scale (and offset) per block, so the halves' integer sums are added first (native.h);
+ * PAR_HALF, they are stored as f16 and widened as they are loaded. */
 #define PAR_OFFSETS 1
 #define PAR_ONE_SCALE 2
+#define PAR_HALF 4
+
+/* a row of 8 block parameters as float32 */
+TARGET INLINE __m256 load_params(const uint8_t *row, int pars) {
+    if (pars & PAR_HALF) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)row));
+    return _mm256_loadu_ps((const float *)row);
+}
 
 /* The float part of native.h for the rows of one vector (W: 256, 8 rows; 512, 16 rows), par: s0, s1, o0, o1:
  * two scales: acc + da * (((s0*i0 + s1*i1) + o0*A0) + o1*A1); one: acc + da * (s0*(i0+i1) + o0*(A0+A1)) (the
@@ -150,7 +158,7 @@ TARGET INLINE void prefetch_ahead(const uint8_t *blk, size_t block_bytes, size_t
     ATTR INLINE void NAME##_tile(const nat_weight *w, const nat_qact *a, const code_plan *plan, int form,           \
                                  int pars, int rows, int64_t i0, int64_t g, float *y) {                             \
         int64_t nb = w->n_cols / NAT_BLOCK;                                                                        \
-        size_t bb = nat_block_bytes(w), codes_bytes = NAT_ROWS * nat_code_bytes(w);                                \
+        size_t bb = nat_block_bytes(w);                                                                            \
         const uint8_t *group = w->data + (size_t)g * nb * bb;                                                      \
         __m256 acc[M_TILE];                                                                                        \
         for (int t = 0; t < rows; t++) acc[t] = _mm256_setzero_ps();                                               \
@@ -160,11 +168,12 @@ TARGET INLINE void prefetch_ahead(const uint8_t *blk, size_t block_bytes, size_t
             __m256i chunk[8], signs[8];                                                                            \
             load_chunks(blk, form, HIGH16(form), chunk);                                                           \
             OPERANDS(form, plan->table, chunk, signs);                                                             \
-            nat_params p = nat_block_params(w, (const float *)(blk + codes_bytes));                                \
-            __m256 par[4] = {_mm256_loadu_ps(p.s0), _mm256_loadu_ps(p.s1), _mm256_setzero_ps(), _mm256_setzero_ps()}; \
+            nat_param_rows p = nat_block_param_rows(w, blk);                                                      \
+            __m256 par[4] = {load_params(p.s0, pars), load_params(p.s1, pars), _mm256_setzero_ps(),               \
+                             _mm256_setzero_ps()};                                                                 \
             if (pars & PAR_OFFSETS) {                                                                              \
-                par[2] = _mm256_loadu_ps(p.o0);                                                                    \
-                par[3] = _mm256_loadu_ps(p.o1);                                                                    \
+                par[2] = load_params(p.o0, pars);                                                                  \
+                par[3] = load_params(p.o1, pars);                                                                  \
             }                                                                                                      \
             for (int t = 0; t < rows; t++) {                                                                       \
                 int64_t i = i0 + t;                                                                                \
@@ -192,18 +201,25 @@ TARGET INLINE void prefetch_ahead(const uint8_t *blk, size_t block_bytes, size_t
     ATTR void nat_qgemm_##NAME(const nat_weight *w, const nat_qact *a, int64_t m, float *y, int64_t g0,             \
                                int64_t g1) {                                                                       \
         code_plan plan = NAME##_plan(w);                                                                           \
-        int pars = (w->has_offsets ? PAR_OFFSETS : 0) | (w->n_scales == 1 ? PAR_ONE_SCALE : 0);                   \
+        int pars = (w->has_offsets ? PAR_OFFSETS : 0) | (w->n_scales == 1 ? PAR_ONE_SCALE : 0) |                  \
+                   (w->half_params ? PAR_HALF : 0);                                                                \
         FOR_FORM(NAME, NIB_INDEX) FOR_FORM(NAME, NIB_LINEAR) FOR_FORM(NAME, NIB_TABLE) FOR_FORM(NAME, BYTE)        \
+        nat_qgemm_scalar(w, a, m, y, g0, g1);                                                                      \
     }
 
-/* the kernel specialised for code form FORM and parameter flags pars (inside nat_qgemm_NAME) */
-#define FOR_FORM(NAME, FORM)                                                                        \
-    if (plan.form == FORM) {                                                                        \
-        if (pars == 0) NAME##_groups(w, a, &plan, FORM, 0, m, y, g0, g1);                           \
-        else if (pars == PAR_OFFSETS) NAME##_groups(w, a, &plan, FORM, PAR_OFFSETS, m, y, g0, g1);  \
-        else if (pars == PAR_ONE_SCALE) NAME##_groups(w, a, &plan, FORM, PAR_ONE_SCALE, m, y, g0, g1); \
-        else NAME##_groups(w, a, &plan, FORM, PAR_OFFSETS | PAR_ONE_SCALE, m, y, g0, g1);           \
-        return;                                                                                     \
+/* the kernel specialised for code form FORM and parameter flags pars (inside nat_qgemm_NAME): f16 parameters come
+ * with one scale per block (the repacker keeps them only for such types); a layout with none of these kernels falls
+ * through to the portable one */
+#define FOR_PARS(NAME, FORM, PARS)                                         \
+    if (pars == (PARS)) {                                                  \
+        NAME##_groups(w, a, &plan, FORM, PARS, m, y, g0, g1);              \
+        return;                                                            \
+    }
+#define FOR_FORM(NAME, FORM)                                                                                       \
+    if (plan.form == FORM) {                                                                                       \
+        FOR_PARS(NAME, FORM, 0) FOR_PARS(NAME, FORM, PAR_OFFSETS) FOR_PARS(NAME, FORM, PAR_ONE_SCALE)             \
+        FOR_PARS(NAME, FORM, PAR_OFFSETS | PAR_ONE_SCALE) FOR_PARS(NAME, FORM, PAR_ONE_SCALE | PAR_HALF)          \
+        FOR_PARS(NAME, FORM, PAR_OFFSETS | PAR_ONE_SCALE | PAR_HALF)                                              \
     }
 
 /* AVX2: vpmaddubsw multiplies unsigned by signed bytes into saturating 16-bit pair sums. Nibble indices (<= 15)
@@ -306,8 +322,11 @@ TARGET512 INLINE __m512i load_pair(const uint8_t *lo, const uint8_t *hi) {
                               _mm256_loadu_si256((const __m256i *)hi), 1);
 }
 
-TARGET512 INLINE __m512 load_pair_ps(const float *lo, const float *hi) {
-    return _mm512_castsi512_ps(load_pair((const uint8_t *)lo, (const uint8_t *)hi));
+/* the two groups' rows of 8 block parameters as float32 */
+TARGET512 INLINE __m512 load_pair_params(const uint8_t *lo, const uint8_t *hi, int pars) {
+    if (!(pars & PAR_HALF)) return _mm512_castsi512_ps(load_pair(lo, hi));
+    __m128i lo_half = _mm_loadu_si128((const __m128i *)lo), hi_half = _mm_loadu_si128((const __m128i *)hi);
+    return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(lo_half), hi_half, 1));
 }
 
 /* the two groups' 8 code chunks as vnni_operands makes them (table: the plan's, in all four 128-bit lanes); high16:
@@ -364,7 +383,7 @@ DEFINE_COMBINE(TARGET512, pair_combine, 512)
 TARGET512 INLINE void pair_tile(const nat_weight *w, const nat_qact *a, const code_plan *plan, int form, int pars,
                                 int rows, int64_t i0, int64_t g, float *y) {
     int64_t nb = w->n_cols / NAT_BLOCK;
-    size_t bb = nat_block_bytes(w), codes_bytes = NAT_ROWS * nat_code_bytes(w);
+    size_t bb = nat_block_bytes(w);
     const uint8_t *group = w->data + (size_t)g * nb * bb, *next = group + (size_t)nb * bb;
     __m512i table = _mm512_broadcast_i64x4(plan->table);
     __m512 acc[M_TILE];
@@ -375,13 +394,12 @@ TARGET512 INLINE void pair_tile(const nat_weight *w, const nat_qact *a, const co
         prefetch_ahead(hi, bb, PAIR_PREFETCH_BYTES);
         __m512i chunk[8];
         pair_operands(lo, hi, form, VNNI_HIGH16(form) && !(pars & PAR_ONE_SCALE), table, chunk);
-        nat_params p0 = nat_block_params(w, (const float *)(lo + codes_bytes));
-        nat_params p1 = nat_block_params(w, (const float *)(hi + codes_bytes));
-        __m512 par[4] = {load_pair_ps(p0.s0, p1.s0), load_pair_ps(p0.s1, p1.s1), _mm512_setzero_ps(),
-                         _mm512_setzero_ps()};
+        nat_param_rows p0 = nat_block_param_rows(w, lo), p1 = nat_block_param_rows(w, hi);
+        __m512 par[4] = {load_pair_params(p0.s0, p1.s0, pars), load_pair_params(p0.s1, p1.s1, pars),
+                         _mm512_setzero_ps(), _mm512_setzero_ps()};
         if (pars & PAR_OFFSETS) {
-            par[2] = load_pair_ps(p0.o0, p1.o0);
-            par[3] = load_pair_ps(p0.o1, p1.o1);
+            par[2] = load_pair_params(p0.o0, p1.o0, pars);
+            par[3] = load_pair_params(p0.o1, p1.o1, pars);
         }
         for (int t = 0; t < rows; t++) {
             int64_t i = i0 + t;

@@ -33,7 +33,9 @@ enum nat_isa { NAT_ISA_SCALAR = 0, NAT_ISA_AVX2 = 1, NAT_ISA_AVX512 = 2 };
  *          codes of every row of the group, so one 32-byte vector times a broadcast 4-byte activation gives the
  *          8 rows' partial dot products in 8 lanes. QBYTE: chunk c byte 4r+i is int8 element 4c+i of row r;
  *          QNIB: chunk c byte 4r+i holds element 4c+i of row r in its low nibble, element 16+4c+i in its high one
- *   scales [n_scales][8 rows] float, then (has_offsets) offsets [n_scales][8 rows] float
+ *   scales [n_scales][8 rows], then (has_offsets) offsets [n_scales][8 rows], each a float32, or an f16 where
+ *          half_params is set: the block types whose scales and offsets are f16 in the file keep them so, as a
+ *          decode step streams every byte of a weight (f16 widens to float32 exactly: the same values)
  * (n_scales 2: one scale per 16 elements, 1: per 32)
  * a weight value is scale * table[code] + offset (QNIB) or scale * code + offset (QBYTE).
  * Float kinds: plain row-major rows of n_cols elements. */
@@ -41,7 +43,7 @@ typedef struct {
     int32_t kind;
     int32_t n_scales;
     int32_t has_offsets;
-    int32_t pad_;
+    int32_t half_params;
     int64_t n_rows;
     int64_t n_cols;
     const uint8_t *data;
@@ -58,8 +60,26 @@ typedef struct {
 
 static inline size_t nat_code_bytes(const nat_weight *w) { return w->kind == NAT_QNIB ? 16 : 32; }
 
+/* the bytes of one block parameter (a scale or an offset) */
+static inline size_t nat_param_bytes(const nat_weight *w) { return w->half_params ? 2 : 4; }
+
 static inline size_t nat_block_bytes(const nat_weight *w) {
-    return (size_t)NAT_ROWS * nat_code_bytes(w) + (size_t)w->n_scales * (1 + w->has_offsets) * NAT_ROWS * sizeof(float);
+    return (size_t)NAT_ROWS * nat_code_bytes(w) + (size_t)w->n_scales * (1 + w->has_offsets) * NAT_ROWS * nat_param_bytes(w);
+}
+
+/* where a block's parameter rows start (after its codes), as stored: scale of each half, then offset of each half
+ * (NULL without offsets), each row 8 values of nat_param_bytes */
+typedef struct { const uint8_t *s0, *s1, *o0, *o1; } nat_param_rows;
+
+static inline nat_param_rows nat_block_param_rows(const nat_weight *w, const uint8_t *blk) {
+    size_t row = NAT_ROWS * nat_param_bytes(w);
+    const uint8_t *par = blk + NAT_ROWS * nat_code_bytes(w);
+    nat_param_rows p;
+    p.s0 = par;
+    p.s1 = par + (size_t)(w->n_scales - 1) * row;
+    p.o0 = w->has_offsets ? par + (size_t)w->n_scales * row : NULL;
+    p.o1 = w->has_offsets ? p.o0 + (size_t)(w->n_scales - 1) * row : NULL;
+    return p;
 }
 
 /* the code of element j (0..31) of row r (0..7) of a block whose codes start at `codes` (table applied) */
@@ -69,17 +89,10 @@ static inline int nat_code_at(const nat_weight *w, const uint8_t *codes, int r, 
     return w->table[j < 16 ? (byte & 15) : (byte >> 4)];
 }
 
-/* the parameter rows of a block: scale of each half, offset of each half (NULL without offsets) */
+/* a block's parameters as float32 (the portable paths): scale of each half, offset of each half (NULL without
+ * offsets), 8 rows each, widened into `store` (4 * NAT_ROWS floats) */
 typedef struct { const float *s0, *s1, *o0, *o1; } nat_params;
-
-static inline nat_params nat_block_params(const nat_weight *w, const float *par) {
-    nat_params p;
-    p.s0 = par;
-    p.s1 = par + (w->n_scales - 1) * NAT_ROWS;
-    p.o0 = w->has_offsets ? par + w->n_scales * NAT_ROWS : NULL;
-    p.o1 = w->has_offsets ? p.o0 + (w->n_scales - 1) * NAT_ROWS : NULL;
-    return p;
-}
+nat_params nat_block_params(const nat_weight *w, const uint8_t *blk, float *store);
 
 /* one ISA's kernels: rows [g0, g1) of groups (quantized) or of rows (float), for all M activation rows */
 typedef void (*nat_qgemm_fn)(const nat_weight *w, const nat_qact *a, int64_t m, float *y, int64_t g0, int64_t g1);

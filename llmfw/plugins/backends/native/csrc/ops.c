@@ -253,13 +253,12 @@ void nat_unpack_row(const nat_weight *w, int64_t row, float *out) {
         return;
     }
     int64_t nb = k / NAT_BLOCK, lane = row % NAT_ROWS;
-    size_t cb = nat_code_bytes(w), bb = nat_block_bytes(w);
+    size_t bb = nat_block_bytes(w);
     const uint8_t *group = w->data + (size_t)(row / NAT_ROWS) * (size_t)nb * bb;
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = group + (size_t)b * bb;
-        float par[4 * NAT_ROWS];
-        memcpy(par, blk + NAT_ROWS * cb, bb - NAT_ROWS * cb);
-        nat_params p = nat_block_params(w, par);
+        float store[4 * NAT_ROWS];
+        nat_params p = nat_block_params(w, blk, store);
         for (int j = 0; j < NAT_BLOCK; j++) {
             int code = nat_code_at(w, blk, (int)lane, j);
             float s = j < 16 ? p.s0[lane] : p.s1[lane];
