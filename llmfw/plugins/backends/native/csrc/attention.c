@@ -16,8 +16,8 @@
  * where they lie, never copied. Tiles share the K loads
  * across their rows and the heads of a GQA group; a row's arithmetic is the same whatever tile, thread or ISA
  * path computes it. K and V are float32, or f16 (the default cache) widened exactly where they are read: in the AVX2
- * kernels' loads, else into a buffer of 16 keys or 64 value rows (the sums run on over the chunks), so an f16 cache
- * gives the bits of a float32 cache holding its values. */
+ * and AVX-512 kernels' loads, else into a buffer of 16 keys or 64 value rows (the sums run on over the chunks), so
+ * an f16 cache gives the bits of a float32 cache holding its values. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -319,30 +319,44 @@ TARGET512 static inline __mmask16 avx512_keep(int64_t n) {
 
 #define EACH_KEY(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12) X(13) X(14) X(15)
 #define ZERO_ACC(i) __m512 acc##i = _mm512_setzero_ps();
-#define ADD_KEY(i) acc##i = _mm512_add_ps(acc##i, _mm512_mul_ps(qv, LOAD(k[i] + d)));
 #define FULL_LOAD(p) _mm512_loadu_ps(p)
 #define CUT_LOAD(p) _mm512_maskz_loadu_ps(keep, p)
+/* 16 f16 values widened (CUT: those of the lanes `keep` selects, the others +0 as a float32 cut gives them) */
+#define FULL_LOAD_F16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#define CUT_LOAD_F16(p) _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(keep, p))
 /* one reduction step of two registers: lanes (l, l + width) summed, per TAKE's two operand selections */
 #define PAIR_F32X4(a, b, lo, hi) _mm512_add_ps(_mm512_shuffle_f32x4(a, b, lo), _mm512_shuffle_f32x4(a, b, hi))
 #define PAIR_PS(a, b, lo, hi) _mm512_add_ps(_mm512_shuffle_ps(a, b, lo), _mm512_shuffle_ps(a, b, hi))
 
-TARGET512 static void scores_avx512(const float *q, const float *const *k, int64_t dk, const float *add, float *out) {
-    EACH_KEY(ZERO_ACC)
-    int64_t d = 0;
-    for (; d + 16 <= dk; d += 16) {
-        __m512 qv = _mm512_loadu_ps(q + d);
-#define LOAD FULL_LOAD
-        EACH_KEY(ADD_KEY)
-#undef LOAD
+/* the scores of 16 keys (K: their element type; FULL, CUT: the loads of 16 of a key's values, whole or cut at dk) */
+#define AVX512_SCORES(K, FULL, CUT)                                                                            \
+    TARGET512 static void K##_scores_avx512(const float *q, const K *const *k, int64_t dk, const float *add,   \
+                                            float *out) {                                                      \
+        EACH_KEY(ZERO_ACC)                                                                                     \
+        int64_t d = 0;                                                                                         \
+        for (; d + 16 <= dk; d += 16) {                                                                        \
+            __m512 qv = _mm512_loadu_ps(q + d);                                                                \
+            EACH_KEY(ADD_KEY_##FULL)                                                                           \
+        }                                                                                                      \
+        if (d < dk) {                                                                                          \
+            __m512 qv = _mm512_loadu_ps(q + d);                                                                \
+            __mmask16 keep = avx512_keep(dk - d);                                                              \
+            EACH_KEY(ADD_KEY_##CUT)                                                                            \
+        }                                                                                                      \
+        store_scores_avx512(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, acc8, acc9, acc10, acc11, acc12,  \
+                            acc13, acc14, acc15, add, out);                                                    \
     }
-    if (d < dk) {
-        __m512 qv = _mm512_loadu_ps(q + d);
-        __mmask16 keep = avx512_keep(dk - d);
-#define LOAD CUT_LOAD
-        EACH_KEY(ADD_KEY)
-#undef LOAD
-    }
-    /* the fixed reduction, 16 keys at once: l + l+8 (keys i, i+8 share a register), l + l+4, l + l+2, l + l+1 */
+#define ADD_KEY_FULL_LOAD(i) acc##i = _mm512_add_ps(acc##i, _mm512_mul_ps(qv, FULL_LOAD(k[i] + d)));
+#define ADD_KEY_CUT_LOAD(i) acc##i = _mm512_add_ps(acc##i, _mm512_mul_ps(qv, CUT_LOAD(k[i] + d)));
+#define ADD_KEY_FULL_LOAD_F16(i) acc##i = _mm512_add_ps(acc##i, _mm512_mul_ps(qv, FULL_LOAD_F16(k[i] + d)));
+#define ADD_KEY_CUT_LOAD_F16(i) acc##i = _mm512_add_ps(acc##i, _mm512_mul_ps(qv, CUT_LOAD_F16(k[i] + d)));
+
+/* the fixed reduction of the 16 keys' lanes, 16 keys at once: l + l+8 (keys i, i+8 share a register), l + l+4,
+ * l + l+2, l + l+1; [+ add] */
+TARGET512 static inline void store_scores_avx512(__m512 acc0, __m512 acc1, __m512 acc2, __m512 acc3, __m512 acc4,
+                                                 __m512 acc5, __m512 acc6, __m512 acc7, __m512 acc8, __m512 acc9,
+                                                 __m512 acc10, __m512 acc11, __m512 acc12, __m512 acc13,
+                                                 __m512 acc14, __m512 acc15, const float *add, float *out) {
     __m512 s8_0 = PAIR_F32X4(acc0, acc8, 0x44, 0xEE), s8_1 = PAIR_F32X4(acc1, acc9, 0x44, 0xEE);
     __m512 s8_2 = PAIR_F32X4(acc2, acc10, 0x44, 0xEE), s8_3 = PAIR_F32X4(acc3, acc11, 0x44, 0xEE);
     __m512 s8_4 = PAIR_F32X4(acc4, acc12, 0x44, 0xEE), s8_5 = PAIR_F32X4(acc5, acc13, 0x44, 0xEE);
@@ -357,6 +371,9 @@ TARGET512 static void scores_avx512(const float *q, const float *const *k, int64
     if (add) s1 = _mm512_add_ps(s1, _mm512_loadu_ps(add));
     _mm512_storeu_ps(out, s1);
 }
+
+AVX512_SCORES(float, FULL_LOAD, CUT_LOAD)
+AVX512_SCORES(uint16_t, FULL_LOAD_F16, CUT_LOAD_F16)
 
 TARGET512 static inline __m512 avx512_exp(__m512 x) {
     __m512 c = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(EXP_HIGH), _CMP_GT_OQ), x, _mm512_set1_ps(EXP_HIGH));
@@ -379,8 +396,9 @@ TARGET512 static float exp_sum_avx512(float *p, int64_t n, float best) {
     return nat_reduce16(all);
 }
 
-/* HEADS heads at once over 64-lane chunks: each V load serves every head, 4 * HEADS independent sums per cell */
-#define AVX512_WEIGH(HEADS)                                                                                    \
+/* HEADS heads at once over 64-lane chunks: each V load serves every head, 4 * HEADS independent sums per cell;
+ * ROW_LOAD(keep, p): 16 values of a value row (those of the lanes keep selects, the others +0) */
+#define AVX512_WEIGH(HEADS, V, ROW_LOAD)                                                                        \
     for (int64_t d0 = 0; d0 < dv; d0 += 64) {                                                                  \
         __mmask16 keep[4];                                                                                     \
         __m512 acc[HEADS][4];                                                                                  \
@@ -388,9 +406,9 @@ TARGET512 static float exp_sum_avx512(float *p, int64_t n, float best) {
         for (int h = 0; h < HEADS; h++)                                                                        \
             for (int i = 0; i < 4; i++) acc[h][i] = _mm512_maskz_loadu_ps(keep[i], out[h] + d0 + 16 * i);      \
         for (int64_t c = 0; c < n; c++) {                                                                      \
-            const float *row = v + (int64_t)cells[c] * dv + d0;                                                \
+            const V *row = v + (int64_t)cells[c] * dv + d0;                                                    \
             __m512 vr[4];                                                                                      \
-            for (int i = 0; i < 4; i++) vr[i] = _mm512_maskz_loadu_ps(keep[i], row + 16 * i);                  \
+            for (int i = 0; i < 4; i++) vr[i] = ROW_LOAD(keep[i], row + 16 * i);                                \
             for (int h = 0; h < HEADS; h++) {                                                                  \
                 __m512 pc = _mm512_set1_ps(p[h][c]);                                                           \
                 for (int i = 0; i < 4; i++) acc[h][i] = _mm512_add_ps(acc[h][i], _mm512_mul_ps(pc, vr[i]));    \
@@ -400,13 +418,21 @@ TARGET512 static float exp_sum_avx512(float *p, int64_t n, float best) {
             for (int i = 0; i < 4; i++) _mm512_mask_storeu_ps(out[h] + d0 + 16 * i, keep[i], acc[h][i]);       \
     }
 
-TARGET512 static void weigh_avx512(float *const *out, const float *const *p, int64_t heads, const int32_t *cells,
-                                   int64_t n, const float *v, int64_t dv) {
-    for (; heads >= 4; heads -= 4, out += 4, p += 4) { AVX512_WEIGH(4) }
-    if (heads == 3) { AVX512_WEIGH(3) }
-    if (heads == 2) { AVX512_WEIGH(2) }
-    if (heads == 1) { AVX512_WEIGH(1) }
-}
+#define ROW_LOAD_F32(keep, p) _mm512_maskz_loadu_ps(keep, p)
+#define ROW_LOAD_F16(keep, p) _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(keep, p))
+
+/* weigh and weigh_f16 of the AVX-512 path (V: the value rows' element type) */
+#define AVX512_WEIGH_HEADS(V, ROW_LOAD)                                                                        \
+    TARGET512 static void V##_weigh_avx512(float *const *out, const float *const *p, int64_t heads,            \
+                                           const int32_t *cells, int64_t n, const V *v, int64_t dv) {          \
+        for (; heads >= 4; heads -= 4, out += 4, p += 4) { AVX512_WEIGH(4, V, ROW_LOAD) }                         \
+        if (heads == 3) { AVX512_WEIGH(3, V, ROW_LOAD) }                                                          \
+        if (heads == 2) { AVX512_WEIGH(2, V, ROW_LOAD) }                                                          \
+        if (heads == 1) { AVX512_WEIGH(1, V, ROW_LOAD) }                                                          \
+    }
+
+AVX512_WEIGH_HEADS(float, ROW_LOAD_F32)
+AVX512_WEIGH_HEADS(uint16_t, ROW_LOAD_F16)
 
 TARGET512 static float peak_avx512(const float *s, int64_t n) {
     __m512 best = _mm512_set1_ps(-INFINITY);
@@ -423,7 +449,8 @@ static const attn_kernels *kernels_for(int isa) {
 #ifdef NAT_HAVE_X86
     static const attn_kernels avx2 = {scores_avx2, peak_avx2, exp_sum_avx2, weigh_avx2, scores_f16_avx2,
                                       weigh_f16_avx2};
-    static const attn_kernels avx512 = {scores_avx512, peak_avx512, exp_sum_avx512, weigh_avx512, NULL, NULL};
+    static const attn_kernels avx512 = {float_scores_avx512, peak_avx512, exp_sum_avx512, float_weigh_avx512,
+                                        uint16_t_scores_avx512, uint16_t_weigh_avx512};
     if (isa == NAT_ISA_AVX512) return &avx512;
     if (isa == NAT_ISA_AVX2) return &avx2;
 #endif
