@@ -260,7 +260,9 @@ def test_models_lists_the_converted_weight_cache_and_prune_removes_it(tmp_path, 
     listed = invoke("models")
     assert listed.exit_code == 0, listed.output
     assert f"converted weights (onnx): {tmp_path / '.onnx'}" in listed.output
-    row = next(line for line in listed.output.splitlines() if entries[0].name in line)
+    lines = listed.output.splitlines()  # each backend's entries under its own heading (their names may coincide)
+    onnx_at = lines.index(f"converted weights (onnx): {tmp_path / '.onnx'}")
+    row = next(line for line in lines[onnx_at + 1:] if entries[0].name in line)
     assert row.split()[-2:] == [f"{size / 1e6:.1f}", "MB"]
     assert f"{count} converted-weight {noun}" in listed.output and "--prune" in listed.output
 
