@@ -64,7 +64,7 @@ static inline void relax(void) {
 
 /* the next chunk of job `gen`, or -1 when that job has none left (or is no longer the current one) */
 static int64_t claim_chunk(nat_pool *pool, uint32_t gen, int64_t n_chunks) {
-    uint64_t cur = atomic_load_explicit(&pool->claim, memory_order_acquire);
+    uint64_t cur = atomic_load(&pool->claim);
     for (;;) {
         if ((uint32_t)(cur >> 32) != gen || (int64_t)(cur & 0xffffffffu) >= n_chunks) return -1;
         if (atomic_compare_exchange_weak_explicit(&pool->claim, &cur, cur + 1, memory_order_acq_rel,
@@ -100,11 +100,14 @@ static void *worker_main(void *raw) {
         }
         if (atomic_load(&pool->stop)) return NULL;
         seen = atomic_load(&pool->generation);
-        nat_chunk_fn fn = atomic_load_explicit(&pool->fn, memory_order_relaxed);
-        void *ctx = atomic_load_explicit(&pool->ctx, memory_order_relaxed);
-        int64_t n_chunks = atomic_load_explicit(&pool->n_chunks, memory_order_relaxed);
-        /* the fields may already belong to a later job: claim_chunk then refuses (its word holds that job's
-         * generation), so fn runs only for the job it was read for */
+        nat_chunk_fn fn = atomic_load(&pool->fn);
+        void *ctx = atomic_load(&pool->ctx);
+        int64_t n_chunks = atomic_load(&pool->n_chunks);
+        /* A worker the OS held back may read these after the caller finished job `seen` alone and began publishing
+         * the next one, some fields of each. The caller closes the claim word to the next job before it writes
+         * any field (nat_pool_for), and every access here is sequentially consistent, so once a field read comes
+         * from a later job, claim_chunk sees a later generation and refuses: fn runs only with all of its own
+         * job's fields, and only for that job's chunks. */
         int64_t ran = run_chunks(pool, seen, fn, ctx, n_chunks, arg.ith);
         if (ran && atomic_fetch_add(&pool->done, ran) + ran == n_chunks) {
             atomic_store(&pool->finished, seen);
@@ -149,9 +152,11 @@ void nat_pool_for(nat_pool *pool, int64_t n_chunks, nat_chunk_fn fn, void *ctx) 
     }
     uint32_t gen = ++pool->published;
     if (gen == 0) gen = ++pool->published;   /* 0 is the workers' initial "seen" */
-    atomic_store_explicit(&pool->fn, fn, memory_order_relaxed);
-    atomic_store_explicit(&pool->ctx, ctx, memory_order_relaxed);
-    atomic_store_explicit(&pool->n_chunks, n_chunks, memory_order_relaxed);
+    /* closed first (no chunk claimable, a later generation): a late worker of the last job refuses from here on */
+    atomic_store(&pool->claim, ((uint64_t)gen << 32) | 0xffffffffu);
+    atomic_store(&pool->fn, fn);
+    atomic_store(&pool->ctx, ctx);
+    atomic_store(&pool->n_chunks, n_chunks);
     atomic_store(&pool->done, 0);
     atomic_store(&pool->claim, (uint64_t)gen << 32);
     atomic_store(&pool->generation, gen);
