@@ -33,7 +33,8 @@ class OptionalBuildExt(build_ext):
 
 
 def native_extension():
-    # -ffp-contract=off: no fused multiply-adds anywhere, so every ISA path rounds like the scalar one (csrc/native.h)
+    # -ffp-contract=off: no fused multiply-add but the kernels' explicit ones, so every ISA path rounds like the scalar
+    # one (csrc/native.h)
     flags = ["-std=c11", "-O3", "-ffp-contract=off", "-fno-strict-aliasing", "-Wall"]
     if platform.machine().lower() not in ("x86_64", "amd64"):
         flags.append("-DLLMFW_NATIVE_SCALAR_ONLY")
@@ -41,7 +42,8 @@ def native_extension():
                      sources=[f"llmfw/plugins/backends/native/csrc/{name}" for name in NATIVE_SOURCES],
                      depends=["llmfw/plugins/backends/native/csrc/native.h", "llmfw/plugins/backends/native/csrc/nat_exp.h",
                               "llmfw/plugins/backends/native/csrc/pool.h"],
-                     extra_compile_args=flags, extra_link_args=["-pthread"], optional=True)
+                     extra_compile_args=flags, extra_link_args=["-pthread"],
+                     libraries=[] if sys.platform == "win32" else ["m"], optional=True)
 
 
 setup(ext_modules=[native_extension()], cmdclass={"build_ext": OptionalBuildExt})

@@ -168,26 +168,15 @@ void nat_qgemm_scalar(const nat_weight *w, const nat_qact *a, int64_t m, float *
                     int32_t i0 = 0, i1 = 0;
                     for (int j = 0; j < 16; j++) i0 += nat_code_at(w, blk, r, j) * aq[j];
                     for (int j = 16; j < 32; j++) i1 += nat_code_at(w, blk, r, j) * aq[j];
-                    float v, t;
+                    float v;
                     if (w->n_scales == 1) {  /* exact integer sums first: one conversion, one product */
                         v = p.s0[r] * (float)(i0 + i1);
-                        if (p.o0) {
-                            t = p.o0[r] * a01;
-                            v = v + t;
-                        }
+                        if (p.o0) v = fmaf(p.o0[r], a01, v);
                     } else {
-                        v = p.s0[r] * (float)i0;
-                        t = p.s1[r] * (float)i1;
-                        v = v + t;
-                        if (p.o0) {
-                            t = p.o0[r] * a0;
-                            v = v + t;
-                            t = p.o1[r] * a1;
-                            v = v + t;
-                        }
+                        v = fmaf(p.s1[r], (float)i1, p.s0[r] * (float)i0);
+                        if (p.o0) v = fmaf(p.o1[r], a1, fmaf(p.o0[r], a0, v));
                     }
-                    t = da * v;
-                    acc[r] = acc[r] + t;
+                    acc[r] = fmaf(da, v, acc[r]);
                 }
             }
             for (int r = 0; r < NAT_ROWS; r++) {

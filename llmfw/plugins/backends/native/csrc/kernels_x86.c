@@ -69,28 +69,27 @@ TARGET INLINE __m256 load_params(const uint8_t *row, int pars) {
     return _mm256_loadu_ps((const float *)row);
 }
 
-/* The float part of native.h for the rows of one vector (W: 256, 8 rows; 512, 16 rows), par: s0, s1, o0, o1:
- * two scales: acc + da * (((s0*i0 + s1*i1) + o0*A0) + o1*A1); one: acc + da * (s0*(i0+i1) + o0*(A0+A1)) (the
- * bracketed offset terms only with PAR_OFFSETS). A0, A1 are broadcast as integers and converted in the vector
- * unit; A0+A1 (asum) comes converted by the quantizer, so a tile row spends no conversion on it: the same exact
- * floats. */
+/* The float part of native.h for the rows of one vector (W: 256, 8 rows; 512, 16 rows), par: s0, s1, o0, o1, with
+ * fma(a, b, c) = a*b + c rounded once: two scales: v = fma(s1, i1, s0*i0) [v = fma(o1, A1, fma(o0, A0, v))]; one:
+ * v = s0*(i0+i1) [v = fma(o0, A0+A1, v)]; then acc = fma(da, v, acc) (the bracketed offset terms only with
+ * PAR_OFFSETS). A0, A1 are broadcast as integers and converted in the vector unit; A0+A1 (asum) comes converted by
+ * the quantizer, so a tile row spends no conversion on it: the same exact floats. */
 #define DEFINE_COMBINE(ATTR, NAME, W)                                                                              \
     ATTR INLINE __m##W NAME(__m##W acc, const __m##W par[4], int pars, __m##W##i i0, __m##W##i i1, float da,       \
                             const int32_t *sums, float asum) {                                                     \
         __m##W v;                                                                                                  \
         if (pars & PAR_ONE_SCALE) {                                                                                \
             v = _mm##W##_mul_ps(par[0], _mm##W##_cvtepi32_ps(_mm##W##_add_epi32(i0, i1)));                        \
-            if (pars & PAR_OFFSETS)                                                                                \
-                v = _mm##W##_add_ps(v, _mm##W##_mul_ps(par[2], _mm##W##_set1_ps(asum)));                           \
+            if (pars & PAR_OFFSETS) v = _mm##W##_fmadd_ps(par[2], _mm##W##_set1_ps(asum), v);                     \
         } else {                                                                                                   \
             v = _mm##W##_mul_ps(par[0], _mm##W##_cvtepi32_ps(i0));                                                 \
-            v = _mm##W##_add_ps(v, _mm##W##_mul_ps(par[1], _mm##W##_cvtepi32_ps(i1)));                             \
+            v = _mm##W##_fmadd_ps(par[1], _mm##W##_cvtepi32_ps(i1), v);                                            \
             if (pars & PAR_OFFSETS) {                                                                              \
-                v = _mm##W##_add_ps(v, _mm##W##_mul_ps(par[2], _mm##W##_cvtepi32_ps(_mm##W##_set1_epi32(sums[0])))); \
-                v = _mm##W##_add_ps(v, _mm##W##_mul_ps(par[3], _mm##W##_cvtepi32_ps(_mm##W##_set1_epi32(sums[1])))); \
+                v = _mm##W##_fmadd_ps(par[2], _mm##W##_set1_ps((float)sums[0]), v);                                \
+                v = _mm##W##_fmadd_ps(par[3], _mm##W##_set1_ps((float)sums[1]), v);                                \
             }                                                                                                      \
         }                                                                                                          \
-        return _mm##W##_add_ps(acc, _mm##W##_mul_ps(_mm##W##_set1_ps(da), v));                                     \
+        return _mm##W##_fmadd_ps(_mm##W##_set1_ps(da), v, acc);                                                    \
     }
 
 DEFINE_COMBINE(TARGET, combine, 256)

@@ -5,15 +5,17 @@
  *
  *  quantized weights (kind NAT_QNIB / NAT_QBYTE), per output row r, per 32-element block b:
  *      i0, i1 = integer dot products of the block's weight codes with the activation codes, elements 0-15 / 16-31
- *      two scales per block (one per half):  v = s0*i0 + s1*i1;  [v = v + o0*A0;  v = v + o1*A1;]
- *      one scale per block (s, o):           v = s*(i0 + i1);    [v = v + o*(A0 + A1);]
- *      acc = acc + da*v
- *    (A0/A1: sums of the activation codes of each half, da: the activation block's scale; the bracket only for a
- *    weight with offsets; with one scale the integers are added exactly before the one conversion); blocks in
- *    order.
+ *      two scales per block (one per half):  v = fma(s1, i1, s0*i0);   [v = fma(o0, A0, v);  v = fma(o1, A1, v);]
+ *      one scale per block (s, o):           v = s*(i0 + i1);           [v = fma(o, A0 + A1, v);]
+ *      acc = fma(da, v, acc)
+ *    (fma(a, b, c): a*b + c rounded once, C's fmaf; A0/A1: sums of the activation codes of each half, da: the
+ *    activation block's scale; the bracket only for a weight with offsets; with one scale the integers are added
+ *    exactly before the one conversion); blocks in order. Fused: a batched step's tiles are bound by this float
+ *    work per (row, block), and each fused pair is one instruction where a product and a sum were two.
  *  float weights (NAT_F32 / NAT_F16 / NAT_BF16): 16 lanes, element i into lane i % 16 (acc = acc + x*w; the row
  *    padded with zeros to a multiple of 16), then lanes l + l+8, l + l+4, l + l+2, l + l+1.
- * Products and sums are separate roundings (compiled with -ffp-contract=off: never a fused multiply-add).
+ * Every other product and sum is its own rounding: the build compiles with -ffp-contract=off, so the compiler never
+ * fuses on its own and the only fused multiply-adds are the explicit ones above, alike on every path.
  */
 #ifndef LLMFW_NATIVE_H
 #define LLMFW_NATIVE_H
