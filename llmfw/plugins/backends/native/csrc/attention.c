@@ -661,6 +661,11 @@ static void weigh_values(const attn_job *job, float *const *outs, float *const *
     }
 }
 
+/* x[d] = x[d] / total (a loop of its own: it vectorises) */
+static void divide_row(float *x, int64_t n, float total) {
+    for (int64_t d = 0; d < n; d++) x[d] = x[d] / total;
+}
+
 /* softmax(scores) . V of one query row for its heads h0.. of the item: out rows of dv floats */
 static void finish_row(const attn_job *job, float *scores, const int32_t *cells, int64_t count, int64_t t,
                        int64_t h0, float *widened) {
@@ -683,8 +688,7 @@ static void finish_row(const attn_job *job, float *scores, const int32_t *cells,
         return;
     }
     weigh_values(job, outs, ps, heads, cells, count, head_rows(job, job->v, kvh, dv), widened);
-    for (int64_t g = 0; g < heads; g++)
-        for (int64_t d = 0; d < dv; d++) outs[g][d] = outs[g][d] / totals[g];
+    for (int64_t g = 0; g < heads; g++) divide_row(outs[g], dv, totals[g]);
 }
 
 static void attend_item(const attn_job *job, int64_t item, float *scratch) {

@@ -17,12 +17,12 @@
  * threads from a few thousand elements on, a batched decode step's SwiGLU among them) */
 #define EXP_ELEMENT_COST 8
 
-/* The elementwise loops (those that call nat_exp, and binary_row), compiled twice where the compiler and loader can
- * choose a copy at load time (GCC/Clang ifuncs on x86-64 Linux): for AVX2's 8 lanes and for the baseline. The same
- * IEEE operations in the same order either way (no fused multiply-add: -ffp-contract=off), so the same bits on every
- * CPU. */
+/* The elementwise loops (those that call nat_exp, binary_row, and the norms' sums), compiled three times where the
+ * compiler and loader can choose a copy at load time (GCC/Clang ifuncs on x86-64 Linux): for AVX-512's 16 lanes,
+ * AVX2's 8 and the baseline. The same IEEE operations in the same order either way (no fused multiply-add:
+ * -ffp-contract=off), so the same bits on every CPU. */
 #if defined(NAT_HAVE_X86) && defined(__linux__) && defined(__GNUC__)
-#define VECTOR_CLONES __attribute__((target_clones("avx2", "default")))
+#define VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define VECTOR_CLONES
 #endif
@@ -159,38 +159,59 @@ static void binary_chunk(void *raw, int64_t chunk, int ith) {
 
 static void run_flat(nat_pool *pool, const nat_instr *in, void *const *bufs, int64_t count, int64_t per_item,
                      nat_chunk_fn fn) {
-    int64_t big = count * per_item / ELEMENTS_PER_CHUNK;
+    int64_t big = count * per_item / ELEMENTS_PER_CHUNK, threads = nat_pool_threads(pool);
+    big = (big + threads - 1) / threads * threads;  /* whole rounds: 3 chunks on 2 threads take as long as 4 */
     flat_job job = {in, bufs, count, big < 2 ? 1 : nat_pool_chunks(pool, big < count ? big : count)};
     nat_pool_for(pool, job.n_chunks, fn, &job);
 }
 
 /* ---- norms and softmax --------------------------------------------------------------------------------------- */
 
-static void rms_row(const float *x, const float *w, float *out, int64_t n, float eps) {
-    double sum = 0.0;  /* the sum of squares in double, like ggml */
-    for (int64_t j = 0; j < n; j++) sum += (double)x[j] * (double)x[j];
-    float scale = (float)(1.0 / sqrt(sum / (double)n + (double)eps));
+/* A sum in double over NORM_LANES lanes, element j into lane j % NORM_LANES, then the lanes in a fixed tree: an order
+ * the compiler vectorises (a single running sum is one long chain of dependent adds), the same on every CPU. */
+#define NORM_LANES 8
+
+static inline double lanes_total(const double *lanes) {
+    return ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
+}
+
+/* the body of a lane sum of TERM(j) over j < n */
+#define LANE_SUM(TERM)                                                            \
+    double lanes[NORM_LANES] = {0};                                               \
+    int64_t j = 0;                                                                \
+    for (; j + NORM_LANES <= n; j += NORM_LANES)                                  \
+        for (int l = 0; l < NORM_LANES; l++) lanes[l] += TERM(j + l);             \
+    for (; j < n; j++) lanes[j % NORM_LANES] += TERM(j);                          \
+    return lanes_total(lanes);
+
+#define SQUARE_IN_DOUBLE(j) ((double)x[j] * (double)x[j])
+#define VALUE(j) ((double)x[j])
+#define CENTERED_SQUARE(j) ((double)((x[j] - center) * (x[j] - center)))
+
+VECTOR_CLONES static double sum_squares(const float *x, int64_t n) { LANE_SUM(SQUARE_IN_DOUBLE) }
+VECTOR_CLONES static double sum_values(const float *x, int64_t n) { LANE_SUM(VALUE) }
+/* the float (x - center)^2 summed in double */
+VECTOR_CLONES static double centered_squares(const float *x, int64_t n, float center) { LANE_SUM(CENTERED_SQUARE) }
+
+/* out = (x - center) * inv [* w] */
+VECTOR_CLONES static void scale_row(const float *x, const float *w, float *out, int64_t n, float center, float inv) {
     for (int64_t j = 0; j < n; j++) {
-        float v = x[j] * scale;
+        float v = (x[j] - center) * inv;
         out[j] = w ? v * w[j] : v;
     }
 }
 
+/* the sum of squares in double, like ggml */
+static void rms_row(const float *x, const float *w, float *out, int64_t n, float eps) {
+    float scale = (float)(1.0 / sqrt(sum_squares(x, n) / (double)n + (double)eps));
+    scale_row(x, w, out, n, 0.0f, scale);
+}
+
 /* (x - mean) / sqrt(var + eps): mean and variance in double, like the oracle */
 static void layer_norm_row(const float *x, const float *w, float *out, int64_t n, float eps) {
-    double sum = 0.0;
-    for (int64_t j = 0; j < n; j++) sum += (double)x[j];
-    float mean = (float)(sum / (double)n);
-    double var = 0.0;
-    for (int64_t j = 0; j < n; j++) {
-        float c = x[j] - mean;
-        var += (double)(c * c);
-    }
-    float inv = (float)(1.0 / sqrt(var / (double)n + (double)eps));
-    for (int64_t j = 0; j < n; j++) {
-        float v = (x[j] - mean) * inv;
-        out[j] = w ? v * w[j] : v;
-    }
+    float mean = (float)(sum_values(x, n) / (double)n);
+    float inv = (float)(1.0 / sqrt(centered_squares(x, n, mean) / (double)n + (double)eps));
+    scale_row(x, w, out, n, mean, inv);
 }
 
 static void softmax_row(const float *x, float *out, int64_t n) {
