@@ -25,23 +25,28 @@ def _pool_for():
     return function
 
 
+def _run_job(pool_for, pool, n_chunks: int) -> tuple[list[int], set[int]]:
+    """One job of n_chunks on the pool: how often each chunk ran, and which threads ran chunks."""
+    counts = [0] * n_chunks
+    threads_seen: set[int] = set()
+    lock = threading.Lock()
+
+    def run(_ctx, chunk, ith):
+        with lock:
+            counts[chunk] += 1
+            threads_seen.add(ith)
+
+    pool_for(pool.handle, n_chunks, CHUNK_FN(run), None)
+    return counts, threads_seen
+
+
 @pytest.mark.parametrize("n_threads", (1, 2, 3, 5))
 def test_every_chunk_runs_once_on_any_thread_count(n_threads):
     pool_for = _pool_for()
     pool = kernels.ThreadPool(n_threads)
-    lock = threading.Lock()
     try:
         for n_chunks in (1, 2, 3, 7, 16, 33, 100, PASS_CHUNKS + 10):
-            counts = [0] * n_chunks
-            threads_seen: set[int] = set()
-
-            def run(_ctx, chunk, ith):
-                with lock:
-                    counts[chunk] += 1
-                    threads_seen.add(ith)
-
-            callback = CHUNK_FN(run)
-            pool_for(pool.handle, n_chunks, callback, None)
+            counts, threads_seen = _run_job(pool_for, pool, n_chunks)
             assert counts == [1] * n_chunks, n_chunks
             assert threads_seen <= set(range(n_threads))
     finally:
