@@ -140,8 +140,10 @@ static void *worker_main(void *raw) {
 
 nat_pool *nat_pool_new(int n_threads) {
     if (n_threads < 1) n_threads = 1;
-    nat_pool *pool = calloc(1, sizeof *pool);
+    /* aligned like its members' cache lines (calloc promises only 16 bytes); sizeof is a multiple of LINE */
+    nat_pool *pool = aligned_alloc(LINE, sizeof *pool);
     if (!pool) return NULL;
+    memset(pool, 0, sizeof *pool);
     pool->n_threads = n_threads;
     pool->threads = calloc((size_t)n_threads, sizeof(pthread_t));
     pool->slots = aligned_alloc(LINE, (size_t)n_threads * sizeof(slot));
