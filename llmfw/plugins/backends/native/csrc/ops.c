@@ -160,8 +160,8 @@ static void binary_chunk(void *raw, int64_t chunk, int ith) {
 static void run_flat(nat_pool *pool, const nat_instr *in, void *const *bufs, int64_t count, int64_t per_item,
                      nat_chunk_fn fn) {
     int64_t big = count * per_item / ELEMENTS_PER_CHUNK, threads = nat_pool_threads(pool);
-    big = (big + threads - 1) / threads * threads;  /* whole rounds: 3 chunks on 2 threads take as long as 4 */
-    flat_job job = {in, bufs, count, big < 2 ? 1 : nat_pool_chunks(pool, big < count ? big : count)};
+    int64_t rounds = (big + threads - 1) / threads * threads;  /* 3 chunks on 2 threads take as long as 4 */
+    flat_job job = {in, bufs, count, big < 2 ? 1 : nat_pool_chunks(pool, rounds < count ? rounds : count)};
     nat_pool_for(pool, job.n_chunks, fn, &job);
 }
 
