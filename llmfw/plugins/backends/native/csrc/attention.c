@@ -336,20 +336,20 @@ TARGET512 static inline __mmask16 avx512_keep(int64_t n) {
         int64_t d = 0;                                                                                         \
         for (; d + 16 <= dk; d += 16) {                                                                        \
             __m512 qv = _mm512_loadu_ps(q + d);                                                                \
-            EACH_KEY(ADD_KEY_##FULL)                                                                           \
+            EACH_KEY_WITH(ADD_KEY, FULL)                                                                           \
         }                                                                                                      \
         if (d < dk) {                                                                                          \
             __m512 qv = _mm512_loadu_ps(q + d);                                                                \
             __mmask16 keep = avx512_keep(dk - d);                                                              \
-            EACH_KEY(ADD_KEY_##CUT)                                                                            \
+            EACH_KEY_WITH(ADD_KEY, CUT)                                                                            \
         }                                                                                                      \
         store_scores_avx512(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, acc8, acc9, acc10, acc11, acc12,  \
                             acc13, acc14, acc15, add, out);                                                    \
     }
-#define ADD_KEY_FULL_LOAD(i) acc##i = _mm512_add_ps(acc##i, _mm512_mul_ps(qv, FULL_LOAD(k[i] + d)));
-#define ADD_KEY_CUT_LOAD(i) acc##i = _mm512_add_ps(acc##i, _mm512_mul_ps(qv, CUT_LOAD(k[i] + d)));
-#define ADD_KEY_FULL_LOAD_F16(i) acc##i = _mm512_add_ps(acc##i, _mm512_mul_ps(qv, FULL_LOAD_F16(k[i] + d)));
-#define ADD_KEY_CUT_LOAD_F16(i) acc##i = _mm512_add_ps(acc##i, _mm512_mul_ps(qv, CUT_LOAD_F16(k[i] + d)));
+/* key i's next 16 products with q added to its lanes, its values read by LOAD */
+#define ADD_KEY(LOAD, i) acc##i = _mm512_add_ps(acc##i, _mm512_mul_ps(qv, LOAD(k[i] + d)));
+#define EACH_KEY_WITH(X, A) X(A, 0) X(A, 1) X(A, 2) X(A, 3) X(A, 4) X(A, 5) X(A, 6) X(A, 7) X(A, 8) X(A, 9) \
+    X(A, 10) X(A, 11) X(A, 12) X(A, 13) X(A, 14) X(A, 15)
 
 /* the fixed reduction of the 16 keys' lanes, 16 keys at once: l + l+8 (keys i, i+8 share a register), l + l+4,
  * l + l+2, l + l+1; [+ add] */
