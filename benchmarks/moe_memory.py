@@ -71,6 +71,7 @@ def main() -> None:
     args = parser.parse_args()
     backends = [b for b in args.backends.split(",") if b]
     if args.dir:
+        Path(args.dir).mkdir(parents=True, exist_ok=True)
         print(json.dumps(run(args.gib, backends, Path(args.dir)), indent=2))
         return
     with tempfile.TemporaryDirectory(prefix="moe-memory-") as folder:

@@ -110,8 +110,9 @@ def main() -> None:
     names = sorted({op for n in counts for op in ops[n]}, key=lambda op: -ops[counts[-1]].get(op, 0.0))
     for op in names:
         print(f"| `{op}` (ms, profiled) | " + " | ".join(f"{ops[n].get(op, 0.0):.3f}" for n in counts) + " |")
-    ratio = (counts[-1] / times[counts[-1]][0]) / (1 / times[1][0])
-    print(f"\n{counts[-1]} sequences: {ratio:.2f}x one sequence's rate")
+    if counts[-1] > 1:
+        ratio = (counts[-1] / times[counts[-1]][0]) / (1 / times[1][0])
+        print(f"\n{counts[-1]} sequences: {ratio:.2f}x one sequence's rate")
 
 
 if __name__ == "__main__":
