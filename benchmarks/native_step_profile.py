@@ -23,6 +23,7 @@ if str(ROOT) not in sys.path:
 
 import llmfw  # noqa: E402
 from llmfw.commands.bench import random_tokens  # noqa: E402
+from llmfw.core.errors import LLMFWError  # noqa: E402
 from llmfw.plugins.backends.native import program as native_program  # noqa: E402
 
 
@@ -89,16 +90,26 @@ def step_times(model_name: str, args: argparse.Namespace, profile: bool) -> tupl
         model.close()
 
 
+def positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-m", "--model", default="smollm2")
-    parser.add_argument("--seqs", type=int, default=4, help="sequences decoded together in the batched runs")
-    parser.add_argument("-n", "--n-gen", type=int, default=128, help="decode steps a run")
-    parser.add_argument("-t", "--threads", type=int, default=2)
-    parser.add_argument("-r", "--repeats", type=int, default=3)
+    parser.add_argument("--seqs", type=positive, default=4, help="sequences decoded together in the batched runs")
+    parser.add_argument("-n", "--n-gen", type=positive, default=128, help="decode steps a run")
+    parser.add_argument("-t", "--threads", type=positive, default=2)
+    parser.add_argument("-r", "--repeats", type=positive, default=3)
     args = parser.parse_args()
-    times, _ = step_times(args.model, args, profile=False)
-    _, ops = step_times(args.model, args, profile=True)
+    try:
+        times, _ = step_times(args.model, args, profile=False)
+        _, ops = step_times(args.model, args, profile=True)
+    except LLMFWError as exc:  # an unknown model, a file that does not load, a context it cannot make
+        raise SystemExit(f"native_step_profile: {exc}") from None
     counts = sorted(times)
     print(f"{args.model}: native, {args.threads} threads, {args.n_gen} steps from an empty cache\n")
     print("| | " + " | ".join(f"{n} sequence{'s' if n > 1 else ''}" for n in counts) + " |")
