@@ -22,7 +22,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import llmfw  # noqa: E402
-from llmfw.commands.bench import random_tokens  # noqa: E402
+from llmfw.commands.bench import batched_step, random_tokens  # noqa: E402
 from llmfw.core.errors import LLMFWError  # noqa: E402
 from llmfw.plugins.backends.native import program as native_program  # noqa: E402
 
@@ -42,15 +42,11 @@ def program_timer() -> tuple[list[float], Callable[[], None]]:
 
 
 def decode_steps(ctx: Any, tokens: list[int], n_seqs: int, n_steps: int) -> float:
-    """Seconds for n_steps decode steps of n_seqs sequences from an empty cache."""
+    """Seconds for n_steps decode steps of n_seqs sequences from an empty cache (as llmfw bench's tg and tgNxS)."""
     ctx.memory.clear()
     start = time.perf_counter()
     for step in range(n_steps):
-        if n_seqs == 1:
-            batch = llmfw.Batch([tokens[step % len(tokens)]])
-        else:
-            batch = llmfw.Batch([tokens[(step + 7 * s) % len(tokens)] for s in range(n_seqs)], pos=[step] * n_seqs,
-                                seq_id=list(range(n_seqs)), logits=True)
+        batch = llmfw.Batch([tokens[step % len(tokens)]]) if n_seqs == 1 else batched_step(tokens, step, n_seqs)
         if ctx.decode(batch) != 0:
             raise SystemExit(f"decode failed: {ctx.last_error}")
     return time.perf_counter() - start

@@ -168,18 +168,23 @@ def bench_llmfw(params: BenchParams, backend: str) -> dict[str, Any]:
 def batched_decode_test(ctx: Any, params: BenchParams, tokens: list[int]) -> dict[str, Any]:
     """``tg{n}x{N}``: N sequences from an empty cache, each step one batch with one new token per sequence; the
     rate counts every sequence's tokens (aggregate t/s)."""
-    import llmfw
-
     n_seqs = params.batch_seqs
-    seq_ids = list(range(n_seqs))
 
     def generate() -> None:
         for step in range(params.n_gen):
-            batch = [tokens[(step + s * 7) % len(tokens)] for s in seq_ids]
-            _check(ctx.decode(llmfw.Batch(batch, pos=[step] * n_seqs, seq_id=seq_ids, logits=True)), ctx)
+            _check(ctx.decode(batched_step(tokens, step, n_seqs)), ctx)
 
     runs, graphs = _timed_runs(ctx, params, generate)
     return {f"tg{params.n_gen}x{n_seqs}": {**summarize(params.n_gen * n_seqs, runs), **graphs}}
+
+
+def batched_step(tokens: list[int], step: int, n_seqs: int) -> Any:
+    """Decode step ``step`` of ``tgNxS``: one token for each of ``n_seqs`` sequences from an empty cache (sequence s
+    takes ``tokens[(step + 7s) % len]``), every row's logits out."""
+    import llmfw
+
+    batch = [tokens[(step + s * 7) % len(tokens)] for s in range(n_seqs)]
+    return llmfw.Batch(batch, pos=[step] * n_seqs, seq_id=list(range(n_seqs)), logits=True)
 
 
 def constrained_tests(model: Any, ctx: Any, params: BenchParams, first_token: int) -> dict[str, Any]:
