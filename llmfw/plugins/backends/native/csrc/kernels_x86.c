@@ -433,7 +433,7 @@ TARGET512 INLINE int pair_groups(const nat_weight *w, const nat_qact *a, const c
 
 QGEMM_PATH(TARGET512, avx512, VNNI_HIGH16, vnni_operands, vnni_dots, pair_groups)
 
-/* nat_quantize_rows (kernels_scalar.c) in vectors, for the AVX2 and AVX-512 paths: the same operations in IEEE
+/* nat_quantize_rows (kernels_scalar.c) in 256-bit vectors, for the AVX2 path: the same operations in IEEE
  * float and double — |x| and its maximum, the double reciprocal, x * inv in double rounded half to even
  * (vroundpd), clamped to +-127 — so the same codes, scales and sums. */
 TARGET static void quantize_half(const float *x, __m256d inv, int8_t *q, int32_t *sum) {
@@ -476,6 +476,55 @@ TARGET void nat_quantize_rows_avx2(const float *x, int64_t k, nat_qact *a, int64
             __m256d inv = _mm256_set1_pd(top > 0.0f ? 127.0 / (double)top : 0.0);
             quantize_half(xb, inv, q, &sums[0]);
             quantize_half(xb + 16, inv, q + 16, &sums[1]);
+            a->asum[i * nb + b] = (float)(sums[0] + sums[1]);
+            a->d[i * nb + b] = top / 127.0f;
+        }
+    }
+}
+
+/* nat_quantize_rows with 512-bit vectors: the same IEEE operations as quantize_half, 8 doubles at a time, rounded
+ * half to even as they are converted (an exact integer either way) and clamped as integers (the same codes: a
+ * rounded value beyond +-127 clamps to +-127 whether it is clamped before or after the conversion); the codes of
+ * 16 elements as bytes */
+TARGET512 static __m128i quantize_16_avx512(const float *x, __m512d inv) {
+    __m256i lo = _mm512_cvt_roundpd_epi32(_mm512_mul_pd(_mm512_cvtps_pd(_mm256_loadu_ps(x)), inv),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256i hi = _mm512_cvt_roundpd_epi32(_mm512_mul_pd(_mm512_cvtps_pd(_mm256_loadu_ps(x + 8)), inv),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512i codes = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    codes = _mm512_min_epi32(_mm512_max_epi32(codes, _mm512_set1_epi32(-127)), _mm512_set1_epi32(127));
+    return _mm512_cvtepi32_epi8(codes);
+}
+
+/* the two halves' code sums of a block's 32 codes: vpsadbw sums 8 bytes at a time, unsigned, so the codes go in
+ * offset by 128 (xor of the sign bit) and 16 * 128 comes off each half */
+TARGET512 static void half_sums_avx512(__m256i codes, int32_t sums[2]) {
+    __m256i parts = _mm256_sad_epu8(_mm256_xor_si256(codes, _mm256_set1_epi8((char)0x80)), _mm256_setzero_si256());
+    __m256i pairs = _mm256_add_epi64(parts, _mm256_shuffle_epi32(parts, _MM_SHUFFLE(1, 0, 3, 2)));
+    sums[0] = _mm256_cvtsi256_si32(pairs) - 16 * 128;
+    sums[1] = _mm256_extract_epi32(pairs, 4) - 16 * 128;
+}
+
+TARGET512 void nat_quantize_rows_avx512(const float *x, int64_t k, nat_qact *a, int64_t m0, int64_t m1) {
+    int64_t nb = k / NAT_BLOCK;
+    __m512 largest = _mm512_set1_ps(3.0e38f);
+    for (int64_t i = m0; i < m1; i++) {
+        for (int64_t b = 0; b < nb; b++) {
+            const float *xb = x + i * k + b * NAT_BLOCK;
+            int8_t *q = a->q + i * k + b * NAT_BLOCK;
+            int32_t *sums = a->sums + (i * nb + b) * 2;
+            __m512 v0 = _mm512_abs_ps(_mm512_loadu_ps(xb)), v1 = _mm512_abs_ps(_mm512_loadu_ps(xb + 16));
+            __mmask16 finite = _mm512_cmp_ps_mask(v0, largest, _CMP_LE_OQ) & _mm512_cmp_ps_mask(v1, largest, _CMP_LE_OQ);
+            if (finite != 0xFFFF) {  /* a NaN (the compare is false) or an inf */
+                nat_quantize_nonfinite(q, &a->d[i * nb + b], sums, &a->asum[i * nb + b]);
+                continue;
+            }
+            float top = _mm512_reduce_max_ps(_mm512_max_ps(v0, v1));  /* the order of an exact maximum is free */
+            __m512d inv = _mm512_set1_pd(top > 0.0f ? 127.0 / (double)top : 0.0);
+            __m256i codes = _mm256_inserti128_si256(_mm256_castsi128_si256(quantize_16_avx512(xb, inv)),
+                                                    quantize_16_avx512(xb + 16, inv), 1);
+            _mm256_storeu_si256((__m256i *)q, codes);
+            half_sums_avx512(codes, sums);
             a->asum[i * nb + b] = (float)(sums[0] + sums[1]);
             a->d[i * nb + b] = top / 127.0f;
         }

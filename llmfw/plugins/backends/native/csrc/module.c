@@ -34,7 +34,7 @@ int64_t nat_instr_bytes(void) { return (int64_t)sizeof(nat_instr); }
 nat_kernels nat_kernels_for(int isa) {
 #ifdef NAT_HAVE_X86
     if (isa == NAT_ISA_AVX512)
-        return (nat_kernels){nat_qgemm_avx512, nat_fgemm_avx512, nat_quantize_rows_avx2, nat_f32_to_f16_row_f16c,
+        return (nat_kernels){nat_qgemm_avx512, nat_fgemm_avx512, nat_quantize_rows_avx512, nat_f32_to_f16_row_f16c,
                              nat_f16_to_f32_row_f16c};
     if (isa == NAT_ISA_AVX2)
         return (nat_kernels){nat_qgemm_avx2, nat_fgemm_avx2, nat_quantize_rows_avx2, nat_f32_to_f16_row_f16c,

@@ -115,6 +115,7 @@ void nat_fgemm_avx2(const nat_weight *w, const float *x, int64_t m, float *y, in
 void nat_qgemm_avx512(const nat_weight *w, const nat_qact *a, int64_t m, float *y, int64_t g0, int64_t g1);
 void nat_fgemm_avx512(const nat_weight *w, const float *x, int64_t m, float *y, int64_t r0, int64_t r1);
 void nat_quantize_rows_avx2(const float *x, int64_t k, nat_qact *a, int64_t m0, int64_t m1);
+void nat_quantize_rows_avx512(const float *x, int64_t k, nat_qact *a, int64_t m0, int64_t m1);
 void nat_f32_to_f16_row_f16c(const float *x, uint16_t *out, int64_t n);
 void nat_f16_to_f32_row_f16c(const uint16_t *h, float *out, int64_t n);
 #endif
