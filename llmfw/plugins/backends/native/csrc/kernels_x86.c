@@ -145,6 +145,18 @@ TARGET INLINE void prefetch_ahead(const uint8_t *blk, size_t block_bytes, size_t
         if (i_ < (m)) TILE(w, a, plan, form, pars, 1, i_, g, y);                  \
     } while (0)
 
+/* w with the layout fields its specialised kernel was chosen by (code form, parameter flags) as constants, so the
+ * block size and the parameter rows' places fold into the loops instead of being worked out from memory per block
+ * (the same values: FOR_PARS chose the kernel from them) */
+INLINE nat_weight with_constant_layout(const nat_weight *w, int form, int pars) {
+    nat_weight fixed = *w;
+    fixed.kind = form == BYTE ? NAT_QBYTE : NAT_QNIB;
+    fixed.n_scales = (pars & PAR_ONE_SCALE) ? 1 : 2;
+    fixed.has_offsets = (pars & PAR_OFFSETS) != 0;
+    fixed.half_params = (pars & PAR_HALF) != 0;
+    return fixed;
+}
+
 /* The quantized matmul of one ISA path (NAME): per row group, per tile of up to M_TILE activation rows, per block,
  * the 8 code chunks are loaded (HIGH16(form): keep the high nibbles in place) and OPERANDS(form, table, chunk,
  * signs) turns them into the path's operands once; DOTS(form, pars, chunk, signs, aq, extra, h) gives the 8 rows'
@@ -187,8 +199,10 @@ TARGET INLINE void prefetch_ahead(const uint8_t *blk, size_t block_bytes, size_t
         }                                                                                                          \
         for (int t = 0; t < rows; t++) store_rows(y, w->n_rows, i0 + t, g, acc[t]);                                \
     }                                                                                                              \
-    ATTR INLINE void NAME##_groups(const nat_weight *w, const nat_qact *a, const code_plan *plan, int form,         \
+    ATTR INLINE void NAME##_groups(const nat_weight *given, const nat_qact *a, const code_plan *plan, int form,     \
                                    int pars, int64_t m, float *y, int64_t g0, int64_t g1) {                         \
+        nat_weight fixed = with_constant_layout(given, form, pars);                                                \
+        const nat_weight *w = &fixed;                                                                              \
         for (int64_t g = g0; g < g1; g++) {                                                                        \
             if (g + 1 < g1 && PAIRS(w, a, plan, form, pars, m, y, g)) {                                           \
                 g++;                                                                                               \
