@@ -21,8 +21,8 @@ class CompiledProgram:
 
     The views hold until this split runs again, at the plan's next compute: the scheduler hands them to the next
     split or, as graph outputs, to the context, which copies a ubatch's logits and states out before it computes the
-    next (``Backend.to_numpy``'s "a view the caller will not keep"). A copy here as well cost a second pass over the
-    logits, 4 MiB a step for four rows of Gemma-3's vocabulary."""
+    next (``Backend.to_numpy``'s "a view the caller will not keep"). A copy here as well was a second pass over every
+    step's logits."""
 
     def __init__(self, backend: ProgramHost, split: Split, kv: Mapping[tuple[str, int], NumpyKV]):
         self.backend, self.split, self.kv = backend, split, kv
