@@ -159,9 +159,9 @@ def test_nan_and_inf_blocks_give_non_finite_results_where_the_oracle_does(qtype,
 @pytest.mark.parametrize("qtype", BLOCK_TYPES + FLOAT_TYPES, ids=lambda t: t.name)
 def test_every_isa_path_gives_the_same_bits(qtype, m, pools):
     """By construction (csrc/native.h: one order of float operations, the same explicit fused multiply-adds and no
-    others): scalar, AVX2 and
-    AVX-512 differ in instructions, not in results. One thread takes every row group in one call (AVX-512 pairs
-    them: 6 groups, the last pair's second group partial; 7 groups, one left alone); 2 threads split them."""
+    others): scalar, AVX2 and AVX-512 differ in instructions, not in results. One thread takes every row group in one
+    call (AVX-512 pairs them: 6 groups, the last pair's second group partial; 7 groups, one left alone); 2 threads
+    split them."""
     rng = np.random.default_rng(500 + int(qtype))
     for n_rows in (45, 53):
         raw, ne = _weight(qtype, rng, n_rows)

@@ -466,35 +466,47 @@ TARGET static void quantize_half(const float *x, __m256d inv, int8_t *q, int32_t
     _mm_storeu_si128((__m128i *)q, bytes);
 }
 
-TARGET void nat_quantize_rows_avx2(const float *x, int64_t k, nat_qact *a, int64_t m0, int64_t m1) {
-    int64_t nb = k / NAT_BLOCK;
-    __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)), largest = _mm256_set1_ps(3.0e38f);
-    for (int64_t i = m0; i < m1; i++) {
-        for (int64_t b = 0; b < nb; b++) {
-            const float *xb = x + i * k + b * NAT_BLOCK;
-            int8_t *q = a->q + i * k + b * NAT_BLOCK;
-            int32_t *sums = a->sums + (i * nb + b) * 2;
-            __m256 amax = _mm256_setzero_ps(), finite = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
-            for (int c = 0; c < 4; c++) {
-                __m256 v = _mm256_and_ps(_mm256_loadu_ps(xb + 8 * c), magnitude);
-                finite = _mm256_and_ps(finite, _mm256_cmp_ps(v, largest, _CMP_LE_OQ));  /* false for NaN */
-                amax = _mm256_max_ps(amax, v);
-            }
-            if (_mm256_movemask_ps(finite) != 0xff) {
-                nat_quantize_nonfinite(q, &a->d[i * nb + b], sums, &a->asum[i * nb + b]);
-                continue;
-            }
-            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-            float top = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
-            __m256d inv = _mm256_set1_pd(top > 0.0f ? 127.0 / (double)top : 0.0);
-            quantize_half(xb, inv, q, &sums[0]);
-            quantize_half(xb + 16, inv, q + 16, &sums[1]);
-            a->asum[i * nb + b] = (float)(sums[0] + sums[1]);
-            a->d[i * nb + b] = top / 127.0f;
-        }
+/* The row and block loop of a vector quantizer (NAME): BLOCK(xb, q, sums, &top) quantizes one block of 32 values
+ * into q and its halves' code sums and returns 1 with its largest magnitude in top, or returns 0 for a block with a
+ * NaN or inf (its codes, scale and sums then come from nat_quantize_nonfinite). */
+#define QUANTIZE_ROWS(ATTR, NAME, BLOCK)                                                                           \
+    ATTR void NAME(const float *x, int64_t k, nat_qact *a, int64_t m0, int64_t m1) {                               \
+        int64_t nb = k / NAT_BLOCK;                                                                                \
+        for (int64_t i = m0; i < m1; i++) {                                                                        \
+            for (int64_t b = 0; b < nb; b++) {                                                                     \
+                int64_t at = i * nb + b;                                                                           \
+                int8_t *q = a->q + i * k + b * NAT_BLOCK;                                                          \
+                int32_t *sums = a->sums + at * 2;                                                                  \
+                float top;                                                                                         \
+                if (!BLOCK(x + i * k + b * NAT_BLOCK, q, sums, &top)) {                                            \
+                    nat_quantize_nonfinite(q, &a->d[at], sums, &a->asum[at]);                                      \
+                    continue;                                                                                      \
+                }                                                                                                  \
+                a->asum[at] = (float)(sums[0] + sums[1]);                                                          \
+                a->d[at] = top / 127.0f;                                                                           \
+            }                                                                                                      \
+        }                                                                                                          \
     }
+
+TARGET INLINE int quantize_block_avx2(const float *xb, int8_t *q, int32_t sums[2], float *top) {
+    __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)), largest = _mm256_set1_ps(3.0e38f);
+    __m256 amax = _mm256_setzero_ps(), finite = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+    for (int c = 0; c < 4; c++) {
+        __m256 v = _mm256_and_ps(_mm256_loadu_ps(xb + 8 * c), magnitude);
+        finite = _mm256_and_ps(finite, _mm256_cmp_ps(v, largest, _CMP_LE_OQ));  /* false for NaN */
+        amax = _mm256_max_ps(amax, v);
+    }
+    if (_mm256_movemask_ps(finite) != 0xff) return 0;
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    *top = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
+    __m256d inv = _mm256_set1_pd(*top > 0.0f ? 127.0 / (double)*top : 0.0);
+    quantize_half(xb, inv, q, &sums[0]);
+    quantize_half(xb + 16, inv, q + 16, &sums[1]);
+    return 1;
 }
+
+QUANTIZE_ROWS(TARGET, nat_quantize_rows_avx2, quantize_block_avx2)
 
 /* nat_quantize_rows with 512-bit vectors: the same IEEE operations as quantize_half, 8 doubles at a time, rounded
  * half to even as they are converted (an exact integer either way) and clamped as integers (the same codes: a
@@ -519,31 +531,21 @@ TARGET512 static void half_sums_avx512(__m256i codes, int32_t sums[2]) {
     sums[1] = _mm256_extract_epi32(pairs, 4) - 16 * 128;
 }
 
-TARGET512 void nat_quantize_rows_avx512(const float *x, int64_t k, nat_qact *a, int64_t m0, int64_t m1) {
-    int64_t nb = k / NAT_BLOCK;
+TARGET512 INLINE int quantize_block_avx512(const float *xb, int8_t *q, int32_t sums[2], float *top) {
     __m512 largest = _mm512_set1_ps(3.0e38f);
-    for (int64_t i = m0; i < m1; i++) {
-        for (int64_t b = 0; b < nb; b++) {
-            const float *xb = x + i * k + b * NAT_BLOCK;
-            int8_t *q = a->q + i * k + b * NAT_BLOCK;
-            int32_t *sums = a->sums + (i * nb + b) * 2;
-            __m512 v0 = _mm512_abs_ps(_mm512_loadu_ps(xb)), v1 = _mm512_abs_ps(_mm512_loadu_ps(xb + 16));
-            __mmask16 finite = _mm512_cmp_ps_mask(v0, largest, _CMP_LE_OQ) & _mm512_cmp_ps_mask(v1, largest, _CMP_LE_OQ);
-            if (finite != 0xFFFF) {  /* a NaN (the compare is false) or an inf */
-                nat_quantize_nonfinite(q, &a->d[i * nb + b], sums, &a->asum[i * nb + b]);
-                continue;
-            }
-            float top = _mm512_reduce_max_ps(_mm512_max_ps(v0, v1));  /* the order of an exact maximum is free */
-            __m512d inv = _mm512_set1_pd(top > 0.0f ? 127.0 / (double)top : 0.0);
-            __m256i codes = _mm256_inserti128_si256(_mm256_castsi128_si256(quantize_16_avx512(xb, inv)),
-                                                    quantize_16_avx512(xb + 16, inv), 1);
-            _mm256_storeu_si256((__m256i *)q, codes);
-            half_sums_avx512(codes, sums);
-            a->asum[i * nb + b] = (float)(sums[0] + sums[1]);
-            a->d[i * nb + b] = top / 127.0f;
-        }
-    }
+    __m512 v0 = _mm512_abs_ps(_mm512_loadu_ps(xb)), v1 = _mm512_abs_ps(_mm512_loadu_ps(xb + 16));
+    __mmask16 finite = _mm512_cmp_ps_mask(v0, largest, _CMP_LE_OQ) & _mm512_cmp_ps_mask(v1, largest, _CMP_LE_OQ);
+    if (finite != 0xFFFF) return 0;  /* a NaN (the compare is false) or an inf */
+    *top = _mm512_reduce_max_ps(_mm512_max_ps(v0, v1));  /* the order of an exact maximum is free */
+    __m512d inv = _mm512_set1_pd(*top > 0.0f ? 127.0 / (double)*top : 0.0);
+    __m256i codes = _mm256_inserti128_si256(_mm256_castsi128_si256(quantize_16_avx512(xb, inv)),
+                                            quantize_16_avx512(xb + 16, inv), 1);
+    _mm256_storeu_si256((__m256i *)q, codes);
+    half_sums_avx512(codes, sums);
+    return 1;
 }
+
+QUANTIZE_ROWS(TARGET512, nat_quantize_rows_avx512, quantize_block_avx512)
 
 /* 8 weights from element j of a row as float (zero past n_cols) */
 TARGET static inline __m256 load_weights8(const nat_weight *w, const uint8_t *row, int64_t j, int64_t k) {
