@@ -78,15 +78,20 @@ def test_attention_of_a_row_is_bit_identical_alone_and_in_a_batch(pool):
 def test_an_f16_cache_attends_with_the_bits_of_its_values_widened(pool, isa, dk, dv):
     """f16 K and V widen exactly, and a chunk of widened values continues the same sums: an f16 cache gives the
     bits a float32 cache holding the same values gives, prefill tiles and decode rows, on every ISA path (read in
-    place by the AVX2 kernels when dk is whole 16s and dv whole 8s, else widened into a buffer)."""
+    place by the AVX2 kernels when dk is whole 16s and dv whole 8s, else widened into a buffer; a prefill whose rows
+    see most cells widens them all once, tiles of rows that each see their own few cells read them in place)."""
     rng = np.random.default_rng(5)
     q, kv, mask = causal_case(rng, n_tokens=20, n_head=6, n_head_kv=2, dk=dk, dv=dv, n_cells=160, n_kv=150,
                               start=130)
+    own_cells = np.full_like(mask, -np.inf)  # 20 rows of 20 sequences, a few cells each (a batched decode step)
+    for row in range(20):
+        own_cells[row, row::20] = 0.0
     k16, v16 = kv.k.astype(np.float16), kv.v.astype(np.float16)
-    for rows in (slice(0, 20), slice(19, 20)):  # a prefill's tiles; one decode row (past 64 values: two chunks)
-        got = kernels.attention(q[rows], k16, v16, mask[rows], 0.3, 0.0, pool, isa)
-        widened = kernels.attention(q[rows], k16.astype(np.float32), v16.astype(np.float32), mask[rows], 0.3, 0.0,
-                                    pool, isa)
+    # a prefill's tiles; one decode row (past 64 values: two chunks); tiles of rows seeing disjoint cells
+    for rows, rows_mask in ((slice(0, 20), mask), (slice(19, 20), mask), (slice(0, 20), own_cells)):
+        got = kernels.attention(q[rows], k16, v16, rows_mask[rows], 0.3, 0.0, pool, isa)
+        widened = kernels.attention(q[rows], k16.astype(np.float32), v16.astype(np.float32), rows_mask[rows], 0.3,
+                                    0.0, pool, isa)
         assert np.array_equal(got, widened)
     with pytest.raises(ValueError, match="K and V alike"):
         kernels.attention(q, k16, kv.v, mask, 0.3, 0.0, pool, isa)

@@ -16,8 +16,9 @@
  * where they lie, never copied. Tiles share the K loads
  * across their rows and the heads of a GQA group; a row's arithmetic is the same whatever tile, thread or ISA
  * path computes it. K and V are float32, or f16 (the default cache) widened exactly where they are read: in the AVX2
- * and AVX-512 kernels' loads, else into a buffer of 16 keys or 64 value rows (the sums run on over the chunks), so
- * an f16 cache gives the bits of a float32 cache holding its values. */
+ * and AVX-512 kernels' loads, else into a buffer of 16 keys or 64 value rows (the sums run on over the chunks), or,
+ * for a prefill whose rows each read most cells, all at once into a float32 copy for the op; so an f16 cache gives
+ * the bits of a float32 cache holding its values. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -746,6 +747,54 @@ static int is_cell_order(const int32_t *order, int64_t n_kv) {
     return !other;
 }
 
+/* An f16 cache's attended cells are widened once for the whole op when its rows see each cell this many times
+ * on average (a prefill's rows: hundreds), rather than in every score call and weighted sum that reads them; a
+ * decode step's rows (each sequence's row sees its own cells) keep reading them in place. */
+#define WIDEN_ALL_VIEWS 2
+#define WIDEN_CELLS 256  /* cells of one KV head per chunk of that widening */
+
+/* how many (row, cell) pairs of the mask are visible */
+static int64_t visible_pairs(const float *mask, int64_t n) {
+    int64_t count = 0;
+    for (int64_t i = 0; i < n; i++) count += mask[i] != -INFINITY;
+    return count;
+}
+
+typedef struct {
+    const attn_job *job;
+    float *k, *v;       /* [Hkv][n_kv][dk], [Hkv][n_kv][dv] */
+    int64_t per_head;   /* chunks per KV head */
+} widen_job;
+
+static void widen_chunk(void *raw, int64_t chunk, int ith) {
+    (void)ith;
+    const widen_job *wj = raw;
+    const attn_job *job = wj->job;
+    int64_t kvh = chunk / wj->per_head, c0, c1;
+    nat_share(job->n_kv, chunk % wj->per_head, wj->per_head, &c0, &c1);
+    const uint16_t *k = (const uint16_t *)head_rows(job, job->k, kvh, job->dk) + c0 * job->dk;
+    const uint16_t *v = (const uint16_t *)head_rows(job, job->v, kvh, job->dv) + c0 * job->dv;
+    job->widen(k, wj->k + (kvh * job->n_kv + c0) * job->dk, (c1 - c0) * job->dk);
+    job->widen(v, wj->v + (kvh * job->n_kv + c0) * job->dv, (c1 - c0) * job->dv);
+}
+
+/* The job's f16 caches as float32 copies of their first n_kv cells (freed by the caller; NULL when out of memory):
+ * the same values, so the same bits, every key and value widened once. */
+static float *widen_caches(nat_pool *pool, attn_job *job) {
+    size_t k_floats = (size_t)(job->n_head_kv * job->n_kv * job->dk);
+    float *copy = malloc((k_floats + (size_t)(job->n_head_kv * job->n_kv * job->dv)) * sizeof(float));
+    if (!copy) return NULL;
+    widen_job wj = {job, copy, copy + k_floats, (job->n_kv + WIDEN_CELLS - 1) / WIDEN_CELLS};
+    nat_pool_for(pool, job->n_head_kv * wj.per_head, widen_chunk, &wj);
+    job->k = (const char *)wj.k;
+    job->v = (const char *)wj.v;
+    job->esize = 4;
+    job->widen = NULL;
+    job->direct16 = 0;
+    job->n_cells = job->n_kv;  /* the copies' rows per KV head */
+    return copy;
+}
+
 /* n: T, H, Hkv, dk, dv, n_kv, n_cells, f16 (native.h's NAT_OP_ATTEND); order: the n_kv cells in the order to sum
  * them (NULL: cell order). Returns 0, NAT_OUT_OF_MEMORY, or NAT_ID_OUT_OF_RANGE for a cell of the order out of
  * range. */
@@ -767,12 +816,17 @@ int nat_attend(nat_pool *pool, int isa, const float *q, const void *k, const voi
     job.parts = group / job.heads_per_item;
     job.n_items = tiles * job.n_head_kv * job.parts;
     if (job.n_items == 0) return 0;
+    float *widened = NULL;
+    if (job.widen && job.tile_rows > 1 && visible_pairs(mask, job.n_tokens * job.n_kv) >= WIDEN_ALL_VIEWS * job.n_kv
+        && !(widened = widen_caches(pool, &job)))
+        return NAT_OUT_OF_MEMORY;
     job.scratch_floats = scratch_floats(&job);
     job.scratch = malloc(job.scratch_floats * sizeof(float) * (size_t)nat_pool_threads(pool));
     int32_t *identity = order ? NULL : malloc((size_t)job.n_kv * sizeof(int32_t));
     if (!job.scratch || (!order && !identity)) {
         free(job.scratch);
         free(identity);
+        free(widened);
         return NAT_OUT_OF_MEMORY;
     }
     if (identity) {
@@ -783,5 +837,6 @@ int nat_attend(nat_pool *pool, int isa, const float *q, const void *k, const voi
     nat_pool_for(pool, job.n_chunks, attend_chunk, &job);
     free(job.scratch);
     free(identity);
+    free(widened);
     return 0;
 }
