@@ -28,13 +28,18 @@ def pools():
 def unpack_values(packed: rp.PackedWeight) -> np.ndarray:
     """The values the kernels multiply with, read back from the repacked layout in numpy: scale*code + offset."""
     nb, n_groups = packed.n_cols // rp.BLOCK, -(-packed.n_rows // rp.ROWS)
-    cb = 16 if packed.kind == rp.KIND_QNIB else 32
+    cb = rp.code_bytes(packed.kind)
     blocks = packed.data.reshape(n_groups, nb, -1)
     chunked = blocks[:, :, :rp.ROWS * cb].reshape(n_groups, nb, cb // 4, rp.ROWS, 4)  # [chunk][row][4 codes]
     codes = chunked.transpose(0, 1, 3, 2, 4).reshape(n_groups, nb, rp.ROWS, cb)
     if packed.kind == rp.KIND_QNIB:
         nibbles = np.concatenate([codes & 15, codes >> 4], axis=-1)
         values = packed.table[nibbles].astype(np.float32)
+    elif packed.kind == rp.KIND_QNIB5:  # the nibbles, then 4 bytes of fifth bits a row (bit c of byte i: 4c+i)
+        nibbles = np.concatenate([codes[..., :16] & 15, codes[..., :16] >> 4], axis=-1)
+        by_byte = np.unpackbits(codes[..., 16:, None], axis=-1, bitorder="little")  # [..., byte i, bit c]
+        fifth = np.swapaxes(by_byte, -1, -2).reshape(*codes.shape[:-1], 32)
+        values = (packed.table[0] + (nibbles | (fifth << 4)).astype(np.int32)).astype(np.float32)
     else:
         values = codes.view(np.int8).astype(np.float32)
     stored = np.float16 if packed.half_params else np.float32
@@ -77,16 +82,16 @@ F16_PARAM_TYPES = {GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, G
 @pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda t: t.name)
 def test_f16_block_parameters_stay_f16_so_a_weight_streams_no_more_than_its_file(qtype):
     """A decode step reads every byte of every weight: the types whose parameters are f16 in the file keep them
-    so (4- and 8-bit codes then take exactly the file's bytes); the others' products of scales are float32."""
+    so (4-, 5- and 8-bit codes then take exactly the file's bytes); the others' products of scales are float32."""
     rng = np.random.default_rng(int(qtype) + 100)
     n_blocks = 2 if TYPE_INFO[qtype].block_size == 256 else 5
     raw = random_blocks(qtype, 16, n_blocks, rng)
     packed = rp.repack(raw, qtype, (n_blocks * TYPE_INFO[qtype].block_size, 16))
     assert packed.half_params == (qtype in F16_PARAM_TYPES)
-    if qtype in {GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.IQ4_NL}:
+    if qtype in {GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0, GGMLType.IQ4_NL}:
         assert packed.nbytes == raw.nbytes
     param_bytes = 2 if packed.half_params else 4
-    per_block = rp.ROWS * (16 if packed.kind == rp.KIND_QNIB else 32) + \
+    per_block = rp.ROWS * rp.code_bytes(packed.kind) + \
         packed.n_scales * (1 + packed.has_offsets) * rp.ROWS * param_bytes
     assert packed.nbytes == 2 * packed.n_cols // rp.BLOCK * per_block
 

@@ -12,7 +12,7 @@ from llmfw.core.exec.weight_cache import ConvertedCache
 from llmfw.plugins.backends.native.repack import PackedWeight, checked
 
 #: bumped whenever the repacked layout changes, so that entries written by older code are rebuilt
-CACHE_FORMAT = 3
+CACHE_FORMAT = 4
 
 
 class NativeCache(ConvertedCache[PackedWeight]):

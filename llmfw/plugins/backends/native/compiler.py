@@ -19,7 +19,7 @@ import llmfw.plugins.backends.native.kernels as kernels
 import llmfw.plugins.backends.native.program as pg
 import llmfw.plugins.backends.native.recurrent as recurrent
 from llmfw.plugins.backends.native.experts import NativeExperts
-from llmfw.plugins.backends.native.repack import KIND_QBYTE, KIND_QNIB, PackedWeight
+from llmfw.plugins.backends.native.repack import QUANTIZED_KINDS, PackedWeight
 from llmfw.plugins.backends.numpy.kernels import F32, NumpyKV
 
 WORDS_PER = {"f32": 1, "i32": 1, "i64": 2}
@@ -307,7 +307,7 @@ class NativeCompiler(SplitCompilerBase[NumpyKV]):
         info = self.weight_infos[weight.weight]
         scratch = pg.NONE
         temp = None
-        if info.kind in (KIND_QNIB, KIND_QBYTE):
+        if info.kind in QUANTIZED_KINDS:
             temp = self.new_value((pg.activation_words(m, info.n_cols),), "f32")
             scratch = temp.operand
         out = self.define(node)

@@ -15,10 +15,10 @@ from typing import Any
 import numpy as np
 
 from llmfw.core.errors import BackendUnavailable, ConfigError, LLMFWError
-from llmfw.plugins.backends.native.repack import BLOCK, KIND_QBYTE, KIND_QNIB, PackedWeight
+from llmfw.plugins.backends.native.repack import BLOCK, QUANTIZED_KINDS, PackedWeight
 
 EXTENSION = "llmfw.plugins.backends.native._native"
-ABI_VERSION = 10
+ABI_VERSION = 11
 #: the path of a build of the extension to load instead of the installed one (the sanitizer run,
 #: benchmarks/native_sanitizers.sh)
 LIBRARY_VARIABLE = "LLMFW_NATIVE_LIBRARY"
@@ -147,7 +147,7 @@ def mul_mat(weight: PackedWeight, x: np.ndarray, pool: ThreadPool, isa: str,
     """``x @ W.T`` for x [..., n_cols] float32 → [..., n_rows] float32."""
     if x.shape[-1] != weight.n_cols:
         raise ValueError(f"native mul_mat: input has {x.shape[-1]} columns, the weight {weight.n_cols}")
-    if weight.kind in (KIND_QNIB, KIND_QBYTE) and weight.n_cols % BLOCK:
+    if weight.kind in QUANTIZED_KINDS and weight.n_cols % BLOCK:
         raise ValueError(f"native mul_mat: {weight.n_cols} columns are not whole blocks of {BLOCK}")
     rows = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, weight.n_cols)
     out = np.empty((rows.shape[0], weight.n_rows), dtype=np.float32)

@@ -19,7 +19,7 @@ import numpy as np
 
 from llmfw.core.errors import ModelError
 import llmfw.plugins.backends.native.kernels as kernels
-from llmfw.plugins.backends.native.repack import BLOCK, KIND_QBYTE, KIND_QNIB
+from llmfw.plugins.backends.native.repack import BLOCK, QUANTIZED_KINDS
 
 N_ARGS, N_INTS, N_FLOATS = 7, 16, 8
 #: one ``nat_instr``
@@ -64,7 +64,7 @@ def moe_scratch_words(n_expert: int, n_slots: int, x_rows: int, info: "WeightInf
     (int64), the slots in expert order (int64), the activations of the x rows and of the sorted rows (quantized
     kinds) or the sorted x rows (float kinds), the sorted results."""
     k = info.n_cols
-    rows = activation_words(x_rows, k) + activation_words(n_slots, k) if info.kind in (KIND_QNIB, KIND_QBYTE) \
+    rows = activation_words(x_rows, k) + activation_words(n_slots, k) if info.kind in QUANTIZED_KINDS \
         else n_slots * k
     return 2 * (2 * n_expert + 1 + n_slots) + rows + n_slots * info.n_rows
 
@@ -246,7 +246,7 @@ def _check_instruction(ins: np.void, buffer_words: Sequence[int], writable: Sequ
         positive(n[1])
         need(0, n[1] * w.n_rows, out=True)
         need(1, n[1] * w.n_cols)
-        if w.kind in (KIND_QNIB, KIND_QBYTE):
+        if w.kind in QUANTIZED_KINDS:
             if w.n_cols % BLOCK:
                 raise ProgramError(f"{w.n_cols} columns are not whole blocks")
             need(2, activation_words(n[1], w.n_cols), out=True)
@@ -352,7 +352,7 @@ def _check_moe_instruction(op: int, n: list[int], need: Callable[..., None], pos
         info = weight(first)
         if any(weight(first + e) != info for e in range(1, n_expert)):
             raise ProgramError(f"weights {first}..{first + n_expert - 1} are not experts of one shape and kind")
-        if info.kind in (KIND_QNIB, KIND_QBYTE) and info.n_cols % BLOCK:
+        if info.kind in QUANTIZED_KINDS and info.n_cols % BLOCK:
             raise ProgramError(f"{info.n_cols} columns are not whole blocks")
         n_slots = n_tokens * n_used
         x_rows = n_slots if per_slot else n_tokens

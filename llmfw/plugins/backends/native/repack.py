@@ -1,5 +1,5 @@
-"""Weights repacked for the native kernels, values exact: every GGUF block type becomes 8-bit (or 4-bit indexed)
-codes with a float scale (and offset) per 16 or 32 elements, computed with the oracle's own float32 operations, so
+"""Weights repacked for the native kernels, values exact: every GGUF block type becomes 8-bit (or 4- or 5-bit
+indexed) codes with a float scale (and offset) per 16 or 32 elements, computed with the oracle's own float32 operations, so
 ``scale * code + offset`` is the value ``llmfw.core.format.quants.dequantize`` gives, bit for bit — no requantization.
 Rows are interleaved in groups of 8, four codes of each row at a time (csrc/native.h), so one 32-byte vector of
 codes times one broadcast activation word gives the eight rows' partial sums in eight lanes."""
@@ -19,7 +19,9 @@ from llmfw.core.format.quants import (IQ4_LEVELS, MXFP4_VALUES, GGMLType, _f16_a
 
 ROWS = 8  # NAT_ROWS
 BLOCK = 32  # NAT_BLOCK
-KIND_QNIB, KIND_QBYTE, KIND_F32, KIND_F16, KIND_BF16 = range(5)
+KIND_QNIB, KIND_QBYTE, KIND_F32, KIND_F16, KIND_BF16, KIND_QNIB5 = range(6)
+#: the kinds of quantized codes (the others are float rows)
+QUANTIZED_KINDS = frozenset({KIND_QNIB, KIND_QBYTE, KIND_QNIB5})
 FLOAT_KINDS = {GGMLType.F32: KIND_F32, GGMLType.F16: KIND_F16, GGMLType.BF16: KIND_BF16}
 #: rows decoded per step while repacking: bounds the temporaries of a large table (Gemma-3's 262144-row head)
 _CHUNK_ROWS = 4096
@@ -29,10 +31,11 @@ _IDENTITY = np.arange(16, dtype=np.int8)
 
 @dataclass(frozen=True)
 class Codes:
-    """One chunk of rows decoded into the kernels' terms: ``value = scales * table[codes] + offsets`` (QNIB) or
-    ``scales * codes + offsets`` (QBYTE), scales/offsets per ``16 * (2 // n_scales)`` elements."""
+    """One chunk of rows decoded into the kernels' terms: ``value = scales * table[codes] + offsets`` (QNIB),
+    ``scales * (table[0] + codes) + offsets`` (QNIB5) or ``scales * codes + offsets`` (QBYTE), scales/offsets per
+    ``16 * (2 // n_scales)`` elements."""
 
-    codes: np.ndarray  # (rows, n_cols) uint8 nibble indices (QNIB) or int8 values (QBYTE)
+    codes: np.ndarray  # (rows, n_cols) uint8 nibble (QNIB) or 5-bit (QNIB5) indices, or int8 values (QBYTE)
     scales: np.ndarray  # (rows, n_cols // 32, n_scales) float32
     offsets: np.ndarray | None  # same shape, or None
 
@@ -72,16 +75,15 @@ def _q4_1(blocks: np.ndarray) -> Codes:
     return Codes(_unpack_fields(flat[:, 4:], 4, 16).reshape(rows, -1), d, m)
 
 
-def _q5_0(blocks: np.ndarray) -> Codes:
+def _q5_0(blocks: np.ndarray) -> Codes:  # 5-bit indices: the table's table[0] = -16 centres them
     flat, rows, nb = _flat(blocks)
-    q = _five_bit_quants(flat[:, 2:6], flat[:, 6:]).view(np.int8)
-    q -= np.int8(16)
+    q = _five_bit_quants(flat[:, 2:6], flat[:, 6:])
     return Codes(q.reshape(rows, -1), _f16_at(flat, 0).reshape(rows, nb, 1), None)
 
 
 def _q5_1(blocks: np.ndarray) -> Codes:
     flat, rows, nb = _flat(blocks)
-    q = _five_bit_quants(flat[:, 4:8], flat[:, 8:]).view(np.int8)
+    q = _five_bit_quants(flat[:, 4:8], flat[:, 8:])
     return Codes(q.reshape(rows, -1), _f16_at(flat, 0).reshape(rows, nb, 1), _f16_at(flat, 2).reshape(rows, nb, 1))
 
 
@@ -129,7 +131,7 @@ def _q5_k(blocks: np.ndarray) -> Codes:
     d1, m1 = _k4_params(flat, rows, nb)
     q = _unpack_fields(flat[:, 48:], 4, 32)
     q |= _unpack_fields(flat[:, 16:48], 1, 32) << np.uint8(4)
-    return Codes(q.view(np.int8).reshape(rows, -1), d1, m1)
+    return Codes(q.reshape(rows, -1), d1, m1)
 
 
 def _q6_k(blocks: np.ndarray) -> Codes:
@@ -164,13 +166,13 @@ def _mxfp4(blocks: np.ndarray) -> Codes:
 LAYOUTS: dict[GGMLType, Layout] = {
     GGMLType.Q4_0: Layout(KIND_QNIB, 1, False, _IDENTITY - np.int8(8), _q4_0, half_params=True),
     GGMLType.Q4_1: Layout(KIND_QNIB, 1, True, _IDENTITY, _q4_1, half_params=True),
-    GGMLType.Q5_0: Layout(KIND_QBYTE, 1, False, _IDENTITY, _q5_0, half_params=True),
-    GGMLType.Q5_1: Layout(KIND_QBYTE, 1, True, _IDENTITY, _q5_1, half_params=True),
+    GGMLType.Q5_0: Layout(KIND_QNIB5, 1, False, _IDENTITY - np.int8(16), _q5_0, half_params=True),
+    GGMLType.Q5_1: Layout(KIND_QNIB5, 1, True, _IDENTITY, _q5_1, half_params=True),
     GGMLType.Q8_0: Layout(KIND_QBYTE, 1, False, _IDENTITY, _q8_0, half_params=True),
     GGMLType.Q2_K: Layout(KIND_QNIB, 2, True, _IDENTITY, _q2_k),
     GGMLType.Q3_K: Layout(KIND_QNIB, 2, False, _IDENTITY - np.int8(4), _q3_k),
     GGMLType.Q4_K: Layout(KIND_QNIB, 1, True, _IDENTITY, _q4_k),
-    GGMLType.Q5_K: Layout(KIND_QBYTE, 1, True, _IDENTITY, _q5_k),
+    GGMLType.Q5_K: Layout(KIND_QNIB5, 1, True, _IDENTITY, _q5_k),
     GGMLType.Q6_K: Layout(KIND_QBYTE, 2, False, _IDENTITY, _q6_k),
     GGMLType.IQ4_NL: Layout(KIND_QNIB, 1, False, IQ4_LEVELS, _iq4_nl, half_params=True),
     GGMLType.IQ4_XS: Layout(KIND_QNIB, 1, False, IQ4_LEVELS, _iq4_xs),
@@ -205,9 +207,14 @@ class PackedWeight:
         return int(self.data.nbytes)
 
 
+def code_bytes(kind: int) -> int:
+    """nat_code_bytes (csrc/native.h): the code bytes of one row of a block."""
+    return {KIND_QNIB: 16, KIND_QNIB5: 20}.get(kind, 32)
+
+
 def block_bytes(kind: int, n_scales: int, has_offsets: bool, half_params: bool = False) -> int:
     """nat_block_bytes (csrc/native.h): one block of one row group."""
-    return ROWS * (16 if kind == KIND_QNIB else 32) + n_scales * (1 + int(has_offsets)) * ROWS * _param_bytes(half_params)
+    return ROWS * code_bytes(kind) + n_scales * (1 + int(has_offsets)) * ROWS * _param_bytes(half_params)
 
 
 def _param_bytes(half_params: bool) -> int:
@@ -222,7 +229,7 @@ def packed_bytes(kind: int, n_rows: int, n_cols: int, n_scales: int, has_offsets
         raise QuantError(f"a weight of {n_rows} x {n_cols} values")
     if kind in FLOAT_KINDS.values():
         return n_rows * n_cols * (4 if kind == KIND_F32 else 2)
-    if kind not in (KIND_QNIB, KIND_QBYTE) or n_scales not in (1, 2) or n_cols % BLOCK:
+    if kind not in QUANTIZED_KINDS or n_scales not in (1, 2) or n_cols % BLOCK:
         raise QuantError(f"no kernel layout of kind {kind} with {n_scales} scales and {n_cols} columns")
     return -(-n_rows // ROWS) * (n_cols // BLOCK) * block_bytes(kind, n_scales, has_offsets, half_params)
 
@@ -300,10 +307,18 @@ def _place(out: np.ndarray, start: int, codes: Codes, layout: Layout, nb: int) -
 
 
 def _code_bytes(codes: np.ndarray, kind: int, nb: int) -> np.ndarray:
-    """(rows, n_cols) codes -> (rows, nb, 16) nibble bytes (element j low nibble of byte j, j+16 high) or
-    (rows, nb, 32) int8 bytes."""
+    """(rows, n_cols) codes -> (rows, nb, 16) nibble bytes (element j low nibble of byte j, j+16 high), the same
+    followed by 4 bytes of fifth bits (5-bit codes: bit c of byte i is element 4c+i's), or (rows, nb, 32) int8
+    bytes."""
     rows = codes.shape[0]
     by_block = codes.reshape(rows, nb, BLOCK).view(np.uint8)
     if kind == KIND_QBYTE:
         return by_block
-    return (by_block[:, :, :16] & np.uint8(15)) | (by_block[:, :, 16:] << np.uint8(4))
+    nibbles = (by_block[:, :, :16] & np.uint8(15)) | (by_block[:, :, 16:] << np.uint8(4))
+    if kind == KIND_QNIB:
+        return nibbles
+    by_chunk = (by_block >> np.uint8(4)).reshape(rows, nb, 8, 4) & np.uint8(1)  # [chunk c][byte i]
+    fifth = by_chunk[:, :, 0].copy()
+    for c in range(1, 8):
+        fifth |= by_chunk[:, :, c] << np.uint8(c)
+    return np.concatenate([nibbles, fifth], axis=-1)

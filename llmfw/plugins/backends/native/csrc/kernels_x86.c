@@ -16,8 +16,15 @@
  * NIB_INDEX, NIB_LINEAR: 4-bit codes whose table is table[0] + index, table[0] zero (Q4_1, Q2_K, Q4_K) or not
  *   (Q4_0, Q3_K): the unsigned index itself, table[0] * A added back (A: the activation codes' half sum);
  * NIB_TABLE: 4-bit codes through a non-linear table (IQ4_NL, IQ4_XS, MXFP4), looked up with vpshufb;
- * BYTE: 8-bit codes. */
-enum code_form { NIB_INDEX, NIB_LINEAR, NIB_TABLE, BYTE };
+ * BYTE: 8-bit codes;
+ * NIB5_INDEX, NIB5_LINEAR: 5-bit indices (QNIB5: Q5_0, Q5_1, Q5_K), table[0] zero or not, as NIB_INDEX / NIB_LINEAR
+ *   with the fifth bit put back into each nibble. */
+enum code_form { NIB_INDEX, NIB_LINEAR, NIB_TABLE, BYTE, NIB5_INDEX, NIB5_LINEAR };
+
+/* the forms whose codes are indices into a linear table (table[0] + index): the index itself enters the products */
+#define INDEXED(form) ((form) <= NIB_LINEAR || (form) >= NIB5_INDEX)
+#define FIVE_BIT(form) ((form) >= NIB5_INDEX)
+#define ZERO_BASE(form) ((form) == NIB_INDEX || (form) == NIB5_INDEX)
 
 /* What an ISA path needs of a weight: its code form, the lookup table it uses (both 128-bit lanes), and base:
  * a half's integer dot product i = (dot product of the path's operand bytes with the activation codes) + base*A. */
@@ -29,6 +36,7 @@ typedef struct {
 
 static int code_form_of(const nat_weight *w) {
     if (w->kind == NAT_QBYTE) return BYTE;
+    if (w->kind == NAT_QNIB5) return w->table[0] ? NIB5_LINEAR : NIB5_INDEX;  /* linear by construction */
     for (int c = 1; c < 16; c++)
         if (w->table[c] != w->table[0] + c) return NIB_TABLE;
     return w->table[0] ? NIB_LINEAR : NIB_INDEX;
@@ -40,8 +48,16 @@ TARGET INLINE __m256i broadcast_word(const int8_t *p) {
     return _mm256_set1_epi32(word);
 }
 
+/* chunk c's fifth bits (QNIB5, native.h: bit c of the 32 bytes of the group's rows, each at the chunk's own byte)
+ * as 16 or 0 in its bytes: bit c moved to bit 4 (a 16-bit shift: each byte's bit c lands on its own bit 4) */
+TARGET INLINE __m256i fifth_bits(__m256i bits, int c) {
+    __m256i moved = c <= 4 ? _mm256_slli_epi16(bits, 4 - c) : _mm256_srli_epi16(bits, c - 4);
+    return _mm256_and_si256(moved, _mm256_set1_epi8(16));
+}
+
 /* a block's 8 code chunks (native.h), chunk c against activation bytes 4c..4c+3: nibble indices (the table not
- * yet applied; with high16, those of chunks 4-7 stay in the high nibble: 16 * index) or int8 codes */
+ * yet applied; with high16, those of chunks 4-7 stay in the high nibble: 16 * index; 5-bit forms: the fifth bits
+ * added back) or int8 codes */
 TARGET INLINE void load_chunks(const uint8_t *codes, int form, int high16, __m256i chunk[8]) {
     if (form == BYTE) {
         for (int c = 0; c < 8; c++) chunk[c] = _mm256_loadu_si256((const __m256i *)(codes + 32 * c));
@@ -54,6 +70,9 @@ TARGET INLINE void load_chunks(const uint8_t *codes, int form, int high16, __m25
         chunk[c + 4] = high16 ? _mm256_andnot_si256(low4, packed)
                               : _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
     }
+    if (!FIVE_BIT(form)) return;
+    __m256i bits = _mm256_loadu_si256((const __m256i *)(codes + 16 * NAT_ROWS));
+    for (int c = 0; c < 8; c++) chunk[c] = _mm256_or_si256(chunk[c], fifth_bits(bits, c));
 }
 
 /* How a weight's float parameters enter (flags, a constant of each specialised kernel): PAR_OFFSETS, it has
@@ -97,8 +116,8 @@ DEFINE_COMBINE(TARGET, combine, 256)
 /* the base terms (base * A) of a row's two half dot products; with one scale all of it goes into the first half
  * (whose sum is never shifted), as the halves' sums are added anyway */
 INLINE void base_terms(const code_plan *plan, int form, int pars, const int32_t *sums, int32_t extra[2]) {
-    extra[0] = form == NIB_INDEX ? 0 : plan->base * sums[0];
-    extra[1] = form == NIB_INDEX ? 0 : plan->base * sums[1];
+    extra[0] = ZERO_BASE(form) ? 0 : plan->base * sums[0];
+    extra[1] = ZERO_BASE(form) ? 0 : plan->base * sums[1];
     if (pars & PAR_ONE_SCALE) {
         extra[0] += extra[1];
         extra[1] = 0;
@@ -150,7 +169,7 @@ TARGET INLINE void prefetch_ahead(const uint8_t *blk, size_t block_bytes, size_t
  * (the same values: FOR_PARS chose the kernel from them) */
 INLINE nat_weight with_constant_layout(const nat_weight *w, int form, int pars) {
     nat_weight fixed = *w;
-    fixed.kind = form == BYTE ? NAT_QBYTE : NAT_QNIB;
+    fixed.kind = form == BYTE ? NAT_QBYTE : FIVE_BIT(form) ? NAT_QNIB5 : NAT_QNIB;
     fixed.n_scales = (pars & PAR_ONE_SCALE) ? 1 : 2;
     fixed.has_offsets = (pars & PAR_OFFSETS) != 0;
     fixed.half_params = (pars & PAR_HALF) != 0;
@@ -217,6 +236,7 @@ INLINE nat_weight with_constant_layout(const nat_weight *w, int form, int pars) 
         int pars = (w->has_offsets ? PAR_OFFSETS : 0) | (w->n_scales == 1 ? PAR_ONE_SCALE : 0) |                  \
                    (w->half_params ? PAR_HALF : 0);                                                                \
         FOR_FORM(NAME, NIB_INDEX) FOR_FORM(NAME, NIB_LINEAR) FOR_FORM(NAME, NIB_TABLE) FOR_FORM(NAME, BYTE)        \
+        FOR_FORM(NAME, NIB5_INDEX) FOR_FORM(NAME, NIB5_LINEAR)                                                    \
         nat_qgemm_scalar(w, a, m, y, g0, g1);                                                                      \
     }
 
@@ -241,14 +261,14 @@ INLINE nat_weight with_constant_layout(const nat_weight *w, int form, int pars) 
  * (at most 4 * 2 * 15 * 127) before one vpmaddwd. */
 TARGET static code_plan avx2_plan(const nat_weight *w) {
     code_plan plan = {code_form_of(w), 0, _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)w->table))};
-    if (plan.form <= NIB_LINEAR) plan.base = w->table[0];
+    if (INDEXED(plan.form)) plan.base = w->table[0];
     return plan;
 }
 
 #define AVX2_HIGH16(form) 0
 
 TARGET INLINE void avx2_operands(int form, __m256i table, __m256i chunk[8], __m256i signs[8]) {
-    if (form <= NIB_LINEAR) return;
+    if (INDEXED(form)) return;
     for (int c = 0; c < 8; c++) {
         signs[c] = form == NIB_TABLE ? _mm256_shuffle_epi8(table, chunk[c]) : chunk[c];
         chunk[c] = _mm256_abs_epi8(signs[c]);
@@ -268,7 +288,7 @@ TARGET INLINE __m256i avx2_nibble_pairs(const __m256i *chunk, const int8_t *aq, 
 TARGET INLINE void avx2_dots(int form, int pars, const __m256i *chunk, const __m256i *signs, const int8_t *aq,
                              const int32_t extra[2], __m256i h[2]) {
     __m256i ones = _mm256_set1_epi16(1);
-    if (form <= NIB_LINEAR && (pars & PAR_ONE_SCALE)) {
+    if (form <= NIB_LINEAR && (pars & PAR_ONE_SCALE)) {  /* 4-bit: 5-bit indices would overflow 16 bits */
         __m256i pairs = _mm256_add_epi16(avx2_nibble_pairs(chunk, aq, 0, 4), avx2_nibble_pairs(chunk, aq, 4, 8));
         h[0] = _mm256_add_epi32(_mm256_madd_epi16(pairs, ones), _mm256_set1_epi32(extra[0] + extra[1]));
         h[1] = _mm256_setzero_si256();
@@ -276,7 +296,7 @@ TARGET INLINE void avx2_dots(int form, int pars, const __m256i *chunk, const __m
     }
     for (int half = 0; half < 2; half++) {
         __m256i sum = _mm256_set1_epi32(extra[half]);
-        if (form <= NIB_LINEAR) {
+        if (INDEXED(form)) {  /* 4 chunks of 5-bit indices: at most 4 * 2 * 31 * 127 = 31496 in 16 bits */
             sum = _mm256_add_epi32(_mm256_madd_epi16(avx2_nibble_pairs(chunk, aq, 4 * half, 4 * half + 4), ones), sum);
         } else {
             for (int c = 4 * half; c < 4 * half + 4; c++) {
@@ -298,7 +318,7 @@ QGEMM_PATH(TARGET, avx2, AVX2_HIGH16, avx2_operands, avx2_dots, NO_PAIRS)
 TARGET512 static code_plan avx512_plan(const nat_weight *w) {
     __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)w->table));
     code_plan plan = {code_form_of(w), -128, _mm256_xor_si256(table, _mm256_set1_epi8((char)0x80))};
-    if (plan.form <= NIB_LINEAR) plan.base = w->table[0];
+    if (INDEXED(plan.form)) plan.base = w->table[0];
     return plan;
 }
 
@@ -306,7 +326,7 @@ TARGET512 static code_plan avx512_plan(const nat_weight *w) {
 
 TARGET512 INLINE void vnni_operands(int form, __m256i table, __m256i chunk[8], __m256i signs[8]) {
     (void)signs;
-    for (int c = 0; c < 8 && form > NIB_LINEAR; c++)
+    for (int c = 0; c < 8 && !INDEXED(form); c++)
         chunk[c] = form == NIB_TABLE ? _mm256_shuffle_epi8(table, chunk[c])
                                      : _mm256_xor_si256(chunk[c], _mm256_set1_epi8((char)0x80));
 }
@@ -359,6 +379,13 @@ TARGET512 INLINE void pair_operands(const uint8_t *lo, const uint8_t *hi, int fo
                               : _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
     }
     for (int c = 0; c < 8 && form == NIB_TABLE; c++) chunk[c] = _mm512_shuffle_epi8(table, chunk[c]);
+    if (!FIVE_BIT(form)) return;
+    /* the fifth bits (native.h): bit c of each byte of the two groups' bits, 16 added where it is set */
+    __m512i bits = load_pair(lo + 16 * NAT_ROWS, hi + 16 * NAT_ROWS);
+    for (int c = 0; c < 8; c++) {
+        __mmask64 set = _mm512_test_epi8_mask(bits, _mm512_set1_epi8((char)(1 << c)));
+        chunk[c] = _mm512_mask_add_epi8(chunk[c], set, chunk[c], _mm512_set1_epi8(16));
+    }
 }
 
 /* sum + the 16 lanes' byte dot products of chunk with the activation word at aq, broadcast by vpdpbusd itself

@@ -25,7 +25,7 @@ int nat_cpu_isas(void) {
     return isas;
 }
 
-int nat_abi_version(void) { return 10; }
+int nat_abi_version(void) { return 11; }
 
 /* sizeof(nat_instr): runtime.py checks its record type against it */
 int64_t nat_instr_bytes(void) { return (int64_t)sizeof(nat_instr); }
@@ -100,7 +100,7 @@ int nat_mul_mat_into(nat_pool *pool, int isa, const nat_weight *w, const float *
         nat_pool_for(pool, job.n_chunks, fgemm_chunk, &job);
         return 0;
     }
-    if (w->kind != NAT_QNIB && w->kind != NAT_QBYTE) return NAT_BAD_INSTRUCTION;
+    if (!nat_is_quantized(w)) return NAT_BAD_INSTRUCTION;
     nat_act_words(m, w->n_cols, scratch, &job.act);
     job.n_chunks = m * w->n_cols < 65536 ? 1 : nat_pool_chunks(pool, m);
     nat_pool_for(pool, job.n_chunks, quantize_chunk, &job);

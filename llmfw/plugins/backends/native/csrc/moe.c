@@ -156,7 +156,7 @@ static int mul_mat_id(nat_pool *pool, const nat_kernels *paths, const nat_instr 
     const void *ids = OPERAND(bufs, in, 2);
     int64_t n_slots = n_tokens * n_used;
     if (!all_below(ids, n_slots, id_bytes, n_expert)) return NAT_ID_OUT_OF_RANGE;
-    if (!is_float_kind(w) && w->kind != NAT_QNIB && w->kind != NAT_QBYTE) return NAT_BAD_INSTRUCTION;
+    if (!is_float_kind(w) && !nat_is_quantized(w)) return NAT_BAD_INSTRUCTION;
     int64_t k = w->n_cols, n = w->n_rows, rows = in->n[4] ? n_slots : n_tokens;
     int64_t *scratch = (int64_t *)OPERAND(bufs, in, 3);
     moe_job job = {w, *paths, FLOATS(bufs, in, 1), in->n[4], n_used, k, n, n_slots, scratch,

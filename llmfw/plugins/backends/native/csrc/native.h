@@ -26,7 +26,7 @@
 #define NAT_ROWS 8        /* output rows per interleaved row group */
 #define NAT_BLOCK 32      /* elements per quantized block */
 
-enum nat_kind { NAT_QNIB = 0, NAT_QBYTE = 1, NAT_F32 = 2, NAT_F16 = 3, NAT_BF16 = 4 };
+enum nat_kind { NAT_QNIB = 0, NAT_QBYTE = 1, NAT_F32 = 2, NAT_F16 = 3, NAT_BF16 = 4, NAT_QNIB5 = 5 };
 enum nat_isa { NAT_ISA_SCALAR = 0, NAT_ISA_AVX2 = 1, NAT_ISA_AVX512 = 2 };
 
 /* A repacked weight [n_rows, n_cols].
@@ -34,12 +34,16 @@ enum nat_isa { NAT_ISA_SCALAR = 0, NAT_ISA_AVX2 = 1, NAT_ISA_AVX512 = 2 };
  *   codes  [chunk][8 rows][4 bytes], 4 (QNIB) or 8 (QBYTE) chunks of 32 bytes: each chunk holds 4 consecutive
  *          codes of every row of the group, so one 32-byte vector times a broadcast 4-byte activation gives the
  *          8 rows' partial dot products in 8 lanes. QBYTE: chunk c byte 4r+i is int8 element 4c+i of row r;
- *          QNIB: chunk c byte 4r+i holds element 4c+i of row r in its low nibble, element 16+4c+i in its high one
+ *          QNIB: chunk c byte 4r+i holds element 4c+i of row r in its low nibble, element 16+4c+i in its high one;
+ *          QNIB5 (5-bit codes): the QNIB nibbles of the codes' low 4 bits, then the fifth bits, 4 bytes a row
+ *          [8 rows][4]: bit c of byte i is element 4c+i's (so chunk c's bits are bit c of the bytes at the chunk's
+ *          own places, one shift away); a 5-bit weight streams 5 bits a code
  *   scales [n_scales][8 rows], then (has_offsets) offsets [n_scales][8 rows], each a float32, or an f16 where
  *          half_params is set: the block types whose scales and offsets are f16 in the file keep them so, as a
  *          decode step streams every byte of a weight (f16 widens to float32 exactly: the same values)
  * (n_scales 2: one scale per 16 elements, 1: per 32)
- * a weight value is scale * table[code] + offset (QNIB) or scale * code + offset (QBYTE).
+ * a weight value is scale * table[code] + offset (QNIB), scale * (table[0] + code) + offset (QNIB5: the table
+ * is table[0] + index, linear) or scale * code + offset (QBYTE).
  * Float kinds: plain row-major rows of n_cols elements. */
 typedef struct {
     int32_t kind;
@@ -60,7 +64,14 @@ typedef struct {
     float *asum;      /* [M][n_blocks] (float)(sum of both halves): a one-scale weight's offset term (exact) */
 } nat_qact;
 
-static inline size_t nat_code_bytes(const nat_weight *w) { return w->kind == NAT_QNIB ? 16 : 32; }
+static inline int nat_is_quantized(const nat_weight *w) {
+    return w->kind == NAT_QNIB || w->kind == NAT_QBYTE || w->kind == NAT_QNIB5;
+}
+
+/* the code bytes of one row of a block */
+static inline size_t nat_code_bytes(const nat_weight *w) {
+    return w->kind == NAT_QNIB ? 16 : w->kind == NAT_QNIB5 ? 20 : 32;
+}
 
 /* the bytes of one block parameter (a scale or an offset) */
 static inline size_t nat_param_bytes(const nat_weight *w) { return w->half_params ? 2 : 4; }
@@ -88,7 +99,10 @@ static inline nat_param_rows nat_block_param_rows(const nat_weight *w, const uin
 static inline int nat_code_at(const nat_weight *w, const uint8_t *codes, int r, int j) {
     if (w->kind == NAT_QBYTE) return (int8_t)codes[32 * (j >> 2) + 4 * r + (j & 3)];
     uint8_t byte = codes[32 * ((j & 15) >> 2) + 4 * r + (j & 3)];
-    return w->table[j < 16 ? (byte & 15) : (byte >> 4)];
+    int nibble = j < 16 ? (byte & 15) : (byte >> 4);
+    if (w->kind == NAT_QNIB) return w->table[nibble];
+    const uint8_t *fifth = codes + 16 * NAT_ROWS + 4 * r;  /* the row's 4 bytes of fifth bits */
+    return w->table[0] + (nibble | (((fifth[j & 3] >> (j >> 2)) & 1) << 4));
 }
 
 /* a block's parameters as float32 (the portable paths): scale of each half, offset of each half (NULL without
