@@ -71,7 +71,7 @@ TARGET INLINE void load_chunks(const uint8_t *codes, int form, int high16, __m25
                               : _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
     }
     if (!FIVE_BIT(form)) return;
-    __m256i bits = _mm256_loadu_si256((const __m256i *)(codes + 16 * NAT_ROWS));
+    __m256i bits = _mm256_loadu_si256((const __m256i *)(codes + NAT_FIFTH_BITS_AT));
     for (int c = 0; c < 8; c++) chunk[c] = _mm256_or_si256(chunk[c], fifth_bits(bits, c));
 }
 
@@ -381,7 +381,7 @@ TARGET512 INLINE void pair_operands(const uint8_t *lo, const uint8_t *hi, int fo
     for (int c = 0; c < 8 && form == NIB_TABLE; c++) chunk[c] = _mm512_shuffle_epi8(table, chunk[c]);
     if (!FIVE_BIT(form)) return;
     /* the fifth bits (native.h): bit c of each byte of the two groups' bits, 16 added where it is set */
-    __m512i bits = load_pair(lo + 16 * NAT_ROWS, hi + 16 * NAT_ROWS);
+    __m512i bits = load_pair(lo + NAT_FIFTH_BITS_AT, hi + NAT_FIFTH_BITS_AT);
     for (int c = 0; c < 8; c++) {
         __mmask64 set = _mm512_test_epi8_mask(bits, _mm512_set1_epi8((char)(1 << c)));
         chunk[c] = _mm512_mask_add_epi8(chunk[c], set, chunk[c], _mm512_set1_epi8(16));

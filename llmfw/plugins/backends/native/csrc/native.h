@@ -68,6 +68,9 @@ static inline int nat_is_quantized(const nat_weight *w) {
     return w->kind == NAT_QNIB || w->kind == NAT_QBYTE || w->kind == NAT_QNIB5;
 }
 
+/* where a QNIB5 block's fifth bits start: after the nibbles of its 8 rows */
+#define NAT_FIFTH_BITS_AT (16 * NAT_ROWS)
+
 /* the code bytes of one row of a block */
 static inline size_t nat_code_bytes(const nat_weight *w) {
     return w->kind == NAT_QNIB ? 16 : w->kind == NAT_QNIB5 ? 20 : 32;
@@ -101,7 +104,7 @@ static inline int nat_code_at(const nat_weight *w, const uint8_t *codes, int r, 
     uint8_t byte = codes[32 * ((j & 15) >> 2) + 4 * r + (j & 3)];
     int nibble = j < 16 ? (byte & 15) : (byte >> 4);
     if (w->kind == NAT_QNIB) return w->table[nibble];
-    const uint8_t *fifth = codes + 16 * NAT_ROWS + 4 * r;  /* the row's 4 bytes of fifth bits */
+    const uint8_t *fifth = codes + NAT_FIFTH_BITS_AT + 4 * r;  /* the row's 4 bytes of fifth bits */
     return w->table[0] + (nibble | (((fifth[j & 3] >> (j >> 2)) & 1) << 4));
 }
 
