@@ -6,7 +6,7 @@
 * The random-weight families of issue 6 (qwen2, qwen3, phi3, gemma2 with soft-capping, olmo, llama rope
   scalings: linear, yarn, llama3 freq factors) clear issue 6's bar on torch too, so nothing in the backend is
   llama-specific.
-* CUDA: the same SmolLM2 test on ``torch:cuda``, skipped without a GPU.
+* CUDA: the same SmolLM2 test and the random-weight families on ``torch:cuda``, skipped without a GPU.
 """
 from __future__ import annotations
 
@@ -158,17 +158,28 @@ def arch_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("arch_torch")
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_random_weight_families_clear_their_bar(arch_dir, score, family: str) -> None:
+def assert_family_clears_its_bar(arch_dir, score, family: str, backend: str) -> None:
     from llmfw.core.plugins import registry
 
     arch = reference(family).get("arch", family.split("-")[0])
     if arch not in registry("architectures").names():
         pytest.skip(f"architecture {arch!r} is not registered in this checkout")
-    with llmfw.load_model(model_file(family, arch_dir), backend="torch") as model:
+    with llmfw.load_model(model_file(family, arch_dir), backend=backend) as model:
         for record in records(reference(family)):
             logits = decode_all(model, record["sequence"], n_ctx=record["n_ctx"])
-            assert_clears_arch_bar(score, record, logits, f"{family} on torch")
+            assert_clears_arch_bar(score, record, logits, f"{family} on {backend}")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_random_weight_families_clear_their_bar(arch_dir, score, family: str) -> None:
+    assert_family_clears_its_bar(arch_dir, score, family, "torch")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_random_weight_families_on_cuda_clear_their_bar(arch_dir, score, family: str) -> None:
+    assert_family_clears_its_bar(arch_dir, score, family, "torch:cuda")
 
 
 @pytest.mark.cuda
