@@ -276,6 +276,43 @@ def test_column_slices_of_a_batched_step_are_read_in_place_by_the_ops_that_take_
     assert {"rms_norm", "rope", "kv_write", "attention", "swiglu", "gelu", "mul", "concat"} <= set(labels)
 
 
+def test_the_ropes_of_a_run_share_one_table_of_angles(backends):
+    """q and k rotated at the same positions read one table of cos / sin, worked out once a run."""
+    g, out = fused_step_graph()
+    backend = backends[0]
+    backend.weights.update(g.weights)
+    split = Split(backend, nodes=list(g.nodes), input_ids=list(g.inputs), output_ids=[out.id])
+    ops = list(backend.compile(split, kv_pair(backend)).programs[()][0].instrs["op"])
+    assert ops.count(pg.ROPE_ANGLES) == 1 and ops.count(pg.ROPE) == 2
+    assert ops.index(pg.ROPE_ANGLES) < ops.index(pg.ROPE)
+
+
+@pytest.mark.parametrize("isa", ["scalar", "auto"])
+def test_a_rope_reading_the_table_gives_the_bits_of_one_that_works_out_its_angles(isa):
+    """ROPE_ANGLES then ROPE with the table, against ROPE alone: 3 tokens, 2 heads of 16, YaRN's mix included."""
+    x = f32(3, 2, 16)
+    pos = np.array([5, 0, 1234], np.int32)
+    mix = RNG.random(8).astype(np.float32)
+    f = [10000.0 ** (-2.0 / 16), 0.5, 1.1, 1.0]
+    rope = [3, 2, 16, 16, 1, 32, 16, 32, 16, 0]
+
+    def run(with_table: bool) -> np.ndarray:
+        buffers = [x.ravel(), pos, mix]  # buffers 1, 2, 3; the arena: out [0, 96), the table [96, 144)
+        table = pg.Operand(0, 96) if with_table else pg.NONE
+        instrs = [pg.Instr(pg.ROPE, [pg.Operand(0, 0), pg.Operand(1, 0), pg.Operand(2, 0), pg.NONE, pg.Operand(3, 0),
+                                     table], rope, f)]
+        if with_table:
+            instrs.insert(0, pg.Instr(pg.ROPE_ANGLES, [table, pg.NONE, pg.Operand(2, 0), pg.NONE, pg.Operand(3, 0)],
+                                      [3, 0, 0, 16], f))
+        program = pg.Program(instrs, 144, buffers, [False] * 3, [], [])
+        pool = kernels.ThreadPool(2)
+        program.run(pool, kernels.resolve_isa(isa))
+        pool.close()
+        return program.arena[:96].copy()
+
+    assert np.array_equal(run(True), run(False))
+
+
 def test_a_column_slice_that_is_a_splits_output_comes_out_contiguous(backends):
     g = Graph()
     x = g.input(f32(4, 40))
@@ -336,6 +373,10 @@ def test_a_checked_program_runs_and_its_instructions_are_frozen():
     ({"op": pg.KV_WRITE, "n": [1, 1, 8, 8, 4, 4, 8]}, "k and v 4 and 8 words apart"),
     ({"op": pg.ATTEND, "n": [1, 3, 2, 4, 4, 4, 4]}, "3 heads over 2 KV heads"),
     ({"op": pg.ATTEND, "n": [1, 3, 0, 4, 4, 4, 4]}, "3 heads over 0 KV heads"),
+    ({"op": pg.ROPE_ANGLES, "n": [4, 0, 0, 15]}, "angles of 15 rotated dimensions"),
+    ({"op": pg.ROPE_ANGLES, "n": [4, 0, 0, 32]}, "operand 0 spans"),
+    ({"op": pg.ROPE, "args": [pg.Operand(0, 64), pg.Operand(0, 0), pg.Operand(0, 0), pg.NONE, pg.NONE,
+                              pg.Operand(0, 100)], "n": [2, 1, 16, 16, 1, 16, 16, 16, 16, 0]}, "operand 5 spans"),
     ({"op": pg.BINARY, "n": [0, 1, 1, 4, 16, 0, 0, 64, 1, 0, 0, 0, 1]}, "operand 1 spans"),
 ])
 def test_a_corrupted_program_is_refused_before_c_runs_it(change, reason):

@@ -122,6 +122,7 @@ class NativeCompiler(SplitCompilerBase[NumpyKV]):
         self._weight_ids: dict[str, int] = {}
         self.refs: dict[int, int] = {}  # arena root → live values viewing it
         self.roots: dict[int, tuple[int, int]] = {}  # root id → (offset, words)
+        self._rope_tables: dict[tuple[object, ...], pg.Operand] = {}  # rope_angles: key → the run's table
 
     # -- values -------------------------------------------------------------------------------------------------
     def node_shape(self, node: Node) -> tuple[int, ...]:
@@ -401,8 +402,22 @@ class NativeCompiler(SplitCompilerBase[NumpyKV]):
         ff = pg.NONE if factors is None else self.v(factors).operand
         theta_scale = F32(freq_base ** (-2.0 / n_dims))
         magnitude = F32(F32(node.attr_float("attn_factor", 1.0)) * yarn_magnitude(freq_scale, ext))
-        self.emit(pg.ROPE, [out, x, pos.operand, ff, mix], [*dims, n_dims, int(mode == "neox"), *strides, int(f16)],
-                  [float(theta_scale), float(F32(freq_scale)), float(magnitude), float(ext != 0.0)], label=label)
+        f = [float(theta_scale), float(F32(freq_scale)), float(magnitude), float(ext != 0.0)]
+        angles = self.rope_angles(pos, ff, mix, n_dims, f)
+        self.emit(pg.ROPE, [out, x, pos.operand, ff, mix, angles],
+                  [*dims, n_dims, int(mode == "neox"), *strides, int(f16)], f, label=label)
+
+    def rope_angles(self, pos: Value, ff: pg.Operand, mix: pg.Operand, n_dims: int, f: list[float]) -> pg.Operand:
+        """The table of cos / sin that every rope of these positions and parameters reads (each layer rotates q
+        and k by the same angles: their sines and cosines are worked out once a run, not per rope and layer)."""
+        key = (pos.buf, pos.off, pos.root, ff, tuple(self.buffers[mix.buf - 1]) if mix.buf > 0 else (), n_dims, *f)
+        table = self._rope_tables.get(key)
+        if table is None:
+            table = pg.Operand(0, self.arena.alloc(pos.size * n_dims))  # for the whole run: never released
+            self.emit(pg.ROPE_ANGLES, [table, pg.NONE, pos.operand, ff, mix], [pos.size, 0, 0, n_dims], f,
+                      label="rope")
+            self._rope_tables[key] = table
+        return table
 
     def _op_rope(self, node: Node) -> None:
         x, pos = self.v_rows(node.inputs[0]), self.v(node.inputs[1])

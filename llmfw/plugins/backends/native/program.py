@@ -30,9 +30,11 @@ assert INSTR.itemsize == kernels.INSTR_BYTES
 BINARY, UNARY, SWIGLU, RMS_NORM, NORM, SOFTMAX, GET_ROWS, GET_ROWS_W, MUL_MAT, SLICE, ROPE, KV_WRITE, ATTEND = range(1, 14)
 # the recurrent ops (csrc/recurrent.c)
 SSM_CONV, CONV_WINDOW, SSM_SCAN, GATED_DELTA = range(14, 18)
+#: the angles of a step's rotations, once for all of its ropes (csrc/ops.c)
+ROPE_ANGLES = 26
 OP_NAMES = {BINARY: "binary", UNARY: "unary", SWIGLU: "swiglu", RMS_NORM: "rms_norm", NORM: "norm",
             SOFTMAX: "softmax", GET_ROWS: "get_rows", GET_ROWS_W: "get_rows", MUL_MAT: "mul_mat", SLICE: "slice",
-            ROPE: "rope", KV_WRITE: "kv_write", ATTEND: "attention", SSM_CONV: "ssm_conv",
+            ROPE: "rope", ROPE_ANGLES: "rope", KV_WRITE: "kv_write", ATTEND: "attention", SSM_CONV: "ssm_conv",
             CONV_WINDOW: "conv_window", SSM_SCAN: "ssm_scan", GATED_DELTA: "gated_delta"}
 # the mixture-of-experts ops (csrc/moe.c)
 MUL_MAT_ID, ADD_ID, TOP_K, TAKE, SUM_ROWS, ID_MASK, SWIGLU_OAI, CONCAT = range(18, 26)
@@ -265,6 +267,16 @@ def _check_instruction(ins: np.void, buffer_words: Sequence[int], writable: Sequ
             raise ProgramError("an f16 rope that is not in place (only a K shift rotates f16 keys)")
         need(0, cache_words(span(n_tokens, (n_tokens, n[7]), (n_head, n[8]), (dim, 1)), n[9]), out=True)
         need(1, cache_words(span(n_tokens, (n_tokens, n[5]), (n_head, n[6]), (dim, 1)), n[9]))
+        need(2, n_tokens)
+        need(3, n_dims // 2, optional=True)
+        need(4, n_dims // 2, optional=True)
+        need(5, n_tokens * n_dims, optional=True)
+    elif op == ROPE_ANGLES:
+        n_tokens, n_dims = n[0], n[3]
+        positive(n_tokens)
+        if n_dims < 2 or n_dims % 2 or n_dims > MAX_ROPE_DIMS:
+            raise ProgramError(f"angles of {n_dims} rotated dimensions")
+        need(0, n_tokens * n_dims, out=True)
         need(2, n_tokens)
         need(3, n_dims // 2, optional=True)
         need(4, n_dims // 2, optional=True)

@@ -205,10 +205,11 @@ enum nat_op {
     NAT_OP_GET_ROWS_W = 8,   /* out, ids; n: n_ids, weight index, -, id bytes */
     NAT_OP_MUL_MAT = 9,      /* out, x, scratch (quantized kinds); n: weight index, m */
     NAT_OP_SLICE = 10,       /* out, x; n: outer, row words, start, length */
-    NAT_OP_ROPE = 11,        /* out, x, pos (i32), freq factors, YaRN mix (or none); n: T, H, D, n_dims, neox,
-                              * x stride t, x stride h, out stride t, out stride h, f16 (0/1: out is x, f16 keys:
-                              * a K shift of an f16 cache, strides in values); f: theta scale, freq scale,
-                              * magnitude, ext (0/1) */
+    NAT_OP_ROPE = 11,        /* out, x, pos (i32), freq factors, YaRN mix (or none), angles (NAT_OP_ROPE_ANGLES's
+                              * table for these positions and parameters, or none: computed here); n: T, H, D,
+                              * n_dims, neox, x stride t, x stride h, out stride t, out stride h, f16 (0/1: out is
+                              * x, f16 keys: a K shift of an f16 cache, strides in values); f: theta scale, freq
+                              * scale, magnitude, ext (0/1) */
     NAT_OP_KV_WRITE = 12,    /* K cache, V cache, k, v, cells (i64); n: T, Hkv, dk, dv, n_cells, k token stride,
                               * v token stride, f16 (0/1: the caches hold f16, the rows are rounded to it) */
     NAT_OP_ATTEND = 13,      /* out, q, K cache, V cache, mask, sinks (or none), order (i32 [n_kv], the cells in the
@@ -229,6 +230,8 @@ enum nat_op {
     NAT_OP_ID_MASK = 23,     /* out [rows, n], x, ids [rows, k]; n: rows, n, k, id bytes */
     NAT_OP_SWIGLU_OAI = 24,  /* out, gate, up; n: count; f: alpha, limit */
     NAT_OP_CONCAT = 25,      /* out [rows, na + nb], a [rows, na], b [rows, nb]; n: rows, na, nb */
+    NAT_OP_ROPE_ANGLES = 26, /* out [T, n_dims] (each token's cos of its n_dims / 2 pairs, then their sin), -, pos
+                              * (i32), freq factors, YaRN mix (or none); n: T, -, -, n_dims; f: as NAT_OP_ROPE's */
 };
 enum nat_unary { NAT_SILU = 0, NAT_GELU, NAT_RELU, NAT_SIGMOID, NAT_SOFTPLUS, NAT_SCALE, NAT_SOFTCAP, NAT_CLAMP };
 

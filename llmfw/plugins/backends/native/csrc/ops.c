@@ -16,6 +16,7 @@
 /* what an element of an op through nat_exp costs, in elements of an add (for the chunks: such an op splits over the
  * threads from a few thousand elements on, a batched decode step's SwiGLU among them) */
 #define EXP_ELEMENT_COST 8
+#define ROPE_ANGLE_COST 16
 
 /* The elementwise loops (those that call nat_exp, binary_row, and the norms' sums), compiled three times where the
  * compiler and loader can choose a copy at load time (GCC/Clang ifuncs on x86-64 Linux): for AVX-512's 16 lanes,
@@ -335,11 +336,12 @@ static void slice_rows(const nat_instr *in, void *const *bufs) {
 
 /* ---- RoPE ---------------------------------------------------------------------------------------------------- */
 
-/* cos / sin of each rotated pair at position pos, as ggml_rope_cache_init (the angle advanced by float products) */
-static void rope_angles(const nat_instr *in, void *const *bufs, float pos, float *cs, float *sn) {
-    const float *ff = HAS(in, 3) ? F32_AT(bufs, in, 3) : NULL, *mix = HAS(in, 4) ? F32_AT(bufs, in, 4) : NULL;
-    float theta_scale = in->f[0], freq_scale = in->f[1], magnitude = in->f[2], cur = pos;
-    for (int64_t i = 0; i < in->n[3] / 2; i++) {
+/* cos / sin of each rotated pair at position pos, as ggml_rope_cache_init (the angle advanced by float products);
+ * ff, mix: freq factors and YaRN mix (or NULL); f: theta scale, freq scale, magnitude */
+static void rope_angles(const float *ff, const float *mix, const float *f, int64_t half, float pos, float *cs,
+                        float *sn) {
+    float theta_scale = f[0], freq_scale = f[1], magnitude = f[2], cur = pos;
+    for (int64_t i = 0; i < half; i++) {
         float extrap = ff ? cur / ff[i] : cur;
         float theta = freq_scale * extrap;
         if (mix) theta = theta * (1.0f - mix[i]) + extrap * mix[i];
@@ -347,6 +349,14 @@ static void rope_angles(const nat_instr *in, void *const *bufs, float pos, float
         sn[i] = sinf(theta) * magnitude;
         cur = cur * theta_scale;
     }
+}
+
+/* the angles of an instruction whose operands 2, 3, 4 are positions, freq factors and YaRN mix (ROPE and
+ * ROPE_ANGLES alike), n_dims in n[3], the parameters in f[0..2], for token t */
+static void token_angles(const nat_instr *in, void *const *bufs, int64_t t, float *cs, float *sn) {
+    const int32_t *pos = (const int32_t *)WORDS(bufs, in, 2);
+    const float *ff = HAS(in, 3) ? F32_AT(bufs, in, 3) : NULL, *mix = HAS(in, 4) ? F32_AT(bufs, in, 4) : NULL;
+    rope_angles(ff, mix, in->f, in->n[3] / 2, (float)pos[t], cs, sn);
 }
 
 /* the n_dims rotated dimensions of one head's row x into o (o may be x: each pair is read before it is written) */
@@ -364,14 +374,18 @@ static void rope_chunk(void *raw, int64_t chunk, int ith) {
     flat_job *job = raw;
     const nat_instr *in = job->in;
     const float *x = F32_AT(job->bufs, in, 1);
-    const int32_t *pos = (const int32_t *)WORDS(job->bufs, in, 2);
+    const float *table = HAS(in, 5) ? F32_AT(job->bufs, in, 5) : NULL;  /* the step's angles (ROPE_ANGLES) */
     float *out = F32_AT(job->bufs, in, 0);
     int64_t n_head = in->n[1], dim = in->n[2], n_dims = in->n[3], half = n_dims / 2, t0, t1;
     int neox = (int)in->n[4], f16 = (int)in->n[9];  /* f16: an f16 KV cache's keys, rotated in place (a K shift) */
-    float cs[512], sn[512], row[1024];  /* n_dims <= 1024: the compiler checks */
+    float angles[1024], row[1024];  /* n_dims <= 1024: the compiler checks */
     nat_share(job->count, chunk, job->n_chunks, &t0, &t1);
     for (int64_t t = t0; t < t1; t++) {
-        rope_angles(in, job->bufs, (float)pos[t], cs, sn);
+        const float *cs = angles, *sn = angles + half;
+        if (table)
+            cs = table + t * n_dims, sn = cs + half;
+        else
+            token_angles(in, job->bufs, t, angles, angles + half);
         for (int64_t h = 0; h < n_head; h++) {
             if (f16) {
                 uint16_t *keys = (uint16_t *)out + t * in->n[7] + h * in->n[8];
@@ -387,6 +401,16 @@ static void rope_chunk(void *raw, int64_t chunk, int ith) {
                 for (int64_t d = n_dims; d < dim; d++) o[d] = xr[d];
         }
     }
+}
+
+/* ROPE_ANGLES: each token's cos, then sin, of its n_dims / 2 pairs, once for every rope of a step that shares them */
+static void rope_angles_chunk(void *raw, int64_t chunk, int ith) {
+    (void)ith;
+    flat_job *job = raw;
+    int64_t n_dims = job->in->n[3], t0, t1;
+    float *out = F32_AT(job->bufs, job->in, 0);
+    nat_share(job->count, chunk, job->n_chunks, &t0, &t1);
+    for (int64_t t = t0; t < t1; t++) token_angles(job->in, job->bufs, t, out + t * n_dims, out + t * n_dims + n_dims / 2);
 }
 
 /* ---- the KV cache and attention ------------------------------------------------------------------------------ */
@@ -442,6 +466,9 @@ int nat_run_op(nat_pool *pool, int isa, const nat_instr *in, void *const *bufs, 
         return 0;
     case NAT_OP_ROPE:
         run_flat(pool, in, bufs, in->n[0], in->n[1] * in->n[2], rope_chunk);
+        return 0;
+    case NAT_OP_ROPE_ANGLES:  /* a sine and a cosine cost about as much as ROPE_ANGLE_COST elements of an add */
+        run_flat(pool, in, bufs, in->n[0], in->n[3] * ROPE_ANGLE_COST, rope_angles_chunk);
         return 0;
     case NAT_OP_KV_WRITE:
         return kv_write(isa, in, bufs);
