@@ -216,12 +216,12 @@ def test_isa_option_picks_a_path_this_cpu_runs_and_refuses_others():
             kernels.resolve_isa(isa)
 
 
+@pytest.mark.parametrize("k", (96, 672))  # 672: 21 blocks a row, past the 16 the AVX-512 path divides at once
 @pytest.mark.parametrize("isa", ISAS)
-def test_activation_codes_round_half_to_even_bit_exactly(isa, pools):
+def test_activation_codes_round_half_to_even_bit_exactly(isa, k, pools):
     """The activation quantization's bits, read through a one-hot Q8_0 weight (row j picks element j with scale 1,
     so y[j] = d * q[j] exactly): q = round-half-even(x * 127 / amax) in double, d = amax / 127 in float32; the
     scalar path and the vector one (AVX2 and AVX-512) alike."""
-    k = 96
     raw = np.zeros((k, k // 32, 34), dtype=np.uint8)
     raw[:, :, :2] = np.array([1.0], dtype=np.float16).view(np.uint8)
     for j in range(k):
