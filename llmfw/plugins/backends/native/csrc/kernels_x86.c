@@ -493,29 +493,43 @@ TARGET static void quantize_half(const float *x, __m256d inv, int8_t *q, int32_t
     _mm_storeu_si128((__m128i *)q, bytes);
 }
 
-/* The row and block loop of a vector quantizer (NAME): BLOCK(xb, q, sums, &top) quantizes one block of 32 values
- * into q and its halves' code sums and returns 1 with its largest magnitude in top, or returns 0 for a block with a
- * NaN or inf (its codes, scale and sums then come from nat_quantize_nonfinite). */
-#define QUANTIZE_ROWS(ATTR, NAME, BLOCK)                                                                           \
+/* blocks a vector quantizer takes at a time: their maxima first, then the divisions for all of them in a few vector
+ * instructions (127 / top in double, top / 127 in float), then their codes, so no division's latency stands
+ * between one block's maximum and its codes */
+#define QUANTIZE_BATCH 16
+
+/* The row and block loop of a vector quantizer (NAME), QUANTIZE_BATCH blocks at a time: TOP(xb) gives a block's
+ * largest magnitude, or -1 for a block with a NaN or inf (its codes, scale and sums then come from
+ * nat_quantize_nonfinite); DIVIDE(top, d, inv) fills d[j] = top[j] / 127 and inv[j] = 127 / top[j] (0 where
+ * top[j] <= 0) for all QUANTIZE_BATCH entries; CODES(xb, inv, q, sums) writes a block's codes and its halves' sums.
+ * The operations of nat_quantize_rows, so the same bits. */
+#define QUANTIZE_ROWS(ATTR, NAME, TOP, DIVIDE, CODES)                                                              \
     ATTR void NAME(const float *x, int64_t k, nat_qact *a, int64_t m0, int64_t m1) {                               \
         int64_t nb = k / NAT_BLOCK;                                                                                \
         for (int64_t i = m0; i < m1; i++) {                                                                        \
-            for (int64_t b = 0; b < nb; b++) {                                                                     \
-                int64_t at = i * nb + b;                                                                           \
-                int8_t *q = a->q + i * k + b * NAT_BLOCK;                                                          \
-                int32_t *sums = a->sums + at * 2;                                                                  \
-                float top;                                                                                         \
-                if (!BLOCK(x + i * k + b * NAT_BLOCK, q, sums, &top)) {                                            \
-                    nat_quantize_nonfinite(q, &a->d[at], sums, &a->asum[at]);                                      \
-                    continue;                                                                                      \
+            for (int64_t b0 = 0; b0 < nb; b0 += QUANTIZE_BATCH) {                                                  \
+                int n = nb - b0 < QUANTIZE_BATCH ? (int)(nb - b0) : QUANTIZE_BATCH;                                \
+                float top[QUANTIZE_BATCH] = {0}, d[QUANTIZE_BATCH];                                                \
+                double inv[QUANTIZE_BATCH];                                                                        \
+                for (int j = 0; j < n; j++) top[j] = TOP(x + i * k + (b0 + j) * NAT_BLOCK);                        \
+                DIVIDE(top, d, inv);                                                                               \
+                for (int j = 0; j < n; j++) {                                                                      \
+                    int64_t at = i * nb + b0 + j;                                                                  \
+                    int8_t *q = a->q + i * k + (b0 + j) * NAT_BLOCK;                                               \
+                    int32_t *sums = a->sums + at * 2;                                                              \
+                    if (top[j] < 0.0f) {                                                                           \
+                        nat_quantize_nonfinite(q, &a->d[at], sums, &a->asum[at]);                                  \
+                        continue;                                                                                  \
+                    }                                                                                              \
+                    CODES(x + i * k + (b0 + j) * NAT_BLOCK, inv[j], q, sums);                                      \
+                    a->asum[at] = (float)(sums[0] + sums[1]);                                                      \
+                    a->d[at] = d[j];                                                                               \
                 }                                                                                                  \
-                a->asum[at] = (float)(sums[0] + sums[1]);                                                          \
-                a->d[at] = top / 127.0f;                                                                           \
             }                                                                                                      \
         }                                                                                                          \
     }
 
-TARGET INLINE int quantize_block_avx2(const float *xb, int8_t *q, int32_t sums[2], float *top) {
+TARGET INLINE float block_top_avx2(const float *xb) {
     __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)), largest = _mm256_set1_ps(3.0e38f);
     __m256 amax = _mm256_setzero_ps(), finite = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
     for (int c = 0; c < 4; c++) {
@@ -523,17 +537,29 @@ TARGET INLINE int quantize_block_avx2(const float *xb, int8_t *q, int32_t sums[2
         finite = _mm256_and_ps(finite, _mm256_cmp_ps(v, largest, _CMP_LE_OQ));  /* false for NaN */
         amax = _mm256_max_ps(amax, v);
     }
-    if (_mm256_movemask_ps(finite) != 0xff) return 0;
+    if (_mm256_movemask_ps(finite) != 0xff) return -1.0f;
     __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    *top = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
-    __m256d inv = _mm256_set1_pd(*top > 0.0f ? 127.0 / (double)*top : 0.0);
-    quantize_half(xb, inv, q, &sums[0]);
-    quantize_half(xb + 16, inv, q + 16, &sums[1]);
-    return 1;
+    return _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
 }
 
-QUANTIZE_ROWS(TARGET, nat_quantize_rows_avx2, quantize_block_avx2)
+TARGET INLINE void divide_avx2(const float *top, float *d, double *inv) {
+    for (int j = 0; j < QUANTIZE_BATCH; j += 8)
+        _mm256_storeu_ps(d + j, _mm256_div_ps(_mm256_loadu_ps(top + j), _mm256_set1_ps(127.0f)));
+    for (int j = 0; j < QUANTIZE_BATCH; j += 4) {
+        __m256d t = _mm256_cvtps_pd(_mm_loadu_ps(top + j));
+        __m256d positive = _mm256_cmp_pd(t, _mm256_setzero_pd(), _CMP_GT_OQ);
+        _mm256_storeu_pd(inv + j, _mm256_and_pd(positive, _mm256_div_pd(_mm256_set1_pd(127.0), t)));
+    }
+}
+
+TARGET INLINE void codes_avx2(const float *xb, double inv, int8_t *q, int32_t sums[2]) {
+    __m256d scale = _mm256_set1_pd(inv);
+    quantize_half(xb, scale, q, &sums[0]);
+    quantize_half(xb + 16, scale, q + 16, &sums[1]);
+}
+
+QUANTIZE_ROWS(TARGET, nat_quantize_rows_avx2, block_top_avx2, divide_avx2, codes_avx2)
 
 /* nat_quantize_rows with 512-bit vectors: the same IEEE operations as quantize_half, 8 doubles at a time, rounded
  * half to even as they are converted (an exact integer either way) and clamped as integers (the same codes: a
@@ -566,48 +592,27 @@ TARGET512 INLINE float block_top_avx512(const float *xb) {
     return finite == 0xFFFF ? _mm512_reduce_max_ps(_mm512_max_ps(v0, v1)) : -1.0f;  /* an exact maximum: any order */
 }
 
-/* QUANTIZE_BATCH blocks at a time: their maxima first, then the divisions of them all in two vector instructions
- * (127 / top in double, 8 lanes at a time, and top / 127 in float), then the codes: the same IEEE operations as
- * nat_quantize_rows, without a division's latency between one block's maximum and its codes */
-#define QUANTIZE_BATCH 16
-
-TARGET512 void nat_quantize_rows_avx512(const float *x, int64_t k, nat_qact *a, int64_t m0, int64_t m1) {
-    int64_t nb = k / NAT_BLOCK;
-    for (int64_t i = m0; i < m1; i++) {
-        for (int64_t b0 = 0; b0 < nb; b0 += QUANTIZE_BATCH) {
-            int n = nb - b0 < QUANTIZE_BATCH ? (int)(nb - b0) : QUANTIZE_BATCH;
-            __mmask16 keep = (__mmask16)((1u << n) - 1);
-            float top[QUANTIZE_BATCH];
-            double inv[QUANTIZE_BATCH];
-            for (int j = 0; j < n; j++) top[j] = block_top_avx512(x + i * k + (b0 + j) * NAT_BLOCK);
-            __m512 tops = _mm512_maskz_loadu_ps(keep, top);
-            _mm512_mask_storeu_ps(a->d + i * nb + b0, keep, _mm512_div_ps(tops, _mm512_set1_ps(127.0f)));
-            for (int h = 0; h < 2; h++) {  /* 127 / top where top > 0, else 0 */
-                __m256 part = h ? _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(tops), 1))
-                                : _mm512_castps512_ps256(tops);
-                __m512d t = _mm512_cvtps_pd(part);
-                __mmask8 positive = _mm512_cmp_pd_mask(t, _mm512_setzero_pd(), _CMP_GT_OQ);
-                _mm512_storeu_pd(inv + 8 * h, _mm512_maskz_div_pd(positive, _mm512_set1_pd(127.0), t));
-            }
-            for (int j = 0; j < n; j++) {
-                int64_t at = i * nb + b0 + j;
-                const float *xb = x + i * k + (b0 + j) * NAT_BLOCK;
-                int8_t *q = a->q + i * k + (b0 + j) * NAT_BLOCK;
-                int32_t *sums = a->sums + at * 2;
-                if (top[j] < 0.0f) {
-                    nat_quantize_nonfinite(q, &a->d[at], sums, &a->asum[at]);
-                    continue;
-                }
-                __m512d scale = _mm512_set1_pd(inv[j]);
-                __m256i codes = _mm256_inserti128_si256(_mm256_castsi128_si256(quantize_16_avx512(xb, scale)),
-                                                        quantize_16_avx512(xb + 16, scale), 1);
-                _mm256_storeu_si256((__m256i *)q, codes);
-                half_sums_avx512(codes, sums);
-                a->asum[at] = (float)(sums[0] + sums[1]);
-            }
-        }
+TARGET512 INLINE void divide_avx512(const float *top, float *d, double *inv) {
+    __m512 tops = _mm512_loadu_ps(top);
+    _mm512_storeu_ps(d, _mm512_div_ps(tops, _mm512_set1_ps(127.0f)));
+    for (int h = 0; h < 2; h++) {
+        __m256 part = h ? _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(tops), 1))
+                        : _mm512_castps512_ps256(tops);
+        __m512d t = _mm512_cvtps_pd(part);
+        __mmask8 positive = _mm512_cmp_pd_mask(t, _mm512_setzero_pd(), _CMP_GT_OQ);
+        _mm512_storeu_pd(inv + 8 * h, _mm512_maskz_div_pd(positive, _mm512_set1_pd(127.0), t));
     }
 }
+
+TARGET512 INLINE void codes_avx512(const float *xb, double inv, int8_t *q, int32_t sums[2]) {
+    __m512d scale = _mm512_set1_pd(inv);
+    __m256i codes = _mm256_inserti128_si256(_mm256_castsi128_si256(quantize_16_avx512(xb, scale)),
+                                            quantize_16_avx512(xb + 16, scale), 1);
+    _mm256_storeu_si256((__m256i *)q, codes);
+    half_sums_avx512(codes, sums);
+}
+
+QUANTIZE_ROWS(TARGET512, nat_quantize_rows_avx512, block_top_avx512, divide_avx512, codes_avx512)
 
 /* 8 weights from element j of a row as float (zero past n_cols) */
 TARGET static inline __m256 load_weights8(const nat_weight *w, const uint8_t *row, int64_t j, int64_t k) {
