@@ -4,12 +4,13 @@
  * (the c-th visible cell: never its cell index, so a sequence's result does not move with where its cells sit in
  * the cache, a sliding window's ring that wrapped included):
  *   qs   = q * scale
- *   s_c  = dot(qs, k_j): element d into lane d % 16, lane = lane + qs[d]*k[d] (lanes from +0), then the lanes
+ *   s_c  = dot(qs, k_j): element d into lane d % 16, lane = fma(qs[d], k[d], lane) (lanes from +0), then the lanes
  *          reduced l + l+8, l + l+4, l + l+2, l + l+1 (native.h's canonical sixteen lanes)
  *          [s_c = tanh(s_c / softcap) * softcap]; s_c = s_c + mask_j
  *   best = the largest s_c (and the sink);  p_c = nat_exp(s_c - best)  (nat_exp.h: one polynomial, the same on every path)
  *   total = the p_c summed with p_c into lane c % 16, then the same reduction [+ nat_exp(sink - best)]
- *   out[d] = (0 + p_0*v_0[d] + p_1*v_1[d] + ...) / total   (cells in order, one lane per d)
+ *   out[d] = fma(p_n, v_n[d], ... fma(p_1, v_1[d], fma(p_0, v_0[d], 0))) / total   (cells in order, one lane per d;
+ *            fma(a, b, c) = a*b + c rounded once: the vector paths' fused multiply-adds, fmaf in the portable path)
  * A row that sees no cell gives NaN (0/0, like the oracle). Hidden cells cost nothing: a tile of query rows only
  * visits the key blocks (16 entries of `order`) some row of it sees (causal prefill never looks at future keys); the
  * kernels read each key through its own row pointer, so keys of cells anywhere (a sequence beside others) are read
@@ -62,16 +63,25 @@ static inline float reduce_lanes(float *lanes) {
     return lanes[0];
 }
 
-/* q . k in native.h's canonical sixteen lanes (also the recurrent ops' dot product, recurrent.c) */
+/* q . k in native.h's canonical sixteen lanes, a multiply then an add per product: the recurrent ops' dot product
+ * (recurrent.c); attention's scores fuse each product into its lane (attn_dot16) */
 float nat_dot16(const float *q, const float *k, int64_t n) {
     float lanes[16] = {0};
     for (int64_t d = 0; d < n; d += 16) add_products(lanes, q + d, k + d, n - d < 16 ? n - d : 16);
     return reduce_lanes(lanes);  /* the padding would add +0 to lanes that are never -0: no change */
 }
 
+/* q . k as attention sums it: native.h's sixteen lanes, each product added by one fused multiply-add */
+static float attn_dot16(const float *q, const float *k, int64_t n) {
+    float lanes[16] = {0};
+    for (int64_t d = 0; d < n; d += 16)
+        for (int64_t l = 0; l < 16 && d + l < n; l++) lanes[l] = fmaf(q[d + l], k[d + l], lanes[l]);
+    return reduce_lanes(lanes);
+}
+
 static void scores_scalar(const float *q, const float *const *keys, int64_t dk, const float *add, float *out) {
     for (int i = 0; i < KEYS; i++) {
-        float dot = nat_dot16(q, keys[i], dk);
+        float dot = attn_dot16(q, keys[i], dk);
         out[i] = add ? dot + add[i] : dot;
     }
 }
@@ -101,7 +111,7 @@ static void weigh_scalar(float *const *out, const float *const *p, int64_t heads
         for (int64_t c = 0; c < n; c++) {
             const float *restrict row = v + (int64_t)cells[c] * dv;
             float pc = p[h][c];
-            for (int64_t d = 0; d < dv; d++) acc[d] = acc[d] + pc * row[d];
+            for (int64_t d = 0; d < dv; d++) acc[d] = fmaf(pc, row[d], acc[d]);
         }
     }
 }
@@ -159,15 +169,15 @@ TARGET2 static inline __m256 avx2_load_f16(const uint16_t *p) {
         for (; d + 16 <= dk; d += 16) {                                                                        \
             __m256 q0 = _mm256_loadu_ps(q + d), q1 = _mm256_loadu_ps(q + d + 8);                               \
             for (int i = 0; i < 4; i++) {                                                                      \
-                lo[i] = _mm256_add_ps(lo[i], _mm256_mul_ps(q0, LOAD(k[i], d)));                                \
-                hi[i] = _mm256_add_ps(hi[i], _mm256_mul_ps(q1, LOAD(k[i], d + 8)));                            \
+                lo[i] = _mm256_fmadd_ps(q0, LOAD(k[i], d), lo[i]);                                             \
+                hi[i] = _mm256_fmadd_ps(q1, LOAD(k[i], d + 8), hi[i]);                                         \
             }                                                                                                  \
         }                                                                                                      \
         if (CUT && d < dk) {                                                                                   \
             __m256 q0 = _mm256_loadu_ps(q + d), q1 = _mm256_loadu_ps(q + d + 8);                               \
             for (int i = 0; i < 4; i++) {                                                                      \
-                lo[i] = _mm256_add_ps(lo[i], _mm256_mul_ps(q0, avx2_load_cut((const float *)k[i] + d, dk - d))); \
-                hi[i] = _mm256_add_ps(hi[i], _mm256_mul_ps(q1, avx2_load_cut((const float *)k[i] + d + 8, dk - d - 8))); \
+                lo[i] = _mm256_fmadd_ps(q0, avx2_load_cut((const float *)k[i] + d, dk - d), lo[i]);            \
+                hi[i] = _mm256_fmadd_ps(q1, avx2_load_cut((const float *)k[i] + d + 8, dk - d - 8), hi[i]);    \
             }                                                                                                  \
         }                                                                                                      \
     } while (0)
@@ -255,7 +265,7 @@ TARGET2 static float exp_sum_avx2(float *p, int64_t n, float best) {
         for (int64_t c = 0; c < n; c++) {                                                                      \
             const T *row = v + (int64_t)cells[c] * dv + d0;                                                    \
             __m256 pc = _mm256_set1_ps(p[c]);                                                                  \
-            for (int i = 0; i < 8; i++) acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(pc, ROW_LOAD(row + 8 * i, dv - d0 - 8 * i))); \
+            for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(pc, ROW_LOAD(row + 8 * i, dv - d0 - 8 * i), acc[i]); \
         }                                                                                                      \
         for (int i = 0; i < 8; i++) avx2_store(out + d0 + 8 * i, dv - d0 - 8 * i, acc[i]);                    \
     } while (0)
@@ -348,7 +358,7 @@ TARGET512 static inline __mmask16 avx512_keep(int64_t n) {
                             acc13, acc14, acc15, add, out);                                                    \
     }
 /* key i's next 16 products with q added to its lanes, its values read by LOAD */
-#define ADD_KEY(LOAD, i) acc##i = _mm512_add_ps(acc##i, _mm512_mul_ps(qv, LOAD(k[i] + d)));
+#define ADD_KEY(LOAD, i) acc##i = _mm512_fmadd_ps(qv, LOAD(k[i] + d), acc##i);
 #define EACH_KEY_WITH(X, A) X(A, 0) X(A, 1) X(A, 2) X(A, 3) X(A, 4) X(A, 5) X(A, 6) X(A, 7) X(A, 8) X(A, 9) \
     X(A, 10) X(A, 11) X(A, 12) X(A, 13) X(A, 14) X(A, 15)
 
@@ -412,7 +422,7 @@ TARGET512 static float exp_sum_avx512(float *p, int64_t n, float best) {
             for (int i = 0; i < 4; i++) vr[i] = ROW_LOAD(keep[i], row + 16 * i);                                \
             for (int h = 0; h < HEADS; h++) {                                                                  \
                 __m512 pc = _mm512_set1_ps(p[h][c]);                                                           \
-                for (int i = 0; i < 4; i++) acc[h][i] = _mm512_add_ps(acc[h][i], _mm512_mul_ps(pc, vr[i]));    \
+                for (int i = 0; i < 4; i++) acc[h][i] = _mm512_fmadd_ps(pc, vr[i], acc[h][i]);    \
             }                                                                                                  \
         }                                                                                                      \
         for (int h = 0; h < HEADS; h++)                                                                        \
