@@ -14,12 +14,14 @@ from llmfw.core.exec.backend import KVLayerShape, Split
 from llmfw.core.errors import ModelError
 from llmfw.core.ir.graph import Node
 
-from support.native import kernels_or_skip
+from llmfw.core.quants import GGMLType
+from support.native import kernels_or_skip, random_blocks, random_float_tensor
 from support.native_graph import Graph, both, native_and_oracle
 
 kernels = kernels_or_skip()
 
 from llmfw.plugins.backends.native import program as pg  # noqa: E402
+from llmfw.plugins.backends.native import repack as rp  # noqa: E402
 
 RNG = np.random.default_rng(7)
 
@@ -311,6 +313,39 @@ def test_a_rope_reading_the_table_gives_the_bits_of_one_that_works_out_its_angle
         return program.arena[:96].copy()
 
     assert np.array_equal(run(True), run(False))
+
+
+@pytest.mark.parametrize("qtype", [GGMLType.Q4_1, GGMLType.F16], ids=lambda t: t.name)
+def test_a_residual_add_after_a_matmul_is_done_by_the_matmul_with_the_adds_bits(backends, qtype):
+    """mul_mat then add of another value (a residual connection): the matmul adds it as its threads finish their
+    rows, one instruction, the same bits as the add; a product something else also reads keeps its own add."""
+    from llmfw.plugins.backends.native.compiler import native_matrix
+
+    rng = np.random.default_rng(11)
+    n_rows = 45
+    raw = (random_blocks(qtype, n_rows, 4, rng) if qtype != GGMLType.F16
+           else random_float_tensor(qtype, n_rows, 128, rng))
+    matrix = native_matrix(rp.repack(raw, qtype, (128, n_rows)))
+    x, residual = f32(5, 128), f32(5, n_rows)
+    results, ops = [], []
+    for also_read in (False, True):
+        g = Graph()
+        w = g.weight("w", matrix)
+        xs, rs = g.input(x), g.input(residual)
+        product = g.op("mul_mat", w, xs, out=(5, n_rows))
+        out = g.op("add", rs, product, out=(5, n_rows))
+        if also_read:  # a second reader of the product: the add stays an op of its own
+            out = g.op("add", out, g.op("mul", product, g.input(np.zeros((5, n_rows), np.float32)), out=(5, n_rows)),
+                       out=(5, n_rows))
+        backend = backends[0]
+        backend.weights.update(g.weights)
+        split = Split(backend, nodes=list(g.nodes), input_ids=list(g.inputs), output_ids=[out.id])
+        compiled = backend.compile(split, {})
+        ops.append(list(compiled.programs[()][0].instrs["op"]))
+        results.append(np.asarray(compiled({i: v.copy() for i, v in g.inputs.items()})[out.id]))
+    assert pg.BINARY not in ops[0][:2] and ops[0][0] == pg.MUL_MAT and len(ops[0]) == 1
+    assert ops[1].count(pg.BINARY) == 3
+    assert np.array_equal(results[0], results[1])  # the second adds +0 (products are finite): the same bits
 
 
 def test_a_column_slice_that_is_a_splits_output_comes_out_contiguous(backends):

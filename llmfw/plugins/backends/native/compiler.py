@@ -2,6 +2,8 @@
 kernels' layout. compiled.py runs what it makes."""
 from __future__ import annotations
 
+from collections import Counter
+
 from dataclasses import dataclass, field, replace
 from math import prod
 from typing import Literal, Mapping, Protocol, Sequence
@@ -123,6 +125,7 @@ class NativeCompiler(SplitCompilerBase[NumpyKV]):
         self.refs: dict[int, int] = {}  # arena root → live values viewing it
         self.roots: dict[int, tuple[int, int]] = {}  # root id → (offset, words)
         self._rope_tables: dict[tuple[object, ...], pg.Operand] = {}  # rope_angles: key → the run's table
+        self.uses = Counter(i.id for n in split.nodes for i in n.inputs)  # readers of each node's value
 
     # -- values -------------------------------------------------------------------------------------------------
     def node_shape(self, node: Node) -> tuple[int, ...]:
@@ -318,6 +321,8 @@ class NativeCompiler(SplitCompilerBase[NumpyKV]):
 
     def _binary(self, node: Node) -> None:
         a, b = (self.v_rows(i) for i in node.inputs)
+        if node.op == "add" and self.fuse_residual(node, a, b):
+            return
         out = self.define(node)
         dims, sa, sb = broadcast_strides(out.shape, a.shape, b.shape)
         for value, strides in ((a, sa), (b, sb)):  # a strided view's rows (its first axis) are row_stride apart
@@ -328,6 +333,24 @@ class NativeCompiler(SplitCompilerBase[NumpyKV]):
                   label=node.op)
 
     _op_add = _op_sub = _op_mul = _op_div = _binary
+
+    def fuse_residual(self, node: Node, a: Value, b: Value) -> bool:
+        """``add`` of the product the last instruction wrote (read by nothing else) and a value of its shape: the
+        matmul adds it as each thread finishes its rows (a residual connection), and the sum takes the product's
+        place. The residual existed before the matmul ran: it is an input of this add, which follows the matmul
+        directly. Same bits: one float add per element either way."""
+        last = self.instrs[-1] if self.instrs else None
+        if last is None or last.op != pg.MUL_MAT or len(last.args) != 3:  # out, x, scratch: no residual yet
+            return False
+        for product, residual in ((a, b), (b, a)):
+            source = node.inputs[0] if product is a else node.inputs[1]
+            if (product.operand == last.args[0] and product.root >= 0 and self.uses.get(source.id, 0) == 1
+                    and source.id not in self.split.output_ids and residual.shape == product.shape
+                    and not residual.row_stride and residual.operand != product.operand):
+                last.args.append(residual.operand)
+                self.alias(node, product, product.shape)
+                return True
+        return False
 
     def _unary(self, node: Node, params: Sequence[float] = ()) -> None:
         x = self.v_rows(node.inputs[0])

@@ -248,6 +248,7 @@ def _check_instruction(ins: np.void, buffer_words: Sequence[int], writable: Sequ
         positive(n[1])
         need(0, n[1] * w.n_rows, out=True)
         need(1, n[1] * w.n_cols)
+        need(3, n[1] * w.n_rows, optional=True)  # a residual added to the product
         if w.kind in QUANTIZED_KINDS:
             if w.n_cols % BLOCK:
                 raise ProgramError(f"{w.n_cols} columns are not whole blocks")

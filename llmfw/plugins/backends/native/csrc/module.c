@@ -25,7 +25,7 @@ int nat_cpu_isas(void) {
     return isas;
 }
 
-int nat_abi_version(void) { return 12; }
+int nat_abi_version(void) { return 13; }
 
 /* sizeof(nat_instr): runtime.py checks its record type against it */
 int64_t nat_instr_bytes(void) { return (int64_t)sizeof(nat_instr); }
@@ -49,6 +49,7 @@ typedef struct {
     const float *x;
     int64_t m;
     float *y;
+    const float *residual;  /* added to y's rows (or NULL): y = x @ w^T + residual */
     nat_qact act;
     nat_kernels paths;
     int64_t n_chunks;
@@ -62,12 +63,23 @@ static void quantize_chunk(void *raw, int64_t chunk, int ith) {
     job->paths.quantize(job->x, job->w->n_cols, &job->act, m0, m1);
 }
 
+/* the residual's columns [r0, r1) of every row added to y's, by the thread that just wrote them (an add of its own
+ * would read them again, after the next weights pushed them out of the cache); the add of the graph's own op, so
+ * its bits */
+static void add_residual(const mul_mat_job *job, int64_t r0, int64_t r1) {
+    int64_t n = job->w->n_rows;
+    for (int64_t i = 0; job->residual && i < job->m; i++)
+        for (int64_t r = r0; r < r1; r++) job->y[i * n + r] = job->y[i * n + r] + job->residual[i * n + r];
+}
+
 static void qgemm_chunk(void *raw, int64_t chunk, int ith) {
     (void)ith;
     mul_mat_job *job = raw;
     int64_t n_groups = (job->w->n_rows + NAT_ROWS - 1) / NAT_ROWS, p0, p1;
     nat_share((n_groups + 1) / 2, chunk, job->n_chunks, &p0, &p1);  /* whole pairs: the AVX-512 path takes two */
-    job->paths.qgemm(job->w, &job->act, job->m, job->y, 2 * p0, 2 * p1 < n_groups ? 2 * p1 : n_groups);
+    int64_t g1 = 2 * p1 < n_groups ? 2 * p1 : n_groups;
+    job->paths.qgemm(job->w, &job->act, job->m, job->y, 2 * p0, g1);
+    add_residual(job, 2 * p0 * NAT_ROWS, g1 * NAT_ROWS < job->w->n_rows ? g1 * NAT_ROWS : job->w->n_rows);
 }
 
 static void fgemm_chunk(void *raw, int64_t chunk, int ith) {
@@ -76,6 +88,7 @@ static void fgemm_chunk(void *raw, int64_t chunk, int ith) {
     int64_t r0, r1;
     nat_share(job->w->n_rows, chunk, job->n_chunks, &r0, &r1);
     job->paths.fgemm(job->w, job->x, job->m, job->y, r0, r1);
+    add_residual(job, r0, r1);
 }
 
 size_t nat_act_words(int64_t m, int64_t n_cols, void *scratch, nat_qact *act) {
@@ -91,10 +104,11 @@ size_t nat_act_words(int64_t m, int64_t n_cols, void *scratch, nat_qact *act) {
     return asum_at + (size_t)(m * nb);
 }
 
-/* y[m, n_rows] = x[m, n_cols] @ w^T with the activation buffers in scratch (nat_act_words words; unused for float
- * weights). Returns 0, or NAT_BAD_INSTRUCTION for a weight the kernels do not know. */
-int nat_mul_mat_into(nat_pool *pool, int isa, const nat_weight *w, const float *x, int64_t m, float *y, void *scratch) {
-    mul_mat_job job = {w, x, m, y, {NULL, NULL, NULL, NULL}, nat_kernels_for(isa), 1};
+/* y[m, n_rows] = x[m, n_cols] @ w^T [+ residual[m, n_rows]] with the activation buffers in scratch (nat_act_words
+ * words; unused for float weights). Returns 0, or NAT_BAD_INSTRUCTION for a weight the kernels do not know. */
+int nat_mul_mat_into(nat_pool *pool, int isa, const nat_weight *w, const float *x, int64_t m, float *y,
+                     const float *residual, void *scratch) {
+    mul_mat_job job = {w, x, m, y, residual, {NULL, NULL, NULL, NULL}, nat_kernels_for(isa), 1};
     if (w->kind == NAT_F32 || w->kind == NAT_F16 || w->kind == NAT_BF16) {
         job.n_chunks = nat_pool_chunks(pool, w->n_rows);
         nat_pool_for(pool, job.n_chunks, fgemm_chunk, &job);
@@ -114,7 +128,7 @@ int nat_mul_mat_into(nat_pool *pool, int isa, const nat_weight *w, const float *
 int nat_mul_mat(nat_pool *pool, int isa, const nat_weight *w, const float *x, int64_t m, float *y) {
     void *scratch = malloc(nat_act_words(m, w->n_cols, NULL, NULL) * 4 + 4);
     if (!scratch) return NAT_OUT_OF_MEMORY;
-    int status = nat_mul_mat_into(pool, isa, w, x, m, y, scratch);
+    int status = nat_mul_mat_into(pool, isa, w, x, m, y, NULL, scratch);
     free(scratch);
     return status;
 }
@@ -137,6 +151,7 @@ int nat_program_run(nat_pool *pool, int isa, const nat_instr *prog, int64_t n, v
         if (in->op == NAT_OP_MUL_MAT)
             status = nat_mul_mat_into(pool, isa, &weights[in->n[0]], (const float *)((char *)bufs[in->buf[1]] + 4 * in->off[1]),
                                       in->n[1], (float *)((char *)bufs[in->buf[0]] + 4 * in->off[0]),
+                                      in->buf[3] >= 0 ? (const float *)((char *)bufs[in->buf[3]] + 4 * in->off[3]) : NULL,
                                       in->buf[2] >= 0 ? (char *)bufs[in->buf[2]] + 4 * in->off[2] : NULL);
         else if (in->op >= NAT_OP_SSM_CONV && in->op <= NAT_OP_GATED_DELTA)
             status = nat_run_recurrent(pool, in, bufs);

@@ -203,7 +203,8 @@ enum nat_op {
     NAT_OP_SOFTMAX = 6,      /* out, x; n: rows, n, group, group stride */
     NAT_OP_GET_ROWS = 7,     /* out, table, ids; n: n_ids, row words, table rows, id bytes (4|8) */
     NAT_OP_GET_ROWS_W = 8,   /* out, ids; n: n_ids, weight index, -, id bytes */
-    NAT_OP_MUL_MAT = 9,      /* out, x, scratch (quantized kinds); n: weight index, m */
+    NAT_OP_MUL_MAT = 9,      /* out, x, scratch (quantized kinds), residual (added to out, or none); n: weight index,
+                              * m */
     NAT_OP_SLICE = 10,       /* out, x; n: outer, row words, start, length */
     NAT_OP_ROPE = 11,        /* out, x, pos (i32), freq factors, YaRN mix (or none), angles (NAT_OP_ROPE_ANGLES's
                               * table for these positions and parameters, or none: computed here); n: T, H, D,
@@ -242,7 +243,8 @@ int nat_run_op(nat_pool *pool, int isa, const nat_instr *in, void *const *bufs, 
 /* attention over the KV cache (attention.c); n: NAT_OP_ATTEND's n[0..7]; k, v: float32 or f16 (n[7]) */
 int nat_attend(nat_pool *pool, int isa, const float *q, const void *k, const void *v, const float *mask,
                const float *sinks, const int32_t *order, float *out, const int64_t *n, float scale, float softcap);
-int nat_mul_mat_into(nat_pool *pool, int isa, const nat_weight *w, const float *x, int64_t m, float *y, void *scratch);
+int nat_mul_mat_into(nat_pool *pool, int isa, const nat_weight *w, const float *x, int64_t m, float *y,
+                     const float *residual, void *scratch);
 int nat_run_moe_op(nat_pool *pool, const nat_kernels *paths, const nat_instr *in, void *const *bufs,
                    const nat_weight *weights);
 
