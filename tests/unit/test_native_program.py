@@ -262,10 +262,15 @@ def fused_step_graph(n_tokens: int = 5) -> tuple[Graph, Node]:
     return g, out
 
 
-def program_labels(backend, g: Graph, output: Node, kv) -> list[str]:
+def compiled(backend, g: Graph, output: Node, kv):
+    """``g``'s split compiled on ``backend`` (its program: ``.programs[()][0]``; called with inputs, it runs)."""
     backend.weights.update(g.weights)
     split = Split(backend, nodes=list(g.nodes), input_ids=list(g.inputs), output_ids=[output.id])
-    return backend.compile(split, kv).programs[()][0].labels
+    return backend.compile(split, kv)
+
+
+def program_labels(backend, g: Graph, output: Node, kv) -> list[str]:
+    return compiled(backend, g, output, kv).programs[()][0].labels
 
 
 def test_column_slices_of_a_batched_step_are_read_in_place_by_the_ops_that_take_row_strides(backends):
@@ -281,10 +286,7 @@ def test_column_slices_of_a_batched_step_are_read_in_place_by_the_ops_that_take_
 def test_the_ropes_of_a_run_share_one_table_of_angles(backends):
     """q and k rotated at the same positions read one table of cos / sin, worked out once a run."""
     g, out = fused_step_graph()
-    backend = backends[0]
-    backend.weights.update(g.weights)
-    split = Split(backend, nodes=list(g.nodes), input_ids=list(g.inputs), output_ids=[out.id])
-    ops = list(backend.compile(split, kv_pair(backend)).programs[()][0].instrs["op"])
+    ops = list(compiled(backends[0], g, out, kv_pair(backends[0])).programs[()][0].instrs["op"])
     assert ops.count(pg.ROPE_ANGLES) == 1 and ops.count(pg.ROPE) == 2
     assert ops.index(pg.ROPE_ANGLES) < ops.index(pg.ROPE)
 
@@ -337,12 +339,9 @@ def test_a_residual_add_after_a_matmul_is_done_by_the_matmul_with_the_adds_bits(
         if also_read:  # a second reader of the product: the add stays an op of its own
             out = g.op("add", out, g.op("mul", product, g.input(np.zeros((5, n_rows), np.float32)), out=(5, n_rows)),
                        out=(5, n_rows))
-        backend = backends[0]
-        backend.weights.update(g.weights)
-        split = Split(backend, nodes=list(g.nodes), input_ids=list(g.inputs), output_ids=[out.id])
-        compiled = backend.compile(split, {})
-        ops.append(list(compiled.programs[()][0].instrs["op"]))
-        results.append(np.asarray(compiled({i: v.copy() for i, v in g.inputs.items()})[out.id]))
+        run = compiled(backends[0], g, out, {})
+        ops.append(list(run.programs[()][0].instrs["op"]))
+        results.append(np.asarray(run({i: v.copy() for i, v in g.inputs.items()})[out.id]))
     assert pg.BINARY not in ops[0][:2] and ops[0][0] == pg.MUL_MAT and len(ops[0]) == 1
     assert ops[1].count(pg.BINARY) == 3
     assert np.array_equal(results[0], results[1])  # the second adds +0 (products are finite): the same bits

@@ -370,26 +370,29 @@ class NativeCompiler(SplitCompilerBase[NumpyKV]):
             raise ModelError(f"native backend: rope positions of type {pos.dtype}")
         freq_base, freq_scale = node.attr_float("freq_base"), node.attr_float("freq_scale")
         ext = node.attr_float("ext_factor", 0.0)
-        mix = pg.NONE
+        mix = None
         if ext != 0.0:
-            mix = self.constant(yarn_ramp_mix(n_dims, node.attr_int("n_ctx_orig"), freq_base,
-                                              node.attr_float("beta_fast"), node.attr_float("beta_slow"), ext))
+            mix = yarn_ramp_mix(n_dims, node.attr_int("n_ctx_orig"), freq_base, node.attr_float("beta_fast"),
+                                node.attr_float("beta_slow"), ext)
         ff = pg.NONE if factors is None else self.v(factors).operand
         theta_scale = F32(freq_base ** (-2.0 / n_dims))
         magnitude = F32(F32(node.attr_float("attn_factor", 1.0)) * yarn_magnitude(freq_scale, ext))
         f = [float(theta_scale), float(F32(freq_scale)), float(magnitude), float(ext != 0.0)]
-        angles = self.rope_angles(pos, ff, mix, n_dims, f)
-        self.emit(pg.ROPE, [out, x, pos.operand, ff, mix, angles],
+        angles = self.rope_angles(pos, ff, mix, n_dims, f)  # the rope reads its angles there, not ff and mix
+        self.emit(pg.ROPE, [out, x, pos.operand, pg.NONE, pg.NONE, angles],
                   [*dims, n_dims, int(mode == "neox"), *strides, int(f16)], f, label=label)
 
-    def rope_angles(self, pos: Value, ff: pg.Operand, mix: pg.Operand, n_dims: int, f: list[float]) -> pg.Operand:
+    def rope_angles(self, pos: Value, ff: pg.Operand, mix: np.ndarray | None, n_dims: int,
+                    f: list[float]) -> pg.Operand:
         """The table of cos / sin that every rope of these positions and parameters reads (each layer rotates q
         and k by the same angles: their sines and cosines are worked out once a run, not per rope and layer)."""
-        key = (pos.buf, pos.off, pos.root, ff, tuple(self.buffers[mix.buf - 1]) if mix.buf > 0 else (), n_dims, *f)
+        mix_key = b"" if mix is None else np.asarray(mix, dtype=np.float32).tobytes()
+        key = (pos.buf, pos.off, pos.root, ff, mix_key, n_dims, *f)
         table = self._rope_tables.get(key)
         if table is None:
             table = pg.Operand(0, self.arena.alloc(pos.size * n_dims))  # for the whole run: never released
-            self.emit(pg.ROPE_ANGLES, [table, pg.NONE, pos.operand, ff, mix], [pos.size, 0, 0, n_dims], f,
+            mix_operand = pg.NONE if mix is None else self.constant(mix)
+            self.emit(pg.ROPE_ANGLES, [table, pg.NONE, pos.operand, ff, mix_operand], [pos.size, 0, 0, n_dims], f,
                       label="rope")
             self._rope_tables[key] = table
         return table

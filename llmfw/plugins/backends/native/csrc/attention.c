@@ -51,11 +51,6 @@ typedef struct {
                       const uint16_t *v, int64_t dv);
 } attn_kernels;
 
-/* lanes[l] = lanes[l] + a[l] * b[l], l < n (the compiler vectorises this as it stands) */
-static inline void add_products(float *lanes, const float *a, const float *b, int64_t n) {
-    for (int64_t l = 0; l < n; l++) lanes[l] = lanes[l] + a[l] * b[l];
-}
-
 /* native.h's reduction of sixteen lanes (nat_reduce16), inlined: the scalar path runs it for every score */
 static inline float reduce_lanes(float *lanes) {
     for (int step = 8; step >= 1; step >>= 1)
@@ -63,21 +58,24 @@ static inline float reduce_lanes(float *lanes) {
     return lanes[0];
 }
 
-/* q . k in native.h's canonical sixteen lanes, a multiply then an add per product: the recurrent ops' dot product
- * (recurrent.c); attention's scores fuse each product into its lane (attn_dot16) */
-float nat_dot16(const float *q, const float *k, int64_t n) {
+/* q . k in native.h's canonical sixteen lanes, element d into lane d % 16: each product added to its lane by a
+ * multiply then an add, or (fused) by one fused multiply-add; a constant at each caller, so each loop compiles to
+ * its own (the unfused one vectorises) */
+static inline float lane_dot(const float *q, const float *k, int64_t n, int fused) {
     float lanes[16] = {0};
-    for (int64_t d = 0; d < n; d += 16) add_products(lanes, q + d, k + d, n - d < 16 ? n - d : 16);
+    for (int64_t d = 0; d < n; d += 16) {
+        int64_t m = n - d < 16 ? n - d : 16;
+        for (int64_t l = 0; l < m; l++)
+            lanes[l] = fused ? fmaf(q[d + l], k[d + l], lanes[l]) : lanes[l] + q[d + l] * k[d + l];
+    }
     return reduce_lanes(lanes);  /* the padding would add +0 to lanes that are never -0: no change */
 }
 
-/* q . k as attention sums it: native.h's sixteen lanes, each product added by one fused multiply-add */
-static float attn_dot16(const float *q, const float *k, int64_t n) {
-    float lanes[16] = {0};
-    for (int64_t d = 0; d < n; d += 16)
-        for (int64_t l = 0; l < 16 && d + l < n; l++) lanes[l] = fmaf(q[d + l], k[d + l], lanes[l]);
-    return reduce_lanes(lanes);
-}
+/* the recurrent ops' dot product (recurrent.c): a multiply then an add per product */
+float nat_dot16(const float *q, const float *k, int64_t n) { return lane_dot(q, k, n, 0); }
+
+/* q . k as attention's scores sum it: one fused multiply-add per product */
+static float attn_dot16(const float *q, const float *k, int64_t n) { return lane_dot(q, k, n, 1); }
 
 static void scores_scalar(const float *q, const float *const *keys, int64_t dk, const float *add, float *out) {
     for (int i = 0; i < KEYS; i++) {

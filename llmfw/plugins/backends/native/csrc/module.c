@@ -67,8 +67,9 @@ static void quantize_chunk(void *raw, int64_t chunk, int ith) {
  * would read them again, after the next weights pushed them out of the cache); the add of the graph's own op, so
  * its bits */
 static void add_residual(const mul_mat_job *job, int64_t r0, int64_t r1) {
+    if (!job->residual) return;
     int64_t n = job->w->n_rows;
-    for (int64_t i = 0; job->residual && i < job->m; i++)
+    for (int64_t i = 0; i < job->m; i++)
         for (int64_t r = r0; r < r1; r++) job->y[i * n + r] = job->y[i * n + r] + job->residual[i * n + r];
 }
 
