@@ -64,6 +64,24 @@ def test_smollm2_token_by_token_decode_within_bar(smollm2_native, smollm2_ref, s
     assert_within_bar(score(record, np.concatenate(rows)), "token by token")
 
 
+def test_logits_kept_from_a_decode_stay_as_they_were_after_the_next(smollm2_native):
+    """The native backend writes each step's logits into a new array that the context keeps as it is (no copy): an
+    array a caller kept is never written again, whether the next decode has one row or several, and its rows are
+    the batch's outputs in order."""
+    ctx = smollm2_native.new_context(n_ctx=256, n_seq_max=2)
+    assert ctx.decode(llmfw.Batch(tokens=[1, 2, 3], logits=True)) == 0
+    first = ctx.get_logits()
+    kept = first.copy()
+    assert ctx.decode(llmfw.Batch(tokens=[4], pos=[3])) == 0
+    second = ctx.get_logits()
+    assert ctx.decode(llmfw.Batch(tokens=[5, 6], pos=[4, 0], seq_id=[0, 1], logits=[True, True])) == 0
+    third = ctx.get_logits()
+    assert np.array_equal(first, kept) and first.shape == (3, ctx.n_vocab) and second.shape == (1, ctx.n_vocab)
+    assert not np.shares_memory(first, second) and not np.shares_memory(second, third)
+    assert np.array_equal(third[0], ctx.get_logits_ith(0)) and np.array_equal(third[1], ctx.get_logits_ith(1))
+    ctx.close()
+
+
 @pytest.mark.parametrize("which", ["smollm2", "gemma3"])
 def test_a_sequence_gives_the_same_logits_bit_for_bit_alone_token_by_token_and_beside_another(which, smollm2_native,
                                                                                               gemma3_native):

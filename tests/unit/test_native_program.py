@@ -355,6 +355,44 @@ def test_a_column_slice_that_is_a_splits_output_comes_out_contiguous(backends):
     assert np.array_equal(got, expected) and np.array_equal(got, g.inputs[x.id][:, 8:32])
 
 
+def test_each_run_writes_its_outputs_into_new_arrays_that_later_runs_leave_alone(backends):
+    """A split output has a buffer of its own that each run points at a new array: the op computing it writes it
+    there (no copy instruction, no copy out of the arena), and an array handed out stays as it was after the next
+    run."""
+    g = Graph()
+    x = g.input(f32(3, 16))
+    out = g.op("relu", x, out=(3, 16))
+    run = compiled(backends[0], g, out, {})
+    assert list(run.programs[()][0].instrs["op"]) == [pg.UNARY]
+    first_input, second_input = f32(3, 16), f32(3, 16)
+    first = run({x.id: first_input})[out.id]
+    second = run({x.id: second_input})[out.id]
+    assert not np.shares_memory(first, second)
+    assert np.array_equal(first, np.maximum(first_input, 0)) and np.array_equal(second, np.maximum(second_input, 0))
+
+
+def test_an_output_that_is_a_view_or_an_input_is_copied_into_its_own_array(backends):
+    g = Graph()
+    x = g.input(f32(4, 6))
+    reshaped = g.op("reshape", x, out=(6, 4), shape=(6, 4))
+    run = compiled(backends[0], g, reshaped, {})
+    values = f32(4, 6)
+    got = run({x.id: values})[reshaped.id]
+    assert got.shape == (6, 4) and np.array_equal(got, values.reshape(6, 4))
+    assert list(run.programs[()][0].instrs["op"]) == [pg.SLICE]
+
+
+def test_an_output_buffer_takes_only_an_array_of_its_own_size():
+    program = pg.Program([], 16, [pg.output_array(8)], [True], [], [], outputs=[1])
+    program.rebind(1, pg.output_array(8))
+    with pytest.raises(pg.ProgramError, match="32 bytes, not 36"):
+        program.rebind(1, pg.output_array(9))
+    with pytest.raises(pg.ProgramError, match="not an output buffer"):
+        program.rebind(0, np.zeros(16, np.float32))
+    with pytest.raises(pg.ProgramError, match="is not a writable buffer"):
+        pg.Program([], 16, [np.zeros(8, np.float32)], [False], [], [], outputs=[1])
+
+
 def test_an_op_without_a_kernel_is_refused_naming_it(backends):
     g = Graph()
     x = g.input(f32(4, 8))

@@ -197,6 +197,9 @@ class Backend(ABC):
     rewrite_rules: ClassVar[tuple[RewriteRule, ...]] = ()
     #: the pydantic model of this backend's options (``ModelParams(backend_options={name: {...}})``)
     options_schema: ClassVar[type[BackendOptions]] = BackendOptions
+    #: True when :meth:`to_numpy` of a split's output is an array that no later compute writes, so the caller may
+    #: keep it: the context then keeps a step's logits as the backend made them instead of copying them
+    fresh_outputs: ClassVar[bool] = False
     #: environment variable → option field: what the CLI maps onto the options (conveniences for the command
     #: line; ``load_model`` in Python reads only ``backend_options``)
     environment_options: ClassVar[Mapping[str, str]] = {}

@@ -234,7 +234,10 @@ class Context:
                 return self._fail(DECODE_COMPUTE_FAILED, f"computing ubatch {i} failed: {type(exc).__name__}: {exc}")
             rows = (np.arange(n_done, n_done + ub.n_outputs) if ub.rows is None
                     else self._output_ids[ub.rows[ub.output]])  # a ubatch regrouped by sequence: batch order
-            self._logits[rows] = logits
+            if len(ubatches) == 1 and ub.rows is None and self._output_is_fresh():
+                self._logits = logits  # every output row, in batch order, in an array no later compute writes
+            else:
+                self._logits[rows] = logits
             self._written[rows] = True
             n_done += ub.n_outputs
         self._record_perf(allocated.n_tokens, time.perf_counter() - start)
@@ -256,6 +259,13 @@ class Context:
         outputs = self._compute(plan, inputs)
         reserved.take_outputs(i, ub, outputs)  # a recurrent state's new values
         return outputs[self._output_name].reshape(ub.n_outputs, self._output_width)
+
+    def _output_is_fresh(self) -> bool:
+        """Whether the last plan's output (logits or embeddings) comes from a backend that hands out new arrays
+        (``Backend.fresh_outputs``): then a ubatch that holds every output row is kept as it is, not copied."""
+        assert self._plan is not None
+        _, backend = self._plan.output_ids[self._output_name]
+        return backend is not None and backend.fresh_outputs
 
     @property
     def _output_name(self) -> str:

@@ -22,7 +22,7 @@ import llmfw.plugins.backends.native.recurrent as recurrent
 from llmfw.plugins.backends.native.experts import NativeExperts
 from llmfw.plugins.backends.native.repack import QUANTIZED_KINDS
 # the values' names stay importable from here, where they were first defined (``X as X``: re-exported)
-from llmfw.plugins.backends.native.values import (WORDS_PER, NativeMatrix as NativeMatrix,
+from llmfw.plugins.backends.native.values import (WORDS_PER, NativeMatrix as NativeMatrix, OutputSlot,
                                                   Value as Value, broadcast_strides as broadcast_strides,
                                                   native_matrix as native_matrix, row_layout as row_layout)
 from llmfw.plugins.backends.numpy.kernels import F32, NumpyKV
@@ -78,6 +78,8 @@ class NativeCompiler(SplitCompilerBase[NumpyKV]):
         self.roots: dict[int, tuple[int, int]] = {}  # root id → (offset, words)
         self._rope_tables: dict[tuple[object, ...], pg.Operand] = {}  # rope_angles: key → the run's table
         self.uses = Counter(i.id for n in split.nodes for i in n.inputs)  # readers of each node's value
+        #: output buffer → the split output it holds (each run hands it out as a new array: see output_value)
+        self.output_owners: dict[int, int] = {}
 
     # -- values -------------------------------------------------------------------------------------------------
     def node_shape(self, node: Node) -> tuple[int, ...]:
@@ -95,10 +97,27 @@ class NativeCompiler(SplitCompilerBase[NumpyKV]):
         return Value(0, off, shape, dtype, root=root)
 
     def define(self, node: Node) -> Value:
-        """A fresh arena value for ``node``'s output."""
-        value = self.new_value(self.node_shape(node), node.dtype or "f32")
+        """A fresh value for ``node``'s output: in the arena, or in a buffer of its own for a split output."""
+        shape, dtype = self.node_shape(node), node.dtype or "f32"
+        is_output = node.id in self.split.output_ids and node.op != "input"
+        value = self.output_value(node.id, shape, dtype) if is_output else self.new_value(shape, dtype)
         self.values[node.id] = value
         return value
+
+    def output_value(self, node_id: int, shape: tuple[int, ...], dtype: str) -> Value:
+        """A value in a buffer of its own for split output ``node_id``: the op producing it writes there, and
+        CompiledProgram points the buffer at a new array before each run, so the output it hands back is that array,
+        the caller's to keep, with no copy out of the arena (a step's logits: megabytes for a large vocabulary)."""
+        self.buffers.append(pg.output_array(prod(shape) * WORDS_PER[dtype]))
+        self.writable.append(True)
+        index = len(self.buffers)  # buffer 0 is the arena
+        self.output_owners[index] = node_id
+        return Value(index, 0, shape, dtype)
+
+    def holds_output(self, node_id: int, value: Value) -> bool:
+        """Whether ``value`` is the whole of node ``node_id``'s own output buffer."""
+        return (self.output_owners.get(value.buf) == node_id and value.off == 0 and not value.row_stride
+                and max(value.size * WORDS_PER[value.dtype], 1) == self.buffers[value.buf - 1].size)
 
     def alias(self, node: Node, base: Value, shape: tuple[int, ...], extra_words: int = 0) -> None:
         """``node`` is a view of ``base`` (same memory, another shape, ``extra_words`` further on)."""
@@ -188,23 +207,33 @@ class NativeCompiler(SplitCompilerBase[NumpyKV]):
             if value is not None:
                 self.release(value)
 
-    def compile_program(self) -> tuple[pg.Program, list[tuple[int, np.ndarray]], list[tuple[int, np.ndarray]]]:
-        """The program, and the arena views its inputs are copied into and its outputs read from."""
+    def compile_program(self) -> tuple[pg.Program, list[tuple[int, np.ndarray]], list[tuple[int, OutputSlot]]]:
+        """The program, the arena views its inputs are copied into, and the buffers of its outputs."""
         graph_inputs = {n.id: n for n in self.split.nodes if n.op == "input"}
         consumers = {i.id: i for n in self.split.nodes for i in n.inputs}
         for node_id, _ in self.required_inputs():
             node = graph_inputs.get(node_id) or consumers[node_id]
             self.define(node)
         self.walk()
-        for node_id in self.split.output_ids:  # the caller reads outputs as contiguous arrays
+        for node_id in self.split.output_ids:
             value = self.values[node_id]
-            if value.row_stride:
-                self.contiguous(node_id, value)
+            if not self.holds_output(node_id, value):  # a view of another value, or an input passed through
+                self.copy_to_output(node_id, value)
         program = pg.Program(self.instrs, self.arena.size, self.buffers, self.writable, self.weights,
-                             self.weight_infos)
+                             self.weight_infos, outputs=list(self.output_owners))
         inputs = [(i, self.view_of(program, self.values[i])) for i, _ in self.required_inputs()]
-        outputs = [(i, self.view_of(program, self.values[i])) for i in self.split.output_ids]
+        outputs = [(i, OutputSlot(self.values[i].buf, self.values[i].shape, self.values[i].dtype))
+                   for i in self.split.output_ids]
         return program, inputs, outputs
+
+    def copy_to_output(self, node_id: int, value: Value) -> None:
+        """Copy ``value`` (possibly strided) into a buffer of its own for output ``node_id``."""
+        rows, _, stride = row_layout(value)
+        out = self.output_value(node_id, value.shape, value.dtype)
+        width = value.size * WORDS_PER[value.dtype] // rows if rows else 0
+        self.emit(pg.SLICE, [out.operand, value.operand], [rows, stride if value.row_stride else width, 0, width],
+                  label="slice")
+        self.values[node_id] = out
 
     @staticmethod
     def view_of(program: pg.Program, value: Value) -> np.ndarray:
@@ -300,7 +329,11 @@ class NativeCompiler(SplitCompilerBase[NumpyKV]):
                     and source.id not in self.split.output_ids and residual.shape == product.shape
                     and not residual.row_stride and residual.operand != product.operand):
                 last.args.append(residual.operand)
-                self.alias(node, product, product.shape)
+                if node.id in self.split.output_ids:  # the matmul writes the sum into the output's own buffer
+                    last.args[0] = self.define(node).operand
+                    self.release(product)
+                else:
+                    self.alias(node, product, product.shape)
                 return True
         return False
 

@@ -404,11 +404,18 @@ def _check_moe_instruction(op: int, n: list[int], need: Callable[..., None], pos
         need(2, n[0] * n[2])
 
 
+def output_array(words: int) -> np.ndarray:
+    """``words`` fresh float32 words starting on a cache line, like the arena's values (the memory of an output)."""
+    raw = np.empty(max(words, 1) + ALIGN, dtype=np.float32)
+    start = (-raw.ctypes.data % (4 * ALIGN)) // 4
+    return raw[start:start + max(words, 1)]
+
+
 class Program:
     """A checked program with its arena and buffers, run by one C call."""
 
     def __init__(self, instrs: list[Instr], arena_words: int, buffers: list[np.ndarray], writable: list[bool],
-                 weights: list[kernels.NatWeight], weight_infos: list[WeightInfo]):
+                 weights: list[kernels.NatWeight], weight_infos: list[WeightInfo], outputs: Sequence[int] = ()):
         records = np.zeros(len(instrs), dtype=INSTR)
         for record, ins in zip(records, instrs):
             record["op"] = ins.op
@@ -431,6 +438,23 @@ class Program:
         self._pointers = (ctypes.c_void_p * len(self.buffers))(*(a.ctypes.data for a in self.buffers))
         self._weights = (kernels.NatWeight * max(len(weights), 1))(*weights)
         self.times = np.zeros(len(instrs), dtype=np.float64)
+        #: the buffers of the split's outputs, which rebind may point at other memory of the same size
+        self.output_buffers = frozenset(outputs)
+        for index in self.output_buffers:
+            if not 0 < index < len(self.buffers) or not writable[index]:
+                raise ProgramError(f"native program: output buffer {index} is not a writable buffer of the program")
+
+    def rebind(self, index: int, array: np.ndarray) -> None:
+        """Point output buffer ``index`` at ``array`` for the next runs: the same number of bytes, so every check
+        check_program made of the operands in it still holds. A run then writes the output into ``array``, which the
+        caller may keep (a new array each run: no copy out of the arena)."""
+        if index not in self.output_buffers:
+            raise ProgramError(f"native program: buffer {index} is not an output buffer")
+        if array.nbytes != self.buffers[index].nbytes or not array.flags.c_contiguous or not array.flags.writeable:
+            raise ProgramError(f"native program: output buffer {index} takes a writable contiguous array of "
+                               f"{self.buffers[index].nbytes} bytes, not {array.nbytes}")
+        self.buffers[index] = array
+        self._pointers[index] = array.ctypes.data
 
     def view(self, off: int, shape: tuple[int, ...], dtype: str) -> np.ndarray:
         """The arena's words at ``off`` as an array (int64 values take two words each)."""

@@ -54,6 +54,7 @@ class NativeBackend(NumpyWeights):
     supported_ops = NATIVE_OPS
     rewrite_rules = (SWIGLU,)
     is_host = True
+    fresh_outputs = True  # each run writes its outputs into new arrays (compiled.py)
     environment_options = {"LLMFW_NATIVE_ISA": "isa", "LLMFW_NATIVE_CACHE": "cache",
                            "LLMFW_NATIVE_CACHE_DIR": "cache_dir", "LLMFW_NATIVE_KV_TYPE": "kv_type"}
     #: the built extension: missing when the install could not compile it (``llmfw plugins`` says so)

@@ -59,6 +59,20 @@ class Value:
     def size(self) -> int:
         return prod(self.shape)
 
+@dataclass(frozen=True)
+class OutputSlot:
+    """Where a program leaves a split output: its own buffer (an index of the program's buffer table), its shape and
+    type."""
+
+    buf: int
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def words(self) -> int:
+        return prod(self.shape) * WORDS_PER[self.dtype]
+
+
 def row_layout(value: Value) -> tuple[int, int, int]:
     """(rows, words per row, words from a row to the next) of an activation: rows along the first axis (a vector is
     one row)."""
