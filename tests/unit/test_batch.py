@@ -52,6 +52,16 @@ def test_explicit_positions_must_continue_the_memory():
         ALLOC.init(Batch([1], pos=[-1]))
 
 
+def test_a_decode_step_of_several_sequences_must_continue_each_one():
+    memory = ListMemory({0: 6, 2: 3})
+    step = ALLOC.init(Batch([1, 2, 3], pos=[7, 0, 4], seq_id=[0, 1, 2]), memory)  # sequence 1 holds nothing
+    assert step.pos.tolist() == [7, 0, 4]
+    with pytest.raises(BatchError, match=r"sequence 2: the memory ends at position 3 .*\(expected 4\)"):
+        ALLOC.init(Batch([1, 2, 3], pos=[7, 0, 5], seq_id=[0, 1, 2]), memory)
+    with pytest.raises(BatchError, match=r"sequence 0: .*\(expected 7\)"):  # the lowest sequence is named first
+        ALLOC.init(Batch([1, 2], pos=[9, 9], seq_id=[2, 0]), memory)
+
+
 def test_embeddings_and_type_errors():
     batch = ALLOC.init(Batch(embd=np.ones((3, 8))))
     assert batch.tokens is None and batch.embd.dtype == np.float32 and batch.n_tokens == 3

@@ -249,15 +249,25 @@ class BatchAllocator:
 
     def _check_continuity(self, batch: AllocatedBatch, memory: SeqPositions | None) -> None:
         """llama.cpp's checks: a sequence continues right after its last cached position, without gaps."""
+        firsts = batch.seq_first.tolist()
+        if len(set(firsts)) == len(firsts):  # a token per sequence (a decode step): no gaps, one start each
+            for s, p in sorted(zip(firsts, batch.pos.tolist())):
+                _check_start(s, p, memory)
+            return
         for s in sequences_of(batch.seq_first):
             mine = batch.pos[batch.seq_first == s]
             p_min, p_max = int(mine.min()), int(mine.max())
-            last = memory.seq_pos_max(s) if memory is not None else -1
-            if last >= 0 and p_min != last + 1:
-                raise BatchError(f"sequence {s}: the memory ends at position {last} but the batch starts at "
-                                 f"{p_min}; positions must stay consecutive (expected {last + 1})")
+            _check_start(s, p_min, memory)
             if p_max - p_min + 1 > mine.size:
                 raise BatchError(f"sequence {s}: positions {p_min}..{p_max} have gaps ({mine.size} tokens)")
+
+
+def _check_start(s: int, p_min: int, memory: SeqPositions | None) -> None:
+    """Sequence ``s``'s first position in a batch is the one after the last its memory holds (if it holds any)."""
+    last = memory.seq_pos_max(s) if memory is not None else -1
+    if last >= 0 and p_min != last + 1:
+        raise BatchError(f"sequence {s}: the memory ends at position {last} but the batch starts at "
+                         f"{p_min}; positions must stay consecutive (expected {last + 1})")
 
 
 def sequences_of(seq_first: np.ndarray) -> list[int]:
