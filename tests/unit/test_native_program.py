@@ -382,6 +382,15 @@ def test_an_output_that_is_a_view_or_an_input_is_copied_into_its_own_array(backe
     assert list(run.programs[()][0].instrs["op"]) == [pg.SLICE]
 
 
+def test_an_empty_output_that_is_a_view_compiles_to_no_copy(backends):
+    g = Graph()
+    x = g.input(np.zeros((0, 6), np.float32))
+    reshaped = g.op("reshape", x, out=(0, 3), shape=(0, 3))
+    run = compiled(backends[0], g, reshaped, {})
+    assert run({x.id: np.zeros((0, 6), np.float32)})[reshaped.id].shape == (0, 3)
+    assert len(run.programs[()][0].instrs) == 0
+
+
 def test_an_output_buffer_takes_only_an_array_of_its_own_size():
     program = pg.Program([], 16, [pg.output_array(8)], [True], [], [], outputs=[1])
     program.rebind(1, pg.output_array(8))

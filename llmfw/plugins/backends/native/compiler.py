@@ -231,8 +231,9 @@ class NativeCompiler(SplitCompilerBase[NumpyKV]):
         rows, _, stride = row_layout(value)
         out = self.output_value(node_id, value.shape, value.dtype)
         width = value.size * WORDS_PER[value.dtype] // rows if rows else 0
-        self.emit(pg.SLICE, [out.operand, value.operand], [rows, stride if value.row_stride else width, 0, width],
-                  label="slice")
+        if width:  # an empty output (no rows) has nothing to copy
+            self.emit(pg.SLICE, [out.operand, value.operand], [rows, stride if value.row_stride else width, 0, width],
+                      label="slice")
         self.values[node_id] = out
 
     @staticmethod
