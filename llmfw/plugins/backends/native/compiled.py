@@ -15,8 +15,6 @@ from llmfw.plugins.backends.native.compiler import NativeCompiler, ProgramHost
 from llmfw.plugins.backends.native.values import OutputSlot
 from llmfw.plugins.backends.numpy.kernels import NumpyKV
 
-DTYPES = {"f32": np.float32, "i32": np.int32, "i64": np.int64}
-
 
 class CompiledProgram:
     """A compiled split: copy the inputs into the arena, one C call, the outputs in new arrays. A split whose inputs
@@ -65,4 +63,4 @@ def fresh_output(program: pg.Program, slot: OutputSlot) -> np.ndarray:
     """A new array for an output of the program's next run: its buffer pointed at it (the run writes it in place)."""
     memory = pg.output_array(slot.words)
     program.rebind(slot.buf, memory)
-    return memory[:slot.words].view(DTYPES[slot.dtype]).reshape(slot.shape)
+    return memory[:slot.words].view(pg.NP_DTYPES[slot.dtype]).reshape(slot.shape)

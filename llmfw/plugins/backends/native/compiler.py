@@ -115,9 +115,8 @@ class NativeCompiler(SplitCompilerBase[NumpyKV]):
         return Value(index, 0, shape, dtype)
 
     def holds_output(self, node_id: int, value: Value) -> bool:
-        """Whether ``value`` is the whole of node ``node_id``'s own output buffer."""
-        return (self.output_owners.get(value.buf) == node_id and value.off == 0 and not value.row_stride
-                and max(value.size * WORDS_PER[value.dtype], 1) == self.buffers[value.buf - 1].size)
+        """Whether ``value`` is node ``node_id``'s own output buffer (not a view of another value)."""
+        return self.output_owners.get(value.buf) == node_id and value.off == 0 and not value.row_stride
 
     def alias(self, node: Node, base: Value, shape: tuple[int, ...], extra_words: int = 0) -> None:
         """``node`` is a view of ``base`` (same memory, another shape, ``extra_words`` further on)."""
@@ -165,9 +164,8 @@ class NativeCompiler(SplitCompilerBase[NumpyKV]):
 
     def contiguous(self, node_id: int, view: Value) -> Value:
         """Copy the strided ``view`` of node ``node_id`` into a fresh value, which stands for it from now on."""
-        rows, width, stride = row_layout(view)
         out = self.new_value(view.shape, view.dtype)
-        self.emit(pg.SLICE, [out.operand, view.operand], [rows, stride, 0, width], label="slice")
+        self.copy_rows(view, out)
         self.values[node_id] = out
         self.release(view)
         return out
@@ -228,13 +226,18 @@ class NativeCompiler(SplitCompilerBase[NumpyKV]):
 
     def copy_to_output(self, node_id: int, value: Value) -> None:
         """Copy ``value`` (possibly strided) into a buffer of its own for output ``node_id``."""
-        rows, _, stride = row_layout(value)
         out = self.output_value(node_id, value.shape, value.dtype)
-        width = value.size * WORDS_PER[value.dtype] // rows if rows else 0
-        if width:  # an empty output (no rows) has nothing to copy
-            self.emit(pg.SLICE, [out.operand, value.operand], [rows, stride if value.row_stride else width, 0, width],
-                      label="slice")
+        self.copy_rows(value, out)
         self.values[node_id] = out
+
+    def copy_rows(self, view: Value, out: Value) -> None:
+        """One slice instruction copying ``view``'s rows (possibly strided) into the contiguous ``out``, in words;
+        none for a value without elements."""
+        rows, width, _ = row_layout(view)
+        words = width * WORDS_PER[view.dtype]
+        if rows and words:
+            self.emit(pg.SLICE, [out.operand, view.operand], [rows, view.row_stride or words, 0, words],
+                      label="slice")
 
     @staticmethod
     def view_of(program: pg.Program, value: Value) -> np.ndarray:

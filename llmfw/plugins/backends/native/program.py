@@ -42,6 +42,8 @@ MOE_OP_NAMES = {MUL_MAT_ID: "mul_mat_id", ADD_ID: "add_id", TOP_K: "top_k", TAKE
                 ID_MASK: "id_mask", SWIGLU_OAI: "swiglu_oai", CONCAT: "concat"}
 BINARY_KINDS = {"add": 0, "sub": 1, "mul": 2, "div": 3}
 UNARY_KINDS = {"silu": 0, "gelu": 1, "relu": 2, "sigmoid": 3, "softplus": 4, "scale": 5, "softcap": 6, "clamp": 7}
+#: a value's element type → its numpy type
+NP_DTYPES = {"f32": np.float32, "i32": np.int32, "i64": np.int64}
 #: words (4 bytes) every arena value is aligned to: a cache line
 ALIGN = 16
 #: the rotated dimensions the C rope keeps on its stack
@@ -406,9 +408,10 @@ def _check_moe_instruction(op: int, n: list[int], need: Callable[..., None], pos
 
 def output_array(words: int) -> np.ndarray:
     """``words`` fresh float32 words starting on a cache line, like the arena's values (the memory of an output)."""
-    raw = np.empty(max(words, 1) + ALIGN, dtype=np.float32)
+    words = max(words, 1)
+    raw = np.empty(words + ALIGN, dtype=np.float32)
     start = (-raw.ctypes.data % (4 * ALIGN)) // 4
-    return raw[start:start + max(words, 1)]
+    return raw[start:start + words]
 
 
 class Program:
@@ -458,7 +461,7 @@ class Program:
 
     def view(self, off: int, shape: tuple[int, ...], dtype: str) -> np.ndarray:
         """The arena's words at ``off`` as an array (int64 values take two words each)."""
-        np_dtype = np.dtype({"f32": np.float32, "i32": np.int32, "i64": np.int64}[dtype])
+        np_dtype = np.dtype(NP_DTYPES[dtype])
         count = prod(shape)
         words = count * np_dtype.itemsize // 4
         return self.arena[off:off + words].view(np_dtype).reshape(shape)
