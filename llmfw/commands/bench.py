@@ -380,7 +380,8 @@ def bytecode_note(environ: Mapping[str, str]) -> str | None:
               help="Physical batch size.")
 @click.option("--backend", "backends", multiple=True,
               help="Backend(s) to measure, comma-separated or repeated: numpy, torch, torch:cuda, onnx, native "
-                   "(default: the one a plain load picks: onnx on a CPU, see llmfw run -v).")
+                   "(default: the one a plain load picks: native on a CPU where its extension is built, else onnx; "
+                   "see llmfw run -v).")
 @click.option("-t", "--threads", "n_threads", type=click.IntRange(min=1), default=2, show_default=True,
               help="CPU threads (llmfw and the peers alike).")
 @click.option("--batch-seqs", "batch_seqs", type=click.IntRange(1, 64), default=1, show_default=True,
