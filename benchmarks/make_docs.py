@@ -43,6 +43,12 @@ def command_of(params: dict[str, Any], backends: list[str]) -> str:
     return " ".join(parts + ["--json"])
 
 
+def gpu_text(machine: dict[str, Any]) -> str:
+    """", GPU: NVIDIA H200" where the run recorded GPUs (results files from before that record none)."""
+    gpus = machine.get("gpus") or []
+    return f", GPU: {', '.join(gpus)}" if gpus else ""
+
+
 def machine_lines(machine: dict[str, Any] | None) -> list[str]:
     """Where and when the run was measured, as the results file recorded it."""
     if not machine:
@@ -51,7 +57,7 @@ def machine_lines(machine: dict[str, Any] | None) -> list[str]:
     load = machine.get("load_average")
     return [f"- date: {machine['date']}",
             f"- machine: {machine['cpu']}, {machine['cpu_count']} CPUs ({', '.join(machine['cpu_flags']) or 'none'} "
-            f"of the features that pick kernels), {machine['system']}",
+            f"of the features that pick kernels){gpu_text(machine)}, {machine['system']}",
             f"- load average when the run started: {', '.join(str(x) for x in load) if load else 'unknown'}",
             f"- Python {machine['python']}; {versions}"]
 

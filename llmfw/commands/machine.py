@@ -27,6 +27,19 @@ def _cpu_info(cpuinfo: Path = Path("/proc/cpuinfo")) -> tuple[str, list[str]]:
     return fields.get("model name", platform.machine()), [flag for flag in _CPU_FLAGS if flag in flags]
 
 
+def _gpus(driver: Path = Path("/proc/driver/nvidia/gpus")) -> list[str]:
+    """The model of each NVIDIA GPU the driver lists (its ``information`` files: ``Model: NVIDIA H200``), without
+    importing torch; empty without the driver."""
+    models = []
+    for info in sorted(driver.glob("*/information")) if driver.is_dir() else ():
+        try:
+            lines = info.read_text(errors="replace").splitlines()
+        except OSError:
+            continue
+        models += [line.split(":", 1)[1].strip() for line in lines if line.startswith("Model:")][:1]
+    return models
+
+
 def _version(name: str) -> str | None:
     try:
         return metadata.version(name)
@@ -38,7 +51,7 @@ def describe_machine() -> dict[str, Any]:
     """The machine, the library versions and the time of a run (UTC, ISO 8601)."""
     cpu, flags = _cpu_info()
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "cpu": cpu, "cpu_flags": flags, "cpu_count": os.cpu_count(),
+            "cpu": cpu, "cpu_flags": flags, "cpu_count": os.cpu_count(), "gpus": _gpus(),
             "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
             "system": f"{platform.system()} {platform.release()} {platform.machine()}",
             "python": platform.python_version(),
