@@ -368,15 +368,8 @@ TARGET512 INLINE __m512i load_pair(const uint8_t *lo, const uint8_t *hi) {
                               _mm256_loadu_si256((const __m256i *)hi), 1);
 }
 
-/* the two groups' rows of 8 block parameters as float32 (mult_lo, mult_hi: their multipliers, with PAR_FACTOR) */
-TARGET512 INLINE __m512 load_pair_params(const uint8_t *lo, const uint8_t *hi, int pars, const float *mult_lo,
-                                         const float *mult_hi) {
-    if (pars & PAR_FACTOR) {
-        __m128i factors = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)lo), _mm_loadl_epi64((const __m128i *)hi));
-        __m512 mults = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_loadu_pd((const double *)mult_lo)),
-                                                           _mm256_loadu_pd((const double *)mult_hi), 1));
-        return _mm512_mul_ps(mults, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(factors)));
-    }
+/* the two groups' rows of 8 block parameters as float32 */
+TARGET512 INLINE __m512 load_pair_params(const uint8_t *lo, const uint8_t *hi, int pars) {
     if (!(pars & PAR_HALF)) return _mm512_castsi512_ps(load_pair(lo, hi));
     __m128i lo_half = _mm_loadu_si128((const __m128i *)lo), hi_half = _mm_loadu_si128((const __m128i *)hi);
     return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(lo_half), hi_half, 1));
@@ -442,13 +435,50 @@ TARGET512 INLINE __m512i pair_block_dot(const __m512i *chunk, const int8_t *aq, 
 
 DEFINE_COMBINE(TARGET512, pair_combine, 512)
 
+/* the two groups' 8 multipliers at mult_lo and mult_hi as one vector (a factored weight's, per super-block) */
+TARGET512 INLINE __m512 pair_mults(const float *mult_lo, const float *mult_hi) {
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_loadu_pd((const double *)mult_lo)),
+                                               _mm256_loadu_pd((const double *)mult_hi), 1));
+}
+
+/* two consecutive rows of 8 int8 factors of each group (at lo and hi: 16 bytes each) as float32: the first rows of
+ * both groups in *first, the second rows in *second */
+TARGET512 INLINE void pair_factor_rows(const uint8_t *lo, const uint8_t *hi, __m512 *first, __m512 *second) {
+    __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)lo)));
+    __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)hi)));
+    *first = _mm512_shuffle_f32x4(a, b, 0x44);   /* a's rows 0-7, then b's */
+    *second = _mm512_shuffle_f32x4(a, b, 0xEE);  /* a's rows 8-15, then b's */
+}
+
+/* a factored block's parameters of both groups: factor times multiplier (exact). The rows come in pairs as
+ * stored: (s0, o0) with one scale and offsets, (s0, s1) with two scales, then (o0, o1) with offsets too; one scale
+ * without offsets reads 8 bytes past its row, still inside the group (its multipliers follow its blocks). */
+TARGET512 INLINE void pair_factored_params(nat_param_rows p0, nat_param_rows p1, int pars, __m512 mult_s,
+                                           __m512 mult_o, __m512 par[4]) {
+    __m512 first, second;
+    pair_factor_rows(p0.s0, p1.s0, &first, &second);
+    par[0] = _mm512_mul_ps(mult_s, first);
+    if (pars & PAR_ONE_SCALE) {
+        par[1] = par[0];
+        par[2] = par[3] = (pars & PAR_OFFSETS) ? _mm512_mul_ps(mult_o, second) : _mm512_setzero_ps();
+        return;
+    }
+    par[1] = _mm512_mul_ps(mult_s, second);
+    par[2] = par[3] = _mm512_setzero_ps();
+    if (pars & PAR_OFFSETS) {
+        pair_factor_rows(p0.o0, p1.o0, &first, &second);
+        par[2] = _mm512_mul_ps(mult_o, first);
+        par[3] = _mm512_mul_ps(mult_o, second);
+    }
+}
+
 TARGET512 INLINE void pair_tile(const nat_weight *w, const nat_qact *a, const code_plan *plan, int form, int pars,
                                 int rows, int64_t i0, int64_t g, float *y) {
     int64_t nb = w->n_cols / NAT_BLOCK;
     size_t bb = nat_block_bytes(w);
     const uint8_t *group = nat_group_at(w, g), *next = nat_group_at(w, g + 1);
     __m512i table = _mm512_broadcast_i64x4(plan->table);
-    __m512 acc[M_TILE];
+    __m512 acc[M_TILE], mult_s = _mm512_setzero_ps(), mult_o = _mm512_setzero_ps();
     for (int t = 0; t < rows; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *lo = group + b * bb, *hi = next + b * bb;
@@ -457,13 +487,22 @@ TARGET512 INLINE void pair_tile(const nat_weight *w, const nat_qact *a, const co
         __m512i chunk[8];
         pair_operands(lo, hi, form, VNNI_HIGH16(form) && !(pars & PAR_ONE_SCALE), table, chunk);
         nat_param_rows p0 = nat_block_param_rows(w, lo), p1 = nat_block_param_rows(w, hi);
-        const float *m0 = block_mults(w, pars, g, b), *m1 = block_mults(w, pars, g + 1, b);
-        const float *o0 = m0 ? m0 + NAT_ROWS : NULL, *o1 = m1 ? m1 + NAT_ROWS : NULL;
-        __m512 par[4] = {load_pair_params(p0.s0, p1.s0, pars, m0, m1), load_pair_params(p0.s1, p1.s1, pars, m0, m1),
-                         _mm512_setzero_ps(), _mm512_setzero_ps()};
-        if (pars & PAR_OFFSETS) {
-            par[2] = load_pair_params(p0.o0, p1.o0, pars, o0, o1);
-            par[3] = load_pair_params(p0.o1, p1.o1, pars, o0, o1);
+        __m512 par[4];
+        if (pars & PAR_FACTOR) {
+            if (b % NAT_SUPER == 0) {  /* a new super-block: its multipliers, for this block and the next 7 */
+                const float *m0 = nat_block_mults(w, g, b), *m1 = nat_block_mults(w, g + 1, b);
+                mult_s = pair_mults(m0, m1);
+                if (pars & PAR_OFFSETS) mult_o = pair_mults(m0 + NAT_ROWS, m1 + NAT_ROWS);
+            }
+            pair_factored_params(p0, p1, pars, mult_s, mult_o, par);
+        } else {
+            par[0] = load_pair_params(p0.s0, p1.s0, pars);
+            par[1] = load_pair_params(p0.s1, p1.s1, pars);
+            par[2] = par[3] = _mm512_setzero_ps();
+            if (pars & PAR_OFFSETS) {
+                par[2] = load_pair_params(p0.o0, p1.o0, pars);
+                par[3] = load_pair_params(p0.o1, p1.o1, pars);
+            }
         }
         for (int t = 0; t < rows; t++) {
             int64_t i = i0 + t;
