@@ -23,6 +23,14 @@
 #include <stdint.h>
 #include <stddef.h>
 
+/* the layout helpers below run inside the kernels' inner loops: always inlined (GCC otherwise stops inlining them
+ * into a kernel whose many specialised copies have grown large, and each block then pays calls) */
+#if defined(__GNUC__)
+#define NAT_LAYOUT static inline __attribute__((always_inline))
+#else
+#define NAT_LAYOUT static inline
+#endif
+
 #define NAT_ROWS 8        /* output rows per interleaved row group */
 #define NAT_BLOCK 32      /* elements per quantized block */
 
@@ -78,39 +86,39 @@ static inline int nat_is_quantized(const nat_weight *w) {
 #define NAT_FIFTH_BITS_AT (16 * NAT_ROWS)
 
 /* the code bytes of one row of a block */
-static inline size_t nat_code_bytes(const nat_weight *w) {
+NAT_LAYOUT size_t nat_code_bytes(const nat_weight *w) {
     return w->kind == NAT_QNIB ? 16 : w->kind == NAT_QNIB5 ? 20 : 32;
 }
 
 /* the bytes of one block parameter (a scale or an offset) */
-static inline size_t nat_param_bytes(const nat_weight *w) { return w->factored ? 1 : w->half_params ? 2 : 4; }
+NAT_LAYOUT size_t nat_param_bytes(const nat_weight *w) { return w->factored ? 1 : w->half_params ? 2 : 4; }
 
 /* blocks per super-block of a factored weight (256 elements) */
 #define NAT_SUPER 8
 
 /* the bytes of a factored weight's multipliers of one row group (none for other weights) */
-static inline size_t nat_group_mult_bytes(const nat_weight *w) {
+NAT_LAYOUT size_t nat_group_mult_bytes(const nat_weight *w) {
     if (!w->factored) return 0;
     return (size_t)(w->n_cols / (NAT_BLOCK * NAT_SUPER)) * (size_t)(1 + w->has_offsets) * NAT_ROWS * sizeof(float);
 }
 
-static inline size_t nat_block_bytes(const nat_weight *w) {
+NAT_LAYOUT size_t nat_block_bytes(const nat_weight *w) {
     return (size_t)NAT_ROWS * nat_code_bytes(w) + (size_t)w->n_scales * (1 + w->has_offsets) * NAT_ROWS * nat_param_bytes(w);
 }
 
 /* the bytes of one row group: its blocks, then (factored) its multipliers */
-static inline size_t nat_group_bytes(const nat_weight *w) {
+NAT_LAYOUT size_t nat_group_bytes(const nat_weight *w) {
     return (size_t)(w->n_cols / NAT_BLOCK) * nat_block_bytes(w) + nat_group_mult_bytes(w);
 }
 
 /* the first block of row group g */
-static inline const uint8_t *nat_group_at(const nat_weight *w, int64_t g) {
+NAT_LAYOUT const uint8_t *nat_group_at(const nat_weight *w, int64_t g) {
     return w->data + (size_t)g * nat_group_bytes(w);
 }
 
 /* the multipliers of block b of row group g of a factored weight: 8 rows' scale multipliers, then (has_offsets)
  * their offset multipliers */
-static inline const float *nat_block_mults(const nat_weight *w, int64_t g, int64_t b) {
+NAT_LAYOUT const float *nat_block_mults(const nat_weight *w, int64_t g, int64_t b) {
     const uint8_t *mults = nat_group_at(w, g) + (size_t)(w->n_cols / NAT_BLOCK) * nat_block_bytes(w);
     return (const float *)mults + (size_t)(b / NAT_SUPER) * (size_t)(1 + w->has_offsets) * NAT_ROWS;
 }
@@ -119,7 +127,7 @@ static inline const float *nat_block_mults(const nat_weight *w, int64_t g, int64
  * (NULL without offsets), each row 8 values of nat_param_bytes */
 typedef struct { const uint8_t *s0, *s1, *o0, *o1; } nat_param_rows;
 
-static inline nat_param_rows nat_block_param_rows(const nat_weight *w, const uint8_t *blk) {
+NAT_LAYOUT nat_param_rows nat_block_param_rows(const nat_weight *w, const uint8_t *blk) {
     size_t row = NAT_ROWS * nat_param_bytes(w);
     const uint8_t *par = blk + NAT_ROWS * nat_code_bytes(w);
     nat_param_rows p;
@@ -131,7 +139,7 @@ static inline nat_param_rows nat_block_param_rows(const nat_weight *w, const uin
 }
 
 /* the code of element j (0..31) of row r (0..7) of a block whose codes start at `codes` (table applied) */
-static inline int nat_code_at(const nat_weight *w, const uint8_t *codes, int r, int j) {
+NAT_LAYOUT int nat_code_at(const nat_weight *w, const uint8_t *codes, int r, int j) {
     if (w->kind == NAT_QBYTE) return (int8_t)codes[32 * (j >> 2) + 4 * r + (j & 3)];
     uint8_t byte = codes[32 * ((j & 15) >> 2) + 4 * r + (j & 3)];
     int nibble = j < 16 ? (byte & 15) : (byte >> 4);
