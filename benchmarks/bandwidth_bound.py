@@ -74,7 +74,8 @@ def native_bytes(ggml_type: GGMLType, ne: tuple[int, ...], n_bytes: int) -> int:
     if ggml_type in FLOAT_KINDS:
         return packed_bytes(FLOAT_KINDS[ggml_type], int(ne[1]), int(ne[0]), 0, False)
     layout = LAYOUTS[ggml_type]
-    return packed_bytes(layout.kind, int(ne[1]), int(ne[0]), layout.n_scales, layout.has_offsets, layout.half_params)
+    return packed_bytes(layout.kind, int(ne[1]), int(ne[0]), layout.n_scales, layout.has_offsets, layout.half_params,
+                        layout.factored)
 
 
 def _metadata_int(metadata: dict[str, Any], key: str, default: int | None = None) -> int:

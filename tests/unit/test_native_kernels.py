@@ -29,7 +29,10 @@ def unpack_values(packed: rp.PackedWeight) -> np.ndarray:
     """The values the kernels multiply with, read back from the repacked layout in numpy: scale*code + offset."""
     nb, n_groups = packed.n_cols // rp.BLOCK, -(-packed.n_rows // rp.ROWS)
     cb = rp.code_bytes(packed.kind)
-    blocks = packed.data.reshape(n_groups, nb, -1)
+    groups = packed.data.reshape(n_groups, -1)
+    n_par = 1 + packed.has_offsets
+    mult_bytes = rp.group_mult_bytes(packed.n_cols, packed.has_offsets, packed.factored)
+    blocks = groups[:, :groups.shape[1] - mult_bytes].reshape(n_groups, nb, -1)
     chunked = blocks[:, :, :rp.ROWS * cb].reshape(n_groups, nb, cb // 4, rp.ROWS, 4)  # [chunk][row][4 codes]
     codes = chunked.transpose(0, 1, 3, 2, 4).reshape(n_groups, nb, rp.ROWS, cb)
     if packed.kind == rp.KIND_QNIB:
@@ -42,9 +45,12 @@ def unpack_values(packed: rp.PackedWeight) -> np.ndarray:
         values = (packed.table[0] + (nibbles | (fifth << 4)).astype(np.int32)).astype(np.float32)
     else:
         values = codes.view(np.int8).astype(np.float32)
-    stored = np.float16 if packed.half_params else np.float32
+    stored = np.int8 if packed.factored else np.float16 if packed.half_params else np.float32
     params = blocks[:, :, rp.ROWS * cb:].copy().view(stored).astype(np.float32).reshape(
         n_groups, nb, -1, packed.n_scales, rp.ROWS)
+    if packed.factored:  # [group][super-block][scale, offset][row] multipliers, one super-block per 8 blocks
+        mults = groups[:, groups.shape[1] - mult_bytes:].copy().view(np.float32).reshape(n_groups, -1, n_par, rp.ROWS)
+        params = params * np.repeat(mults, rp.SUPER // rp.BLOCK, axis=1)[:, :, :, None, :]
     halves = values.reshape(n_groups, nb, rp.ROWS, 2, 16)
     scale = params[:, :, 0].transpose(0, 1, 3, 2)  # [g, b, row, n_scales]
     scale = np.repeat(scale, 2 // packed.n_scales, axis=-1)[..., None]
@@ -77,23 +83,31 @@ def test_repacking_keeps_every_value_bit_exact(qtype):
 
 #: the block types whose scales (and offsets) are one f16 per 32 values in the file
 F16_PARAM_TYPES = {GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0, GGMLType.IQ4_NL}
+#: the types whose scales (and minimums) are integer factors of a super-block's f16 d (and dmin) in the file
+FACTORED_TYPES = {GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.IQ4_XS}
+#: bytes per 32 weights as repacked: codes (Q2_K's and Q3_K's 2- and 3-bit codes take 4 bits), one int8 factor a
+#: scale (and offset), and the float32 multipliers of a 256-element super-block
+FACTORED_BYTES_PER_32 = {GGMLType.Q2_K: 16 + 4 + 1, GGMLType.Q3_K: 16 + 2 + 0.5, GGMLType.Q4_K: 16 + 2 + 1,
+                         GGMLType.Q5_K: 20 + 2 + 1, GGMLType.Q6_K: 32 + 2 + 0.5, GGMLType.IQ4_XS: 16 + 1 + 0.5}
 
 
 @pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda t: t.name)
-def test_f16_block_parameters_stay_f16_so_a_weight_streams_no_more_than_its_file(qtype):
+def test_block_parameters_keep_the_files_form_so_a_weight_streams_little_more_than_its_file(qtype):
     """A decode step reads every byte of every weight: the types whose parameters are f16 in the file keep them
-    so (4-, 5- and 8-bit codes then take exactly the file's bytes); the others' products of scales are float32."""
+    so (4-, 5- and 8-bit codes then take exactly the file's bytes); the K-quants and IQ4_XS keep their integer
+    factors (one byte each) and their super-blocks' multipliers; MXFP4's exact power-of-two scales are float32."""
     rng = np.random.default_rng(int(qtype) + 100)
     n_blocks = 2 if TYPE_INFO[qtype].block_size == 256 else 5
     raw = random_blocks(qtype, 16, n_blocks, rng)
     packed = rp.repack(raw, qtype, (n_blocks * TYPE_INFO[qtype].block_size, 16))
     assert packed.half_params == (qtype in F16_PARAM_TYPES)
-    if qtype in {GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0, GGMLType.IQ4_NL}:
+    assert packed.factored == (qtype in FACTORED_TYPES)
+    if qtype in F16_PARAM_TYPES:
         assert packed.nbytes == raw.nbytes
-    param_bytes = 2 if packed.half_params else 4
-    per_block = rp.ROWS * rp.code_bytes(packed.kind) + \
-        packed.n_scales * (1 + packed.has_offsets) * rp.ROWS * param_bytes
-    assert packed.nbytes == 2 * packed.n_cols // rp.BLOCK * per_block
+    elif qtype in FACTORED_TYPES:
+        assert packed.nbytes == FACTORED_BYTES_PER_32[qtype] * 16 * packed.n_cols // 32
+    else:  # MXFP4
+        assert packed.nbytes == 2 * packed.n_cols // rp.BLOCK * (rp.ROWS * rp.code_bytes(packed.kind) + rp.ROWS * 4)
 
 
 def test_mxfp4_subnormal_and_largest_exponents_repack_bit_exact():

@@ -12,7 +12,7 @@ from llmfw.core.exec.weight_cache import ConvertedCache
 from llmfw.plugins.backends.native.repack import PackedWeight, checked
 
 #: bumped whenever the repacked layout changes, so that entries written by older code are rebuilt
-CACHE_FORMAT = 4
+CACHE_FORMAT = 5
 
 
 class NativeCache(ConvertedCache[PackedWeight]):
@@ -32,12 +32,14 @@ class NativeCache(ConvertedCache[PackedWeight]):
     @staticmethod
     def meta_of(weight: PackedWeight) -> dict[str, Any]:
         return {"kind": weight.kind, "n_rows": weight.n_rows, "n_cols": weight.n_cols, "n_scales": weight.n_scales,
-                "has_offsets": weight.has_offsets, "ggml_type": weight.ggml_type, "half_params": weight.half_params}
+                "has_offsets": weight.has_offsets, "ggml_type": weight.ggml_type, "half_params": weight.half_params,
+                "factored": weight.factored}
 
     @staticmethod
     def weight_of(meta: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> PackedWeight:
         fields = {name: int(meta[name]) for name in ("kind", "n_rows", "n_cols", "n_scales", "ggml_type")}
         weight = PackedWeight(has_offsets=bool(meta["has_offsets"]), half_params=bool(meta["half_params"]),
+                              factored=bool(meta["factored"]),
                               table=arrays["table"], data=arrays["data"], **fields)
         try:
             return checked(weight)

@@ -1,6 +1,9 @@
 """Weights repacked for the native kernels, values exact: every GGUF block type becomes 8-bit (or 4- or 5-bit
 indexed) codes with a float scale (and offset) per 16 or 32 elements, computed with the oracle's own float32 operations, so
 ``scale * code + offset`` is the value ``llmfw.core.format.quants.dequantize`` gives, bit for bit — no requantization.
+The K-quants and IQ4_XS keep their scales factored as the file has them: an integer factor of at most 8 bits per
+sub-block times a multiplier per 256 elements (the super-block's f16 ``d``, or ``-dmin`` for a minimum), whose
+product the kernels form in float32, exactly.
 Rows are interleaved in groups of 8, four codes of each row at a time (csrc/native.h), so one 32-byte vector of
 codes times one broadcast activation word gives the eight rows' partial sums in eight lanes."""
 from __future__ import annotations
@@ -19,6 +22,7 @@ from llmfw.core.format.quants import (IQ4_LEVELS, MXFP4_VALUES, GGMLType, _f16_a
 
 ROWS = 8  # NAT_ROWS
 BLOCK = 32  # NAT_BLOCK
+SUPER = 256  # elements of a super-block (NAT_SUPER blocks)
 KIND_QNIB, KIND_QBYTE, KIND_F32, KIND_F16, KIND_BF16, KIND_QNIB5 = range(6)
 #: the kinds of quantized codes (the others are float rows)
 QUANTIZED_KINDS = frozenset({KIND_QNIB, KIND_QBYTE, KIND_QNIB5})
@@ -36,8 +40,11 @@ class Codes:
     ``16 * (2 // n_scales)`` elements."""
 
     codes: np.ndarray  # (rows, n_cols) uint8 nibble (QNIB) or 5-bit (QNIB5) indices, or int8 values (QBYTE)
-    scales: np.ndarray  # (rows, n_cols // 32, n_scales) float32
+    scales: np.ndarray  # (rows, n_cols // 32, n_scales) float32 (factored: int8 factors)
     offsets: np.ndarray | None  # same shape, or None
+    #: factored layouts: (rows, n_cols // 256, 1 + has offsets) float32, the multipliers of each super-block's
+    #: scale factors and offset factors
+    mults: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -49,13 +56,8 @@ class Layout:
     decode: Callable[[np.ndarray], Codes]  # (rows, blocks, type_size) uint8 -> Codes
     #: the scales (and offsets) are f16 values in the file, one per block: stored as f16 (csrc/native.h), exact
     half_params: bool = False
-
-
-def _per_half(values: np.ndarray, n_cols: int) -> np.ndarray:
-    """(rows, n_values) sub-block parameters -> (rows, n_cols // 32, n_scales)."""
-    rows = values.shape[0]
-    per_block = values.shape[1] * BLOCK // n_cols  # 1 (per 32) or 2 (per 16)
-    return np.ascontiguousarray(values.reshape(rows, n_cols // BLOCK, per_block), dtype=np.float32)
+    #: the scales (and offsets) are int8 factors times a float32 multiplier per super-block (csrc/native.h)
+    factored: bool = False
 
 
 def _flat(blocks: np.ndarray) -> tuple[np.ndarray, int, int]:
@@ -93,14 +95,24 @@ def _q8_0(blocks: np.ndarray) -> Codes:
                  _f16_at(flat, 0).reshape(rows, nb, 1), None)
 
 
+def _factors(values: np.ndarray, rows: int, nb: int) -> np.ndarray:
+    """(rows * super-blocks, sub-blocks) integer factors -> (rows, n_cols // 32, n_scales) int8."""
+    return np.ascontiguousarray(values.reshape(rows, nb * 256 // BLOCK, -1)).astype(np.int8)
+
+
+def _multipliers(flat: np.ndarray, rows: int, *at: int) -> np.ndarray:
+    """(rows, super-blocks, len(at)) float32: the f16 at each byte offset of a super-block, negated at a
+    negative offset (a minimum enters as an offset factor times -dmin)."""
+    mults = [-_f16_at(flat, -offset) if offset < 0 else _f16_at(flat, offset) for offset in at]
+    return np.stack(mults, axis=-1).reshape(rows, -1, len(at)).astype(np.float32)
+
+
 def _q2_k(blocks: np.ndarray) -> Codes:
     flat, rows, nb = _flat(blocks)
-    n_cols = nb * 256
     scales = flat[:, :16]
-    dl = _f16_at(flat, 80) * (scales & np.uint8(0x0F)).astype(np.float32)
-    ml = _f16_at(flat, 82) * (scales >> np.uint8(4)).astype(np.float32)
     codes = _unpack_fields(flat[:, 16:80], 2, 32).reshape(rows, -1)
-    return Codes(codes, _per_half(dl.reshape(rows, -1), n_cols), _per_half(-ml.reshape(rows, -1), n_cols))
+    return Codes(codes, _factors(scales & np.uint8(0x0F), rows, nb), _factors(scales >> np.uint8(4), rows, nb),
+                 _multipliers(flat, rows, 80, -82))
 
 
 def _q3_k(blocks: np.ndarray) -> Codes:
@@ -109,29 +121,25 @@ def _q3_k(blocks: np.ndarray) -> Codes:
     q = _unpack_fields(flat[:, 32:96], 2, 32)
     q += np.uint8(4)
     q -= high_bit_clear << np.uint8(2)  # code + 4 in 0..7: the table subtracts the 4 again
-    dl = _f16_at(flat, 108) * _q3_k_scales(flat[:, 96:108]).astype(np.float32)
-    return Codes(q.reshape(rows, -1), _per_half(dl.reshape(rows, -1), nb * 256), None)
+    return Codes(q.reshape(rows, -1), _factors(_q3_k_scales(flat[:, 96:108]), rows, nb), None,
+                 _multipliers(flat, rows, 108))
 
 
-def _k4_params(flat: np.ndarray, rows: int, nb: int) -> tuple[np.ndarray, np.ndarray]:
+def _k4_params(flat: np.ndarray, rows: int, nb: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     scales, mins = _k4_scales_mins(flat[:, 4:16])
-    d1 = _f16_at(flat, 0) * scales.astype(np.float32)
-    m1 = _f16_at(flat, 2) * mins.astype(np.float32)
-    return _per_half(d1.reshape(rows, -1), nb * 256), _per_half(-m1.reshape(rows, -1), nb * 256)
+    return _factors(scales, rows, nb), _factors(mins, rows, nb), _multipliers(flat, rows, 0, -2)
 
 
 def _q4_k(blocks: np.ndarray) -> Codes:
     flat, rows, nb = _flat(blocks)
-    d1, m1 = _k4_params(flat, rows, nb)
-    return Codes(_unpack_fields(flat[:, 16:], 4, 32).reshape(rows, -1), d1, m1)
+    return Codes(_unpack_fields(flat[:, 16:], 4, 32).reshape(rows, -1), *_k4_params(flat, rows, nb))
 
 
 def _q5_k(blocks: np.ndarray) -> Codes:
     flat, rows, nb = _flat(blocks)
-    d1, m1 = _k4_params(flat, rows, nb)
     q = _unpack_fields(flat[:, 48:], 4, 32)
     q |= _unpack_fields(flat[:, 16:48], 1, 32) << np.uint8(4)
-    return Codes(q.reshape(rows, -1), d1, m1)
+    return Codes(q.reshape(rows, -1), *_k4_params(flat, rows, nb))
 
 
 def _q6_k(blocks: np.ndarray) -> Codes:
@@ -140,8 +148,8 @@ def _q6_k(blocks: np.ndarray) -> Codes:
     q |= _unpack_fields(flat[:, 128:192], 2, 32) << np.uint8(4)
     q = q.view(np.int8)
     q -= np.int8(32)
-    dl = _f16_at(flat, 208) * flat[:, 192:208].view(np.int8).astype(np.float32)
-    return Codes(q.reshape(rows, -1), _per_half(dl.reshape(rows, -1), nb * 256), None)
+    return Codes(q.reshape(rows, -1), _factors(flat[:, 192:208].view(np.int8), rows, nb), None,
+                 _multipliers(flat, rows, 208))
 
 
 def _iq4_nl(blocks: np.ndarray) -> Codes:
@@ -151,9 +159,8 @@ def _iq4_nl(blocks: np.ndarray) -> Codes:
 
 def _iq4_xs(blocks: np.ndarray) -> Codes:
     flat, rows, nb = _flat(blocks)
-    dl = _f16_at(flat, 0) * iq4_xs_scales(flat).astype(np.float32)
     codes = _unpack_fields(flat[:, 8:].reshape(-1, 16), 4, 16).reshape(rows, -1)
-    return Codes(codes, _per_half(dl.reshape(rows, -1), nb * 256), None)
+    return Codes(codes, _factors(iq4_xs_scales(flat), rows, nb), None, _multipliers(flat, rows, 0))
 
 
 def _mxfp4(blocks: np.ndarray) -> Codes:
@@ -169,13 +176,13 @@ LAYOUTS: dict[GGMLType, Layout] = {
     GGMLType.Q5_0: Layout(KIND_QNIB5, 1, False, _IDENTITY - np.int8(16), _q5_0, half_params=True),
     GGMLType.Q5_1: Layout(KIND_QNIB5, 1, True, _IDENTITY, _q5_1, half_params=True),
     GGMLType.Q8_0: Layout(KIND_QBYTE, 1, False, _IDENTITY, _q8_0, half_params=True),
-    GGMLType.Q2_K: Layout(KIND_QNIB, 2, True, _IDENTITY, _q2_k),
-    GGMLType.Q3_K: Layout(KIND_QNIB, 2, False, _IDENTITY - np.int8(4), _q3_k),
-    GGMLType.Q4_K: Layout(KIND_QNIB, 1, True, _IDENTITY, _q4_k),
-    GGMLType.Q5_K: Layout(KIND_QNIB5, 1, True, _IDENTITY, _q5_k),
-    GGMLType.Q6_K: Layout(KIND_QBYTE, 2, False, _IDENTITY, _q6_k),
+    GGMLType.Q2_K: Layout(KIND_QNIB, 2, True, _IDENTITY, _q2_k, factored=True),
+    GGMLType.Q3_K: Layout(KIND_QNIB, 2, False, _IDENTITY - np.int8(4), _q3_k, factored=True),
+    GGMLType.Q4_K: Layout(KIND_QNIB, 1, True, _IDENTITY, _q4_k, factored=True),
+    GGMLType.Q5_K: Layout(KIND_QNIB5, 1, True, _IDENTITY, _q5_k, factored=True),
+    GGMLType.Q6_K: Layout(KIND_QBYTE, 2, False, _IDENTITY, _q6_k, factored=True),
     GGMLType.IQ4_NL: Layout(KIND_QNIB, 1, False, IQ4_LEVELS, _iq4_nl, half_params=True),
-    GGMLType.IQ4_XS: Layout(KIND_QNIB, 1, False, IQ4_LEVELS, _iq4_xs),
+    GGMLType.IQ4_XS: Layout(KIND_QNIB, 1, False, IQ4_LEVELS, _iq4_xs, factored=True),
     GGMLType.MXFP4: Layout(KIND_QNIB, 1, False, MXFP4_VALUES.astype(np.int8), _mxfp4),
 }
 
@@ -197,6 +204,8 @@ class PackedWeight:
     ggml_type: int
     #: scales and offsets stored as f16 (Layout.half_params)
     half_params: bool = False
+    #: scales and offsets stored as int8 factors, each row group's multipliers after its blocks (Layout.factored)
+    factored: bool = False
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -212,33 +221,41 @@ def code_bytes(kind: int) -> int:
     return {KIND_QNIB: 16, KIND_QNIB5: 20}.get(kind, 32)
 
 
-def block_bytes(kind: int, n_scales: int, has_offsets: bool, half_params: bool = False) -> int:
+def block_bytes(kind: int, n_scales: int, has_offsets: bool, half_params: bool = False, factored: bool = False) -> int:
     """nat_block_bytes (csrc/native.h): one block of one row group."""
-    return ROWS * code_bytes(kind) + n_scales * (1 + int(has_offsets)) * ROWS * _param_bytes(half_params)
+    return ROWS * code_bytes(kind) + n_scales * (1 + int(has_offsets)) * ROWS * _param_bytes(half_params, factored)
 
 
-def _param_bytes(half_params: bool) -> int:
-    return 2 if half_params else 4
+def _param_bytes(half_params: bool, factored: bool = False) -> int:
+    return 1 if factored else 2 if half_params else 4
+
+
+def group_mult_bytes(n_cols: int, has_offsets: bool, factored: bool) -> int:
+    """nat_group_mult_bytes (csrc/native.h): a factored weight's multipliers of one row group, after its blocks."""
+    return n_cols // SUPER * (1 + int(has_offsets)) * ROWS * 4 if factored else 0
 
 
 def packed_bytes(kind: int, n_rows: int, n_cols: int, n_scales: int, has_offsets: bool,
-                 half_params: bool = False) -> int:
+                 half_params: bool = False, factored: bool = False) -> int:
     """The bytes of a weight in the kernels' layout (csrc/native.h); QuantError for a description the kernels
     cannot take (what the C code reads is exactly this many bytes)."""
     if n_rows < 0 or n_cols < 0:
         raise QuantError(f"a weight of {n_rows} x {n_cols} values")
     if kind in FLOAT_KINDS.values():
         return n_rows * n_cols * (4 if kind == KIND_F32 else 2)
-    if kind not in QUANTIZED_KINDS or n_scales not in (1, 2) or n_cols % BLOCK:
-        raise QuantError(f"no kernel layout of kind {kind} with {n_scales} scales and {n_cols} columns")
-    return -(-n_rows // ROWS) * (n_cols // BLOCK) * block_bytes(kind, n_scales, has_offsets, half_params)
+    if kind not in QUANTIZED_KINDS or n_scales not in (1, 2) or n_cols % (SUPER if factored else BLOCK):
+        raise QuantError(f"no kernel layout of kind {kind} with {n_scales} scales and {n_cols} columns"
+                         + (" (factored parameters need whole super-blocks of 256)" if factored else ""))
+    group = (n_cols // BLOCK) * block_bytes(kind, n_scales, has_offsets, half_params, factored) + \
+        group_mult_bytes(n_cols, has_offsets, factored)
+    return -(-n_rows // ROWS) * group
 
 
 def checked(weight: PackedWeight) -> PackedWeight:
     """``weight`` when its arrays are what its description says (contiguous bytes of :func:`packed_bytes`, a
     16-entry code table), else QuantError: the check before a stored weight reaches the kernels."""
     expected = packed_bytes(weight.kind, weight.n_rows, weight.n_cols, weight.n_scales, weight.has_offsets,
-                            weight.half_params)
+                            weight.half_params, weight.factored)
     data, table = weight.data, weight.table
     if data.dtype != np.uint8 or data.ndim != 1 or not data.flags.c_contiguous or data.size != expected:
         raise QuantError(f"repacked weight of {data.size} bytes ({data.dtype}), its layout needs {expected}")
@@ -265,8 +282,8 @@ def repack(raw: np.ndarray, ggml_type: int, ne: tuple[int, ...]) -> PackedWeight
     per_row = blocks.reshape(n_rows, -1, blocks.shape[-1])  # (rows, blocks of the file's type, type_size)
     n_groups = (n_rows + ROWS - 1) // ROWS
     nb = n_cols // BLOCK
-    out = np.zeros((n_groups, nb, block_bytes(layout.kind, layout.n_scales, layout.has_offsets, layout.half_params)),
-                   dtype=np.uint8)
+    out = np.zeros(packed_bytes(layout.kind, n_rows, n_cols, layout.n_scales, layout.has_offsets, layout.half_params,
+                                layout.factored), dtype=np.uint8).reshape(n_groups, -1)
     for start in range(0, n_rows, _CHUNK_ROWS):
         stop = min(start + _CHUNK_ROWS, n_rows)
         with np.errstate(invalid="ignore", over="ignore"):  # NaN/inf scales stay NaN/inf, as in the oracle
@@ -275,35 +292,46 @@ def repack(raw: np.ndarray, ggml_type: int, ne: tuple[int, ...]) -> PackedWeight
         _place(out, start, codes, layout, nb)
     return PackedWeight(layout.kind, n_rows, n_cols, layout.n_scales, layout.has_offsets,
                         np.ascontiguousarray(layout.table, dtype=np.int8), out.reshape(-1), int(qtype),
-                        layout.half_params)
+                        layout.half_params, layout.factored)
 
 
 def _place(out: np.ndarray, start: int, codes: Codes, layout: Layout, nb: int) -> None:
-    """Write the decoded rows ``start..`` (a multiple of 8) into their row groups of ``out``."""
+    """Write the decoded rows ``start..`` (a multiple of 8) into their row groups of ``out`` ([group][bytes]: the
+    group's blocks, then a factored layout's multipliers)."""
     rows = codes.codes.shape[0]
     padded = (rows + ROWS - 1) // ROWS * ROWS
     code_bytes = _code_bytes(codes.codes, layout.kind, nb)  # (rows, nb, cb)
     params = [codes.scales] + ([codes.offsets] if layout.has_offsets and codes.offsets is not None else [])
+    mults = codes.mults if layout.factored else None
     if padded != rows:
         pad = ((0, padded - rows), (0, 0), (0, 0))
         code_bytes = np.pad(code_bytes, pad)
         params = [np.pad(p, pad) for p in params]
+        mults = None if mults is None else np.pad(mults, pad)
     groups = padded // ROWS
     g0 = start // ROWS
     cb = code_bytes.shape[-1]
+    bb = block_bytes(layout.kind, layout.n_scales, layout.has_offsets, layout.half_params, layout.factored)
+    blocks = np.empty((groups, nb, bb), dtype=np.uint8)
     # codes: [group][block][chunk of 4 bytes][row][4]: one 32-byte chunk holds 4 codes of each of the 8 rows
     chunks = cb // 4
-    out[g0:g0 + groups, :, :ROWS * cb] = code_bytes.reshape(groups, ROWS, nb, chunks, 4).transpose(
+    blocks[:, :, :ROWS * cb] = code_bytes.reshape(groups, ROWS, nb, chunks, 4).transpose(
         0, 2, 3, 1, 4).reshape(groups, nb, ROWS * cb)
     at = ROWS * cb
-    stored = np.float16 if layout.half_params else np.float32  # f16 values of the file: exact either way
+    # f16 values of the file (exact either way), or int8 factors
+    stored = np.int8 if layout.factored else np.float16 if layout.half_params else np.float32
     for p in params:  # each (padded, nb, n_scales) -> [group][block][half][row]
         n_scales = p.shape[-1]
         arranged = p.reshape(groups, ROWS, nb, n_scales).transpose(0, 2, 3, 1)
-        width = n_scales * ROWS * _param_bytes(layout.half_params)
-        out[g0:g0 + groups, :, at:at + width] = np.ascontiguousarray(arranged, dtype=stored).view(
+        width = n_scales * ROWS * _param_bytes(layout.half_params, layout.factored)
+        blocks[:, :, at:at + width] = np.ascontiguousarray(arranged, dtype=stored).view(
             np.uint8).reshape(groups, nb, width)
         at += width
+    out[g0:g0 + groups, :nb * bb] = blocks.reshape(groups, nb * bb)
+    if mults is not None:  # (padded, n_super, n_par) -> [group][super-block][scale, offset][row]
+        arranged = mults.reshape(groups, ROWS, mults.shape[1], mults.shape[2]).transpose(0, 2, 3, 1)
+        out[g0:g0 + groups, nb * bb:] = np.ascontiguousarray(arranged, dtype=np.float32).view(np.uint8).reshape(
+            groups, -1)
 
 
 def _code_bytes(codes: np.ndarray, kind: int, nb: int) -> np.ndarray:

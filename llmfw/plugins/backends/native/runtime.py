@@ -179,8 +179,8 @@ class NativeBackend(NumpyWeights):
         packed = handle.packed
         if packed.n_rows % ROWS:
             return None  # row groups of a part must be whole to be stacked
-        return (packed.kind, packed.n_scales, packed.has_offsets, packed.half_params, packed.table.tobytes(),
-                packed.n_cols)
+        return (packed.kind, packed.n_scales, packed.has_offsets, packed.half_params, packed.factored,
+                packed.table.tobytes(), packed.n_cols)
 
     def fuse_weights(self, name: str, parts: tuple[str, ...]) -> bool:
         members = [self.weights.get(n) for n in parts]

@@ -123,8 +123,12 @@ void nat_quantize_rows(const float *x, int64_t k, nat_qact *a, int64_t m0, int64
     }
 }
 
-/* one row of 8 block parameters as float32 */
-static void widen_param_row(const nat_weight *w, const uint8_t *row, float *out) {
+/* one row of 8 block parameters as float32 (mult: the row's multipliers of a factored weight) */
+static void widen_param_row(const nat_weight *w, const uint8_t *row, const float *mult, float *out) {
+    if (w->factored) {
+        for (int r = 0; r < NAT_ROWS; r++) out[r] = mult[r] * (float)(int8_t)row[r];
+        return;
+    }
     if (!w->half_params) {
         memcpy(out, row, NAT_ROWS * sizeof(float));
         return;
@@ -136,13 +140,14 @@ static void widen_param_row(const nat_weight *w, const uint8_t *row, float *out)
     }
 }
 
-nat_params nat_block_params(const nat_weight *w, const uint8_t *blk, float *store) {
-    nat_param_rows rows = nat_block_param_rows(w, blk);
+nat_params nat_block_params(const nat_weight *w, int64_t g, int64_t b, float *store) {
+    nat_param_rows rows = nat_block_param_rows(w, nat_group_at(w, g) + (size_t)b * nat_block_bytes(w));
     const uint8_t *stored[4] = {rows.s0, rows.s1, rows.o0, rows.o1};
+    const float *mults = w->factored ? nat_block_mults(w, g, b) : NULL;
     const float *widened[4] = {NULL, NULL, NULL, NULL};
     for (int k = 0; k < 4; k++) {
         if (!stored[k]) continue;
-        widen_param_row(w, stored[k], store + k * NAT_ROWS);
+        widen_param_row(w, stored[k], mults ? mults + (k >= 2) * NAT_ROWS : NULL, store + k * NAT_ROWS);
         widened[k] = store + k * NAT_ROWS;
     }
     nat_params p = {widened[0], widened[1], widened[2], widened[3]};
@@ -153,13 +158,13 @@ void nat_qgemm_scalar(const nat_weight *w, const nat_qact *a, int64_t m, float *
     int64_t nb = w->n_cols / NAT_BLOCK, n = w->n_rows;
     size_t bb = nat_block_bytes(w);
     for (int64_t g = g0; g < g1; g++) {
-        const uint8_t *group = w->data + (size_t)g * nb * bb;
+        const uint8_t *group = nat_group_at(w, g);
         for (int64_t i = 0; i < m; i++) {
             float acc[NAT_ROWS] = {0};
             for (int64_t b = 0; b < nb; b++) {
                 const uint8_t *blk = group + b * bb;
                 float store[4 * NAT_ROWS];
-                nat_params p = nat_block_params(w, blk, store);
+                nat_params p = nat_block_params(w, g, b, store);
                 const int8_t *aq = a->q + i * w->n_cols + b * NAT_BLOCK;
                 float da = a->d[i * nb + b];
                 const int32_t *sums = a->sums + (i * nb + b) * 2;

@@ -81,11 +81,20 @@ TARGET INLINE void load_chunks(const uint8_t *codes, int form, int high16, __m25
 #define PAR_OFFSETS 1
 #define PAR_ONE_SCALE 2
 #define PAR_HALF 4
+#define PAR_FACTOR 8  /* int8 factors times the super-block's multipliers (native.h: factored) */
 
-/* a row of 8 block parameters as float32 */
-TARGET INLINE __m256 load_params(const uint8_t *row, int pars) {
+/* a row of 8 block parameters as float32 (mult: their multipliers, with PAR_FACTOR) */
+TARGET INLINE __m256 load_params(const uint8_t *row, int pars, const float *mult) {
+    if (pars & PAR_FACTOR)
+        return _mm256_mul_ps(_mm256_loadu_ps(mult),
+                             _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)row))));
     if (pars & PAR_HALF) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)row));
     return _mm256_loadu_ps((const float *)row);
+}
+
+/* where block b of group g finds its multipliers (PAR_FACTOR), else NULL; offsets' are NAT_ROWS further */
+INLINE const float *block_mults(const nat_weight *w, int pars, int64_t g, int64_t b) {
+    return (pars & PAR_FACTOR) ? nat_block_mults(w, g, b) : NULL;
 }
 
 /* The float part of native.h for the rows of one vector (W: 256, 8 rows; 512, 16 rows), par: s0, s1, o0, o1, with
@@ -173,6 +182,7 @@ INLINE nat_weight with_constant_layout(const nat_weight *w, int form, int pars) 
     fixed.n_scales = (pars & PAR_ONE_SCALE) ? 1 : 2;
     fixed.has_offsets = (pars & PAR_OFFSETS) != 0;
     fixed.half_params = (pars & PAR_HALF) != 0;
+    fixed.factored = (pars & PAR_FACTOR) != 0;
     return fixed;
 }
 
@@ -189,7 +199,7 @@ INLINE nat_weight with_constant_layout(const nat_weight *w, int form, int pars) 
                                  int pars, int rows, int64_t i0, int64_t g, float *y) {                             \
         int64_t nb = w->n_cols / NAT_BLOCK;                                                                        \
         size_t bb = nat_block_bytes(w);                                                                            \
-        const uint8_t *group = w->data + (size_t)g * nb * bb;                                                      \
+        const uint8_t *group = nat_group_at(w, g);                                                                 \
         __m256 acc[M_TILE];                                                                                        \
         for (int t = 0; t < rows; t++) acc[t] = _mm256_setzero_ps();                                               \
         for (int64_t b = 0; b < nb; b++) {                                                                         \
@@ -199,11 +209,12 @@ INLINE nat_weight with_constant_layout(const nat_weight *w, int form, int pars) 
             load_chunks(blk, form, HIGH16(form), chunk);                                                           \
             OPERANDS(form, plan->table, chunk, signs);                                                             \
             nat_param_rows p = nat_block_param_rows(w, blk);                                                      \
-            __m256 par[4] = {load_params(p.s0, pars), load_params(p.s1, pars), _mm256_setzero_ps(),               \
+            const float *mu = block_mults(w, pars, g, b), *mo = mu ? mu + NAT_ROWS : NULL;                         \
+            __m256 par[4] = {load_params(p.s0, pars, mu), load_params(p.s1, pars, mu), _mm256_setzero_ps(),       \
                              _mm256_setzero_ps()};                                                                 \
             if (pars & PAR_OFFSETS) {                                                                              \
-                par[2] = load_params(p.o0, pars);                                                                  \
-                par[3] = load_params(p.o1, pars);                                                                  \
+                par[2] = load_params(p.o0, pars, mo);                                                              \
+                par[3] = load_params(p.o1, pars, mo);                                                              \
             }                                                                                                      \
             for (int t = 0; t < rows; t++) {                                                                       \
                 int64_t i = i0 + t;                                                                                \
@@ -234,15 +245,16 @@ INLINE nat_weight with_constant_layout(const nat_weight *w, int form, int pars) 
                                int64_t g1) {                                                                       \
         code_plan plan = NAME##_plan(w);                                                                           \
         int pars = (w->has_offsets ? PAR_OFFSETS : 0) | (w->n_scales == 1 ? PAR_ONE_SCALE : 0) |                  \
-                   (w->half_params ? PAR_HALF : 0);                                                                \
+                   (w->half_params ? PAR_HALF : 0) | (w->factored ? PAR_FACTOR : 0);                               \
         FOR_FORM(NAME, NIB_INDEX) FOR_FORM(NAME, NIB_LINEAR) FOR_FORM(NAME, NIB_TABLE) FOR_FORM(NAME, BYTE)        \
         FOR_FORM(NAME, NIB5_INDEX) FOR_FORM(NAME, NIB5_LINEAR)                                                    \
         nat_qgemm_scalar(w, a, m, y, g0, g1);                                                                      \
     }
 
-/* the kernel specialised for code form FORM and parameter flags pars (inside nat_qgemm_NAME): f16 parameters come
- * with one scale per block (the repacker keeps them only for such types); a layout with none of these kernels falls
- * through to the portable one */
+/* the kernel specialised for code form FORM and parameter flags pars (inside nat_qgemm_NAME), for the layouts the
+ * repacker makes: f16 parameters (Q4_0 ... Q8_0, IQ4_NL: one scale per block, Q4_1 / Q5_1 with offsets), factored
+ * ones (Q2_K ... Q6_K, IQ4_XS), float32 ones (MXFP4); a layout with none of these kernels falls through to the
+ * portable one */
 #define FOR_PARS(NAME, FORM, PARS)                                         \
     if (pars == (PARS)) {                                                  \
         NAME##_groups(w, a, &plan, FORM, PARS, m, y, g0, g1);              \
@@ -250,9 +262,10 @@ INLINE nat_weight with_constant_layout(const nat_weight *w, int form, int pars) 
     }
 #define FOR_FORM(NAME, FORM)                                                                                       \
     if (plan.form == FORM) {                                                                                       \
-        FOR_PARS(NAME, FORM, 0) FOR_PARS(NAME, FORM, PAR_OFFSETS) FOR_PARS(NAME, FORM, PAR_ONE_SCALE)             \
-        FOR_PARS(NAME, FORM, PAR_OFFSETS | PAR_ONE_SCALE) FOR_PARS(NAME, FORM, PAR_ONE_SCALE | PAR_HALF)          \
-        FOR_PARS(NAME, FORM, PAR_OFFSETS | PAR_ONE_SCALE | PAR_HALF)                                              \
+        FOR_PARS(NAME, FORM, PAR_ONE_SCALE) FOR_PARS(NAME, FORM, PAR_ONE_SCALE | PAR_HALF)                        \
+        FOR_PARS(NAME, FORM, PAR_OFFSETS | PAR_ONE_SCALE | PAR_HALF) FOR_PARS(NAME, FORM, PAR_FACTOR)             \
+        FOR_PARS(NAME, FORM, PAR_FACTOR | PAR_OFFSETS) FOR_PARS(NAME, FORM, PAR_FACTOR | PAR_ONE_SCALE)           \
+        FOR_PARS(NAME, FORM, PAR_FACTOR | PAR_OFFSETS | PAR_ONE_SCALE)                                            \
     }
 
 /* AVX2: vpmaddubsw multiplies unsigned by signed bytes into saturating 16-bit pair sums. Nibble indices (<= 15)
@@ -422,13 +435,50 @@ TARGET512 INLINE __m512i pair_block_dot(const __m512i *chunk, const int8_t *aq, 
 
 DEFINE_COMBINE(TARGET512, pair_combine, 512)
 
+/* the two groups' 8 multipliers at mult_lo and mult_hi as one vector (a factored weight's, per super-block) */
+TARGET512 INLINE __m512 pair_mults(const float *mult_lo, const float *mult_hi) {
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_loadu_pd((const double *)mult_lo)),
+                                               _mm256_loadu_pd((const double *)mult_hi), 1));
+}
+
+/* two consecutive rows of 8 int8 factors of each group (at lo and hi: 16 bytes each) as float32: the first rows of
+ * both groups in *first, the second rows in *second */
+TARGET512 INLINE void pair_factor_rows(const uint8_t *lo, const uint8_t *hi, __m512 *first, __m512 *second) {
+    __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)lo)));
+    __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)hi)));
+    *first = _mm512_shuffle_f32x4(a, b, 0x44);   /* a's rows 0-7, then b's */
+    *second = _mm512_shuffle_f32x4(a, b, 0xEE);  /* a's rows 8-15, then b's */
+}
+
+/* a factored block's parameters of both groups: factor times multiplier (exact). The rows come in pairs as
+ * stored: (s0, o0) with one scale and offsets, (s0, s1) with two scales, then (o0, o1) with offsets too; one scale
+ * without offsets reads 8 bytes past its row, still inside the group (its multipliers follow its blocks). */
+TARGET512 INLINE void pair_factored_params(nat_param_rows p0, nat_param_rows p1, int pars, __m512 mult_s,
+                                           __m512 mult_o, __m512 par[4]) {
+    __m512 first, second;
+    pair_factor_rows(p0.s0, p1.s0, &first, &second);
+    par[0] = _mm512_mul_ps(mult_s, first);
+    if (pars & PAR_ONE_SCALE) {
+        par[1] = par[0];
+        par[2] = par[3] = (pars & PAR_OFFSETS) ? _mm512_mul_ps(mult_o, second) : _mm512_setzero_ps();
+        return;
+    }
+    par[1] = _mm512_mul_ps(mult_s, second);
+    par[2] = par[3] = _mm512_setzero_ps();
+    if (pars & PAR_OFFSETS) {
+        pair_factor_rows(p0.o0, p1.o0, &first, &second);
+        par[2] = _mm512_mul_ps(mult_o, first);
+        par[3] = _mm512_mul_ps(mult_o, second);
+    }
+}
+
 TARGET512 INLINE void pair_tile(const nat_weight *w, const nat_qact *a, const code_plan *plan, int form, int pars,
                                 int rows, int64_t i0, int64_t g, float *y) {
     int64_t nb = w->n_cols / NAT_BLOCK;
     size_t bb = nat_block_bytes(w);
-    const uint8_t *group = w->data + (size_t)g * nb * bb, *next = group + (size_t)nb * bb;
+    const uint8_t *group = nat_group_at(w, g), *next = nat_group_at(w, g + 1);
     __m512i table = _mm512_broadcast_i64x4(plan->table);
-    __m512 acc[M_TILE];
+    __m512 acc[M_TILE], mult_s = _mm512_setzero_ps(), mult_o = _mm512_setzero_ps();
     for (int t = 0; t < rows; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *lo = group + b * bb, *hi = next + b * bb;
@@ -437,11 +487,22 @@ TARGET512 INLINE void pair_tile(const nat_weight *w, const nat_qact *a, const co
         __m512i chunk[8];
         pair_operands(lo, hi, form, VNNI_HIGH16(form) && !(pars & PAR_ONE_SCALE), table, chunk);
         nat_param_rows p0 = nat_block_param_rows(w, lo), p1 = nat_block_param_rows(w, hi);
-        __m512 par[4] = {load_pair_params(p0.s0, p1.s0, pars), load_pair_params(p0.s1, p1.s1, pars),
-                         _mm512_setzero_ps(), _mm512_setzero_ps()};
-        if (pars & PAR_OFFSETS) {
-            par[2] = load_pair_params(p0.o0, p1.o0, pars);
-            par[3] = load_pair_params(p0.o1, p1.o1, pars);
+        __m512 par[4];
+        if (pars & PAR_FACTOR) {
+            if (b % NAT_SUPER == 0) {  /* a new super-block: its multipliers, for this block and the next 7 */
+                const float *m0 = nat_block_mults(w, g, b), *m1 = nat_block_mults(w, g + 1, b);
+                mult_s = pair_mults(m0, m1);
+                if (pars & PAR_OFFSETS) mult_o = pair_mults(m0 + NAT_ROWS, m1 + NAT_ROWS);
+            }
+            pair_factored_params(p0, p1, pars, mult_s, mult_o, par);
+        } else {
+            par[0] = load_pair_params(p0.s0, p1.s0, pars);
+            par[1] = load_pair_params(p0.s1, p1.s1, pars);
+            par[2] = par[3] = _mm512_setzero_ps();
+            if (pars & PAR_OFFSETS) {
+                par[2] = load_pair_params(p0.o0, p1.o0, pars);
+                par[3] = load_pair_params(p0.o1, p1.o1, pars);
+            }
         }
         for (int t = 0; t < rows; t++) {
             int64_t i = i0 + t;

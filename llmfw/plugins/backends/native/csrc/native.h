@@ -23,6 +23,14 @@
 #include <stdint.h>
 #include <stddef.h>
 
+/* the layout helpers below run inside the kernels' inner loops: always inlined (GCC otherwise stops inlining them
+ * into a kernel whose many specialised copies have grown large, and each block then pays calls) */
+#if defined(__GNUC__)
+#define NAT_LAYOUT static inline __attribute__((always_inline))
+#else
+#define NAT_LAYOUT static inline
+#endif
+
 #define NAT_ROWS 8        /* output rows per interleaved row group */
 #define NAT_BLOCK 32      /* elements per quantized block */
 
@@ -40,7 +48,8 @@ enum nat_isa { NAT_ISA_SCALAR = 0, NAT_ISA_AVX2 = 1, NAT_ISA_AVX512 = 2 };
  *          own places, one shift away); a 5-bit weight streams 5 bits a code
  *   scales [n_scales][8 rows], then (has_offsets) offsets [n_scales][8 rows], each a float32, or an f16 where
  *          half_params is set: the block types whose scales and offsets are f16 in the file keep them so, as a
- *          decode step streams every byte of a weight (f16 widens to float32 exactly: the same values)
+ *          decode step streams every byte of a weight (f16 widens to float32 exactly: the same values), or an
+ *          int8 factor where factored is set (its multipliers follow the group's blocks: see `factored`)
  * (n_scales 2: one scale per 16 elements, 1: per 32)
  * a weight value is scale * table[code] + offset (QNIB), scale * (table[0] + code) + offset (QNIB5: the table
  * is table[0] + index, linear) or scale * code + offset (QBYTE).
@@ -54,6 +63,11 @@ typedef struct {
     int64_t n_cols;
     const uint8_t *data;
     int8_t table[16];
+    /* factored parameters (the K-quants and IQ4_XS): a block's scales and offsets are int8 factors (one byte a
+     * row), each times its row's multiplier of the block's 256-element super-block, which follow the group's
+     * blocks: [super-block][scale, then (has_offsets) offset][8 rows] float32. The product is exact in float32
+     * (an f16 times an integer of at most 8 bits): the value the file's own scale and minimum give. */
+    int32_t factored;
 } nat_weight;
 
 /* activations quantized to 8 bits: per row, n_cols/32 blocks */
@@ -72,22 +86,48 @@ static inline int nat_is_quantized(const nat_weight *w) {
 #define NAT_FIFTH_BITS_AT (16 * NAT_ROWS)
 
 /* the code bytes of one row of a block */
-static inline size_t nat_code_bytes(const nat_weight *w) {
+NAT_LAYOUT size_t nat_code_bytes(const nat_weight *w) {
     return w->kind == NAT_QNIB ? 16 : w->kind == NAT_QNIB5 ? 20 : 32;
 }
 
 /* the bytes of one block parameter (a scale or an offset) */
-static inline size_t nat_param_bytes(const nat_weight *w) { return w->half_params ? 2 : 4; }
+NAT_LAYOUT size_t nat_param_bytes(const nat_weight *w) { return w->factored ? 1 : w->half_params ? 2 : 4; }
 
-static inline size_t nat_block_bytes(const nat_weight *w) {
+/* blocks per super-block of a factored weight (256 elements) */
+#define NAT_SUPER 8
+
+/* the bytes of a factored weight's multipliers of one row group (none for other weights) */
+NAT_LAYOUT size_t nat_group_mult_bytes(const nat_weight *w) {
+    if (!w->factored) return 0;
+    return (size_t)(w->n_cols / (NAT_BLOCK * NAT_SUPER)) * (size_t)(1 + w->has_offsets) * NAT_ROWS * sizeof(float);
+}
+
+NAT_LAYOUT size_t nat_block_bytes(const nat_weight *w) {
     return (size_t)NAT_ROWS * nat_code_bytes(w) + (size_t)w->n_scales * (1 + w->has_offsets) * NAT_ROWS * nat_param_bytes(w);
+}
+
+/* the bytes of one row group: its blocks, then (factored) its multipliers */
+NAT_LAYOUT size_t nat_group_bytes(const nat_weight *w) {
+    return (size_t)(w->n_cols / NAT_BLOCK) * nat_block_bytes(w) + nat_group_mult_bytes(w);
+}
+
+/* the first block of row group g */
+NAT_LAYOUT const uint8_t *nat_group_at(const nat_weight *w, int64_t g) {
+    return w->data + (size_t)g * nat_group_bytes(w);
+}
+
+/* the multipliers of block b of row group g of a factored weight: 8 rows' scale multipliers, then (has_offsets)
+ * their offset multipliers */
+NAT_LAYOUT const float *nat_block_mults(const nat_weight *w, int64_t g, int64_t b) {
+    const uint8_t *mults = nat_group_at(w, g) + (size_t)(w->n_cols / NAT_BLOCK) * nat_block_bytes(w);
+    return (const float *)mults + (size_t)(b / NAT_SUPER) * (size_t)(1 + w->has_offsets) * NAT_ROWS;
 }
 
 /* where a block's parameter rows start (after its codes), as stored: scale of each half, then offset of each half
  * (NULL without offsets), each row 8 values of nat_param_bytes */
 typedef struct { const uint8_t *s0, *s1, *o0, *o1; } nat_param_rows;
 
-static inline nat_param_rows nat_block_param_rows(const nat_weight *w, const uint8_t *blk) {
+NAT_LAYOUT nat_param_rows nat_block_param_rows(const nat_weight *w, const uint8_t *blk) {
     size_t row = NAT_ROWS * nat_param_bytes(w);
     const uint8_t *par = blk + NAT_ROWS * nat_code_bytes(w);
     nat_param_rows p;
@@ -99,7 +139,7 @@ static inline nat_param_rows nat_block_param_rows(const nat_weight *w, const uin
 }
 
 /* the code of element j (0..31) of row r (0..7) of a block whose codes start at `codes` (table applied) */
-static inline int nat_code_at(const nat_weight *w, const uint8_t *codes, int r, int j) {
+NAT_LAYOUT int nat_code_at(const nat_weight *w, const uint8_t *codes, int r, int j) {
     if (w->kind == NAT_QBYTE) return (int8_t)codes[32 * (j >> 2) + 4 * r + (j & 3)];
     uint8_t byte = codes[32 * ((j & 15) >> 2) + 4 * r + (j & 3)];
     int nibble = j < 16 ? (byte & 15) : (byte >> 4);
@@ -111,7 +151,8 @@ static inline int nat_code_at(const nat_weight *w, const uint8_t *codes, int r, 
 /* a block's parameters as float32 (the portable paths): scale of each half, offset of each half (NULL without
  * offsets), 8 rows each, widened into `store` (4 * NAT_ROWS floats) */
 typedef struct { const float *s0, *s1, *o0, *o1; } nat_params;
-nat_params nat_block_params(const nat_weight *w, const uint8_t *blk, float *store);
+/* block b of row group g's parameters as float32 rows (in store: 4 rows of 8 floats) */
+nat_params nat_block_params(const nat_weight *w, int64_t g, int64_t b, float *store);
 
 /* one ISA's kernels: rows [g0, g1) of groups (quantized) or of rows (float), for all M activation rows */
 typedef void (*nat_qgemm_fn)(const nat_weight *w, const nat_qact *a, int64_t m, float *y, int64_t g0, int64_t g1);
