@@ -312,7 +312,7 @@ def _place(out: np.ndarray, start: int, codes: Codes, layout: Layout, nb: int) -
     g0 = start // ROWS
     cb = code_bytes.shape[-1]
     bb = block_bytes(layout.kind, layout.n_scales, layout.has_offsets, layout.half_params, layout.factored)
-    blocks = np.empty((groups, nb, bb), dtype=np.uint8)
+    blocks = np.zeros((groups, nb, bb), dtype=np.uint8)  # a layout's offsets the decoder did not give stay 0
     # codes: [group][block][chunk of 4 bytes][row][4]: one 32-byte chunk holds 4 codes of each of the 8 rows
     chunks = cb // 4
     blocks[:, :, :ROWS * cb] = code_bytes.reshape(groups, ROWS, nb, chunks, 4).transpose(

@@ -106,10 +106,13 @@ NAT_LAYOUT size_t nat_block_bytes(const nat_weight *w) {
     return (size_t)NAT_ROWS * nat_code_bytes(w) + (size_t)w->n_scales * (1 + w->has_offsets) * NAT_ROWS * nat_param_bytes(w);
 }
 
-/* the bytes of one row group: its blocks, then (factored) its multipliers */
-NAT_LAYOUT size_t nat_group_bytes(const nat_weight *w) {
-    return (size_t)(w->n_cols / NAT_BLOCK) * nat_block_bytes(w) + nat_group_mult_bytes(w);
+/* the bytes of one row group's blocks (a factored weight's multipliers follow them) */
+NAT_LAYOUT size_t nat_group_block_bytes(const nat_weight *w) {
+    return (size_t)(w->n_cols / NAT_BLOCK) * nat_block_bytes(w);
 }
+
+/* the bytes of one row group: its blocks, then (factored) its multipliers */
+NAT_LAYOUT size_t nat_group_bytes(const nat_weight *w) { return nat_group_block_bytes(w) + nat_group_mult_bytes(w); }
 
 /* the first block of row group g */
 NAT_LAYOUT const uint8_t *nat_group_at(const nat_weight *w, int64_t g) {
@@ -119,7 +122,7 @@ NAT_LAYOUT const uint8_t *nat_group_at(const nat_weight *w, int64_t g) {
 /* the multipliers of block b of row group g of a factored weight: 8 rows' scale multipliers, then (has_offsets)
  * their offset multipliers */
 NAT_LAYOUT const float *nat_block_mults(const nat_weight *w, int64_t g, int64_t b) {
-    const uint8_t *mults = nat_group_at(w, g) + (size_t)(w->n_cols / NAT_BLOCK) * nat_block_bytes(w);
+    const uint8_t *mults = nat_group_at(w, g) + nat_group_block_bytes(w);
     return (const float *)mults + (size_t)(b / NAT_SUPER) * (size_t)(1 + w->has_offsets) * NAT_ROWS;
 }
 
