@@ -218,6 +218,10 @@ def test_a_decode_step_of_sequences_with_interleaved_cells(pool, isa):
         mask[s, s::n_seqs] = 0.0
     step = kernels.attention(q, kv.k, kv.v, mask, 0.3, 0.0, pool, isa)
     np.testing.assert_allclose(step, attention(q, kv, n_kv, mask, 0.3, 0.0), rtol=2e-5, atol=2e-6)
+    # an order listing one sequence's cells after another's keeps each row's own cells in cell order: the same
+    # bits through the order's gathered visibility scan
+    by_sequence = np.lexsort((np.arange(n_kv) // n_seqs, np.arange(n_kv) % n_seqs)).astype(np.int32)
+    assert np.array_equal(kernels.attention(q, kv.k, kv.v, mask, 0.3, 0.0, pool, isa, order=by_sequence), step)
     among = np.concatenate([q, rng.standard_normal((20, 6, 36)).astype(np.float32)])
     among_mask = np.concatenate([mask, window_mask(20, n_kv, n_kv - 20, 30)])
     assert np.array_equal(kernels.attention(among, kv.k, kv.v, among_mask, 0.3, 0.0, pool, isa)[:n_seqs], step)

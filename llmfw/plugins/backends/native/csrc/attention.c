@@ -49,6 +49,10 @@ typedef struct {
     void (*scores_f16)(const float *q, const uint16_t *const *keys, int64_t dk, const float *add, float *out);
     void (*weigh_f16)(float *const *out, const float *const *p, int64_t heads, const int32_t *cells, int64_t n,
                       const uint16_t *v, int64_t dv);
+    /* the visible cells of a mask row (its entries above -inf) in the order order[0..n) lists them: cells[c] =
+     * order[o] and at[c] = o for the c-th of them (o ascending); order NULL: cell order (o is the cell, at not
+     * written). Returns their count. */
+    int64_t (*visible)(const float *row, const int32_t *order, int64_t n, int32_t *cells, int32_t *at);
 } attn_kernels;
 
 /* native.h's reduction of sixteen lanes (nat_reduce16), inlined: the scalar path runs it for every score */
@@ -100,6 +104,25 @@ static float peak_scalar(const float *s, int64_t n) {
     float best = -INFINITY;
     for (int64_t c = 0; c < n; c++) best = s[c] > best ? s[c] : best;
     return best;
+}
+
+/* attn_kernels.visible without branches: a mask row has runs of both kinds */
+static int64_t visible_scalar(const float *row, const int32_t *order, int64_t n, int32_t *cells, int32_t *at) {
+    int64_t count = 0;
+    if (!order) {
+        for (int64_t j = 0; j < n; j++) {
+            cells[count] = (int32_t)j;
+            count += row[j] != -INFINITY;
+        }
+        return count;
+    }
+    for (int64_t o = 0; o < n; o++) {
+        int32_t j = order[o];
+        cells[count] = j;
+        at[count] = (int32_t)o;
+        count += row[j] != -INFINITY;
+    }
+    return count;
 }
 
 static void weigh_scalar(float *const *out, const float *const *p, int64_t heads, const int32_t *cells, int64_t n,
@@ -451,15 +474,40 @@ TARGET512 static float peak_avx512(const float *s, int64_t n) {
     _mm512_storeu_ps(lanes, best);
     return peak_scalar(lanes, 16);
 }
+
+/* visible_scalar sixteen entries at a time: the visible ones' cells (and places) compressed into place */
+TARGET512 static int64_t visible_avx512(const float *row, const int32_t *order, int64_t n, int32_t *cells,
+                                        int32_t *at) {
+    int64_t count = 0;
+    __m512 hidden = _mm512_set1_ps(-INFINITY);
+    __m512i place = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int64_t o = 0; o < n; o += 16, place = _mm512_add_epi32(place, _mm512_set1_epi32(16))) {
+        __mmask16 keep = avx512_keep(n - o);
+        if (!order) {
+            __mmask16 seen = _mm512_mask_cmp_ps_mask(keep, _mm512_maskz_loadu_ps(keep, row + o), hidden, _CMP_NEQ_UQ);
+            _mm512_mask_compressstoreu_epi32(cells + count, seen, place);
+            count += __builtin_popcount(seen);
+            continue;
+        }
+        __m512i cell = _mm512_maskz_loadu_epi32(keep, order + o);
+        __m512 value = _mm512_mask_i32gather_ps(hidden, keep, cell, row, 4);
+        __mmask16 seen = _mm512_mask_cmp_ps_mask(keep, value, hidden, _CMP_NEQ_UQ);
+        _mm512_mask_compressstoreu_epi32(cells + count, seen, cell);
+        _mm512_mask_compressstoreu_epi32(at + count, seen, place);
+        count += __builtin_popcount(seen);
+    }
+    return count;
+}
 #endif
 
 static const attn_kernels *kernels_for(int isa) {
-    static const attn_kernels scalar = {scores_scalar, peak_scalar, exp_sum_scalar, weigh_scalar, NULL, NULL};
+    static const attn_kernels scalar = {scores_scalar, peak_scalar, exp_sum_scalar, weigh_scalar, NULL, NULL,
+                                        visible_scalar};
 #ifdef NAT_HAVE_X86
     static const attn_kernels avx2 = {scores_avx2, peak_avx2, exp_sum_avx2, weigh_avx2, scores_f16_avx2,
-                                      weigh_f16_avx2};
+                                      weigh_f16_avx2, visible_scalar};
     static const attn_kernels avx512 = {float_scores_avx512, peak_avx512, exp_sum_avx512, float_weigh_avx512,
-                                        uint16_t_scores_avx512, uint16_t_weigh_avx512};
+                                        uint16_t_scores_avx512, uint16_t_weigh_avx512, visible_avx512};
     if (isa == NAT_ISA_AVX512) return &avx512;
     if (isa == NAT_ISA_AVX2) return &avx2;
 #endif
@@ -511,21 +559,7 @@ static inline const char *head_rows(const attn_job *job, const char *cache, int6
 /* the visible cells of mask row `row` in the job's order (cells) and their places in it (at, ascending); returns
  * their count */
 static int64_t visible_cells(const attn_job *job, const float *row, int32_t *cells, int32_t *at) {
-    int64_t count = 0;
-    if (job->in_cell_order) {  /* at is cells */
-        for (int64_t j = 0; j < job->n_kv; j++) {  /* without a branch: a mask row has runs of both kinds */
-            cells[count] = (int32_t)j;
-            count += row[j] != -INFINITY;
-        }
-        return count;
-    }
-    for (int64_t o = 0; o < job->n_kv; o++) {
-        int32_t j = job->order[o];
-        cells[count] = j;
-        at[count] = (int32_t)o;
-        count += row[j] != -INFINITY;
-    }
-    return count;
+    return job->isa->visible(row, job->in_cell_order ? NULL : job->order, job->n_kv, cells, at);  /* at is cells */
 }
 
 /* x[0] when x[0..n) are consecutive cells x[0], x[0] + 1, ... (rows to read in place), else -1 */

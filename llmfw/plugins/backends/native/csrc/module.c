@@ -69,8 +69,11 @@ static void quantize_chunk(void *raw, int64_t chunk, int ith) {
 static void add_residual(const mul_mat_job *job, int64_t r0, int64_t r1) {
     if (!job->residual) return;
     int64_t n = job->w->n_rows;
-    for (int64_t i = 0; i < job->m; i++)
-        for (int64_t r = r0; r < r1; r++) job->y[i * n + r] = job->y[i * n + r] + job->residual[i * n + r];
+    for (int64_t i = 0; i < job->m; i++) {  /* row pointers of their own: the stores then cannot touch the job */
+        float *restrict y = job->y + i * n;
+        const float *restrict residual = job->residual + i * n;
+        for (int64_t r = r0; r < r1; r++) y[r] = y[r] + residual[r];
+    }
 }
 
 static void qgemm_chunk(void *raw, int64_t chunk, int ith) {
