@@ -97,6 +97,30 @@ def test_an_f16_cache_attends_with_the_bits_of_its_values_widened(pool, isa, dk,
         kernels.attention(q, k16, kv.v, mask, 0.3, 0.0, pool, isa)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 5])
+def test_decode_rows_over_an_f16_cache_have_the_bits_of_any_head_grouping(isa, group):
+    """A decode step's rows score a GQA group's heads together against each key, widened once (AVX-512: up to
+    three heads a call): whatever the group's size and however the heads are split into work items (one thread
+    takes a whole group, three split it), the bits are those of the float32 cache and of the portable path."""
+    rng = np.random.default_rng(11)
+    n_seqs, n_kv, n_head_kv = 3, 3 * 45, 2
+    q = rng.standard_normal((n_seqs, group * n_head_kv, 64)).astype(np.float32)
+    kv = random_cache(rng, n_head_kv, n_kv, 64, 64)
+    k16, v16 = kv.k.astype(np.float16), kv.v.astype(np.float16)
+    mask = np.full((n_seqs, n_kv), -np.inf, np.float32)
+    for s in range(n_seqs):
+        mask[s, s::n_seqs] = 0.0  # 45 cells each: two whole blocks of 16 and a cut one
+    expected = kernels.attention(q, k16.astype(np.float32), v16.astype(np.float32), mask, 0.3, 0.0,
+                                 kernels.ThreadPool(1), "scalar")
+    for threads in (1, 3):
+        pool = kernels.ThreadPool(threads)
+        for rows in (slice(0, n_seqs), slice(1, 2)):
+            got = kernels.attention(q[rows], k16, v16, mask[rows], 0.3, 0.0, pool, isa)
+            assert np.array_equal(got, expected[rows]), (threads, rows)
+        pool.close()
+
+
 def test_attention_refuses_shapes_that_do_not_fit(pool):
     q = np.zeros((1, 4, 8), np.float32)
     k = np.zeros((2, 16, 8), np.float32)

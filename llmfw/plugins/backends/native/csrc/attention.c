@@ -53,7 +53,13 @@ typedef struct {
      * order[o] and at[c] = o for the c-th of them (o ascending); order NULL: cell order (o is the cell, at not
      * written). Returns their count. */
     int64_t (*visible)(const float *row, const int32_t *order, int64_t n, int32_t *cells, int32_t *at);
+    /* scores_f16 for heads (1 to SHARED_HEADS) query rows q[h] against the same KEYS keys, into out[h]: each key
+     * widened once for them all, the same bits; NULL: scores_f16 per head */
+    void (*scores_f16_heads)(int heads, const float *const *q, const uint16_t *const *keys, int64_t dk,
+                             const float *add, float *const *out);
 } attn_kernels;
+
+#define SHARED_HEADS 3  /* query heads one scores_f16_heads call takes (its sums stay in registers) */
 
 /* native.h's reduction of sixteen lanes (nat_reduce16), inlined: the scalar path runs it for every score */
 static inline float reduce_lanes(float *lanes) {
@@ -407,6 +413,53 @@ TARGET512 static inline void store_scores_avx512(__m512 acc0, __m512 acc1, __m51
 AVX512_SCORES(float, FULL_LOAD, CUT_LOAD)
 AVX512_SCORES(uint16_t, FULL_LOAD_F16, CUT_LOAD_F16)
 
+/* store_scores_avx512's reduction for 8 keys (the same sums of the same lanes) [+ add] */
+TARGET512 static inline void store_scores8_avx512(const __m512 *acc, const float *add, float *out) {
+    __m512 s8_0 = PAIR_F32X4(acc[0], acc[4], 0x44, 0xEE), s8_1 = PAIR_F32X4(acc[1], acc[5], 0x44, 0xEE);
+    __m512 s8_2 = PAIR_F32X4(acc[2], acc[6], 0x44, 0xEE), s8_3 = PAIR_F32X4(acc[3], acc[7], 0x44, 0xEE);
+    /* 128-bit blocks: s4_0 keys [0, 4, 2, 6], s4_1 keys [1, 5, 3, 7] */
+    __m512 s4_0 = PAIR_F32X4(s8_0, s8_2, 0x88, 0xDD), s4_1 = PAIR_F32X4(s8_1, s8_3, 0x88, 0xDD);
+    __m512 s2 = PAIR_PS(s4_0, s4_1, 0x44, 0xEE);  /* blocks [0 0 1 1], [4 4 5 5], [2 2 3 3], [6 6 7 7] */
+    __m512 s1 = PAIR_PS(s2, s2, 0x88, 0xDD);      /* blocks [0 1 0 1], [4 5 4 5], [2 3 2 3], [6 7 6 7] */
+    __m256 r = _mm512_castps512_ps256(
+        _mm512_permutexvar_ps(_mm512_setr_epi32(0, 1, 8, 9, 4, 5, 12, 13, 0, 1, 8, 9, 4, 5, 12, 13), s1));
+    if (add) r = _mm256_add_ps(r, _mm256_loadu_ps(add));
+    _mm256_storeu_ps(out, r);
+}
+
+/* the scores of 8 keys for HEADS query rows, each key's 16 values widened once (HEADS * 8 sums in registers) */
+#define SCORES8_HEADS(HEADS)                                                                                   \
+    TARGET512 static void scores8_f16_##HEADS(const float *const *q, const uint16_t *const *k, int64_t dk,     \
+                                              const float *add, float *const *out) {                           \
+        __m512 acc[HEADS][8];                                                                                  \
+        for (int h = 0; h < HEADS; h++)                                                                        \
+            for (int i = 0; i < 8; i++) acc[h][i] = _mm512_setzero_ps();                                       \
+        for (int64_t d = 0; d < dk; d += 16) {                                                                 \
+            __m512 qv[HEADS];                                                                                  \
+            for (int h = 0; h < HEADS; h++) qv[h] = _mm512_loadu_ps(q[h] + d);                                 \
+            for (int i = 0; i < 8; i++) {                                                                      \
+                __m512 key = FULL_LOAD_F16(k[i] + d);                                                          \
+                for (int h = 0; h < HEADS; h++) acc[h][i] = _mm512_fmadd_ps(qv[h], key, acc[h][i]);            \
+            }                                                                                                  \
+        }                                                                                                      \
+        for (int h = 0; h < HEADS; h++) store_scores8_avx512(acc[h], add, out[h]);                            \
+    }
+SCORES8_HEADS(1)
+SCORES8_HEADS(2)
+SCORES8_HEADS(3)
+
+TARGET512 static void scores_f16_heads_avx512(int heads, const float *const *q, const uint16_t *const *keys,
+                                              int64_t dk, const float *add, float *const *out) {
+    for (int half = 0; half < KEYS; half += 8) {
+        float *dst[SHARED_HEADS];
+        for (int h = 0; h < heads; h++) dst[h] = out[h] + half;
+        const float *more = add ? add + half : NULL;
+        if (heads == 3) scores8_f16_3(q, keys + half, dk, more, dst);
+        else if (heads == 2) scores8_f16_2(q, keys + half, dk, more, dst);
+        else scores8_f16_1(q, keys + half, dk, more, dst);
+    }
+}
+
 TARGET512 static inline __m512 avx512_exp(__m512 x) {
     __m512 c = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(EXP_HIGH), _CMP_GT_OQ), x, _mm512_set1_ps(EXP_HIGH));
     __m512 scaled;
@@ -502,12 +555,13 @@ TARGET512 static int64_t visible_avx512(const float *row, const int32_t *order, 
 
 static const attn_kernels *kernels_for(int isa) {
     static const attn_kernels scalar = {scores_scalar, peak_scalar, exp_sum_scalar, weigh_scalar, NULL, NULL,
-                                        visible_scalar};
+                                        visible_scalar, NULL};
 #ifdef NAT_HAVE_X86
     static const attn_kernels avx2 = {scores_avx2, peak_avx2, exp_sum_avx2, weigh_avx2, scores_f16_avx2,
-                                      weigh_f16_avx2, visible_scalar};
+                                      weigh_f16_avx2, visible_scalar, NULL};
     static const attn_kernels avx512 = {float_scores_avx512, peak_avx512, exp_sum_avx512, float_weigh_avx512,
-                                        uint16_t_scores_avx512, uint16_t_weigh_avx512, visible_avx512};
+                                        uint16_t_scores_avx512, uint16_t_weigh_avx512, visible_avx512,
+                                        scores_f16_heads_avx512};
     if (isa == NAT_ISA_AVX512) return &avx512;
     if (isa == NAT_ISA_AVX2) return &avx2;
 #endif
@@ -669,6 +723,19 @@ static void score_visible(const attn_job *job, int64_t t, int64_t h0, const floa
         key_rows keys;
         block_keys(job, kbase, vis + c0, n, widened, &keys);
         for (int64_t i = 0; i < n; i++) add[i] = mask[vis[c0 + i]];
+        if (n == KEYS && job->softcap == 0.0f && job->direct16 && job->isa->scores_f16_heads) {
+            for (int64_t g0 = 0; g0 < heads; g0 += SHARED_HEADS) {  /* the keys widened once for the heads */
+                int shared = heads - g0 < SHARED_HEADS ? (int)(heads - g0) : SHARED_HEADS;
+                const float *q[SHARED_HEADS];
+                float *dst[SHARED_HEADS];
+                for (int h = 0; h < shared; h++) {
+                    q[h] = qs + (g0 + h) * dk16;
+                    dst[h] = scores + (g0 + h) * job->n_kv + c0;
+                }
+                job->isa->scores_f16_heads(shared, q, keys.f16, dk, add, dst);
+            }
+            continue;
+        }
         for (int64_t g = 0; g < heads; g++) {
             float *dst = scores + g * job->n_kv + c0;
             if (n == KEYS && job->softcap == 0.0f) {
@@ -850,10 +917,12 @@ int nat_attend(nat_pool *pool, int isa, const float *q, const void *k, const voi
     job.direct16 = job.widen && job.isa->scores_f16 && job.dk % 16 == 0 && job.dv % 8 == 0;
     if (order && !order_in_range(order, job.n_kv)) return NAT_ID_OUT_OF_RANGE;
     int64_t group = n[1] / n[2], tiles = (job.n_tokens + job.tile_rows - 1) / job.tile_rows;
-    /* the most heads of a group per item (sharing their K and V loads) that still leaves every thread items */
+    /* the most heads of a group per item (sharing their K and V loads) that still leaves every thread items: a
+     * prefill's several (they differ in cost), a decode step's one each (its items read the most cells per head,
+     * each reading its KV head's keys and values again) */
+    int64_t wanted = (job.tile_rows > 1 ? ITEMS_PER_THREAD : 1) * nat_pool_threads(pool);
     for (job.heads_per_item = group < MAX_HEADS ? group : MAX_HEADS; job.heads_per_item > 1; job.heads_per_item--)
-        if (group % job.heads_per_item == 0
-            && tiles * job.n_head_kv * (group / job.heads_per_item) >= ITEMS_PER_THREAD * nat_pool_threads(pool))
+        if (group % job.heads_per_item == 0 && tiles * job.n_head_kv * (group / job.heads_per_item) >= wanted)
             break;
     job.parts = group / job.heads_per_item;
     job.n_items = tiles * job.n_head_kv * job.parts;
