@@ -776,6 +776,15 @@ static void divide_row(float *x, int64_t n, float total) {
     for (int64_t d = 0; d < n; d++) x[d] = x[d] / total;
 }
 
+/* p[c] = nat_exp(p[c] - best) for head h's scores p[0..count) (count > 0), best their peak (and the sink's);
+ * returns the softmax's denominator: their canonical sum [+ nat_exp(sink - best)] */
+static float exp_total(const attn_job *job, float *p, int64_t count, int64_t h) {
+    float best = job->isa->peak(p, count);
+    if (job->sinks) best = job->sinks[h] > best ? job->sinks[h] : best;
+    float total = job->isa->exp_sum(p, count, best);
+    return job->sinks ? total + nat_exp(job->sinks[h] - best) : total;
+}
+
 /* softmax(scores) . V of one query row for its heads h0.. of the item: out rows of dv floats */
 static void finish_row(const attn_job *job, float *scores, const int32_t *cells, int64_t count, int64_t t,
                        int64_t h0, float *widened) {
@@ -786,10 +795,7 @@ static void finish_row(const attn_job *job, float *scores, const int32_t *cells,
         outs[g] = job->out + (t * job->n_head + h) * dv;
         ps[g] = scores + g * job->n_kv;
         if (count == 0) continue;
-        float best = job->isa->peak(ps[g], count);
-        if (job->sinks) best = job->sinks[h] > best ? job->sinks[h] : best;
-        totals[g] = job->isa->exp_sum(ps[g], count, best);
-        if (job->sinks) totals[g] = totals[g] + nat_exp(job->sinks[h] - best);
+        totals[g] = exp_total(job, ps[g], count, h);
         memset(outs[g], 0, (size_t)dv * sizeof(float));
     }
     if (count == 0) {  /* no visible cell: 0/0 */
@@ -949,11 +955,7 @@ static void split_softmax(void *raw, int64_t item, int ith) {
     const attn_job *job = sj->job;
     int64_t t = item / job->n_head, h = item % job->n_head, count = sj->count[t];
     if (count == 0) return;
-    float *p = sj->scores + item * job->n_kv;
-    float best = job->isa->peak(p, count);
-    if (job->sinks) best = job->sinks[h] > best ? job->sinks[h] : best;
-    float total = job->isa->exp_sum(p, count, best);
-    sj->totals[item] = job->sinks ? total + nat_exp(job->sinks[h] - best) : total;
+    sj->totals[item] = exp_total(job, sj->scores + item * job->n_kv, count, h);
 }
 
 static void split_weigh(void *raw, int64_t item, int ith) {
