@@ -121,6 +121,37 @@ def test_decode_rows_over_an_f16_cache_have_the_bits_of_any_head_grouping(isa, g
         pool.close()
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("n_head,n_head_kv", [(2, 2), (6, 2), (4, 1)])
+@pytest.mark.parametrize("cache", ["f16", "f32"])
+def test_long_decode_rows_split_over_the_threads_keep_their_bits(isa, n_head, n_head_kv, cache):
+    """A decode row that sees over a thousand cells is scored in ranges of cells, its softmax per head and its
+    weighted sums in parts of the value dimensions, spread over every thread: the bits of one thread's whole-row
+    items, with sinks and soft-caps, beside a row that sees fewer cells and one that sees none (NaN)."""
+    rng = np.random.default_rng(12)
+    n_kv, dk, dv = 1400, 64, 64
+    q = rng.standard_normal((3, n_head, dk)).astype(np.float32)
+    kv = random_cache(rng, n_head_kv, n_kv, dk, dv)
+    if cache == "f16":
+        kv = NumpyKV(kv.k.astype(np.float16), kv.v.astype(np.float16))
+    mask = np.full((3, n_kv), -np.inf, np.float32)
+    mask[0, :1300] = 0.0
+    mask[0, 7] = -np.inf  # a hidden cell inside the run
+    mask[1, 1000:1100] = rng.standard_normal(100).astype(np.float32)  # an additive mask
+    sinks = rng.standard_normal(n_head).astype(np.float32)
+    one_thread = kernels.ThreadPool(1)
+    for softcap, row_sinks in ((0.0, None), (20.0, sinks)):
+        expected = kernels.attention(q, kv.k, kv.v, mask, 0.3, softcap, one_thread, isa, sinks=row_sinks)
+        assert np.isnan(expected[2]).all() and not np.isnan(expected[:2]).any()
+        for threads in (2, 3):
+            pool = kernels.ThreadPool(threads)
+            for rows in (slice(0, 3), slice(0, 1)):
+                got = kernels.attention(q[rows], kv.k, kv.v, mask[rows], 0.3, softcap, pool, isa, sinks=row_sinks)
+                assert np.array_equal(got, expected[rows], equal_nan=True), (softcap, threads, rows)
+            pool.close()
+    one_thread.close()
+
+
 def test_attention_refuses_shapes_that_do_not_fit(pool):
     q = np.zeros((1, 4, 8), np.float32)
     k = np.zeros((2, 16, 8), np.float32)

@@ -776,6 +776,15 @@ static void divide_row(float *x, int64_t n, float total) {
     for (int64_t d = 0; d < n; d++) x[d] = x[d] / total;
 }
 
+/* p[c] = nat_exp(p[c] - best) for head h's scores p[0..count) (count > 0), best their peak (and the sink's);
+ * returns the softmax's denominator: their canonical sum [+ nat_exp(sink - best)] */
+static float exp_total(const attn_job *job, float *p, int64_t count, int64_t h) {
+    float best = job->isa->peak(p, count);
+    if (job->sinks) best = job->sinks[h] > best ? job->sinks[h] : best;
+    float total = job->isa->exp_sum(p, count, best);
+    return job->sinks ? total + nat_exp(job->sinks[h] - best) : total;
+}
+
 /* softmax(scores) . V of one query row for its heads h0.. of the item: out rows of dv floats */
 static void finish_row(const attn_job *job, float *scores, const int32_t *cells, int64_t count, int64_t t,
                        int64_t h0, float *widened) {
@@ -786,10 +795,7 @@ static void finish_row(const attn_job *job, float *scores, const int32_t *cells,
         outs[g] = job->out + (t * job->n_head + h) * dv;
         ps[g] = scores + g * job->n_kv;
         if (count == 0) continue;
-        float best = job->isa->peak(ps[g], count);
-        if (job->sinks) best = job->sinks[h] > best ? job->sinks[h] : best;
-        totals[g] = job->isa->exp_sum(ps[g], count, best);
-        if (job->sinks) totals[g] = totals[g] + nat_exp(job->sinks[h] - best);
+        totals[g] = exp_total(job, ps[g], count, h);
         memset(outs[g], 0, (size_t)dv * sizeof(float));
     }
     if (count == 0) {  /* no visible cell: 0/0 */
@@ -799,6 +805,16 @@ static void finish_row(const attn_job *job, float *scores, const int32_t *cells,
     }
     weigh_values(job, outs, ps, heads, cells, count, head_rows(job, job->v, kvh, dv), widened);
     for (int64_t g = 0; g < heads; g++) divide_row(outs[g], dv, totals[g]);
+}
+
+/* qs[g] = q * scale of row t's heads h0.. (heads of them), each padded with zeros to whole 16s */
+static void scaled_queries(const attn_job *job, int64_t t, int64_t h0, int64_t heads, float *qs) {
+    int64_t dk = job->dk, dk16 = (dk + 15) / 16 * 16;
+    for (int64_t g = 0; g < heads; g++) {
+        const float *q = job->q + (t * job->n_head + h0 + g) * dk;
+        float *dst = qs + g * dk16;
+        for (int64_t d = 0; d < dk16; d++) dst[d] = d < dk ? q[d] * job->scale : 0.0f;
+    }
 }
 
 static void attend_item(const attn_job *job, int64_t item, float *scratch) {
@@ -821,11 +837,7 @@ static void attend_item(const attn_job *job, int64_t item, float *scratch) {
             first = at[r * n_kv] < first ? at[r * n_kv] : first;
             end = at[r * n_kv + count[r] - 1] + 1 > end ? at[r * n_kv + count[r] - 1] + 1 : end;
         }
-        for (int64_t g = 0; g < heads; g++) {
-            const float *q = job->q + ((t0 + r) * job->n_head + h0 + g) * dk;
-            float *dst = qs + (r * heads + g) * dk16;
-            for (int64_t d = 0; d < dk16; d++) dst[d] = d < dk ? q[d] * job->scale : 0.0f;
-        }
+        scaled_queries(job, t0 + r, h0, heads, qs + r * heads * dk16);
     }
     if (rows == 1)
         score_visible(job, t0, h0, qs, scores, cells, count[0], block, widened);
@@ -904,6 +916,133 @@ static float *widen_caches(nat_pool *pool, attn_job *job) {
     return copy;
 }
 
+/* ---- a decode step's long rows over all the threads ------------------------------------------------------
+ * A decode step has a few items (rows times KV heads, three for one SmolLM2 row), so on a long context one thread
+ * takes two while another waits. These rows go in three passes that keep every operation of the items above: the
+ * scores of ranges of a row's visible cells (each score is its own), each head's peak, exponentials and total, then
+ * the weighted sums split by value dimensions (each dimension's chain over the cells is its own). */
+#define SPLIT_CELLS 1024  /* a decode row that sees this many cells takes the split passes */
+#define RANGE_CELLS 256   /* visible cells per scoring item (whole KEYS blocks) */
+
+typedef struct {
+    attn_job *job;
+    int32_t *cells;   /* [T][n_kv]: each row's visible cells */
+    int32_t *rows;    /* [T][n_kv]: those cells * parts, the rows of one part's width in a value row */
+    int64_t count[DECODE_ROWS];
+    float *scores;    /* [T][H][n_kv] */
+    float *totals;    /* [T][H] */
+    float *scratch;   /* per thread: one item's scaled queries and a block of scores */
+    int64_t ranges, parts, group;
+} split_job;
+
+static void split_scores(void *raw, int64_t item, int ith) {
+    const split_job *sj = raw;
+    const attn_job *job = sj->job;
+    int64_t range = item % sj->ranges, head_part = (item / sj->ranges) % job->parts;
+    int64_t kvh = (item / (sj->ranges * job->parts)) % job->n_head_kv, t = item / (sj->ranges * job->parts * job->n_head_kv);
+    int64_t heads = job->heads_per_item, h0 = kvh * sj->group + head_part * heads, dk16 = (job->dk + 15) / 16 * 16;
+    int64_t c0 = range * RANGE_CELLS, n = sj->count[t] - c0 < RANGE_CELLS ? sj->count[t] - c0 : RANGE_CELLS;
+    if (n <= 0) return;
+    float *qs = sj->scratch + (size_t)ith * (size_t)(MAX_HEADS * dk16 + KEYS);
+    scaled_queries(job, t, h0, heads, qs);
+    score_visible(job, t, h0, qs, sj->scores + (t * job->n_head + h0) * job->n_kv + c0, sj->cells + t * job->n_kv + c0,
+                  n, qs + heads * dk16, NULL);
+}
+
+static void split_softmax(void *raw, int64_t item, int ith) {
+    (void)ith;
+    split_job *sj = raw;
+    const attn_job *job = sj->job;
+    int64_t t = item / job->n_head, h = item % job->n_head, count = sj->count[t];
+    if (count == 0) return;
+    sj->totals[item] = exp_total(job, sj->scores + item * job->n_kv, count, h);
+}
+
+static void split_weigh(void *raw, int64_t item, int ith) {
+    (void)ith;
+    const split_job *sj = raw;
+    const attn_job *job = sj->job;
+    int64_t part = item % sj->parts, head_part = (item / sj->parts) % job->parts;
+    int64_t kvh = (item / (sj->parts * job->parts)) % job->n_head_kv, t = item / (sj->parts * job->parts * job->n_head_kv);
+    int64_t heads = job->heads_per_item, h0 = kvh * sj->group + head_part * heads, count = sj->count[t];
+    int64_t width = job->dv / sj->parts, d0 = part * width;
+    float *outs[MAX_HEADS];
+    const float *ps[MAX_HEADS];
+    for (int64_t g = 0; g < heads; g++) {
+        outs[g] = job->out + (t * job->n_head + h0 + g) * job->dv + d0;
+        ps[g] = sj->scores + (t * job->n_head + h0 + g) * job->n_kv;
+        for (int64_t d = 0; d < width; d++) outs[g][d] = count ? 0.0f : NAN;  /* no visible cell: 0/0 */
+    }
+    if (count == 0) return;
+    const char *vbase = head_rows(job, job->v, kvh, job->dv) + (size_t)d0 * job->esize;
+    const int32_t *rows = sj->rows + t * job->n_kv;
+    if (job->direct16)
+        job->isa->weigh_f16(outs, ps, heads, rows, count, (const uint16_t *)vbase, width);
+    else
+        job->isa->weigh(outs, ps, heads, rows, count, (const float *)vbase, width);
+    for (int64_t g = 0; g < heads; g++) divide_row(outs[g], width, sj->totals[(t * job->n_head + h0 + g)]);
+}
+
+/* Whether a row of the job's sees SPLIT_CELLS cells. Fills count and cells (at: room for their places in the order,
+ * [T][n_kv]). */
+static int wants_split(const attn_job *job, int threads, int32_t *cells, int32_t *at, int64_t *count) {
+    int64_t most = 0;
+    for (int64_t t = 0; t < job->n_tokens; t++) {
+        count[t] = visible_cells(job, job->mask + t * job->n_kv, cells + t * job->n_kv,
+                                 job->in_cell_order ? cells + t * job->n_kv : at + t * job->n_kv);
+        most = count[t] > most ? count[t] : most;
+    }
+    return most >= SPLIT_CELLS;
+}
+
+/* the job's rows in the split passes when they are decode rows of a float32 cache or of an f16 one its kernels read
+ * in place, too few items for the threads, and one sees SPLIT_CELLS cells: returns 0; else 1, or NAT_OUT_OF_MEMORY
+ * before any pass ran (the caller then runs the items) */
+static int attend_split(nat_pool *pool, attn_job *job) {
+    int threads = nat_pool_threads(pool);
+    if (job->tile_rows != 1 || threads < 2 || (job->widen && !job->direct16)
+        || job->n_items >= ITEMS_PER_THREAD * threads || job->n_kv < SPLIT_CELLS)
+        return 1;
+    size_t cells = (size_t)(job->n_tokens * job->n_kv);
+    split_job sj = {job, malloc(2 * cells * sizeof(int32_t)), NULL, {0}, NULL, NULL, NULL, 0, 1,
+                    job->n_head / job->n_head_kv};
+    if (!sj.cells) return NAT_OUT_OF_MEMORY;
+    if (!wants_split(job, threads, sj.cells, sj.cells + cells, sj.count)) {  /* places where rows go next */
+        free(sj.cells);
+        return 1;
+    }
+    /* the whole group per item where it fits (each key read once: the ranges spread the work), value parts one per
+     * thread where their width stays whole 16s (8s for the f16 kernels' loads suffice) */
+    for (job->heads_per_item = sj.group < MAX_HEADS ? sj.group : MAX_HEADS; sj.group % job->heads_per_item;)
+        job->heads_per_item--;
+    job->parts = sj.group / job->heads_per_item;
+    if (job->dv % (16 * threads) == 0) sj.parts = threads;
+    int64_t most = 0, dk16 = (job->dk + 15) / 16 * 16;
+    for (int64_t t = 0; t < job->n_tokens; t++) most = sj.count[t] > most ? sj.count[t] : most;
+    sj.ranges = (most + RANGE_CELLS - 1) / RANGE_CELLS;
+    sj.rows = sj.cells + cells;
+    sj.scores = malloc((cells * (size_t)job->n_head + (size_t)(job->n_tokens * job->n_head)) * sizeof(float));
+    sj.scratch = malloc((size_t)threads * (size_t)(MAX_HEADS * dk16 + KEYS) * sizeof(float));
+    if (!sj.scores || !sj.scratch) {
+        free(sj.cells);
+        free(sj.scores);
+        free(sj.scratch);
+        return NAT_OUT_OF_MEMORY;
+    }
+    sj.totals = sj.scores + cells * (size_t)job->n_head;
+    for (int64_t t = 0; t < job->n_tokens; t++)
+        for (int64_t c = 0; c < sj.count[t]; c++)
+            sj.rows[t * job->n_kv + c] = sj.cells[t * job->n_kv + c] * (int32_t)sj.parts;
+    int64_t items = job->n_tokens * job->n_head_kv * job->parts;
+    nat_pool_for(pool, items * sj.ranges, split_scores, &sj);
+    nat_pool_for(pool, job->n_tokens * job->n_head, split_softmax, &sj);
+    nat_pool_for(pool, items * sj.parts, split_weigh, &sj);
+    free(sj.cells);
+    free(sj.scores);
+    free(sj.scratch);
+    return 0;
+}
+
 /* n: T, H, Hkv, dk, dv, n_kv, n_cells, f16 (native.h's NAT_OP_ATTEND); order: the n_kv cells in the order to sum
  * them (NULL: cell order). Returns 0, NAT_OUT_OF_MEMORY, or NAT_ID_OUT_OF_RANGE for a cell of the order out of
  * range. */
@@ -944,8 +1083,11 @@ int nat_attend(nat_pool *pool, int isa, const float *q, const void *k, const voi
         for (int64_t o = 0; o < job.n_kv; o++) identity[o] = (int32_t)o;
         job.order = identity;
     }
-    job.n_chunks = nat_pool_chunks(pool, job.n_items);
-    nat_pool_for(pool, job.n_chunks, attend_chunk, &job);
+    int split = attend_split(pool, &job);
+    if (split != 0) {  /* not split (1), or no memory for the split passes' buffers: the items */
+        job.n_chunks = nat_pool_chunks(pool, job.n_items);
+        nat_pool_for(pool, job.n_chunks, attend_chunk, &job);
+    }
     free(job.scratch);
     free(identity);
     free(widened);
