@@ -916,6 +916,14 @@ static float *widen_caches(nat_pool *pool, attn_job *job) {
     return copy;
 }
 
+/* the most heads of a GQA group (a divisor of it, at most MAX_HEADS) per item that still makes `wanted` items of
+ * `slots` (tiles times KV heads) */
+static int64_t heads_per_item(int64_t group, int64_t slots, int64_t wanted) {
+    int64_t heads = group < MAX_HEADS ? group : MAX_HEADS;
+    while (heads > 1 && (group % heads || slots * (group / heads) < wanted)) heads--;
+    return heads;
+}
+
 /* ---- a decode step's long rows over all the threads ------------------------------------------------------
  * A decode step has a few items (rows times KV heads, three for one SmolLM2 row), so on a long context one thread
  * takes two while another waits. These rows go in three passes that keep every operation of the items above: the
@@ -935,12 +943,22 @@ typedef struct {
     int64_t ranges, parts, group;
 } split_job;
 
+/* item of a split pass with `per` items for each row's head part (ranges or value parts): its row t, its first
+ * head h0 and its KV head; returns its index among those `per` */
+static int64_t split_item(const split_job *sj, int64_t item, int64_t per, int64_t *t, int64_t *h0, int64_t *kvh) {
+    const attn_job *job = sj->job;
+    int64_t head_part = (item / per) % job->parts;
+    *kvh = (item / (per * job->parts)) % job->n_head_kv;
+    *t = item / (per * job->parts * job->n_head_kv);
+    *h0 = *kvh * sj->group + head_part * job->heads_per_item;
+    return item % per;
+}
+
 static void split_scores(void *raw, int64_t item, int ith) {
     const split_job *sj = raw;
     const attn_job *job = sj->job;
-    int64_t range = item % sj->ranges, head_part = (item / sj->ranges) % job->parts;
-    int64_t kvh = (item / (sj->ranges * job->parts)) % job->n_head_kv, t = item / (sj->ranges * job->parts * job->n_head_kv);
-    int64_t heads = job->heads_per_item, h0 = kvh * sj->group + head_part * heads, dk16 = (job->dk + 15) / 16 * 16;
+    int64_t t, h0, kvh, range = split_item(sj, item, sj->ranges, &t, &h0, &kvh);
+    int64_t heads = job->heads_per_item, dk16 = (job->dk + 15) / 16 * 16;
     int64_t c0 = range * RANGE_CELLS, n = sj->count[t] - c0 < RANGE_CELLS ? sj->count[t] - c0 : RANGE_CELLS;
     if (n <= 0) return;
     float *qs = sj->scratch + (size_t)ith * (size_t)(MAX_HEADS * dk16 + KEYS);
@@ -962,9 +980,8 @@ static void split_weigh(void *raw, int64_t item, int ith) {
     (void)ith;
     const split_job *sj = raw;
     const attn_job *job = sj->job;
-    int64_t part = item % sj->parts, head_part = (item / sj->parts) % job->parts;
-    int64_t kvh = (item / (sj->parts * job->parts)) % job->n_head_kv, t = item / (sj->parts * job->parts * job->n_head_kv);
-    int64_t heads = job->heads_per_item, h0 = kvh * sj->group + head_part * heads, count = sj->count[t];
+    int64_t t, h0, kvh, part = split_item(sj, item, sj->parts, &t, &h0, &kvh);
+    int64_t heads = job->heads_per_item, count = sj->count[t];
     int64_t width = job->dv / sj->parts, d0 = part * width;
     float *outs[MAX_HEADS];
     const float *ps[MAX_HEADS];
@@ -980,19 +997,19 @@ static void split_weigh(void *raw, int64_t item, int ith) {
         job->isa->weigh_f16(outs, ps, heads, rows, count, (const uint16_t *)vbase, width);
     else
         job->isa->weigh(outs, ps, heads, rows, count, (const float *)vbase, width);
-    for (int64_t g = 0; g < heads; g++) divide_row(outs[g], width, sj->totals[(t * job->n_head + h0 + g)]);
+    for (int64_t g = 0; g < heads; g++) divide_row(outs[g], width, sj->totals[t * job->n_head + h0 + g]);
 }
 
-/* Whether a row of the job's sees SPLIT_CELLS cells. Fills count and cells (at: room for their places in the order,
- * [T][n_kv]). */
-static int wants_split(const attn_job *job, int threads, int32_t *cells, int32_t *at, int64_t *count) {
+/* each row's visible cells and their count (at: room for their places in the order, [T][n_kv]); returns the most
+ * cells a row sees */
+static int64_t visible_rows(const attn_job *job, int32_t *cells, int32_t *at, int64_t *count) {
     int64_t most = 0;
     for (int64_t t = 0; t < job->n_tokens; t++) {
         count[t] = visible_cells(job, job->mask + t * job->n_kv, cells + t * job->n_kv,
                                  job->in_cell_order ? cells + t * job->n_kv : at + t * job->n_kv);
         most = count[t] > most ? count[t] : most;
     }
-    return most >= SPLIT_CELLS;
+    return most;
 }
 
 /* the job's rows in the split passes when they are decode rows of a float32 cache or of an f16 one its kernels read
@@ -1007,18 +1024,17 @@ static int attend_split(nat_pool *pool, attn_job *job) {
     split_job sj = {job, malloc(2 * cells * sizeof(int32_t)), NULL, {0}, NULL, NULL, NULL, 0, 1,
                     job->n_head / job->n_head_kv};
     if (!sj.cells) return NAT_OUT_OF_MEMORY;
-    if (!wants_split(job, threads, sj.cells, sj.cells + cells, sj.count)) {  /* places where rows go next */
+    int64_t most = visible_rows(job, sj.cells, sj.cells + cells, sj.count);  /* places where rows go next */
+    if (most < SPLIT_CELLS) {
         free(sj.cells);
         return 1;
     }
     /* the whole group per item where it fits (each key read once: the ranges spread the work), value parts one per
      * thread where their width stays whole 16s (8s for the f16 kernels' loads suffice) */
-    for (job->heads_per_item = sj.group < MAX_HEADS ? sj.group : MAX_HEADS; sj.group % job->heads_per_item;)
-        job->heads_per_item--;
+    job->heads_per_item = heads_per_item(sj.group, 0, 0);
     job->parts = sj.group / job->heads_per_item;
     if (job->dv % (16 * threads) == 0) sj.parts = threads;
-    int64_t most = 0, dk16 = (job->dk + 15) / 16 * 16;
-    for (int64_t t = 0; t < job->n_tokens; t++) most = sj.count[t] > most ? sj.count[t] : most;
+    int64_t dk16 = (job->dk + 15) / 16 * 16;
     sj.ranges = (most + RANGE_CELLS - 1) / RANGE_CELLS;
     sj.rows = sj.cells + cells;
     sj.scores = malloc((cells * (size_t)job->n_head + (size_t)(job->n_tokens * job->n_head)) * sizeof(float));
@@ -1060,9 +1076,7 @@ int nat_attend(nat_pool *pool, int isa, const float *q, const void *k, const voi
      * prefill's several (they differ in cost), a decode step's one each (its items read the most cells per head,
      * each reading its KV head's keys and values again) */
     int64_t wanted = (job.tile_rows > 1 ? ITEMS_PER_THREAD : 1) * nat_pool_threads(pool);
-    for (job.heads_per_item = group < MAX_HEADS ? group : MAX_HEADS; job.heads_per_item > 1; job.heads_per_item--)
-        if (group % job.heads_per_item == 0 && tiles * job.n_head_kv * (group / job.heads_per_item) >= wanted)
-            break;
+    job.heads_per_item = heads_per_item(group, tiles * job.n_head_kv, wanted);
     job.parts = group / job.heads_per_item;
     job.n_items = tiles * job.n_head_kv * job.parts;
     if (job.n_items == 0) return 0;
