@@ -96,16 +96,7 @@ static void fgemm_chunk(void *raw, int64_t chunk, int ith) {
 }
 
 size_t nat_act_words(int64_t m, int64_t n_cols, void *scratch, nat_qact *act) {
-    int64_t nb = n_cols / NAT_BLOCK;
-    size_t d_at = (size_t)((m * n_cols + 3) / 4), sums_at = d_at + (size_t)(m * nb);
-    size_t asum_at = sums_at + (size_t)(m * nb * 2);
-    if (act) {
-        act->q = scratch;
-        act->d = (float *)scratch + d_at;
-        act->sums = (int32_t *)scratch + sums_at;
-        act->asum = (float *)scratch + asum_at;
-    }
-    return asum_at + (size_t)(m * nb);
+    return nat_act_layout(m, n_cols, scratch, act);
 }
 
 /* y[m, n_rows] = x[m, n_cols] @ w^T [+ residual[m, n_rows]] with the activation buffers in scratch (nat_act_words

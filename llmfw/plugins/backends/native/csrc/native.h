@@ -199,7 +199,20 @@ float nat_reduce16(float *lanes);
 void nat_quantize_rows(const float *x, int64_t k, nat_qact *a, int64_t m0, int64_t m1);
 /* the 4-byte words of the activation buffers of m rows of n_cols (whole blocks) at scratch: codes, then scales,
  * code sums and float sums, each part on a word (program.py's activation_words: the same size); with act, points
- * its buffers there (module.c) */
+ * its buffers there; inline for benchmarks/native_tile.c, which does not link module.c (nat_act_words: the
+ * exported function, for ctypes) */
+static inline size_t nat_act_layout(int64_t m, int64_t n_cols, void *scratch, nat_qact *act) {
+    int64_t nb = n_cols / NAT_BLOCK;
+    size_t d_at = (size_t)((m * n_cols + 3) / 4), sums_at = d_at + (size_t)(m * nb);
+    size_t asum_at = sums_at + (size_t)(m * nb * 2);
+    if (act) {
+        act->q = scratch;
+        act->d = (float *)scratch + d_at;
+        act->sums = (int32_t *)scratch + sums_at;
+        act->asum = (float *)scratch + asum_at;
+    }
+    return asum_at + (size_t)(m * nb);
+}
 size_t nat_act_words(int64_t m, int64_t n_cols, void *scratch, nat_qact *act);
 
 /* the activation rows of a from row `row` on (n_cols columns, whole blocks): a view, nothing copied */

@@ -1,0 +1,89 @@
+/* The timing loop of benchmarks/native_tile.py: one ISA path's quantized matmul kernel (nat_qgemm_<isa>) on one
+ * thread, with no Python, pool or activation quantization around it. Reads the weight the driver repacked (a
+ * header of its nat_weight fields, then its bytes), lays out `copies` of it one after another (1: it stays in L2; a
+ * few MB: L3; far more: each call streams from memory) and prints the best time a call and cycles per 16x32 tile. */
+#define _POSIX_C_SOURCE 200809L
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "native.h"
+
+static double seconds(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+}
+
+/* the core's clock, from a chain of dependent adds (one a cycle on any x86-64 core of the last decade) */
+static double clock_ghz(void) {
+    long n = 400000000, x = 0;
+    double start = seconds();
+    for (long i = 0; i < n; i += 4) __asm__ volatile("add $1, %0\n\tadd $1, %0\n\tadd $1, %0\n\tadd $1, %0" : "+r"(x));
+    return (double)n / (seconds() - start) / 1e9;
+}
+
+static int read_weight(const char *path, nat_weight *w, uint8_t **data, size_t *nbytes) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return -1;
+    int32_t head[5];
+    int64_t shape[2];
+    int ok = fread(head, 4, 4, f) == 4 && fread(shape, 8, 2, f) == 2 && fread(w->table, 1, 16, f) == 16 &&
+             fread(&head[4], 4, 1, f) == 1 && fread(nbytes, 8, 1, f) == 1;
+    *data = ok ? malloc(*nbytes) : NULL;
+    ok = ok && *data && fread(*data, 1, *nbytes, f) == *nbytes;
+    fclose(f);
+    w->kind = head[0], w->n_scales = head[1], w->has_offsets = head[2], w->half_params = head[3];
+    w->n_rows = shape[0], w->n_cols = shape[1], w->factored = head[4];
+    return ok ? 0 : -1;
+}
+
+int main(int argc, char **argv) {
+    if (argc < 6) {
+        fprintf(stderr, "usage: %s WEIGHT_FILE COPIES CALLS avx512|avx2 M...\n", argv[0]);
+        return 2;
+    }
+    nat_weight w;
+    uint8_t *one;
+    size_t nbytes;
+    if (read_weight(argv[1], &w, &one, &nbytes)) {
+        fprintf(stderr, "cannot read %s\n", argv[1]);
+        return 1;
+    }
+    int copies = atoi(argv[2]), calls = atoi(argv[3]), avx2 = strcmp(argv[4], "avx2") == 0;
+    nat_qgemm_fn qgemm = avx2 ? nat_qgemm_avx2 : nat_qgemm_avx512;
+    nat_quantize_fn quantize = avx2 ? nat_quantize_rows_avx2 : nat_quantize_rows_avx512;
+    double ghz = clock_ghz();
+    printf("clock %.2f GHz\n", ghz);
+    size_t stride = (nbytes + 63) / 64 * 64;
+    uint8_t *data = aligned_alloc(64, stride * (size_t)copies);
+    if (copies < 1 || calls < 1 || !data) return 1;
+    for (int c = 0; c < copies; c++) memcpy(data + (size_t)c * stride, one, nbytes);
+    int64_t groups = (w.n_rows + NAT_ROWS - 1) / NAT_ROWS;
+    double tiles = (double)groups / 2 * (double)(w.n_cols / NAT_BLOCK);
+    for (int arg = 5; arg < argc; arg++) {
+        int64_t m = atoi(argv[arg]);
+        float *x = malloc(sizeof(float) * (size_t)(m * w.n_cols)), *y = malloc(sizeof(float) * (size_t)(m * w.n_rows));
+        void *scratch = malloc(nat_act_layout(m, w.n_cols, NULL, NULL) * 4 + 4);
+        if (m < 1 || !x || !y || !scratch) return 1;
+        for (int64_t i = 0; i < m * w.n_cols; i++) x[i] = (float)((i * 7919) % 1000) / 500.0f - 1.0f;
+        nat_qact act;
+        nat_act_layout(m, w.n_cols, scratch, &act);
+        quantize(x, w.n_cols, &act, 0, m);
+        double best = 1e30;
+        for (int round = 0; round < 5; round++) {
+            double start = seconds();
+            for (int call = 0; call < calls; call++) {
+                nat_weight copy = w;
+                copy.data = data + (size_t)(call % copies) * stride;
+                qgemm(&copy, &act, m, y, 0, groups);
+            }
+            double each = (seconds() - start) / calls;
+            best = each < best ? each : best;
+        }
+        printf("%lld %.3f %.2f\n", (long long)m, best * 1e6, best * ghz * 1e9 / tiles);
+        free(x), free(y), free(scratch);
+    }
+    return 0;
+}
