@@ -84,7 +84,7 @@ def main() -> None:
             print(f"{args.tensor} of {args.model}: {weight.n_rows} x {weight.n_cols}, {weight.data.nbytes / 1e6:.2f} MB "
                   f"repacked, {args.isa}, one thread")
             for copies in args.copies:
-                calls = max(20, 4000 // copies)
+                calls = max(2 * copies, 4000 // copies)  # each round reads every copy: their total size decides the cache
                 run = subprocess.run([str(harness), str(weight_file), str(copies), str(calls), args.isa,
                                       *map(str, args.rows)], check=True, capture_output=True, text=True)
                 lines = run.stdout.split("\n")
