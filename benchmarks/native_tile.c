@@ -58,7 +58,10 @@ int main(int argc, char **argv) {
     printf("clock %.2f GHz\n", ghz);
     size_t stride = (nbytes + 63) / 64 * 64;
     uint8_t *data = aligned_alloc(64, stride * (size_t)copies);
-    if (copies < 1 || calls < 1 || !data) return 1;
+    if (copies < 1 || calls < 1 || !data) {
+        fprintf(stderr, "bad counts, or no memory for %d copies\n", copies);
+        return 1;
+    }
     for (int c = 0; c < copies; c++) memcpy(data + (size_t)c * stride, one, nbytes);
     int64_t groups = (w.n_rows + NAT_ROWS - 1) / NAT_ROWS;
     double tiles = (double)groups / 2 * (double)(w.n_cols / NAT_BLOCK);
@@ -66,7 +69,10 @@ int main(int argc, char **argv) {
         int64_t m = atoi(argv[arg]);
         float *x = malloc(sizeof(float) * (size_t)(m * w.n_cols)), *y = malloc(sizeof(float) * (size_t)(m * w.n_rows));
         void *scratch = malloc(nat_act_layout(m, w.n_cols, NULL, NULL) * 4 + 4);
-        if (m < 1 || !x || !y || !scratch) return 1;
+        if (m < 1 || !x || !y || !scratch) {
+            fprintf(stderr, "bad row count, or no memory for %lld rows\n", (long long)m);
+            return 1;
+        }
         for (int64_t i = 0; i < m * w.n_cols; i++) x[i] = (float)((i * 7919) % 1000) / 500.0f - 1.0f;
         nat_qact act;
         nat_act_layout(m, w.n_cols, scratch, &act);

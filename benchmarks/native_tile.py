@@ -32,6 +32,8 @@ from llmfw.core.format.gguf import open_gguf  # noqa: E402
 from llmfw.plugins.backends.native import kernels, repack  # noqa: E402
 
 CSRC = ROOT / "llmfw" / "plugins" / "backends" / "native" / "csrc"
+MAX_WEIGHT_BYTES = 4 << 30  # all copies together
+MAX_ROW_BYTES = 1 << 30  # the activation rows and outputs of one call
 FLAGS = ["-std=c11", "-O3", "-ffp-contract=off", "-fno-strict-aliasing", "-falign-loops=64"]
 
 
@@ -61,6 +63,16 @@ def write_weight(model: str, tensor: str, path: Path) -> repack.PackedWeight:
     return weight
 
 
+def check_sizes(weight: repack.PackedWeight, copies: list[int], rows: list[int]) -> None:
+    """Refuse runs whose copies or rows would take more memory than a benchmark should ask for."""
+    if max(copies) * weight.data.nbytes > MAX_WEIGHT_BYTES:
+        raise SystemExit(f"native_tile: {max(copies)} copies of {weight.data.nbytes / 1e6:.1f} MB exceed "
+                         f"{MAX_WEIGHT_BYTES >> 30} GiB; ask for fewer")
+    if max(rows) * (weight.n_rows + weight.n_cols) * 4 > MAX_ROW_BYTES:
+        raise SystemExit(f"native_tile: {max(rows)} rows of this weight's inputs and outputs exceed "
+                         f"{MAX_ROW_BYTES >> 30} GiB; ask for fewer")
+
+
 def compile_harness(out: Path) -> None:
     sources = [ROOT / "benchmarks" / "native_tile.c", CSRC / "kernels_x86.c", CSRC / "kernels_scalar.c"]
     subprocess.run(["gcc", *FLAGS, f"-I{CSRC}", *map(str, sources), "-lm", "-o", str(out)], check=True)
@@ -80,6 +92,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             weight_file, harness = Path(tmp) / "weight.bin", Path(tmp) / "native_tile"
             weight = write_weight(args.model, args.tensor, weight_file)
+            check_sizes(weight, args.copies, args.rows)
             compile_harness(harness)
             print(f"{args.tensor} of {args.model}: {weight.n_rows} x {weight.n_cols}, {weight.data.nbytes / 1e6:.2f} MB "
                   f"repacked, {args.isa}, one thread")
@@ -93,8 +106,10 @@ def main() -> None:
                 for line in filter(None, lines[1:]):
                     rows, micros, cycles = line.split()
                     print(f"| {rows} | {float(micros):.2f} | {float(cycles):.1f} | {float(cycles) / int(rows):.1f} |")
-    except (OSError, LLMFWError, subprocess.CalledProcessError) as exc:  # a missing model or tensor, no gcc
+    except (OSError, LLMFWError) as exc:  # a missing model or tensor, no gcc
         raise SystemExit(f"native_tile: {exc}") from None
+    except subprocess.CalledProcessError as exc:  # the compile or the timing loop failed: what it said
+        raise SystemExit(f"native_tile: {exc} {(exc.stderr or '').strip()}") from None
 
 
 if __name__ == "__main__":
