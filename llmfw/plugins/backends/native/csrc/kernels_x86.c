@@ -472,6 +472,39 @@ TARGET512 INLINE void pair_factored_params(nat_param_rows p0, nat_param_rows p1,
     }
 }
 
+/* The pair path reads groups g and g+1 side by side, block after block, then the next pair. A fixed distance in
+ * bytes ahead of either stream stays in its own group only while the group's row is longer than the distance:
+ * past it, the first stream's address lands in the second group just ahead of where that one reads (ffn_down's
+ * long rows, a group a little shorter than the distance), and the second stream's blocks arrive late. So each
+ * stream fetches the block a number of blocks on in the pairs' own order: further along its group, or at that
+ * place in the corresponding group of a following pair. */
+typedef struct {
+    const uint8_t *group;  /* the first group of the pair the cursor is in */
+    int64_t block;         /* its block in that pair */
+} pair_cursor;
+
+/* the cursor `blocks` blocks past the start of the pair at group g (whole pairs: groups are contiguous, as laid out) */
+TARGET512 INLINE pair_cursor pair_cursor_at(const nat_weight *w, int64_t g, int64_t blocks) {
+    int64_t nb = w->n_cols / NAT_BLOCK;
+    pair_cursor c = {nat_group_at(w, g + 2 * (blocks / nb)), blocks % nb};
+    return c;
+}
+
+/* the cursor's block of both groups towards L1, then the cursor one block on; entering a pair, a factored weight's
+ * multipliers of both groups too (they follow each group's blocks). A prefetch past the weight's end fetches
+ * nothing it needs and never faults. */
+TARGET512 INLINE void prefetch_pair_ahead(const nat_weight *w, pair_cursor *c, size_t bb) {
+    size_t group_bytes = nat_group_bytes(w), block_bytes = nat_group_block_bytes(w);
+    const uint8_t *lo = c->group + c->block * bb;
+    prefetch_ahead(lo, bb, 0);
+    prefetch_ahead(lo + group_bytes, bb, 0);
+    if (++c->block < w->n_cols / NAT_BLOCK) return;
+    c->block = 0;
+    c->group += 2 * group_bytes;
+    prefetch_ahead(c->group + block_bytes, nat_group_mult_bytes(w), 0);
+    prefetch_ahead(c->group + group_bytes + block_bytes, nat_group_mult_bytes(w), 0);
+}
+
 TARGET512 INLINE void pair_tile(const nat_weight *w, const nat_qact *a, const code_plan *plan, int form, int pars,
                                 int rows, int64_t i0, int64_t g, float *y) {
     int64_t nb = w->n_cols / NAT_BLOCK;
@@ -480,10 +513,10 @@ TARGET512 INLINE void pair_tile(const nat_weight *w, const nat_qact *a, const co
     __m512i table = _mm512_broadcast_i64x4(plan->table);
     __m512 acc[M_TILE], mult_s = _mm512_setzero_ps(), mult_o = _mm512_setzero_ps();
     for (int t = 0; t < rows; t++) acc[t] = _mm512_setzero_ps();
+    pair_cursor ahead = pair_cursor_at(w, g, (int64_t)(PAIR_PREFETCH_BYTES / bb) + 1);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *lo = group + b * bb, *hi = next + b * bb;
-        prefetch_ahead(lo, bb, PAIR_PREFETCH_BYTES);
-        prefetch_ahead(hi, bb, PAIR_PREFETCH_BYTES);
+        prefetch_pair_ahead(w, &ahead, bb);
         __m512i chunk[8];
         pair_operands(lo, hi, form, VNNI_HIGH16(form) && !(pars & PAR_ONE_SCALE), table, chunk);
         nat_param_rows p0 = nat_block_param_rows(w, lo), p1 = nat_block_param_rows(w, hi);
