@@ -1,8 +1,11 @@
 /* The timing loop of benchmarks/native_tile.py: one ISA path's quantized matmul kernel (nat_qgemm_<isa>) on one
- * thread, with no Python, pool or activation quantization around it. Reads the weight the driver repacked (a
+ * thread or several, with no Python, pool or activation quantization around it (several threads split each call's
+ * group pairs into equal shares and meet after each call, as the engine's pool does). Reads the weight the driver repacked (a
  * header of its nat_weight fields, then its bytes), lays out `copies` of it one after another (1: it stays in L2; a
  * few MB: L3; far more: each call streams from memory) and prints the best time a call and cycles per 16x32 tile. */
 #define _POSIX_C_SOURCE 200809L
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -39,9 +42,62 @@ static int read_weight(const char *path, nat_weight *w, uint8_t **data, size_t *
     return ok ? 0 : -1;
 }
 
+/* what each thread of a timed loop runs: once `go` turns 1 (-1: stop before starting), `calls` calls over its
+ * share of the group pairs, cycling through the copies, each followed by the barrier (all threads arrive) */
+typedef struct {
+    nat_qgemm_fn qgemm;
+    const nat_weight *w;
+    const uint8_t *data;
+    size_t stride;
+    int copies, calls, threads, id;
+    const nat_qact *act;
+    int64_t m;
+    float *y;
+    atomic_long *arrived;
+    atomic_int *go;
+} timed_loop;
+
+static void *run_calls(void *raw) {
+    const timed_loop *t = raw;
+    int go;
+    while ((go = atomic_load(t->go)) == 0) continue;
+    if (go < 0) return NULL;
+    int64_t groups = (t->w->n_rows + NAT_ROWS - 1) / NAT_ROWS, pairs = (groups + 1) / 2;
+    int64_t g0 = 2 * (pairs * t->id / t->threads), g1 = 2 * (pairs * (t->id + 1) / t->threads);
+    g1 = g1 < groups ? g1 : groups;
+    for (int call = 0; call < t->calls; call++) {
+        nat_weight copy = *t->w;
+        copy.data = t->data + (size_t)(call % t->copies) * t->stride;
+        t->qgemm(&copy, t->act, t->m, t->y, g0, g1);
+        atomic_fetch_add(t->arrived, 1);
+        while (atomic_load(t->arrived) < (long)(call + 1) * t->threads) continue;
+    }
+    return NULL;
+}
+
+/* seconds a call of the loop takes on `threads` threads (the caller is the first), or -1 when a thread could not
+ * be started (those that were stop without running) */
+static double time_calls(const timed_loop *base, int threads) {
+    atomic_long arrived = 0;
+    atomic_int go = 0;
+    timed_loop loops[64];
+    pthread_t ids[64];
+    int started = 1;
+    for (int i = 0; i < threads; i++) {
+        loops[i] = *base;
+        loops[i].id = i, loops[i].threads = threads, loops[i].arrived = &arrived, loops[i].go = &go;
+    }
+    while (started < threads && pthread_create(&ids[started], NULL, run_calls, &loops[started]) == 0) started++;
+    atomic_store(&go, started == threads ? 1 : -1);
+    double start = seconds();
+    if (started == threads) run_calls(&loops[0]);
+    for (int i = 1; i < started; i++) pthread_join(ids[i], NULL);
+    return started == threads ? (seconds() - start) / base->calls : -1.0;
+}
+
 int main(int argc, char **argv) {
-    if (argc < 6) {
-        fprintf(stderr, "usage: %s WEIGHT_FILE COPIES CALLS avx512|avx2 M...\n", argv[0]);
+    if (argc < 7) {
+        fprintf(stderr, "usage: %s WEIGHT_FILE COPIES CALLS avx512|avx2 THREADS M...\n", argv[0]);
         return 2;
     }
     nat_weight w;
@@ -51,9 +107,13 @@ int main(int argc, char **argv) {
         fprintf(stderr, "cannot read %s\n", argv[1]);
         return 1;
     }
-    int copies = atoi(argv[2]), calls = atoi(argv[3]), avx2 = strcmp(argv[4], "avx2") == 0;
+    int copies = atoi(argv[2]), calls = atoi(argv[3]), avx2 = strcmp(argv[4], "avx2") == 0, threads = atoi(argv[5]);
     nat_qgemm_fn qgemm = avx2 ? nat_qgemm_avx2 : nat_qgemm_avx512;
     nat_quantize_fn quantize = avx2 ? nat_quantize_rows_avx2 : nat_quantize_rows_avx512;
+    if (threads < 1 || threads > 64) {
+        fprintf(stderr, "threads %d: from 1 to 64\n", threads);
+        return 1;
+    }
     double ghz = clock_ghz();
     printf("clock %.2f GHz\n", ghz);
     size_t stride = (nbytes + 63) / 64 * 64;
@@ -65,7 +125,7 @@ int main(int argc, char **argv) {
     for (int c = 0; c < copies; c++) memcpy(data + (size_t)c * stride, one, nbytes);
     int64_t groups = (w.n_rows + NAT_ROWS - 1) / NAT_ROWS;
     double tiles = (double)groups / 2 * (double)(w.n_cols / NAT_BLOCK);
-    for (int arg = 5; arg < argc; arg++) {
+    for (int arg = 6; arg < argc; arg++) {
         int64_t m = atoi(argv[arg]);
         float *x = malloc(sizeof(float) * (size_t)(m * w.n_cols)), *y = malloc(sizeof(float) * (size_t)(m * w.n_rows));
         void *scratch = malloc(nat_act_layout(m, w.n_cols, NULL, NULL) * 4 + 4);
@@ -78,14 +138,13 @@ int main(int argc, char **argv) {
         nat_act_layout(m, w.n_cols, scratch, &act);
         quantize(x, w.n_cols, &act, 0, m);
         double best = 1e30;
+        timed_loop loop = {qgemm, &w, data, stride, copies, calls, threads, 0, &act, m, y, NULL, NULL};
         for (int round = 0; round < 5; round++) {
-            double start = seconds();
-            for (int call = 0; call < calls; call++) {
-                nat_weight copy = w;
-                copy.data = data + (size_t)(call % copies) * stride;
-                qgemm(&copy, &act, m, y, 0, groups);
+            double each = time_calls(&loop, threads);
+            if (each < 0) {
+                fprintf(stderr, "cannot start %d threads\n", threads);
+                return 1;
             }
-            double each = (seconds() - start) / calls;
             best = each < best ? each : best;
         }
         printf("%lld %.3f %.2f\n", (long long)m, best * 1e6, best * ghz * 1e9 / tiles);

@@ -2,14 +2,16 @@
 quantization around it.
 
     python3 benchmarks/native_tile.py [-m smollm2] [--tensor blk.0.ffn_gate.weight] [--copies 1,10,200]
-                                      [--rows 1,2,4,8] [--isa avx512]
+                                      [--rows 1,2,4,8] [--isa avx512] [-t 1]
 
-Repacks one tensor of the model as the backend does, compiles ``benchmarks/native_tile.c`` with the kernels'
-sources and ``setup.py``'s flags (gcc), and times ``nat_qgemm_<isa>`` on one thread for each activation row count
-(``--rows``): the best of five rounds. ``--copies`` lays that many copies of the weight one after another and
-cycles through them, so the weight comes from L2 (1), L3 (a few MB) or memory (far more than the L3). A tile is
-16 weight rows by 32 columns, the unit of the AVX-512 path; cycles come from the core's clock as a chain of
-dependent adds measures it. Numbers from such runs are in the docs' benchmarks page, not here.
+Repacks one tensor of the model as the backend does, compiles ``benchmarks/native_tile.c`` with the kernels' sources
+and ``setup.py``'s flags (gcc), and times ``nat_qgemm_<isa>`` for each activation row count (``--rows``): the best
+of five rounds. ``-t`` threads split each call's row groups into equal shares and wait for each other after every
+call, as the engine's pool does; cycles a tile are then the wall clock's over all threads' tiles. ``--copies`` lays
+that many copies of the weight one after another and cycles through them, so the weight comes from L2 (1), L3 (a few
+MB) or memory (far more than the L3). A tile is 16 weight rows by 32 columns, the unit of the AVX-512 path; cycles
+come from the core's clock as a chain of dependent adds measures it. Numbers from such runs are in the docs'
+benchmarks page, not here.
 """
 from __future__ import annotations
 
@@ -85,7 +87,10 @@ def main() -> None:
     parser.add_argument("--copies", type=counts, default=[1, 10, 200], help="copies of the weight cycled through")
     parser.add_argument("--rows", type=counts, default=[1, 2, 4, 8], help="activation rows of each timed call")
     parser.add_argument("--isa", choices=["avx512", "avx2"], default="avx512")
+    parser.add_argument("-t", "--threads", type=int, default=1, help="threads sharing each call (1-64)")
     args = parser.parse_args()
+    if not 1 <= args.threads <= 64:
+        raise SystemExit(f"native_tile: --threads {args.threads}: from 1 to 64")
     if args.isa not in kernels.available_isas():
         raise SystemExit(f"native_tile: this CPU cannot run the {args.isa} path (it runs {kernels.available_isas()})")
     try:
@@ -95,17 +100,20 @@ def main() -> None:
             check_sizes(weight, args.copies, args.rows)
             compile_harness(harness)
             print(f"{args.tensor} of {args.model}: {weight.n_rows} x {weight.n_cols}, {weight.data.nbytes / 1e6:.2f} MB "
-                  f"repacked, {args.isa}, one thread")
+                  f"repacked, {args.isa}, {args.threads} thread{'s' if args.threads > 1 else ''}")
             for copies in args.copies:
                 calls = max(2 * copies, 4000 // copies)  # each round reads every copy: their total size decides the cache
                 run = subprocess.run([str(harness), str(weight_file), str(copies), str(calls), args.isa,
-                                      *map(str, args.rows)], check=True, capture_output=True, text=True)
+                                      str(args.threads), *map(str, args.rows)], check=True, capture_output=True,
+                                     text=True)
                 lines = run.stdout.split("\n")
                 print(f"\n{copies} cop{'y' if copies == 1 else 'ies'} ({copies * weight.data.nbytes / 1e6:.1f} MB), "
-                      f"{lines[0]}\n| rows | us a call | cycles a tile | cycles a tile per row |\n|---|---|---|---|")
+                      f"{lines[0]}\n| rows | us a call | cycles a tile | cycles a tile per row | GB/s |\n|---|---|---|---|---|")
                 for line in filter(None, lines[1:]):
                     rows, micros, cycles = line.split()
-                    print(f"| {rows} | {float(micros):.2f} | {float(cycles):.1f} | {float(cycles) / int(rows):.1f} |")
+                    gbps = weight.data.nbytes / float(micros) / 1e3  # the weight's bytes a call
+                    print(f"| {rows} | {float(micros):.2f} | {float(cycles):.1f} | {float(cycles) / int(rows):.1f} | "
+                          f"{gbps:.1f} |")
     except (OSError, LLMFWError) as exc:  # a missing model or tensor, no gcc
         raise SystemExit(f"native_tile: {exc}") from None
     except subprocess.CalledProcessError as exc:  # the compile or the timing loop failed: what it said
