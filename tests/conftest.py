@@ -8,7 +8,10 @@ and ``tiny/`` is marked ``fast``, and so is a ``cli/`` test that carries ``@pyte
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +29,35 @@ for _folder in (TESTS, ROOT):
 FAST_TIERS = ("unit", "tiny")
 #: the fixtures that need a real model's file
 REAL_MODEL_FIXTURES = frozenset({"smollm2_path", "gemma3_path", "shared_models"})
+
+
+#: the converted-weight caches (variable: backend) the session points at a folder of its own: each backend keeps
+#: its last four entries under ``<models_dir>/.<backend>``, and the many throw-away model files the tests load
+#: would push the user's own models' entries out (their next load would convert them again)
+SESSION_CACHE_VARIABLES = {"LLMFW_NATIVE_CACHE_DIR": "native", "LLMFW_ONNX_CACHE_DIR": "onnx"}
+_SESSION_CACHES = pytest.StashKey[Path]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Give the session's converted-weight caches a fresh folder, unless the caller chose one (tests of the default
+    folder set ``LLMFW_MODELS_DIR`` and drop these variables themselves); subprocesses inherit it."""
+    unset = [name for name in SESSION_CACHE_VARIABLES if not os.environ.get(name)]
+    if not unset:
+        return
+    folder = Path(tempfile.mkdtemp(prefix="llmfw-test-caches-"))
+    config.stash[_SESSION_CACHES] = folder
+    for name in unset:
+        os.environ[name] = str(folder / SESSION_CACHE_VARIABLES[name])
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    folder = config.stash.get(_SESSION_CACHES, None)
+    if folder is None:
+        return
+    for name, backend in SESSION_CACHE_VARIABLES.items():
+        if os.environ.get(name) == str(folder / backend):
+            del os.environ[name]
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def _tier(item: pytest.Item) -> str | None:

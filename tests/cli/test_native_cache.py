@@ -170,3 +170,17 @@ def test_a_load_that_asks_for_some_weights_leaves_the_others_in_the_entry(big_mo
     logits, mapped, converted = load_and_score(big_model, root)
     assert converted == 0 and all(mapped.values())
     np.testing.assert_array_equal(logits, fresh_logits)
+
+
+def test_the_folder_variable_moves_a_python_api_load_and_the_option_wins_over_it(big_model, tmp_path, monkeypatch):
+    """``LLMFW_NATIVE_CACHE_DIR`` moves the cache of a plain ``llmfw.load_model`` too (not only the CLI's loads);
+    a ``cache_dir`` option still decides where it names one."""
+    monkeypatch.setenv("LLMFW_MODELS_DIR", str(tmp_path / "models"))
+    monkeypatch.setenv("LLMFW_NATIVE_CACHE_DIR", str(tmp_path / "moved"))
+    with llmfw.load_model(big_model, backend="native"):
+        pass
+    assert entry_of(tmp_path / "moved").is_dir()
+    assert not (tmp_path / "models" / ".native").exists()
+    with llmfw.load_model(big_model, backend="native", backend_options={"native": {"cache_dir": str(tmp_path / "opt")}}):
+        pass
+    assert entry_of(tmp_path / "opt").is_dir()

@@ -52,14 +52,18 @@ class CacheOptions(BackendOptions):
 
     #: keep converted weights next to the model cache and map them on later loads
     cache: bool = True
-    #: the converted-weight cache's folder (default ``<models_dir>/.<backend>``)
+    #: the converted-weight cache's folder (default ``$LLMFW_<BACKEND>_CACHE_DIR``, else ``<models_dir>/.<backend>``)
     cache_dir: str | None = None
 
     def cache_root(self, backend: str) -> Path | None:
-        """Where the cache lives (None: switched off)."""
+        """Where the cache lives (None: switched off): the option, else the folder the backend's
+        ``LLMFW_<BACKEND>_CACHE_DIR`` names (for loads through the Python API as well as the CLI's), else the
+        default next to the models."""
         if not self.cache:
             return None
-        return Path(self.cache_dir).expanduser() if self.cache_dir else default_cache_root(backend)
+        if self.cache_dir:
+            return Path(self.cache_dir).expanduser()
+        return cache_dirs_from(os.environ, f"LLMFW_{backend.upper()}_CACHE_DIR", backend)[0]
 
 
 def default_cache_root(backend: str) -> Path:
