@@ -17,6 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from llmfw.core.exec.weight_cache import cache_dir_variable
+
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = ROOT / "tests"
 # whatever folder a test module sits in: ``support`` and ``reference_gen`` import from tests/, ``benchmarks``
@@ -34,7 +36,7 @@ REAL_MODEL_FIXTURES = frozenset({"smollm2_path", "gemma3_path", "shared_models"}
 #: the converted-weight caches (variable: backend) the session points at a folder of its own: each backend keeps
 #: its last four entries under ``<models_dir>/.<backend>``, and the many throw-away model files the tests load
 #: would push the user's own models' entries out (their next load would convert them again)
-SESSION_CACHE_VARIABLES = {"LLMFW_NATIVE_CACHE_DIR": "native", "LLMFW_ONNX_CACHE_DIR": "onnx"}
+SESSION_CACHE_VARIABLES = {cache_dir_variable(backend): backend for backend in ("native", "onnx")}
 _SESSION_CACHES = pytest.StashKey[Path]()
 
 

@@ -63,7 +63,7 @@ class CacheOptions(BackendOptions):
             return None
         if self.cache_dir:
             return Path(self.cache_dir).expanduser()
-        return cache_dirs_from(os.environ, f"LLMFW_{backend.upper()}_CACHE_DIR", backend)[0]
+        return cache_dirs_from(os.environ, cache_dir_variable(backend), backend)[0]
 
 
 def default_cache_root(backend: str) -> Path:
@@ -71,6 +71,11 @@ def default_cache_root(backend: str) -> Path:
     from llmfw.core.format.catalog import models_dir
 
     return models_dir() / f".{backend}"
+
+
+def cache_dir_variable(backend: str) -> str:
+    """The environment variable that moves a backend's converted-weight cache: ``LLMFW_<BACKEND>_CACHE_DIR``."""
+    return f"LLMFW_{backend.upper()}_CACHE_DIR"
 
 
 def cache_dirs_from(environ: Mapping[str, str], variable: str, backend: str) -> list[Path]:

@@ -14,7 +14,7 @@ import numpy as np
 
 from llmfw.core.exec.backend import (Backend, BackendOptions, CompiledSplit, KVLayerShape, Split, WeightSource,
                                      release_freed_memory)
-from llmfw.core.exec.weight_cache import CachedLoad, cache_dirs_from
+from llmfw.core.exec.weight_cache import CachedLoad, cache_dir_variable, cache_dirs_from
 from llmfw.core.errors import BackendUnavailable, ModelError
 from llmfw.core.format.quants import GGMLType
 import llmfw.plugins.backends.native.kernels as kernels
@@ -88,7 +88,7 @@ class NativeBackend(NumpyWeights):
     @classmethod
     def cache_dirs(cls, environ: Mapping[str, str]) -> list[Path]:
         """The repacked-weight cache (``LLMFW_NATIVE_CACHE_DIR`` moves it, as the ``cache_dir`` option does)."""
-        return cache_dirs_from(environ, "LLMFW_NATIVE_CACHE_DIR", "native")
+        return cache_dirs_from(environ, cache_dir_variable("native"), "native")
 
     # -- threads ------------------------------------------------------------------------------------------
     @property

@@ -21,7 +21,7 @@ import numpy as np
 from llmfw.core.exec.backend import Backend, BackendOptions, CompiledSplit, KVLayerShape, Split, WeightSource
 from llmfw.core.errors import ModelError
 from llmfw.core.ir.graph import OPS
-from llmfw.core.exec.weight_cache import CacheOptions, cache_dirs_from
+from llmfw.core.exec.weight_cache import CacheOptions, cache_dir_variable, cache_dirs_from
 from llmfw.plugins.backends.onnx.cache import CachedLoad, MappedBlob, OnnxCache
 from llmfw.plugins.backends.onnx.emit import external_tensor_proto, split_signature
 from llmfw.plugins.backends.onnx.fused import (
@@ -153,7 +153,7 @@ class OnnxBackend(Backend):
     @classmethod
     def cache_dirs(cls, environ: Mapping[str, str]) -> list[Path]:
         """The converted-weight cache (``LLMFW_ONNX_CACHE_DIR`` moves it, as the ``cache_dir`` option does)."""
-        return cache_dirs_from(environ, "LLMFW_ONNX_CACHE_DIR", "onnx")
+        return cache_dirs_from(environ, cache_dir_variable("onnx"), "onnx")
 
     # -- weights ------------------------------------------------------------------------------------------
     def begin_loading(self, model_file: Path) -> None:

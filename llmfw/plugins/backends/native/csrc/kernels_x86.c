@@ -481,28 +481,30 @@ TARGET512 INLINE void pair_factored_params(nat_param_rows p0, nat_param_rows p1,
 typedef struct {
     const uint8_t *group;  /* the first group of the pair the cursor is in */
     int64_t block;         /* its block in that pair */
+    int64_t blocks;        /* blocks a group row holds */
+    size_t group_bytes, mult_bytes;  /* a group's bytes; those of a factored weight's multipliers after its blocks */
 } pair_cursor;
 
-/* the cursor `blocks` blocks past the start of the pair at group g (whole pairs: groups are contiguous, as laid out) */
-TARGET512 INLINE pair_cursor pair_cursor_at(const nat_weight *w, int64_t g, int64_t blocks) {
+/* the cursor `ahead` blocks past the start of the pair at group g (whole pairs: groups are contiguous, as laid out) */
+TARGET512 INLINE pair_cursor pair_cursor_at(const nat_weight *w, int64_t g, int64_t ahead) {
     int64_t nb = w->n_cols / NAT_BLOCK;
-    pair_cursor c = {nat_group_at(w, g + 2 * (blocks / nb)), blocks % nb};
+    pair_cursor c = {nat_group_at(w, g + 2 * (ahead / nb)), ahead % nb, nb, nat_group_bytes(w), nat_group_mult_bytes(w)};
     return c;
 }
 
 /* the cursor's block of both groups towards L1, then the cursor one block on; entering a pair, a factored weight's
  * multipliers of both groups too (they follow each group's blocks). A prefetch past the weight's end fetches
  * nothing it needs and never faults. */
-TARGET512 INLINE void prefetch_pair_ahead(const nat_weight *w, pair_cursor *c, size_t bb) {
-    size_t group_bytes = nat_group_bytes(w), block_bytes = nat_group_block_bytes(w);
+TARGET512 INLINE void prefetch_pair_ahead(pair_cursor *c, size_t bb) {
     const uint8_t *lo = c->group + c->block * bb;
     prefetch_ahead(lo, bb, 0);
-    prefetch_ahead(lo + group_bytes, bb, 0);
-    if (++c->block < w->n_cols / NAT_BLOCK) return;
+    prefetch_ahead(lo + c->group_bytes, bb, 0);
+    if (++c->block < c->blocks) return;
     c->block = 0;
-    c->group += 2 * group_bytes;
-    prefetch_ahead(c->group + block_bytes, nat_group_mult_bytes(w), 0);
-    prefetch_ahead(c->group + group_bytes + block_bytes, nat_group_mult_bytes(w), 0);
+    c->group += 2 * c->group_bytes;
+    size_t mults_at = c->group_bytes - c->mult_bytes;
+    prefetch_ahead(c->group + mults_at, c->mult_bytes, 0);
+    prefetch_ahead(c->group + c->group_bytes + mults_at, c->mult_bytes, 0);
 }
 
 TARGET512 INLINE void pair_tile(const nat_weight *w, const nat_qact *a, const code_plan *plan, int form, int pars,
@@ -516,7 +518,7 @@ TARGET512 INLINE void pair_tile(const nat_weight *w, const nat_qact *a, const co
     pair_cursor ahead = pair_cursor_at(w, g, (int64_t)(PAIR_PREFETCH_BYTES / bb) + 1);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *lo = group + b * bb, *hi = next + b * bb;
-        prefetch_pair_ahead(w, &ahead, bb);
+        prefetch_pair_ahead(&ahead, bb);
         __m512i chunk[8];
         pair_operands(lo, hi, form, VNNI_HIGH16(form) && !(pars & PAR_ONE_SCALE), table, chunk);
         nat_param_rows p0 = nat_block_param_rows(w, lo), p1 = nat_block_param_rows(w, hi);
