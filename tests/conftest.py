@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from llmfw.core.exec.weight_cache import cache_dir_variable
+from llmfw.core.format.catalog import SHA256_MEMO_VARIABLE
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = ROOT / "tests"
@@ -33,15 +34,17 @@ FAST_TIERS = ("unit", "tiny")
 REAL_MODEL_FIXTURES = frozenset({"smollm2_path", "gemma3_path", "shared_models"})
 
 
-#: the converted-weight caches (variable: backend) the session points at a folder of its own: each backend keeps
-#: its last four entries under ``<models_dir>/.<backend>``, and the many throw-away model files the tests load
-#: would push the user's own models' entries out (their next load would convert them again)
-SESSION_CACHE_VARIABLES = {cache_dir_variable(backend): backend for backend in ("native", "onnx")}
+#: the caches (variable: subfolder) the session points at a folder of its own: each backend keeps its last four
+#: converted-weight entries under ``<models_dir>/.<backend>``, and the many throw-away model files the tests load
+#: would push the user's own models' entries out (their next load would convert them again); the files' sha256
+#: memo would fill with the throw-away files' entries
+SESSION_CACHE_VARIABLES = {**{cache_dir_variable(backend): backend for backend in ("native", "onnx")},
+                           SHA256_MEMO_VARIABLE: "sha256"}
 _SESSION_CACHES = pytest.StashKey[Path]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Give the session's converted-weight caches a fresh folder, unless the caller chose one (tests of the default
+    """Give the session's converted-weight caches and sha256 memo a fresh folder, unless the caller chose one (tests of the default
     folder set ``LLMFW_MODELS_DIR`` and drop these variables themselves); subprocesses inherit it."""
     unset = [name for name in SESSION_CACHE_VARIABLES if not os.environ.get(name)]
     if not unset:
@@ -56,8 +59,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     folder = config.stash.get(_SESSION_CACHES, None)
     if folder is None:
         return
-    for name, backend in SESSION_CACHE_VARIABLES.items():
-        if os.environ.get(name) == str(folder / backend):
+    for name, subfolder in SESSION_CACHE_VARIABLES.items():
+        if os.environ.get(name) == str(folder / subfolder):
             del os.environ[name]
     shutil.rmtree(folder, ignore_errors=True)
 

@@ -133,26 +133,70 @@ def _phase_progress(progress: ProgressFn | None, phase: str) -> ProgressFn | Non
     return report
 
 
+#: the variable naming the folder where :func:`file_sha256` remembers digests (default ``<models_dir>/.sha256``)
+SHA256_MEMO_VARIABLE = "LLMFW_SHA256_MEMO_DIR"
+#: files the memo remembers; past that the ones remembered longest ago go (a test run or a sweep of quantizations
+#: makes many short-lived files, and each would otherwise leave its entry behind)
+SHA256_MEMO_ENTRIES = 256
+
+
+def sha256_memo_dir() -> Path:
+    """Where :func:`file_sha256` remembers digests: ``$LLMFW_SHA256_MEMO_DIR`` or ``<models_dir>/.sha256``."""
+    env = os.environ.get(SHA256_MEMO_VARIABLE)
+    return Path(env).expanduser() if env else models_dir() / ".sha256"
+
+
 def file_sha256(path: Path) -> str:
-    """The hex sha256 of a file, remembered in ``<models_dir>/.sha256/`` under the file's absolute path, size
-    and modification time (so a saved prompt state loads without re-reading a model of hundreds of MB)."""
+    """The hex sha256 of a file, remembered (:func:`sha256_memo_dir`) under the file's absolute path with its size
+    and modification time, so a saved prompt state or a converted-weight cache finds a model of hundreds of MB
+    without reading it again. A file written again in place replaces its entry."""
     path = Path(path).resolve()
     stat = path.stat()
-    identity = f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}"
-    memo = models_dir() / ".sha256" / hashlib.sha256(identity.encode()).hexdigest()
-    try:
-        known = memo.read_text(encoding="ascii").strip()
-        if len(known) == 64 and all(c in "0123456789abcdef" for c in known):
-            return known
-    except (OSError, UnicodeDecodeError):
-        pass
+    stamp = f"{stat.st_size} {stat.st_mtime_ns}"
+    memo = sha256_memo_dir() / hashlib.sha256(str(path).encode()).hexdigest()
+    known = _remembered_sha256(memo, stamp)
+    if known is not None:
+        return known
     digest = _sha256(path, None)
+    _remember_sha256(memo, f"{digest} {stamp}")
+    return digest
+
+
+def _remembered_sha256(memo: Path, stamp: str) -> str | None:
+    """The digest ``memo`` holds for this size and modification time, or None (no entry, another version of the
+    file, or an entry that is not one)."""
+    try:
+        digest, _, remembered = memo.read_text(encoding="ascii").strip().partition(" ")
+    except (OSError, UnicodeDecodeError):
+        return None
+    if remembered != stamp or len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+        return None
+    return digest
+
+
+def _remember_sha256(memo: Path, entry: str) -> None:
+    """Write ``entry`` to ``memo`` whole (a reader never sees half of it), then drop the oldest entries past
+    SHA256_MEMO_ENTRIES. A folder that cannot be written only costs the next caller another read of the file."""
     try:
         memo.parent.mkdir(parents=True, exist_ok=True)
-        memo.write_text(digest, encoding="ascii")
+        partial = memo.with_name(f"{memo.name}.{os.getpid()}.tmp")
+        partial.write_text(entry, encoding="ascii")
+        os.replace(partial, memo)
+        _prune_sha256_memo(memo.parent)
     except OSError:
-        pass  # a read-only cache only costs the next caller another read of the file
-    return digest
+        pass
+
+
+def _prune_sha256_memo(folder: Path) -> None:
+    entries = []
+    for item in folder.iterdir():
+        try:
+            entries.append((item.stat().st_mtime_ns, item))
+        except OSError:  # removed meanwhile by another process's pruning
+            continue
+    entries.sort()
+    for _, item in entries[:max(len(entries) - SHA256_MEMO_ENTRIES, 0)]:
+        item.unlink(missing_ok=True)
 
 
 def _sha256(path: Path, progress: ProgressFn | None) -> str:
