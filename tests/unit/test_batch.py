@@ -34,6 +34,14 @@ def test_token_shared_by_sequences_advances_all_of_them():
     assert batch.seq_bits.tolist() == [0b101, 0b100, 0b001]
 
 
+def test_a_shared_token_then_its_other_sequence_starting_elsewhere_is_refused():
+    """Default positions of one sequence per token continue its memory by construction; a token shared by two
+    sequences advances both from the first one's memory, so the second one's next token is still checked."""
+    with pytest.raises(BatchError, match=r"sequence 2: the memory ends at position 8 .*\(expected 9\)"):
+        ALLOC.init(Batch([5, 6], seq_id=[[0, 2], 2]), ListMemory({0: 3, 2: 8}))
+    assert ALLOC.init(Batch([5, 6], seq_id=[0, 2]), ListMemory({0: 3, 2: 8})).pos.tolist() == [4, 9]
+
+
 @pytest.mark.parametrize("logits, expected", [
     (None, [False, False, True]), (True, [True] * 3), (False, [False] * 3),
     ([1, 0, 1], [True, False, True]),

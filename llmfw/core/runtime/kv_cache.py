@@ -17,6 +17,8 @@ if TYPE_CHECKING:
     from ..ir.graph import GraphModel
 
 log = logging.getLogger(__name__)
+#: the sort key of an empty cell in :meth:`KVCache._order` (after every position)
+_EMPTY_LAST = np.iinfo(np.int64).max
 
 
 @dataclass
@@ -226,7 +228,7 @@ class KVCache(Memory):
         pos = self.cells.pos[:n_kv]
         # a stable sort merges the ascending runs the cells hold (one per sequence, two for a wrapped ring):
         # tens of microseconds for 32k cells
-        return np.argsort(np.where(pos < 0, np.iinfo(np.int64).max, pos), kind="stable").astype(np.int32)
+        return np.argsort(np.where(pos < 0, _EMPTY_LAST, pos), kind="stable").astype(np.int32)
 
     # -- maintenance -----------------------------------------------------------------------------------------
     def update(self, run_graph: GraphRunner) -> None:
