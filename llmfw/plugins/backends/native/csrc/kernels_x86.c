@@ -32,6 +32,7 @@ typedef struct {
     int form;
     int32_t base;
     __m256i table;
+    int stream_once;  /* fetch the weight with non-temporal prefetches (streams_once below) */
 } code_plan;
 
 static int code_form_of(const nat_weight *w) {
@@ -152,13 +153,34 @@ TARGET static inline void store_rows(float *y, int64_t n, int64_t i, int64_t g, 
  * late); the AVX2 path keeps 1 KiB, as nothing measured it elsewhere */
 #define PAIR_PREFETCH_BYTES 8192
 
-TARGET INLINE void prefetch_ahead(const uint8_t *blk, size_t block_bytes, size_t distance) {
-    for (size_t line = 0; line < block_bytes; line += 64)
-        _mm_prefetch((const char *)blk + distance + line, _MM_HINT_T0);
-}
-
 /* activation rows per tile: a block's operands are prepared once for them all */
 #define M_TILE 4
+
+/* once: the non-temporal hint (streams_once), else into every level */
+TARGET INLINE void prefetch_ahead(const uint8_t *blk, size_t block_bytes, size_t distance, int once) {
+    for (size_t line = 0; line < block_bytes; line += 64) {
+        if (once)
+            _mm_prefetch((const char *)blk + distance + line, _MM_HINT_NTA);
+        else
+            _mm_prefetch((const char *)blk + distance + line, _MM_HINT_T0);
+    }
+}
+
+/* Whether a call of m activation rows fetches its weight with non-temporal prefetches. At most M_TILE rows, each
+ * group's blocks are read once in the call (one row tile), and a decode step reads every weight once: on AMD
+ * CPUs, whose L3 takes every line L2 evicts, the temporal hint made the step's weights (more than the L3 holds)
+ * push the KV cache, the activations and the interpreter's own memory out of L2 and L3 at every step. More rows
+ * read each block once per row tile, and keep the temporal hint. Intel CPUs keep it too: their prefetch distance
+ * was measured with it, and nothing measured the other there. */
+static int streams_once(int64_t m) {
+    static int amd = -1;  /* the same answer from every thread: a racing first call only stores it twice */
+    if (amd < 0) {
+        __builtin_cpu_init();
+        amd = __builtin_cpu_is("amd") ? 1 : 0;
+    }
+    return amd && m <= M_TILE;
+}
+
 
 /* TILE(w, a, plan, form, pars, rows, i0, g, y) over all m activation rows: tiles of M_TILE rows, then 2, then 1
  * (each tile size a constant, so each gets its own specialised copy) */
@@ -204,7 +226,7 @@ INLINE nat_weight with_constant_layout(const nat_weight *w, int form, int pars) 
         for (int t = 0; t < rows; t++) acc[t] = _mm256_setzero_ps();                                               \
         for (int64_t b = 0; b < nb; b++) {                                                                         \
             const uint8_t *blk = group + b * bb;                                                                   \
-            prefetch_ahead(blk, bb, PREFETCH_BYTES);                                                               \
+            prefetch_ahead(blk, bb, PREFETCH_BYTES, plan->stream_once);                                            \
             __m256i chunk[8], signs[8];                                                                            \
             load_chunks(blk, form, HIGH16(form), chunk);                                                           \
             OPERANDS(form, plan->table, chunk, signs);                                                             \
@@ -244,6 +266,7 @@ INLINE nat_weight with_constant_layout(const nat_weight *w, int form, int pars) 
     ATTR void nat_qgemm_##NAME(const nat_weight *w, const nat_qact *a, int64_t m, float *y, int64_t g0,             \
                                int64_t g1) {                                                                       \
         code_plan plan = NAME##_plan(w);                                                                           \
+        plan.stream_once = streams_once(m);                                                                        \
         int pars = (w->has_offsets ? PAR_OFFSETS : 0) | (w->n_scales == 1 ? PAR_ONE_SCALE : 0) |                  \
                    (w->half_params ? PAR_HALF : 0) | (w->factored ? PAR_FACTOR : 0);                               \
         FOR_FORM(NAME, NIB_INDEX) FOR_FORM(NAME, NIB_LINEAR) FOR_FORM(NAME, NIB_TABLE) FOR_FORM(NAME, BYTE)        \
@@ -273,7 +296,7 @@ INLINE nat_weight with_constant_layout(const nat_weight *w, int form, int pars) 
  * |a| <= 127: a pair never saturates; base 0). The nibble indices' pair sums of a half's 4 chunks add up in 16 bits
  * (at most 4 * 2 * 15 * 127) before one vpmaddwd. */
 TARGET static code_plan avx2_plan(const nat_weight *w) {
-    code_plan plan = {code_form_of(w), 0, _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)w->table))};
+    code_plan plan = {code_form_of(w), 0, _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)w->table)), 0};
     if (INDEXED(plan.form)) plan.base = w->table[0];
     return plan;
 }
@@ -330,7 +353,7 @@ QGEMM_PATH(TARGET, avx2, AVX2_HIGH16, avx2_operands, avx2_dots, NO_PAIRS)
  * other codes as w + 128 (a table of entries + 128, or one xor; base -128). */
 TARGET512 static code_plan avx512_plan(const nat_weight *w) {
     __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)w->table));
-    code_plan plan = {code_form_of(w), -128, _mm256_xor_si256(table, _mm256_set1_epi8((char)0x80))};
+    code_plan plan = {code_form_of(w), -128, _mm256_xor_si256(table, _mm256_set1_epi8((char)0x80)), 0};
     if (INDEXED(plan.form)) plan.base = w->table[0];
     return plan;
 }
@@ -483,12 +506,14 @@ typedef struct {
     int64_t block;         /* its block in that pair */
     int64_t blocks;        /* blocks a group row holds */
     size_t group_bytes, mult_bytes;  /* a group's bytes; those of a factored weight's multipliers after its blocks */
+    int once;              /* the plan's stream_once */
 } pair_cursor;
 
 /* the cursor `ahead` blocks past the start of the pair at group g (whole pairs: groups are contiguous, as laid out) */
-TARGET512 INLINE pair_cursor pair_cursor_at(const nat_weight *w, int64_t g, int64_t ahead) {
+TARGET512 INLINE pair_cursor pair_cursor_at(const nat_weight *w, int64_t g, int64_t ahead, int once) {
     int64_t nb = w->n_cols / NAT_BLOCK;
-    pair_cursor c = {nat_group_at(w, g + 2 * (ahead / nb)), ahead % nb, nb, nat_group_bytes(w), nat_group_mult_bytes(w)};
+    pair_cursor c = {nat_group_at(w, g + 2 * (ahead / nb)), ahead % nb, nb, nat_group_bytes(w), nat_group_mult_bytes(w),
+                     once};
     return c;
 }
 
@@ -497,14 +522,14 @@ TARGET512 INLINE pair_cursor pair_cursor_at(const nat_weight *w, int64_t g, int6
  * nothing it needs and never faults. */
 TARGET512 INLINE void prefetch_pair_ahead(pair_cursor *c, size_t bb) {
     const uint8_t *lo = c->group + c->block * bb;
-    prefetch_ahead(lo, bb, 0);
-    prefetch_ahead(lo + c->group_bytes, bb, 0);
+    prefetch_ahead(lo, bb, 0, c->once);
+    prefetch_ahead(lo + c->group_bytes, bb, 0, c->once);
     if (++c->block < c->blocks) return;
     c->block = 0;
     c->group += 2 * c->group_bytes;
     size_t mults_at = c->group_bytes - c->mult_bytes;
-    prefetch_ahead(c->group + mults_at, c->mult_bytes, 0);
-    prefetch_ahead(c->group + c->group_bytes + mults_at, c->mult_bytes, 0);
+    prefetch_ahead(c->group + mults_at, c->mult_bytes, 0, c->once);
+    prefetch_ahead(c->group + c->group_bytes + mults_at, c->mult_bytes, 0, c->once);
 }
 
 TARGET512 INLINE void pair_tile(const nat_weight *w, const nat_qact *a, const code_plan *plan, int form, int pars,
@@ -515,7 +540,7 @@ TARGET512 INLINE void pair_tile(const nat_weight *w, const nat_qact *a, const co
     __m512i table = _mm512_broadcast_i64x4(plan->table);
     __m512 acc[M_TILE], mult_s = _mm512_setzero_ps(), mult_o = _mm512_setzero_ps();
     for (int t = 0; t < rows; t++) acc[t] = _mm512_setzero_ps();
-    pair_cursor ahead = pair_cursor_at(w, g, (int64_t)(PAIR_PREFETCH_BYTES / bb) + 1);
+    pair_cursor ahead = pair_cursor_at(w, g, (int64_t)(PAIR_PREFETCH_BYTES / bb) + 1, plan->stream_once);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *lo = group + b * bb, *hi = next + b * bb;
         prefetch_pair_ahead(&ahead, bb);
