@@ -173,12 +173,7 @@ TARGET INLINE void prefetch_ahead(const uint8_t *blk, size_t block_bytes, size_t
  * read each block once per row tile, and keep the temporal hint. Intel CPUs keep it too: their prefetch distance
  * was measured with it, and nothing measured the other there. */
 static int streams_once(int64_t m) {
-    static int amd = -1;  /* the same answer from every thread: a racing first call only stores it twice */
-    if (amd < 0) {
-        __builtin_cpu_init();
-        amd = __builtin_cpu_is("amd") ? 1 : 0;
-    }
-    return amd && m <= M_TILE;
+    return m <= M_TILE && __builtin_cpu_is("amd");  /* a compare with what libgcc read at startup */
 }
 
 
