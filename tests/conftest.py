@@ -44,8 +44,9 @@ _SESSION_CACHES = pytest.StashKey[Path]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Give the session's converted-weight caches and sha256 memo a fresh folder, unless the caller chose one (tests of the default
-    folder set ``LLMFW_MODELS_DIR`` and drop these variables themselves); subprocesses inherit it."""
+    """Give the session's converted-weight caches and sha256 memo a fresh folder, unless the caller chose one
+    (tests of the default folders set ``LLMFW_MODELS_DIR`` and drop these variables themselves); subprocesses
+    inherit it."""
     unset = [name for name in SESSION_CACHE_VARIABLES if not os.environ.get(name)]
     if not unset:
         return

@@ -176,7 +176,6 @@ static int streams_once(int64_t m) {
     return m <= M_TILE && __builtin_cpu_is("amd");  /* a compare with what libgcc read at startup */
 }
 
-
 /* TILE(w, a, plan, form, pars, rows, i0, g, y) over all m activation rows: tiles of M_TILE rows, then 2, then 1
  * (each tile size a constant, so each gets its own specialised copy) */
 #define RUN_TILES(TILE, w, a, plan, form, pars, m, g, y)                             \
