@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from .collector import collector_paused
 from .batch import AllocatedBatch, Batch, BatchAllocator, BatchError, UBatch, sequences_of
 from ..errors import ConfigError, ContextError, LogitsIndexError
 from ..validation import validation_error_message
@@ -294,12 +295,13 @@ class Context:
             self.n_graph_reuses += 1
             return kept
         arch = self.model.known_arch
-        builder = GraphBuilder(self.model, params, self.memory.cache_of_layer)
-        arch.build_graph(builder)
-        if self._output_name not in builder.graph.outputs:
-            raise ContextError(f"architecture {arch.name!r} built a graph without a "
-                               f"{self._output_name!r} output")
-        self._plan = self.scheduler.plan(builder.graph)
+        with collector_paused():  # a graph and its compiled programs: thousands of objects kept together
+            builder = GraphBuilder(self.model, params, self.memory.cache_of_layer)
+            arch.build_graph(builder)
+            if self._output_name not in builder.graph.outputs:
+                raise ContextError(f"architecture {arch.name!r} built a graph without a "
+                                   f"{self._output_name!r} output")
+            self._plan = self.scheduler.plan(builder.graph)
         self._plan_params = params
         self.n_graph_builds += 1
         if params.n_tokens <= self.n_seq_max:

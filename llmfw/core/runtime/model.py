@@ -24,6 +24,7 @@ from ..errors import BackendUnavailable, MissingMetadataKey, ModelError, Unsuppo
 from ..format.quants import GGMLType
 from ..validation import validation_error_message
 from ..ir.hparams import HParams, make_hparams, read_common_hparams
+from .collector import collector_paused
 from .loader import ModelFileLoader, WeightLoad, open_loader
 from .memory_fit import check_memory
 from ..ir.passes import prepare_fused_weights, representative_graph
@@ -273,17 +274,18 @@ def load_model(path_or_name: str | os.PathLike[str], params: ModelParams | None 
     """Load a GGUF model (path or catalog name). ``kw`` are :class:`ModelParams` fields."""
     params = _model_params(params, kw)
     path = resolve_model_path(path_or_name)
-    loader = open_loader(path, mode=params.load_mode, kv_overrides=params.kv_overrides)
-    model: Model | None = None
-    try:
-        model = _build_model(loader, path, params)
-        return model
-    except BaseException:
-        if model is not None:
-            model.close()
-        raise
-    finally:
-        loader.close()
+    with collector_paused():
+        loader = open_loader(path, mode=params.load_mode, kv_overrides=params.kv_overrides)
+        model: Model | None = None
+        try:
+            model = _build_model(loader, path, params)
+            return model
+        except BaseException:
+            if model is not None:
+                model.close()
+            raise
+        finally:
+            loader.close()
 
 
 def _model_params(params: ModelParams | None, kw: dict[str, Any]) -> ModelParams:
