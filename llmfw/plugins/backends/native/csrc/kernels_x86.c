@@ -98,6 +98,20 @@ INLINE const float *block_mults(const nat_weight *w, int pars, int64_t g, int64_
     return (pars & PAR_FACTOR) ? nat_block_mults(w, g, b) : NULL;
 }
 
+/* block b's float parameters, at blk in group g: s0, s1, and o0, o1 (zero without offsets) */
+TARGET INLINE void block_params(const nat_weight *w, const uint8_t *blk, int pars, int64_t g, int64_t b,
+                                __m256 par[4]) {
+    nat_param_rows p = nat_block_param_rows(w, blk);
+    const float *mu = block_mults(w, pars, g, b);
+    par[0] = load_params(p.s0, pars, mu);
+    par[1] = load_params(p.s1, pars, mu);
+    par[2] = par[3] = _mm256_setzero_ps();
+    if (pars & PAR_OFFSETS) {
+        par[2] = load_params(p.o0, pars, mu ? mu + NAT_ROWS : NULL);
+        par[3] = load_params(p.o1, pars, mu ? mu + NAT_ROWS : NULL);
+    }
+}
+
 /* The float part of native.h for the rows of one vector (W: 256, 8 rows; 512, 16 rows), par: s0, s1, o0, o1, with
  * fma(a, b, c) = a*b + c rounded once: two scales: v = fma(s1, i1, s0*i0) [v = fma(o1, A1, fma(o0, A0, v))]; one:
  * v = s0*(i0+i1) [v = fma(o0, A0+A1, v)]; then acc = fma(da, v, acc) (the bracketed offset terms only with
@@ -202,15 +216,13 @@ INLINE nat_weight with_constant_layout(const nat_weight *w, int form, int pars) 
     return fixed;
 }
 
-/* The quantized matmul of one ISA path (NAME): per row group, per tile of up to M_TILE activation rows, per block,
- * the 8 code chunks are loaded (HIGH16(form): keep the high nibbles in place) and OPERANDS(form, table, chunk,
- * signs) turns them into the path's operands once; DOTS(form, pars, chunk, signs, aq, extra, h) gives the 8 rows'
- * integer dot products of each half's 4 chunks with its 16 activation codes, plus extra (base * A), in h[0], h[1]
- * (with one scale only their sum counts: a path may put all of it in h[0] and zeros in h[1]). Each (code form, parameter flags,
- * tile size) gets its own copy of the loops, the branches on them compiled away; a row's arithmetic is the same in
- * every tile, so nothing depends on M. Exact integers: only the instructions differ. PAIRS(w, a, plan, form,
- * pars, m, y, g) may take groups g and g+1 together (all m rows) and return 1, or return 0. */
-#define QGEMM_PATH(ATTR, NAME, HIGH16, OPERANDS, DOTS, PAIRS)                                                              \
+/* The one-group tile of an ISA path (NAME_tile) whose rows share a block's prepared operands: per block the 8 code
+ * chunks are loaded (HIGH16(form): keep the high nibbles in place) and OPERANDS(form, table, chunk, signs) turns them
+ * into the path's operands once; DOTS(form, pars, chunk, signs, aq, extra, h) gives a row's integer dot products of
+ * each half's 4 chunks with its 16 activation codes, plus extra (base * A), in h[0], h[1] (with one scale only their
+ * sum counts: a path may put all of it in h[0] and zeros in h[1]). A row's arithmetic is the same in every tile, so
+ * nothing depends on M. */
+#define DEFINE_ROW_TILE(ATTR, NAME, HIGH16, OPERANDS, DOTS)                                                   \
     ATTR INLINE void NAME##_tile(const nat_weight *w, const nat_qact *a, const code_plan *plan, int form,           \
                                  int pars, int rows, int64_t i0, int64_t g, float *y) {                             \
         int64_t nb = w->n_cols / NAT_BLOCK;                                                                        \
@@ -224,14 +236,8 @@ INLINE nat_weight with_constant_layout(const nat_weight *w, int form, int pars) 
             __m256i chunk[8], signs[8];                                                                            \
             load_chunks(blk, form, HIGH16(form), chunk);                                                           \
             OPERANDS(form, plan->table, chunk, signs);                                                             \
-            nat_param_rows p = nat_block_param_rows(w, blk);                                                      \
-            const float *mu = block_mults(w, pars, g, b), *mo = mu ? mu + NAT_ROWS : NULL;                         \
-            __m256 par[4] = {load_params(p.s0, pars, mu), load_params(p.s1, pars, mu), _mm256_setzero_ps(),       \
-                             _mm256_setzero_ps()};                                                                 \
-            if (pars & PAR_OFFSETS) {                                                                              \
-                par[2] = load_params(p.o0, pars, mo);                                                              \
-                par[3] = load_params(p.o1, pars, mo);                                                              \
-            }                                                                                                      \
+            __m256 par[4];                                                                                         \
+            block_params(w, blk, pars, g, b, par);                                                                 \
             for (int t = 0; t < rows; t++) {                                                                       \
                 int64_t i = i0 + t;                                                                                \
                 const int8_t *aq = a->q + i * w->n_cols + b * NAT_BLOCK;                                           \
@@ -244,7 +250,13 @@ INLINE nat_weight with_constant_layout(const nat_weight *w, int form, int pars) 
             }                                                                                                      \
         }                                                                                                          \
         for (int t = 0; t < rows; t++) store_rows(y, w->n_rows, i0 + t, g, acc[t]);                                \
-    }                                                                                                              \
+    }
+
+/* The quantized matmul of one ISA path (NAME): per row group, tiles of up to M_TILE activation rows (NAME_tile).
+ * Each (code form, parameter flags, tile size) gets its own copy of the loops, the branches on them compiled away;
+ * exact integers: only the instructions differ between paths. PAIRS(w, a, plan, form, pars, m, y, g) may take
+ * groups g and g+1 together (all m rows) and return 1, or return 0. */
+#define QGEMM_PATH(ATTR, NAME, PAIRS)                                                                              \
     ATTR INLINE void NAME##_groups(const nat_weight *given, const nat_qact *a, const code_plan *plan, int form,     \
                                    int pars, int64_t m, float *y, int64_t g0, int64_t g1) {                         \
         nat_weight fixed = with_constant_layout(given, form, pars);                                                \
@@ -295,52 +307,128 @@ TARGET static code_plan avx2_plan(const nat_weight *w) {
     return plan;
 }
 
-#define AVX2_HIGH16(form) 0
-
-TARGET INLINE void avx2_operands(int form, __m256i table, __m256i chunk[8], __m256i signs[8]) {
-    if (INDEXED(form)) return;
-    for (int c = 0; c < 8; c++) {
-        signs[c] = form == NIB_TABLE ? _mm256_shuffle_epi8(table, chunk[c]) : chunk[c];
-        chunk[c] = _mm256_abs_epi8(signs[c]);
+/* chunks c and c + 4 of a block (native.h; chunk c against activation bytes 4c..4c+3) as vpmaddubsw's unsigned
+ * operands: nibble indices (5-bit forms: the fifth bits put back) or |code|, the codes themselves in *lo_signs,
+ * *hi_signs (signed forms). Called for c = 0, 1, 2, 3 in turn; *bits (5-bit forms) holds the block's fifth bits
+ * shifted right by c in each 16-bit lane, so each byte's bit c is at its bit 0 and bit c + 4 at its bit 4: constant
+ * shifts, in a loop over c that is not unrolled (fifth_bits needs c constant). */
+TARGET INLINE void avx2_chunk_pair(const uint8_t *blk, int form, __m256i table, int c, __m256i *bits, __m256i *lo,
+                                   __m256i *hi, __m256i *lo_signs, __m256i *hi_signs) {
+    if (form == BYTE) {
+        *lo_signs = _mm256_loadu_si256((const __m256i *)(blk + 32 * c));
+        *hi_signs = _mm256_loadu_si256((const __m256i *)(blk + 32 * (c + 4)));
+    } else {
+        __m256i low4 = _mm256_set1_epi8(15), packed = _mm256_loadu_si256((const __m256i *)(blk + 32 * c));
+        *lo = _mm256_and_si256(packed, low4);
+        *hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+        if (FIVE_BIT(form)) {
+            __m256i sixteen = _mm256_set1_epi8(16);
+            *lo = _mm256_or_si256(*lo, _mm256_and_si256(_mm256_slli_epi16(*bits, 4), sixteen));
+            *hi = _mm256_or_si256(*hi, _mm256_and_si256(*bits, sixteen));
+            *bits = _mm256_srli_epi16(*bits, 1);
+        }
+        if (INDEXED(form)) return;
+        *lo_signs = _mm256_shuffle_epi8(table, *lo);
+        *hi_signs = _mm256_shuffle_epi8(table, *hi);
     }
+    *lo = _mm256_abs_epi8(*lo_signs);
+    *hi = _mm256_abs_epi8(*hi_signs);
 }
 
-/* the 16-bit pair sums of chunks [c0, c1) of nibble indices against their activation words, added in 16 bits */
-TARGET INLINE __m256i avx2_nibble_pairs(const __m256i *chunk, const int8_t *aq, int c0, int c1) {
-    __m256i pairs = _mm256_maddubs_epi16(chunk[c0], broadcast_word(aq + 4 * c0));
-    for (int c = c0 + 1; c < c1; c++)
-        pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(chunk[c], broadcast_word(aq + 4 * c)));
-    return pairs;
-}
-
-/* A block's two half dot products (QGEMM_PATH's DOTS). Nibble indices under one scale: all 8 chunks' pair sums add
- * up in 16 bits (at most 8 * 2 * 15 * 127 = 30480) before a single vpmaddwd, the whole block's sum in h[0]. */
-TARGET INLINE void avx2_dots(int form, int pars, const __m256i *chunk, const __m256i *signs, const int8_t *aq,
-                             const int32_t extra[2], __m256i h[2]) {
+/* The AVX2 tile: the block's chunks a step at a time (chunks c and c + 4; 5-bit indices under one scale: c, c + 1,
+ * c + 4 and c + 5), made from its codes when they are needed and multiplied into every row of the tile. AVX2 has
+ * 16 vector registers; a tile that held a block's 8 chunks while it went through its rows spilled chunks and
+ * accumulators to the stack at every block. Each row's sums, per half (sum[t][0], sum[t][1]):
+ *   nibble indices: 16-bit pair sums, one vpmaddwd at the end (at most 4 * 2 * 31 * 127 = 31496 a half; 4-bit
+ *     ones under one scale in one sum: 8 * 2 * 15 * 127 = 30480); 5-bit ones under one scale: a step's four
+ *     chunks in 16 bits (31496), then one vpmaddwd into a 32-bit sum of the whole block (two 16-bit sums a row
+ *     for the block's halves would not leave the tile's four rows enough registers);
+ *   signed codes: |w| against the activations with w's signs (|w| <= 128, |a| <= 127: a pair never saturates),
+ *     32-bit sums of each chunk's vpmaddwd; under one scale in one sum.
+ * Exact integers, added in another order than the other paths (16-bit sums wrap, and their totals fit), then the
+ * same float part: the same bits. The loop over the steps is not unrolled: unrolled, GCC computed every chunk and
+ * product of the block first and spilled them. */
+TARGET INLINE void avx2_tile(const nat_weight *w, const nat_qact *a, const code_plan *plan, int form, int pars,
+                             int rows, int64_t i0, int64_t g, float *y) {
+    int64_t nb = w->n_cols / NAT_BLOCK;
+    size_t bb = nat_block_bytes(w);
+    const uint8_t *group = nat_group_at(w, g);
+    int one_scale = (pars & PAR_ONE_SCALE) != 0;
+    int five_one = FIVE_BIT(form) && one_scale;  /* 5-bit indices under one scale: two chunk pairs a step */
+    int sum16 = INDEXED(form) && !five_one;       /* sums kept in 16 bits until the block's end */
     __m256i ones = _mm256_set1_epi16(1);
-    if (form <= NIB_LINEAR && (pars & PAR_ONE_SCALE)) {  /* 4-bit: 5-bit indices would overflow 16 bits */
-        __m256i pairs = _mm256_add_epi16(avx2_nibble_pairs(chunk, aq, 0, 4), avx2_nibble_pairs(chunk, aq, 4, 8));
-        h[0] = _mm256_add_epi32(_mm256_madd_epi16(pairs, ones), _mm256_set1_epi32(extra[0] + extra[1]));
-        h[1] = _mm256_setzero_si256();
-        return;
-    }
-    for (int half = 0; half < 2; half++) {
-        __m256i sum = _mm256_set1_epi32(extra[half]);
-        if (INDEXED(form)) {  /* 4 chunks of 5-bit indices: at most 4 * 2 * 31 * 127 = 31496 in 16 bits */
-            sum = _mm256_add_epi32(_mm256_madd_epi16(avx2_nibble_pairs(chunk, aq, 4 * half, 4 * half + 4), ones), sum);
-        } else {
-            for (int c = 4 * half; c < 4 * half + 4; c++) {
-                __m256i act = _mm256_sign_epi8(broadcast_word(aq + 4 * c), signs[c]);
-                sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(chunk[c], act), ones));
+    __m256 acc[M_TILE];
+    for (int t = 0; t < rows; t++) acc[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = group + b * bb;
+        prefetch_ahead(blk, bb, PREFETCH_BYTES, plan->stream_once);
+        const int8_t *aq = a->q + i0 * w->n_cols + b * NAT_BLOCK;
+        __m256i sum[M_TILE][2];
+        for (int t = 0; t < rows; t++) sum[t][0] = sum[t][1] = _mm256_setzero_si256();
+        __m256i bits = FIVE_BIT(form) ? _mm256_loadu_si256((const __m256i *)(blk + NAT_FIFTH_BITS_AT))
+                                      : _mm256_setzero_si256();
+        int step = five_one ? 2 : 1;
+#pragma GCC unroll 1
+        for (int c = 0; c < 4; c += step) {
+            __m256i lo[2], hi[2], lo_signs[2] = {0}, hi_signs[2] = {0};
+            for (int k = 0; k < step; k++)
+                avx2_chunk_pair(blk, form, plan->table, c + k, &bits, &lo[k], &hi[k], &lo_signs[k], &hi_signs[k]);
+            for (int t = 0; t < rows; t++) {
+                const int8_t *at = aq + t * w->n_cols + 4 * c;
+                __m256i half[2];
+                if (INDEXED(form)) {
+                    half[0] = _mm256_maddubs_epi16(lo[0], broadcast_word(at));
+                    half[1] = _mm256_maddubs_epi16(hi[0], broadcast_word(at + 16));
+                    if (five_one) {  /* this step's four chunks into the block's sum */
+                        half[0] = _mm256_add_epi16(half[0], _mm256_maddubs_epi16(lo[1], broadcast_word(at + 4)));
+                        half[1] = _mm256_add_epi16(half[1], _mm256_maddubs_epi16(hi[1], broadcast_word(at + 20)));
+                        __m256i both = _mm256_madd_epi16(_mm256_add_epi16(half[0], half[1]), ones);
+                        sum[t][0] = _mm256_add_epi32(sum[t][0], both);
+                    } else if (one_scale) {
+                        sum[t][0] = _mm256_add_epi16(sum[t][0], _mm256_add_epi16(half[0], half[1]));
+                    } else {
+                        sum[t][0] = _mm256_add_epi16(sum[t][0], half[0]);
+                        sum[t][1] = _mm256_add_epi16(sum[t][1], half[1]);
+                    }
+                    continue;
+                }
+                for (int h = 0; h < 2; h++) {
+                    const int8_t *ah = at + 16 * h;
+                    __m256i d = _mm256_maddubs_epi16(h ? hi[0] : lo[0],
+                                                     _mm256_sign_epi8(broadcast_word(ah), h ? hi_signs[0] : lo_signs[0]));
+                    half[h] = _mm256_madd_epi16(d, ones);
+                }
+                if (one_scale) {
+                    sum[t][0] = _mm256_add_epi32(sum[t][0], _mm256_add_epi32(half[0], half[1]));
+                } else {
+                    sum[t][0] = _mm256_add_epi32(sum[t][0], half[0]);
+                    sum[t][1] = _mm256_add_epi32(sum[t][1], half[1]);
+                }
             }
         }
-        h[half] = sum;
+        __m256 par[4];
+        block_params(w, blk, pars, g, b, par);
+        for (int t = 0; t < rows; t++) {
+            int64_t i = i0 + t;
+            const int32_t *sums = a->sums + (i * nb + b) * 2;
+            int32_t extra[2];
+            base_terms(plan, form, pars, sums, extra);  /* with one scale, all of it in extra[0] */
+            __m256i h0 = sum[t][0], h1 = one_scale ? _mm256_setzero_si256() : sum[t][1];
+            if (sum16) {
+                h0 = _mm256_madd_epi16(h0, ones);
+                if (!one_scale) h1 = _mm256_madd_epi16(h1, ones);
+            }
+            h0 = _mm256_add_epi32(h0, _mm256_set1_epi32(extra[0]));
+            if (!one_scale) h1 = _mm256_add_epi32(h1, _mm256_set1_epi32(extra[1]));
+            acc[t] = combine(acc[t], par, pars, h0, h1, a->d[i * nb + b], sums, a->asum[i * nb + b]);
+        }
     }
+    for (int t = 0; t < rows; t++) store_rows(y, w->n_rows, i0 + t, g, acc[t]);
 }
 
 #define NO_PAIRS(w, a, plan, form, pars, m, y, g) 0
 
-QGEMM_PATH(TARGET, avx2, AVX2_HIGH16, avx2_operands, avx2_dots, NO_PAIRS)
+QGEMM_PATH(TARGET, avx2, NO_PAIRS)
 
 /* AVX-512 VNNI: vpdpbusd multiplies unsigned by signed bytes into 32-bit lanes, exactly. Nibble indices go in as
  * they are (base table[0]; the second half's as 16 * index, saving a shift per chunk, its sum shifted back once),
@@ -587,7 +675,8 @@ TARGET512 INLINE int pair_groups(const nat_weight *w, const nat_qact *a, const c
     return 1;
 }
 
-QGEMM_PATH(TARGET512, avx512, VNNI_HIGH16, vnni_operands, vnni_dots, pair_groups)
+DEFINE_ROW_TILE(TARGET512, avx512, VNNI_HIGH16, vnni_operands, vnni_dots)
+QGEMM_PATH(TARGET512, avx512, pair_groups)
 
 /* nat_quantize_rows (kernels_scalar.c) in 256-bit vectors, for the AVX2 path: the same operations in IEEE
  * float and double — |x| and its maximum, the double reciprocal, x * inv in double rounded half to even
