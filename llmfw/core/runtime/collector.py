@@ -1,8 +1,8 @@
 """The cyclic garbage collector paused while llmfw builds many long-lived objects at once (a model's vocabulary,
 merges and weight tables; a graph and its compiled program). Such a build allocates hundreds of thousands of
 tracked containers and frees almost none: each collection the allocations trigger walks the young objects only to
-keep them, and the older generations' passes walk everything built so far, so on a small CPU the collector's passes
-took about a third of a model's load. Reference counting still frees what the build drops; cycles made meanwhile
+keep them, and the older generations' passes walk everything built so far: a large share of a model's load
+(docs/benchmarks.md has the measurement). Reference counting still frees what the build drops; cycles made meanwhile
 wait for the next collection after it."""
 from __future__ import annotations
 
