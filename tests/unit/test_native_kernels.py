@@ -192,6 +192,21 @@ def test_every_isa_path_gives_the_same_bits(qtype, m, pools):
                 assert np.array_equal(result, results[0]), (isa, n_rows, n_threads)
 
 
+@pytest.mark.parametrize("k", (256, 2048))
+@pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda t: t.name)
+def test_four_row_tiles_give_the_same_bits_with_short_and_long_rows(qtype, k, pools):
+    """Four rows, one tile of them, over short rows and long ones (many blocks a row: each block's integer sums
+    start again, and the prefetches run on past the row group into the next): the scalar path's bits."""
+    rng = np.random.default_rng(700 + int(qtype) + k)
+    n_blocks = k // TYPE_INFO[qtype].block_size
+    raw = random_blocks(qtype, 21, n_blocks, rng)
+    packed = rp.repack(raw, qtype, (k, 21))
+    x = rng.standard_normal((4, k)).astype(np.float32)
+    results = [kernels.mul_mat(packed, x, pools[2], isa) for isa in ISAS]
+    for isa, result in zip(ISAS, results):
+        assert np.array_equal(result, results[0]), isa
+
+
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("qtype", (GGMLType.Q4_1, GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.F16), ids=lambda t: t.name)
 def test_a_row_is_bit_identical_alone_and_inside_any_batch_and_thread_split(qtype, isa, pools):
