@@ -187,9 +187,7 @@ def test_every_isa_path_gives_the_same_bits(qtype, m, pools):
         packed = rp.repack(raw, qtype, ne)
         x = rng.standard_normal((m, ne[0])).astype(np.float32)
         for n_threads in (1, 2):
-            results = [kernels.mul_mat(packed, x, pools[n_threads], isa) for isa in ISAS]
-            for isa, result in zip(ISAS, results):
-                assert np.array_equal(result, results[0]), (isa, n_rows, n_threads)
+            _assert_every_isa_gives_the_same_bits(packed, x, pools[n_threads], (n_rows, n_threads))
 
 
 @pytest.mark.parametrize("k", (256, 2048))
@@ -202,9 +200,13 @@ def test_four_row_tiles_give_the_same_bits_with_short_and_long_rows(qtype, k, po
     raw = random_blocks(qtype, 21, n_blocks, rng)
     packed = rp.repack(raw, qtype, (k, 21))
     x = rng.standard_normal((4, k)).astype(np.float32)
-    results = [kernels.mul_mat(packed, x, pools[2], isa) for isa in ISAS]
+    _assert_every_isa_gives_the_same_bits(packed, x, pools[2], k)
+
+
+def _assert_every_isa_gives_the_same_bits(packed, x: np.ndarray, pool, context: object) -> None:
+    results = [kernels.mul_mat(packed, x, pool, isa) for isa in ISAS]
     for isa, result in zip(ISAS, results):
-        assert np.array_equal(result, results[0]), isa
+        assert np.array_equal(result, results[0]), (isa, context)
 
 
 @pytest.mark.parametrize("isa", ISAS)
