@@ -211,14 +211,19 @@ TARGET2 static inline __m256 avx2_load_f16(const uint16_t *p) {
 #define AVX2_LOAD_KEY(key, d) _mm256_loadu_ps((key) + (d))
 #define AVX2_LOAD_KEY_F16(key, d) avx2_load_f16((key) + (d))
 
-/* lanes l + l+8 of each key, then keys 4g..4g+3 reduced to their l + l+2 pairs: [k0 k0 k2 k2 | k1 k1 k3 k3] */
-TARGET2 static inline __m256 avx2_four_pairs(const __m256 *lo, const __m256 *hi) {
-    __m256 s8[4];
-    for (int i = 0; i < 4; i++) s8[i] = _mm256_add_ps(lo[i], hi[i]);  /* l + l+8 */
+/* four keys' lanes l + l+8 (s8) reduced to their l + l+2 pairs: [k0 k0 k2 k2 | k1 k1 k3 k3] */
+TARGET2 static inline __m256 avx2_pairs_of_s8(const __m256 *s8) {
     __m256 a = _mm256_add_ps(_mm256_permute2f128_ps(s8[0], s8[1], 0x20), _mm256_permute2f128_ps(s8[0], s8[1], 0x31));
     __m256 b = _mm256_add_ps(_mm256_permute2f128_ps(s8[2], s8[3], 0x20), _mm256_permute2f128_ps(s8[2], s8[3], 0x31));
     /* a = [k0 s4 | k1 s4], b = [k2 s4 | k3 s4]; l + l+2: */
     return _mm256_add_ps(_mm256_shuffle_ps(a, b, 0x44), _mm256_shuffle_ps(a, b, 0xEE));
+}
+
+/* lanes l + l+8 of each of four keys, then avx2_pairs_of_s8 */
+TARGET2 static inline __m256 avx2_four_pairs(const __m256 *lo, const __m256 *hi) {
+    __m256 s8[4];
+    for (int i = 0; i < 4; i++) s8[i] = _mm256_add_ps(lo[i], hi[i]);  /* l + l+8 */
+    return avx2_pairs_of_s8(s8);
 }
 
 TARGET2 static inline __m256 avx2_four_keys(const float *q, const float *const *k, int64_t dk) {
@@ -254,6 +259,41 @@ TARGET2 static void scores_f16_avx2(const float *q, const uint16_t *const *k, in
     for (int half = 0; half < 2; half++)
         avx2_store_scores(avx2_four_keys_f16(q, k + 8 * half, dk), avx2_four_keys_f16(q, k + 8 * half + 4, dk),
                           add ? add + 8 * half : NULL, out + 8 * half);
+}
+
+/* The scores of KEYS keys for HEADS query rows, each key's values widened once for them all: per key and head the
+ * sixteen lanes in two halves (2 * HEADS sums in registers), added l + l+8 into s8; then each head's keys through
+ * the reduction of avx2_four_keys: the same adds in the same order, so the same bits as scores_f16_avx2. */
+#define AVX2_SCORES_HEADS(HEADS)                                                                               \
+    TARGET2 static void scores_f16_##HEADS##_avx2(const float *const *q, const uint16_t *const *k, int64_t dk, \
+                                                  const float *add, float *const *out) {                       \
+        __m256 s8[HEADS][KEYS];                                                                                \
+        for (int i = 0; i < KEYS; i++) {                                                                       \
+            __m256 lo[HEADS], hi[HEADS];                                                                       \
+            for (int h = 0; h < HEADS; h++) lo[h] = hi[h] = _mm256_setzero_ps();                               \
+            for (int64_t d = 0; d < dk; d += 16) {                                                             \
+                __m256 k0 = avx2_load_f16(k[i] + d), k1 = avx2_load_f16(k[i] + d + 8);                         \
+                for (int h = 0; h < HEADS; h++) {                                                              \
+                    lo[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q[h] + d), k0, lo[h]);                             \
+                    hi[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q[h] + d + 8), k1, hi[h]);                         \
+                }                                                                                              \
+            }                                                                                                  \
+            for (int h = 0; h < HEADS; h++) s8[h][i] = _mm256_add_ps(lo[h], hi[h]);                            \
+        }                                                                                                      \
+        for (int h = 0; h < HEADS; h++)                                                                        \
+            for (int half = 0; half < 2; half++)                                                               \
+                avx2_store_scores(avx2_pairs_of_s8(s8[h] + 8 * half), avx2_pairs_of_s8(s8[h] + 8 * half + 4),  \
+                                  add ? add + 8 * half : NULL, out[h] + 8 * half);                             \
+    }
+AVX2_SCORES_HEADS(1)
+AVX2_SCORES_HEADS(2)
+AVX2_SCORES_HEADS(3)
+
+TARGET2 static void scores_f16_heads_avx2(int heads, const float *const *q, const uint16_t *const *keys, int64_t dk,
+                                          const float *add, float *const *out) {
+    if (heads == 3) scores_f16_3_avx2(q, keys, dk, add, out);
+    else if (heads == 2) scores_f16_2_avx2(q, keys, dk, add, out);
+    else scores_f16_1_avx2(q, keys, dk, add, out);
 }
 
 /* nat_exp on 8 lanes */
@@ -320,14 +360,57 @@ TARGET2 static void weigh_one_avx2(float *out, const float *p, const int32_t *ce
     if (d0 < dv) AVX2_WEIGH_CHUNK(avx2_load_cut, avx2_load_cut, float);
 }
 
-TARGET2 static void weigh_f16_avx2(float *const *out_h, const float *const *p_h, int64_t heads, const int32_t *cells,
+/* 32 lanes of out[h] from d0 for HEADS heads at once (12 sums in registers at most), each value row's 32 values
+ * widened once for them all, 16 at a time; PIECE(row, n): 8 values of a value row (n of them left). Each lane's
+ * chain over the cells is that of AVX2_WEIGH_CHUNK: the same bits. */
+#define AVX2_WEIGH_HEADS_CHUNK(HEADS, PIECE)                                                                   \
+    do {                                                                                                       \
+        __m256 acc[HEADS][4];                                                                                  \
+        for (int h = 0; h < HEADS; h++)                                                                        \
+            for (int i = 0; i < 4; i++) acc[h][i] = avx2_load_cut(out[h] + d0 + 8 * i, dv - d0 - 8 * i);      \
+        for (int64_t c = 0; c < n; c++) {                                                                      \
+            const uint16_t *row = v + (int64_t)cells[c] * dv + d0;                                             \
+            for (int i = 0; i < 4; i += 2) {                                                                   \
+                __m256 v0 = PIECE(row + 8 * i, dv - d0 - 8 * i), v1 = PIECE(row + 8 * i + 8, dv - d0 - 8 * i - 8); \
+                for (int h = 0; h < HEADS; h++) {                                                              \
+                    __m256 pc = _mm256_set1_ps(p[h][c]);                                                       \
+                    acc[h][i] = _mm256_fmadd_ps(pc, v0, acc[h][i]);                                            \
+                    acc[h][i + 1] = _mm256_fmadd_ps(pc, v1, acc[h][i + 1]);                                    \
+                }                                                                                              \
+            }                                                                                                  \
+        }                                                                                                      \
+        for (int h = 0; h < HEADS; h++)                                                                        \
+            for (int i = 0; i < 4; i++) avx2_store(out[h] + d0 + 8 * i, dv - d0 - 8 * i, acc[h][i]);          \
+    } while (0)
+
+TARGET2 static inline __m256 avx2_load_f16_whole(const uint16_t *p, int64_t n) {
+    (void)n;
+    return avx2_load_f16(p);
+}
+
+#define AVX2_WEIGH_HEADS(HEADS)                                                                                \
+    TARGET2 static void weigh_f16_##HEADS##_avx2(float *const *out, const float *const *p, const int32_t *cells, \
+                                                 int64_t n, const uint16_t *v, int64_t dv) {                   \
+        int64_t d0 = 0;                                                                                        \
+        for (; d0 + 32 <= dv; d0 += 32) AVX2_WEIGH_HEADS_CHUNK(HEADS, avx2_load_f16_whole);                    \
+        if (d0 < dv) AVX2_WEIGH_HEADS_CHUNK(HEADS, avx2_load_f16_piece);                                       \
+    }
+AVX2_WEIGH_HEADS(1)
+AVX2_WEIGH_HEADS(2)
+AVX2_WEIGH_HEADS(3)
+
+/* the heads three at a time (two and two for four: fewer sums than three and one), each value row widened once
+ * per call of a group */
+TARGET2 static void weigh_f16_avx2(float *const *out, const float *const *p, int64_t heads, const int32_t *cells,
                                    int64_t n, const uint16_t *v, int64_t dv) {
-    for (int64_t h = 0; h < heads; h++) {
-        float *out = out_h[h];
-        const float *p = p_h[h];
-        int64_t d0 = 0;
-        for (; d0 + 64 <= dv; d0 += 64) AVX2_WEIGH_CHUNK(avx2_load_full, avx2_load_f16_piece, uint16_t);
-        if (d0 < dv) AVX2_WEIGH_CHUNK(avx2_load_cut, avx2_load_f16_piece, uint16_t);
+    while (heads > 0) {
+        int take = heads >= 3 && heads != 4 ? 3 : heads >= 2 ? 2 : 1;
+        if (take == 3) weigh_f16_3_avx2(out, p, cells, n, v, dv);
+        else if (take == 2) weigh_f16_2_avx2(out, p, cells, n, v, dv);
+        else weigh_f16_1_avx2(out, p, cells, n, v, dv);
+        out += take;
+        p += take;
+        heads -= take;
     }
 }
 
@@ -558,7 +641,7 @@ static const attn_kernels *kernels_for(int isa) {
                                         visible_scalar, NULL};
 #ifdef NAT_HAVE_X86
     static const attn_kernels avx2 = {scores_avx2, peak_avx2, exp_sum_avx2, weigh_avx2, scores_f16_avx2,
-                                      weigh_f16_avx2, visible_scalar, NULL};
+                                      weigh_f16_avx2, visible_scalar, scores_f16_heads_avx2};
     static const attn_kernels avx512 = {float_scores_avx512, peak_avx512, exp_sum_avx512, float_weigh_avx512,
                                         uint16_t_scores_avx512, uint16_t_weigh_avx512, visible_avx512,
                                         scores_f16_heads_avx512};
