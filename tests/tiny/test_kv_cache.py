@@ -8,6 +8,7 @@ import pytest
 import llmfw
 from llmfw.core.batch import Batch, BatchAllocator
 from llmfw.core.memory import CompositeMemory, KVCache
+from llmfw.core.runtime.kv_cache import RUN_CELLS, RUN_TOKENS_MAX
 from support.models import TINY_N_EMBD, TINY_N_VOCAB, write_tiny_llama
 
 
@@ -40,9 +41,70 @@ def test_slots_and_mask_per_sequence(tiny_model):
     mask = inputs["kq_mask:kv"]
     assert mask.shape == (2, 256)
     visible = np.isfinite(mask)
-    assert visible[0].tolist()[:6] == [False, False, False, True, False, False]  # seq 1 pos 0 sees itself only
-    assert visible[1].tolist()[:6] == [False, False, False, True, True, False]
-    assert inputs["kv_idx:kv"].tolist() == [3, 4]
+    # seq 1's short prompt starts a run of its own: the next block of RUN_CELLS free cells
+    assert np.flatnonzero(visible[0]).tolist() == [RUN_CELLS]  # seq 1 pos 0 sees itself only
+    assert np.flatnonzero(visible[1]).tolist() == [RUN_CELLS, RUN_CELLS + 1]
+    assert inputs["kv_idx:kv"].tolist() == [RUN_CELLS, RUN_CELLS + 1]
+
+
+def decode_together(cache, seqs, steps):
+    """``steps`` decode steps of one token for each of ``seqs`` together; returns each step's reservation."""
+    allocator = BatchAllocator(n_vocab=TINY_N_VOCAB, n_embd=TINY_N_EMBD, n_seq_max=cache.n_seq_max)
+    reservations = []
+    for _ in range(steps):
+        batch = allocator.init(Batch([1] * len(seqs), seq_id=list(seqs)), cache)
+        ubatches, reserved = cache.init_batch(batch, 512)
+        assert reserved is not None
+        for i in range(len(ubatches)):
+            reserved.apply(i)
+        reservations.append(reserved)
+    return reservations
+
+
+def cells_of(cache, seq_id):
+    """The cells of a sequence by ascending position."""
+    cells = np.flatnonzero(cache._has_seq(cache.cells, seq_id))
+    return cells[np.argsort(cache.cells.pos[cells])]
+
+
+def runs_of(cells):
+    """The maximal runs of consecutive cells."""
+    return np.split(cells, np.flatnonzero(np.diff(cells) != 1) + 1)
+
+
+def test_sequences_decoded_together_keep_their_cells_in_runs(tiny_model):
+    """Each sequence's tokens go to the cell after its last one, a new run starting at the first wholly free block
+    of RUN_CELLS cells: sequences decoded together do not take turns cell by cell. A prompt longer than
+    RUN_TOKENS_MAX takes the cells from head; a sequence whose next cell it took goes on in a new run."""
+    cache = KVCache(tiny_model, n_ctx=512, n_seq_max=4)
+    reserve(cache, [1, 2, 3, 4, 5], seq_id=0)  # a short prompt: a run from block 0
+    decode_together(cache, [0, 1, 2], steps=40)
+    first_cells = [int(cells_of(cache, s)[0]) for s in range(3)]
+    assert first_cells == [0, RUN_CELLS, 2 * RUN_CELLS]
+    for s in range(3):
+        runs = runs_of(cells_of(cache, s))
+        assert len(runs) == 2, s  # a block filled, then a new run where the next cell was another's
+        assert all(run[0] % RUN_CELLS == 0 for run in runs) and len(runs[0]) == RUN_CELLS, s
+    # seq 3's long prompt fills cells from head (right after seq 2's last cell): seq 2 goes on in a new run
+    tail_2 = int(cells_of(cache, 2)[-1])
+    reserve(cache, list(range(RUN_TOKENS_MAX + 1)), seq_id=3)
+    assert cells_of(cache, 3).tolist() == list(range(tail_2 + 1, tail_2 + 2 + RUN_TOKENS_MAX))
+    decode_together(cache, [2], steps=1)
+    last = int(cells_of(cache, 2)[-1])
+    assert last % RUN_CELLS == 0 and last > tail_2 + 1 + RUN_TOKENS_MAX
+
+
+def test_runs_leave_every_cell_usable(tiny_model):
+    """When no block is wholly free, a step's tokens take the free cells from head: runs never cost capacity. After
+    a 5-token prompt four sequences decoding together fill 253 of 256 cells; then only three tokens fit."""
+    cache = KVCache(tiny_model, n_ctx=256, n_seq_max=4)
+    reserve(cache, [1, 2, 3, 4, 5], seq_id=0)
+    decode_together(cache, [0, 1, 2, 3], steps=62)
+    assert cache.n_used == 253
+    allocator = BatchAllocator(n_vocab=TINY_N_VOCAB, n_embd=TINY_N_EMBD, n_seq_max=4)
+    assert cache.init_batch(allocator.init(Batch([1] * 4, seq_id=[0, 1, 2, 3]), cache), 512)[1] is None
+    decode_together(cache, [0, 1, 2], steps=1)
+    assert cache.n_used == 256
 
 
 def test_reservation_is_all_or_nothing(tiny_model):

@@ -1,9 +1,10 @@
-"""llama.cpp's unified KV cache (:class:`KVCache`): its cells, slot search, attention mask, K-shift and
-sequence operations (see :mod:`llmfw.core.runtime.memory` for the design)."""
+"""llama.cpp's unified KV cache (:class:`KVCache`): its cells, slot search (keeping each sequence in runs of
+cells, where llama.cpp interleaves sequences decoded together), attention mask, K-shift and sequence operations
+(see :mod:`llmfw.core.runtime.memory` for the design)."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterable
 
 import numpy as np
@@ -19,6 +20,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 #: the sort key of an empty cell in :meth:`KVCache._order` (after every position)
 _EMPTY_LAST = np.iinfo(np.int64).max
+#: cells of the block a sequence's new run starts at (see :meth:`KVCache._run_slots`)
+RUN_CELLS = 32
+#: the most tokens of a ubatch placed in runs one by one (a decode step of many sequences; longer ubatches, a
+#: prompt's, take the search from ``head``)
+RUN_TOKENS_MAX = 64
 
 
 @dataclass
@@ -29,9 +35,11 @@ class CellsState:
     seq: np.ndarray  # uint64 [n_cells], bit s = cell belongs to sequence s
     shift: np.ndarray  # int64 [n_cells], accumulated seq_add deltas not yet applied to K
     head: int = 0
+    #: sequence -> the cell its last placed token went to: a hint for the next token's cell, checked before use
+    tails: dict[int, int] = field(default_factory=dict)
 
     def copy(self) -> "CellsState":
-        return CellsState(self.pos.copy(), self.seq.copy(), self.shift.copy(), self.head)
+        return CellsState(self.pos.copy(), self.seq.copy(), self.shift.copy(), self.head, dict(self.tails))
 
 
 class KVCache(Memory):
@@ -145,13 +153,17 @@ class KVCache(Memory):
 
     # -- slots ----------------------------------------------------------------------------------------------
     def _find_slot(self, state: CellsState, ubatch: "UBatch") -> np.ndarray | None:
-        """Free cells for the ubatch's tokens (not necessarily contiguous), searching from ``head``."""
+        """Free cells for the ubatch's tokens (not necessarily contiguous): each sequence's tokens in runs of cells
+        for a decode step (:meth:`_run_slots`), else searching from ``head``."""
         n_tokens = ubatch.n_tokens
         if n_tokens > self.n_cells:
             return None
         usable = state.seq == 0
         if self.swa_type != "none":
             usable = usable | self._swa_reusable(state)
+        runs = self._run_slots(state, ubatch, usable)
+        if runs is not None:
+            return runs
         head = state.head
         if head > int(np.count_nonzero(state.seq)) + 2 * n_tokens:
             head = 0  # plenty of free cells before head: fill from the start (llama.cpp's heuristic)
@@ -160,6 +172,49 @@ class KVCache(Memory):
         if free.size < n_tokens:
             return None
         return np.asarray(free[:n_tokens], dtype=np.int64)
+
+    def _run_slots(self, state: CellsState, ubatch: "UBatch", usable: np.ndarray) -> np.ndarray | None:
+        """Cells that keep each sequence's cells in runs, for a ubatch of at most RUN_TOKENS_MAX tokens of one
+        sequence each (a decode step): a token takes the cell after its sequence's last one when that is free,
+        else the first cell of the first block of RUN_CELLS cells that is free as a whole. Sequences decoded
+        together would otherwise take turns cell by cell, and attention would read each one's keys and values
+        scattered over the cache, a few lines per cell, where a run streams. None (the caller's search from
+        ``head``): a cache of one sequence or of sliding windows, a longer ubatch, a token shared by sequences, or
+        no run left for a token."""
+        n_tokens = ubatch.n_tokens
+        if self.n_seq_max == 1 or n_tokens > RUN_TOKENS_MAX:
+            return None
+        bits = ubatch.seq_bits
+        if np.any(bits & (bits - np.uint64(1))):
+            return None
+        free = usable.copy()
+        placed: dict[int, int] = {}  # sequence -> the cell of its last token in this ubatch
+        cells = np.empty(n_tokens, dtype=np.int64)
+        for i, (seq, pos) in enumerate(zip(ubatch.seq_first.tolist(), ubatch.pos.tolist())):
+            tail = placed[seq] if seq in placed else self._tail_cell(state, seq, int(pos))
+            cell = tail + 1 if tail is not None and tail + 1 < self.n_cells and free[tail + 1] else self._free_block(free)
+            if cell is None:
+                return None
+            cells[i] = placed[seq] = cell
+            free[cell] = False
+        return cells
+
+    def _tail_cell(self, state: CellsState, seq: int, pos: int) -> int | None:
+        """The cell of the token before ``pos`` in ``seq`` (``state.tails``' hint, when that cell holds it), else of
+        the sequence's last position; None for a sequence without cells."""
+        hint = state.tails.get(seq)
+        if hint is not None and (state.seq[hint] & self._seq_bit(seq)) and state.pos[hint] == pos - 1:
+            return hint
+        has = np.flatnonzero(self._has_seq(state, seq))
+        return int(has[np.argmax(state.pos[has])]) if has.size else None
+
+    @staticmethod
+    def _free_block(free: np.ndarray) -> int | None:
+        """The first cell of the first block of RUN_CELLS cells that is free as a whole, or None."""
+        whole = len(free) // RUN_CELLS * RUN_CELLS
+        blocks = free[:whole].reshape(-1, RUN_CELLS).all(axis=1)
+        first = np.flatnonzero(blocks)
+        return int(first[0]) * RUN_CELLS if first.size else None
 
     def _swa_reusable(self, state: CellsState) -> np.ndarray:
         """Cells owned by a single sequence and already outside its window (they can be overwritten)."""
@@ -187,6 +242,7 @@ class KVCache(Memory):
         state.pos[idx] = ubatch.pos
         state.seq[idx] = ubatch.seq_bits
         state.shift[idx] = 0
+        state.tails.update(zip(ubatch.seq_first.tolist(), idx.tolist()))  # the last of each sequence's tokens wins
         state.head = int(idx[-1]) + 1 if idx.size else state.head
         if state.head >= self.n_cells:
             state.head = 0
