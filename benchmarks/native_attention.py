@@ -3,8 +3,8 @@
     python3 benchmarks/native_attention.py [--seqs 1] [--depth 2048] [--heads 9:3] [--dim 64] [--layers 8]
                                            [-t 2] [--isa avx512] [--kv f16] [-r 100]
 
-``--seqs`` sequences decode one token each over ``--depth`` cells apiece, their cells interleaved in the cache as
-sequences decoded together leave them. ``--layers`` caches of their own are attended in turn, so a run's keys and
+``--seqs`` sequences decode one token each over ``--depth`` cells apiece, their cells in runs of 32 as the KV cache
+places sequences decoded together (``--layout interleaved``: taking turns cell by cell, as llama.cpp's cache does). ``--layers`` caches of their own are attended in turn, so a run's keys and
 values come from wherever that many layers' caches fit: 8 SmolLM2-shaped layers at depth 2,048 (12 MB) stay in a
 large L3, 60 (90 MB) come from memory, as in a real step whose weights stream between the attention ops. ``--heads``
 is query heads:KV heads (SmolLM2 9:3, Gemma-3 4:1 with ``--dim 256``). Prints the best and the median per layer of
@@ -24,6 +24,7 @@ if str(ROOT) not in sys.path:
 
 import numpy as np  # noqa: E402
 
+from llmfw.core.runtime.kv_cache import RUN_CELLS  # noqa: E402
 from llmfw.plugins.backends.native import kernels  # noqa: E402
 
 
@@ -54,7 +55,10 @@ def seconds_per_layer(args: argparse.Namespace) -> list[float]:
     caches = [(rng.standard_normal((n_head_kv, n_kv, args.dim)).astype(dtype),
                rng.standard_normal((n_head_kv, n_kv, args.dim)).astype(dtype)) for _ in range(args.layers)]
     q = rng.standard_normal((args.seqs, n_head, args.dim)).astype(np.float32)
-    owner = np.arange(n_kv) % args.seqs  # cell j belongs to sequence j % seqs
+    if args.layout == "interleaved":
+        owner = np.arange(n_kv) % args.seqs  # cell j belongs to sequence j % seqs
+    else:  # blocks of RUN_CELLS cells, the sequences' blocks taking turns
+        owner = np.arange(n_kv) // RUN_CELLS % args.seqs
     mask = np.where(owner[None, :] == np.arange(args.seqs)[:, None], 0.0, -np.inf).astype(np.float32)
     pool = kernels.ThreadPool(args.threads)
     try:
@@ -80,10 +84,12 @@ def main() -> None:
     parser.add_argument("--isa", default="auto", choices=("auto", *kernels.available_isas()))
     parser.add_argument("--kv", default="f16", choices=("f16", "f32"), help="the cache's element type")
     parser.add_argument("-r", "--rounds", type=positive, default=100)
+    parser.add_argument("--layout", default="runs", choices=("runs", "interleaved"),
+                        help="where each sequence's cells lie (default: runs, as the KV cache places them)")
     args = parser.parse_args()
     rounds = seconds_per_layer(args)
     n_head, n_head_kv = args.heads
-    print(f"{args.seqs} x {args.depth} cells, {n_head}:{n_head_kv} heads of {args.dim}, {args.kv} cache, "
+    print(f"{args.seqs} x {args.depth} cells ({args.layout}), {n_head}:{n_head_kv} heads of {args.dim}, {args.kv} cache, "
           f"{args.layers} layers, {args.threads} threads, {kernels.resolve_isa(args.isa)}: "
           f"{min(rounds) * 1e6:.1f} us a layer best, {statistics.median(rounds) * 1e6:.1f} median")
 
