@@ -178,9 +178,9 @@ class KVCache(Memory):
         sequence each (a decode step): a token takes the cell after its sequence's last one when that is free,
         else the first cell of the first block of RUN_CELLS cells that is free as a whole. Sequences decoded
         together would otherwise take turns cell by cell, and attention would read each one's keys and values
-        scattered over the cache, a few lines per cell, where a run streams. None (the caller's search from
-        ``head``): a cache of one sequence or of sliding windows, a longer ubatch, a token shared by sequences, or
-        no run left for a token."""
+        scattered over the cache, a few lines per cell, where a run streams. ``usable`` counts a sliding window's
+        reusable cells as free, as the search from ``head`` does. None (that search): a cache of one sequence, a
+        longer ubatch, a token shared by sequences, or no run left for a token."""
         n_tokens = ubatch.n_tokens
         if self.n_seq_max == 1 or n_tokens > RUN_TOKENS_MAX:
             return None
