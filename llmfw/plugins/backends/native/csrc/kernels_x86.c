@@ -426,9 +426,75 @@ TARGET INLINE void avx2_tile(const nat_weight *w, const nat_qact *a, const code_
     for (int t = 0; t < rows; t++) store_rows(y, w->n_rows, i0 + t, g, acc[t]);
 }
 
-#define NO_PAIRS(w, a, plan, form, pars, m, y, g) 0
+/* The AVX2 tile over two row groups (16 rows), for 4-bit indices under one scale (Q4_0, Q4_1, Q4_K), whose sums
+ * stay in 16 bits: each activation word is broadcast once for both groups. On Zen 3 a broadcast from memory takes
+ * one of the two vector loads a cycle, and the one-group tile of several activation rows issued a broadcast for
+ * every vpmaddubsw: its loads bound it as much as its vector instructions did. The float sums wait in memory between
+ * blocks (eight of them in registers as well would spill the 16-bit sums); a step's codes are loaded again for the
+ * block's second half instead of held. A row's lanes do exactly what the one-group tile's do: the same bits. */
+TARGET INLINE void avx2_pair_tile(const nat_weight *w, const nat_qact *a, const code_plan *plan, int form, int pars,
+                                  int rows, int64_t i0, int64_t g, float *y) {
+    int64_t nb = w->n_cols / NAT_BLOCK;
+    size_t bb = nat_block_bytes(w);
+    const uint8_t *groups[2] = {nat_group_at(w, g), nat_group_at(w, g + 1)};
+    __m256i low4 = _mm256_set1_epi8(15);
+    float acc[M_TILE][2][NAT_ROWS] __attribute__((aligned(32)));
+    for (int t = 0; t < rows; t++)
+        for (int k = 0; k < 2; k++) _mm256_store_ps(acc[t][k], _mm256_setzero_ps());
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk[2] = {groups[0] + b * bb, groups[1] + b * bb};
+        for (int k = 0; k < 2; k++) prefetch_ahead(blk[k], bb, PREFETCH_BYTES, plan->stream_once);
+        const int8_t *aq = a->q + i0 * w->n_cols + b * NAT_BLOCK;
+        __m256i sum[M_TILE][2];
+        for (int t = 0; t < rows; t++) sum[t][0] = sum[t][1] = _mm256_setzero_si256();
+#pragma GCC unroll 1
+        for (int c = 0; c < 4; c++) {
+            for (int h = 0; h < 2; h++) {  /* chunk c, then chunk c + 4 (the high nibbles) */
+                __m256i code[2];
+                for (int k = 0; k < 2; k++) {
+                    __m256i packed = _mm256_loadu_si256((const __m256i *)(blk[k] + 32 * c));
+                    code[k] = _mm256_and_si256(h ? _mm256_srli_epi16(packed, 4) : packed, low4);
+                }
+                for (int t = 0; t < rows; t++) {
+                    __m256i x = broadcast_word(aq + t * w->n_cols + 4 * c + 16 * h);
+                    sum[t][0] = _mm256_add_epi16(sum[t][0], _mm256_maddubs_epi16(code[0], x));
+                    sum[t][1] = _mm256_add_epi16(sum[t][1], _mm256_maddubs_epi16(code[1], x));
+                    /* a row at a time: GCC otherwise loaded every row's activations first and spilled a sum */
+                    __asm__("" : "+x"(sum[t][0]), "+x"(sum[t][1]));
+                }
+            }
+        }
+        for (int k = 0; k < 2; k++) {
+            __m256 par[4];
+            block_params(w, blk[k], pars, g + k, b, par);
+            for (int t = 0; t < rows; t++) {
+                int64_t i = i0 + t;
+                const int32_t *sums = a->sums + (i * nb + b) * 2;
+                int32_t extra[2];
+                base_terms(plan, form, pars, sums, extra);  /* one scale: all of it in extra[0] */
+                __m256i h0 = _mm256_add_epi32(_mm256_madd_epi16(sum[t][k], _mm256_set1_epi16(1)),
+                                              _mm256_set1_epi32(extra[0]));
+                _mm256_store_ps(acc[t][k], combine(_mm256_load_ps(acc[t][k]), par, pars, h0, _mm256_setzero_si256(),
+                                                   a->d[i * nb + b], sums, a->asum[i * nb + b]));
+            }
+        }
+    }
+    for (int t = 0; t < rows; t++)
+        for (int k = 0; k < 2; k++) store_rows(y, w->n_rows, i0 + t, g + k, _mm256_load_ps(acc[t][k]));
+}
 
-QGEMM_PATH(TARGET, avx2, NO_PAIRS)
+/* groups g and g + 1 together (all m rows) where avx2_pair_tile serves: 4-bit indices under one scale, and more
+ * activation rows than one tile (a prompt, a large batch), whose tiles run over each group's blocks from L1 and L2.
+ * A call of at most M_TILE rows streams its weight from memory once, and there (Zen 3, a decode step of four
+ * sequences) the two groups' interleaved streams were no faster than one group's. */
+TARGET INLINE int avx2_pairs(const nat_weight *w, const nat_qact *a, const code_plan *plan, int form, int pars,
+                             int64_t m, float *y, int64_t g) {
+    if (m <= M_TILE || !INDEXED(form) || FIVE_BIT(form) || !(pars & PAR_ONE_SCALE)) return 0;
+    RUN_TILES(avx2_pair_tile, w, a, plan, form, pars, m, g, y);
+    return 1;
+}
+
+QGEMM_PATH(TARGET, avx2, avx2_pairs)
 
 /* AVX-512 VNNI: vpdpbusd multiplies unsigned by signed bytes into 32-bit lanes, exactly. Nibble indices go in as
  * they are (base table[0]; the second half's as 16 * index, saving a shift per chunk, its sum shifted back once),
