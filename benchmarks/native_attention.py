@@ -4,11 +4,12 @@
                                            [-t 2] [--isa avx512] [--kv f16] [-r 100]
 
 ``--seqs`` sequences decode one token each over ``--depth`` cells apiece, their cells in runs of 32 as the KV cache
-places sequences decoded together (``--layout interleaved``: taking turns cell by cell, as llama.cpp's cache does). ``--layers`` caches of their own are attended in turn, so a run's keys and
-values come from wherever that many layers' caches fit: 8 SmolLM2-shaped layers at depth 2,048 (12 MB) stay in a
-large L3, 60 (90 MB) come from memory, as in a real step whose weights stream between the attention ops. ``--heads``
-is query heads:KV heads (SmolLM2 9:3, Gemma-3 4:1 with ``--dim 256``). Prints the best and the median per layer of
-``-r`` rounds; the Python call around each op (a few microseconds) is included.
+places sequences decoded together (``--layout interleaved``: taking turns cell by cell, as llama.cpp's cache
+does). ``--layers`` caches of their own are attended in turn, so a run's keys and values come from wherever that
+many layers' caches fit: 8 SmolLM2-shaped layers at depth 2,048 (12 MB) stay in a large L3, 60 (90 MB) come from
+memory, as in a real step whose weights stream between the attention ops. ``--heads`` is query heads:KV heads
+(SmolLM2 9:3, Gemma-3 4:1 with ``--dim 256``). Prints the best and the median per layer of ``-r`` rounds; the
+Python call around each op (a few microseconds) is included.
 """
 from __future__ import annotations
 
@@ -89,8 +90,8 @@ def main() -> None:
     args = parser.parse_args()
     rounds = seconds_per_layer(args)
     n_head, n_head_kv = args.heads
-    print(f"{args.seqs} x {args.depth} cells ({args.layout}), {n_head}:{n_head_kv} heads of {args.dim}, {args.kv} cache, "
-          f"{args.layers} layers, {args.threads} threads, {kernels.resolve_isa(args.isa)}: "
+    print(f"{args.seqs} x {args.depth} cells ({args.layout}), {n_head}:{n_head_kv} heads of {args.dim}, "
+          f"{args.kv} cache, {args.layers} layers, {args.threads} threads, {kernels.resolve_isa(args.isa)}: "
           f"{min(rounds) * 1e6:.1f} us a layer best, {statistics.median(rounds) * 1e6:.1f} median")
 
 

@@ -192,7 +192,8 @@ class KVCache(Memory):
         cells = np.empty(n_tokens, dtype=np.int64)
         for i, (seq, pos) in enumerate(zip(ubatch.seq_first.tolist(), ubatch.pos.tolist())):
             tail = placed[seq] if seq in placed else self._tail_cell(state, seq, int(pos))
-            cell = tail + 1 if tail is not None and tail + 1 < self.n_cells and free[tail + 1] else self._free_block(free)
+            after = tail + 1 if tail is not None else self.n_cells
+            cell = after if after < self.n_cells and free[after] else self._free_block(free)
             if cell is None:
                 return None
             cells[i] = placed[seq] = cell
