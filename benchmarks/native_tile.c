@@ -30,15 +30,15 @@ static double clock_ghz(void) {
 static int read_weight(const char *path, nat_weight *w, uint8_t **data, size_t *nbytes) {
     FILE *f = fopen(path, "rb");
     if (!f) return -1;
-    int32_t head[5];
+    int32_t head[6];
     int64_t shape[2];
     int ok = fread(head, 4, 4, f) == 4 && fread(shape, 8, 2, f) == 2 && fread(w->table, 1, 16, f) == 16 &&
-             fread(&head[4], 4, 1, f) == 1 && fread(nbytes, 8, 1, f) == 1;
+             fread(&head[4], 4, 2, f) == 2 && fread(nbytes, 8, 1, f) == 1;
     *data = ok ? malloc(*nbytes) : NULL;
     ok = ok && *data && fread(*data, 1, *nbytes, f) == *nbytes;
     fclose(f);
     w->kind = head[0], w->n_scales = head[1], w->has_offsets = head[2], w->half_params = head[3];
-    w->n_rows = shape[0], w->n_cols = shape[1], w->factored = head[4];
+    w->n_rows = shape[0], w->n_cols = shape[1], w->factored = head[4], w->paired = head[5];
     return ok ? 0 : -1;
 }
 

@@ -2,7 +2,7 @@
 quantization around it.
 
     python3 benchmarks/native_tile.py [-m smollm2] [--tensor blk.0.ffn_gate.weight] [--copies 1,10,200]
-                                      [--rows 1,2,4,8] [--isa avx512] [-t 1]
+                                      [--rows 1,2,4,8] [--isa avx512] [-t 1] [--paired]
 
 Repacks one tensor of the model as the backend does, compiles ``benchmarks/native_tile.c`` with the kernels' sources
 and ``setup.py``'s flags (gcc), and times ``nat_qgemm_<isa>`` for each activation row count (``--rows``): the best
@@ -11,7 +11,8 @@ call, as the engine's pool does; cycles a tile are then the wall clock's over al
 that many copies of the weight one after another and cycles through them, so the weight comes from L2 (1), L3 (a few
 MB) or memory (far more than the L3). A tile is 16 weight rows by 32 columns, the unit of the AVX-512 path; cycles
 come from the core's clock as a chain of dependent adds measures it. Numbers from such runs are in the docs'
-benchmarks page, not here.
+benchmarks page, not here. ``--paired`` repacks the weight with its row groups side by side in pairs, as the
+backend does where the AVX2 path runs (``repack.pairable`` types).
 """
 from __future__ import annotations
 
@@ -49,18 +50,20 @@ def counts(text: str) -> list[int]:
     return values
 
 
-def write_weight(model: str, tensor: str, path: Path) -> repack.PackedWeight:
-    """Repack ``tensor`` of ``model`` and write the header native_tile.c reads, then the weight's bytes."""
+def write_weight(model: str, tensor: str, path: Path, paired: bool = False) -> repack.PackedWeight:
+    """Repack ``tensor`` of ``model`` (``paired``: its row groups in pairs) and write the header native_tile.c
+    reads, then the weight's bytes."""
     with open_gguf(resolve_model(model)) as gguf:
         info = gguf.tensor_info(tensor)
         if len(info.shape) != 2:
             raise SystemExit(f"native_tile: {tensor} is not a matrix (shape {info.shape})")
-        weight = repack.repack(gguf.tensor_bytes(tensor), int(info.ggml_type), info.shape)
+        weight = repack.repack(gguf.tensor_bytes(tensor), int(info.ggml_type), info.shape, paired)
     if weight.kind not in kernels.QUANTIZED_KINDS:
         raise SystemExit(f"native_tile: {tensor} ({info.ggml_type.name}) is not quantized: no quantized matmul kernel runs it")
     data = np.ascontiguousarray(weight.data).view(np.uint8)
-    head = struct.pack("<4i2q16bi", weight.kind, weight.n_scales, int(weight.has_offsets), int(weight.half_params),
-                       weight.n_rows, weight.n_cols, *(int(v) for v in weight.table), int(weight.factored))
+    head = struct.pack("<4i2q16b2i", weight.kind, weight.n_scales, int(weight.has_offsets), int(weight.half_params),
+                       weight.n_rows, weight.n_cols, *(int(v) for v in weight.table), int(weight.factored),
+                       int(weight.paired))
     path.write_bytes(head + struct.pack("<q", data.nbytes) + data.tobytes())
     return weight
 
@@ -88,6 +91,7 @@ def main() -> None:
     parser.add_argument("--rows", type=counts, default=[1, 2, 4, 8], help="activation rows of each timed call")
     parser.add_argument("--isa", choices=["avx512", "avx2"], default="avx512")
     parser.add_argument("-t", "--threads", type=int, default=1, help="threads sharing each call (1-64)")
+    parser.add_argument("--paired", action="store_true", help="the row groups side by side in pairs")
     args = parser.parse_args()
     if not 1 <= args.threads <= 64:
         raise SystemExit(f"native_tile: --threads {args.threads}: from 1 to 64")
@@ -96,7 +100,7 @@ def main() -> None:
     try:
         with tempfile.TemporaryDirectory() as tmp:
             weight_file, harness = Path(tmp) / "weight.bin", Path(tmp) / "native_tile"
-            weight = write_weight(args.model, args.tensor, weight_file)
+            weight = write_weight(args.model, args.tensor, weight_file, args.paired)
             check_sizes(weight, args.copies, args.rows)
             compile_harness(harness)
             print(f"{args.tensor} of {args.model}: {weight.n_rows} x {weight.n_cols}, {weight.data.nbytes / 1e6:.2f} MB "

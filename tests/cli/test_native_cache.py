@@ -27,14 +27,18 @@ def big_model(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("native-cache") / "big.gguf", n_ff=45056, quantized_ffn=True)
 
 
-def load_and_score(path, root):
+def load_and_score(path, root, isa="auto", paired=None):
+    """The logits of PROMPT, whether each repacked matrix was mapped from the cache, and how many were repacked;
+    paired (a dict): each matrix's layout is put in it."""
     options = {"cache": False} if root is None else {"cache_dir": str(root)}
-    with llmfw.load_model(path, backend="native", backend_options={"native": options}) as model:
+    with llmfw.load_model(path, backend="native", backend_options={"native": {**options, "isa": isa}}) as model:
         backend = model.backends["native"]
         # per repacked matrix: a tied head shares its embedding's one copy, so it is counted once
         matrices = {id(handle): (name, handle) for name, handle in reversed(backend.weights.items())
                     if hasattr(handle, "packed")}
         mapped = {name: is_mapped(handle.packed.data) for name, handle in matrices.values()}
+        if paired is not None:
+            paired.update({name: handle.packed.paired for name, handle in matrices.values()})
         ctx = model.new_context(n_ctx=32)
         assert ctx.decode(llmfw.Batch(tokens=PROMPT, logits=True)) == 0, ctx.last_error
         logits = np.array(ctx.get_logits())
@@ -141,6 +145,26 @@ def test_a_stored_weight_of_another_shape_is_repacked_again(big_model, tmp_path,
     assert converted == 1
     np.testing.assert_array_equal(logits, fresh_logits)
     assert load_and_score(big_model, root)[2] == 0
+
+
+def test_the_avx2_path_pairs_row_groups_and_an_entry_of_the_other_layout_is_repacked(tmp_path):
+    """The AVX2 path takes Q4_1 matrices with their row groups in pairs (repack.pairable), the portable path
+    apart: an entry written by one is repacked again for the other (the same logits from both), then mapped."""
+    if "avx2" not in kernels_or_skip().available_isas():
+        pytest.skip("this CPU has no AVX2 path")
+    model = write_tiny_model(tmp_path / "q4_1.gguf", n_ff=90112, quantized_ffn=True, ffn_type="Q4_1")
+    fresh_logits = load_and_score(model, None, "scalar")[0]
+    root = tmp_path / "cache"
+    layouts = {}
+    logits, _, converted = load_and_score(model, root, "avx2", layouts)
+    ffn = {name for name in layouts if "ffn" in name}
+    assert ffn and all(layouts[name] for name in ffn) and not any(layouts[n] for n in set(layouts) - ffn)
+    np.testing.assert_array_equal(logits, fresh_logits)
+    logits, _, converted = load_and_score(model, root, "scalar", layouts)
+    assert converted == len(ffn) and not any(layouts.values())  # the fused up+gate matrices stacked again too
+    np.testing.assert_array_equal(logits, fresh_logits)
+    _, mapped, converted = load_and_score(model, root, "scalar")
+    assert converted == 0 and all(mapped.values())
 
 
 def test_a_first_load_adds_no_more_memory_than_a_cached_one(tmp_path):

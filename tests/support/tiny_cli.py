@@ -13,9 +13,9 @@ PIECES = ["▁hello", "▁world", "hello", "world", "▁", "▁▁"]
 
 
 def write_tiny_model(path, *, chat_template: str | None = None, n_ff: int = 64, quantized_ffn: bool = False,
-                     architecture: str = "llama"):
+                     architecture: str = "llama", ffn_type: str = "Q8_0"):
     """A 2-layer llama with a byte-fallback SPM vocabulary (``<0x0A>`` is a newline piece): fast to write and to
-    load, enough for every command. ``quantized_ffn``: the FFN matrices in Q8_0 (a backend converts them)."""
+    load, enough for every command. ``quantized_ffn``: the FFN matrices in ``ffn_type`` (a backend converts them)."""
     from llmfw.core.quants import GGMLType, quantize
 
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + PIECES
@@ -53,7 +53,7 @@ def write_tiny_model(path, *, chat_template: str | None = None, n_ff: int = 64, 
         for name, shape in shapes.items():
             values = (rng.standard_normal(shape) * 0.1).astype(np.float32)
             if quantized_ffn and ".ffn_" in name and len(shape) == 2:
-                w.add_tensor(name, quantize(values, GGMLType.Q8_0), GGMLType.Q8_0, shape=shape[::-1])
+                w.add_tensor(name, quantize(values, GGMLType[ffn_type]), GGMLType[ffn_type], shape=shape[::-1])
             else:
                 w.add_tensor(name, values)
     return path

@@ -25,11 +25,28 @@ def pools():
         pool.close()
 
 
+def unpaired_groups(packed: rp.PackedWeight) -> np.ndarray:
+    """[group][bytes] of a repacked weight as they lie unpaired: a paired weight's pairs (csrc/native.h: block b of
+    the first group, block b of the second, ..., then the first's multipliers and the second's) taken apart."""
+    nb, n_groups = packed.n_cols // rp.BLOCK, -(-packed.n_rows // rp.ROWS)
+    groups = packed.data.reshape(n_groups, -1)
+    if not packed.paired:
+        return groups
+    bb = rp.block_bytes(packed.kind, packed.n_scales, packed.has_offsets, packed.half_params, packed.factored)
+    n_pairs = n_groups // 2
+    pairs = groups[:2 * n_pairs].reshape(n_pairs, -1)
+    blocks = pairs[:, :2 * nb * bb].reshape(n_pairs, nb, 2, bb).transpose(0, 2, 1, 3).reshape(n_pairs, 2, nb * bb)
+    mults = pairs[:, 2 * nb * bb:].reshape(n_pairs, 2, -1)
+    apart = groups.copy()
+    apart[:2 * n_pairs] = np.concatenate([blocks, mults], axis=2).reshape(2 * n_pairs, -1)
+    return apart
+
+
 def unpack_values(packed: rp.PackedWeight) -> np.ndarray:
     """The values the kernels multiply with, read back from the repacked layout in numpy: scale*code + offset."""
     nb, n_groups = packed.n_cols // rp.BLOCK, -(-packed.n_rows // rp.ROWS)
     cb = rp.code_bytes(packed.kind)
-    groups = packed.data.reshape(n_groups, -1)
+    groups = unpaired_groups(packed)
     n_par = 1 + packed.has_offsets
     mult_bytes = rp.group_mult_bytes(packed.n_cols, packed.has_offsets, packed.factored)
     blocks = groups[:, :groups.shape[1] - mult_bytes].reshape(n_groups, nb, -1)
@@ -71,14 +88,33 @@ def activation_bound(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return (amax / 254.0) @ wsum.T * 1.001 + magnitude * 1e-5 + 1e-30
 
 
+@pytest.mark.parametrize("paired", (False, True), ids=("apart", "paired"))
 @pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda t: t.name)
-def test_repacking_keeps_every_value_bit_exact(qtype):
+def test_repacking_keeps_every_value_bit_exact(qtype, paired):
+    """21 rows: three row groups, so a paired weight holds one pair and a last group alone."""
     rng = np.random.default_rng(int(qtype))
     n_blocks = 2 if TYPE_INFO[qtype].block_size == 256 else 5
     raw = random_blocks(qtype, 21, n_blocks, rng)
     ne = (n_blocks * TYPE_INFO[qtype].block_size, 21)
-    packed = rp.repack(raw, qtype, ne)
+    packed = rp.repack(raw, qtype, ne, paired)
+    assert packed.paired == paired
     np.testing.assert_array_equal(unpack_values(packed), dequantize(raw, qtype, ne))
+
+
+def test_pairing_moves_the_bytes_of_whole_pairs_only():
+    """The paired layout is a permutation of the unpaired one within each pair of groups: the same bytes in all."""
+    rng = np.random.default_rng(12)
+    raw = random_blocks(GGMLType.Q4_K, 37, 2, rng)
+    apart, paired = (rp.repack(raw, GGMLType.Q4_K, (512, 37), p) for p in (False, True))
+    assert paired.nbytes == apart.nbytes
+    np.testing.assert_array_equal(unpaired_groups(paired), apart.data.reshape(5, -1))
+    group = apart.nbytes // 5
+    np.testing.assert_array_equal(paired.data[4 * group:], apart.data[4 * group:])  # the fifth group stays alone
+    assert not np.array_equal(paired.data[:4 * group], apart.data[:4 * group])
+
+
+def test_the_avx2_path_pairs_the_groups_of_4_bit_indices_under_one_f16_scale():
+    assert {t for t in BLOCK_TYPES if rp.pairable(t)} == {GGMLType.Q4_0, GGMLType.Q4_1}
 
 
 #: the block types whose scales (and offsets) are one f16 per 32 values in the file
@@ -121,9 +157,10 @@ def test_mxfp4_subnormal_and_largest_exponents_repack_bit_exact():
     np.testing.assert_array_equal(unpack_values(rp.repack(raw, GGMLType.MXFP4, (96, 19))), expected)
 
 
+@pytest.mark.parametrize("paired", (False, True), ids=("apart", "paired"))
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda t: t.name)
-def test_quantized_matmul_within_the_activation_rounding_bound(qtype, isa, pools):
+def test_quantized_matmul_within_the_activation_rounding_bound(qtype, isa, paired, pools):
     rng = np.random.default_rng(100 + int(qtype))
     n_rows, n_blocks = 37, 3 if TYPE_INFO[qtype].block_size == 32 else 2  # a partial row group, odd block counts
     k = n_blocks * TYPE_INFO[qtype].block_size
@@ -131,7 +168,7 @@ def test_quantized_matmul_within_the_activation_rounding_bound(qtype, isa, pools
     w = dequantize(raw, qtype, (k, n_rows)).astype(np.float64)
     # 7 rows: one tile of each size the x86 paths use (4, 2, 1)
     x = (rng.standard_normal((7, k)) * rng.uniform(0.1, 10, (7, 1))).astype(np.float32)
-    got = kernels.mul_mat(rp.repack(raw, qtype, (k, n_rows)), x, pools[2], isa)
+    got = kernels.mul_mat(rp.repack(raw, qtype, (k, n_rows), paired), x, pools[2], isa)
     err = np.abs(got - x.astype(np.float64) @ w.T)
     assert (err <= activation_bound(x, w)).all(), float(err.max())
 
@@ -174,9 +211,10 @@ def test_nan_and_inf_blocks_give_non_finite_results_where_the_oracle_does(qtype,
     assert np.isfinite(got).sum() == 2 * (n_rows - 2)  # rows 0 and 2 of x, minus the two bad weight rows
 
 
+@pytest.mark.parametrize("paired", (False, True), ids=("apart", "paired"))
 @pytest.mark.parametrize("m", (1, 7))  # 7: a tile of each size the x86 paths use (4, 2, 1)
 @pytest.mark.parametrize("qtype", BLOCK_TYPES + FLOAT_TYPES, ids=lambda t: t.name)
-def test_every_isa_path_gives_the_same_bits(qtype, m, pools):
+def test_every_isa_path_gives_the_same_bits(qtype, m, paired, pools):
     """By construction (csrc/native.h: one order of float operations, the same explicit fused multiply-adds and no
     others): scalar, AVX2 and AVX-512 differ in instructions, not in results. One thread takes every row group in one
     call (AVX-512 pairs them: 6 groups, the last pair's second group partial; 7 groups, one left alone); 2 threads
@@ -184,23 +222,41 @@ def test_every_isa_path_gives_the_same_bits(qtype, m, pools):
     rng = np.random.default_rng(500 + int(qtype))
     for n_rows in (45, 53):
         raw, ne = _weight(qtype, rng, n_rows)
-        packed = rp.repack(raw, qtype, ne)
+        packed = rp.repack(raw, qtype, ne, paired)
         x = rng.standard_normal((m, ne[0])).astype(np.float32)
         for n_threads in (1, 2):
             _assert_every_isa_gives_the_same_bits(packed, x, pools[n_threads], (n_rows, n_threads))
 
 
+@pytest.mark.parametrize("paired", (False, True), ids=("apart", "paired"))
 @pytest.mark.parametrize("k", (256, 2048))
 @pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda t: t.name)
-def test_four_row_tiles_give_the_same_bits_with_short_and_long_rows(qtype, k, pools):
+def test_four_row_tiles_give_the_same_bits_with_short_and_long_rows(qtype, k, paired, pools):
     """Four rows, one tile of them, over short rows and long ones (many blocks a row: each block's integer sums
     start again, and the prefetches run on past the row group into the next): the scalar path's bits."""
     rng = np.random.default_rng(700 + int(qtype) + k)
     n_blocks = k // TYPE_INFO[qtype].block_size
     raw = random_blocks(qtype, 21, n_blocks, rng)
-    packed = rp.repack(raw, qtype, (k, 21))
+    packed = rp.repack(raw, qtype, (k, 21), paired)
     x = rng.standard_normal((4, k)).astype(np.float32)
     _assert_every_isa_gives_the_same_bits(packed, x, pools[2], k)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda t: t.name)
+def test_paired_groups_give_the_bits_of_groups_apart(qtype, isa, pools):
+    """Pairing is a layout, not arithmetic: every tile the paths run on a paired weight (two groups at a time from
+    one stream, where they do) gives the bits the groups apart give, for decode-sized calls and prompt-sized ones,
+    with a last group alone (45 rows) and without (48)."""
+    rng = np.random.default_rng(1100 + int(qtype))
+    for n_rows in (45, 48):
+        raw, ne = _weight(qtype, rng, n_rows)
+        apart, paired = (rp.repack(raw, qtype, ne, p) for p in (False, True))
+        for m in (1, 2, 4, 7):
+            x = rng.standard_normal((m, ne[0])).astype(np.float32)
+            for n_threads in (1, 2):
+                want = kernels.mul_mat(apart, x, pools[n_threads], isa)
+                assert np.array_equal(kernels.mul_mat(paired, x, pools[n_threads], isa), want), (n_rows, m, n_threads)
 
 
 def _assert_every_isa_gives_the_same_bits(packed, x: np.ndarray, pool, context: object) -> None:
@@ -209,12 +265,13 @@ def _assert_every_isa_gives_the_same_bits(packed, x: np.ndarray, pool, context: 
         assert np.array_equal(result, results[0]), (isa, context)
 
 
+@pytest.mark.parametrize("paired", (False, True), ids=("apart", "paired"))
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("qtype", (GGMLType.Q4_1, GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.F16), ids=lambda t: t.name)
-def test_a_row_is_bit_identical_alone_and_inside_any_batch_and_thread_split(qtype, isa, pools):
+def test_a_row_is_bit_identical_alone_and_inside_any_batch_and_thread_split(qtype, isa, paired, pools):
     rng = np.random.default_rng(900 + int(qtype))
     raw, ne = _weight(qtype, rng)
-    packed = rp.repack(raw, qtype, ne)
+    packed = rp.repack(raw, qtype, ne, paired)
     row = rng.standard_normal((1, ne[0])).astype(np.float32)
     alone = kernels.mul_mat(packed, row, pools[1], isa)
     for batch, place in ((2, 1), (3, 0), (8, 5), (17, 16)):

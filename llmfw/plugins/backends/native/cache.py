@@ -12,7 +12,7 @@ from llmfw.core.exec.weight_cache import ConvertedCache
 from llmfw.plugins.backends.native.repack import PackedWeight, checked
 
 #: bumped whenever the repacked layout changes, so that entries written by older code are rebuilt
-CACHE_FORMAT = 5
+CACHE_FORMAT = 6
 
 
 class NativeCache(ConvertedCache[PackedWeight]):
@@ -33,13 +33,13 @@ class NativeCache(ConvertedCache[PackedWeight]):
     def meta_of(weight: PackedWeight) -> dict[str, Any]:
         return {"kind": weight.kind, "n_rows": weight.n_rows, "n_cols": weight.n_cols, "n_scales": weight.n_scales,
                 "has_offsets": weight.has_offsets, "ggml_type": weight.ggml_type, "half_params": weight.half_params,
-                "factored": weight.factored}
+                "factored": weight.factored, "paired": weight.paired}
 
     @staticmethod
     def weight_of(meta: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> PackedWeight:
         fields = {name: int(meta[name]) for name in ("kind", "n_rows", "n_cols", "n_scales", "ggml_type")}
         weight = PackedWeight(has_offsets=bool(meta["has_offsets"]), half_params=bool(meta["half_params"]),
-                              factored=bool(meta["factored"]),
+                              factored=bool(meta["factored"]), paired=bool(meta["paired"]),
                               table=arrays["table"], data=arrays["data"], **fields)
         try:
             return checked(weight)

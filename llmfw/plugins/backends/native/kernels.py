@@ -18,7 +18,7 @@ from llmfw.core.errors import BackendUnavailable, ConfigError, LLMFWError
 from llmfw.plugins.backends.native.repack import BLOCK, QUANTIZED_KINDS, PackedWeight
 
 EXTENSION = "llmfw.plugins.backends.native._native"
-ABI_VERSION = 13
+ABI_VERSION = 14
 #: the path of a build of the extension to load instead of the installed one (the sanitizer run,
 #: benchmarks/native_sanitizers.sh)
 LIBRARY_VARIABLE = "LLMFW_NATIVE_LIBRARY"
@@ -36,7 +36,8 @@ class NatWeight(ctypes.Structure):
 
     _fields_ = [("kind", ctypes.c_int32), ("n_scales", ctypes.c_int32), ("has_offsets", ctypes.c_int32),
                 ("half_params", ctypes.c_int32), ("n_rows", ctypes.c_int64), ("n_cols", ctypes.c_int64),
-                ("data", ctypes.c_void_p), ("table", ctypes.c_int8 * 16), ("factored", ctypes.c_int32)]
+                ("data", ctypes.c_void_p), ("table", ctypes.c_int8 * 16), ("factored", ctypes.c_int32),
+                ("paired", ctypes.c_int32)]
 
 
 class NativeError(LLMFWError):
@@ -139,7 +140,7 @@ def c_weight(weight: PackedWeight) -> NatWeight:
     """The ``nat_weight`` describing ``weight`` (which must outlive it: it points into ``weight.data``)."""
     table = (ctypes.c_int8 * 16)(*(int(v) for v in weight.table))
     return NatWeight(weight.kind, weight.n_scales, int(weight.has_offsets), int(weight.half_params), weight.n_rows,
-                     weight.n_cols, weight.data.ctypes.data, table, int(weight.factored))
+                     weight.n_cols, weight.data.ctypes.data, table, int(weight.factored), int(weight.paired))
 
 
 def mul_mat(weight: PackedWeight, x: np.ndarray, pool: ThreadPool, isa: str,

@@ -5,7 +5,8 @@ The K-quants and IQ4_XS keep their scales factored as the file has them: an inte
 sub-block times a multiplier per 256 elements (the super-block's f16 ``d``, or ``-dmin`` for a minimum), whose
 product the kernels form in float32, exactly.
 Rows are interleaved in groups of 8, four codes of each row at a time (csrc/native.h), so one 32-byte vector of
-codes times one broadcast activation word gives the eight rows' partial sums in eight lanes."""
+codes times one broadcast activation word gives the eight rows' partial sums in eight lanes. A paired weight lays
+groups side by side in pairs, taking turns block by block, for the kernels that multiply two groups at a time."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -27,7 +28,8 @@ KIND_QNIB, KIND_QBYTE, KIND_F32, KIND_F16, KIND_BF16, KIND_QNIB5 = range(6)
 #: the kinds of quantized codes (the others are float rows)
 QUANTIZED_KINDS = frozenset({KIND_QNIB, KIND_QBYTE, KIND_QNIB5})
 FLOAT_KINDS = {GGMLType.F32: KIND_F32, GGMLType.F16: KIND_F16, GGMLType.BF16: KIND_BF16}
-#: rows decoded per step while repacking: bounds the temporaries of a large table (Gemma-3's 262144-row head)
+#: rows decoded per step while repacking: bounds the temporaries of a large table (Gemma-3's 262144-row head);
+#: whole pairs of row groups (16 rows), so a paired weight's pairs lie within one step
 _CHUNK_ROWS = 4096
 
 _IDENTITY = np.arange(16, dtype=np.int8)
@@ -206,6 +208,8 @@ class PackedWeight:
     half_params: bool = False
     #: scales and offsets stored as int8 factors, each row group's multipliers after its blocks (Layout.factored)
     factored: bool = False
+    #: row groups side by side in pairs, block by block (csrc/native.h: nat_weight.paired)
+    paired: bool = False
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -264,8 +268,20 @@ def checked(weight: PackedWeight) -> PackedWeight:
     return weight
 
 
-def repack(raw: np.ndarray, ggml_type: int, ne: tuple[int, ...]) -> PackedWeight:
-    """The kernels' form of a 2-D weight of ggml shape ``ne`` (QuantError for a type or shape they do not take)."""
+def pairable(ggml_type: int) -> bool:
+    """Whether a ``ggml_type`` weight is laid out with its row groups in pairs where the AVX2 kernels run: those
+    that multiply two groups at a time from one stream in every call (csrc/kernels_x86.c: ``avx2_pairs``), 4-bit
+    indices into a linear table under one f16 scale per block (Q4_0, Q4_1). Q4_K takes that tile too, but with its
+    factored parameters the paired stream made four rows slower; Q8_0 gained nothing paired (docs/benchmarks.md)."""
+    layout = LAYOUTS.get(GGMLType(ggml_type))
+    if layout is None or layout.kind != KIND_QNIB or layout.n_scales != 1 or not layout.half_params:
+        return False
+    return bool((layout.table.astype(np.int16) - int(layout.table[0]) == np.arange(16)).all())
+
+
+def repack(raw: np.ndarray, ggml_type: int, ne: tuple[int, ...], paired: bool = False) -> PackedWeight:
+    """The kernels' form of a 2-D weight of ggml shape ``ne`` (QuantError for a type or shape they do not take);
+    ``paired``: its row groups side by side in pairs (float weights have no groups and ignore it)."""
     blocks = block_view(raw, ggml_type, ne)  # validates the type, the shape and the byte length
     qtype = GGMLType(ggml_type)
     if qtype not in SUPPORTED_TYPES:
@@ -289,15 +305,16 @@ def repack(raw: np.ndarray, ggml_type: int, ne: tuple[int, ...]) -> PackedWeight
         with np.errstate(invalid="ignore", over="ignore"):  # NaN/inf scales stay NaN/inf, as in the oracle
             codes = layout.decode(per_row[start:stop])
         drop_mapped_pages(per_row[start:stop])  # read: a mapped file's pages need not stay resident
-        _place(out, start, codes, layout, nb)
+        _place(out, start, codes, layout, nb, paired)
     return PackedWeight(layout.kind, n_rows, n_cols, layout.n_scales, layout.has_offsets,
                         np.ascontiguousarray(layout.table, dtype=np.int8), out.reshape(-1), int(qtype),
-                        layout.half_params, layout.factored)
+                        layout.half_params, layout.factored, paired)
 
 
-def _place(out: np.ndarray, start: int, codes: Codes, layout: Layout, nb: int) -> None:
-    """Write the decoded rows ``start..`` (a multiple of 8) into their row groups of ``out`` ([group][bytes]: the
-    group's blocks, then a factored layout's multipliers)."""
+def _place(out: np.ndarray, start: int, codes: Codes, layout: Layout, nb: int, paired: bool) -> None:
+    """Write the decoded rows ``start..`` (a multiple of 16) into their row groups of ``out`` ([group][bytes]: the
+    group's blocks, then a factored layout's multipliers; ``paired``: each pair's blocks taking turns, then the
+    two groups' multipliers)."""
     rows = codes.codes.shape[0]
     padded = (rows + ROWS - 1) // ROWS * ROWS
     code_bytes = _code_bytes(codes.codes, layout.kind, nb)  # (rows, nb, cb)
@@ -327,11 +344,24 @@ def _place(out: np.ndarray, start: int, codes: Codes, layout: Layout, nb: int) -
         blocks[:, :, at:at + width] = np.ascontiguousarray(arranged, dtype=stored).view(
             np.uint8).reshape(groups, nb, width)
         at += width
-    out[g0:g0 + groups, :nb * bb] = blocks.reshape(groups, nb * bb)
+    region = out[g0:g0 + groups]
+    region[:, :nb * bb] = blocks.reshape(groups, nb * bb)
     if mults is not None:  # (padded, n_super, n_par) -> [group][super-block][scale, offset][row]
         arranged = mults.reshape(groups, ROWS, mults.shape[1], mults.shape[2]).transpose(0, 2, 3, 1)
-        out[g0:g0 + groups, nb * bb:] = np.ascontiguousarray(arranged, dtype=np.float32).view(np.uint8).reshape(
-            groups, -1)
+        region[:, nb * bb:] = np.ascontiguousarray(arranged, dtype=np.float32).view(np.uint8).reshape(groups, -1)
+    if paired:
+        _pair_groups(region[:groups // 2 * 2], nb, bb)  # a last group without a partner stays as it is
+
+
+def _pair_groups(groups: np.ndarray, nb: int, bb: int) -> None:
+    """Rearrange whole pairs of unpaired groups ([group][blocks, multipliers]) in place into the paired layout:
+    [pair][block][group of the two][bb], then the first group's multipliers and the second's."""
+    pairs = groups.reshape(groups.shape[0] // 2, 2, groups.shape[1])
+    blocks = pairs[:, :, :nb * bb].reshape(pairs.shape[0], 2, nb, bb).transpose(0, 2, 1, 3).copy()
+    mults = pairs[:, :, nb * bb:].copy()
+    flat = groups.reshape(pairs.shape[0], -1)
+    flat[:, :2 * nb * bb] = blocks.reshape(pairs.shape[0], -1)
+    flat[:, 2 * nb * bb:] = mults.reshape(pairs.shape[0], -1)
 
 
 def _code_bytes(codes: np.ndarray, kind: int, nb: int) -> np.ndarray:

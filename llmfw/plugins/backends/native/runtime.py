@@ -27,7 +27,8 @@ from llmfw.plugins.backends.native.compiler import (NativeCompiler as NativeComp
 from llmfw.plugins.backends.native.cache import NativeCache
 from llmfw.plugins.backends.native.experts import (EXPERT_OPS, NativeExperts, native_experts, packed_expert_shape,
                                                   repack_experts)
-from llmfw.plugins.backends.native.repack import ROWS, SUPPORTED_TYPES, PackedWeight, repack
+from llmfw.plugins.backends.native.repack import (QUANTIZED_KINDS, ROWS, SUPPORTED_TYPES, PackedWeight, pairable,
+                                                  repack)
 from llmfw.plugins.backends.numpy.kernels import F32, NumpyKV
 from llmfw.plugins.backends.numpy.runtime import SWIGLU
 from llmfw.plugins.backends.numpy.weights import NumpyWeights
@@ -140,19 +141,27 @@ class NativeBackend(NumpyWeights):
         self._packed_by_source.clear()
         self._load = None
 
+    def _pairs_groups(self, ggml_type: int) -> bool:
+        """Whether a matrix of ``ggml_type`` is repacked with its row groups in pairs: where the AVX2 path runs, which
+        then multiplies two groups at a time from one stream (the AVX-512 path, measured with groups apart, keeps
+        them apart)."""
+        return self.isa == "avx2" and pairable(ggml_type)
+
     def _repacked(self, source: WeightSource) -> PackedWeight:
         experts = len(source.ne) == 3
+        paired = not experts and self._pairs_groups(source.ggml_type)
 
         def convert(s: WeightSource) -> PackedWeight:
-            return (repack_experts if experts else repack)(s.raw, s.ggml_type, s.ne)
+            return repack_experts(s.raw, s.ggml_type, s.ne) if experts else repack(s.raw, s.ggml_type, s.ne, paired)
 
         if self._load is None:
             return convert(source)
         packed = self._load.load(source, convert)
-        # a stored weight was checked against its own description; this checks that against the tensor
+        # a stored weight was checked against its own description; this checks that against the tensor (and its
+        # layout against the one this path takes: an entry written where another ISA ran is rebuilt)
         expected = packed_expert_shape(source.ggml_type, source.ne) if experts else \
             (int(np.prod(source.ne[1:], dtype=np.int64)), int(source.ne[0]))
-        if packed.shape == expected:
+        if packed.shape == expected and packed.paired == (paired and packed.kind in QUANTIZED_KINDS):
             return packed
         self._load.converted += 1  # so that the entry is rewritten
         return convert(source)
@@ -177,10 +186,10 @@ class NativeBackend(NumpyWeights):
         if not isinstance(handle, NativeMatrix):
             return None
         packed = handle.packed
-        if packed.n_rows % ROWS:
-            return None  # row groups of a part must be whole to be stacked
+        if packed.n_rows % (2 * ROWS if packed.paired else ROWS):
+            return None  # row groups (pairs of them) of a part must be whole to be stacked
         return (packed.kind, packed.n_scales, packed.has_offsets, packed.half_params, packed.factored,
-                packed.table.tobytes(), packed.n_cols)
+                packed.paired, packed.table.tobytes(), packed.n_cols)
 
     def fuse_weights(self, name: str, parts: tuple[str, ...]) -> bool:
         members = [self.weights.get(n) for n in parts]
@@ -194,6 +203,10 @@ class NativeBackend(NumpyWeights):
             return replace(packed[0], n_rows=sum(p.n_rows for p in packed), data=np.concatenate([p.data for p in packed]))
 
         fused = fuse() if self._load is None else self._load.fused(name, parts, fuse)
+        if fused.paired != packed[0].paired:  # stored for the other layout (its parts were repacked again)
+            assert self._load is not None
+            self._load.converted += 1
+            fused = fuse()
         data = fused.data
         start = 0
         for part_name, part in zip(parts, packed):

@@ -141,7 +141,7 @@ static void widen_param_row(const nat_weight *w, const uint8_t *row, const float
 }
 
 nat_params nat_block_params(const nat_weight *w, int64_t g, int64_t b, float *store) {
-    nat_param_rows rows = nat_block_param_rows(w, nat_group_at(w, g) + (size_t)b * nat_block_bytes(w));
+    nat_param_rows rows = nat_block_param_rows(w, nat_block_at(w, g, b));
     const uint8_t *stored[4] = {rows.s0, rows.s1, rows.o0, rows.o1};
     const float *mults = w->factored ? nat_block_mults(w, g, b) : NULL;
     const float *widened[4] = {NULL, NULL, NULL, NULL};
@@ -156,13 +156,11 @@ nat_params nat_block_params(const nat_weight *w, int64_t g, int64_t b, float *st
 
 void nat_qgemm_scalar(const nat_weight *w, const nat_qact *a, int64_t m, float *y, int64_t g0, int64_t g1) {
     int64_t nb = w->n_cols / NAT_BLOCK, n = w->n_rows;
-    size_t bb = nat_block_bytes(w);
     for (int64_t g = g0; g < g1; g++) {
-        const uint8_t *group = nat_group_at(w, g);
         for (int64_t i = 0; i < m; i++) {
             float acc[NAT_ROWS] = {0};
             for (int64_t b = 0; b < nb; b++) {
-                const uint8_t *blk = group + b * bb;
+                const uint8_t *blk = nat_block_at(w, g, b);
                 float store[4 * NAT_ROWS];
                 nat_params p = nat_block_params(w, g, b, store);
                 const int8_t *aq = a->q + i * w->n_cols + b * NAT_BLOCK;

@@ -226,12 +226,12 @@ INLINE nat_weight with_constant_layout(const nat_weight *w, int form, int pars) 
     ATTR INLINE void NAME##_tile(const nat_weight *w, const nat_qact *a, const code_plan *plan, int form,           \
                                  int pars, int rows, int64_t i0, int64_t g, float *y) {                             \
         int64_t nb = w->n_cols / NAT_BLOCK;                                                                        \
-        size_t bb = nat_block_bytes(w);                                                                            \
-        const uint8_t *group = nat_group_at(w, g);                                                                 \
+        size_t bb = nat_block_bytes(w), stride = nat_block_stride(w, g);                                           \
+        const uint8_t *group = nat_block_at(w, g, 0);                                                              \
         __m256 acc[M_TILE];                                                                                        \
         for (int t = 0; t < rows; t++) acc[t] = _mm256_setzero_ps();                                               \
         for (int64_t b = 0; b < nb; b++) {                                                                         \
-            const uint8_t *blk = group + b * bb;                                                                   \
+            const uint8_t *blk = group + b * stride;                                                               \
             prefetch_ahead(blk, bb, PREFETCH_BYTES, plan->stream_once);                                            \
             __m256i chunk[8], signs[8];                                                                            \
             load_chunks(blk, form, HIGH16(form), chunk);                                                           \
@@ -351,8 +351,8 @@ TARGET INLINE void avx2_chunk_pair(const uint8_t *blk, int form, __m256i table, 
 TARGET INLINE void avx2_tile(const nat_weight *w, const nat_qact *a, const code_plan *plan, int form, int pars,
                              int rows, int64_t i0, int64_t g, float *y) {
     int64_t nb = w->n_cols / NAT_BLOCK;
-    size_t bb = nat_block_bytes(w);
-    const uint8_t *group = nat_group_at(w, g);
+    size_t bb = nat_block_bytes(w), stride = nat_block_stride(w, g);
+    const uint8_t *group = nat_block_at(w, g, 0);
     int one_scale = (pars & PAR_ONE_SCALE) != 0;
     int five_one = FIVE_BIT(form) && one_scale;  /* 5-bit indices under one scale: two chunk pairs a step */
     int sum16 = INDEXED(form) && !five_one;       /* sums kept in 16 bits until the block's end */
@@ -360,7 +360,7 @@ TARGET INLINE void avx2_tile(const nat_weight *w, const nat_qact *a, const code_
     __m256 acc[M_TILE];
     for (int t = 0; t < rows; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = group + b * bb;
+        const uint8_t *blk = group + b * stride;
         prefetch_ahead(blk, bb, PREFETCH_BYTES, plan->stream_once);
         const int8_t *aq = a->q + i0 * w->n_cols + b * NAT_BLOCK;
         __m256i sum[M_TILE][2];
@@ -431,19 +431,25 @@ TARGET INLINE void avx2_tile(const nat_weight *w, const nat_qact *a, const code_
  * one of the two vector loads a cycle, and the one-group tile of several activation rows issued a broadcast for
  * every vpmaddubsw: its loads bound it as much as its vector instructions did. The float sums wait in memory between
  * blocks (eight of them in registers as well would spill the 16-bit sums); a step's codes are loaded again for the
- * block's second half instead of held. A row's lanes do exactly what the one-group tile's do: the same bits. */
+ * block's second half instead of held. A row's lanes do exactly what the one-group tile's do: the same bits.
+ * Paired weights (native.h) give the two groups' blocks one after the other: one stream, fetched ahead as it lies
+ * (on into the next pair); otherwise each group's blocks are fetched ahead in their own group. */
 TARGET INLINE void avx2_pair_tile(const nat_weight *w, const nat_qact *a, const code_plan *plan, int form, int pars,
                                   int rows, int64_t i0, int64_t g, float *y) {
     int64_t nb = w->n_cols / NAT_BLOCK;
-    size_t bb = nat_block_bytes(w);
-    const uint8_t *groups[2] = {nat_group_at(w, g), nat_group_at(w, g + 1)};
+    size_t bb = nat_block_bytes(w), stride[2] = {nat_block_stride(w, g), nat_block_stride(w, g + 1)};
+    const uint8_t *groups[2] = {nat_block_at(w, g, 0), nat_block_at(w, g + 1, 0)};
+    int one_stream = nat_in_pair(w, g) && !(g & 1);  /* the two groups take turns */
     __m256i low4 = _mm256_set1_epi8(15);
     float acc[M_TILE][2][NAT_ROWS] __attribute__((aligned(32)));
     for (int t = 0; t < rows; t++)
         for (int k = 0; k < 2; k++) _mm256_store_ps(acc[t][k], _mm256_setzero_ps());
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk[2] = {groups[0] + b * bb, groups[1] + b * bb};
-        for (int k = 0; k < 2; k++) prefetch_ahead(blk[k], bb, PREFETCH_BYTES, plan->stream_once);
+        const uint8_t *blk[2] = {groups[0] + b * stride[0], groups[1] + b * stride[1]};
+        if (one_stream)
+            prefetch_ahead(blk[0], 2 * bb, PREFETCH_BYTES, plan->stream_once);
+        else
+            for (int k = 0; k < 2; k++) prefetch_ahead(blk[k], bb, PREFETCH_BYTES, plan->stream_once);
         const int8_t *aq = a->q + i0 * w->n_cols + b * NAT_BLOCK;
         __m256i sum[M_TILE][2];
         for (int t = 0; t < rows; t++) sum[t][0] = sum[t][1] = _mm256_setzero_si256();
@@ -483,13 +489,14 @@ TARGET INLINE void avx2_pair_tile(const nat_weight *w, const nat_qact *a, const 
         for (int k = 0; k < 2; k++) store_rows(y, w->n_rows, i0 + t, g + k, _mm256_load_ps(acc[t][k]));
 }
 
-/* groups g and g + 1 together (all m rows) where avx2_pair_tile serves: 4-bit indices under one scale, and more
- * activation rows than one tile (a prompt, a large batch), whose tiles run over each group's blocks from L1 and L2.
- * A call of at most M_TILE rows streams its weight from memory once, and there (Zen 3, a decode step of four
- * sequences) the two groups' interleaved streams were no faster than one group's. */
+/* groups g and g + 1 together (all m rows) where avx2_pair_tile serves: 4-bit indices under one scale. Paired
+ * weights (one stream; repack.pairable: those with f16 parameters) take it for every call. Unpaired ones only for
+ * more activation rows than one tile (a prompt, a large batch), whose tiles run over each group's blocks from L1
+ * and L2: streaming from memory (Zen 3, a decode step), two groups' separate streams were slower than one group's. */
 TARGET INLINE int avx2_pairs(const nat_weight *w, const nat_qact *a, const code_plan *plan, int form, int pars,
                              int64_t m, float *y, int64_t g) {
-    if (m <= M_TILE || !INDEXED(form) || FIVE_BIT(form) || !(pars & PAR_ONE_SCALE)) return 0;
+    if (!INDEXED(form) || FIVE_BIT(form) || !(pars & PAR_ONE_SCALE)) return 0;
+    if (m <= M_TILE && !nat_in_pair(w, g)) return 0;
     RUN_TILES(avx2_pair_tile, w, a, plan, form, pars, m, g, y);
     return 1;
 }
@@ -648,7 +655,8 @@ TARGET512 INLINE void pair_factored_params(nat_param_rows p0, nat_param_rows p1,
  * past it, the first stream's address lands in the second group just ahead of where that one reads (ffn_down's
  * long rows, a group a little shorter than the distance), and the second stream's blocks arrive late. So each
  * stream fetches the block a number of blocks on in the pairs' own order: further along its group, or at that
- * place in the corresponding group of a following pair. */
+ * place in the corresponding group of a following pair. The cursor steps over groups as they lie apart: the backend
+ * keeps them so where this path runs (a paired weight's prefetches land elsewhere in it, and never fault). */
 typedef struct {
     const uint8_t *group;  /* the first group of the pair the cursor is in */
     int64_t block;         /* its block in that pair */
@@ -684,13 +692,14 @@ TARGET512 INLINE void pair_tile(const nat_weight *w, const nat_qact *a, const co
                                 int rows, int64_t i0, int64_t g, float *y) {
     int64_t nb = w->n_cols / NAT_BLOCK;
     size_t bb = nat_block_bytes(w);
-    const uint8_t *group = nat_group_at(w, g), *next = nat_group_at(w, g + 1);
+    size_t stride[2] = {nat_block_stride(w, g), nat_block_stride(w, g + 1)};
+    const uint8_t *group = nat_block_at(w, g, 0), *next = nat_block_at(w, g + 1, 0);
     __m512i table = _mm512_broadcast_i64x4(plan->table);
     __m512 acc[M_TILE], mult_s = _mm512_setzero_ps(), mult_o = _mm512_setzero_ps();
     for (int t = 0; t < rows; t++) acc[t] = _mm512_setzero_ps();
     pair_cursor ahead = pair_cursor_at(w, g, (int64_t)(PAIR_PREFETCH_BYTES / bb) + 1, plan->stream_once);
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *lo = group + b * bb, *hi = next + b * bb;
+        const uint8_t *lo = group + b * stride[0], *hi = next + b * stride[1];
         prefetch_pair_ahead(&ahead, bb);
         __m512i chunk[8];
         pair_operands(lo, hi, form, VNNI_HIGH16(form) && !(pars & PAR_ONE_SCALE), table, chunk);

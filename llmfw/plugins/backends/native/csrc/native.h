@@ -53,6 +53,10 @@ enum nat_isa { NAT_ISA_SCALAR = 0, NAT_ISA_AVX2 = 1, NAT_ISA_AVX512 = 2 };
  * (n_scales 2: one scale per 16 elements, 1: per 32)
  * a weight value is scale * table[code] + offset (QNIB), scale * (table[0] + code) + offset (QNIB5: the table
  * is table[0] + index, linear) or scale * code + offset (QBYTE).
+ * paired: the groups lie side by side in pairs (groups 2p and 2p+1 take turns block by block: block b of 2p, block
+ * b of 2p+1, then block b+1 of each; a factored weight's multipliers of 2p, then of 2p+1, after the pair's
+ * blocks), so a kernel that multiplies two groups at a time reads one stream of bytes; a last group without a
+ * partner lies alone, as every group does unpaired. Each pair takes the bytes of its two groups unpaired.
  * Float kinds: plain row-major rows of n_cols elements. */
 typedef struct {
     int32_t kind;
@@ -68,6 +72,7 @@ typedef struct {
      * blocks: [super-block][scale, then (has_offsets) offset][8 rows] float32. The product is exact in float32
      * (an f16 times an integer of at most 8 bits): the value the file's own scale and minimum give. */
     int32_t factored;
+    int32_t paired;  /* the groups side by side in pairs (above) */
 } nat_weight;
 
 /* activations quantized to 8 bits: per row, n_cols/32 blocks */
@@ -114,15 +119,33 @@ NAT_LAYOUT size_t nat_group_block_bytes(const nat_weight *w) {
 /* the bytes of one row group: its blocks, then (factored) its multipliers */
 NAT_LAYOUT size_t nat_group_bytes(const nat_weight *w) { return nat_group_block_bytes(w) + nat_group_mult_bytes(w); }
 
-/* the first block of row group g */
+/* where row group g's bytes start as they lie unpaired (paired: where its pair's start, for the pair's first) */
 NAT_LAYOUT const uint8_t *nat_group_at(const nat_weight *w, int64_t g) {
     return w->data + (size_t)g * nat_group_bytes(w);
+}
+
+/* whether row group g takes turns with its partner (paired weights: every group but a last one without one) */
+NAT_LAYOUT int nat_in_pair(const nat_weight *w, int64_t g) {
+    return w->paired && (g | 1) < (w->n_rows + NAT_ROWS - 1) / NAT_ROWS;
+}
+
+/* the bytes from a block of row group g to its next block */
+NAT_LAYOUT size_t nat_block_stride(const nat_weight *w, int64_t g) {
+    return (size_t)(nat_in_pair(w, g) ? 2 : 1) * nat_block_bytes(w);
+}
+
+/* block b of row group g */
+NAT_LAYOUT const uint8_t *nat_block_at(const nat_weight *w, int64_t g, int64_t b) {
+    if (!nat_in_pair(w, g)) return nat_group_at(w, g) + (size_t)b * nat_block_bytes(w);
+    return nat_group_at(w, g & ~(int64_t)1) + (size_t)(2 * b + (g & 1)) * nat_block_bytes(w);
 }
 
 /* the multipliers of block b of row group g of a factored weight: 8 rows' scale multipliers, then (has_offsets)
  * their offset multipliers */
 NAT_LAYOUT const float *nat_block_mults(const nat_weight *w, int64_t g, int64_t b) {
     const uint8_t *mults = nat_group_at(w, g) + nat_group_block_bytes(w);
+    if (nat_in_pair(w, g))
+        mults = nat_group_at(w, g & ~(int64_t)1) + 2 * nat_group_block_bytes(w) + (size_t)(g & 1) * nat_group_mult_bytes(w);
     return (const float *)mults + (size_t)(b / NAT_SUPER) * (size_t)(1 + w->has_offsets) * NAT_ROWS;
 }
 

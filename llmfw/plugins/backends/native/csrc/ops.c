@@ -275,10 +275,8 @@ void nat_unpack_row(const nat_weight *w, int64_t row, float *out) {
         return;
     }
     int64_t nb = k / NAT_BLOCK, lane = row % NAT_ROWS;
-    size_t bb = nat_block_bytes(w);
-    const uint8_t *group = nat_group_at(w, row / NAT_ROWS);
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = group + (size_t)b * bb;
+        const uint8_t *blk = nat_block_at(w, row / NAT_ROWS, b);
         float store[4 * NAT_ROWS];
         nat_params p = nat_block_params(w, row / NAT_ROWS, b, store);
         for (int j = 0; j < NAT_BLOCK; j++) {
