@@ -347,6 +347,27 @@ def test_a_residual_add_after_a_matmul_is_done_by_the_matmul_with_the_adds_bits(
     assert np.array_equal(results[0], results[1])  # the second adds +0 (products are finite): the same bits
 
 
+def test_row_lookups_read_a_paired_weight_as_its_values(backends):
+    """get_rows of a Q4_1 table with its row groups in pairs (the layout the AVX2 path takes): the dequantizer's
+    values, the bits of the same table apart, rows of the last group alone included."""
+    from llmfw.core.quants import dequantize
+    from llmfw.plugins.backends.native.compiler import native_matrix
+
+    rng = np.random.default_rng(12)
+    n_rows = 53  # seven groups: three pairs and a last group alone
+    raw = random_blocks(GGMLType.Q4_1, n_rows, 4, rng)
+    ids = np.array([52, 0, 9, 17, 48, 40, 8], np.int32)
+    results = []
+    for paired in (False, True):
+        g = Graph()
+        w = g.weight("w", native_matrix(rp.repack(raw, GGMLType.Q4_1, (128, n_rows), paired)))
+        out = g.op("get_rows", w, g.input(ids), out=(len(ids), 128))
+        run = compiled(backends[0], g, out, {})
+        results.append(np.asarray(run({i: v.copy() for i, v in g.inputs.items()})[out.id]))
+    assert np.array_equal(results[1], results[0])
+    assert np.array_equal(results[1], dequantize(raw, GGMLType.Q4_1, (128, n_rows))[ids])
+
+
 def test_a_column_slice_that_is_a_splits_output_comes_out_contiguous(backends):
     g = Graph()
     x = g.input(f32(4, 40))
