@@ -27,8 +27,7 @@ from llmfw.plugins.backends.native.compiler import (NativeCompiler as NativeComp
 from llmfw.plugins.backends.native.cache import NativeCache
 from llmfw.plugins.backends.native.experts import (EXPERT_OPS, NativeExperts, native_experts, packed_expert_shape,
                                                   repack_experts)
-from llmfw.plugins.backends.native.repack import (QUANTIZED_KINDS, ROWS, SUPPORTED_TYPES, PackedWeight, pairable,
-                                                  repack)
+from llmfw.plugins.backends.native.repack import ROWS, SUPPORTED_TYPES, PackedWeight, pairable, repack
 from llmfw.plugins.backends.numpy.kernels import F32, NumpyKV
 from llmfw.plugins.backends.numpy.runtime import SWIGLU
 from llmfw.plugins.backends.numpy.weights import NumpyWeights
@@ -161,7 +160,7 @@ class NativeBackend(NumpyWeights):
         # layout against the one this path takes: an entry written where another ISA ran is rebuilt)
         expected = packed_expert_shape(source.ggml_type, source.ne) if experts else \
             (int(np.prod(source.ne[1:], dtype=np.int64)), int(source.ne[0]))
-        if packed.shape == expected and packed.paired == (paired and packed.kind in QUANTIZED_KINDS):
+        if packed.shape == expected and packed.paired == paired:
             return packed
         self._load.converted += 1  # so that the entry is rewritten
         return convert(source)

@@ -143,9 +143,9 @@ NAT_LAYOUT const uint8_t *nat_block_at(const nat_weight *w, int64_t g, int64_t b
 /* the multipliers of block b of row group g of a factored weight: 8 rows' scale multipliers, then (has_offsets)
  * their offset multipliers */
 NAT_LAYOUT const float *nat_block_mults(const nat_weight *w, int64_t g, int64_t b) {
-    const uint8_t *mults = nat_group_at(w, g) + nat_group_block_bytes(w);
-    if (nat_in_pair(w, g))
-        mults = nat_group_at(w, g & ~(int64_t)1) + 2 * nat_group_block_bytes(w) + (size_t)(g & 1) * nat_group_mult_bytes(w);
+    const uint8_t *mults = !nat_in_pair(w, g) ? nat_group_at(w, g) + nat_group_block_bytes(w)
+                           : nat_group_at(w, g & ~(int64_t)1) + 2 * nat_group_block_bytes(w) +
+                                 (size_t)(g & 1) * nat_group_mult_bytes(w);
     return (const float *)mults + (size_t)(b / NAT_SUPER) * (size_t)(1 + w->has_offsets) * NAT_ROWS;
 }
 
