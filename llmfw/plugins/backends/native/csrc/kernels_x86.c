@@ -411,8 +411,8 @@ TARGET INLINE void avx2_tile(const nat_weight *w, const nat_qact *a, const code_
         for (int t = 0; t < rows; t++) {
             int64_t i = i0 + t;
             const int32_t *sums = a->sums + (i * nb + b) * 2;
-            int32_t extra[2];
-            base_terms(plan, form, pars, sums, extra);  /* with one scale, all of it in extra[0] */
+            int32_t extra[2] = {0, 0};  /* signed codes enter as they are: no base */
+            if (INDEXED(form)) base_terms(plan, form, pars, sums, extra);  /* one scale: all of it in extra[0] */
             __m256i h0 = sum[t][0], h1 = one_scale ? _mm256_setzero_si256() : sum[t][1];
             if (sum16) {
                 h0 = _mm256_madd_epi16(h0, ones);
