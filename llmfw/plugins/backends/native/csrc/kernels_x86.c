@@ -116,26 +116,38 @@ TARGET INLINE void block_params(const nat_weight *w, const uint8_t *blk, int par
  * fma(a, b, c) = a*b + c rounded once: two scales: v = fma(s1, i1, s0*i0) [v = fma(o1, A1, fma(o0, A0, v))]; one:
  * v = s0*(i0+i1) [v = fma(o0, A0+A1, v)]; then acc = fma(da, v, acc) (the bracketed offset terms only with
  * PAR_OFFSETS). A0, A1 are broadcast as integers and converted in the vector unit; A0+A1 (asum) comes converted by
- * the quantizer, so a tile row spends no conversion on it: the same exact floats. */
+ * the quantizer, so a tile row spends no conversion on it: the same exact floats. NAME_one is the one-scale part
+ * from i0+i1 already converted (whole). */
 #define DEFINE_COMBINE(ATTR, NAME, W)                                                                              \
+    ATTR INLINE __m##W NAME##_one(__m##W acc, const __m##W par[4], int pars, __m##W whole, float da, float asum) { \
+        __m##W v = _mm##W##_mul_ps(par[0], whole);                                                                 \
+        if (pars & PAR_OFFSETS) v = _mm##W##_fmadd_ps(par[2], _mm##W##_set1_ps(asum), v);                         \
+        return _mm##W##_fmadd_ps(_mm##W##_set1_ps(da), v, acc);                                                    \
+    }                                                                                                              \
     ATTR INLINE __m##W NAME(__m##W acc, const __m##W par[4], int pars, __m##W##i i0, __m##W##i i1, float da,       \
                             const int32_t *sums, float asum) {                                                     \
-        __m##W v;                                                                                                  \
-        if (pars & PAR_ONE_SCALE) {                                                                                \
-            v = _mm##W##_mul_ps(par[0], _mm##W##_cvtepi32_ps(_mm##W##_add_epi32(i0, i1)));                        \
-            if (pars & PAR_OFFSETS) v = _mm##W##_fmadd_ps(par[2], _mm##W##_set1_ps(asum), v);                     \
-        } else {                                                                                                   \
-            v = _mm##W##_mul_ps(par[0], _mm##W##_cvtepi32_ps(i0));                                                 \
-            v = _mm##W##_fmadd_ps(par[1], _mm##W##_cvtepi32_ps(i1), v);                                            \
-            if (pars & PAR_OFFSETS) {                                                                              \
-                v = _mm##W##_fmadd_ps(par[2], _mm##W##_set1_ps((float)sums[0]), v);                                \
-                v = _mm##W##_fmadd_ps(par[3], _mm##W##_set1_ps((float)sums[1]), v);                                \
-            }                                                                                                      \
+        if (pars & PAR_ONE_SCALE)                                                                                  \
+            return NAME##_one(acc, par, pars, _mm##W##_cvtepi32_ps(_mm##W##_add_epi32(i0, i1)), da, asum);         \
+        __m##W v = _mm##W##_mul_ps(par[0], _mm##W##_cvtepi32_ps(i0));                                             \
+        v = _mm##W##_fmadd_ps(par[1], _mm##W##_cvtepi32_ps(i1), v);                                                \
+        if (pars & PAR_OFFSETS) {                                                                                  \
+            v = _mm##W##_fmadd_ps(par[2], _mm##W##_set1_ps((float)sums[0]), v);                                    \
+            v = _mm##W##_fmadd_ps(par[3], _mm##W##_set1_ps((float)sums[1]), v);                                    \
         }                                                                                                          \
         return _mm##W##_fmadd_ps(_mm##W##_set1_ps(da), v, acc);                                                    \
     }
 
 DEFINE_COMBINE(TARGET, combine, 256)
+
+/* combine for one scale and a base (table[0] * A, the codes' indices in the integer sum i): i + base*A added as a
+ * float, fma(base, A, float(i)), is that integer exactly (each of them below 2^24), the value combine would convert,
+ * so the same bits for one fused multiply-add a row and block where the integer route took two integer products, a
+ * move to the vector unit and a broadcast (a fifth of Q5_0's four-row tile) */
+TARGET INLINE __m256 combine_with_base(__m256 acc, const __m256 par[4], int pars, __m256i i, int32_t base, float da,
+                                       float asum) {
+    __m256 whole = _mm256_fmadd_ps(_mm256_set1_ps((float)base), _mm256_set1_ps(asum), _mm256_cvtepi32_ps(i));
+    return combine_one(acc, par, pars, whole, da, asum);
+}
 
 /* the base terms (base * A) of a row's two half dot products; with one scale all of it goes into the first half
  * (whose sum is never shifted), as the halves' sums are added anyway */
@@ -411,8 +423,9 @@ TARGET INLINE void avx2_tile(const nat_weight *w, const nat_qact *a, const code_
         for (int t = 0; t < rows; t++) {
             int64_t i = i0 + t;
             const int32_t *sums = a->sums + (i * nb + b) * 2;
+            int float_base = one_scale && INDEXED(form) && !ZERO_BASE(form);  /* combine_with_base adds it */
             int32_t extra[2] = {0, 0};  /* signed codes enter as they are: no base */
-            if (INDEXED(form)) base_terms(plan, form, pars, sums, extra);  /* one scale: all of it in extra[0] */
+            if (INDEXED(form) && !float_base) base_terms(plan, form, pars, sums, extra);
             __m256i h0 = sum[t][0], h1 = one_scale ? _mm256_setzero_si256() : sum[t][1];
             if (sum16) {
                 h0 = _mm256_madd_epi16(h0, ones);
@@ -420,7 +433,9 @@ TARGET INLINE void avx2_tile(const nat_weight *w, const nat_qact *a, const code_
             }
             h0 = _mm256_add_epi32(h0, _mm256_set1_epi32(extra[0]));
             if (!one_scale) h1 = _mm256_add_epi32(h1, _mm256_set1_epi32(extra[1]));
-            acc[t] = combine(acc[t], par, pars, h0, h1, a->d[i * nb + b], sums, a->asum[i * nb + b]);
+            float da = a->d[i * nb + b], asum = a->asum[i * nb + b];
+            acc[t] = float_base ? combine_with_base(acc[t], par, pars, h0, plan->base, da, asum)
+                                : combine(acc[t], par, pars, h0, h1, da, sums, asum);
         }
     }
     for (int t = 0; t < rows; t++) store_rows(y, w->n_rows, i0 + t, g, acc[t]);
@@ -476,12 +491,12 @@ TARGET INLINE void avx2_pair_tile(const nat_weight *w, const nat_qact *a, const 
             for (int t = 0; t < rows; t++) {
                 int64_t i = i0 + t;
                 const int32_t *sums = a->sums + (i * nb + b) * 2;
-                int32_t extra[2];
-                base_terms(plan, form, pars, sums, extra);  /* one scale: all of it in extra[0] */
-                __m256i h0 = _mm256_add_epi32(_mm256_madd_epi16(sum[t][k], _mm256_set1_epi16(1)),
-                                              _mm256_set1_epi32(extra[0]));
-                _mm256_store_ps(acc[t][k], combine(_mm256_load_ps(acc[t][k]), par, pars, h0, _mm256_setzero_si256(),
-                                                   a->d[i * nb + b], sums, a->asum[i * nb + b]));
+                float da = a->d[i * nb + b], asum = a->asum[i * nb + b];
+                __m256i h0 = _mm256_madd_epi16(sum[t][k], _mm256_set1_epi16(1));
+                __m256 sofar = _mm256_load_ps(acc[t][k]);
+                _mm256_store_ps(acc[t][k], ZERO_BASE(form)
+                                               ? combine(sofar, par, pars, h0, _mm256_setzero_si256(), da, sums, asum)
+                                               : combine_with_base(sofar, par, pars, h0, plan->base, da, asum));
             }
         }
     }
