@@ -140,9 +140,9 @@ TARGET INLINE void block_params(const nat_weight *w, const uint8_t *blk, int par
 DEFINE_COMBINE(TARGET, combine, 256)
 
 /* combine for one scale and a base (table[0] * A, the codes' indices in the integer sum i): i + base*A added as a
- * float, fma(base, A, float(i)), is that integer exactly (each of them below 2^24), the value combine would convert,
- * so the same bits for one fused multiply-add a row and block where the integer route took two integer products, a
- * move to the vector unit and a broadcast (a fifth of Q5_0's four-row tile) */
+ * float, fma(base, A, float(i)), is that integer exactly (each term and the sum below 2^24), the value combine would
+ * convert, so the same bits for one fused multiply-add a row and block where the integer route took two integer
+ * products, a move to the vector unit and a broadcast (docs/benchmarks.md: what it saves in the four-row tiles) */
 TARGET INLINE __m256 combine_with_base(__m256 acc, const __m256 par[4], int pars, __m256i i, int32_t base, float da,
                                        float asum) {
     __m256 whole = _mm256_fmadd_ps(_mm256_set1_ps((float)base), _mm256_set1_ps(asum), _mm256_cvtepi32_ps(i));
