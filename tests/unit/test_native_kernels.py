@@ -3,6 +3,8 @@ type x every ISA path this CPU runs: exact repacking, error within the 8-bit act
 and the kernels' own construction properties (every ISA path and every batch/thread split give the same bits)."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -257,6 +259,39 @@ def test_paired_groups_give_the_bits_of_groups_apart(qtype, isa, pools):
             for n_threads in (1, 2):
                 want = kernels.mul_mat(apart, x, pools[n_threads], isa)
                 assert np.array_equal(kernels.mul_mat(paired, x, pools[n_threads], isa), want), (n_rows, m, n_threads)
+
+
+def codes_at_an_extreme(packed: rp.PackedWeight, low: bool) -> rp.PackedWeight:
+    """``packed`` with every code at its largest index (``low``: its smallest; 8-bit codes 127, or -128), laid out
+    as before (paired again where it was): each block's integer sums then reach the bounds the x86 paths rely on."""
+    nb, cb = packed.n_cols // rp.BLOCK, rp.code_bytes(packed.kind)
+    bb = rp.block_bytes(packed.kind, packed.n_scales, packed.has_offsets, packed.half_params, packed.factored)
+    groups = unpaired_groups(packed).copy()
+    extreme = (0x80 if low else 0x7F) if packed.kind == rp.KIND_QBYTE else (0x00 if low else 0xFF)
+    for b in range(nb):
+        groups[:, b * bb:b * bb + rp.ROWS * cb] = extreme
+    if packed.paired:
+        rp._pair_groups(groups[:len(groups) // 2 * 2], nb, bb)
+    return dataclasses.replace(packed, data=groups.reshape(-1))
+
+
+@pytest.mark.parametrize("paired", (False, True), ids=("apart", "paired"))
+@pytest.mark.parametrize("low", (False, True), ids=("largest", "smallest"))
+@pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda t: t.name)
+def test_integer_sums_at_their_extremes_neither_wrap_nor_saturate(qtype, low, paired, pools):
+    """Every code at an extreme against activations whose codes are all +127 or all -127 (rows of one value): the
+    16-bit sums of nibble indices, |w| <= 128 under vpsignb and a base added as a float at their bounds, one row, two
+    and four (a tile of each size), on every path: the scalar path's bits, and the oracle's values."""
+    rng = np.random.default_rng(1100 + int(qtype))
+    raw, ne = _weight(qtype, rng, 21)
+    packed = codes_at_an_extreme(rp.repack(raw, qtype, ne, paired), low)
+    w = unpack_values(packed).astype(np.float64)
+    x = np.repeat(np.array([[1.0], [-1.0], [3.0], [-0.5], [1.0], [-2.0], [0.25]], np.float32), ne[0], axis=1)
+    _assert_every_isa_gives_the_same_bits(packed, x, pools[2], low)
+    got = kernels.mul_mat(packed, x, pools[2], ISAS[0])
+    finite = np.isfinite(w).all(axis=1)  # MXFP4's largest codes may overflow to inf with its largest exponents
+    err = np.abs(got[:, finite] - x.astype(np.float64) @ w[finite].T)
+    assert (err <= activation_bound(x, w[finite])).all(), float(err.max())
 
 
 def _assert_every_isa_gives_the_same_bits(packed, x: np.ndarray, pool, context: object) -> None:
