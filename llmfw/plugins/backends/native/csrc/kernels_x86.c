@@ -368,6 +368,7 @@ TARGET INLINE void avx2_tile(const nat_weight *w, const nat_qact *a, const code_
     int one_scale = (pars & PAR_ONE_SCALE) != 0;
     int five_one = FIVE_BIT(form) && one_scale;  /* 5-bit indices under one scale: two chunk pairs a step */
     int sum16 = INDEXED(form) && !five_one;       /* sums kept in 16 bits until the block's end */
+    int float_base = one_scale && INDEXED(form) && !ZERO_BASE(form);  /* a base combine_with_base adds */
     __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[M_TILE];
     for (int t = 0; t < rows; t++) acc[t] = _mm256_setzero_ps();
@@ -423,7 +424,6 @@ TARGET INLINE void avx2_tile(const nat_weight *w, const nat_qact *a, const code_
         for (int t = 0; t < rows; t++) {
             int64_t i = i0 + t;
             const int32_t *sums = a->sums + (i * nb + b) * 2;
-            int float_base = one_scale && INDEXED(form) && !ZERO_BASE(form);  /* combine_with_base adds it */
             int32_t extra[2] = {0, 0};  /* signed codes enter as they are: no base */
             if (INDEXED(form) && !float_base) base_terms(plan, form, pars, sums, extra);
             __m256i h0 = sum[t][0], h1 = one_scale ? _mm256_setzero_si256() : sum[t][1];
