@@ -1,6 +1,7 @@
-"""Builds the optional C extension of the native backend (llmfw/plugins/backends/native/csrc). Everything else is
-declared in pyproject.toml. A failed compile (no C compiler, no Python headers) is a warning, not an error: the
-install still succeeds and the native backend reports itself unavailable with the reason."""
+"""Builds llmfw's two optional C extensions: the native backend (llmfw/plugins/backends/native/csrc) and the GGUF
+reader's string loop (llmfw/core/format/_strings.c). Everything else is declared in pyproject.toml. A failed compile
+(no C compiler, no Python headers) is a warning, not an error: the install still succeeds, the native backend reports
+itself unavailable with the reason, and GGUF string arrays are read by the Python loop instead."""
 import platform
 import sys
 
@@ -24,12 +25,16 @@ class OptionalBuildExt(build_ext):
         try:
             super().build_extension(ext)
         except Exception as exc:  # noqa: BLE001
-            self._skip(exc)
+            self._skip(exc, ext.name)
 
     @staticmethod
-    def _skip(exc):
-        sys.stderr.write(f"WARNING: the llmfw native backend's C extension was not built ({exc}); llmfw works "
-                         "without it (the 'native' backend reports itself unavailable)\n")
+    def _skip(exc, name=None):
+        native = ("the llmfw native backend's C extension was not built", "the 'native' backend reports itself "
+                  "unavailable")
+        strings = ("llmfw's C string reader for GGUF files was not built", "vocabularies are read by a Python loop: "
+                   "slower loads")
+        for what, instead in [strings] if name == STRINGS_EXTENSION else [native] if name else [native, strings]:
+            sys.stderr.write(f"WARNING: {what} ({exc}); llmfw works without it ({instead})\n")
 
 
 def native_extension():
@@ -48,4 +53,12 @@ def native_extension():
                      libraries=[] if sys.platform == "win32" else ["m"], optional=True)
 
 
-setup(ext_modules=[native_extension()], cmdclass={"build_ext": OptionalBuildExt})
+STRINGS_EXTENSION = "llmfw.core.format._strings"
+
+
+def strings_extension():
+    return Extension(STRINGS_EXTENSION, sources=["llmfw/core/format/_strings.c"],
+                     extra_compile_args=["-std=c11", "-O2", "-Wall"], optional=True)
+
+
+setup(ext_modules=[native_extension(), strings_extension()], cmdclass={"build_ext": OptionalBuildExt})

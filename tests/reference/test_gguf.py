@@ -1,8 +1,12 @@
 """GGUF reader/writer: round trips, real models, split files and malformed files."""
 from __future__ import annotations
 
+import hashlib
+import os
 import shutil
 import struct
+import subprocess
+import sys
 import tracemalloc
 from pathlib import Path
 
@@ -391,6 +395,25 @@ def test_real_model_read_mode_matches_mmap(smollm2: GGUFFile, smollm2_path: Path
         assert r.metadata["tokenizer.ggml.merges"] == smollm2.metadata["tokenizer.ggml.merges"]
         name = "blk.0.attn_q.weight"
         np.testing.assert_array_equal(r.tensor_bytes(name), smollm2.tensor_bytes(name))
+
+
+def test_without_the_c_string_reader_a_vocabulary_is_read_by_python_alike(tmp_path: Path, smollm2_path: Path) -> None:
+    """A copy of the package without its C extensions reads SmolLM2's 49152 tokens and 48900 merges by the Python
+    loop, and they equal what this checkout reads (with the C loop where it is built)."""
+    package = Path(__file__).resolve().parents[2] / "llmfw"
+    shutil.copytree(package, tmp_path / "llmfw", ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    probe = ("import hashlib, sys\nfrom llmfw.core.format import gguf_header\nfrom llmfw.core.gguf import open_gguf\n"
+             "assert gguf_header._c_decode_strings is None\n"
+             "with open_gguf(sys.argv[1]) as f:\n"
+             "    m = f.metadata\n"
+             "    print(hashlib.sha256(repr((m['tokenizer.ggml.tokens'], m['tokenizer.ggml.merges'])).encode())"
+             ".hexdigest())\n")
+    result = subprocess.run([sys.executable, "-c", probe, str(smollm2_path)], capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": str(tmp_path)}, cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stderr
+    with open_gguf(smollm2_path) as f:
+        expected = repr((f.metadata["tokenizer.ggml.tokens"], f.metadata["tokenizer.ggml.merges"]))
+    assert result.stdout.strip() == hashlib.sha256(expected.encode()).hexdigest()
 
 
 def test_real_model_split_round_trip(smollm2: GGUFFile, tmp_path: Path) -> None:

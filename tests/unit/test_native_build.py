@@ -1,5 +1,5 @@
-"""The native extension is optional: setup.py builds it with the C compiler, an install without a working one
-still succeeds, and the backend then says why it is unavailable."""
+"""The C extensions are optional: setup.py builds them with the C compiler, an install without a working one
+still succeeds, the native backend then says why it is unavailable, and GGUF files are read by Python alone."""
 from __future__ import annotations
 
 import ctypes
@@ -21,15 +21,16 @@ def build_ext(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
                           env={**os.environ, **env}, timeout=600)
 
 
-def built_extensions(tmp_path: Path) -> list[Path]:
-    return sorted((tmp_path / "lib").rglob("_native*.so")) if (tmp_path / "lib").exists() else []
+def built_extensions(tmp_path: Path, pattern: str = "_native*.so") -> list[Path]:
+    return sorted((tmp_path / "lib").rglob(pattern)) if (tmp_path / "lib").exists() else []
 
 
-def test_a_build_without_a_working_compiler_succeeds_without_the_extension(tmp_path):
+def test_a_build_without_a_working_compiler_succeeds_without_the_extensions(tmp_path):
     result = build_ext(tmp_path, CC="/bin/false")
     assert result.returncode == 0, result.stderr
     assert "native backend's C extension was not built" in result.stderr
-    assert built_extensions(tmp_path) == []
+    assert "C string reader for GGUF files was not built" in result.stderr
+    assert built_extensions(tmp_path) == [] and built_extensions(tmp_path, "_strings*.so") == []
 
 
 @pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler on this machine")
@@ -39,6 +40,11 @@ def test_a_build_with_the_compiler_makes_a_loadable_extension(tmp_path):
     (extension,) = built_extensions(tmp_path)
     lib = ctypes.CDLL(str(extension))
     assert lib.nat_cpu_isas() & 1  # the scalar path is always there
+    (strings,) = built_extensions(tmp_path, "_strings*.so")
+    probe = "from llmfw.core.format import _strings; print(_strings.decode_strings(b'\\1' + bytes(7) + b'x', 0, 9, [''], 0, 9))"
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "PYTHONPATH": str(tmp_path / "lib")}, cwd=tmp_path)
+    assert loaded.stdout.strip() == "(1, 9)", loaded.stderr
 
 
 @pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler on this machine")
@@ -68,3 +74,4 @@ def test_without_the_extension_the_backend_is_unavailable_with_the_reason(tmp_pa
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, cwd=tmp_path,
                             timeout=300)
     assert "unavailable: native backend: its C extension is not built" in result.stdout, result.stderr
+

@@ -6,7 +6,7 @@ import codecs
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Callable
 
 import numpy as np
 
@@ -16,6 +16,13 @@ from .gguf_types import (DEFAULT_ALIGNMENT, GGUF_MAGIC, INT64_MAX, KEY_ALIGNMENT
 from .gguf_types import INT_RANGES as _INT_RANGES, NUMPY_DTYPE as _NUMPY_DTYPE, STRUCT as _STRUCT
 from .gguf_types import U64 as _U64, align_up as _align_up
 from .quants import TYPE_INFO, GGMLType, ggml_type
+
+try:  # the optional C loop over string arrays (setup.py builds it when a C compiler is there)
+    from ._strings import decode_strings as _built_decode_strings
+
+    _c_decode_strings: Callable[[Any, int, int, list[str], int, int], tuple[int, int]] | None = _built_decode_strings
+except ImportError:  # pragma: no cover - an install without a C compiler
+    _c_decode_strings = None
 
 #: the fewest bytes one array item of a type can take (strings: the length; arrays: type + count)
 _MIN_ITEM_BYTES = {**{t: d.itemsize for t, d in _NUMPY_DTYPE.items()}, GGUFValueType.STRING: 8,
@@ -164,16 +171,32 @@ class Cursor:
         return raw.astype(bool) if vtype == GGUFValueType.BOOL else raw.astype(dtype.newbyteorder("="))
 
     def string_array(self, count: int, what: str) -> list[str]:
-        """The hot loop for vocabularies (262144 strings for Gemma-3): locals only, two integer bounds tests per
-        item; the buffer is only refilled (read mode) when a test fails."""
-        buf, pos, available = self.buf, self.pos, self.available
-        unpack_len = _U64.unpack_from
-        # sized once (the caller checked count against the bytes left): growing by append would briefly hold
-        # the old and the new list, twice the memory a damaged count may claim
+        """A string array's items. The C loop (when built) reads every item it can; an item it stops at (one past
+        the bytes read so far, a long one, bad UTF-8) is read by the Python loop, which refills, decodes or raises."""
+        # sized once (the caller checked count against the bytes left): growing by append would briefly hold the
+        # old and the new list, twice the memory a damaged count may claim
         out: list[str] = [""] * count
         index = 0
+        while index < count:
+            if _c_decode_strings is not None:
+                index, self.pos = _c_decode_strings(self.buf, self.pos, self.available, out, index, _LARGE_STRING - 1)
+                if index < count:
+                    self._python_strings(out, index, index + 1, what)
+                    index += 1
+            else:
+                self._python_strings(out, index, count, what)
+                index = count
+        return out
+
+    def _python_strings(self, out: list[str], first: int, stop: int, what: str) -> None:
+        """Items ``first`` to ``stop`` of a string array into ``out``. The hot loop when the C one is not built
+        (262144 strings for Gemma-3): locals only, two integer bounds tests per item; the buffer is only refilled
+        (read mode) when a test fails."""
+        buf, pos, available = self.buf, self.pos, self.available
+        unpack_len = _U64.unpack_from
+        index = start = first
         try:
-            for index in range(count):
+            for index in range(first, stop):
                 end = pos + 8
                 if end > available:
                     self.pos = pos
@@ -194,7 +217,6 @@ class Cursor:
             raise self.fail(f"item {index} of {what} at offset {start} is not valid UTF-8 "
                             f"({exc.reason} at byte {exc.start})") from None
         self.pos = pos
-        return out
 
 
 def _read_value_type(cur: Cursor, what: str) -> GGUFValueType:
