@@ -176,17 +176,16 @@ class Cursor:
         # sized once (the caller checked count against the bytes left): growing by append would briefly hold the
         # old and the new list, twice the memory a damaged count may claim
         out: list[str] = [""] * count
+        if _c_decode_strings is None:
+            self._python_strings(out, 0, count, what)
+            return out
         index = 0
-        while index < count:
-            if _c_decode_strings is not None:
-                index, self.pos = _c_decode_strings(self.buf, self.pos, self.available, out, index, _LARGE_STRING - 1)
-                if index < count:
-                    self._python_strings(out, index, index + 1, what)
-                    index += 1
-            else:
-                self._python_strings(out, index, count, what)
-                index = count
-        return out
+        while True:
+            index, self.pos = _c_decode_strings(self.buf, self.pos, self.available, out, index, _LARGE_STRING - 1)
+            if index == count:
+                return out
+            self._python_strings(out, index, index + 1, what)
+            index += 1
 
     def _python_strings(self, out: list[str], first: int, stop: int, what: str) -> None:
         """Items ``first`` to ``stop`` of a string array into ``out``. The hot loop when the C one is not built
