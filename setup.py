@@ -8,6 +8,15 @@ import sys
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
+NATIVE_EXTENSION = "llmfw.plugins.backends.native._native"
+STRINGS_EXTENSION = "llmfw.core.format._strings"
+#: what a failed build of each extension means for the install
+SKIPPED_WARNINGS = {
+    NATIVE_EXTENSION: ("the llmfw native backend's C extension was not built",
+                       "the 'native' backend reports itself unavailable"),
+    STRINGS_EXTENSION: ("llmfw's C string reader for GGUF files was not built",
+                        "vocabularies are read by a Python loop: slower loads"),
+}
 NATIVE_SOURCES = ["module.c", "pool.c", "ops.c", "attention.c", "kernels_scalar.c", "kernels_x86.c", "recurrent.c",
                   "moe.c"]
 
@@ -29,12 +38,10 @@ class OptionalBuildExt(build_ext):
 
     @staticmethod
     def _skip(exc, name=None):
-        native = ("the llmfw native backend's C extension was not built", "the 'native' backend reports itself "
-                  "unavailable")
-        strings = ("llmfw's C string reader for GGUF files was not built", "vocabularies are read by a Python loop: "
-                   "slower loads")
-        for what, instead in [strings] if name == STRINGS_EXTENSION else [native] if name else [native, strings]:
-            sys.stderr.write(f"WARNING: {what} ({exc}); llmfw works without it ({instead})\n")
+        """Warn about the extension ``name`` that failed (every one when the whole step failed)."""
+        for extension, (what, instead) in SKIPPED_WARNINGS.items():
+            if name in (None, extension):
+                sys.stderr.write(f"WARNING: {what} ({exc}); llmfw works without it ({instead})\n")
 
 
 def native_extension():
@@ -45,15 +52,12 @@ def native_extension():
     flags = ["-std=c11", "-O3", "-ffp-contract=off", "-fno-strict-aliasing", "-Wall", "-falign-loops=64"]
     if platform.machine().lower() not in ("x86_64", "amd64"):
         flags.append("-DLLMFW_NATIVE_SCALAR_ONLY")
-    return Extension("llmfw.plugins.backends.native._native",
+    return Extension(NATIVE_EXTENSION,
                      sources=[f"llmfw/plugins/backends/native/csrc/{name}" for name in NATIVE_SOURCES],
                      depends=["llmfw/plugins/backends/native/csrc/native.h", "llmfw/plugins/backends/native/csrc/nat_exp.h",
                               "llmfw/plugins/backends/native/csrc/pool.h"],
                      extra_compile_args=flags, extra_link_args=["-pthread"],
                      libraries=[] if sys.platform == "win32" else ["m"], optional=True)
-
-
-STRINGS_EXTENSION = "llmfw.core.format._strings"
 
 
 def strings_extension():
