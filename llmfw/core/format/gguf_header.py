@@ -193,7 +193,7 @@ class Cursor:
         (read mode) when a test fails."""
         buf, pos, available = self.buf, self.pos, self.available
         unpack_len = _U64.unpack_from
-        index = start = first
+        index = first
         try:
             for index in range(first, stop):
                 end = pos + 8
