@@ -214,7 +214,7 @@ def test_nan_and_inf_blocks_give_non_finite_results_where_the_oracle_does(qtype,
 
 
 @pytest.mark.parametrize("paired", (False, True), ids=("apart", "paired"))
-@pytest.mark.parametrize("m", (1, 7))  # 7: a tile of each size the x86 paths use (4, 2, 1)
+@pytest.mark.parametrize("m", (1, 7, 35))  # 7: a tile of each size the x86 paths use (4, 2, 1); 35: the AMX path's 16 too
 @pytest.mark.parametrize("qtype", BLOCK_TYPES + FLOAT_TYPES, ids=lambda t: t.name)
 def test_every_isa_path_gives_the_same_bits(qtype, m, paired, pools):
     """By construction (csrc/native.h: one order of float operations, the same explicit fused multiply-adds and no
@@ -234,14 +234,16 @@ def test_every_isa_path_gives_the_same_bits(qtype, m, paired, pools):
 @pytest.mark.parametrize("k", (256, 2048))
 @pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda t: t.name)
 def test_four_row_tiles_give_the_same_bits_with_short_and_long_rows(qtype, k, paired, pools):
-    """Four rows, one tile of them, over short rows and long ones (many blocks a row: each block's integer sums
-    start again, and the prefetches run on past the row group into the next): the scalar path's bits."""
+    """Four rows, one tile of them, and sixteen (the AMX path's tile), over short rows and long ones (many blocks a
+    row: each block's integer sums start again, the prefetches run on past the row group into the next, and the AMX
+    path prepares a row's blocks in runs of 32): the scalar path's bits."""
     rng = np.random.default_rng(700 + int(qtype) + k)
     n_blocks = k // TYPE_INFO[qtype].block_size
     raw = random_blocks(qtype, 21, n_blocks, rng)
     packed = rp.repack(raw, qtype, (k, 21), paired)
-    x = rng.standard_normal((4, k)).astype(np.float32)
-    _assert_every_isa_gives_the_same_bits(packed, x, pools[2], k)
+    for m in (4, 16):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        _assert_every_isa_gives_the_same_bits(packed, x, pools[2], (k, m))
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -309,7 +311,7 @@ def test_a_row_is_bit_identical_alone_and_inside_any_batch_and_thread_split(qtyp
     packed = rp.repack(raw, qtype, ne, paired)
     row = rng.standard_normal((1, ne[0])).astype(np.float32)
     alone = kernels.mul_mat(packed, row, pools[1], isa)
-    for batch, place in ((2, 1), (3, 0), (8, 5), (17, 16)):
+    for batch, place in ((2, 1), (3, 0), (8, 5), (17, 16), (40, 21)):
         x = rng.standard_normal((batch, ne[0])).astype(np.float32)
         x[place] = row[0]
         for n_threads, pool in pools.items():

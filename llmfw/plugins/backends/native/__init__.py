@@ -1,7 +1,7 @@
 """The native backend: llmfw's own compiled CPU kernels (C11 with compiler intrinsics, csrc/), built by the
 project's setup.py as an optional extension. One build runs on every x86-64 CPU: each kernel is compiled as
-portable C, for AVX2+FMA+F16C and for AVX-512 (F/BW/VL + VNNI), and the path is chosen at load from what the CPU
-reports (``backend_options: {native: {isa: auto|scalar|avx2|avx512}}`` forces one); other architectures build the
+portable C, for AVX2+FMA+F16C and for AVX-512 (F/BW/VL + VNNI, with the AMX tile unit's dot products for prompt-sized
+matmuls where it runs: ``amx``), and the path is chosen at load from what the CPU reports (``backend_options: {native: {isa: auto|scalar|avx2|avx512|amx}}`` forces one); other architectures build the
 scalar path. Without the built extension the backend reports itself unavailable with the reason.
 
 Matmuls: weights stay in their own bits (repack.py: exact ``scale * code + offset`` per 16/32 elements, rows

@@ -32,7 +32,7 @@ class NativeOptions(CacheOptions):
     """``backend_options: {native: {...}}``."""
 
     #: the kernels' instruction set: auto = the widest this CPU runs; a named one is an error where it cannot run
-    isa: Literal["auto", "scalar", "avx2", "avx512"] = "auto"
+    isa: Literal["auto", "scalar", "avx2", "avx512", "amx"] = "auto"
     #: time every instruction of every program (``NativeBackend.profile()`` sums them per op)
     profile: bool = False
     #: the KV cache's values: f16 (llama.cpp's default cache type: half the memory, and half the bytes attention

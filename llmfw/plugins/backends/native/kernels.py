@@ -2,8 +2,9 @@
 
 ``load_library()`` raises :class:`BackendUnavailable` with the reason when the extension was not built (an install
 without a working C compiler) — what ``llmfw plugins`` and ``-v`` report. ISA paths: ``scalar`` (portable C,
-always), ``avx2`` (AVX2+FMA+F16C), ``avx512`` (AVX-512 F/BW/VL + VNNI); :func:`available_isas` says which this CPU
-runs, :func:`resolve_isa` turns the ``isa`` option into one of them."""
+always), ``avx2`` (AVX2+FMA+F16C), ``avx512`` (AVX-512 F/BW/VL + VNNI), ``amx`` (``avx512`` with the AMX tile unit
+taking a batched matmul's integer dot products: Linux, AMX-TILE + AMX-INT8 that run); :func:`available_isas` says which
+this CPU runs, :func:`resolve_isa` turns the ``isa`` option into one of them."""
 from __future__ import annotations
 
 import ctypes
@@ -18,7 +19,7 @@ from llmfw.core.errors import BackendUnavailable, ConfigError, LLMFWError
 from llmfw.plugins.backends.native.repack import BLOCK, QUANTIZED_KINDS, PackedWeight
 
 EXTENSION = "llmfw.plugins.backends.native._native"
-ABI_VERSION = 14
+ABI_VERSION = 15
 #: the path of a build of the extension to load instead of the installed one (the sanitizer run,
 #: benchmarks/native_sanitizers.sh)
 LIBRARY_VARIABLE = "LLMFW_NATIVE_LIBRARY"
@@ -26,9 +27,9 @@ LIBRARY_VARIABLE = "LLMFW_NATIVE_LIBRARY"
 BUILD_HINT = "its C extension is not built: install gcc and the Python headers, then reinstall llmfw (pip install -e .)"
 #: sizeof(nat_instr) (csrc/native.h; program.INSTR is the same record)
 INSTR_BYTES = 280
-ISAS = ("scalar", "avx2", "avx512")  # the index is enum nat_isa
+ISAS = ("scalar", "avx2", "avx512", "amx")  # the index is enum nat_isa
 #: the order ``isa: auto`` prefers (the widest path this CPU runs)
-AUTO_ORDER = ("avx512", "avx2", "scalar")
+AUTO_ORDER = ("amx", "avx512", "avx2", "scalar")
 
 
 class NatWeight(ctypes.Structure):
@@ -96,8 +97,10 @@ def _typed(lib: Any) -> Any:
     return lib
 
 
+@functools.lru_cache(maxsize=1)
 def available_isas() -> tuple[str, ...]:
-    """The ISA paths this CPU runs in this build (scalar always)."""
+    """The ISA paths this CPU runs in this build (scalar always); asked once a process, as the AMX check runs its
+    instructions in a child process."""
     mask = load_library().nat_cpu_isas()
     return tuple(name for index, name in enumerate(ISAS) if mask & (1 << index))
 

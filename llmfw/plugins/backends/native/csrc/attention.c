@@ -645,7 +645,7 @@ static const attn_kernels *kernels_for(int isa) {
     static const attn_kernels avx512 = {float_scores_avx512, peak_avx512, exp_sum_avx512, float_weigh_avx512,
                                         uint16_t_scores_avx512, uint16_t_weigh_avx512, visible_avx512,
                                         scores_f16_heads_avx512};
-    if (isa == NAT_ISA_AVX512) return &avx512;
+    if (isa == NAT_ISA_AVX512 || isa == NAT_ISA_AMX) return &avx512;
     if (isa == NAT_ISA_AVX2) return &avx2;
 #endif
     (void)isa;

@@ -202,11 +202,11 @@ static int streams_once(int64_t m) {
     return m <= M_TILE && __builtin_cpu_is("amd");  /* a compare with what libgcc read at startup */
 }
 
-/* TILE(w, a, plan, form, pars, rows, i0, g, y) over all m activation rows: tiles of M_TILE rows, then 2, then 1
+/* TILE(w, a, plan, form, pars, rows, i0, g, y) over activation rows [from, m): tiles of M_TILE rows, then 2, then 1
  * (each tile size a constant, so each gets its own specialised copy) */
-#define RUN_TILES(TILE, w, a, plan, form, pars, m, g, y)                             \
+#define RUN_TILES(TILE, w, a, plan, form, pars, from, m, g, y)                       \
     do {                                                                             \
-        int64_t i_ = 0;                                                              \
+        int64_t i_ = (from);                                                         \
         for (; i_ + M_TILE <= (m); i_ += M_TILE) TILE(w, a, plan, form, pars, M_TILE, i_, g, y); \
         if (i_ + 2 <= (m)) {                                                         \
             TILE(w, a, plan, form, pars, 2, i_, g, y);                            \
@@ -278,7 +278,7 @@ INLINE nat_weight with_constant_layout(const nat_weight *w, int form, int pars) 
                 g++;                                                                                               \
                 continue;                                                                                          \
             }                                                                                                      \
-            RUN_TILES(NAME##_tile, w, a, plan, form, pars, m, g, y);                                               \
+            RUN_TILES(NAME##_tile, w, a, plan, form, pars, 0, m, g, y);                                               \
         }                                                                                                          \
     }                                                                                                              \
     ATTR void nat_qgemm_##NAME(const nat_weight *w, const nat_qact *a, int64_t m, float *y, int64_t g0,             \
@@ -512,7 +512,7 @@ TARGET INLINE int avx2_pairs(const nat_weight *w, const nat_qact *a, const code_
                              int64_t m, float *y, int64_t g) {
     if (!INDEXED(form) || FIVE_BIT(form) || !(pars & PAR_ONE_SCALE)) return 0;
     if (m <= M_TILE && !nat_in_pair(w, g)) return 0;
-    RUN_TILES(avx2_pair_tile, w, a, plan, form, pars, m, g, y);
+    RUN_TILES(avx2_pair_tile, w, a, plan, form, pars, 0, m, g, y);
     return 1;
 }
 
@@ -703,6 +703,35 @@ TARGET512 INLINE void prefetch_pair_ahead(pair_cursor *c, size_t bb) {
     prefetch_ahead(c->group + c->group_bytes + mults_at, c->mult_bytes, 0, c->once);
 }
 
+/* block b's float parameters of groups g and g+1 (at lo and hi) in par (s0, s1, o0, o1); a factored weight's
+ * multipliers of the block's super-block in *mult_s, *mult_o, loaded at its first block and kept for the next 7 */
+TARGET512 INLINE void pair_block_params(const nat_weight *w, const uint8_t *lo, const uint8_t *hi, int pars, int64_t g,
+                                        int64_t b, __m512 *mult_s, __m512 *mult_o, __m512 par[4]) {
+    nat_param_rows p0 = nat_block_param_rows(w, lo), p1 = nat_block_param_rows(w, hi);
+    if (pars & PAR_FACTOR) {
+        if (b % NAT_SUPER == 0) {
+            const float *m0 = nat_block_mults(w, g, b), *m1 = nat_block_mults(w, g + 1, b);
+            *mult_s = pair_mults(m0, m1);
+            if (pars & PAR_OFFSETS) *mult_o = pair_mults(m0 + NAT_ROWS, m1 + NAT_ROWS);
+        }
+        pair_factored_params(p0, p1, pars, *mult_s, *mult_o, par);
+        return;
+    }
+    par[0] = load_pair_params(p0.s0, p1.s0, pars);
+    par[1] = load_pair_params(p0.s1, p1.s1, pars);
+    par[2] = par[3] = _mm512_setzero_ps();
+    if (pars & PAR_OFFSETS) {
+        par[2] = load_pair_params(p0.o0, p1.o0, pars);
+        par[3] = load_pair_params(p0.o1, p1.o1, pars);
+    }
+}
+
+/* a tile row's 16 results: group g's 8 rows from the low half of acc, group g+1's from the high half */
+TARGET512 INLINE void store_pair_rows(float *y, int64_t n, int64_t i, int64_t g, __m512 acc) {
+    store_rows(y, n, i, g, _mm512_castps512_ps256(acc));
+    store_rows(y, n, i, g + 1, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1)));
+}
+
 TARGET512 INLINE void pair_tile(const nat_weight *w, const nat_qact *a, const code_plan *plan, int form, int pars,
                                 int rows, int64_t i0, int64_t g, float *y) {
     int64_t nb = w->n_cols / NAT_BLOCK;
@@ -718,24 +747,8 @@ TARGET512 INLINE void pair_tile(const nat_weight *w, const nat_qact *a, const co
         prefetch_pair_ahead(&ahead, bb);
         __m512i chunk[8];
         pair_operands(lo, hi, form, VNNI_HIGH16(form) && !(pars & PAR_ONE_SCALE), table, chunk);
-        nat_param_rows p0 = nat_block_param_rows(w, lo), p1 = nat_block_param_rows(w, hi);
         __m512 par[4];
-        if (pars & PAR_FACTOR) {
-            if (b % NAT_SUPER == 0) {  /* a new super-block: its multipliers, for this block and the next 7 */
-                const float *m0 = nat_block_mults(w, g, b), *m1 = nat_block_mults(w, g + 1, b);
-                mult_s = pair_mults(m0, m1);
-                if (pars & PAR_OFFSETS) mult_o = pair_mults(m0 + NAT_ROWS, m1 + NAT_ROWS);
-            }
-            pair_factored_params(p0, p1, pars, mult_s, mult_o, par);
-        } else {
-            par[0] = load_pair_params(p0.s0, p1.s0, pars);
-            par[1] = load_pair_params(p0.s1, p1.s1, pars);
-            par[2] = par[3] = _mm512_setzero_ps();
-            if (pars & PAR_OFFSETS) {
-                par[2] = load_pair_params(p0.o0, p1.o0, pars);
-                par[3] = load_pair_params(p0.o1, p1.o1, pars);
-            }
-        }
+        pair_block_params(w, lo, hi, pars, g, b, &mult_s, &mult_o, par);
         for (int t = 0; t < rows; t++) {
             int64_t i = i0 + t;
             const int8_t *aq = a->q + i * w->n_cols + b * NAT_BLOCK;
@@ -752,21 +765,211 @@ TARGET512 INLINE void pair_tile(const nat_weight *w, const nat_qact *a, const co
             acc[t] = pair_combine(acc[t], par, pars, h0, h1, a->d[i * nb + b], sums, a->asum[i * nb + b]);
         }
     }
-    for (int t = 0; t < rows; t++) {
-        store_rows(y, w->n_rows, i0 + t, g, _mm512_castps512_ps256(acc[t]));
-        store_rows(y, w->n_rows, i0 + t, g + 1, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[t]), 1)));
-    }
+    for (int t = 0; t < rows; t++) store_pair_rows(y, w->n_rows, i0 + t, g, acc[t]);
 }
 
 /* groups g and g+1 for all m activation rows */
 TARGET512 INLINE int pair_groups(const nat_weight *w, const nat_qact *a, const code_plan *plan, int form, int pars,
                                  int64_t m, float *y, int64_t g) {
-    RUN_TILES(pair_tile, w, a, plan, form, pars, m, g, y);
+    RUN_TILES(pair_tile, w, a, plan, form, pars, 0, m, g, y);
     return 1;
 }
 
 DEFINE_ROW_TILE(TARGET512, avx512, VNNI_HIGH16, vnni_operands, vnni_dots)
 QGEMM_PATH(TARGET512, avx512, pair_groups)
+
+#ifdef NAT_HAVE_AMX
+/* AMX (AMX-TILE + AMX-INT8): the AVX-512 path with a prompt's integer dot products taken by the tile unit, whose
+ * one instruction multiplies 16 activation rows by 16 weight rows over a block's codes. A block of the two groups
+ * is made into pair_operands' 8 chunks as before (the second half's nibbles shifted down): chunk c's 64 bytes, 4
+ * codes of each of the pair's 16 rows, are row c of the tile unit's second operand as it wants it (4 consecutive
+ * bytes per column); the activation rows' codes are its first operand as they lie. The exact integer dot products
+ * (plus the base terms) then take the AVX-512 pair path's float part: the same bits.
+ * The tile unit pays for its operands' trip through memory: a block's operands are stored, then loaded as a tile,
+ * and its dot products stored, then loaded into vectors. So a pair's blocks are made into operands (and their float
+ * parameters widened) once, for all of the call's tiles of 16 rows, a run of AMX_BLOCKS blocks at a time, and each
+ * tile's float part takes the dot products of the block two before the one the tile unit works on. With fewer
+ * than 16 rows there is too little to share them with (four rows ran slower than the AVX-512 tile's dot products):
+ * those rows take the AVX-512 pair tile. The instructions are written in assembly with a memory clobber each, so
+ * the compiler orders the tiles' loads and stores with the vector stores and loads around them. */
+#define TARGET_AMX __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni,amx-tile,amx-int8")))
+#define AMX_ROWS 16    /* activation rows of a tile */
+#define AMX_BLOCKS 32  /* blocks made into operands at a time (a multiple of NAT_SUPER) */
+#define AMX_LAG 2      /* blocks between a block's dot products and its float part */
+
+/* the tile registers: the dot products of even and odd blocks (two scales: a pair for the halves each), the
+ * activation codes [16 rows][the block's 32 bytes, or a half's 16] and the weight operands [chunks][64 bytes] */
+#define AMX_C_EVEN 0
+#define AMX_C_EVEN_HIGH 1
+#define AMX_C_ODD 2
+#define AMX_C_ODD_HIGH 3
+#define AMX_A 4
+#define AMX_A_HIGH 5
+#define AMX_B 6
+#define AMX_B_HIGH 7
+#define AMX_STR(x) #x
+#define AMX_TMM(t) "%%tmm" AMX_STR(t)
+#define AMX_LOAD(t, base, stride) \
+    __asm__ volatile("tileloadd (%0,%1,1), " AMX_TMM(t) ::"r"(base), "r"((int64_t)(stride)) : "memory")
+#define AMX_STORE(t, base) \
+    __asm__ volatile("tilestored " AMX_TMM(t) ", (%0,%1,1)" ::"r"(base), "r"((int64_t)64) : "memory")
+#define AMX_ZERO(t) __asm__ volatile("tilezero " AMX_TMM(t) ::: "memory")
+/* c += a (signed bytes) . b (unsigned bytes), 4 at a time into each int32 */
+#define AMX_DOT(c, a, b) __asm__ volatile("tdpbsud " AMX_TMM(b) ", " AMX_TMM(a) ", " AMX_TMM(c) ::: "memory")
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t bytes_per_row[16];
+    uint8_t rows[16];
+} amx_config;
+
+/* the tile registers' shapes: one scale, a whole block a dot product; two, a half each */
+static void amx_configure(int one_scale) {
+    amx_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = AMX_C_EVEN; t <= AMX_C_ODD_HIGH; t++) {
+        cfg.rows[t] = AMX_ROWS;
+        cfg.bytes_per_row[t] = 64;
+    }
+    cfg.rows[AMX_A] = cfg.rows[AMX_A_HIGH] = AMX_ROWS;
+    cfg.bytes_per_row[AMX_A] = cfg.bytes_per_row[AMX_A_HIGH] = one_scale ? 32 : 16;
+    cfg.rows[AMX_B] = cfg.rows[AMX_B_HIGH] = one_scale ? 8 : 4;
+    cfg.bytes_per_row[AMX_B] = cfg.bytes_per_row[AMX_B_HIGH] = 64;
+    __asm__ volatile("ldtilecfg %0" ::"m"(cfg) : "memory");
+}
+
+static void amx_release(void) { __asm__ volatile("tilerelease" ::: "memory"); }
+
+/* A run of a pair's blocks made ready for the tile unit: each block's 8 operand chunks and its 4 rows of float
+ * parameters (s0, s1, o0, o1 over the pair's 16 rows) */
+typedef struct {
+    _Alignas(64) uint8_t operands[AMX_BLOCKS][8 * 64];
+    _Alignas(64) float params[AMX_BLOCKS][4][16];
+} amx_run;
+
+/* blocks [b0, b0 + n) of groups g and g+1 into run */
+TARGET_AMX INLINE void amx_prepare(const nat_weight *w, const code_plan *plan, int form, int pars, int64_t g,
+                                   int64_t b0, int n, amx_run *run) {
+    size_t stride[2] = {nat_block_stride(w, g), nat_block_stride(w, g + 1)};
+    const uint8_t *group = nat_block_at(w, g, 0), *next = nat_block_at(w, g + 1, 0);
+    __m512i table = _mm512_broadcast_i64x4(plan->table);
+    /* a run starts on a super-block (AMX_BLOCKS is a multiple of NAT_SUPER), whose multipliers its first block loads */
+    __m512 mult_s = _mm512_setzero_ps(), mult_o = _mm512_setzero_ps();
+    for (int j = 0; j < n; j++) {
+        int64_t b = b0 + j;
+        const uint8_t *lo = group + b * stride[0], *hi = next + b * stride[1];
+        __m512i chunk[8];
+        pair_operands(lo, hi, form, 0, table, chunk);
+        for (int c = 0; c < 8; c++) _mm512_store_si512((__m512i *)(run->operands[j] + 64 * c), chunk[c]);
+        __m512 par[4];
+        pair_block_params(w, lo, hi, pars, g, b, &mult_s, &mult_o, par);
+        for (int r = 0; r < 4; r++) _mm512_store_ps(run->params[j][r], par[r]);
+    }
+}
+
+/* the loaded block's dot products into tile C (two scales: the halves in C and C_HIGH), stored in dots[0] (and
+ * dots[1]); tile numbers are the instructions' own operands, so each pair of tiles is its own copy */
+#define AMX_DOTS_INTO(C, C_HIGH, one_scale, dots)        \
+    do {                                                 \
+        AMX_ZERO(C);                                     \
+        AMX_DOT(C, AMX_A, AMX_B);                        \
+        AMX_STORE(C, (dots)[0]);                         \
+        if (!(one_scale)) {                              \
+            AMX_ZERO(C_HIGH);                            \
+            AMX_DOT(C_HIGH, AMX_A_HIGH, AMX_B_HIGH);     \
+            AMX_STORE(C_HIGH, (dots)[1]);                \
+        }                                                \
+    } while (0)
+
+/* the tile unit's dot products of run block j for the 16 activation rows at aq (row stride n_cols), into the even
+ * or odd tiles (so a block's tiles are not those whose results the last block is still storing), stored in dots
+ * (one scale: the whole block in dots[0]; two: the halves in dots[0], dots[1]) */
+TARGET_AMX INLINE void amx_block_dots(const amx_run *run, int j, const int8_t *aq, int64_t n_cols, int one_scale,
+                                      int odd, int32_t dots[2][AMX_ROWS * 16]) {
+    const uint8_t *operands = run->operands[j];
+    AMX_LOAD(AMX_B, operands, 64);
+    AMX_LOAD(AMX_A, aq, n_cols);
+    if (!one_scale) {
+        AMX_LOAD(AMX_B_HIGH, operands + 4 * 64, 64);
+        AMX_LOAD(AMX_A_HIGH, aq + 16, n_cols);
+    }
+    if (odd)
+        AMX_DOTS_INTO(AMX_C_ODD, AMX_C_ODD_HIGH, one_scale, dots);
+    else
+        AMX_DOTS_INTO(AMX_C_EVEN, AMX_C_EVEN_HIGH, one_scale, dots);
+}
+
+/* block b's float part for the tile's 16 rows from i0 (pair_tile's, from the stored dot products) */
+TARGET_AMX INLINE void amx_combine(const nat_qact *a, const code_plan *plan, int form, int pars, const float par_at[4][16],
+                                   int64_t i0, int64_t nb, int64_t b, int32_t dots[2][AMX_ROWS * 16],
+                                   __m512 acc[AMX_ROWS]) {
+    __m512 par[4];
+    for (int r = 0; r < 4; r++) par[r] = _mm512_load_ps(par_at[r]);
+    int one_scale = (pars & PAR_ONE_SCALE) != 0;
+    for (int t = 0; t < AMX_ROWS; t++) {
+        int64_t i = i0 + t;
+        const int32_t *sums = a->sums + (i * nb + b) * 2;
+        int32_t extra[2];
+        base_terms(plan, form, pars, sums, extra);
+        __m512i h0 = _mm512_add_epi32(_mm512_load_si512((const __m512i *)(dots[0] + 16 * t)), _mm512_set1_epi32(extra[0]));
+        __m512i h1 = _mm512_setzero_si512();
+        if (!one_scale)
+            h1 = _mm512_add_epi32(_mm512_load_si512((const __m512i *)(dots[1] + 16 * t)), _mm512_set1_epi32(extra[1]));
+        acc[t] = pair_combine(acc[t], par, pars, h0, h1, a->d[i * nb + b], sums, a->asum[i * nb + b]);
+    }
+}
+
+/* the run's blocks [b0, b0 + n) for the 16 activation rows from i0: acc carried in (from zeros, or from the last
+ * run's sums as stored in y: a float stored and loaded back is the same float) and stored out to y */
+TARGET_AMX INLINE void amx_pair_rows(const nat_weight *w, const nat_qact *a, const code_plan *plan, int form, int pars,
+                                     const amx_run *run, int64_t b0, int n, int64_t i0, int64_t g, float *y) {
+    int64_t nb = w->n_cols / NAT_BLOCK, n_out = w->n_rows;
+    int one_scale = (pars & PAR_ONE_SCALE) != 0;
+    _Alignas(64) int32_t dots[AMX_LAG + 2][2][AMX_ROWS * 16];
+    __m512 acc[AMX_ROWS];
+    for (int t = 0; t < AMX_ROWS; t++)
+        acc[t] = b0 ? _mm512_loadu_ps(y + (i0 + t) * n_out + g * NAT_ROWS) : _mm512_setzero_ps();
+    const int8_t *aq = a->q + i0 * w->n_cols + b0 * NAT_BLOCK;
+    for (int j = 0; j < n + AMX_LAG; j++) {
+        if (j < n) amx_block_dots(run, j, aq + j * NAT_BLOCK, w->n_cols, one_scale, j & 1, dots[j % (AMX_LAG + 2)]);
+        int k = j - AMX_LAG;
+        if (k >= 0)
+            amx_combine(a, plan, form, pars, run->params[k], i0, nb, b0 + k, dots[k % (AMX_LAG + 2)], acc);
+    }
+    for (int t = 0; t < AMX_ROWS; t++) _mm512_storeu_ps(y + (i0 + t) * n_out + g * NAT_ROWS, acc[t]);
+}
+
+/* groups g and g+1 for all m activation rows: the tile unit for each whole tile of 16 rows when both groups are
+ * whole (their 16 results of a row lie side by side in y), the AVX-512 pair tiles for the rest */
+TARGET_AMX INLINE int amx_pair_groups(const nat_weight *w, const nat_qact *a, const code_plan *plan, int form, int pars,
+                                      int64_t m, float *y, int64_t g) {
+    int64_t nb = w->n_cols / NAT_BLOCK, tiled = m / AMX_ROWS * AMX_ROWS;
+    if ((g + 2) * NAT_ROWS > w->n_rows) tiled = 0;
+    if (tiled) {
+        amx_run run;
+        amx_configure((pars & PAR_ONE_SCALE) != 0);
+        for (int64_t b0 = 0; b0 < nb; b0 += AMX_BLOCKS) {
+            int n = nb - b0 < AMX_BLOCKS ? (int)(nb - b0) : AMX_BLOCKS;
+            amx_prepare(w, plan, form, pars, g, b0, n, &run);
+            for (int64_t i = 0; i < tiled; i += AMX_ROWS) amx_pair_rows(w, a, plan, form, pars, &run, b0, n, i, g, y);
+        }
+    }
+    RUN_TILES(pair_tile, w, a, plan, form, pars, tiled, m, g, y);
+    return 1;
+}
+
+#define amx_tiles_plan avx512_plan
+#define amx_tiles_tile avx512_tile
+QGEMM_PATH(TARGET_AMX, amx_tiles, amx_pair_groups)
+
+/* the AMX path's matmul: the tile registers given back after a call that used them, so a thread that leaves the
+ * kernels carries no tile state (the kernel then saves none at a switch) */
+TARGET_AMX void nat_qgemm_amx(const nat_weight *w, const nat_qact *a, int64_t m, float *y, int64_t g0, int64_t g1) {
+    nat_qgemm_amx_tiles(w, a, m, y, g0, g1);
+    if (m >= AMX_ROWS) amx_release();
+}
+#endif /* NAT_HAVE_AMX */
 
 /* nat_quantize_rows (kernels_scalar.c) in 256-bit vectors, for the AVX2 path: the same operations in IEEE
  * float and double — |x| and its maximum, the double reciprocal, x * inv in double rounded half to even

@@ -35,7 +35,8 @@
 #define NAT_BLOCK 32      /* elements per quantized block */
 
 enum nat_kind { NAT_QNIB = 0, NAT_QBYTE = 1, NAT_F32 = 2, NAT_F16 = 3, NAT_BF16 = 4, NAT_QNIB5 = 5 };
-enum nat_isa { NAT_ISA_SCALAR = 0, NAT_ISA_AVX2 = 1, NAT_ISA_AVX512 = 2 };
+/* NAT_ISA_AMX: the AVX-512 path with the tile unit's integer dot products in batched tiles (the same bits) */
+enum nat_isa { NAT_ISA_SCALAR = 0, NAT_ISA_AVX2 = 1, NAT_ISA_AVX512 = 2, NAT_ISA_AMX = 3 };
 
 /* A repacked weight [n_rows, n_cols].
  * Quantized kinds: n_groups = ceil(n_rows / 8) groups, each n_cols/32 blocks of
@@ -202,6 +203,12 @@ void nat_quantize_rows_avx2(const float *x, int64_t k, nat_qact *a, int64_t m0, 
 void nat_quantize_rows_avx512(const float *x, int64_t k, nat_qact *a, int64_t m0, int64_t m1);
 void nat_f32_to_f16_row_f16c(const float *x, uint16_t *out, int64_t n);
 void nat_f16_to_f32_row_f16c(const uint16_t *h, float *out, int64_t n);
+/* the AMX path: Linux (a process asks the kernel for the tile state) and a compiler that knows the tile
+ * instructions' target (GCC 11, clang 12) */
+#if defined(__linux__) && ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11))
+#define NAT_HAVE_AMX 1
+void nat_qgemm_amx(const nat_weight *w, const nat_qact *a, int64_t m, float *y, int64_t g0, int64_t g1);
+#endif
 #endif
 
 /* the matmul kernels of one ISA path (module.c's nat_kernels_for: a path not compiled in gives the scalar ones) */
