@@ -1,6 +1,6 @@
 """Where the native backend's decode step goes: per op, for one sequence and for N sequences decoded together.
 
-    python3 benchmarks/native_step_profile.py [-m smollm2] [--seqs 4] [-n 128] [-t 2] [-r 3]
+    python3 benchmarks/native_step_profile.py [-m smollm2] [--seqs 4] [-n 128] [-t 2] [-r 3] [--isa auto]
 
 Each run decodes ``-n`` steps from an empty cache (one token per sequence per step, every row's logits out, as
 ``llmfw bench``'s ``tg`` and ``tgNxS`` tests do). The step time is the wall time of ``Context.decode`` (the best of
@@ -55,7 +55,7 @@ def decode_steps(ctx: Any, tokens: list[int], n_seqs: int, n_steps: int) -> floa
 def step_times(model_name: str, args: argparse.Namespace, profile: bool) -> tuple[dict[int, tuple[float, float]],
                                                                                   dict[int, dict[str, float]]]:
     """Per sequence count: (ms a step, ms of it in programs), and the per-op ms a step of the profiled run."""
-    model = llmfw.load_model(model_name, backend="native", backend_options={"native": {"profile": profile}})
+    model = llmfw.load_model(model_name, backend="native", backend_options={"native": {"profile": profile, "isa": args.isa}})
     try:
         ctx = model.new_context(n_ctx=max(768, args.seqs * args.n_gen), n_batch=args.seqs, n_seq_max=args.seqs,
                                 n_ubatch=args.seqs, n_threads=args.threads)
@@ -100,6 +100,7 @@ def main() -> None:
     parser.add_argument("-n", "--n-gen", type=positive, default=128, help="decode steps a run")
     parser.add_argument("-t", "--threads", type=positive, default=2)
     parser.add_argument("-r", "--repeats", type=positive, default=3)
+    parser.add_argument("--isa", default="auto", help="the kernels' ISA path (auto, scalar, avx2, avx512, amx)")
     args = parser.parse_args()
     try:
         times, _ = step_times(args.model, args, profile=False)

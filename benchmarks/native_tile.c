@@ -4,6 +4,7 @@
  * header of its nat_weight fields, then its bytes), lays out `copies` of it one after another (1: it stays in L2; a
  * few MB: L3; far more: each call streams from memory) and prints the best time a call and cycles per 16x32 tile. */
 #define _POSIX_C_SOURCE 200809L
+#define _DEFAULT_SOURCE  /* syscall: the AMX path asks for the tile state */
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -12,6 +13,8 @@
 #include <time.h>
 
 #include "native.h"
+#include <sys/syscall.h>
+#include <unistd.h>
 
 static double seconds(void) {
     struct timespec t;
@@ -97,7 +100,7 @@ static double time_calls(const timed_loop *base, int threads) {
 
 int main(int argc, char **argv) {
     if (argc < 7) {
-        fprintf(stderr, "usage: %s WEIGHT_FILE COPIES CALLS avx512|avx2 THREADS M...\n", argv[0]);
+        fprintf(stderr, "usage: %s WEIGHT_FILE COPIES CALLS amx|avx512|avx2 THREADS M...\n", argv[0]);
         return 2;
     }
     nat_weight w;
@@ -109,6 +112,15 @@ int main(int argc, char **argv) {
     }
     int copies = atoi(argv[2]), calls = atoi(argv[3]), avx2 = strcmp(argv[4], "avx2") == 0, threads = atoi(argv[5]);
     nat_qgemm_fn qgemm = avx2 ? nat_qgemm_avx2 : nat_qgemm_avx512;
+#ifdef NAT_HAVE_AMX
+    if (strcmp(argv[4], "amx") == 0) {  /* the tile state, as module.c's check asks for it (native_tile.py checked it runs) */
+        if (syscall(SYS_arch_prctl, 0x1023, 18) != 0) {
+            fprintf(stderr, "the kernel does not grant the AMX tile state\n");
+            return 1;
+        }
+        qgemm = nat_qgemm_amx;
+    }
+#endif
     nat_quantize_fn quantize = avx2 ? nat_quantize_rows_avx2 : nat_quantize_rows_avx512;
     if (threads < 1 || threads > 64) {
         fprintf(stderr, "threads %d: from 1 to 64\n", threads);

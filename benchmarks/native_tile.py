@@ -2,7 +2,7 @@
 quantization around it.
 
     python3 benchmarks/native_tile.py [-m smollm2] [--tensor blk.0.ffn_gate.weight] [--copies 1,10,200]
-                                      [--rows 1,2,4,8] [--isa avx512] [-t 1] [--paired]
+                                      [--rows 1,2,4,8] [--isa avx512|amx|avx2] [-t 1] [--paired]
 
 Repacks one tensor of the model as the backend does, compiles ``benchmarks/native_tile.c`` with the kernels' sources
 and ``setup.py``'s flags (gcc), and times ``nat_qgemm_<isa>`` for each activation row count (``--rows``): the best
@@ -89,7 +89,7 @@ def main() -> None:
     parser.add_argument("--tensor", default="blk.0.ffn_gate.weight")
     parser.add_argument("--copies", type=counts, default=[1, 10, 200], help="copies of the weight cycled through")
     parser.add_argument("--rows", type=counts, default=[1, 2, 4, 8], help="activation rows of each timed call")
-    parser.add_argument("--isa", choices=["avx512", "avx2"], default="avx512")
+    parser.add_argument("--isa", choices=["amx", "avx512", "avx2"], default="avx512")
     parser.add_argument("-t", "--threads", type=int, default=1, help="threads sharing each call (1-64)")
     parser.add_argument("--paired", action="store_true", help="the row groups side by side in pairs")
     args = parser.parse_args()
