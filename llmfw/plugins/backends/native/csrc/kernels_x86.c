@@ -963,11 +963,16 @@ TARGET_AMX INLINE int amx_pair_groups(const nat_weight *w, const nat_qact *a, co
 #define amx_tiles_tile avx512_tile
 QGEMM_PATH(TARGET_AMX, amx_tiles, amx_pair_groups)
 
-/* the AMX path's matmul: the tile registers given back after a call that used them, so a thread that leaves the
- * kernels carries no tile state (the kernel then saves none at a switch) */
+/* the AMX path's matmul: fewer rows than a tile (a decode step) are the AVX-512 path's call itself; the tile
+ * registers are given back after a call that used them, so a thread that leaves the kernels carries no tile state
+ * (the kernel then saves none at a switch) */
 TARGET_AMX void nat_qgemm_amx(const nat_weight *w, const nat_qact *a, int64_t m, float *y, int64_t g0, int64_t g1) {
+    if (m < AMX_ROWS) {
+        nat_qgemm_avx512(w, a, m, y, g0, g1);
+        return;
+    }
     nat_qgemm_amx_tiles(w, a, m, y, g0, g1);
-    if (m >= AMX_ROWS) amx_release();
+    amx_release();
 }
 #endif /* NAT_HAVE_AMX */
 
