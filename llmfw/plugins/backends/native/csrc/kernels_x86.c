@@ -202,11 +202,11 @@ static int streams_once(int64_t m) {
     return m <= M_TILE && __builtin_cpu_is("amd");  /* a compare with what libgcc read at startup */
 }
 
-/* TILE(w, a, plan, form, pars, rows, i0, g, y) over activation rows [from, m): tiles of M_TILE rows, then 2, then 1
+/* TILE(w, a, plan, form, pars, rows, i0, g, y) over all m activation rows: tiles of M_TILE rows, then 2, then 1
  * (each tile size a constant, so each gets its own specialised copy) */
-#define RUN_TILES(TILE, w, a, plan, form, pars, from, m, g, y)                       \
+#define RUN_TILES(TILE, w, a, plan, form, pars, m, g, y)                             \
     do {                                                                             \
-        int64_t i_ = (from);                                                         \
+        int64_t i_ = 0;                                                              \
         for (; i_ + M_TILE <= (m); i_ += M_TILE) TILE(w, a, plan, form, pars, M_TILE, i_, g, y); \
         if (i_ + 2 <= (m)) {                                                         \
             TILE(w, a, plan, form, pars, 2, i_, g, y);                            \
@@ -264,6 +264,12 @@ INLINE nat_weight with_constant_layout(const nat_weight *w, int form, int pars) 
         for (int t = 0; t < rows; t++) store_rows(y, w->n_rows, i0 + t, g, acc[t]);                                \
     }
 
+/* the parameter flags (PAR_*) of w's layout, which choose its specialised kernel */
+static inline int param_flags(const nat_weight *w) {
+    return (w->has_offsets ? PAR_OFFSETS : 0) | (w->n_scales == 1 ? PAR_ONE_SCALE : 0) | (w->half_params ? PAR_HALF : 0) |
+           (w->factored ? PAR_FACTOR : 0);
+}
+
 /* The quantized matmul of one ISA path (NAME): per row group, tiles of up to M_TILE activation rows (NAME_tile).
  * Each (code form, parameter flags, tile size) gets its own copy of the loops, the branches on them compiled away;
  * exact integers: only the instructions differ between paths. PAIRS(w, a, plan, form, pars, m, y, g) may take
@@ -278,15 +284,14 @@ INLINE nat_weight with_constant_layout(const nat_weight *w, int form, int pars) 
                 g++;                                                                                               \
                 continue;                                                                                          \
             }                                                                                                      \
-            RUN_TILES(NAME##_tile, w, a, plan, form, pars, 0, m, g, y);                                               \
+            RUN_TILES(NAME##_tile, w, a, plan, form, pars, m, g, y);                                               \
         }                                                                                                          \
     }                                                                                                              \
     ATTR void nat_qgemm_##NAME(const nat_weight *w, const nat_qact *a, int64_t m, float *y, int64_t g0,             \
                                int64_t g1) {                                                                       \
         code_plan plan = NAME##_plan(w);                                                                           \
         plan.stream_once = streams_once(m);                                                                        \
-        int pars = (w->has_offsets ? PAR_OFFSETS : 0) | (w->n_scales == 1 ? PAR_ONE_SCALE : 0) |                  \
-                   (w->half_params ? PAR_HALF : 0) | (w->factored ? PAR_FACTOR : 0);                               \
+        int pars = param_flags(w);                                                                                 \
         FOR_FORM(NAME, NIB_INDEX) FOR_FORM(NAME, NIB_LINEAR) FOR_FORM(NAME, NIB_TABLE) FOR_FORM(NAME, BYTE)        \
         FOR_FORM(NAME, NIB5_INDEX) FOR_FORM(NAME, NIB5_LINEAR)                                                    \
         nat_qgemm_scalar(w, a, m, y, g0, g1);                                                                      \
@@ -512,7 +517,7 @@ TARGET INLINE int avx2_pairs(const nat_weight *w, const nat_qact *a, const code_
                              int64_t m, float *y, int64_t g) {
     if (!INDEXED(form) || FIVE_BIT(form) || !(pars & PAR_ONE_SCALE)) return 0;
     if (m <= M_TILE && !nat_in_pair(w, g)) return 0;
-    RUN_TILES(avx2_pair_tile, w, a, plan, form, pars, 0, m, g, y);
+    RUN_TILES(avx2_pair_tile, w, a, plan, form, pars, m, g, y);
     return 1;
 }
 
@@ -771,7 +776,7 @@ TARGET512 INLINE void pair_tile(const nat_weight *w, const nat_qact *a, const co
 /* groups g and g+1 for all m activation rows */
 TARGET512 INLINE int pair_groups(const nat_weight *w, const nat_qact *a, const code_plan *plan, int form, int pars,
                                  int64_t m, float *y, int64_t g) {
-    RUN_TILES(pair_tile, w, a, plan, form, pars, 0, m, g, y);
+    RUN_TILES(pair_tile, w, a, plan, form, pars, m, g, y);
     return 1;
 }
 
@@ -940,39 +945,60 @@ TARGET_AMX INLINE void amx_pair_rows(const nat_weight *w, const nat_qact *a, con
     for (int t = 0; t < AMX_ROWS; t++) _mm512_storeu_ps(y + (i0 + t) * n_out + g * NAT_ROWS, acc[t]);
 }
 
-/* groups g and g+1 for all m activation rows: the tile unit for each whole tile of 16 rows when both groups are
- * whole (their 16 results of a row lie side by side in y), the AVX-512 pair tiles for the rest */
-TARGET_AMX INLINE int amx_pair_groups(const nat_weight *w, const nat_qact *a, const code_plan *plan, int form, int pars,
-                                      int64_t m, float *y, int64_t g) {
-    int64_t nb = w->n_cols / NAT_BLOCK, tiled = m / AMX_ROWS * AMX_ROWS;
-    if ((g + 2) * NAT_ROWS > w->n_rows) tiled = 0;
-    if (tiled) {
-        amx_run run;
-        amx_configure((pars & PAR_ONE_SCALE) != 0);
+/* the whole pairs of groups [g0, g1) (their 16 results of a row lie side by side in y) for the m activation rows, m
+ * a multiple of AMX_ROWS (the FOR_FORM kernel NAME_groups of amx_pairs below) */
+TARGET_AMX INLINE void amx_groups(const nat_weight *given, const nat_qact *a, const code_plan *plan, int form, int pars,
+                                  int64_t m, float *y, int64_t g0, int64_t g1) {
+    nat_weight fixed = with_constant_layout(given, form, pars);
+    const nat_weight *w = &fixed;
+    int64_t nb = w->n_cols / NAT_BLOCK;
+    amx_run run;
+    amx_configure((pars & PAR_ONE_SCALE) != 0);
+    for (int64_t g = g0; g < g1; g += 2) {
         for (int64_t b0 = 0; b0 < nb; b0 += AMX_BLOCKS) {
             int n = nb - b0 < AMX_BLOCKS ? (int)(nb - b0) : AMX_BLOCKS;
             amx_prepare(w, plan, form, pars, g, b0, n, &run);
-            for (int64_t i = 0; i < tiled; i += AMX_ROWS) amx_pair_rows(w, a, plan, form, pars, &run, b0, n, i, g, y);
+            for (int64_t i = 0; i < m; i += AMX_ROWS) amx_pair_rows(w, a, plan, form, pars, &run, b0, n, i, g, y);
         }
     }
-    RUN_TILES(pair_tile, w, a, plan, form, pars, tiled, m, g, y);
-    return 1;
 }
 
-#define amx_tiles_plan avx512_plan
-#define amx_tiles_tile avx512_tile
-QGEMM_PATH(TARGET_AMX, amx_tiles, amx_pair_groups)
+/* amx_groups specialised for w's code form and parameter flags; a layout without such a kernel takes the AVX-512
+ * call */
+TARGET_AMX static void amx_pairs(const nat_weight *w, const nat_qact *a, int64_t m, float *y, int64_t g0, int64_t g1) {
+    code_plan plan = avx512_plan(w);
+    plan.stream_once = streams_once(m);
+    int pars = param_flags(w);
+    FOR_FORM(amx, NIB_INDEX) FOR_FORM(amx, NIB_LINEAR) FOR_FORM(amx, NIB_TABLE) FOR_FORM(amx, BYTE)
+    FOR_FORM(amx, NIB5_INDEX) FOR_FORM(amx, NIB5_LINEAR)
+    nat_qgemm_avx512(w, a, m, y, g0, g1);
+}
 
-/* the AMX path's matmul: fewer rows than a tile (a decode step) are the AVX-512 path's call itself; the tile
- * registers are given back after a call that used them, so a thread that leaves the kernels carries no tile state
- * (the kernel then saves none at a switch) */
+/* the activation rows from `from` on, as a block of rows of their own */
+INLINE nat_qact rows_from(const nat_qact *a, int64_t from, int64_t n_cols) {
+    int64_t nb = n_cols / NAT_BLOCK;
+    nat_qact rest = {a->q + from * n_cols, a->d + from * nb, a->sums + from * nb * 2, a->asum + from * nb};
+    return rest;
+}
+
+/* The AMX path's matmul: the tile unit for the whole tiles of 16 rows over the whole pairs of groups, the AVX-512
+ * call for the rest (a decode step's fewer rows all of it; the groups past the last whole pair; the rows past the
+ * last whole tile). The tile registers are given back after a call that used them, so a thread that leaves the
+ * kernels carries no tile state (the kernel then saves none at a switch). */
 TARGET_AMX void nat_qgemm_amx(const nat_weight *w, const nat_qact *a, int64_t m, float *y, int64_t g0, int64_t g1) {
-    if (m < AMX_ROWS) {
+    int64_t tiled = m / AMX_ROWS * AMX_ROWS, paired = g0;  /* g0 is even: the pool shares whole pairs */
+    while (paired + 1 < g1 && (paired + 2) * NAT_ROWS <= w->n_rows) paired += 2;
+    if (tiled == 0 || paired == g0) {
         nat_qgemm_avx512(w, a, m, y, g0, g1);
         return;
     }
-    nat_qgemm_amx_tiles(w, a, m, y, g0, g1);
+    amx_pairs(w, a, tiled, y, g0, paired);
     amx_release();
+    if (paired < g1) nat_qgemm_avx512(w, a, tiled, y, paired, g1);
+    if (tiled < m) {
+        nat_qact rest = rows_from(a, tiled, w->n_cols);
+        nat_qgemm_avx512(w, &rest, m - tiled, y + tiled * w->n_rows, g0, g1);
+    }
 }
 #endif /* NAT_HAVE_AMX */
 
