@@ -114,7 +114,7 @@ int main(int argc, char **argv) {
     nat_qgemm_fn qgemm = avx2 ? nat_qgemm_avx2 : nat_qgemm_avx512;
 #ifdef NAT_HAVE_AMX
     if (strcmp(argv[4], "amx") == 0) {  /* the tile state, as module.c's check asks for it (native_tile.py checked it runs) */
-        if (syscall(SYS_arch_prctl, 0x1023, 18) != 0) {
+        if (syscall(SYS_arch_prctl, NAT_ARCH_REQ_XCOMP_PERM, NAT_XFEATURE_XTILEDATA) != 0) {
             fprintf(stderr, "the kernel does not grant the AMX tile state\n");
             return 1;
         }

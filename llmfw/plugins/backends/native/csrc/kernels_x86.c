@@ -986,8 +986,9 @@ INLINE nat_qact rows_from(const nat_qact *a, int64_t from, int64_t n_cols) {
  * last whole tile). The tile registers are given back after a call that used them, so a thread that leaves the
  * kernels carries no tile state (the kernel then saves none at a switch). */
 TARGET_AMX void nat_qgemm_amx(const nat_weight *w, const nat_qact *a, int64_t m, float *y, int64_t g0, int64_t g1) {
-    int64_t tiled = m / AMX_ROWS * AMX_ROWS, paired = g0;  /* g0 is even: the pool shares whole pairs */
-    while (paired + 1 < g1 && (paired + 2) * NAT_ROWS <= w->n_rows) paired += 2;
+    /* whole groups end at `whole`; g0 is even (the pool shares whole pairs), so the whole pairs end at `paired` */
+    int64_t tiled = m / AMX_ROWS * AMX_ROWS, whole = w->n_rows / NAT_ROWS < g1 ? w->n_rows / NAT_ROWS : g1;
+    int64_t paired = whole > g0 ? g0 + (whole - g0) / 2 * 2 : g0;
     if (tiled == 0 || paired == g0) {
         nat_qgemm_avx512(w, a, m, y, g0, g1);
         return;

@@ -19,9 +19,6 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#define ARCH_REQ_XCOMP_PERM 0x1023  /* arch_prctl: ask for an extended state component */
-#define XFEATURE_XTILEDATA 18       /* the tile registers' data */
-
 /* one tile instruction of each kind the AMX path uses, checked: 0 when they ran and gave the right dot product */
 __attribute__((target("amx-tile,amx-int8"))) static int amx_self_test(void) {
     uint8_t cfg[64] = {1};  /* palette 1; tiles 0-2: one row of 4 bytes */
@@ -48,7 +45,7 @@ __attribute__((target("amx-tile,amx-int8"))) static int amx_self_test(void) {
 static int amx_runs(void) {
     unsigned eax, ebx, ecx, edx;
     if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) || !(edx & (1u << 24)) || !(edx & (1u << 25))) return 0;
-    if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0) return 0;
+    if (syscall(SYS_arch_prctl, NAT_ARCH_REQ_XCOMP_PERM, NAT_XFEATURE_XTILEDATA) != 0) return 0;
     pid_t child = fork();
     if (child < 0) return 0;
     if (child == 0) _exit(amx_self_test());

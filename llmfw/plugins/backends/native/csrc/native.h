@@ -207,6 +207,8 @@ void nat_f16_to_f32_row_f16c(const uint16_t *h, float *out, int64_t n);
  * instructions' target (GCC 11, clang 12) */
 #if defined(__linux__) && ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11))
 #define NAT_HAVE_AMX 1
+#define NAT_ARCH_REQ_XCOMP_PERM 0x1023  /* arch_prctl: ask the kernel for an extended state component */
+#define NAT_XFEATURE_XTILEDATA 18       /* that component: the tile registers' data */
 void nat_qgemm_amx(const nat_weight *w, const nat_qact *a, int64_t m, float *y, int64_t g0, int64_t g1);
 #endif
 #endif
