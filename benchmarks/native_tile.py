@@ -10,7 +10,7 @@ of five rounds. ``-t`` threads split each call's row groups into equal shares an
 call, as the engine's pool does; cycles a tile are then the wall clock's over all threads' tiles. ``--copies`` lays
 that many copies of the weight one after another and cycles through them, so the weight comes from L2 (1), L3 (a few
 MB) or memory (far more than the L3). A tile is 16 weight rows by 32 columns, the unit of the AVX-512 path; cycles
-come from the core's clock as a chain of dependent adds measures it. Numbers from such runs are in the docs'
+come from the core's clock as a chain of dependent multiplies measures it. Numbers from such runs are in the docs'
 benchmarks page, not here. ``--paired`` repacks the weight with its row groups side by side in pairs, as the
 backend does where the AVX2 path runs (``repack.pairable`` types).
 """
