@@ -974,13 +974,6 @@ TARGET_AMX static void amx_pairs(const nat_weight *w, const nat_qact *a, int64_t
     nat_qgemm_avx512(w, a, m, y, g0, g1);
 }
 
-/* the activation rows from `from` on, as a block of rows of their own */
-INLINE nat_qact rows_from(const nat_qact *a, int64_t from, int64_t n_cols) {
-    int64_t nb = n_cols / NAT_BLOCK;
-    nat_qact rest = {a->q + from * n_cols, a->d + from * nb, a->sums + from * nb * 2, a->asum + from * nb};
-    return rest;
-}
-
 /* The AMX path's matmul: the tile unit for the whole tiles of 16 rows over the whole pairs of groups, the AVX-512
  * call for the rest (a decode step's fewer rows all of it; the groups past the last whole pair; the rows past the
  * last whole tile). The tile registers are given back after a call that used them, so a thread that leaves the
@@ -997,7 +990,7 @@ TARGET_AMX void nat_qgemm_amx(const nat_weight *w, const nat_qact *a, int64_t m,
     amx_release();
     if (paired < g1) nat_qgemm_avx512(w, a, tiled, y, paired, g1);
     if (tiled < m) {
-        nat_qact rest = rows_from(a, tiled, w->n_cols);
+        nat_qact rest = nat_qact_from(a, tiled, w->n_cols);
         nat_qgemm_avx512(w, &rest, m - tiled, y + tiled * w->n_rows, g0, g1);
     }
 }
