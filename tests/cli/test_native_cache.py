@@ -1,7 +1,8 @@
 """The native backend's repacked-weight cache: a second load maps every repacked weight from the entry and computes
 the same logits as a load without a cache; a damaged entry is rebuilt, never trusted; `llmfw models` lists it and
 `--prune` removes it; a first load streams (its peak memory is a cached load's, not the whole model repacked in
-memory on top of the file's pages)."""
+memory on top of the file's pages); the entry's mapping asks the kernel for huge pages (the matmuls stream through
+it at every token)."""
 from __future__ import annotations
 
 import json
@@ -14,6 +15,7 @@ import llmfw
 
 from support.tiny_cli import invoke, write_tiny_model
 from support.moe_file import measure_load
+from support.mappings import huge_page_advice, vm_flags_of
 from support.native import kernels_or_skip
 
 kernels_or_skip()
@@ -78,6 +80,17 @@ def test_second_load_maps_every_repacked_weight_and_computes_the_same_logits(big
     assert converted == 0 and all(mapped.values())
     np.testing.assert_array_equal(first, fresh_logits)
     np.testing.assert_array_equal(second, fresh_logits)
+
+
+@huge_page_advice
+def test_the_mapped_entry_is_advised_to_take_huge_pages(big_model, tmp_path):
+    root = tmp_path / "cache"
+    for _ in range(2):  # the first load repacks and maps back what it wrote, the second maps what it finds
+        with llmfw.load_model(big_model, backend="native", backend_options={"native": {"cache_dir": str(root)}}) as model:
+            packed = [handle.packed.data for handle in model.backends["native"].weights.values()
+                      if hasattr(handle, "packed")]
+            assert packed and all(is_mapped(data) for data in packed)
+            assert all("hg" in vm_flags_of(int(data.ctypes.data)) for data in packed)
 
 
 def _truncate_blob(entry):

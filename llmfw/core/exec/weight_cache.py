@@ -31,7 +31,7 @@ from typing import Any, Callable, Generic, Mapping, TypeVar
 import numpy as np
 
 from llmfw.core.exec.backend import BackendOptions, WeightSource, release_freed_memory
-from llmfw.core.format.mapped_pages import drop_mapped_pages
+from llmfw.core.format.mapped_pages import drop_mapped_pages, prefer_huge_pages
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,36 @@ _ALIGN = 64
 #: arrays smaller than this stay in memory while a load spools (a mapping each would cost more than they do)
 _SPOOL_MIN_BYTES = 1 << 16
 _INDEX, _BLOB = "index.json", "weights.bin"
+#: the blob is written in whole pieces of this size, each at an offset that is a multiple of it: a file system with
+#: large folios then keeps it in the page cache as huge pages, which the mapping of a later load maps as such
+#: (mapped_pages.prefer_huge_pages); written an array at a time, the pieces are 4 KiB pages
+_WRITE_PIECE = 2 << 20
+
+
+class PieceWriter:
+    """A file written in whole pieces of ``piece`` bytes (the last one shorter): the bytes handed to :meth:`write`
+    are gathered in a buffer of that size, which goes out whenever it is full."""
+
+    def __init__(self, fh: Any, piece: int = _WRITE_PIECE):
+        self.fh = fh
+        self.buffer = bytearray(piece)
+        self.filled = 0
+
+    def write(self, data: Any) -> None:
+        view = memoryview(data).cast("B")
+        while len(view):
+            take = min(len(view), len(self.buffer) - self.filled)
+            self.buffer[self.filled:self.filled + take] = view[:take]
+            self.filled += take
+            view = view[take:]
+            if self.filled == len(self.buffer):
+                self.fh.write(self.buffer)
+                self.filled = 0
+
+    def finish(self) -> None:
+        """The last, partial piece written."""
+        self.fh.write(memoryview(self.buffer)[:self.filled])
+        self.filled = 0
 
 
 class CacheOptions(BackendOptions):
@@ -116,6 +146,7 @@ class MappedBlob:
             if not expected_bytes:
                 return None
             array = np.memmap(fh, dtype=np.uint8, mode="r")  # the mapping outlives the file object
+        prefer_huge_pages(array)  # before any page is touched: a cold page cache is then read in huge pages
         return cls(path, array, (stat.st_dev, stat.st_ino))
 
     def offset_of(self, array: np.ndarray) -> int | None:
@@ -254,16 +285,18 @@ class ConvertedCache(ABC, Generic[W]):
         offset = 0
         every = {id(array): array for arrays in fields.values() for array in arrays.values()}
         with (folder / _BLOB).open("wb") as blob:
+            pieces = PieceWriter(blob)
             for array in every.values():
                 if _stored_ancestor(array, every) is None:  # fused arrays first, their parts' rows refer to them
                     contiguous = np.ascontiguousarray(array)
                     pad = -offset % _ALIGN
-                    blob.write(b"\0" * pad)
+                    pieces.write(b"\0" * pad)
                     offset += pad
-                    blob.write(contiguous.reshape(-1).view(np.uint8).data)
+                    pieces.write(contiguous.reshape(-1).view(np.uint8).data)
                     drop_mapped_pages(contiguous)  # a spooled or mapped array: its pages were read only to copy
                     stored[id(array)] = (offset, contiguous)
                     offset += contiguous.nbytes
+            pieces.finish()
             blob.flush()
             os.fsync(blob.fileno())  # the rename below must not publish an entry whose bytes are still in flight
         entries = {name: {"key": weights[name].key, "meta": self.meta_of(weights[name].weight),
