@@ -51,10 +51,11 @@ def drop_mapped_pages(array: np.ndarray) -> bool:
 
 def prefer_huge_pages(array: np.ndarray) -> bool:
     """Ask the kernel to map the file mapping under ``array`` with huge pages (``MADV_HUGEPAGE``); True when it took
-    the advice. Where the file system keeps the file in 2 MiB folios (ext4 and XFS on recent Linux, for a file
-    written or read in whole 2 MiB pieces), the kernel then maps each with one TLB entry instead of 512, and a
-    matmul streaming its weights through the mapping stops waiting on page walks every 4 KiB. Elsewhere the advice
-    changes nothing, and a system without it (no ``MADV_HUGEPAGE``, or a kernel that refuses) loses nothing."""
+    the advice. Where the file system keeps the file in 2 MiB folios (a file system with large folios, as ext4 is on
+    Linux 6.18, for a file written or read in whole 2 MiB pieces), the kernel then maps each with one TLB entry
+    instead of 512, and a matmul streaming its weights through the mapping stops waiting on page walks every 4 KiB.
+    Elsewhere the advice changes nothing, and a system without it (no ``MADV_HUGEPAGE``, or a kernel that refuses)
+    loses nothing."""
     mapping = mapping_of(array)
     if mapping is None or not hasattr(mmap, "MADV_HUGEPAGE"):
         return False
