@@ -2,7 +2,9 @@
  * thread or several, with no Python, pool or activation quantization around it (several threads split each call's
  * group pairs into equal shares and meet after each call, as the engine's pool does). Reads the weight the driver repacked (a
  * header of its nat_weight fields, then its bytes), lays out `copies` of it one after another (1: it stays in L2; a
- * few MB: L3; far more: each call streams from memory) and prints the best time a call and cycles per 16x32 tile. */
+ * few MB: L3; far more: each call streams from memory) and prints the best time a call and cycles per 16x32 tile.
+ * "huge" pages lay the copies out at a 2 MiB boundary and advise them to take huge pages (MADV_HUGEPAGE), as the
+ * engine's repacked-weight cache maps its blob; "small" leaves them in whatever pages the allocator gives. */
 #define _POSIX_C_SOURCE 200809L
 #define _DEFAULT_SOURCE  /* syscall: the AMX path asks for the tile state */
 #include <pthread.h>
@@ -13,6 +15,7 @@
 #include <time.h>
 
 #include "native.h"
+#include <sys/mman.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -102,8 +105,8 @@ static double time_calls(const timed_loop *base, int threads) {
 }
 
 int main(int argc, char **argv) {
-    if (argc < 7) {
-        fprintf(stderr, "usage: %s WEIGHT_FILE COPIES CALLS amx|avx512|avx2 THREADS M...\n", argv[0]);
+    if (argc < 8) {
+        fprintf(stderr, "usage: %s WEIGHT_FILE COPIES CALLS amx|avx512|avx2 THREADS huge|small M...\n", argv[0]);
         return 2;
     }
     nat_weight w;
@@ -131,16 +134,23 @@ int main(int argc, char **argv) {
     }
     double ghz = clock_ghz();
     printf("clock %.2f GHz\n", ghz);
-    size_t stride = (nbytes + 63) / 64 * 64;
-    uint8_t *data = aligned_alloc(64, stride * (size_t)copies);
+    size_t stride = (nbytes + 63) / 64 * 64, huge = (size_t)2 << 20;
+    int huge_pages = strcmp(argv[6], "huge") == 0;
+    size_t total = stride * (size_t)(copies > 0 ? copies : 1), align = huge_pages ? huge : 64;
+    total = (total + align - 1) / align * align;  /* aligned_alloc wants a multiple of the alignment */
+    uint8_t *data = aligned_alloc(align, total);
     if (copies < 1 || calls < 1 || !data) {
         fprintf(stderr, "bad counts, or no memory for %d copies\n", copies);
+        return 1;
+    }
+    if (huge_pages && madvise(data, total, MADV_HUGEPAGE) != 0) {  /* before the first touch: the pages come huge */
+        fprintf(stderr, "the kernel refused huge pages for the copies\n");
         return 1;
     }
     for (int c = 0; c < copies; c++) memcpy(data + (size_t)c * stride, one, nbytes);
     int64_t groups = (w.n_rows + NAT_ROWS - 1) / NAT_ROWS;
     double tiles = (double)groups / 2 * (double)(w.n_cols / NAT_BLOCK);
-    for (int arg = 6; arg < argc; arg++) {
+    for (int arg = 7; arg < argc; arg++) {
         int64_t m = atoi(argv[arg]);
         float *x = malloc(sizeof(float) * (size_t)(m * w.n_cols)), *y = malloc(sizeof(float) * (size_t)(m * w.n_rows));
         void *scratch = malloc(nat_act_layout(m, w.n_cols, NULL, NULL) * 4 + 4);

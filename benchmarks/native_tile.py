@@ -2,7 +2,7 @@
 quantization around it.
 
     python3 benchmarks/native_tile.py [-m smollm2] [--tensor blk.0.ffn_gate.weight] [--copies 1,10,200]
-                                      [--rows 1,2,4,8] [--isa avx512|amx|avx2] [-t 1] [--paired]
+                                      [--rows 1,2,4,8] [--isa avx512|amx|avx2] [-t 1] [--paired] [--huge-pages]
 
 Repacks one tensor of the model as the backend does, compiles ``benchmarks/native_tile.c`` with the kernels' sources
 and ``setup.py``'s flags (gcc), and times ``nat_qgemm_<isa>`` for each activation row count (``--rows``): the best
@@ -12,7 +12,9 @@ that many copies of the weight one after another and cycles through them, so the
 MB) or memory (far more than the L3). A tile is 16 weight rows by 32 columns, the unit of the AVX-512 path; cycles
 come from the core's clock as a chain of dependent multiplies measures it. Numbers from such runs are in the docs'
 benchmarks page, not here. ``--paired`` repacks the weight with its row groups side by side in pairs, as the
-backend does where the AVX2 path runs (``repack.pairable`` types).
+backend does where the AVX2 path runs (``repack.pairable`` types). ``--huge-pages`` lays the copies out in memory
+advised to take 2 MiB pages, as the engine maps its repacked-weight cache (a weight streamed from memory then arrives
+at the rate a decode step sees, not after a page walk every 4 KiB).
 """
 from __future__ import annotations
 
@@ -92,6 +94,7 @@ def main() -> None:
     parser.add_argument("--isa", choices=["amx", "avx512", "avx2"], default="avx512")
     parser.add_argument("-t", "--threads", type=int, default=1, help="threads sharing each call (1-64)")
     parser.add_argument("--paired", action="store_true", help="the row groups side by side in pairs")
+    parser.add_argument("--huge-pages", action="store_true", help="the copies in memory advised to take huge pages")
     args = parser.parse_args()
     if not 1 <= args.threads <= 64:
         raise SystemExit(f"native_tile: --threads {args.threads}: from 1 to 64")
@@ -104,11 +107,13 @@ def main() -> None:
             check_sizes(weight, args.copies, args.rows)
             compile_harness(harness)
             print(f"{args.tensor} of {args.model}: {weight.n_rows} x {weight.n_cols}, {weight.data.nbytes / 1e6:.2f} MB "
-                  f"repacked, {args.isa}, {args.threads} thread{'s' if args.threads > 1 else ''}")
+                  f"repacked, {args.isa}, {args.threads} thread{'s' if args.threads > 1 else ''}"
+                  f"{', huge pages' if args.huge_pages else ''}")
             for copies in args.copies:
                 calls = max(2 * copies, 4000 // copies)  # each round reads every copy: their total size decides the cache
                 run = subprocess.run([str(harness), str(weight_file), str(copies), str(calls), args.isa,
-                                      str(args.threads), *map(str, args.rows)], check=True, capture_output=True,
+                                      str(args.threads), "huge" if args.huge_pages else "small",
+                                      *map(str, args.rows)], check=True, capture_output=True,
                                      text=True)
                 lines = run.stdout.split("\n")
                 print(f"\n{copies} cop{'y' if copies == 1 else 'ies'} ({copies * weight.data.nbytes / 1e6:.1f} MB), "
