@@ -134,13 +134,16 @@ int main(int argc, char **argv) {
     }
     double ghz = clock_ghz();
     printf("clock %.2f GHz\n", ghz);
-    size_t stride = (nbytes + 63) / 64 * 64, huge = (size_t)2 << 20;
+    if (copies < 1 || calls < 1) {
+        fprintf(stderr, "bad counts: %d copies, %d calls\n", copies, calls);
+        return 1;
+    }
     int huge_pages = strcmp(argv[6], "huge") == 0;
-    size_t total = stride * (size_t)(copies > 0 ? copies : 1), align = huge_pages ? huge : 64;
-    total = (total + align - 1) / align * align;  /* aligned_alloc wants a multiple of the alignment */
+    size_t stride = (nbytes + 63) / 64 * 64, align = huge_pages ? (size_t)2 << 20 : 64;
+    size_t total = (stride * (size_t)copies + align - 1) / align * align;  /* aligned_alloc: a multiple of align */
     uint8_t *data = aligned_alloc(align, total);
-    if (copies < 1 || calls < 1 || !data) {
-        fprintf(stderr, "bad counts, or no memory for %d copies\n", copies);
+    if (!data) {
+        fprintf(stderr, "no memory for %d copies\n", copies);
         return 1;
     }
     if (huge_pages && madvise(data, total, MADV_HUGEPAGE) != 0) {  /* before the first touch: the pages come huge */

@@ -53,7 +53,7 @@ _WRITE_PIECE = 2 << 20
 
 class PieceWriter:
     """A file written in whole pieces of ``piece`` bytes (the last one shorter): the bytes handed to :meth:`write`
-    are gathered in a buffer of that size, which goes out whenever it is full."""
+    go out a piece at a time, those that do not fill one gathered in a buffer of that size until it is full."""
 
     def __init__(self, fh: Any, piece: int = _WRITE_PIECE):
         self.fh = fh
@@ -62,7 +62,12 @@ class PieceWriter:
 
     def write(self, data: Any) -> None:
         view = memoryview(data).cast("B")
+        piece = len(self.buffer)
         while len(view):
+            if not self.filled and len(view) >= piece:  # a whole piece of the caller's bytes: written without a copy
+                self.fh.write(view[:piece])
+                view = view[piece:]
+                continue
             take = min(len(view), len(self.buffer) - self.filled)
             self.buffer[self.filled:self.filled + take] = view[:take]
             self.filled += take
