@@ -118,6 +118,7 @@ int main(int argc, char **argv) {
     }
     int copies = atoi(argv[2]), calls = atoi(argv[3]), avx2 = strcmp(argv[4], "avx2") == 0, threads = atoi(argv[5]);
     nat_qgemm_fn qgemm = avx2 ? nat_qgemm_avx2 : nat_qgemm_avx512;
+    int64_t (*tiled_from)(int64_t) = avx2 ? NULL : nat_tiled_from_avx512;  /* the rows whose tiles it reads */
 #ifdef NAT_HAVE_AMX
     if (strcmp(argv[4], "amx") == 0) {  /* the tile state, as module.c's check asks for it (native_tile.py checked it runs) */
         if (syscall(SYS_arch_prctl, NAT_ARCH_REQ_XCOMP_PERM, NAT_XFEATURE_XTILEDATA) != 0) {
@@ -125,6 +126,7 @@ int main(int argc, char **argv) {
             return 1;
         }
         qgemm = nat_qgemm_amx;
+        tiled_from = nat_tiled_from_amx;
     }
 #endif
     nat_quantize_fn quantize = avx2 ? nat_quantize_rows_avx2 : nat_quantize_rows_avx512;
@@ -165,6 +167,11 @@ int main(int argc, char **argv) {
         nat_qact act;
         nat_act_layout(m, w.n_cols, scratch, &act);
         quantize(x, w.n_cols, &act, 0, m);
+        if (tiled_from && tiled_from(m) + NAT_TILE_ROWS <= m) {  /* as module.c's matmul writes them */
+            act.tiles = (uint8_t *)scratch + 4 * nat_act_tiles_word(m, w.n_cols);
+            act.tiled_from = tiled_from(m);
+            nat_act_tile_rows(&act, w.n_cols, act.tiles, act.tiled_from / NAT_TILE_ROWS, m / NAT_TILE_ROWS);
+        }
         double best = 1e30;
         timed_loop loop = {qgemm, &w, data, stride, copies, calls, threads, 0, &act, m, y, NULL, NULL};
         for (int round = 0; round < 5; round++) {

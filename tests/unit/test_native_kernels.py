@@ -214,7 +214,9 @@ def test_nan_and_inf_blocks_give_non_finite_results_where_the_oracle_does(qtype,
 
 
 @pytest.mark.parametrize("paired", (False, True), ids=("apart", "paired"))
-@pytest.mark.parametrize("m", (1, 7, 35))  # 7: a tile of each size the x86 paths use (4, 2, 1); 35: the AMX path's 16 too
+# 7: a tile of each size the x86 paths use (4, 2, 1), the four rows from their tile copy (native.h: nat_qact tiles);
+# 35: the AMX path's 16 too; 21: past the AMX path's 16, four rows from a tile copy that starts there
+@pytest.mark.parametrize("m", (1, 7, 21, 35))
 @pytest.mark.parametrize("qtype", BLOCK_TYPES + FLOAT_TYPES, ids=lambda t: t.name)
 def test_every_isa_path_gives_the_same_bits(qtype, m, paired, pools):
     """By construction (csrc/native.h: one order of float operations, the same explicit fused multiply-adds and no

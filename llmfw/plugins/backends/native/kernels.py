@@ -19,7 +19,7 @@ from llmfw.core.errors import BackendUnavailable, ConfigError, LLMFWError
 from llmfw.plugins.backends.native.repack import BLOCK, QUANTIZED_KINDS, PackedWeight
 
 EXTENSION = "llmfw.plugins.backends.native._native"
-ABI_VERSION = 15
+ABI_VERSION = 16
 #: the path of a build of the extension to load instead of the installed one (the sanitizer run,
 #: benchmarks/native_sanitizers.sh)
 LIBRARY_VARIABLE = "LLMFW_NATIVE_LIBRARY"

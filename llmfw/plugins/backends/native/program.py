@@ -58,9 +58,9 @@ class ProgramError(ModelError):
 
 def activation_words(m: int, n_cols: int) -> int:
     """Words of a quantized matmul's activation buffers (native.h ``nat_act_words``): codes, scales, code sums, float
-    sums."""
+    sums, then the whole four-row tiles' copy of them."""
     nb = n_cols // BLOCK
-    return (m * n_cols + 3) // 4 + m * nb + m * nb * 2 + m * nb
+    return (m * n_cols + 3) // 4 + m * nb + m * nb * 2 + m * nb + m // 4 * nb * 48
 
 
 def moe_scratch_words(n_expert: int, n_slots: int, x_rows: int, info: "WeightInfo") -> int:

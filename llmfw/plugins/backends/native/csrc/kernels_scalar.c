@@ -82,6 +82,22 @@ void nat_quantize_nonfinite(int8_t *q, float *d, int32_t *sums, float *asum) {
     *asum = 0.0f;
 }
 
+void nat_act_tile_rows(const nat_qact *a, int64_t n_cols, uint8_t *tiles, int64_t t0, int64_t t1) {
+    int64_t nb = n_cols / NAT_BLOCK;
+    for (int64_t k = t0; k < t1; k++) {
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *block = tiles + (k * nb + b) * NAT_TILE_BYTES;
+            for (int t = 0; t < NAT_TILE_ROWS; t++) {
+                int64_t at = (k * NAT_TILE_ROWS + t) * nb + b;
+                memcpy(block + NAT_TILE_Q + NAT_BLOCK * t, a->q + at * NAT_BLOCK, NAT_BLOCK);
+                memcpy(block + NAT_TILE_D + 4 * t, a->d + at, 4);
+                memcpy(block + NAT_TILE_ASUM + 4 * t, a->asum + at, 4);
+                memcpy(block + NAT_TILE_SUMS + 8 * t, a->sums + 2 * at, 8);
+            }
+        }
+    }
+}
+
 /* Activation rows [m0, m1) to 8-bit blocks: d = amax/127, q = round-half-even(x * 127/amax). A block with a NaN
  * or inf gets d = NaN (its products are NaN, as in float arithmetic), codes 0. This is where the bits of the
  * activations are decided: kernels_x86.c's vector version does the same IEEE operations, so every ISA path gets

@@ -180,7 +180,7 @@ TARGET static inline void store_rows(float *y, int64_t n, int64_t i, int64_t g, 
 #define PAIR_PREFETCH_BYTES 8192
 
 /* activation rows per tile: a block's operands are prepared once for them all */
-#define M_TILE 4
+#define M_TILE NAT_TILE_ROWS
 
 /* once: the non-temporal hint (streams_once), else into every level */
 TARGET INLINE void prefetch_ahead(const uint8_t *blk, size_t block_bytes, size_t distance, int once) {
@@ -737,8 +737,28 @@ TARGET512 INLINE void store_pair_rows(float *y, int64_t n, int64_t i, int64_t g,
     store_rows(y, n, i, g + 1, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1)));
 }
 
-TARGET512 INLINE void pair_tile(const nat_weight *w, const nat_qact *a, const code_plan *plan, int form, int pars,
-                                int rows, int64_t i0, int64_t g, float *y) {
+/* Where a tile row finds block b's activation values: its own arrays (row i0 + t of a), or the block's place in the
+ * rows' tile (tile: native.h's nat_qact tiles), where every row's values lie at a constant offset from one pointer */
+typedef struct {
+    const int8_t *q;
+    const int32_t *sums;
+    float d, asum;
+} act_block;
+
+INLINE act_block act_block_at(const nat_qact *a, const uint8_t *tile, int64_t i0, int t, int64_t b, int64_t n_cols) {
+    if (tile) {
+        const uint8_t *at = tile + b * NAT_TILE_BYTES;
+        act_block v = {(const int8_t *)(at + NAT_TILE_Q + NAT_BLOCK * t), (const int32_t *)(at + NAT_TILE_SUMS) + 2 * t,
+                       ((const float *)(at + NAT_TILE_D))[t], ((const float *)(at + NAT_TILE_ASUM))[t]};
+        return v;
+    }
+    int64_t at = (i0 + t) * (n_cols / NAT_BLOCK) + b;
+    act_block v = {a->q + at * NAT_BLOCK, a->sums + 2 * at, a->d[at], a->asum[at]};
+    return v;
+}
+
+TARGET512 INLINE void pair_tile_from(const nat_weight *w, const nat_qact *a, const uint8_t *tile, const code_plan *plan,
+                                     int form, int pars, int rows, int64_t i0, int64_t g, float *y) {
     int64_t nb = w->n_cols / NAT_BLOCK;
     size_t bb = nat_block_bytes(w);
     size_t stride[2] = {nat_block_stride(w, g), nat_block_stride(w, g + 1)};
@@ -755,22 +775,31 @@ TARGET512 INLINE void pair_tile(const nat_weight *w, const nat_qact *a, const co
         __m512 par[4];
         pair_block_params(w, lo, hi, pars, g, b, &mult_s, &mult_o, par);
         for (int t = 0; t < rows; t++) {
-            int64_t i = i0 + t;
-            const int8_t *aq = a->q + i * w->n_cols + b * NAT_BLOCK;
-            const int32_t *sums = a->sums + (i * nb + b) * 2;
+            act_block v = act_block_at(a, tile, i0, t, b, w->n_cols);
             int32_t extra[2];
-            base_terms(plan, form, pars, sums, extra);
+            base_terms(plan, form, pars, v.sums, extra);
             __m512i h0, h1 = _mm512_setzero_si512();  /* one scale: the combine adds h1 = 0 to the block's sum */
             if (pars & PAR_ONE_SCALE) {
-                h0 = pair_block_dot(chunk, aq, extra[0]);
+                h0 = pair_block_dot(chunk, v.q, extra[0]);
             } else {
-                h0 = pair_half_dot(form, 0, chunk, aq, extra[0]);
-                h1 = pair_half_dot(form, 1, chunk + 4, aq + 16, extra[1]);
+                h0 = pair_half_dot(form, 0, chunk, v.q, extra[0]);
+                h1 = pair_half_dot(form, 1, chunk + 4, v.q + 16, extra[1]);
             }
-            acc[t] = pair_combine(acc[t], par, pars, h0, h1, a->d[i * nb + b], sums, a->asum[i * nb + b]);
+            acc[t] = pair_combine(acc[t], par, pars, h0, h1, v.d, v.sums, v.asum);
         }
     }
     for (int t = 0; t < rows; t++) store_pair_rows(y, w->n_rows, i0 + t, g, acc[t]);
+}
+
+/* a tile of rows from i0: four rows from their tile where the quantizer wrote one (the same values, so the same
+ * bits), else from their own arrays */
+TARGET512 INLINE void pair_tile(const nat_weight *w, const nat_qact *a, const code_plan *plan, int form, int pars,
+                                int rows, int64_t i0, int64_t g, float *y) {
+    const uint8_t *tile = rows == NAT_TILE_ROWS ? nat_act_tile(a, i0, w->n_cols) : NULL;
+    if (tile)
+        pair_tile_from(w, a, tile, plan, form, pars, rows, i0, g, y);
+    else
+        pair_tile_from(w, a, NULL, plan, form, pars, rows, i0, g, y);
 }
 
 /* groups g and g+1 for all m activation rows */
@@ -782,6 +811,12 @@ TARGET512 INLINE int pair_groups(const nat_weight *w, const nat_qact *a, const c
 
 DEFINE_ROW_TILE(TARGET512, avx512, VNNI_HIGH16, vnni_operands, vnni_dots)
 QGEMM_PATH(TARGET512, avx512, pair_groups)
+
+/* the AVX-512 path reads every whole tile of four rows (pair_tile) */
+int64_t nat_tiled_from_avx512(int64_t m) {
+    (void)m;
+    return 0;
+}
 
 #ifdef NAT_HAVE_AMX
 /* AMX (AMX-TILE + AMX-INT8): the AVX-512 path with a prompt's integer dot products taken by the tile unit, whose
@@ -973,6 +1008,9 @@ TARGET_AMX static void amx_pairs(const nat_weight *w, const nat_qact *a, int64_t
     FOR_FORM(amx, NIB5_INDEX) FOR_FORM(amx, NIB5_LINEAR)
     nat_qgemm_avx512(w, a, m, y, g0, g1);
 }
+
+/* the AMX path's AVX-512 call reads the four-row tiles past its whole 16-row ones */
+int64_t nat_tiled_from_amx(int64_t m) { return m / AMX_ROWS * AMX_ROWS; }
 
 /* The AMX path's matmul: the tile unit for the whole tiles of 16 rows over the whole pairs of groups, the AVX-512
  * call for the rest (a decode step's fewer rows all of it; the groups past the last whole pair; the rows past the

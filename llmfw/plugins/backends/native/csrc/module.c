@@ -73,7 +73,7 @@ int nat_cpu_isas(void) {
     return isas;
 }
 
-int nat_abi_version(void) { return 15; }
+int nat_abi_version(void) { return 16; }
 
 /* sizeof(nat_instr): runtime.py checks its record type against it */
 int64_t nat_instr_bytes(void) { return (int64_t)sizeof(nat_instr); }
@@ -84,17 +84,18 @@ nat_kernels nat_kernels_for(int isa) {
 #ifdef NAT_HAVE_AMX
     if (isa == NAT_ISA_AMX)
         return (nat_kernels){nat_qgemm_amx, nat_fgemm_avx512, nat_quantize_rows_avx512, nat_f32_to_f16_row_f16c,
-                             nat_f16_to_f32_row_f16c};
+                             nat_f16_to_f32_row_f16c, nat_tiled_from_amx};
 #endif
     if (isa == NAT_ISA_AVX512)
         return (nat_kernels){nat_qgemm_avx512, nat_fgemm_avx512, nat_quantize_rows_avx512, nat_f32_to_f16_row_f16c,
-                             nat_f16_to_f32_row_f16c};
+                             nat_f16_to_f32_row_f16c, nat_tiled_from_avx512};
     if (isa == NAT_ISA_AVX2)
         return (nat_kernels){nat_qgemm_avx2, nat_fgemm_avx2, nat_quantize_rows_avx2, nat_f32_to_f16_row_f16c,
-                             nat_f16_to_f32_row_f16c};
+                             nat_f16_to_f32_row_f16c, NULL};
 #endif
     (void)isa;
-    return (nat_kernels){nat_qgemm_scalar, nat_fgemm_scalar, nat_quantize_rows, nat_f32_to_f16_row, nat_f16_to_f32_row};
+    return (nat_kernels){nat_qgemm_scalar, nat_fgemm_scalar, nat_quantize_rows, nat_f32_to_f16_row, nat_f16_to_f32_row,
+                         NULL};
 }
 
 typedef struct {
@@ -108,12 +109,17 @@ typedef struct {
     int64_t n_chunks;
 } mul_mat_job;
 
+/* a chunk's rows quantized, whole tiles of them, and the tiles the kernel reads written from them */
 static void quantize_chunk(void *raw, int64_t chunk, int ith) {
     (void)ith;
     mul_mat_job *job = raw;
-    int64_t m0, m1;
-    nat_share(job->m, chunk, job->n_chunks, &m0, &m1);
-    job->paths.quantize(job->x, job->w->n_cols, &job->act, m0, m1);
+    int64_t t0, t1, n_cols = job->w->n_cols;
+    nat_share((job->m + NAT_TILE_ROWS - 1) / NAT_TILE_ROWS, chunk, job->n_chunks, &t0, &t1);
+    int64_t m1 = t1 * NAT_TILE_ROWS < job->m ? t1 * NAT_TILE_ROWS : job->m;
+    job->paths.quantize(job->x, n_cols, &job->act, t0 * NAT_TILE_ROWS, m1);
+    if (!job->act.tiles) return;
+    int64_t first = job->act.tiled_from / NAT_TILE_ROWS, whole = m1 / NAT_TILE_ROWS;
+    nat_act_tile_rows(&job->act, n_cols, job->act.tiles, t0 > first ? t0 : first, whole);
 }
 
 /* the residual's columns [r0, r1) of every row added to y's, by the thread that just wrote them (an add of its own
@@ -156,7 +162,7 @@ size_t nat_act_words(int64_t m, int64_t n_cols, void *scratch, nat_qact *act) {
  * words; unused for float weights). Returns 0, or NAT_BAD_INSTRUCTION for a weight the kernels do not know. */
 int nat_mul_mat_into(nat_pool *pool, int isa, const nat_weight *w, const float *x, int64_t m, float *y,
                      const float *residual, void *scratch) {
-    mul_mat_job job = {w, x, m, y, residual, {NULL, NULL, NULL, NULL}, nat_kernels_for(isa), 1};
+    mul_mat_job job = {w, x, m, y, residual, {NULL, NULL, NULL, NULL, NULL, 0}, nat_kernels_for(isa), 1};
     if (w->kind == NAT_F32 || w->kind == NAT_F16 || w->kind == NAT_BF16) {
         job.n_chunks = nat_pool_chunks(pool, w->n_rows);
         nat_pool_for(pool, job.n_chunks, fgemm_chunk, &job);
@@ -164,6 +170,11 @@ int nat_mul_mat_into(nat_pool *pool, int isa, const nat_weight *w, const float *
     }
     if (!nat_is_quantized(w)) return NAT_BAD_INSTRUCTION;
     nat_act_words(m, w->n_cols, scratch, &job.act);
+    int64_t tiled_from = job.paths.tiled_from ? job.paths.tiled_from(m) : m;
+    if (tiled_from + NAT_TILE_ROWS <= m) {
+        job.act.tiles = (uint8_t *)scratch + 4 * nat_act_tiles_word(m, w->n_cols);
+        job.act.tiled_from = tiled_from;
+    }
     job.n_chunks = m * w->n_cols < 65536 ? 1 : nat_pool_chunks(pool, m);
     nat_pool_for(pool, job.n_chunks, quantize_chunk, &job);
     job.n_chunks = nat_pool_chunks(pool, ((w->n_rows + NAT_ROWS - 1) / NAT_ROWS + 1) / 2);

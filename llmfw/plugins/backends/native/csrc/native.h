@@ -82,7 +82,21 @@ typedef struct {
     float *d;         /* [M][n_blocks] scales */
     int32_t *sums;    /* [M][n_blocks][2] code sums of each half */
     float *asum;      /* [M][n_blocks] (float)(sum of both halves): a one-scale weight's offset term (exact) */
+    /* Or NULL: the same values again, NAT_TILE_ROWS rows at a time (rows 4k..4k+3 the k-th tile), each tile's
+     * blocks one after another with the four rows' values of a block together (NAT_TILE_*). A kernel's tile of
+     * four rows then finds everything through one pointer at constant offsets, where the rows' own arrays take a
+     * pointer a row and array: too many for the general registers beside the dot products' own. Valid for the
+     * tiles from row tiled_from on (a multiple of NAT_TILE_ROWS). */
+    uint8_t *tiles;
+    int64_t tiled_from;
 } nat_qact;
+
+#define NAT_TILE_ROWS 4
+#define NAT_TILE_Q 0       /* the rows' 32 codes each */
+#define NAT_TILE_D 128     /* their scales */
+#define NAT_TILE_ASUM 144  /* their float sums */
+#define NAT_TILE_SUMS 160  /* their halves' code sums, two each */
+#define NAT_TILE_BYTES 192 /* a block of a tile */
 
 static inline int nat_is_quantized(const nat_weight *w) {
     return w->kind == NAT_QNIB || w->kind == NAT_QBYTE || w->kind == NAT_QNIB5;
@@ -198,6 +212,7 @@ void nat_fgemm_scalar(const nat_weight *w, const float *x, int64_t m, float *y, 
 void nat_qgemm_avx2(const nat_weight *w, const nat_qact *a, int64_t m, float *y, int64_t g0, int64_t g1);
 void nat_fgemm_avx2(const nat_weight *w, const float *x, int64_t m, float *y, int64_t r0, int64_t r1);
 void nat_qgemm_avx512(const nat_weight *w, const nat_qact *a, int64_t m, float *y, int64_t g0, int64_t g1);
+int64_t nat_tiled_from_avx512(int64_t m);
 void nat_fgemm_avx512(const nat_weight *w, const float *x, int64_t m, float *y, int64_t r0, int64_t r1);
 void nat_quantize_rows_avx2(const float *x, int64_t k, nat_qact *a, int64_t m0, int64_t m1);
 void nat_quantize_rows_avx512(const float *x, int64_t k, nat_qact *a, int64_t m0, int64_t m1);
@@ -210,6 +225,7 @@ void nat_f16_to_f32_row_f16c(const uint16_t *h, float *out, int64_t n);
 #define NAT_ARCH_REQ_XCOMP_PERM 0x1023  /* arch_prctl: ask the kernel for an extended state component */
 #define NAT_XFEATURE_XTILEDATA 18       /* that component: the tile registers' data */
 void nat_qgemm_amx(const nat_weight *w, const nat_qact *a, int64_t m, float *y, int64_t g0, int64_t g1);
+int64_t nat_tiled_from_amx(int64_t m);
 #endif
 #endif
 
@@ -220,6 +236,8 @@ typedef struct {
     nat_quantize_fn quantize;
     nat_to_f16_fn to_f16;
     nat_from_f16_fn from_f16;
+    /* the first of m rows whose four-row tiles (nat_qact's tiles) the qgemm reads, or NULL where it reads none */
+    int64_t (*tiled_from)(int64_t m);
 } nat_kernels;
 nat_kernels nat_kernels_for(int isa);
 
@@ -229,29 +247,48 @@ void nat_f32_to_f16_row(const float *x, uint16_t *out, int64_t n);
 void nat_f16_to_f32_row(const uint16_t *h, float *out, int64_t n);
 float nat_reduce16(float *lanes);
 void nat_quantize_rows(const float *x, int64_t k, nat_qact *a, int64_t m0, int64_t m1);
+/* the word at which an activation buffer of m rows of n_cols puts its tiles (after the codes, scales, code sums and
+ * float sums) */
+static inline size_t nat_act_tiles_word(int64_t m, int64_t n_cols) {
+    return (size_t)((m * n_cols + 3) / 4) + (size_t)(m * (n_cols / NAT_BLOCK) * 4);
+}
 /* the 4-byte words of the activation buffers of m rows of n_cols (whole blocks) at scratch: codes, then scales,
- * code sums and float sums, each part on a word (program.py's activation_words: the same size); with act, points
- * its buffers there; inline for benchmarks/native_tile.c, which does not link module.c (nat_act_words: the
- * exported function, for ctypes) */
+ * code sums and float sums, each part on a word, then room for the whole tiles (program.py's activation_words: the
+ * same size); with act, points its buffers there, no tiles yet (nat_act_tile_rows writes them); inline for
+ * benchmarks/native_tile.c, which does not link module.c (nat_act_words: the exported function, for ctypes) */
 static inline size_t nat_act_layout(int64_t m, int64_t n_cols, void *scratch, nat_qact *act) {
     int64_t nb = n_cols / NAT_BLOCK;
     size_t d_at = (size_t)((m * n_cols + 3) / 4), sums_at = d_at + (size_t)(m * nb);
-    size_t asum_at = sums_at + (size_t)(m * nb * 2);
+    size_t asum_at = sums_at + (size_t)(m * nb * 2), tiles_at = nat_act_tiles_word(m, n_cols);
     if (act) {
         act->q = scratch;
         act->d = (float *)scratch + d_at;
         act->sums = (int32_t *)scratch + sums_at;
         act->asum = (float *)scratch + asum_at;
+        act->tiles = NULL;
+        act->tiled_from = m;
     }
-    return asum_at + (size_t)(m * nb);
+    return tiles_at + (size_t)(m / NAT_TILE_ROWS * nb * (NAT_TILE_BYTES / 4));
 }
+/* tiles k in [t0, t1) (whole: rows 4k..4k+3 quantized) copied from a's rows into tiles, the place nat_act_layout
+ * left for them at the buffer's word nat_act_tiles_word (kernels_scalar.c) */
+void nat_act_tile_rows(const nat_qact *a, int64_t n_cols, uint8_t *tiles, int64_t t0, int64_t t1);
 size_t nat_act_words(int64_t m, int64_t n_cols, void *scratch, nat_qact *act);
 
 /* the activation rows of a from row `row` on (n_cols columns, whole blocks): a view, nothing copied */
 static inline nat_qact nat_qact_from(const nat_qact *a, int64_t row, int64_t n_cols) {
     int64_t nb = n_cols / NAT_BLOCK;
-    nat_qact v = {a->q + row * n_cols, a->d + row * nb, a->sums + row * nb * 2, a->asum + row * nb};
+    nat_qact v = {a->q + row * n_cols, a->d + row * nb, a->sums + row * nb * 2, a->asum + row * nb, NULL, 0};
+    if (a->tiles && row % NAT_TILE_ROWS == 0) {  /* the tiles stay whole in the view */
+        v.tiles = a->tiles + row / NAT_TILE_ROWS * nb * NAT_TILE_BYTES;
+        v.tiled_from = a->tiled_from > row ? a->tiled_from - row : 0;
+    }
     return v;
+}
+/* the tile of rows i0..i0+3 of a (i0 a multiple of NAT_TILE_ROWS) where it was written, else NULL */
+static inline const uint8_t *nat_act_tile(const nat_qact *a, int64_t i0, int64_t n_cols) {
+    if (!a->tiles || i0 < a->tiled_from) return NULL;
+    return a->tiles + i0 / NAT_TILE_ROWS * (n_cols / NAT_BLOCK) * NAT_TILE_BYTES;
 }
 /* a quantized block with a NaN or inf: scale NaN (its products are NaN), codes and sums 0 (every ISA's quantizer) */
 void nat_quantize_nonfinite(int8_t *q, float *d, int32_t *sums, float *asum);
