@@ -757,6 +757,24 @@ INLINE act_block act_block_at(const nat_qact *a, const uint8_t *tile, int64_t i0
     return v;
 }
 
+/* acc plus one tile row's block: its dot products with the block's prepared chunks and their float part */
+TARGET512 INLINE __m512 pair_row(const code_plan *plan, int form, int pars, const __m512i *chunk, const __m512 par[4],
+                                 act_block v, __m512 acc) {
+    int32_t extra[2];
+    base_terms(plan, form, pars, v.sums, extra);
+    __m512i h0, h1 = _mm512_setzero_si512();  /* one scale: the combine adds h1 = 0 to the block's sum */
+    if (pars & PAR_ONE_SCALE) {
+        h0 = pair_block_dot(chunk, v.q, extra[0]);
+    } else {
+        h0 = pair_half_dot(form, 0, chunk, v.q, extra[0]);
+        h1 = pair_half_dot(form, 1, chunk + 4, v.q + 16, extra[1]);
+    }
+    return pair_combine(acc, par, pars, h0, h1, v.d, v.sums, v.asum);
+}
+
+/* The rows' sums are four named variables, not an array: GCC kept an array's in memory (a load and a store a row
+ * and block) */
+_Static_assert(M_TILE == 4, "pair_tile_from names one sum a tile row");
 TARGET512 INLINE void pair_tile_from(const nat_weight *w, const nat_qact *a, const uint8_t *tile, const code_plan *plan,
                                      int form, int pars, int rows, int64_t i0, int64_t g, float *y) {
     int64_t nb = w->n_cols / NAT_BLOCK;
@@ -764,8 +782,8 @@ TARGET512 INLINE void pair_tile_from(const nat_weight *w, const nat_qact *a, con
     size_t stride[2] = {nat_block_stride(w, g), nat_block_stride(w, g + 1)};
     const uint8_t *group = nat_block_at(w, g, 0), *next = nat_block_at(w, g + 1, 0);
     __m512i table = _mm512_broadcast_i64x4(plan->table);
-    __m512 acc[M_TILE], mult_s = _mm512_setzero_ps(), mult_o = _mm512_setzero_ps();
-    for (int t = 0; t < rows; t++) acc[t] = _mm512_setzero_ps();
+    __m512 mult_s = _mm512_setzero_ps(), mult_o = _mm512_setzero_ps();
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
     pair_cursor ahead = pair_cursor_at(w, g, (int64_t)(PAIR_PREFETCH_BYTES / bb) + 1, plan->stream_once);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *lo = group + b * stride[0], *hi = next + b * stride[1];
@@ -774,20 +792,12 @@ TARGET512 INLINE void pair_tile_from(const nat_weight *w, const nat_qact *a, con
         pair_operands(lo, hi, form, VNNI_HIGH16(form) && !(pars & PAR_ONE_SCALE), table, chunk);
         __m512 par[4];
         pair_block_params(w, lo, hi, pars, g, b, &mult_s, &mult_o, par);
-        for (int t = 0; t < rows; t++) {
-            act_block v = act_block_at(a, tile, i0, t, b, w->n_cols);
-            int32_t extra[2];
-            base_terms(plan, form, pars, v.sums, extra);
-            __m512i h0, h1 = _mm512_setzero_si512();  /* one scale: the combine adds h1 = 0 to the block's sum */
-            if (pars & PAR_ONE_SCALE) {
-                h0 = pair_block_dot(chunk, v.q, extra[0]);
-            } else {
-                h0 = pair_half_dot(form, 0, chunk, v.q, extra[0]);
-                h1 = pair_half_dot(form, 1, chunk + 4, v.q + 16, extra[1]);
-            }
-            acc[t] = pair_combine(acc[t], par, pars, h0, h1, v.d, v.sums, v.asum);
-        }
+        acc0 = pair_row(plan, form, pars, chunk, par, act_block_at(a, tile, i0, 0, b, w->n_cols), acc0);
+        if (rows > 1) acc1 = pair_row(plan, form, pars, chunk, par, act_block_at(a, tile, i0, 1, b, w->n_cols), acc1);
+        if (rows > 2) acc2 = pair_row(plan, form, pars, chunk, par, act_block_at(a, tile, i0, 2, b, w->n_cols), acc2);
+        if (rows > 3) acc3 = pair_row(plan, form, pars, chunk, par, act_block_at(a, tile, i0, 3, b, w->n_cols), acc3);
     }
+    __m512 acc[M_TILE] = {acc0, acc1, acc2, acc3};
     for (int t = 0; t < rows; t++) store_pair_rows(y, w->n_rows, i0 + t, g, acc[t]);
 }
 
