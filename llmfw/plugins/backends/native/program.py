@@ -48,6 +48,8 @@ NP_DTYPES = {"f32": np.float32, "i32": np.int32, "i64": np.int64}
 ALIGN = 16
 #: the rotated dimensions the C rope keeps on its stack
 MAX_ROPE_DIMS = 1024
+#: activation rows of a tile copy, and its bytes a block (native.h ``NAT_TILE_ROWS``, ``NAT_TILE_BYTES``)
+TILE_ROWS, TILE_BYTES = 4, 192
 STATUS = {-1: "out of memory", -2: "an instruction it does not know", -3: "an id outside its table (a token id, "
           "KV cell or expert id out of range)"}
 
@@ -60,7 +62,7 @@ def activation_words(m: int, n_cols: int) -> int:
     """Words of a quantized matmul's activation buffers (native.h ``nat_act_words``): codes, scales, code sums, float
     sums, then the whole four-row tiles' copy of them."""
     nb = n_cols // BLOCK
-    return (m * n_cols + 3) // 4 + m * nb + m * nb * 2 + m * nb + m // 4 * nb * 48
+    return (m * n_cols + 3) // 4 + m * nb + m * nb * 2 + m * nb + m // TILE_ROWS * nb * TILE_BYTES // 4
 
 
 def moe_scratch_words(n_expert: int, n_slots: int, x_rows: int, info: "WeightInfo") -> int:

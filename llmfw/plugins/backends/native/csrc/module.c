@@ -170,11 +170,7 @@ int nat_mul_mat_into(nat_pool *pool, int isa, const nat_weight *w, const float *
     }
     if (!nat_is_quantized(w)) return NAT_BAD_INSTRUCTION;
     nat_act_words(m, w->n_cols, scratch, &job.act);
-    int64_t tiled_from = job.paths.tiled_from ? job.paths.tiled_from(m) : m;
-    if (tiled_from + NAT_TILE_ROWS <= m) {
-        job.act.tiles = (uint8_t *)scratch + 4 * nat_act_tiles_word(m, w->n_cols);
-        job.act.tiled_from = tiled_from;
-    }
+    nat_act_place_tiles(&job.act, m, w->n_cols, scratch, job.paths.tiled_from ? job.paths.tiled_from(m) : m);
     job.n_chunks = m * w->n_cols < 65536 ? 1 : nat_pool_chunks(pool, m);
     nat_pool_for(pool, job.n_chunks, quantize_chunk, &job);
     job.n_chunks = nat_pool_chunks(pool, ((w->n_rows + NAT_ROWS - 1) / NAT_ROWS + 1) / 2);

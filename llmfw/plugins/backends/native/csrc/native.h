@@ -270,6 +270,13 @@ static inline size_t nat_act_layout(int64_t m, int64_t n_cols, void *scratch, na
     }
     return tiles_at + (size_t)(m / NAT_TILE_ROWS * nb * (NAT_TILE_BYTES / 4));
 }
+/* act (laid out at scratch by nat_act_layout) given the place of its whole tiles from row tiled_from on, where
+ * there is at least one (nat_act_tile_rows then writes them) */
+static inline void nat_act_place_tiles(nat_qact *act, int64_t m, int64_t n_cols, void *scratch, int64_t tiled_from) {
+    if (tiled_from + NAT_TILE_ROWS > m) return;
+    act->tiles = (uint8_t *)scratch + 4 * nat_act_tiles_word(m, n_cols);
+    act->tiled_from = tiled_from;
+}
 /* tiles k in [t0, t1) (whole: rows 4k..4k+3 quantized) copied from a's rows into tiles, the place nat_act_layout
  * left for them at the buffer's word nat_act_tiles_word (kernels_scalar.c) */
 void nat_act_tile_rows(const nat_qact *a, int64_t n_cols, uint8_t *tiles, int64_t t0, int64_t t1);
