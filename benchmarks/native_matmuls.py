@@ -32,20 +32,11 @@ import numpy as np  # noqa: E402
 import llmfw  # noqa: E402
 from llmfw.core.errors import LLMFWError  # noqa: E402
 from llmfw.plugins.backends.native import kernels  # noqa: E402
+from native_tile import counts  # noqa: E402  (this folder: the row counts' parser)
 
 #: a layer's matmuls in a decode step's order, each by a part its weight (fused or not) holds
 LAYER_MATMULS = ("attn_q", "attn_output", "ffn_up", "ffn_down")
 VISIBLE_CELLS = 64  # each sequence's cells in --attention's caches: the mean depth of llmfw bench's tg128
-
-
-def counts(text: str) -> list[int]:
-    try:
-        values = [int(part) for part in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected numbers separated by commas") from None
-    if not values or min(values) < 1 or max(values) > 64:
-        raise argparse.ArgumentTypeError(f"{text!r}: every count must be from 1 to 64")
-    return values
 
 
 def step_weights(weights: dict[str, Any], n_layers: int) -> list[tuple[str, Any]]:
@@ -58,6 +49,10 @@ def step_weights(weights: dict[str, Any], n_layers: int) -> list[tuple[str, Any]
             fused = [key for key in weights if "+" in key and name in key.split("+")]
             chosen.append(fused[0] if fused else name)
     chosen.append("output.weight" if "output.weight" in weights else "token_embd.weight")
+    missing = [name for name in chosen if name not in weights]
+    if missing:
+        raise SystemExit(f"native_matmuls: no weight {missing[0]} on the native backend (a dense transformer's "
+                         f"{', '.join(LAYER_MATMULS)} matmuls expected)")
     return [(name, weights[name]) for name in chosen]
 
 
@@ -90,8 +85,8 @@ def main() -> None:
     parser.add_argument("-r", "--rounds", type=int, default=6, help="rounds of three passes of each row count")
     parser.add_argument("--attention", action="store_true", help="each layer's attention before its output matmul")
     args = parser.parse_args()
-    if not 1 <= args.threads <= 64 or args.rounds < 1:
-        raise SystemExit("native_matmuls: --threads from 1 to 64, --rounds at least 1")
+    if not 1 <= args.threads <= 64 or args.rounds < 1 or max(args.rows) > 64:
+        raise SystemExit("native_matmuls: --threads and --rows from 1 to 64, --rounds at least 1")
     try:
         model = llmfw.load_model(args.model, backend="native")
     except LLMFWError as exc:

@@ -168,7 +168,7 @@ int main(int argc, char **argv) {
         nat_act_layout(m, w.n_cols, scratch, &act);
         quantize(x, w.n_cols, &act, 0, m);
         if (tiled_from) nat_act_place_tiles(&act, m, w.n_cols, scratch, tiled_from(m));  /* as module.c's matmul */
-        if (act.tiles) nat_act_tile_rows(&act, w.n_cols, act.tiles, act.tiled_from / NAT_TILE_ROWS, m / NAT_TILE_ROWS);
+        nat_act_tile_rows(&act, w.n_cols, 0, m / NAT_TILE_ROWS);
         double best = 1e30;
         timed_loop loop = {qgemm, &w, data, stride, copies, calls, threads, 0, &act, m, y, NULL, NULL};
         for (int round = 0; round < 5; round++) {

@@ -82,9 +82,11 @@ void nat_quantize_nonfinite(int8_t *q, float *d, int32_t *sums, float *asum) {
     *asum = 0.0f;
 }
 
-void nat_act_tile_rows(const nat_qact *a, int64_t n_cols, uint8_t *tiles, int64_t t0, int64_t t1) {
-    int64_t nb = n_cols / NAT_BLOCK;
-    for (int64_t k = t0; k < t1; k++) {
+void nat_act_tile_rows(const nat_qact *a, int64_t n_cols, int64_t t0, int64_t t1) {
+    int64_t nb = n_cols / NAT_BLOCK, first = a->tiled_from / NAT_TILE_ROWS;
+    uint8_t *tiles = a->tiles;
+    if (!tiles) return;
+    for (int64_t k = t0 > first ? t0 : first; k < t1; k++) {
         for (int64_t b = 0; b < nb; b++) {
             uint8_t *block = tiles + (k * nb + b) * NAT_TILE_BYTES;
             for (int t = 0; t < NAT_TILE_ROWS; t++) {

@@ -802,7 +802,8 @@ TARGET512 INLINE void pair_tile_from(const nat_weight *w, const nat_qact *a, con
 }
 
 /* a tile of rows from i0: four rows from their tile where the quantizer wrote one (the same values, so the same
- * bits), else from their own arrays */
+ * bits), else from their own arrays; two calls, so the one without a tile is its own copy with the tile a constant
+ * NULL */
 TARGET512 INLINE void pair_tile(const nat_weight *w, const nat_qact *a, const code_plan *plan, int form, int pars,
                                 int rows, int64_t i0, int64_t g, float *y) {
     const uint8_t *tile = rows == NAT_TILE_ROWS ? nat_act_tile(a, i0, w->n_cols) : NULL;

@@ -117,9 +117,7 @@ static void quantize_chunk(void *raw, int64_t chunk, int ith) {
     nat_share((job->m + NAT_TILE_ROWS - 1) / NAT_TILE_ROWS, chunk, job->n_chunks, &t0, &t1);
     int64_t m1 = t1 * NAT_TILE_ROWS < job->m ? t1 * NAT_TILE_ROWS : job->m;
     job->paths.quantize(job->x, n_cols, &job->act, t0 * NAT_TILE_ROWS, m1);
-    if (!job->act.tiles) return;
-    int64_t first = job->act.tiled_from / NAT_TILE_ROWS, whole = m1 / NAT_TILE_ROWS;
-    nat_act_tile_rows(&job->act, n_cols, job->act.tiles, t0 > first ? t0 : first, whole);
+    nat_act_tile_rows(&job->act, n_cols, t0, m1 / NAT_TILE_ROWS);
 }
 
 /* the residual's columns [r0, r1) of every row added to y's, by the thread that just wrote them (an add of its own

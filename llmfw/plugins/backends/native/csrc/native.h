@@ -277,9 +277,9 @@ static inline void nat_act_place_tiles(nat_qact *act, int64_t m, int64_t n_cols,
     act->tiles = (uint8_t *)scratch + 4 * nat_act_tiles_word(m, n_cols);
     act->tiled_from = tiled_from;
 }
-/* tiles k in [t0, t1) (whole: rows 4k..4k+3 quantized) copied from a's rows into tiles, the place nat_act_layout
- * left for them at the buffer's word nat_act_tiles_word (kernels_scalar.c) */
-void nat_act_tile_rows(const nat_qact *a, int64_t n_cols, uint8_t *tiles, int64_t t0, int64_t t1);
+/* the tiles k in [t0, t1) that a keeps (those from row tiled_from on; none where a->tiles is NULL), rows 4k..4k+3
+ * quantized, copied from a's rows into a->tiles (kernels_scalar.c) */
+void nat_act_tile_rows(const nat_qact *a, int64_t n_cols, int64_t t0, int64_t t1);
 size_t nat_act_words(int64_t m, int64_t n_cols, void *scratch, nat_qact *act);
 
 /* the activation rows of a from row `row` on (n_cols columns, whole blocks): a view, nothing copied */
